@@ -1,0 +1,129 @@
+"""CPU-only checks of k3fast.kda_conv_gate_step: every compile key of the three K3 shapes compiles for
+sm_90a, and the host entry point rejects bad inputs with clear errors (no GPU needed)."""
+import pytest
+import torch
+
+from k3fast import kda_conv_gate_step as kmod
+from k3fast._dsl import dsl_available
+from k3ref.config import k3, k3_rank
+
+pytestmark = pytest.mark.compile
+
+BATCHES = (1, 2, 3, 4, 7, 8, 16, 32, 64)
+TS = tuple(range(1, kmod.MAX_T + 1))
+SHAPES = {"k3_rank16": k3_rank(16), "k3_rank8": k3_rank(8), "full": k3()}
+
+needs_dsl = pytest.mark.skipif(not dsl_available(), reason="nvidia-cutlass-dsl / apache-tvm-ffi not importable")
+
+
+def test_proj_width_matches_vllm_packing():
+    # k3-spec.md 7.4: 0, 4 and 10 zero pad rows at TP1, TP8, TP16
+    for cfg, pad in ((k3(), 0), (k3_rank(8), 4), (k3_rank(16), 10)):
+        H, P = cfg.kda_heads, cfg.kda_proj
+        assert kmod.proj_width(H) - (4 * P + cfg.kda_head_dim + H) == pad
+
+
+def test_nsplit_policy():
+    assert kmod.choose_nsplit(1, 6) == 8 and kmod.choose_nsplit(64, 6) == 4
+    assert kmod.choose_nsplit(1, 96) == 4
+    for b in BATCHES:
+        for h in (6, 12, 96):
+            assert kmod.choose_nsplit(b, h) in (4, 8)
+
+
+@needs_dsl
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_compile_all_keys(shape):
+    cfg = SHAPES[shape]
+    assert cfg.kda_head_dim == kmod.HEAD_DIM and cfg.gate_lower_bound == -5.0
+    keys = kmod.compile_keys(cfg.kda_heads, BATCHES, TS, cfg.gate_lower_bound, cfg.rms_norm_eps)
+    assert len(keys) == len(set(keys))
+    for key in keys:
+        fn = kmod._get_compiled(key)
+        assert fn is not None, key
+    # the cache really caches: a second warm-up builds nothing
+    assert kmod.warmup(cfg.kda_heads, BATCHES, TS, cfg.gate_lower_bound, cfg.rms_norm_eps) == keys
+
+
+# ----------------------------------------------------------------------------- host-side validation
+
+def _inputs(H=6, B=2, T=1, S=4):
+    D = 128
+    P = H * D
+    bf, f32 = torch.bfloat16, torch.float32
+    return dict(
+        proj=torch.zeros(B * T, kmod.proj_width(H), dtype=bf),
+        w_fb=torch.zeros(P, D, dtype=bf),
+        conv_w=torch.zeros(3 * P, 4, dtype=f32),
+        a_log=torch.zeros(H, dtype=f32),
+        dt_bias=torch.zeros(P, dtype=f32),
+        o_norm=torch.zeros(D, dtype=f32),
+        conv_state=torch.zeros(S, 3 * P, 3, dtype=bf),
+        rec_state=torch.zeros(S, H, D, D, dtype=f32),
+        slots=torch.zeros(B, dtype=torch.int32),
+    )
+
+
+def _call(kw, **opts):
+    opts.setdefault("heads", 6)
+    return kmod.kda_conv_gate_step(**kw, **opts)
+
+
+def test_cpu_tensors_rejected():
+    with pytest.raises(ValueError, match="CUDA"):
+        _call(_inputs())
+
+
+@pytest.mark.parametrize("name,bad,exc", [
+    ("proj", torch.zeros(2, kmod.proj_width(6), dtype=torch.float16), TypeError),
+    ("proj", torch.zeros(2, 4 * 768 + 128 + 6, dtype=torch.bfloat16), ValueError),   # unpadded width
+    ("proj", torch.zeros(3, kmod.proj_width(6), dtype=torch.bfloat16), ValueError),  # rows != B*T
+    ("w_fb", torch.zeros(768, 128, dtype=torch.float32), TypeError),
+    ("w_fb", torch.zeros(128, 768, dtype=torch.bfloat16), ValueError),
+    ("conv_w", torch.zeros(3 * 768, 4, dtype=torch.bfloat16), TypeError),
+    ("conv_w", torch.zeros(3 * 768, 1, 4, dtype=torch.float32), ValueError),
+    ("a_log", torch.zeros(128, dtype=torch.float32), ValueError),
+    ("dt_bias", torch.zeros(768, dtype=torch.bfloat16), TypeError),
+    ("o_norm", torch.zeros(768, dtype=torch.float32), ValueError),
+    ("conv_state", torch.zeros(4, 3 * 768, 3, dtype=torch.float32), TypeError),
+    ("conv_state", torch.zeros(4, 3, 3 * 768, dtype=torch.bfloat16), ValueError),
+    ("conv_state", torch.zeros(5, 3 * 768, 3, dtype=torch.bfloat16), ValueError),    # S mismatch
+    ("rec_state", torch.zeros(4, 6, 128, 128, dtype=torch.bfloat16), TypeError),
+    ("rec_state", torch.zeros(4, 12, 128, 128, dtype=torch.float32), ValueError),
+    ("slots", torch.zeros(2, dtype=torch.int64), TypeError),
+    ("slots", torch.zeros(2, 1, dtype=torch.int32), ValueError),
+])
+def test_bad_tensor(name, bad, exc):
+    kw = _inputs()
+    kw[name] = bad
+    with pytest.raises(exc, match=name):
+        _call(kw)
+
+
+def test_non_contiguous_rejected():
+    kw = _inputs()
+    kw["rec_state"] = torch.zeros(4, 6, 128, 128).transpose(2, 3)
+    with pytest.raises(ValueError, match="rec_state"):
+        _call(kw)
+
+
+def test_bad_out():
+    with pytest.raises(ValueError, match="out"):
+        _call(_inputs(), out=torch.zeros(2, 700, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="out"):
+        _call(_inputs(), out=torch.zeros(2, 768, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(T=0), "T must"), (dict(T=9), "T must"), (dict(head_dim=64), "head_dim"),
+    (dict(heads=0), "heads"), (dict(lower_bound=-6.0), "lower_bound"), (dict(lower_bound=0.0), "lower_bound"),
+])
+def test_bad_options(opts, match):
+    with pytest.raises(ValueError, match=match):
+        _call(_inputs(), **opts)
+
+
+def test_T_changes_expected_rows():
+    kw = _inputs(B=2, T=4)
+    with pytest.raises(ValueError, match="proj"):
+        _call(kw, T=2)

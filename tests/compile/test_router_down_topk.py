@@ -1,0 +1,115 @@
+"""CPU compile tests for k3fast.router_down_topk: every compile key for the K3 shapes, plus host-side input checks."""
+import pytest
+import torch
+
+from k3fast import router_down_topk as rdt
+from k3ref.config import k3, k3_rank
+
+pytestmark = pytest.mark.compile
+
+
+def _have_dsl():
+    try:
+        from k3fast._dsl import dsl_available
+        return dsl_available()
+    except Exception:
+        return False
+
+
+CONFIGS = {"k3_rank16": lambda: k3_rank(16), "k3_rank8": lambda: k3_rank(8), "full": k3}
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _shape(cfg):
+    return dict(n_experts=cfg.num_experts, latent=cfg.routed_expert_hidden_size, hidden=cfg.hidden_size,
+                top_k=cfg.num_experts_per_token)
+
+
+def test_buckets():
+    assert [rdt.bucket_m(m) for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 4, 8, 8, 8, 16, 16, 32,
+                                                                                  64, 64]
+    for bad in (0, 65):
+        with pytest.raises(ValueError):
+            rdt.bucket_m(bad)
+
+
+def test_compile_keys_cover_batches():
+    keys = rdt.compile_keys((1, 2, 3, 4, 7, 8, 16, 64))
+    assert {k[1] for k in keys} == {1, 2, 4, 8, 16, 64}
+
+
+@pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("cfg_name", list(CONFIGS))
+@pytest.mark.parametrize("mb", BUCKETS)
+def test_compile(cfg_name, mb):
+    cfg = CONFIGS[cfg_name]()
+    sh = _shape(cfg)
+    # the router and W_down are replicated on every TP rank: the same key at every preset
+    assert (sh["n_experts"], sh["latent"], sh["hidden"], sh["top_k"]) == (896, 3584, 7168, 16)
+    fn = rdt.get_kernel(mb, **sh)
+    assert fn is not None
+    assert fn is rdt.get_kernel(mb, **sh)            # cached: compiled once per key
+
+
+def test_bad_shape_params():
+    with pytest.raises(ValueError):
+        rdt.get_kernel(1, n_experts=900)
+    with pytest.raises(ValueError):
+        rdt.get_kernel(1, top_k=33)
+    with pytest.raises(ValueError):
+        rdt.get_kernel(1, hidden=7000)
+
+
+# ------------------------------------------------------------------ host checks (CPU tensors; no kernel runs)
+
+def _args(m=1):
+    x = torch.randn(m, 7168).to(torch.bfloat16)
+    w = torch.randn(4480, 7168).to(torch.bfloat16)
+    b = torch.zeros(896)
+    return x, w, b
+
+
+def test_rejects_cpu_tensors():
+    x, w, b = _args()
+    with pytest.raises(ValueError, match="CUDA"):
+        rdt.router_down_topk(x, w, b)
+
+
+def test_rejects_wrong_dtype():
+    x, w, b = _args()
+    with pytest.raises(TypeError, match="x"):
+        rdt.router_down_topk(x.float(), w, b)
+
+
+def test_rejects_wrong_rank():
+    x, w, b = _args()
+    with pytest.raises(ValueError, match="x"):
+        rdt.router_down_topk(x[0], w, b)
+
+
+def test_rejects_non_contiguous():
+    x, w, b = _args(4)
+    with pytest.raises(ValueError, match="contiguous"):
+        rdt.router_down_topk(x.t().contiguous().t(), w, b)
+
+
+def test_prepare_front_weight():
+    wr = torch.randn(896, 64).to(torch.bfloat16)
+    wd = torch.randn(3584, 64).to(torch.bfloat16)
+    p = rdt.prepare_front_weight(wr, wd)
+    assert p.shape == (4480, 64) and p.is_contiguous()
+    assert torch.equal(p[:896], wr) and torch.equal(p[896:], wd)
+    with pytest.raises(TypeError):
+        rdt.prepare_front_weight(wr.float(), wd)
+    with pytest.raises(ValueError):
+        rdt.prepare_front_weight(wr, wd[:, :32])
+
+
+def test_import_without_cutlass_side_effects():
+    # importing the module must not import cutlass (it is imported lazily inside _build)
+    import importlib
+    import sys
+    mod = importlib.reload(rdt)
+    assert hasattr(mod, "router_down_topk")
+    assert "cutlass" not in mod.__dict__
+    del sys

@@ -1,0 +1,158 @@
+"""GPU tests for k3fast.router_down_topk against a plain-torch reference written here (k3-spec.md sections 10, 11).
+
+Reference: logits = F.linear(x.float(), W_r.float()) (fp32, no TF32), s = sigmoid, selection = stable descending
+sort of s + e_bias (ties: lower expert index first), weights from the unbiased s, z = bf16(F.linear fp32).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from k3fast import router_down_topk as rdt  # noqa: E402
+
+NE, DL, D, K = 896, 3584, 7168, 16
+BATCHES = (1, 2, 3, 4, 7, 8, 16, 64)
+DEV = torch.device("cuda")
+
+
+def reference(x, wr, wd, bias, top_k=K, scaling=1.0):
+    logits = F.linear(x.float(), wr.float())
+    s = torch.sigmoid(logits)
+    biased = s + bias
+    ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    sel = s.gather(1, ids)
+    w = sel / (sel.sum(-1, keepdim=True) + 1e-20) * scaling
+    z = F.linear(x.float(), wd.float()).to(torch.bfloat16)
+    return z, ids.to(torch.int32), w, logits
+
+
+def rel_rmse(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def weights():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device=DEV).manual_seed(0)
+    wr = (torch.randn(NE, D, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    wd = (torch.randn(DL, D, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(NE, device=DEV, generator=g) * 0.01
+    rdt.warmup(BATCHES, device=DEV)
+    return wr, wd, bias
+
+
+def run_checked(x, wr, wd, wp, bias, scaling=1.0):
+    M = x.shape[0]
+    z = torch.full((M, DL), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ids = torch.full((M, K), -7, dtype=torch.int32, device=DEV)
+    w = torch.full((M, K), float("nan"), dtype=torch.float32, device=DEV)
+    rz, rids, rw = rdt.router_down_topk(x, wp, bias, scaling=scaling, out_z=z, out_ids=ids, out_w=w)
+    assert rz is z and rids is ids and rw is w
+    torch.cuda.synchronize()
+    zr, idr, wref, _ = reference(x, wr, wd, bias, scaling=scaling)
+    assert torch.isfinite(z.float()).all(), "z has unwritten (NaN) elements"
+    assert torch.isfinite(w).all(), "topk_w has unwritten (NaN) elements"
+    assert ((ids >= 0) & (ids < NE)).all(), "topk_ids has unwritten elements"
+    assert torch.equal(ids, idr), f"ids differ:\n{ids}\n{idr}"
+    assert rel_rmse(w, wref) <= 1e-5
+    assert (w.sum(-1) - scaling).abs().max().item() <= 1e-5 * max(1.0, scaling)
+    assert rel_rmse(z.float(), zr.float()) <= 1e-2
+    return z, ids, w
+
+
+@pytest.mark.parametrize("M", BATCHES)
+def test_generic(weights, M):
+    wr, wd, bias = weights
+    wp = rdt.prepare_front_weight(wr, wd)
+    x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
+    run_checked(x, wr, wd, wp, bias)
+    # a second call: the counter was reset by the first
+    x2 = torch.randn(M, D, device=DEV).to(torch.bfloat16)
+    run_checked(x2, wr, wd, wp, bias, scaling=2.5)
+
+
+@pytest.mark.parametrize("M", (1, 3, 8, 64))
+def test_exact_ties(weights, M):
+    wr, wd, _ = weights
+    wr = wr.clone()
+    bias = torch.zeros(NE, device=DEV)
+    forced = [10, 500, 700, 3, 895, 64, 128, 129, 130, 400, 401, 33, 600, 601, 602]        # 15 experts
+    wr[500] = wr[10]
+    wr[700] = wr[10]                       # three identical logits inside the selection
+    wr[129] = wr[128]
+    bias[forced] = 2.0
+    wr[300] = wr[200]                      # the 16th/17th place is an exact tie: 200 must win over 300
+    bias[200] = 1.0
+    bias[300] = 1.0
+    wp = rdt.prepare_front_weight(wr, wd)
+    x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
+    _, _, _, logits = reference(x, wr, wd, bias)
+    assert torch.equal(logits[:, 10], logits[:, 500]) and torch.equal(logits[:, 200], logits[:, 300])
+    _, ids, _ = run_checked(x, wr, wd, wp, bias)
+    for m in range(M):
+        row = ids[m].tolist()
+        assert set(row) == set(forced) | {200}
+        assert row[-1] == 200
+        assert row.index(10) < row.index(500) < row.index(700)
+        assert row.index(10) + 2 == row.index(700)
+        assert row.index(128) + 1 == row.index(129)
+
+
+@pytest.mark.parametrize("M", (1, 4, 16))
+def test_bias_forces_experts(weights, M):
+    wr, wd, bias = weights
+    bias = bias.clone()
+    want = list(range(880, 896))
+    bias[want] = torch.linspace(10.0, 5.0, K, device=DEV)        # descending biased order = listed order
+    wp = rdt.prepare_front_weight(wr, wd)
+    x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
+    _, ids, _ = run_checked(x, wr, wd, wp, bias)
+    assert ids.tolist() == [want] * M
+
+
+@pytest.mark.parametrize("M", (1, 8, 64))
+def test_cuda_graph_replay(weights, M):
+    wr, wd, bias = weights
+    wp = rdt.prepare_front_weight(wr, wd)
+    x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
+    z = torch.empty(M, DL, dtype=torch.bfloat16, device=DEV)
+    ids = torch.empty(M, K, dtype=torch.int32, device=DEV)
+    w = torch.empty(M, K, dtype=torch.float32, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        rdt.router_down_topk(x, wp, bias, out_z=z, out_ids=ids, out_w=w)      # warm (compiled already)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        rdt.router_down_topk(x, wp, bias, out_z=z, out_ids=ids, out_w=w)
+    for _ in range(3):
+        x.copy_(torch.randn(M, D, device=DEV).to(torch.bfloat16))
+        z.fill_(float("nan"))
+        w.fill_(float("nan"))
+        ids.fill_(-1)
+        g.replay()
+        torch.cuda.synchronize()
+        zr, idr, wref, _ = reference(x, wr, wd, bias)
+        assert torch.equal(ids, idr)
+        assert rel_rmse(w, wref) <= 1e-5
+        assert rel_rmse(z.float(), zr.float()) <= 1e-2
+    cnt = rdt.get_workspace(DEV)[1]
+    assert cnt[0].item() == 0, "the arrival counter must be back at 0 after every launch"
+
+
+def test_nan_input_does_not_pass(weights):
+    wr, wd, bias = weights
+    wp = rdt.prepare_front_weight(wr, wd)
+    x = torch.randn(2, D, device=DEV).to(torch.bfloat16)
+    x[1, 5] = float("nan")
+    z, ids, w = rdt.router_down_topk(x, wp, bias)
+    torch.cuda.synchronize()
+    assert torch.isnan(z[1].float()).any()
+    assert torch.isfinite(z[0].float()).all()
+    assert not torch.isfinite(w[1]).all()        # NaN scores must surface in the weights, not vanish
