@@ -125,24 +125,21 @@ def gated_delta_rule_chunked(q, k, v, lam, beta, state, chunk: int = 16):
 
 # ---------------------------------------------------------------------------- the whole KDA attention
 
-def kda_attention(x: torch.Tensor, w, conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
-                  T: int, cfg, P: Precision, *, chunked: bool = False) -> torch.Tensor:
-    """KDA for N requests of T new tokens each, in place on the state (section 7.2 steps 1-9).
-
-    x: [N*T, d] input-RMSNorm output, rows request-major (the T tokens of request n are rows
-    n*T .. n*T+T-1). conv_state [S, 3P, 3] and rec_state [S, H, D, D] are updated in place at
-    ``slots`` ([N] int64/int32); slot < 0 is padding. Returns a: [N*T, d], the o_proj output (on a
-    TP rank: this rank's partial sum, section 13.2). ``chunked`` picks the prefill form."""
+def kda_core(pr: dict[str, torch.Tensor], w, conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
+             T: int, cfg, P: Precision, *, chunked: bool = False) -> torch.Tensor:
+    """Steps 2-8 of section 7.2 on the raw projections ``pr`` (see ``kda_projections``): short conv +
+    SiLU, q/k L2 norms, decay gate, beta, the gated delta rule in place on the state at ``slots``, and
+    the gated output RMSNorm. Returns y [N*T, P] (BF16 in the model); padding rows are zero."""
     H, D = cfg.kda_heads, cfg.kda_head_dim
     Pw = H * D
     N = slots.shape[0]
     valid = slots >= 0
     idx = slots.clamp_min(0).long()
-    pr = kda_projections(x, w, P)
 
     # state read: padded requests start from zeros and are never written back
-    cs = torch.where(valid[:, None, None], conv_state[idx], torch.zeros((), dtype=conv_state.dtype))
-    S0 = torch.where(valid[:, None, None, None], rec_state[idx], torch.zeros((), dtype=rec_state.dtype)).to(P.state_dtype)
+    cs = torch.where(valid[:, None, None], conv_state[idx], torch.zeros((), dtype=conv_state.dtype, device=slots.device))
+    S0 = torch.where(valid[:, None, None, None], rec_state[idx],
+                     torch.zeros((), dtype=rec_state.dtype, device=slots.device)).to(P.state_dtype)
 
     z = torch.cat([pr["zq"], pr["zk"], pr["zv"]], dim=-1).view(N, T, 3 * Pw)
     conv_w = torch.cat([w.q_conv, w.k_conv, w.v_conv], dim=0).view(3 * Pw, -1)
@@ -162,5 +159,16 @@ def kda_attention(x: torch.Tensor, w, conv_state: torch.Tensor, rec_state: torch
 
     y = gated_rms_norm(o.to(P.compute), w.o_norm.to(P.compute), P.f(pr["g"]).view(N, T, H, D), cfg.rms_norm_eps)
     y = P.rnd(y.reshape(N * T, Pw))
-    y = y * valid.repeat_interleave(T)[:, None].to(y.dtype)          # padding rows: zero output
+    return y * valid.repeat_interleave(T)[:, None].to(y.dtype)          # padding rows: zero output
+
+
+def kda_attention(x: torch.Tensor, w, conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
+                  T: int, cfg, P: Precision, *, chunked: bool = False) -> torch.Tensor:
+    """KDA for N requests of T new tokens each, in place on the state (section 7.2 steps 1-9).
+
+    x: [N*T, d] input-RMSNorm output, rows request-major (the T tokens of request n are rows
+    n*T .. n*T+T-1). conv_state [S, 3P, 3] and rec_state [S, H, D, D] are updated in place at
+    ``slots`` ([N] int64/int32); slot < 0 is padding. Returns a: [N*T, d], the o_proj output (on a
+    TP rank: this rank's partial sum, section 13.2). ``chunked`` picks the prefill form."""
+    y = kda_core(kda_projections(x, w, P), w, conv_state, rec_state, slots, T, cfg, P, chunked=chunked)
     return P.linear(y, w.o_proj)

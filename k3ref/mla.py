@@ -84,23 +84,22 @@ def mla_absorbed(q: torch.Tensor, cache: torch.Tensor, q_pos: torch.Tensor, w, c
     return torch.einsum("nthc,hdc->nthd", o_lat, P.f(W_UV))
 
 
-def mla_attention(x: torch.Tensor, w, kv_cache: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                  T: int, cfg, P: Precision, *, absorbed: bool = True) -> torch.Tensor:
-    """Gated MLA for N requests of T new tokens each, appending to the cache in place.
+def mla_core(q: torch.Tensor, rows: torch.Tensor, w, kv_cache: torch.Tensor, lengths: torch.Tensor,
+             slots: torch.Tensor, T: int, cfg, P: Precision, *, absorbed: bool = True) -> torch.Tensor:
+    """Append the new cache rows at ``slots`` and attend: q [N*T, H, 192], rows [N*T, 576] (from
+    ``mla_latents``) -> o [N*T, H*128] (BF16 in the model), zero rows for padding.
 
-    x: [N*T, d] request-major; kv_cache [S, Lmax, 576]; lengths [S] (int64, tokens cached per slot),
-    advanced by T for valid slots; slots [N], < 0 is padding (no read, no write, zero output rows).
-    Output gate: o = concat_h(o_h) * sigmoid(x W_g^T), then a = o W_o^T (section 8.2 step 6).
-    No host synchronisation (CUDA-graph capturable): every request attends over the whole Lmax
-    window with a causal mask, which is what a paged kernel computes on its valid pages."""
+    kv_cache [S, Lmax, 576]; lengths [S] (int64), advanced by T for valid slots; slots [N], < 0 is
+    padding (no read, no write). No host synchronisation (CUDA-graph capturable): every request
+    attends over the whole Lmax window with a causal mask, which is what a paged kernel computes on
+    its valid pages."""
     N, H, Lmax = slots.shape[0], cfg.mla_heads, kv_cache.shape[1]
     valid = slots >= 0
     idx = slots.clamp_min(0).long()
-    q, rows, g = mla_latents(x, w, cfg, P)
     q, rows = q.view(N, T, H, -1), rows.view(N, T, -1)
     L0 = lengths[idx]                                                          # [N]
-    q_pos = L0[:, None] + torch.arange(T, device=x.device)[None, :]            # [N, T]
-    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    q_pos = L0[:, None] + torch.arange(T, device=q.device)[None, :]            # [N, T]
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         if bool((valid & (L0 + T > Lmax)).any()):
             raise ValueError(f"MLA cache overflow: a slot would need more than its {Lmax} rows")
     # append the new rows at valid slots (padding writes nothing)
@@ -110,11 +109,23 @@ def mla_attention(x: torch.Tensor, w, kv_cache: torch.Tensor, lengths: torch.Ten
     cache = kv_cache[idx].to(rows.dtype)                                       # [N, Lmax, 576]
     # rows past a request's length hold whatever the pool held: zero them so 0-probability x garbage
     # (NaN, say) cannot leak into the output
-    seen = torch.arange(Lmax, device=x.device)[None, :] < (L0 + T)[:, None]
-    cache = torch.where(seen[..., None], cache, torch.zeros((), dtype=cache.dtype, device=x.device))
+    seen = torch.arange(Lmax, device=q.device)[None, :] < (L0 + T)[:, None]
+    cache = torch.where(seen[..., None], cache, torch.zeros((), dtype=cache.dtype, device=q.device))
     attend = mla_absorbed if absorbed else mla_naive
     o = attend(q, cache, q_pos.clamp(max=Lmax - 1), w, cfg, P)                 # [N, T, H, 128]
     o = o * valid[:, None, None, None].to(o.dtype)
-    o = o.reshape(N * T, H * cfg.v_head_dim)
-    gated = P.rnd(P.f(P.rnd(o)) * torch.sigmoid(P.f(g)))
-    return P.linear(gated, w.o_proj)
+    return P.rnd(o.reshape(N * T, H * cfg.v_head_dim))
+
+
+def mla_output(o: torch.Tensor, g: torch.Tensor, w, P: Precision) -> torch.Tensor:
+    """Output gate then o_proj: a = (o * sigmoid(g)) W_o^T (the gate multiplies the raw attention output)."""
+    return P.linear(P.rnd(P.f(o) * torch.sigmoid(P.f(g))), w.o_proj)
+
+
+def mla_attention(x: torch.Tensor, w, kv_cache: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                  T: int, cfg, P: Precision, *, absorbed: bool = True) -> torch.Tensor:
+    """Gated MLA for N requests of T new tokens each (x [N*T, d], request-major), appending to the
+    cache in place. Returns a = o_proj output [N*T, d] (a TP rank's partial sum)."""
+    q, rows, g = mla_latents(x, w, cfg, P)
+    o = mla_core(q, rows, w, kv_cache, lengths, slots, T, cfg, P, absorbed=absorbed)
+    return mla_output(o, g, w, P)
