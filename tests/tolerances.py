@@ -27,9 +27,7 @@ TOLERANCES: dict[str, tuple[str, float, str]] = {
 }
 
 
-def rel_rmse(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+from k3ref.compare import rel_rmse  # noqa: E402  (one definition, shared with the traces)
 
 
 def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, key: str) -> float:

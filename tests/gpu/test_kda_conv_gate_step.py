@@ -259,7 +259,8 @@ def test_cuda_graph_replay(H, B, T):
 
 @pytest.mark.parametrize("H,B,T", [(6, 1, 1), (12, 1, 1), (6, 64, 1), (12, 64, 1), (6, 16, 4)])
 def test_timing_report(H, B, T):
-    """Not a pass/fail speed gate: prints the graph-replay time against the state-byte floor."""
+    """Not a pass/fail speed gate: prints the graph-replay time of both split counts against the
+    byte floor, so the nsplit policy (choose_nsplit) can be tuned from one run."""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(5)
     S = B
@@ -268,27 +269,28 @@ def test_timing_report(H, B, T):
     conv, rec = make_states(S, H, gen, dev)
     slots = torch.randperm(S, generator=gen).to(torch.int32).to(dev)
     out = torch.empty((B * T, H * D), dtype=torch.bfloat16, device=dev)
-    kmod.warmup(H, [B], [T])
-    call = lambda: kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
-                                           prm["o_norm"], conv, rec, slots, heads=H, T=T, out=out)
-    call()
-    torch.cuda.synchronize()
-    n = 20
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(5):
-        graph.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    us = e0.elapsed_time(e1) * 1e3 / (5 * n)
     P = H * D
     nbytes = B * (2 * H * D * D * 4 + 2 * 3 * P * 3 * 2 + T * (kmod.proj_width(H) + P) * 2) + P * D * 2
-    print(f"\nkda_conv_gate_step H={H} B={B} T={T} nsplit={kmod.choose_nsplit(B, H)}: {us:.2f} us, "
-          f"{nbytes / 1e6:.2f} MB -> {nbytes / us / 1e6:.2f} TB/s (floor {nbytes / 4.3e6:.2f} us)")
-    assert math.isfinite(us) and us > 0
+    for ns in (8, 4):
+        call = lambda: kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
+                                               prm["o_norm"], conv, rec, slots, heads=H, T=T, out=out, nsplit=ns)
+        call()
+        torch.cuda.synchronize()
+        n = 20
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                call()
+        graph.replay()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(5):
+            graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        us = e0.elapsed_time(e1) * 1e3 / (5 * n)
+        pick = " (policy)" if ns == kmod.choose_nsplit(B, H) else ""
+        print(f"\nkda_conv_gate_step H={H} B={B} T={T} nsplit={ns}{pick}: {us:.2f} us, "
+              f"{nbytes / 1e6:.2f} MB -> {nbytes / us / 1e6:.2f} TB/s (floor {nbytes / 4.3e6:.2f} us)")
+        assert math.isfinite(us) and us > 0

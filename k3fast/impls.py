@@ -1,0 +1,299 @@
+"""Implementations of one layer's decode step that the traces compare, over one set of static buffers.
+
+* ``ref``      k3ref run as is on the GPU (model precision): the specification, not built for speed.
+* ``compiled`` ``torch.compile`` (inductor, mode "default", dynamic=False) of the same reference
+               halves, captured in a CUDA graph by the harness.
+* ``stock``    what a serving stack runs on Hopper today from library kernels: cuBLAS GEMMs through
+               torch (packed projections), fla 0.6.0's Triton KDA kernels (conv update, fused
+               recurrent with the in-kernel lower-bounded gate, gated RMSNorm), torch ops for the
+               norms, AttnRes and the router top-k, and vLLM 0.33's Marlin W4A16 MoE for the MXFP4
+               experts (vLLM's own choice for K3 on SM90: see notes/vllm_marlin_mxfp4.md). MLA:
+               packed GEMMs plus a torch absorbed attention over the latent cache (FlashMLA is not
+               in the image).
+
+Every implementation exposes ``attn(io)`` (layer input -> MLP input), ``moe(io)`` (MLP input ->
+layer output) and ``layer(io)``, each reading and writing only ``io``'s static tensors, so each can
+be captured as its own CUDA graph. Stages are marked with k3fast.nvtx ranges.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from k3ref import K3Config, Precision, ResidualStream
+from k3ref.attnres import pre_attention, pre_mlp
+from k3ref.kda import kda_core, kda_projections
+from k3ref.mla import mla_core, mla_latents, mla_output
+from k3ref.moe import route, routed_experts, shared_experts
+from k3ref.norms import rms_norm, situ_glu
+from k3ref.state import KDAState, MLACache
+from k3ref.weights import KDAWeights, LayerWeights, MoEWeights
+
+from .nvtx import stage
+
+
+@dataclasses.dataclass
+class LayerIO:
+    """Static buffers of one decode step: the AttnRes stream in, the state, the MLP input, the output.
+    ``reset()`` restores the inputs that a step mutates (p, the block rows, the MLA lengths) so a
+    replayed graph sees the same step each time; the KDA state is left to evolve (bounded decay)."""
+    cfg: K3Config
+    layer: int
+    blocks: torch.Tensor
+    partial: torch.Tensor
+    delta: torch.Tensor | None
+    state: KDAState | MLACache
+    slots: torch.Tensor
+    x_mlp: torch.Tensor
+    out: torch.Tensor
+    _saved: dict = dataclasses.field(default_factory=dict)
+
+    def stream(self) -> ResidualStream:
+        return ResidualStream(self.blocks, self.partial, self.delta)
+
+    def snapshot(self) -> None:
+        self._saved = {"partial": self.partial.clone(), "blocks": self.blocks.clone()}
+        if isinstance(self.state, MLACache):
+            self._saved["lengths"] = self.state.lengths.clone()
+
+    def reset(self) -> None:
+        self.partial.copy_(self._saved["partial"])
+        self.blocks.copy_(self._saved["blocks"])
+        if "lengths" in self._saved:
+            self.state.lengths.copy_(self._saved["lengths"])
+
+
+def make_io(cfg: K3Config, layer: int, batch: int, *, context: int = 0, device="cuda", seed: int = 0,
+            slots: int | None = None) -> LayerIO:
+    """Fresh random inputs for one decode step of layer ``layer`` (never zeros): embeddings-scale
+    blocks and partial sums, an MLP-output-scale delta, a random KDA state (or an MLA cache filled with
+    ``context`` random rows per request)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    d = cfg.hidden_size
+    n_slots = (slots or batch) + 1                       # +1: a spare slot, the stock path's null slot
+    rnd = lambda *s, std=1.0: (torch.randn(*s, generator=g, device=device) * std).to(torch.bfloat16)
+    blocks = rnd(batch, cfg.max_blocks, d)
+    partial = rnd(batch, d)
+    delta = rnd(batch, d, std=0.5) if layer > 0 else None
+    if cfg.is_kda_layer(layer):
+        state = KDAState.allocate(cfg, n_slots, device=device)
+        state.conv.copy_(rnd(*state.conv.shape))
+        state.recurrent.normal_(0, 0.05, generator=g)
+    else:
+        state = MLACache.allocate(cfg, n_slots, context + 16, device=device)
+        state.kv[:, :context] = rnd(n_slots, context, cfg.kv_cache_dim)
+        state.lengths.fill_(context)
+    io = LayerIO(cfg, layer, blocks, partial, delta, state,
+                 slots=torch.arange(batch, device=device, dtype=torch.int32),
+                 x_mlp=torch.empty(batch, d, dtype=torch.bfloat16, device=device),
+                 out=torch.empty(batch, d, dtype=torch.bfloat16, device=device))
+    io.snapshot()
+    return io
+
+
+# ----------------------------------------------------------------------------------------------- ref
+
+class RefImpl:
+    """k3ref in model precision, stage by stage (the same functions as K3DecoderLayer)."""
+    name = "ref"
+
+    def __init__(self, cfg: K3Config, w: LayerWeights):
+        self.cfg, self.w, self.P = cfg, w, Precision.model()
+
+    def attn(self, io: LayerIO) -> None:
+        cfg, w, P = self.cfg, self.w, self.P
+        s = ResidualStream(io.blocks, io.partial, io.delta)
+        with stage("k3.attn_res"):
+            x = pre_attention(s, io.layer, w.attn_res, w.input_layernorm, cfg, P)
+        if isinstance(w.attn, KDAWeights):
+            with stage("k3.kda.in_proj"):
+                pr = kda_projections(x, w.attn, P)
+            with stage("k3.kda.core"):
+                y = kda_core(pr, w.attn, io.state.conv, io.state.recurrent, io.slots, 1, cfg, P)
+            with stage("k3.o_proj"):
+                a = P.linear(y, w.attn.o_proj)
+        else:
+            with stage("k3.mla.in_proj"):
+                q, rows, g = mla_latents(x, w.attn, cfg, P)
+            with stage("k3.mla.core"):
+                o = mla_core(q, rows, w.attn, io.state.kv, io.state.lengths, io.slots, 1, cfg, P)
+            with stage("k3.o_proj"):
+                a = mla_output(o, g, w.attn, P)
+        with stage("k3.attn_res_mlp"):
+            io.x_mlp.copy_(pre_mlp(s, io.layer, a, w.mlp_res, w.post_attention_layernorm, cfg, P))
+        io.partial.copy_(s.partial)
+
+    def moe(self, io: LayerIO) -> None:
+        cfg, w, P = self.cfg, self.w.mlp, self.P
+        x = io.x_mlp
+        with stage("k3.router"):
+            ids, weights = route(x, w, cfg, P)
+        with stage("k3.moe.down"):
+            z = P.linear(x, w.down)
+        with stage("k3.moe.experts"):
+            r = routed_experts(z, ids, weights, w, cfg, P)
+        with stage("k3.moe.shared"):
+            shared = shared_experts(x, w, cfg, P)
+        with stage("k3.moe.up"):
+            routed = P.linear(P.rnd(rms_norm(P.f(r), w.norm, cfg.rms_norm_eps)), w.up)
+            io.out.copy_(P.rnd(P.f(routed) + P.f(shared)))
+
+    def layer(self, io: LayerIO) -> None:
+        self.attn(io)
+        self.moe(io)
+
+
+class CompiledImpl(RefImpl):
+    """torch.compile of the reference halves (inductor "default" mode, static shapes); the harness
+    captures the compiled code in a CUDA graph. NVTX ranges are graph breaks, so they are left out."""
+    name = "compiled"
+
+    def __init__(self, cfg: K3Config, w: LayerWeights):
+        super().__init__(cfg, w)
+        self._attn = torch.compile(self._attn_body, mode="default", dynamic=False, fullgraph=False)
+        self._moe = torch.compile(self._moe_body, mode="default", dynamic=False, fullgraph=False)
+
+    def _attn_body(self, blocks, partial, delta, conv_or_kv, rec_or_len, slots):
+        cfg, w, P = self.cfg, self.w, self.P
+        s = ResidualStream(blocks, partial, delta)
+        x = pre_attention(s, self.layer_idx, w.attn_res, w.input_layernorm, cfg, P)
+        if isinstance(w.attn, KDAWeights):
+            y = kda_core(kda_projections(x, w.attn, P), w.attn, conv_or_kv, rec_or_len, slots, 1, cfg, P)
+            a = P.linear(y, w.attn.o_proj)
+        else:
+            q, rows, g = mla_latents(x, w.attn, cfg, P)
+            a = mla_output(mla_core(q, rows, w.attn, conv_or_kv, rec_or_len, slots, 1, cfg, P), g, w.attn, P)
+        x_mlp = pre_mlp(s, self.layer_idx, a, w.mlp_res, w.post_attention_layernorm, cfg, P)
+        return x_mlp, s.partial
+
+    def _moe_body(self, x):
+        cfg, w, P = self.cfg, self.w.mlp, self.P
+        ids, weights = route(x, w, cfg, P)
+        r = routed_experts(P.linear(x, w.down), ids, weights, w, cfg, P)
+        routed = P.linear(P.rnd(rms_norm(P.f(r), w.norm, cfg.rms_norm_eps)), w.up)
+        return P.rnd(P.f(routed) + P.f(shared_experts(x, w, cfg, P)))
+
+    def attn(self, io: LayerIO) -> None:
+        self.layer_idx = io.layer
+        st = io.state
+        a, b = (st.conv, st.recurrent) if isinstance(st, KDAState) else (st.kv, st.lengths)
+        with stage("k3.attn"):
+            x_mlp, partial = self._attn(io.blocks, io.partial, io.delta, a, b, io.slots)
+            io.x_mlp.copy_(x_mlp)
+            io.partial.copy_(partial)
+
+    def moe(self, io: LayerIO) -> None:
+        with stage("k3.moe"):
+            io.out.copy_(self._moe(io.x_mlp))
+
+
+# ----------------------------------------------------------------------------------------------- stock
+
+def _linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """BF16 x BF16 -> FP32 GEMM (cuBLAS through torch.mm's out_dtype where available)."""
+    try:
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        return F.linear(x, w).float()
+
+
+class StockImpl:
+    """Library kernels, packed the way a serving stack packs them (one in_proj GEMM for q|k|v|g|f_a|b,
+    one gate_up GEMM for the shared experts, one q_a|kv_a|g GEMM for MLA)."""
+    name = "stock"
+
+    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64):
+        from .stock_kda import pack_conv_weight
+        self.cfg, self.w, self.P = cfg, w, Precision.model()
+        a = w.attn
+        if isinstance(a, KDAWeights):
+            self.in_proj = torch.cat([a.q_proj, a.k_proj, a.v_proj, a.g_proj, a.f_a_proj, a.b_proj]).contiguous()
+            self.kda_w = {"conv_q": a.q_conv.view(-1, 4), "conv_k": a.k_conv.view(-1, 4), "conv_v": a.v_conv.view(-1, 4),
+                          "A_log": a.A_log, "dt_bias": a.dt_bias, "o_norm": a.o_norm}
+            self.kda_w["conv_qkv"] = pack_conv_weight(self.kda_w)
+        else:
+            self.mla_a = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj]).contiguous()
+        m = w.mlp
+        if isinstance(m, MoEWeights):
+            from .stock_moe import MarlinMXFP4Experts
+            self.experts = MarlinMXFP4Experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale,
+                                              situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta,
+                                              max_batch=max_batch, topk=cfg.num_experts_per_token)
+            self.shared_gate_up = torch.cat([m.shared_gate, m.shared_up]).contiguous()
+
+    def attn(self, io: LayerIO) -> None:
+        from .stock_kda import stock_kda_core
+        cfg, w, P = self.cfg, self.w, self.P
+        s = ResidualStream(io.blocks, io.partial, io.delta)
+        with stage("k3.attn_res"):
+            x = pre_attention(s, io.layer, w.attn_res, w.input_layernorm, cfg, P)
+        if isinstance(w.attn, KDAWeights):
+            Pw, H = cfg.kda_proj, cfg.kda_heads
+            with stage("k3.kda.in_proj"):
+                z = F.linear(x, self.in_proj)
+                fa = z[:, 4 * Pw:4 * Pw + cfg.kda_head_dim]
+                f = F.linear(fa, w.attn.f_b_proj)
+            with stage("k3.kda.core"):
+                y = stock_kda_core(z[:, :Pw], z[:, Pw:2 * Pw], z[:, 2 * Pw:3 * Pw], z[:, 3 * Pw:4 * Pw], f,
+                                   z[:, 4 * Pw + cfg.kda_head_dim:], io.state.conv, io.state.recurrent, io.slots,
+                                   self.kda_w, head_dim=cfg.kda_head_dim, lower_bound=cfg.gate_lower_bound,
+                                   eps=cfg.rms_norm_eps, null_slot=io.state.num_slots - 1)
+            with stage("k3.o_proj"):
+                a = F.linear(y, w.attn.o_proj)
+        else:
+            ma = w.attn
+            with stage("k3.mla.in_proj"):
+                z = F.linear(x, self.mla_a)
+                qa, kv, g = z.split([cfg.q_lora_rank, cfg.kv_cache_dim, cfg.mla_heads * cfg.v_head_dim], dim=-1)
+                cq = F.rms_norm(qa.float(), (cfg.q_lora_rank,), ma.q_a_layernorm.float(), cfg.rms_norm_eps).bfloat16()
+                ckv = F.rms_norm(kv[:, :cfg.kv_lora_rank].float(), (cfg.kv_lora_rank,), ma.kv_a_layernorm.float(),
+                                 cfg.rms_norm_eps).bfloat16()
+                rows = torch.cat([ckv, kv[:, cfg.kv_lora_rank:]], dim=-1)
+            with stage("k3.mla.q_b"):
+                q = F.linear(cq, ma.q_b_proj).view(-1, cfg.mla_heads, cfg.qk_head_dim)
+            with stage("k3.mla.core"):
+                o = mla_core(q, rows, ma, io.state.kv, io.state.lengths, io.slots, 1, cfg, P)
+            with stage("k3.o_proj"):
+                a = F.linear((o.float() * torch.sigmoid(g.float())).bfloat16(), ma.o_proj)
+        with stage("k3.attn_res_mlp"):
+            io.x_mlp.copy_(pre_mlp(s, io.layer, a, w.mlp_res, w.post_attention_layernorm, cfg, P))
+        io.partial.copy_(s.partial)
+
+    def moe(self, io: LayerIO) -> None:
+        cfg, m = self.cfg, self.w.mlp
+        x = io.x_mlp
+        with stage("k3.router"):
+            s = torch.sigmoid(_linear_f32(x, m.gate))
+            ids = torch.topk(s + m.e_score_correction_bias, cfg.num_experts_per_token, dim=-1, sorted=False).indices
+            ws = s.gather(1, ids)
+            ws = ws / ws.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+        with stage("k3.moe.down"):
+            z = F.linear(x, m.down)
+        with stage("k3.moe.experts"):
+            r = self.experts(z, ids.to(torch.int32), ws)
+        with stage("k3.moe.shared"):
+            ac = F.linear(x, self.shared_gate_up)
+            Is = cfg.shared_intermediate
+            h = situ_glu(ac[:, :Is].float(), ac[:, Is:].float(), cfg.situ_beta, cfg.situ_linear_beta).bfloat16()
+            shared = F.linear(h, m.shared_down)
+        with stage("k3.moe.up"):
+            rn = F.rms_norm(r.float(), (r.shape[-1],), m.norm.float(), cfg.rms_norm_eps).bfloat16()
+            torch.add(F.linear(rn, m.up), shared, out=io.out)
+
+    def layer(self, io: LayerIO) -> None:
+        self.attn(io)
+        self.moe(io)
+
+
+IMPLS = {"ref": RefImpl, "compiled": CompiledImpl, "stock": StockImpl}
+
+
+def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
+    if name == "fast":
+        from .fast import FastImpl
+        return FastImpl(cfg, w, **kw)
+    if name not in IMPLS:
+        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast']}")
+    return IMPLS[name](cfg, w, **kw) if name == "stock" else IMPLS[name](cfg, w)

@@ -1,0 +1,436 @@
+"""Fused KDA decode core: conv1d + SiLU, f_b projection + decay gate, beta, q/k L2 norm, gated delta
+rule on the FP32 state, gated output RMSNorm, conv-window and state write-back. One launch.
+
+Replaces k3-spec.md section 7.2 steps 2-8 (everything between the packed input projection
+``in_proj_qkvgfab`` and ``o_proj``): the causal conv + SiLU of the 3P q/k/v channels (eq. 2), the
+head split and q/k L2 norms (eqs. 3-4), the low-rank decay gate f = bf16(f_a W_fb^T) and
+lambda = lb * sigmoid(exp(A_log) (f + dt_bias)) (eq. 5, including the f_b GEMM), beta = sigmoid(b)
+(eq. 6), the delta rule S <- S diag(alpha); e = v - S k; S <- S + beta e k^T; o = S q (eq. 7) and
+y = w_o * o / rms(o) * sigmoid(g) (eq. 8). T in 1..8 tokens per request run as T sequential steps
+(speculative verify); only the state after the T-th token is written back.
+
+Bytes it must move per request (B = 1), P = 128 H, and the floor at 4.3 TB/s:
+  recurrent state r+w 2 * H * 64 KiB, conv state r+w 2 * 3P * 3 * 2 B, f_b weight P * 256 B
+  (shared by the batch), proj row (4P + 128 + H) * 2 B, y P * 2 B.
+  k3_rank(16) (H=6):   786 KB + 27.6 KB + 196 KB + ~8 KB  ~= 1.02 MB  -> 0.24 us  (B=64: 52 MB -> 12 us)
+  k3_rank(8)  (H=12): 1573 KB + 55.3 KB + 393 KB + ~15 KB ~= 2.04 MB  -> 0.47 us  (B=64: 104 MB -> 24 us)
+  full / TP1  (H=96): 12.6 MB + 442 KB + 3.1 MB + ~0.1 MB ~= 16.3 MB  -> 3.8 us   (B=64: 0.83 GB -> 193 us)
+At B=1 the kernel is latency-bound (a chain of dependent steps after the PDL wait), at B >= 16 it is
+bandwidth-bound on the state.
+
+Launch: grid (NS, H, B), cluster (NS, 1, 1), 128 threads (4 warps). The NS CTAs of a cluster share
+one (request, head) and split the 128 value rows of its state (R = 128/NS rows per CTA, R/4 per
+warp, lane l owns keys 4l..4l+3 as one float4: 16-byte loads, k contiguous). NS = 8 when B*H <= 64
+(k3_rank16 B <= 10, k3_rank8 B <= 5), else 4. CTAs at B=1: 48 (rank16), 96 (rank8), 384 (full).
+Why not more CTAs at rank16 B=1: clusters > 8 are non-portable on sm_90, and the CTA count does
+not shorten the critical path: each CTA's 8 KB of state is loaded into registers BEFORE the PDL
+wait, so what remains after the wait is proj loads (L2), the conv, the f_b dot products, two
+cluster barriers and the recurrence of 4 rows per warp; none of it scales with the row count.
+Every CTA recomputes its head's q/k conv (256 channels, 1.5 KB of taps + 0.5 KB of proj per token,
+L2 hits) so no q/k exchange is needed. The f_b projection is split: CTA s computes f for the key
+channels [sR, sR+R) of its head (R rows x 128 of W_fb = 4-8 KB) and pushes alpha into every
+cluster CTA's shared memory (st.shared::cluster); one cluster barrier publishes it. The gated norm
+needs sum(o^2) over all 128 rows: each CTA pushes its per-token partial into every peer's smem,
+a second cluster barrier, then every CTA sums the NS partials in the same fixed order (bitwise
+identical rstd in all CTAs, deterministic).
+
+Conv-state race: the q/k conv window of a head is READ by all NS CTAs but WRITTEN only by split 0,
+and only after the first cluster barrier; every CTA consumed its window loads (the conv outputs
+went to smem) before arriving, so no CTA can read a window that split 0 already shifted. The v
+channels [2P + hD + sR, +R) are read and written only by CTA s.
+
+Contracts:
+* PDL: rec_state, conv_state, weights and `slots` are read BEFORE griddepcontrol.wait. They must not
+  be written by the kernel launched immediately before this one (slots come from host-side batch
+  setup; the states were written by this kernel in the previous decode step of the same layer).
+  proj is read, and y, conv_state, rec_state are written, only after the wait. The kernel fences
+  its state writes (fence.acq_rel.gpu) before griddepcontrol.launch_dependents at the very end, so a
+  dependent launch's pre-wait state loads see them; two back-to-back launches on the same slots work
+  (tests/gpu test_back_to_back_steps). Moving the trigger earlier would let o_proj start its weight
+  prologue sooner, but then a following KDA step must not read the state before its wait.
+* slots[b] < 0: padding; no state is read or written, y rows are zeros. slots[b] >= S (caller
+  error, checked in-kernel without a host sync): no state is touched and the y rows are NaN so the
+  error cannot pass silently. Two requests with the same slot: undefined (caller error).
+* u (conv output) stays FP32; f is rounded to bf16 like a bf16 GEMM output; state FP32.
+
+Version log
+  v1: as above. ptxas sm_90a (remarks{ptx}), 128 threads, 0 spill stores/loads for every key:
+      NS=8: 64 regs at T=1, 93-100 at T=2..8;  NS=4: 96 regs at T=1, 126-134 at T=2..8
+      (same for H = 6, 12, 96). Compile ~2.6 s per key on the 2-core CPU box.
+      Expected (not yet measured): B=1 rank16/rank8 ~3-5 us (latency: PDL wait, L2 proj loads,
+      two cluster barriers, 2 x 4 dependent warp reductions per token); B=64 rank16 ~13-16 us
+      (~3.3-3.8 TB/s on the 52 MB, NS=4 runs 3 CTAs/SM at 128 regs; nsplit=8 is the alternative
+      to try there: 64 regs, more CTAs in flight, 2x the L2-served q/k/W_fb re-reads).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from ._dsl import check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, TVM_FFI
+
+HEAD_DIM = 128
+MAX_T = 8
+WARPS = 4
+
+
+def proj_width(heads: int, head_dim: int = HEAD_DIM) -> int:
+    """Np: row width of the packed projection [q P | k P | v P | g P | f_a 128 | b H | pad to 16]."""
+    p = heads * head_dim
+    return (4 * p + head_dim + heads + 15) // 16 * 16
+
+
+def choose_nsplit(batch: int, heads: int) -> int:
+    """Value-row splits per (request, head): 8 for small B*H (fill the GPU), 4 above (less
+    redundant q/k conv and proj traffic per CTA, 8 state rows per warp still fit registers)."""
+    return 8 if batch * heads <= 64 else 4
+
+
+def compile_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: float = 1e-5,
+                head_dim: int = HEAD_DIM):
+    return ("kda_conv_gate_step", int(heads), int(head_dim), int(T), int(nsplit), float(lower_bound), float(eps))
+
+
+def compile_keys(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
+                 eps: float = 1e-5) -> list:
+    keys = []
+    for T in Ts:
+        for b in batches:
+            k = compile_key(heads, T, choose_nsplit(b, heads), lower_bound, eps)
+            if k not in keys:
+                keys.append(k)
+    return keys
+
+
+def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
+           eps: float = 1e-5) -> list:
+    """Compile every kernel a (heads, batch list, T list) config needs; call before graph capture."""
+    keys = compile_keys(heads, batches, Ts, lower_bound, eps)
+    for k in keys:
+        _get_compiled(k)
+    return keys
+
+
+# ---------------------------------------------------------------------------- device code
+
+def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float):
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int32, Int64
+    from cutlass.cutlass_dsl import dsl_user_op
+    from cutlass._mlir.dialects import llvm
+
+    H, D, NS = heads, head_dim, nsplit
+    P = H * D
+    R = D // NS                 # value rows (and f channels) per CTA
+    RW = R // WARPS             # value rows per warp
+    NTH = 32 * WARPS
+    FV = D // 8                 # 16-byte vectors per W_fb row
+    FROWS = R * FV // NTH       # W_fb rows per thread (rows tid//FV + (NTH//FV)*m)
+    OUT_IT = (T * R + NTH - 1) // NTH
+    QSCALE = float(D) ** -0.5
+    assert D == 128 and R % WARPS == 0 and R <= 32 and (R * FV) % NTH == 0 and NTH % R == 0
+    assert 1 <= T <= MAX_T
+
+    @dsl_user_op
+    def st_cluster_f32(smem_ptr, val, rank, *, loc=None, ip=None):
+        # st.shared::cluster into peer CTA `rank` at the same smem offset (DSMEM push).
+        addr = smem_ptr.toint(loc=loc, ip=ip)
+        llvm.inline_asm(
+            None,
+            [Int32(addr).ir_value(loc=loc, ip=ip), Float32(val).ir_value(loc=loc, ip=ip),
+             Int32(rank).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $0, $2;\n\tst.shared::cluster.f32 [ra], $1;\n\t}",
+            "r,f,r,~{memory}", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+    def sigmoid(x):
+        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+
+    class KdaConvGateStep:
+        @cute.jit
+        def __call__(self, mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
+                     mY, stream):
+            nb = cute.size(mSlots, mode=[0])
+            self.kernel(mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
+                        mY).launch(grid=[NS, H, nb], block=[NTH, 1, 1], cluster=[NS, 1, 1],
+                                   stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots, mY):
+            tid, _, _ = cute.arch.thread_idx()
+            _, h, b = cute.arch.block_idx()
+            split = cute.arch.block_idx_in_cluster()          # == blockIdx.x (cluster spans x)
+            lane = tid % 32
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            nslots = cute.size(mRecState, mode=[0])
+
+            smem = cutlass.memory.SmemAllocator()
+            sUq = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), 16)
+            sUk = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), 16)
+            sAl = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), 16)
+            sUv = smem.allocate_tensor(Float32, cute.make_layout((T, R), stride=(R, 1)), 16)
+            sO = smem.allocate_tensor(Float32, cute.make_layout((T, R), stride=(R, 1)), 16)
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((T, NS), stride=(NS, 1)), 16)
+            sBeta = smem.allocate_tensor(Float32, cute.make_layout((T,), stride=(1,)), 16)
+
+            # DSMEM may only be written once every CTA of the cluster is running: arrive now, wait
+            # just before the first remote store (the wait is normally already satisfied).
+            cute.arch.cluster_arrive_relaxed()
+
+            # ---------------- before the PDL wait: nothing here is produced by the previous kernel
+            slot = mSlots[b]
+            is_pad = slot < 0
+            is_bad = slot >= nslots
+            valid = (slot >= 0) & (slot < nslots)
+            slot_c = slot
+            if not valid:
+                slot_c = Int32(0)      # never dereferenced; keeps address math in range
+            # 64-bit slot offsets: S * H * 128 * 128 exceeds 2**31 elements at full width (S > 1365)
+            slot_w = slot_c.to(Int64)
+
+            # recurrent state rows of this warp: S[slot, h, v, 4*lane : 4*lane+4]
+            row0 = split * R + warp * RW
+            rS = cute.make_rmem_tensor(cute.make_layout((RW, 4), stride=(4, 1)), Float32)
+            rS.fill(0.0)
+            if valid:
+                for r in cutlass.range_constexpr(RW):
+                    g_row = cute.local_tile(mRecState[slot_w, h, row0 + r, None], (4,), (lane,))
+                    cute.autovec_copy(g_row, rS[r, None])
+
+            # conv taps: thread tid owns q channel hD+tid, k channel P+hD+tid, and (tid < R) the v
+            # channel 2P+hD+sR+tid. win[c, j]: j = 0 oldest (t-3) ... 2 newest (t-1).
+            cq = h * D + tid
+            ck = P + h * D + tid
+            cv = 2 * P + h * D + split * R + tid
+            has_v = tid < R
+            cv_c = cv
+            if not has_v:
+                cv_c = 2 * P + h * D + split * R
+            win = cute.make_rmem_tensor(cute.make_layout((3, 3), stride=(3, 1)), Float32)
+            win.fill(0.0)
+            if valid:
+                for j in cutlass.range_constexpr(3):
+                    win[0, j] = mConvState[slot_w, cq, j].to(Float32)
+                    win[1, j] = mConvState[slot_w, ck, j].to(Float32)
+                    win[2, j] = mConvState[slot_w, cv_c, j].to(Float32)
+            cw = cute.make_rmem_tensor(cute.make_layout((3, 4), stride=(4, 1)), Float32)
+            cute.autovec_copy(mConvW[cq, None], cw[0, None])
+            cute.autovec_copy(mConvW[ck, None], cw[1, None])
+            cute.autovec_copy(mConvW[cv_c, None], cw[2, None])
+
+            # W_fb rows for the f channels [sR, sR+R) of head h; thread: vector jv, rows fr + 8m
+            jv = tid % FV
+            fr = tid // FV
+            rW = cute.make_rmem_tensor(cute.make_layout((FROWS, 8), stride=(8, 1)), BFloat16)
+            rDt = cute.make_rmem_tensor(cute.make_layout((FROWS,), stride=(1,)), Float32)
+            for m in cutlass.range_constexpr(FROWS):
+                wrow = h * D + split * R + fr + (NTH // FV) * m
+                cute.autovec_copy(cute.local_tile(mWfb[wrow, None], (8,), (jv,)), rW[m, None])
+                rDt[m] = mDtBias[wrow]
+            decay_rate = cute.math.exp(mALog[h])
+            onorm = mONorm[split * R + tid % R]
+
+            cute.arch.griddepcontrol_wait()
+            cute.arch.cluster_wait()
+
+            # ---------------- phase A: conv, beta, f -> alpha for all T tokens (state-independent)
+            rFa = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
+            for t in cutlass.range_constexpr(T):
+                row = b * T + t
+                xq = mProj[row, cq].to(Float32)
+                xk = mProj[row, ck].to(Float32)
+                xv = mProj[row, cv_c].to(Float32)
+                uq = cw[0, 0] * win[0, 0] + cw[0, 1] * win[0, 1] + cw[0, 2] * win[0, 2] + cw[0, 3] * xq
+                uk = cw[1, 0] * win[1, 0] + cw[1, 1] * win[1, 1] + cw[1, 2] * win[1, 2] + cw[1, 3] * xk
+                uv = cw[2, 0] * win[2, 0] + cw[2, 1] * win[2, 1] + cw[2, 2] * win[2, 2] + cw[2, 3] * xv
+                sUq[t, tid] = uq * sigmoid(uq)
+                sUk[t, tid] = uk * sigmoid(uk)
+                if has_v:
+                    sUv[t, tid] = uv * sigmoid(uv)
+                win[0, 0] = win[0, 1]
+                win[0, 1] = win[0, 2]
+                win[0, 2] = xq
+                win[1, 0] = win[1, 1]
+                win[1, 1] = win[1, 2]
+                win[1, 2] = xk
+                win[2, 0] = win[2, 1]
+                win[2, 1] = win[2, 2]
+                win[2, 2] = xv
+                if tid == 0:
+                    sBeta[t] = sigmoid(mProj[row, 4 * P + D + h].to(Float32))
+                # f[i] = bf16(sum_j f_a[j] W_fb[hD+i, j]); 16 lanes (one W_fb row) per reduction
+                cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
+                fa = rFa.load().to(Float32)
+                for m in cutlass.range_constexpr(FROWS):
+                    part = (fa * rW[m, None].load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    f32 = cute.arch.warp_reduction_sum(part, threads_in_group=FV)
+                    f = f32.to(BFloat16).to(Float32)
+                    lam = Float32(lower_bound) * sigmoid(decay_rate * (f + rDt[m]))
+                    alpha = cute.math.exp(lam)
+                    ch = split * R + fr + (NTH // FV) * m
+                    if jv < NS:
+                        st_cluster_f32(sAl.iterator + (t * D + ch), alpha, jv)
+
+            # cluster barrier 1: alpha of all channels is in every CTA's smem; every CTA has consumed
+            # its (old) q/k conv window, so split 0 may now overwrite it. Also orders sUq/sUk/sUv/sBeta.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+            if valid:
+                if split == 0:
+                    for j in cutlass.range_constexpr(3):
+                        mConvState[slot_w, cq, j] = win[0, j].to(BFloat16)
+                        mConvState[slot_w, ck, j] = win[1, j].to(BFloat16)
+                if has_v:
+                    for j in cutlass.range_constexpr(3):
+                        mConvState[slot_w, cv_c, j] = win[2, j].to(BFloat16)
+
+            # ---------------- phase B: T sequential delta-rule steps on the register-resident rows
+            rK = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+            rQ = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+            rA = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+            for t in cutlass.range(T, unroll=1):
+                cute.autovec_copy(cute.local_tile(sUk[t, None], (4,), (lane,)), rK)
+                cute.autovec_copy(cute.local_tile(sUq[t, None], (4,), (lane,)), rQ)
+                cute.autovec_copy(cute.local_tile(sAl[t, None], (4,), (lane,)), rA)
+                beta = sBeta[t]
+                kk = rK.load()
+                qq = rQ.load()
+                al = rA.load()
+                ksq = cute.arch.warp_reduction_sum((kk * kk).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                qsq = cute.arch.warp_reduction_sum((qq * qq).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                kn = kk * cute.math.rsqrt(ksq + Float32(1e-6))
+                qn = qq * (cute.math.rsqrt(qsq + Float32(1e-6)) * Float32(QSCALE))
+                for r in cutlass.range_constexpr(RW):
+                    s = rS[r, None].load() * al
+                    sk = cute.arch.warp_reduction_sum((s * kn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                    e = sUv[t, warp * RW + r] - sk
+                    s = s + kn * (beta * e)
+                    rS[r, None].store(s)
+                    o = cute.arch.warp_reduction_sum((s * qn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                    if lane == 0:
+                        sO[t, warp * RW + r] = o
+
+            if valid:
+                for r in cutlass.range_constexpr(RW):
+                    g_row = cute.local_tile(mRecState[slot_w, h, row0 + r, None], (4,), (lane,))
+                    cute.autovec_copy(rS[r, None], g_row)
+
+            # ---------------- phase C: gated RMSNorm over the head's 128 rows (cluster reduction)
+            cute.arch.barrier()
+            for t in cutlass.range_constexpr(T):
+                if warp == t % WARPS:
+                    ov = Float32(0.0)
+                    if lane < R:
+                        ov = sO[t, lane]
+                    ss = cute.arch.warp_reduction_sum(ov * ov)
+                    if lane < NS:
+                        st_cluster_f32(sRed.iterator + (t * NS + split), ss, lane)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+            for it in cutlass.range_constexpr(OUT_IT):
+                idx = tid + NTH * it
+                if idx < T * R:
+                    t = idx // R
+                    r = idx % R
+                    tot = Float32(0.0)
+                    for p in cutlass.range_constexpr(NS):
+                        tot = tot + sRed[t, p]
+                    rstd = cute.math.rsqrt(tot * Float32(1.0 / D) + Float32(eps))
+                    col = h * D + split * R + r
+                    gate = mProj[b * T + t, 3 * P + col].to(Float32)
+                    yv = onorm * sO[t, r] * rstd * sigmoid(gate)
+                    if is_pad:
+                        yv = Float32(0.0)
+                    if is_bad:
+                        yv = Float32(float("nan"))
+                    mY[b * T + t, col] = yv.to(BFloat16)
+
+            # state writes must be visible before a dependent grid may start its pre-wait loads
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.griddepcontrol_launch_dependents()
+
+    return KdaConvGateStep()
+
+
+def _compile(key):
+    _, heads, head_dim, T, nsplit, lower_bound, eps = key
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int32
+
+    P = heads * head_dim
+    M = cute.sym_int()          # B*T rows
+    B = cute.sym_int()          # requests
+    S = cute.sym_int()          # state slots
+    obj = _build(heads, head_dim, T, nsplit, lower_bound, eps)
+    fakes = (
+        fake_tensor(BFloat16, (M, proj_width(heads, head_dim))),
+        fake_tensor(BFloat16, (P, head_dim)),
+        fake_tensor(Float32, (3 * P, 4)),
+        fake_tensor(Float32, (heads,), align=4),
+        fake_tensor(Float32, (P,)),
+        fake_tensor(Float32, (head_dim,)),
+        fake_tensor(BFloat16, (S, 3 * P, 3), align=2),
+        fake_tensor(Float32, (S, heads, head_dim, head_dim)),
+        fake_tensor(Int32, (B,), align=4),
+        fake_tensor(BFloat16, (M, P)),
+    )
+    return cute.compile(obj, *fakes, fake_stream(), options=TVM_FFI)
+
+
+def _get_compiled(key):
+    return compile_cached(key, lambda: _compile(key))
+
+
+# ---------------------------------------------------------------------------- host entry point
+
+def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
+                       head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None):
+    """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
+    for the valid slots and returns y [B*T, H*D] bf16. See the module docstring for the contracts."""
+    import torch
+
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"head_dim must be {HEAD_DIM}, got {head_dim}")
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads must be a positive int, got {heads!r}")
+    if not isinstance(T, int) or not (1 <= T <= MAX_T):
+        raise ValueError(f"T must be an int in 1..{MAX_T}, got {T!r}")
+    if not (-5.0 <= lower_bound < 0.0):
+        raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}")
+    D, H = head_dim, heads
+    P = H * D
+    # dtypes and shapes first (these run on CPU too), then one device for everything
+    check_tensor("slots", slots, dtype=torch.int32, align=4)
+    if slots.dim() != 1:
+        raise ValueError(f"slots: expected shape [B], got {list(slots.shape)}")
+    B = slots.shape[0]
+    check_tensor("proj", proj, dtype=torch.bfloat16, shape=(B * T, proj_width(H, D)))
+    check_tensor("w_fb", w_fb, dtype=torch.bfloat16, shape=(P, D))
+    check_tensor("conv_w", conv_w, dtype=torch.float32, shape=(3 * P, 4))
+    check_tensor("a_log", a_log, dtype=torch.float32, shape=(H,), align=4)
+    check_tensor("dt_bias", dt_bias, dtype=torch.float32, shape=(P,))
+    check_tensor("o_norm", o_norm, dtype=torch.float32, shape=(D,))
+    check_tensor("conv_state", conv_state, dtype=torch.bfloat16, shape=(None, 3 * P, 3), align=2)
+    check_tensor("rec_state", rec_state, dtype=torch.float32, shape=(None, H, D, D))
+    if conv_state.shape[0] != rec_state.shape[0]:
+        raise ValueError(f"conv_state and rec_state must have the same number of slots, got "
+                         f"{conv_state.shape[0]} and {rec_state.shape[0]}")
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(B * T, P))
+    dev = slots.device
+    if dev.type != "cuda":
+        raise ValueError(f"kda_conv_gate_step needs CUDA tensors, got slots on {dev}")
+    for name, t in (("proj", proj), ("w_fb", w_fb), ("conv_w", conv_w), ("a_log", a_log), ("dt_bias", dt_bias),
+                    ("o_norm", o_norm), ("conv_state", conv_state), ("rec_state", rec_state), ("out", out)):
+        if t is not None and t.device != dev:
+            raise ValueError(f"{name}: expected device {dev} (the device of slots), got {t.device}")
+    if out is None:
+        out = torch.empty((B * T, P), dtype=torch.bfloat16, device=dev)
+    if B == 0:
+        return out
+    ns = choose_nsplit(B, H) if nsplit is None else int(nsplit)
+    if ns not in (4, 8):
+        raise ValueError(f"nsplit must be 4 or 8, got {nsplit}")
+    fn = _get_compiled(compile_key(H, T, ns, lower_bound, eps, D))
+    fn(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, out)
+    return out

@@ -1,0 +1,164 @@
+"""Render recorded traces: a results table (markdown, into README.md) and one plot per layer kind.
+
+    python -m k3fast.report                 # read traces/h200/records-*.json, write plots + README table
+    python -m k3fast.report --check         # exit 1 if README's table is not what the records give
+
+Everything shown comes from the JSON records; nothing is typed by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEGIN, END = "<!-- results-table:begin -->", "<!-- results-table:end -->"
+IMPL_ORDER = ("ref", "compiled", "stock", "fast")
+
+
+def load_records(pattern: str | None = None) -> list[dict]:
+    """All records of traces/h200/records-*.json; a later file wins for the same cell."""
+    pattern = pattern or os.path.join(ROOT, "traces", "h200", "records-*.json")
+    cells: dict[tuple, dict] = {}
+    for path in sorted(glob.glob(pattern)):
+        with open(path) as f:
+            doc = json.load(f)
+        for r in doc["records"]:
+            r = {**r, "source": os.path.relpath(path, ROOT)}
+            cells[(r["layer_kind"], r["shape"], r["batch"], r.get("context"), r["impl"], r["part"])] = r
+    return list(cells.values())
+
+
+def validate(records: list[dict]) -> list[str]:
+    """Schema problems (empty list when every record has every required field with a sane value)."""
+    from .trace import SCHEMA_FIELDS
+    problems = []
+    for i, r in enumerate(records):
+        for k in SCHEMA_FIELDS:
+            if k not in r:
+                problems.append(f"record {i}: missing {k}")
+        if r.get("part") not in ("layer", "attn", "moe"):
+            problems.append(f"record {i}: part {r.get('part')!r}")
+        if r.get("layer_kind") not in ("kda_moe", "mla_moe", "kda_dense"):
+            problems.append(f"record {i}: layer_kind {r.get('layer_kind')!r}")
+        if r.get("shape") not in ("k3_rank16", "k3_rank8", "full"):
+            problems.append(f"record {i}: shape {r.get('shape')!r}")
+        for k in ("replay_us_median", "floor_us", "bytes", "copy_tbps"):
+            v = r.get(k)
+            if not isinstance(v, (int, float)) or v <= 0:
+                problems.append(f"record {i}: {k} = {v!r}")
+        if isinstance(r.get("replay_us_p10"), (int, float)) and isinstance(r.get("replay_us_p90"), (int, float)):
+            if not r["replay_us_p10"] <= r["replay_us_median"] <= r["replay_us_p90"]:
+                problems.append(f"record {i}: percentiles out of order")
+    return problems
+
+
+def table(records: list[dict], part: str = "layer") -> str:
+    rows = defaultdict(dict)
+    for r in records:
+        if r["part"] == part:
+            rows[(r["layer_kind"], r["shape"], r["batch"], r.get("context"))][r["impl"]] = r
+    impls = [i for i in IMPL_ORDER if any(i in v for v in rows.values())]
+    head = "| layer | shape | batch | ctx | floor µs | " + " | ".join(f"{i} µs (kernels)" for i in impls) + " |"
+    sep = "|" + "---|" * (5 + len(impls))
+    lines = [head, sep]
+    shape_order = {"k3_rank16": 0, "k3_rank8": 1, "full": 2}
+    for key in sorted(rows, key=lambda k: (k[0], shape_order.get(k[1], 9), k[2], k[3] or 0)):
+        cell = rows[key]
+        any_r = next(iter(cell.values()))
+        vals = []
+        for i in impls:
+            r = cell.get(i)
+            vals.append("—" if r is None else f"{r['replay_us_median']:.1f} ({r['kernels']:g})")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3] or ''} | {any_r['floor_us']:.1f} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def readme_block(records: list[dict]) -> str:
+    if not records:
+        return f"{BEGIN}\n_No H200 records yet._\n{END}"
+    env = records[0]
+    srcs = sorted({r["source"] for r in records})
+    return (f"{BEGIN}\nWhole layer (`part: layer`), median CUDA-graph replay µs with the kernel count per replay, "
+            f"L2 flushed before each replay; floor = bytes / copy bandwidth measured in the same run "
+            f"({env['copy_tbps']:.2f} TB/s). GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
+            f"cutlass {env['cutlass']}. Sources: {', '.join(f'`{s}`' for s in srcs)}.\n\n{table(records)}\n{END}")
+
+
+def plot(records: list[dict], out_dir: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    for kind in sorted({r["layer_kind"] for r in records}):
+        rs = [r for r in records if r["layer_kind"] == kind and r["part"] == "layer"]
+        shapes = [s for s in ("k3_rank16", "k3_rank8", "full") if any(r["shape"] == s for r in rs)]
+        fig, axes = plt.subplots(2, len(shapes), figsize=(5 * len(shapes), 7), squeeze=False)
+        for j, shape in enumerate(shapes):
+            sub = [r for r in rs if r["shape"] == shape]
+            ctxs = sorted({r.get("context") or 0 for r in sub})
+            for ctx in ctxs:
+                for impl in IMPL_ORDER:
+                    pts = sorted((r["batch"], r["replay_us_median"], r["kernels"]) for r in sub
+                                 if r["impl"] == impl and (r.get("context") or 0) == ctx)
+                    if not pts:
+                        continue
+                    lab = impl + (f" ctx{ctx}" if ctx else "")
+                    axes[0, j].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=lab)
+                    axes[1, j].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=lab)
+                fl = sorted({(r["batch"], r["floor_us"]) for r in sub if (r.get("context") or 0) == ctx})
+                axes[0, j].plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="floor" + (f" ctx{ctx}" if ctx else ""))
+            axes[0, j].set(xscale="log", yscale="log", title=f"{kind} {shape}", ylabel="µs per decode step")
+            axes[1, j].set(xscale="log", xlabel="batch", ylabel="kernels per step")
+            axes[0, j].legend(fontsize=7)
+        fig.tight_layout()
+        os.makedirs(out_dir, exist_ok=True)
+        p = os.path.join(out_dir, f"{kind}.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def update_readme(block: str, path: str = os.path.join(ROOT, "README.md"), check: bool = False) -> bool:
+    with open(path) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers")
+    new = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    if check:
+        return new == text
+    with open(path, "w") as f:
+        f.write(new)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", default=None, help="glob of record files (default traces/h200/records-*.json)")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    recs = load_records(args.records)
+    probs = validate(recs)
+    if probs:
+        print("schema problems:\n  " + "\n  ".join(probs[:20]))
+        return 1
+    block = readme_block(recs)
+    if args.check:
+        ok = update_readme(block, check=True)
+        print("README table is up to date" if ok else "README table differs from the records: run python -m k3fast.report")
+        return 0 if ok else 1
+    if not args.no_plots and recs:
+        for p in plot(recs, os.path.join(ROOT, "traces", "h200", "plots")):
+            print("wrote", os.path.relpath(p, ROOT))
+    update_readme(block)
+    print(table(recs) if recs else "no records")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

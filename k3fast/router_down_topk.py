@@ -1,0 +1,350 @@
+"""MoE front of a Kimi K3 decode step: router logits + latent down-projection + top-16 routing, ONE launch.
+
+Version log
+  v1  One kernel, M-bucketed (1, 2, 4 FMA path; 8, 16, 32, 64 also FMA, see "speed" below).
+      Warp per packed weight row, 128-bit weight loads (L1::no_allocate), the first PRE=4 vectors of each
+      warp's row issued before griddepcontrol_wait; router CTAs come first in the grid and count their arrival
+      on a device counter; the last T router arrivers (T = ceil(M/4)) each run the top-16 of 4 tokens (one
+      warp per token) from the fp32 logits workspace. Registers (ptxas 4.8.1, sm_90a, remarks{ptx}):
+      M=1: 80, 2: 93, 4: 116, 8: 128, 16: 162, 32: 198, no spills; M=64: 255 + 420 B spill stores (slow path
+      anyway). Weight vectors in flight per lane: 4 (M <= 8), 2 (M=16), 1 (M >= 32).
+      Expected: M=1 ~16-17 us (floor 14.9 us), M=2 ~17 us, M=4 ~22 us (FMA issue bound, 2.9 TB/s), M=8 ~40 us, M=16 ~90 us, M=64 ~350 us (FMA issue bound: the
+      tensor-core swap-AB path for M > 4 is NOT in v1).
+
+What it replaces (k3-spec.md sections 10 and 11):
+  l   = x W_r^T                (fp32; bf16 products, fp32 accumulate, never rounded)        section 10.1
+  s   = sigmoid(l)             (fp32)                                                        section 10.2
+  T   = top-16(s + e_bias)     (ties: the LOWER expert index wins; output order = descending
+                                biased score, ties by ascending index)                       section 10.3
+  w_e = s_e / (sum_T s + 1e-20) * routed_scaling_factor                                      section 10.4
+  z   = bf16(x W_down^T)       (latent down-projection, plain Linear)                       section 11
+  Both GEMVs read the same x, so W_r and W_down are packed once into W = [W_r; W_down] ([4480, 7168] bf16,
+  router rows first: `prepare_front_weight`), and one pass over W produces both (vllm-k3-decode.md B row 10).
+
+Bytes and floor (4.3 TB/s measured H200 copy bandwidth). The router and W_down are REPLICATED on every TP rank
+(k3-spec.md section 13.1), so the per-rank bytes are the same at k3_rank(16), k3_rank(8) and full width (TP1):
+  W: 4480 x 7168 x 2 B = 64.23 MB  -> 14.9 us.   x (M x 14 KB), z (M x 7 KB), logits (M x 3.5 KB) are < 2 MB
+  even at M = 64 (+0.4 us).  Targets: M=1 within 1.15x (17.1 us); M <= 64 within 1.3x (needs the mma path).
+
+Contracts
+  * The top-k needs all 896 logits of a token, which are spread over 224 router CTAs. Each router CTA writes
+    its logits to an fp32 workspace, fences, then does an acq_rel atomic add on a device counter. The CTA whose
+    add returns R-1 (the last arriver) resets the counter to 0 (so CUDA-graph replays and the next layer start
+    clean) and bumps an epoch word with a release store; the T-1 arrivers just before it spin (acquire) on the
+    epoch. These T CTAs then read the logits (ld.global.cg) and each run the top-16 for 4 tokens. Spinning is
+    deadlock-free: at most T-1 <= 15 CTAs spin, every other CTA can always be scheduled.
+  * All counter/workspace accesses come after griddepcontrol_wait, so a PDL-overlapped next launch of this
+    kernel (the next layer) cannot see a half-reset counter.
+  * The workspace and counter are per device and shared by all calls: at most ONE call may be in flight per
+    device at a time (the decode step is one stream). Pass ``workspace=`` to use a private one.
+  * Router CTAs are the lowest block indices, so they are scheduled first and (when the grid exceeds one wave)
+    the top-k overlaps the down-projection streaming of the remaining CTAs.
+"""
+
+
+import math
+
+from k3fast._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+
+HIDDEN = 7168
+N_EXPERTS = 896
+LATENT = 3584
+TOP_K = 16
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+M_MAX = 64
+WARPS = 4          # warps per CTA = rows per CTA = tokens per top-k CTA
+PRE = 4            # 16-byte weight vectors per lane issued before griddepcontrol_wait
+UNROLL = 4
+
+# ptxas report for the CPU compile (CUTE_DSL_COMPILER_OPT="remarks{ptx}", sm_90a): bucket -> (regs, spill bytes)
+REGISTER_LOG = {1: (80, 0), 2: (93, 0), 4: (116, 0), 8: (128, 0), 16: (162, 0), 32: (198, 0), 64: (255, 420)}
+
+_WORKSPACES: dict = {}
+
+
+def bucket_m(m: int) -> int:
+    if m < 1:
+        raise ValueError(f"router_down_topk supports 1 <= M <= {M_MAX}, got M={m}")
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    raise ValueError(f"router_down_topk supports 1 <= M <= {M_MAX}, got M={m}")
+
+
+def compile_keys(batches=(1, 2, 3, 4, 7, 8, 16, 64), *, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN,
+                 top_k=TOP_K):
+    return sorted({("router_down_topk", bucket_m(b), n_experts, latent, hidden, top_k) for b in batches})
+
+
+def _check_shapes(n_experts, latent, hidden, top_k):
+    if n_experts % 32 or n_experts % WARPS:
+        raise ValueError(f"n_experts must be a multiple of 32, got {n_experts}")
+    if not (1 <= top_k <= 32 and top_k <= n_experts):
+        raise ValueError(f"top_k must lie in [1, min(32, n_experts)], got {top_k}")
+    if latent % WARPS:
+        raise ValueError(f"latent width must be a multiple of {WARPS}, got {latent}")
+    if hidden % (8 * 32 * UNROLL) or hidden // 256 < PRE:
+        raise ValueError(f"hidden size must be a multiple of {8 * 32 * UNROLL}, got {hidden}")
+
+
+def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
+    """Trace and compile one M bucket (called through compile_cached)."""
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int32, Uint32
+
+    NE, NL, K, TOPK = n_experts, latent, hidden, top_k
+    N = NE + NL
+    KV = K // 8                      # 16-byte vectors per row
+    ITERS = KV // 32                 # per lane
+    J = NE // 32                     # logits per lane in the top-k
+    R = NE // WARPS                  # router CTAs
+    T = (mb + WARPS - 1) // WARPS    # top-k CTAs (the last T router arrivers)
+    U = UNROLL if mb <= 8 else (2 if mb <= 16 else 1)     # fewer vectors in flight where M x acc regs grow
+    assert PRE % U == 0 and (ITERS - PRE) % U == 0
+    assert T <= R
+
+    def orderable(v):
+        # fp32 -> u32 whose unsigned order is the float order (-0 never occurs: s > 0 or s = +0, and x + -x = +0)
+        u = v.bitcast(Uint32)
+        neg = Uint32(0) - (u >> Uint32(31))
+        return u ^ (neg | Uint32(0x80000000))
+
+    def usel(c, a, b):
+        return Uint32(cutlass.select_(c, a, b))
+
+    def fsel(c, a, b):
+        return Float32(cutlass.select_(c, a, b))
+
+    def local_best(keys):
+        # this lane's best (largest key, lowest slot on ties): a tree whose left operand is always the lower
+        # slot, so ">" keeps the lower expert index on equal keys. Plain Python: unrolled at trace time.
+        cur = [(keys[j], Uint32(j)) for j in range(len(keys))]
+        while len(cur) > 1:
+            nxt = []
+            for p in range(0, len(cur) - 1, 2):
+                (ka, ja), (kb, jb) = cur[p], cur[p + 1]
+                take_b = kb > ka
+                nxt.append((usel(take_b, kb, ka), usel(take_b, jb, ja)))
+            if len(cur) % 2:
+                nxt.append(cur[-1])
+            cur = nxt
+        return cur[0]
+
+    def remove(keys, gidx, lane_u):
+        # the owner lane of expert gidx drops its key (0 is below every real key)
+        for j in range(len(keys)):
+            keys[j] = usel(gidx == lane_u + Uint32(32 * j), Uint32(0), keys[j])
+
+    class FrontFma:
+        @cute.jit
+        def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, stream):
+            w_atom = cute.make_copy_atom(
+                cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
+                l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+            self.kernel(mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling, w_atom).launch(
+                grid=[N // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, w_atom: cute.CopyAtom):
+            tid = cute.arch.thread_idx()[0]
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bid = cute.arch.block_idx()[0]
+            n = bid * WARPS + warp
+            M = cute.size(mX, mode=[0])
+
+            smem = cutlass.utils.SmemAllocator()
+            sArr = smem.allocate_tensor(Int32, cute.make_layout((2,)), 16)
+            # sigmoid scores of the top-k CTA's tokens (keeps 28 fp32 per lane out of the register file)
+            sS = smem.allocate_tensor(Float32, cute.make_layout((NE, WARPS)), 16)
+
+            gW = cute.flat_divide(mW, (1, 8))           # (1, 8, N, KV)
+            gX = cute.flat_divide(mX, (1, 8))           # (1, 8, M, KV)
+            rW = cute.make_rmem_tensor(cute.make_layout((PRE, 8), stride=(8, 1)), BFloat16)
+            rV = cute.make_rmem_tensor(cute.make_layout((U, 8), stride=(8, 1)), BFloat16)
+            rX = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+            acc = cute.make_rmem_tensor(cute.make_layout((mb,)), Float32)
+            acc.fill(0.0)
+
+            # Weights do not depend on the previous kernel: start streaming them before the PDL wait.
+            for i in cutlass.range_constexpr(PRE):
+                cute.copy(w_atom, gW[0, None, n, lane + 32 * i], rW[i, None])
+            cute.arch.griddepcontrol_wait()
+
+            for i in cutlass.range_constexpr(PRE):
+                w = rW[i, None].load().to(Float32)
+                for m in cutlass.range_constexpr(mb):
+                    # rows m >= M read the last valid row (never stored): no branch, no out-of-bounds load
+                    mm = cutlass.min(Int32(m), M - 1)
+                    cute.autovec_copy(gX[0, None, mm, lane + 32 * i], rX)
+                    acc[m] += (rX.load().to(Float32) * w).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            for it in cutlass.range(PRE // U, ITERS // U, 1):
+                for u in cutlass.range_constexpr(U):
+                    cute.copy(w_atom, gW[0, None, n, lane + 32 * (it * U + u)], rV[u, None])
+                for u in cutlass.range_constexpr(U):
+                    w = rV[u, None].load().to(Float32)
+                    for m in cutlass.range_constexpr(mb):
+                        mm = cutlass.min(Int32(m), M - 1)
+                        cute.autovec_copy(gX[0, None, mm, lane + 32 * (it * U + u)], rX)
+                        acc[m] += (rX.load().to(Float32) * w).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+            is_router = bid < R
+            for m in cutlass.range_constexpr(mb):
+                tot = cute.arch.warp_reduction_sum(acc[m])
+                if lane == 0:
+                    if Int32(m) < M:
+                        if is_router:
+                            mWs[m, n] = tot
+                        else:
+                            mZ[m, n - NE] = tot.to(BFloat16)
+
+            if is_router:
+                # Make this CTA's logits visible at GPU scope before its arrival is counted.
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                if tid == 0:
+                    cnt_ptr = mCnt.iterator
+                    ep_ptr = mCnt.iterator + 1
+                    e0 = cute.arch.load(ep_ptr, Int32, sem="relaxed", scope="gpu")
+                    old = cute.arch.atomic_add(cnt_ptr, Int32(1), sem="acq_rel", scope="gpu")
+                    if old == R - 1:
+                        # last arriver: reset for the next launch / graph replay, then release the spinners
+                        cute.arch.store(cnt_ptr, Int32(0), sem="relaxed", scope="gpu")
+                        cute.arch.store(ep_ptr, e0 + 1, sem="release", scope="gpu")
+                    else:
+                        if old >= R - T:
+                            ep = cute.arch.load(ep_ptr, Int32, sem="acquire", scope="gpu")
+                            while ep == e0:
+                                ep = cute.arch.load(ep_ptr, Int32, sem="acquire", scope="gpu")
+                    sArr[0] = old
+                cute.arch.sync_threads()
+                slot = sArr[0] - (R - T)
+                if slot >= 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    tok = slot * WARPS + warp
+                    if tok < M:
+                        self.topk(tok, warp, lane, mBias, mIds, mWt, mWs, sS, scaling)
+            cute.arch.griddepcontrol_launch_dependents()
+
+        @cute.jit
+        def topk(self, tok, warp, lane, mBias, mIds, mWt, mWs, sS, scaling: Float32):
+            keys = []
+            for j in cutlass.range_constexpr(J):
+                e = lane + 32 * j
+                lg = cute.arch.load(mWs.iterator + (tok * NE + e), Float32, cop="cg")
+                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg))
+                sS[e, warp] = s
+                keys.append(orderable(s + mBias[e]))
+            cute.arch.sync_warp()          # sS is read below by other lanes of this warp
+            my_id = Uint32(0)
+            my_s = Float32(0.0)
+            lane_u = Uint32(lane)
+            for r in cutlass.range_constexpr(TOPK):
+                # this lane's best (largest key, lowest slot on ties): a tree whose left operand is always
+                # the lower slot, so ">" keeps the lower index on equal keys
+                bk, bj = local_best(keys)
+                gmax = cute.arch.warp_redux_sync(bk, "umax")
+                cand = usel(bk == gmax, lane_u + Uint32(32) * bj, Uint32(0xFFFFFFFF))
+                gidx = cute.arch.warp_redux_sync(cand, "umin")     # lowest expert index among the max keys
+                remove(keys, gidx, lane_u)
+                s_sel = sS[Int32(gidx), warp]          # written by the owner lane of this warp
+                mine = lane == r
+                my_id = usel(mine, gidx, my_id)
+                my_s = fsel(mine, s_sel, my_s)
+            # 1e-20 and the scaling exactly as HF's gate (k3-spec.md 10.4); unbiased scores
+            part = fsel(lane < TOPK, my_s, Float32(0.0))
+            tot = cute.arch.warp_reduction_sum(part)
+            if lane < TOPK:
+                mIds[tok, lane] = Int32(my_id)
+                mWt[tok, lane] = my_s / (tot + Float32(1e-20)) * scaling
+
+    sym_m = cute.sym_int()
+    x = fake_tensor(BFloat16, (sym_m, K))
+    w = fake_tensor(BFloat16, (N, K))
+    bias = fake_tensor(Float32, (NE,))
+    z = fake_tensor(BFloat16, (sym_m, NL))
+    ids = fake_tensor(Int32, (sym_m, TOPK), align=4)
+    wt = fake_tensor(Float32, (sym_m, TOPK), align=4)
+    ws = fake_tensor(Float32, (M_MAX, NE))
+    cnt = fake_tensor(Int32, (4,))
+    return cute.compile(FrontFma(), x, w, bias, z, ids, wt, ws, cnt, Float32(1.0), fake_stream(), options=TVM_FFI)
+
+
+def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K):
+    _check_shapes(n_experts, latent, hidden, top_k)
+    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k)
+    return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k))
+
+
+def warmup(batches=(1, 2, 3, 4, 7, 8, 16, 64), *, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K,
+           device=None):
+    """Compile every bucket ``batches`` needs (and allocate the device workspace when ``device`` is given)."""
+    for key in compile_keys(batches, n_experts=n_experts, latent=latent, hidden=hidden, top_k=top_k):
+        get_kernel(key[1], n_experts, latent, hidden, top_k)
+    if device is not None:
+        get_workspace(device, n_experts)
+
+
+def get_workspace(device, n_experts=N_EXPERTS):
+    """(logits [64, n_experts] fp32, counter [4] int32 = 0) for ``device``; allocate before graph capture."""
+    import torch
+    device = torch.device(device)
+    key = (device, n_experts)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = (torch.empty(M_MAX, n_experts, dtype=torch.float32, device=device),
+              torch.zeros(4, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def prepare_front_weight(w_router, w_down):
+    """Pack [W_r; W_down] ([896, 7168] + [3584, 7168] bf16) into one [4480, 7168] weight (router rows first)."""
+    import torch
+    check_tensor("w_router", w_router, dtype=torch.bfloat16, shape=(None, None), align=0)
+    check_tensor("w_down", w_down, dtype=torch.bfloat16, shape=(None, w_router.shape[1]), device=w_router.device,
+                 align=0)
+    return torch.cat([w_router, w_down], dim=0).contiguous()
+
+
+def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0,
+                     out_z=None, out_ids=None, out_w=None, workspace=None):
+    """z = bf16(x W_down^T), topk_ids [M, top_k] int32, topk_w [M, top_k] fp32 (k3-spec.md sections 10, 11).
+
+    x [M, 7168] bf16 (1 <= M <= 64), w_packed from prepare_front_weight, e_bias [n_experts] fp32.
+    ids are ordered by descending s + e_bias, ties by ascending expert index (the lower index wins a tie).
+    """
+    import torch
+    check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None))
+    dev = x.device
+    if not x.is_cuda:
+        raise ValueError(f"x: expected a CUDA tensor, got device {dev}")
+    M, K = x.shape
+    if not (1 <= M <= M_MAX):
+        raise ValueError(f"x: batch M must lie in [1, {M_MAX}], got {M}")
+    check_tensor("w_packed", w_packed, dtype=torch.bfloat16, shape=(None, K), device=dev)
+    N = w_packed.shape[0]
+    latent = N - n_experts
+    if latent <= 0:
+        raise ValueError(f"w_packed: {N} rows cannot hold {n_experts} router rows and a latent block")
+    _check_shapes(n_experts, latent, K, top_k)
+    check_tensor("e_bias", e_bias, dtype=torch.float32, shape=(n_experts,), device=dev)
+    if out_z is None:
+        out_z = torch.empty(M, latent, dtype=torch.bfloat16, device=dev)
+    if out_ids is None:
+        out_ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
+    if out_w is None:
+        out_w = torch.empty(M, top_k, dtype=torch.float32, device=dev)
+    check_tensor("out_z", out_z, dtype=torch.bfloat16, shape=(M, latent), device=dev)
+    check_tensor("out_ids", out_ids, dtype=torch.int32, shape=(M, top_k), device=dev, align=4)
+    check_tensor("out_w", out_w, dtype=torch.float32, shape=(M, top_k), device=dev, align=4)
+    if workspace is None:
+        workspace = get_workspace(dev, n_experts)
+    ws, cnt = workspace
+    check_tensor("workspace[0]", ws, dtype=torch.float32, shape=(M_MAX, n_experts), device=dev)
+    check_tensor("workspace[1]", cnt, dtype=torch.int32, shape=(4,), device=dev)
+    if not math.isfinite(float(scaling)):
+        raise ValueError(f"scaling must be finite, got {scaling}")
+    fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k)
+    fn(x, w_packed, e_bias, out_z, out_ids, out_w, ws, cnt, float(scaling))
+    return out_z, out_ids, out_w

@@ -1,0 +1,323 @@
+"""Per-layer decode traces: kernel count, kernel time, graph-replay time, bytes and the byte floor.
+
+    python -m k3fast.trace --kinds kda_moe mla_moe --shapes k3_rank16 k3_rank8 full --batches 1 8 64 \
+        --impls ref compiled stock --out traces/h200
+
+For each (layer kind, shape, batch, context, impl, part) one record:
+
+* the part (``layer``, ``attn``: layer input -> MLP input, ``moe``: MLP input -> output) is captured
+  as its own CUDA graph;
+* ``replay_us_*``: each replay timed alone with CUDA events (median, p10, p90 of many), the L2
+  flushed by a 256 MB write before every replay (outside the timed events) and the step's mutated
+  inputs restored, so weights and state come from HBM every time;
+* ``kernels``, ``kernel_us_sum``, ``kernel_names``: torch.profiler (CUPTI) over a few replays;
+* ``stages``: the same step run eagerly inside the k3fast.nvtx ranges, kernels attributed to the
+  innermost range (kernel count and GPU µs per stage);
+* ``bytes`` and ``floor_us`` from k3ref.bytes, at ``copy_tbps`` measured by a device-to-device copy
+  in the same run; ``rel_err_vs_ref``: the impl's output against k3ref on the same inputs.
+
+On one GPU a per-rank shape computes exactly what one tensor-parallel rank computes between its
+collectives; the collectives themselves are not timed (``collectives: "not timed"``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+from k3ref import preset
+from k3ref.compare import rel_rmse
+from k3ref.bytes import layer_bytes, part_bytes, floor_us, ATTN_STAGES
+from k3ref.weights import random_layer
+
+from .nvtx import STAGES
+
+SCHEMA_FIELDS = ("gpu", "driver", "torch", "cutlass", "commit", "date", "layer_kind", "shape", "batch", "impl", "part",
+                 "kernels", "kernel_us_sum", "replay_us_median", "replay_us_p10", "replay_us_p90", "bytes", "floor_us",
+                 "copy_tbps")
+KIND_LAYER = {"kda_moe": 1, "mla_moe": 3, "kda_dense": 0}
+PARTS = ("layer", "attn", "moe")
+
+
+# ------------------------------------------------------------------------------------------------ metadata
+
+def environment() -> dict:
+    def run(cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+        except Exception:
+            return ""
+    try:
+        import cutlass
+        cutlass_v = cutlass.__version__
+    except Exception:
+        cutlass_v = None
+    try:
+        import tvm_ffi
+        tvm_v = tvm_ffi.__version__
+    except Exception:
+        tvm_v = None
+    here = os.path.dirname(os.path.abspath(__file__))
+    commit = run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"]) or os.environ.get("K3_COMMIT", "unknown")
+    dirty = bool(run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"]))
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"gpu": gpu, "driver": run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cutlass": cutlass_v, "tvm_ffi": tvm_v,
+            "commit": commit + ("-dirty" if dirty else ""), "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if gpu else None}
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+def copy_bandwidth_tbps(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy, counting bytes read plus written; median of ``reps``."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    times.sort()
+    del a, b
+    return nbytes / times[len(times) // 2] / 1e12
+
+
+def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Warm up (Triton autotuning, torch.compile, CuTe compile) on a side stream, then capture."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+_FLUSH: torch.Tensor | None = None
+
+
+def time_replays(g: torch.cuda.CUDAGraph, reset: Callable[[], None], n: int) -> list[float]:
+    """µs of each of ``n`` replays, each after an L2 flush and an input reset (neither is timed)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)             # keep the GPU behind the CPU so no launch gap is timed
+    for i in range(n):
+        _FLUSH.fill_(i & 0xFF)
+        reset()
+        starts[i].record()
+        g.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
+
+
+# ------------------------------------------------------------------------------------------------ profiling
+
+def _profile(fn: Callable[[], None], path: str | None = None) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        tmp = f.name
+    prof.export_chrome_trace(tmp)
+    with open(tmp) as f:
+        events = json.load(f)["traceEvents"]
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "rb") as src, gzip.open(path, "wb") as dst:
+            dst.write(src.read())
+    os.unlink(tmp)
+    return events
+
+
+def summarize_graph_events(events: list[dict], replays: int) -> dict:
+    """Kernel count and GPU µs per replay from a CUPTI trace of ``replays`` graph replays."""
+    kern = [e for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
+    names: dict[str, float] = {}
+    for e in kern:
+        names[e["name"]] = names.get(e["name"], 0.0) + e.get("dur", 0.0) / replays
+    return {"kernels": len(kern) / replays, "kernel_us_sum": sum(e.get("dur", 0.0) for e in kern) / replays,
+            "copies": len(copies) / replays, "kernel_names": {k[:160]: round(v, 3) for k, v in
+                                                              sorted(names.items(), key=lambda kv: -kv[1])}}
+
+
+def summarize_stages(events: list[dict]) -> dict:
+    """Attribute each kernel of an eager run to the innermost k3.* range around its launch."""
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("k3.")]
+    launches = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e["ts"]
+    out: dict[str, dict] = {}
+    for k in (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
+        ts = launches.get(k.get("args", {}).get("correlation"))
+        owner = "unattributed"
+        if ts is not None:
+            inner = [r for r in ranges if r["ts"] <= ts <= r["ts"] + r.get("dur", 0)]
+            if inner:
+                owner = min(inner, key=lambda r: r.get("dur", 0))["name"]
+        d = out.setdefault(owner, {"kernels": 0, "copies": 0, "gpu_us": 0.0})
+        d["kernels" if k["cat"] == "kernel" else "copies"] += 1
+        d["gpu_us"] += k.get("dur", 0.0)
+    return {k: {**v, "gpu_us": round(v["gpu_us"], 3)} for k, v in out.items()}
+
+
+# ------------------------------------------------------------------------------------------------ sweep
+
+def _out_tensor(io, part):
+    return io.x_mlp if part == "attn" else io.out
+
+
+def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: int, replays: int, env: dict,
+             copy_tbps: float, perfetto_dir: str | None, log=print) -> list[dict]:
+    """All implementations and parts of one (kind, shape, batch, context) cell; returns records."""
+    from .impls import make_impl, make_io
+    cfg = preset(shape)
+    layer = KIND_LAYER[kind]
+    w = random_layer(cfg, layer, seed=1, device="cuda")
+    stages_bytes = layer_bytes(cfg, kind, batch, context=context, layer=layer)
+    records = []
+    ref_out = {}
+    for impl_name in impls:
+        t0 = time.time()
+        try:
+            impl = make_impl(impl_name, cfg, w) if impl_name != "stock" else make_impl(impl_name, cfg, w, max_batch=max(batch, 1))
+        except Exception as ex:                     # a missing optional package (fla, vllm): say so in the log
+            log(f"  {impl_name}: unavailable ({type(ex).__name__}: {str(ex)[:200]})")
+            continue
+        # correctness on identical fresh inputs: each impl's eager outputs vs the reference's
+        io = make_io(cfg, layer, batch, context=context, seed=7)
+        impl.layer(io)
+        torch.cuda.synchronize()
+        outs = {"attn": io.x_mlp.clone(), "layer": io.out.clone()}
+        if impl_name == "ref":
+            ref_out = outs
+        err = {p: (rel_rmse(outs[p], ref_out[p]) if ref_out else None) for p in outs}
+        # distinct experts actually read by this step's routing (for the bytes model)
+        distinct = None
+        if kind.endswith("moe"):
+            from k3ref.moe import route
+            from k3ref import Precision
+            ids, _ = route(io.x_mlp, w.mlp, cfg, Precision.model())
+            distinct = int(ids.unique().numel())
+        stages_bytes = layer_bytes(cfg, kind, batch, context=context, layer=layer, distinct_experts=distinct)
+        for part in PARTS:
+            io = make_io(cfg, layer, batch, context=context, seed=11)
+            if part == "moe":
+                impl.attn(io)                        # a realistic MLP input for the moe part
+                torch.cuda.synchronize()
+            fn = {"layer": lambda: impl.layer(io), "attn": lambda: impl.attn(io), "moe": lambda: impl.moe(io)}[part]
+            g = capture(fn)
+            times = time_replays(g, io.reset, replays)
+            ev = _profile(lambda: [g.replay() for _ in range(3)])
+            gsum = summarize_graph_events(ev, 3)
+            io.reset()
+            trace_path = None
+            if perfetto_dir and batch == 1 and part == "layer":
+                trace_path = os.path.join(perfetto_dir, f"{kind}_{shape}_b{batch}_{impl_name}.json.gz")
+            st_ev = _profile(fn, trace_path)
+            io.reset()
+            nbytes = part_bytes(stages_bytes, part)
+            rec = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
+                   "cuda": env.get("cuda"), "tvm_ffi": env.get("tvm_ffi"),
+                   "layer_kind": kind, "shape": shape, "batch": batch, "context": context if kind == "mla_moe" else None,
+                   "impl": impl_name, "part": part, "kernels": gsum["kernels"], "kernel_us_sum": round(gsum["kernel_us_sum"], 3),
+                   "copies": gsum["copies"],
+                   "replay_us_median": round(_pct(times, 0.5), 3), "replay_us_p10": round(_pct(times, 0.1), 3),
+                   "replay_us_p90": round(_pct(times, 0.9), 3), "replays": len(times),
+                   "bytes": int(nbytes), "floor_us": round(floor_us(nbytes, copy_tbps), 3), "copy_tbps": round(copy_tbps, 4),
+                   "distinct_experts": distinct, "routing": "router on random inputs",
+                   "rel_err_vs_ref": err.get("attn" if part == "attn" else "layer"),
+                   "collectives": "not timed" if cfg.tp > 1 else "none (TP1)",
+                   "l2": "flushed (256 MB write) before each replay", "kernel_names": gsum["kernel_names"],
+                   "stages": summarize_stages(st_ev), "perfetto": os.path.basename(trace_path) if trace_path else None,
+                   "config": cfg.describe()}
+            records.append(rec)
+            log(f"  {impl_name:9s} {part:5s} kernels {rec['kernels']:6.1f}  replay {rec['replay_us_median']:9.1f} us  "
+                f"floor {rec['floor_us']:7.1f} us  err {rec['rel_err_vs_ref']}")
+            del g
+        log(f"  {impl_name} done in {time.time() - t0:.0f} s")
+        del impl
+        torch.cuda.empty_cache()
+    return records
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", nargs="+", default=["kda_moe", "mla_moe"])
+    ap.add_argument("--shapes", nargs="+", default=["k3_rank16", "k3_rank8", "full"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192], help="MLA cached tokens per request")
+    ap.add_argument("--impls", nargs="+", default=["ref", "compiled", "stock"])
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--out", default="traces/h200")
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("k3fast.trace needs a CUDA GPU; on this machine render the recorded traces with "
+              "`python -m k3fast.report`", file=sys.stderr)
+        return 2
+    env = environment()
+    bw = copy_bandwidth_tbps()
+    print(f"{env['gpu']} driver {env['driver']} torch {env['torch']} cutlass {env['cutlass']} commit {env['commit']}: "
+          f"copy {bw:.3f} TB/s", flush=True)
+    tag = args.tag or f"{env['date'][:10]}-{env['commit']}"
+    os.makedirs(args.out, exist_ok=True)
+    perfetto_dir = os.path.join(args.out, "perfetto")
+    cells = [(k, s, b, c) for k in args.kinds for s in args.shapes for b in args.batches
+             for c in (args.contexts if k == "mla_moe" else [0])]
+    records, t0 = [], time.time()
+    try:
+        from tqdm import tqdm
+        it = tqdm(cells, desc="cells", file=sys.stdout, mininterval=5)
+    except ImportError:
+        it = cells
+    for kind, shape, batch, ctx in it:
+        if time.time() - t0 > args.budget_s:
+            print(f"budget reached: skipping {kind} {shape} b{batch} ctx{ctx}", flush=True)
+            continue
+        print(f"{kind} {shape} batch {batch} context {ctx}", flush=True)
+        records += run_cell(kind, shape, batch, args.impls, context=ctx, replays=args.replays, env=env, copy_tbps=bw,
+                            perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True))
+        path = os.path.join(args.out, f"records-{tag}.json")
+        with open(path, "w") as f:
+            json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": records}, f, indent=1)
+    print(f"wrote {len(records)} records to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

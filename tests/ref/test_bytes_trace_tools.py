@@ -1,0 +1,82 @@
+"""The bytes model (hand-checked), the trace summariser and the record schema (CPU)."""
+import json
+
+import pytest
+
+from k3ref import k3, k3_rank, tiny
+from k3ref.bytes import expected_distinct_experts, expert_bytes, floor_us, layer_bytes, part_bytes
+
+pytestmark = pytest.mark.ref
+
+
+def test_expert_bytes_hand_checked():
+    # k3-spec.md 11.1: 3 x (5,505,024 data + 344,064 scale) = 17,547,264 B per expert at full width
+    assert expert_bytes(k3()) == 17_547_264
+    # TP16: padded 256-row slices: w1,w3 [256, 3584] + w2 [3584, 256], 4.25 bits per weight
+    assert expert_bytes(k3_rank(16)) == 3 * (256 * 3584 // 2 + 256 * 3584 // 32)
+
+
+def test_layer_bytes_match_spec_section_14():
+    cases = {("k3", "kda_moe"): 1561.8, ("k3_rank8", "kda_moe"): 298.3, ("k3_rank16", "kda_moe"): 214.0,
+             ("k3", "mla_moe"): 1125.3, ("k3_rank8", "mla_moe"): 268.6, ("k3_rank16", "mla_moe"): 213.3,
+             ("k3", "kda_dense"): 2354.5, ("k3_rank16", "kda_dense"): 149.3}
+    cfgs = {"k3": k3(), "k3_rank8": k3_rank(8), "k3_rank16": k3_rank(16)}
+    for (c, kind), mb in cases.items():
+        got = part_bytes(layer_bytes(cfgs[c], kind, 1, distinct_experts=16), "layer") / 1e6
+        assert abs(got - mb) / mb < 0.005, (c, kind, got, mb)   # the spec rounds activations differently
+
+
+def test_parts_add_up_and_state_scales_with_batch():
+    c = k3_rank(16)
+    st1, st8 = layer_bytes(c, "kda_moe", 1, distinct_experts=16), layer_bytes(c, "kda_moe", 8, distinct_experts=16)
+    assert part_bytes(st1, "attn") + part_bytes(st1, "moe") == part_bytes(st1, "layer")
+    core1 = next(s for s in st1 if s.stage == "k3.kda.core").state
+    core8 = next(s for s in st8 if s.stage == "k3.kda.core").state
+    assert core8 == 8 * core1 == 8 * 2 * (6 * 128 * 128 * 4 + 3 * 768 * 3 * 2)
+    mla = layer_bytes(c, "mla_moe", 2, context=1000, distinct_experts=16)
+    assert next(s for s in mla if s.stage == "k3.mla.core").state == 2 * (1000 + 1) * 576 * 2
+
+
+def test_distinct_experts_and_floor():
+    c = k3()
+    assert expected_distinct_experts(c, 1) == pytest.approx(16)
+    assert 110 < expected_distinct_experts(c, 8) < 125             # ~119 (vllm-k3-decode.md 0.1)
+    assert floor_us(4.3e6, 4.3) == pytest.approx(1.0)
+
+
+def test_stage_summariser_attributes_kernels():
+    from k3fast.trace import summarize_graph_events, summarize_stages
+    ev = [
+        {"cat": "user_annotation", "name": "k3.attn_res", "ts": 0, "dur": 100},
+        {"cat": "user_annotation", "name": "k3.kda.core", "ts": 100, "dur": 100},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "args": {"correlation": 1}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 150, "args": {"correlation": 2}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 160, "args": {"correlation": 3}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 500, "args": {"correlation": 4}},
+        {"cat": "kernel", "name": "a", "ts": 20, "dur": 3.0, "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "b", "ts": 170, "dur": 5.0, "args": {"correlation": 2}},
+        {"cat": "gpu_memcpy", "name": "c", "ts": 180, "dur": 1.0, "args": {"correlation": 3}},
+        {"cat": "kernel", "name": "d", "ts": 510, "dur": 2.0, "args": {"correlation": 4}},
+    ]
+    st = summarize_stages(ev)
+    assert st["k3.attn_res"] == {"kernels": 1, "copies": 0, "gpu_us": 3.0}
+    assert st["k3.kda.core"] == {"kernels": 1, "copies": 1, "gpu_us": 6.0}
+    assert st["unattributed"]["kernels"] == 1
+    g = summarize_graph_events(ev, replays=2)
+    assert g["kernels"] == 1.5 and g["kernel_us_sum"] == 5.0 and g["copies"] == 0.5
+
+
+def test_record_schema_validation(tmp_path):
+    from k3fast.report import load_records, table, validate
+    from k3fast.trace import SCHEMA_FIELDS
+    good = {k: 1.0 for k in SCHEMA_FIELDS}
+    good.update(layer_kind="kda_moe", shape="k3_rank16", batch=1, impl="stock", part="layer", replay_us_p10=0.9,
+                replay_us_p90=1.1, gpu="H200", commit="x", date="d", torch="t", cutlass="c", driver="v")
+    bad = dict(good, part="mlp", floor_us=0.0)
+    p = tmp_path / "records-x.json"
+    p.write_text(json.dumps({"records": [good, bad]}))
+    recs = load_records(str(p))
+    probs = validate(recs)
+    assert any("part 'mlp'" in s for s in probs) and any("floor_us" in s for s in probs)
+    assert not validate([r for r in recs if r["part"] == "layer"])
+    assert "| kda_moe | k3_rank16 | 1 |" in table([r for r in recs if r["part"] == "layer"])
