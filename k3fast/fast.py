@@ -1,0 +1,110 @@
+"""The fused decode step (``impl="fast"``): the CuTe DSL kernels chained with PDL, over the same static
+buffers as the other implementations (k3fast.impls.LayerIO).
+
+Attention half of a KDA layer (3 launches at batch <= 4):
+    attnres_rms_gemv      AttnRes #1 + input RMSNorm + packed in_proj [q|k|v|g|f_a|b]   (rms_gemv.py)
+    kda_conv_gate_step    conv + SiLU, f_b + decay gate, beta, L2 norms, delta rule, gated norm
+    oproj_attnres         o_proj + partial-sum update + AttnRes #2 + post-attention RMSNorm
+MoE half:
+    router_down_topk      router logits + latent down-projection + top-16 + renormalised weights
+    shared_expert_gate_up shared experts' gate/up + SiTU (independent of the routing)
+    moe_mxfp4_experts     routed experts, MXFP4 dequantised in registers, SiTU, w2, weighted combine
+    moe_tail              routed_expert_norm + latent up-projection + shared down-projection + add
+
+Weights are re-laid once at construction (packed in_proj, packed front, interleaved shared gate/up,
+MXFP4 tiles); nothing is compiled or allocated on the hot path after ``warmup``. MLA layers use the
+stock attention half (the fused MLA chain is not written yet).
+"""
+from __future__ import annotations
+
+import torch
+
+from k3ref import K3Config
+from k3ref.attnres import attn_res_u
+from k3ref.precision import Precision
+from k3ref.weights import KDAWeights, LayerWeights, MoEWeights
+
+from .nvtx import stage
+
+
+class FastImpl:
+    name = "fast"
+
+    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64):
+        from . import kda_conv_gate_step as kda_mod
+        from .moe_mxfp4_experts import prepare_mxfp4_experts
+        from .moe_tail import prepare_shared_gate_up
+        from .router_down_topk import prepare_front_weight
+        self.cfg, self.w, self.P = cfg, w, Precision.model()
+        P = self.P
+        self.u_attn = attn_res_u(w.attn_res, P).float().contiguous()
+        self.u_mlp = attn_res_u(w.mlp_res, P).float().contiguous()
+        a = w.attn
+        if isinstance(a, KDAWeights):
+            H = cfg.kda_heads
+            rows = torch.cat([a.q_proj, a.k_proj, a.v_proj, a.g_proj, a.f_a_proj, a.b_proj])
+            pad = kda_mod.proj_width(H) - rows.shape[0]
+            self.in_proj = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]).contiguous()
+            self.conv_w = torch.cat([a.q_conv, a.k_conv, a.v_conv]).view(-1, cfg.short_conv_kernel_size).float().contiguous()
+            self.stock_attn = None
+        else:
+            from .impls import StockImpl
+            self.stock_attn = StockImpl(cfg, w, max_batch=max_batch)
+        m = w.mlp
+        if isinstance(m, MoEWeights):
+            self.front = prepare_front_weight(m.gate, m.down)
+            self.experts = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
+            self.shared_gu = prepare_shared_gate_up(m.shared_gate, m.shared_up)
+            self.e_bias = m.e_score_correction_bias.float().contiguous()
+        self._ws = None
+
+    # ------------------------------------------------------------------------------------------ halves
+    def attn(self, io) -> None:
+        if self.stock_attn is not None:
+            return self.stock_attn.attn(io)
+        from .kda_conv_gate_step import kda_conv_gate_step
+        from .oproj_attnres import oproj_attnres
+        from .rms_gemv import attnres_rms_gemv
+        cfg, w, l = self.cfg, self.w, io.layer
+        boundary = cfg.is_block_boundary(l)
+        nb = cfg.num_blocks_before(l)
+        with stage("k3.kda.in_proj"):
+            proj, _ = attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm, self.in_proj,
+                                       eps=cfg.rms_norm_eps, block_write=(l // cfg.attn_res_block_size) if boundary else -1,
+                                       partial_out=io.partial)
+        with stage("k3.kda.core"):
+            y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
+                                   io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
+                                   lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps)
+        with stage("k3.o_proj"):
+            oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), io.partial, self.u_mlp,
+                          w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
+                          out_x=io.x_mlp, out_partial=io.partial)
+
+    def moe(self, io) -> None:
+        from .moe_mxfp4_experts import moe_mxfp4_experts
+        from .moe_tail import moe_tail, shared_expert_gate_up
+        from .router_down_topk import router_down_topk
+        cfg, m = self.cfg, self.w.mlp
+        x = io.x_mlp
+        with stage("k3.router"):
+            z, ids, ws = router_down_topk(x, self.front, self.e_bias, n_experts=cfg.num_experts,
+                                          top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor)
+        with stage("k3.moe.shared"):
+            h = shared_expert_gate_up(x, self.shared_gu)
+        with stage("k3.moe.experts"):
+            r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
+                                  situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x))
+        with stage("k3.moe.up"):
+            moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out)
+
+    def layer(self, io) -> None:
+        self.attn(io)
+        self.moe(io)
+
+    def _workspace(self, x):
+        if self._ws is None:
+            from . import moe_mxfp4_experts as mm
+            mk = getattr(mm, "make_workspace", None)
+            self._ws = mk(x.device) if mk is not None else None
+        return self._ws

@@ -1,0 +1,852 @@
+"""Routed experts of Kimi K3's Stable LatentMoE on H200: MXFP4 w1/w3 -> SiTU-GLU -> w2 -> late routing weight
+-> deterministic FP32 combine, in one CuTe DSL kernel (sm_90a).
+
+Replaces (k3-spec.md section 11, the routed half of the latent MoE; section 10 step 5 for the late weights):
+
+    for e in T(m):  a = bf16(z W1_e^T), c = bf16(z W3_e^T), h = bf16(SiTU(a, c)), y_e = bf16(h W2_e^T)
+    r[m] = bf16( sum_j topk_w[m, j] * fp32(y_{ids[m, j]}) )           (j in slot order 0..15)
+
+with SiTU(a, c) = [4 tanh(a/4) sigmoid(a)] * [25 tanh(c/25)] in FP32 (section 9), MXFP4 weights (section 11.1).
+
+Version log
+  v1  one persistent, clustered kernel.  Every CTA redoes a tiny counting sort of the M*16 (token, slot) pairs by
+      expert in shared memory (deterministic: a column's result does not depend on its position inside the MMA),
+      clusters of C CTAs take whole active experts (each expert's weights are read exactly once per pass of <= 8*GMAX
+      pairs); inside a cluster CTA rank c owns 1/C of the w13 rows and 1/C of the w2 rows, h (I values per pair)
+      is exchanged through DSMEM between the two phases (two cluster barriers per pass), FC2 writes bf16 y rows to a
+      [M*16, dL] workspace and the last of the 16 slot-CTAs of (token, row chunk) sums them in slot order
+      (acq_rel counter, self-resetting, so CUDA-graph replays need no memset).  Weights are MXFP4 decoded in
+      registers with a PRMT lookup table straight into mma.sync m16n8k16 bf16 A fragments (weights = M side,
+      pairs = N side); the E8M0 scale is applied once per 32-block on the fp32 partial of the two MMAs of that
+      block.  Compiled on CPU (sm_90a) only; NOT yet run on a GPU.  ptxas (remarks{ptx}), 256 threads/CTA:
+      rank16 M1/M8 142 regs, M64 150; rank8 M4 127, M64 200; full M1 154, M64 198; 0 spill bytes everywhere
+      -> 1 CTA per SM, grid = 132 // C clusters of C CTAs (C = 8 for M <= 8, else 4), ring depth D = 8.
+      Expected: ~2.7 ALU ops per weight (17 for the 8-code decode, 2 scale, 1/8 MMA...) -> issue ceiling ~6 TB/s of
+      MXFP4, so HBM-bound; guess 70-80 % of 4.3 TB/s at batch >= 8, 50-60 % at batch 1 (prologue + 2 cluster
+      barriers + pipeline fill on 5 us of work).
+
+Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
+
+  per expert: w13 2*I*dL/2 * (1 + 1/16), w2 dL*I/2 * (1 + 1/16)
+  config      I     per expert   batch 1 (16)        batch 8 (~119)       batch 64 (~610)
+  k3_rank16   256   1.462 MB     23.4 MB -> 5.4 us   174 MB -> 40.4 us    892 MB -> 207 us
+  k3_rank8    384   2.193 MB     35.1 MB -> 8.2 us   261 MB -> 60.7 us    1338 MB -> 311 us
+  full (TP1)  3072  17.55 MB     281 MB -> 65 us     2088 MB -> 486 us    10.7 GB -> 2.49 ms
+  Target (issue): >= 75 % of 4.3 TB/s at batch 8 and 64 (rank16: <= 54 us and <= 276 us).
+  Activations (z, h, y workspace, r) add < 8 MB at batch 64 and live in L2.
+
+Layout (prepare_mxfp4_experts, once at load time): weights are tiled in 16-row MMA tiles; for w13 a tile holds 8 w1
+rows and the 8 w3 rows of the same outputs (rows g and g+8 of the fragment: a thread owns a and c of an output).
+For each (expert, tile, 64-wide K step) the 32 lanes each load 16 contiguous bytes = the A fragments of 4 MMAs
+(2 MXFP4 blocks x 2 k16 steps); the K index inside a block is permuted identically on the A and B sides, so a lane's
+B operand is 16 contiguous bytes of z (or h).  One 32-bit word = 8 codes = one A fragment; nibble n holds a 3-bit
+magnitude, and its bit 3 holds the sign of a *different* code chosen so that (word << 4j) & 0x80008000 are the two
+signs of output register j.  Scales: per (expert, tile, K step) 8 words, word g = bytes
+(row g, block 0), (row g+8, block 0), (row g, block 1), (row g+8, block 1).
+
+Numerics: decoded magnitudes are exact bf16; MMA accumulates fp32; the power-of-two scale multiplies the fp32
+partial of each block (exact).  E8M0 byte 0 is treated as scale 0 (2^-127 is not an fp32 normal; it only matters for
+all-zero blocks); 255 (NaN) is not special-cased.  a, c, h, y are rounded to bf16 where the stock model rounds.
+The combine is deterministic (fixed slot order, no float atomics); the bf16 output is bit-reproducible run to run.
+
+Contracts: launched with PDL; everything (ids, weights, z) is read after griddepcontrol.wait, because the routing
+decides which weights to read.  The workspace's counters must start at zero (make_workspace) and stay owned by one
+stream at a time.  A token may list the same expert twice (both slots are computed and summed).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+
+E2M1_MAG = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# bf16 bytes of the 8 magnitudes (hi = sign/exponent byte, lo = exponent lsb + mantissa byte), little-endian words
+_LUT_HI = (0x3F3F3F00, 0x40404040)   # magnitudes 0..3, 4..7
+_LUT_LO = (0xC0800000, 0xC0804000)
+# nibble n of a stored word carries (bit 3) the sign of code _SIGN_OF_NIBBLE[n]
+_SIGN_HOLDER = (3, 7, 2, 6, 1, 5, 0, 4)          # code c -> nibble whose bit 3 holds its sign
+_SIGN_OF_NIBBLE = tuple(_SIGN_HOLDER.index(n) for n in range(8))
+# nibble n <- (row half hr, kk) : n = 4*(kk//2) + 2*hr + kk%2
+_NIB_HR = tuple((n // 2) % 2 for n in range(8))
+_NIB_KK = tuple(2 * (n // 4) + n % 2 for n in range(8))
+
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_M = 64
+TOPK = 16
+
+
+# ----------------------------------------------------------------------------------------------- host-side layout
+
+@dataclass(frozen=True)
+class PreparedExperts:
+    """Kernel layout of the routed experts (see module docstring).  All int32, contiguous."""
+    w13q: torch.Tensor     # [E, I/8, dL/64, 32, 4]
+    w13s: torch.Tensor     # [E, I/8, dL/64, 8]
+    w2q: torch.Tensor      # [E, dL/16, I/64, 32, 4]
+    w2s: torch.Tensor      # [E, dL/16, I/64, 8]
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        E, t1, kb1 = self.w13q.shape[:3]
+        return E, 8 * t1, 64 * kb1          # E, I, dL
+
+
+def _unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] uint8 -> [..., K] codes 0..15 (low nibble = even column)."""
+    lo = packed & 0xF
+    hi = packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _pack_tiles(codes: torch.Tensor, scales: torch.Tensor):
+    """codes [E, T, 16, K] uint8 (0..15), scales [E, T, 16, K/32] uint8 -> (q [E,T,K/64,32,4] i32, s [E,T,K/64,8] i32)."""
+    E, T, R, K = codes.shape
+    assert R == 16 and K % 64 == 0
+    KB = K // 64
+    c = codes.to(torch.int64).reshape(E, T, 2, 8, KB, 2, 4, 2, 4)        # hr g kb bb t s2 kk
+    c = c.permute(0, 1, 4, 3, 6, 5, 7, 2, 8)                              # E T kb g t bb s2 hr kk
+    nib_codes = torch.stack([c[..., _NIB_HR[n], _NIB_KK[n]] for n in range(8)], dim=-1)   # [..., 8]
+    mag = nib_codes & 7
+    sign = nib_codes >> 3
+    word = torch.zeros(nib_codes.shape[:-1], dtype=torch.int64, device=codes.device)
+    for n in range(8):
+        nib = mag[..., n] | (sign[..., _SIGN_OF_NIBBLE[n]] << 3)
+        word |= nib << (4 * n)
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    q = word.reshape(E, T, KB, 32, 4).contiguous()                       # lane = 4g + t, word = 2bb + s2
+    s = scales.to(torch.int64).reshape(E, T, 2, 8, KB, 2)                 # hr g kb bb
+    s = s.permute(0, 1, 4, 3, 5, 2)                                       # E T kb g bb hr  (byte = 2bb + hr)
+    sw = s[..., 0, 0] | (s[..., 0, 1] << 8) | (s[..., 1, 0] << 16) | (s[..., 1, 1] << 24)
+    sw = torch.where(sw >= 2 ** 31, sw - 2 ** 32, sw).to(torch.int32).contiguous()
+    return q, sw
+
+
+def _unpack_tiles(q: torch.Tensor, sw: torch.Tensor):
+    """Inverse of _pack_tiles: -> codes [E, T, 16, K] uint8, scales [E, T, 16, K/32] uint8."""
+    E, T, KB = q.shape[:3]
+    w = q.to(torch.int64) & 0xFFFFFFFF
+    w = w.reshape(E, T, KB, 8, 4, 2, 2)                                   # kb g t bb s2
+    nibs = torch.stack([(w >> (4 * n)) & 0xF for n in range(8)], dim=-1)
+    codes_n = torch.empty_like(nibs)
+    for n in range(8):
+        holder = _SIGN_HOLDER[n]                                          # code n's sign sits in nibble `holder`
+        codes_n[..., n] = (nibs[..., n] & 7) | (nibs[..., holder] & 8)
+    out = torch.empty(E, T, KB, 8, 4, 2, 2, 2, 4, dtype=torch.int64, device=q.device)     # ... hr kk
+    for n in range(8):
+        out[..., _NIB_HR[n], _NIB_KK[n]] = codes_n[..., n]
+    out = out.permute(0, 1, 7, 3, 2, 5, 4, 6, 8).reshape(E, T, 16, KB * 64)   # E T hr g kb bb t s2 kk
+    s = sw.to(torch.int64) & 0xFFFFFFFF
+    sb = torch.stack([(s >> (8 * i)) & 0xFF for i in range(4)], dim=-1).reshape(E, T, KB, 8, 2, 2)  # bb hr
+    sb = sb.permute(0, 1, 5, 3, 2, 4).reshape(E, T, 16, KB * 2)          # E T hr g kb bb
+    return out.to(torch.uint8), sb.to(torch.uint8)
+
+
+def prepare_mxfp4_experts(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale) -> PreparedExperts:
+    """Checkpoint layout -> kernel layout (run once at load time; CPU or GPU tensors, result on the same device).
+
+    w1/w3_packed [E, I, dL/2] u8, w1/w3_scale [E, I, dL/32] u8, w2_packed [E, dL, I/2] u8, w2_scale [E, dL, I/32] u8.
+    """
+    for n, t in [("w1_packed", w1_packed), ("w1_scale", w1_scale), ("w3_packed", w3_packed),
+                 ("w3_scale", w3_scale), ("w2_packed", w2_packed), ("w2_scale", w2_scale)]:
+        check_tensor(n, t, dtype=torch.uint8, contiguous=False, align=0)
+        if t.dim() != 3:
+            raise ValueError(f"{n}: expected 3 dims, got {list(t.shape)}")
+    E, I, half = w1_packed.shape
+    dL = 2 * half
+    if I % 64 or dL % 64:
+        raise ValueError(f"I={I} and dL={dL} must be multiples of 64")
+    for n, t, shp in [("w1_scale", w1_scale, (E, I, dL // 32)), ("w3_packed", w3_packed, (E, I, dL // 2)),
+                      ("w3_scale", w3_scale, (E, I, dL // 32)), ("w2_packed", w2_packed, (E, dL, I // 2)),
+                      ("w2_scale", w2_scale, (E, dL, I // 32))]:
+        if tuple(t.shape) != shp:
+            raise ValueError(f"{n}: expected shape {list(shp)}, got {list(t.shape)}")
+    # chunks of experts keep the int64 temporaries small; runs on the tensors' device (GPU: ~1 s for K3)
+    q13, s13, q2, s2 = [], [], [], []
+    step = max(1, (1 << 24) // (I * dL))
+    for e0 in range(0, E, step):
+        e1 = min(E, e0 + step)
+        n = e1 - e0
+        c1 = _unpack_codes(w1_packed[e0:e1]).reshape(n, I // 8, 8, dL)
+        c3 = _unpack_codes(w3_packed[e0:e1]).reshape(n, I // 8, 8, dL)
+        sc1 = w1_scale[e0:e1].reshape(n, I // 8, 8, dL // 32)
+        sc3 = w3_scale[e0:e1].reshape(n, I // 8, 8, dL // 32)
+        q, s = _pack_tiles(torch.cat([c1, c3], dim=2), torch.cat([sc1, sc3], dim=2))
+        q13.append(q)
+        s13.append(s)
+        c2 = _unpack_codes(w2_packed[e0:e1]).reshape(n, dL // 16, 16, I)
+        sc2 = w2_scale[e0:e1].reshape(n, dL // 16, 16, I // 32)
+        q, s = _pack_tiles(c2, sc2)
+        q2.append(q)
+        s2.append(s)
+    outs = [torch.cat(x).contiguous() for x in (q13, s13, q2, s2)]
+    return PreparedExperts(*outs)
+
+
+def dequant_checkpoint(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Exact MXFP4 dequant of a checkpoint tensor [..., R, K/2] + [..., R, K/32] -> float32 [..., R, K]."""
+    codes = _unpack_codes(packed).to(torch.int64)
+    mag = torch.tensor(E2M1_MAG, dtype=torch.float32, device=packed.device)[codes & 7]
+    val = torch.where((codes & 8) != 0, -mag, mag)
+    sc = torch.exp2(scale.to(torch.float32) - 127.0)
+    return val * sc.repeat_interleave(32, dim=-1)
+
+
+def dequant_prepared(prep: PreparedExperts):
+    """Exact float32 dequant of the kernel layout -> (w1 [E,I,dL], w3 [E,I,dL], w2 [E,dL,I]) (for tests)."""
+    E, I, dL = prep.dims
+    c13, s13 = _unpack_tiles(prep.w13q, prep.w13s)                       # [E, I/8, 16, dL]
+    c2, s2 = _unpack_tiles(prep.w2q, prep.w2s)                           # [E, dL/16, 16, I]
+
+    def val(c, s):
+        c = c.to(torch.int64)
+        mag = torch.tensor(E2M1_MAG, dtype=torch.float32, device=c.device)[c & 7]
+        v = torch.where((c & 8) != 0, -mag, mag)
+        return v * torch.exp2(s.to(torch.float32) - 127.0).repeat_interleave(32, dim=-1)
+
+    w13 = val(c13, s13)
+    w1 = w13[:, :, :8].reshape(E, I, dL)
+    w3 = w13[:, :, 8:].reshape(E, I, dL)
+    w2 = val(c2, s2).reshape(E, dL, I)
+    return w1, w3, w2
+
+
+def expert_bytes(dL: int, I: int) -> int:
+    """MXFP4 data + E8M0 scale bytes of one expert (w1, w3, w2)."""
+    return 3 * (I * dL // 2 + I * dL // 32)
+
+
+def distinct_expert_bytes(topk_ids: torch.Tensor, cfg_dims) -> int:
+    """Bytes of expert weights that must be read for this routing: distinct experts x expert_bytes.
+
+    cfg_dims: (dL, I) or a K3Config (uses routed_expert_hidden_size and expert_intermediate).  CPU ok; syncs.
+    """
+    if hasattr(cfg_dims, "routed_expert_hidden_size"):
+        dL, I = cfg_dims.routed_expert_hidden_size, cfg_dims.expert_intermediate
+    else:
+        dL, I = cfg_dims
+    n = int(torch.unique(topk_ids.reshape(-1)).numel())
+    return n * expert_bytes(dL, I)
+
+
+# ----------------------------------------------------------------------------------------------- configuration
+
+def m_bucket(M: int) -> int:
+    for b in M_BUCKETS:
+        if M <= b:
+            return b
+    raise ValueError(f"batch M={M} exceeds {MAX_M}")
+
+
+def default_cluster(MB: int) -> int:
+    # Expected distinct experts (E=896, top-16): 16, 32, 63, 119, 215, 392, 610 for M = 1..64.  Whole-expert work
+    # items over 132/C clusters: C = 8 keeps the last wave >= 93 % full up to M = 8; above that C = 4 (>= 93 %).
+    return 8 if MB <= 8 else 4
+
+
+@dataclass(frozen=True)
+class KernelCfg:
+    E: int
+    dL: int
+    I: int
+    MB: int          # batch bucket (max M this binary accepts)
+    C: int           # cluster size (CTAs per expert)
+    D: int = 8       # register ring depth (16-byte weight loads in flight per lane)
+    W: int = 8       # warps per CTA
+    nsm: int = 132
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+
+    def __post_init__(self):
+        if self.dL % 64 or self.I % 64:
+            raise ValueError("dL and I must be multiples of 64")
+        if self.I % (8 * self.C) or (self.dL // 16) % self.C:
+            raise ValueError(f"cluster size {self.C} does not divide the tiles (I={self.I}, dL={self.dL})")
+        if self.E > 1024 * 4:
+            raise ValueError("E too large for the in-CTA routing sort")
+        if self.NKB1 % self.S:
+            raise ValueError("K split does not divide the FC1 K steps")
+
+    @property
+    def T1(self):           # FC1 tiles (16 rows = 8 outputs) per CTA
+        return self.I // (8 * self.C)
+
+    @property
+    def S(self):            # FC1 K-split so that T1 * S is a multiple of W
+        return self.W // math.gcd(self.T1, self.W)
+
+    @property
+    def U1(self):
+        return self.T1 * self.S // self.W
+
+    @property
+    def NKB1(self):
+        return self.dL // 64
+
+    @property
+    def KS1(self):
+        return self.NKB1 // self.S
+
+    @property
+    def T2(self):
+        return self.dL // 16 // self.C
+
+    @property
+    def U2(self):
+        return -(-self.T2 // self.W)
+
+    @property
+    def NKB2(self):
+        return self.I // 64
+
+    @property
+    def GMAX(self):         # 8-column MMA groups per pass
+        return 1 if self.MB <= 8 else 2
+
+    @property
+    def NT(self):           # pairs per pass
+        return 8 * self.GMAX
+
+    @property
+    def PMAX(self):
+        return TOPK * self.MB
+
+    @property
+    def Q(self):            # clusters in the grid
+        return max(1, min(self.PMAX, self.nsm // self.C))
+
+    @property
+    def HW(self):           # h row stride in 32-bit words (64 B pad: conflict-free 16 B loads)
+        return self.I // 2 + 16
+
+    @property
+    def threads(self):
+        return 32 * self.W
+
+
+# ----------------------------------------------------------------------------------------------- the kernel
+
+def _build_kernel_class():
+    cutlass, cute = import_cute()
+    from cutlass import Float32, Int32, BFloat16, const_expr
+    from cutlass.cutlass_dsl import T
+    from cutlass._mlir.dialects import llvm
+
+    def _i(x):
+        return Int32(x).ir_value()
+
+    def prmt(a, b, sel):
+        return Int32(llvm.inline_asm(T.i32(), [_i(a), _i(b), _i(sel)], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                                     has_side_effects=False, is_align_stack=False,
+                                     asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def mma(a, b0, b1, c):
+        """mma.sync m16n8k16 bf16 -> fp32; a: 4 x i32 (bf16x2), b0/b1: i32, c: 4 x f32."""
+        st = llvm.StructType.get_literal([T.f32()] * 4)
+        r = llvm.inline_asm(
+            st, [_i(a[0]), _i(a[1]), _i(a[2]), _i(a[3]), _i(b0), _i(b1)] + [Float32(x).ir_value() for x in c],
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+            "{$10,$11,$12,$13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT)
+        return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+
+    def st_cluster_v4(local_addr, rank, v):
+        llvm.inline_asm(None, [_i(local_addr), _i(rank), _i(v[0]), _i(v[1]), _i(v[2]), _i(v[3])],
+                        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $0, $1;\n"
+                        "st.shared::cluster.v4.b32 [ra], {$2, $3, $4, $5};\n}",
+                        "r,r,r,r,r,r", has_side_effects=True, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    def decode8(w, lut):
+        """8 stored codes -> 4 bf16x2 A registers (see module docstring for the bit layout)."""
+        m = w & 0x77777777
+        mh = (m >> 16) & 0xFFFF
+        hA = prmt(lut[0], lut[1], m)
+        lA = prmt(lut[2], lut[3], m)
+        hB = prmt(lut[0], lut[1], mh)
+        lB = prmt(lut[2], lut[3], mh)
+        sm = Int32(-2147450880)     # 0x80008000
+        o0 = prmt(lA, hA, 0x5140) | (w & sm)
+        o1 = prmt(lA, hA, 0x7362) | ((w << 4) & sm)
+        o2 = prmt(lB, hB, 0x5140) | ((w << 8) & sm)
+        o3 = prmt(lB, hB, 0x7362) | ((w << 12) & sm)
+        return [o0, o1, o2, o3]
+
+    def scale_f32(sw, j):
+        """E8M0 byte j of the scale word -> fp32 2^(s-127) (bits s << 23)."""
+        if const_expr(j == 3):
+            bits = (sw >> 1) & 0x7F800000
+        else:
+            bits = (sw << (23 - 8 * j)) & 0x7F800000
+        return bits.bitcast(Float32) if hasattr(bits, "bitcast") else Int32(bits).bitcast(Float32)
+
+    def mma_block(a, bv, sv, bb, acc, gi):
+        """The two k16 MMAs of MXFP4 block bb (fresh fp32 partial), then acc += partial * 2^(scale - 127)."""
+        zero = [Float32(0.0)] * 4
+        tmp = mma(a[2 * bb], bv[0], bv[1], zero)
+        tmp = mma(a[2 * bb + 1], bv[2], bv[3], tmp)
+        fg = scale_f32(sv, 2 * bb)
+        fg8 = scale_f32(sv, 2 * bb + 1)
+        acc[gi * 4 + 0] = acc[gi * 4 + 0] + tmp[0] * fg
+        acc[gi * 4 + 1] = acc[gi * 4 + 1] + tmp[1] * fg
+        acc[gi * 4 + 2] = acc[gi * 4 + 2] + tmp[2] * fg8
+        acc[gi * 4 + 3] = acc[gi * 4 + 3] + tmp[3] * fg8
+
+    def emit_h(stage_bf, hcols, c, tile, gg, tt, gi, a0, a1, c0, c1):
+        """h = bf16(SiTU(bf16(a), bf16(c))) for local output 8*tile+gg, pair columns 8gi+2tt(+1) -> stage."""
+        for q in range(2):
+            av = (a0 if q == 0 else a1).to(BFloat16).to(Float32)
+            cv = (c0 if q == 0 else c1).to(BFloat16).to(Float32)
+            act = (c.situ_beta * cute.math.tanh(av * (1.0 / c.situ_beta))) / (1.0 + cute.math.exp(-av))
+            up = c.situ_linear_beta * cute.math.tanh(cv * (1.0 / c.situ_linear_beta))
+            stage_bf[(gi * 8 + 2 * tt + q) * hcols + tile * 8 + gg] = (act * up).to(BFloat16)
+
+    class MoeMxfp4Experts:
+        def __init__(self, cfg: KernelCfg):
+            self.cfg = cfg
+            c = cfg
+            self.EPT = -(-c.E // c.threads)
+            # shared memory carve-up (bytes, all 16-aligned)
+            self.n_part = c.T1 * c.S * c.GMAX * 32 * 4 if c.S > 1 else 4
+            self.n_stage = c.NT * (c.I // c.C) // 2          # int32 words
+            sizes = [
+                ("cnt", 4 * c.E), ("act_e", 4 * c.PMAX), ("act_off", 4 * (c.PMAX + 4)), ("slot", 4 * c.PMAX),
+                ("sorted", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * c.NT * c.HW), ("stage", 4 * self.n_stage),
+                ("part", 4 * self.n_part),
+            ]
+            self.smem_bytes = sum(-(-b // 16) * 16 for _, b in sizes) + 256
+
+        @cute.jit
+        def __call__(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mCnt, mOut, stream):
+            c = self.cfg
+            self.kernel(mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mCnt, mOut).launch(
+                grid=[c.Q * c.C, 1, 1], block=[c.threads, 1, 1], cluster=[c.C, 1, 1],
+                smem=self.smem_bytes, stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mCnt, mOut):
+            c = self.cfg
+            W, D, GMAX, NT, C = c.W, c.D, c.GMAX, c.NT, c.C
+            tid, _, _ = cute.arch.thread_idx()
+            bid, _, _ = cute.arch.block_idx()
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            g = lane // 4
+            t = lane % 4
+            rank = bid % C
+            qid = bid // C
+            M = cute.size(mZ, mode=[0])
+            P = M * TOPK
+
+            smem = cutlass.memory.SmemAllocator()
+            cnt_s = smem.allocate_tensor(Int32, cute.make_layout(c.E), 16)
+            act_e = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
+            act_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16)
+            slot_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
+            sorted_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
+            scr = smem.allocate_tensor(Int32, cute.make_layout(64), 16)
+            h_s = smem.allocate_tensor(Int32, cute.make_layout((NT, c.HW), stride=(c.HW, 1)), 16)
+            stage_s = smem.allocate_tensor(Int32, cute.make_layout(self.n_stage), 16)
+            part_s = smem.allocate_tensor(Float32, cute.make_layout(self.n_part), 16)
+
+            lut = [Int32(_LUT_HI[0]), Int32(_LUT_HI[1]), Int32(-1065353216), Int32(-1065336832)]
+            # (0xC0800000, 0xC0804000 as signed int32)
+
+            # views: 16-byte rows of the weight streams, 4-word chunks of z / h, 8-wide bf16 chunks of y / out
+            gZ = cute.flat_divide(mZ, (1, 4))            # (1, 4, M, dL/8)
+            gH = cute.flat_divide(h_s, (1, 4))           # (1, 4, NT, HW/4)
+            gY = cute.flat_divide(mY, (1, 8))            # (1, 8, rows, dL/8)
+            gO = cute.flat_divide(mOut, (1, 8))
+            # y rows were written by other CTAs during this launch: read them from L2 (.cg), never from L1
+            ycg = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
+                                      load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
+
+            stage_bf = cute.recast_tensor(stage_s, BFloat16)
+            ringW = cute.make_rmem_tensor(cute.make_layout((D, 4), stride=(4, 1)), Int32)
+            ringS = cute.make_rmem_tensor(cute.make_layout(D), Int32)
+            acc = cute.make_rmem_tensor(cute.make_layout(GMAX * 4), Float32)
+            zrow = cute.make_rmem_tensor(cute.make_layout(GMAX), Int32)
+            ypair = cute.make_rmem_tensor(cute.make_layout(GMAX * 2), Int32)
+            bv = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+
+            # ---------------------------------------------------------------- routing: counting sort by expert
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+            for e in cutlass.range(tid, c.E, c.threads):
+                cnt_s[e] = Int32(0)
+            cute.arch.barrier()
+            for p in cutlass.range(tid, P, c.threads):
+                ex = mIds[p // TOPK, p % TOPK]
+                slot_s[p] = cute.arch.atomic_add(cnt_s.iterator + ex, Int32(1), scope="cta")
+            cute.arch.barrier()
+            # block scan over experts: thread owns experts [tid*EPT, tid*EPT+EPT); packs (#active << 16 | #pairs)
+            loc = Int32(0)
+            for k in cutlass.range_constexpr(self.EPT):
+                e = tid * self.EPT + k
+                if e < c.E:
+                    n = cnt_s[e]
+                    loc = loc + n + ((n > 0).to(Int32) << 16)
+            incl = loc
+            for sh in cutlass.range_constexpr(5):
+                o = cute.arch.shuffle_sync_up(incl, 1 << sh)
+                if lane >= (1 << sh):
+                    incl = incl + o
+            if lane == 31:
+                scr[warp] = incl
+            cute.arch.barrier()
+            base = Int32(0)
+            for w2 in cutlass.range_constexpr(W):
+                if w2 < warp:
+                    base = base + scr[w2]
+            excl = base + incl - loc
+            ua = excl >> 16
+            pa = excl & 0xFFFF
+            for k in cutlass.range_constexpr(self.EPT):
+                e = tid * self.EPT + k
+                if e < c.E:
+                    n = cnt_s[e]
+                    if n > 0:
+                        act_e[ua] = e
+                        act_off[ua] = pa
+                        cnt_s[e] = pa
+                        ua = ua + 1
+                        pa = pa + n
+            if tid == c.threads - 1:
+                scr[32] = ua
+                act_off[ua] = pa
+            cute.arch.barrier()
+            for p in cutlass.range(tid, P, c.threads):
+                ex = mIds[p // TOPK, p % TOPK]
+                sorted_s[cnt_s[ex] + slot_s[p]] = p
+            n_active = scr[32]
+            cute.arch.barrier()
+
+            # ---------------------------------------------------------------- expert loop
+            h_base = h_s.iterator.toint()
+            h_flat = cute.make_tensor(h_s.iterator, cute.make_layout(NT * c.HW))
+            hcols = c.I // C
+            NS1 = c.U1 * c.KS1
+            NS1_pad = -(-NS1 // D) * D
+            NS2 = c.U2 * c.NKB2
+            NS2_pad = -(-NS2 // D) * D
+            NV = c.dL // 8 // C
+            s8 = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+            ry = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
+            ro = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
+            for u in cutlass.range(qid, n_active, c.Q):
+                ex = act_e[u]
+                off = act_off[u]
+                n_e = act_off[u + 1] - off
+                for pb in cutlass.range(0, n_e, NT):
+                    npass = cutlass.min(n_e - pb, NT)
+                    # this lane's B-operand rows (pair column g of each group) and y columns (2t, 2t+1)
+                    for gi in cutlass.range_constexpr(GMAX):
+                        nn = cutlass.min(gi * 8 + g, npass - 1)
+                        zrow[gi] = sorted_s[off + pb + nn] // TOPK
+                        for q in cutlass.range_constexpr(2):
+                            n2 = gi * 8 + 2 * t + q
+                            ypair[gi * 2 + q] = Int32(-1)
+                            if n2 < npass:
+                                ypair[gi * 2 + q] = sorted_s[off + pb + n2]
+
+                    # ======================= FC1: CTA-local tiles [0, T1) of w13 (global rank*T1 + tile), K = dL.
+                    # Warp w streams units uu = w + W*i (tile = uu // S, K part ks = uu % S), KS1 steps each; the
+                    # 16-byte loads of step s + D are issued before step s is decoded (register ring).
+                    t1_base = ex * (c.I // 8) + rank * c.T1
+                    for d in cutlass.range_constexpr(D):
+                        if const_expr(d < NS1):
+                            i_ = d // c.KS1
+                            uu_ = warp + W * i_
+                            kb_ = (uu_ % c.S) * c.KS1 + (d - i_ * c.KS1)
+                            row_ = (t1_base + uu_ // c.S) * c.NKB1 + kb_
+                            cute.autovec_copy(mW13q[row_ * 32 + lane, None], ringW[d, None])
+                            ringS[d] = mW13s[row_ * 8 + g]
+                    for s0 in cutlass.range(0, NS1_pad, D):
+                        for d in cutlass.range_constexpr(D):
+                            s = s0 + d
+                            if s < NS1:
+                                wv = [ringW[d, j] for j in range(4)]
+                                sv = ringS[d]
+                                if s + D < NS1:
+                                    s_ = s + D
+                                    i_ = s_ // c.KS1
+                                    uu_ = warp + W * i_
+                                    kb_ = (uu_ % c.S) * c.KS1 + (s_ - i_ * c.KS1)
+                                    row_ = (t1_base + uu_ // c.S) * c.NKB1 + kb_
+                                    cute.autovec_copy(mW13q[row_ * 32 + lane, None], ringW[d, None])
+                                    ringS[d] = mW13s[row_ * 8 + g]
+                                i = s // c.KS1
+                                kk = s - i * c.KS1
+                                uu = warp + W * i
+                                tile = uu // c.S
+                                kb = (uu - tile * c.S) * c.KS1 + kk
+                                if kk == 0:
+                                    acc.fill(0.0)
+                                a = [decode8(wv[j], lut) for j in range(4)]
+                                for gi in cutlass.range_constexpr(GMAX):
+                                    if gi * 8 < npass:
+                                        for bb in cutlass.range_constexpr(2):
+                                            cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
+                                            mma_block(a, bv, sv, bb, acc, gi)
+                                if kk == c.KS1 - 1:
+                                    if const_expr(c.S > 1):
+                                        for x in cutlass.range_constexpr(GMAX * 4):
+                                            part_s[(uu * GMAX * 32 + lane) * 4 + (x // 4) * 128 + x % 4] = acc[x]
+                                    else:
+                                        for gi in cutlass.range_constexpr(GMAX):
+                                            emit_h(stage_bf, hcols, c, tile, g, t, gi, acc[gi * 4 + 0],
+                                                   acc[gi * 4 + 1], acc[gi * 4 + 2], acc[gi * 4 + 3])
+
+                    # cluster barrier A: every CTA of the cluster finished reading h_s of the previous pass
+                    if const_expr(C == 1):
+                        cute.arch.barrier()
+                    else:
+                        cute.arch.cluster_arrive()
+                        cute.arch.cluster_wait()
+                    if const_expr(c.S > 1):
+                        # deterministic K-split reduction (fixed ks order), then SiTU
+                        for idx in cutlass.range(tid, c.T1 * GMAX * 32, c.threads):
+                            ln = idx % 32
+                            gi_r = (idx // 32) % GMAX
+                            tile_r = idx // (32 * GMAX)
+                            s4 = [Float32(0.0)] * 4
+                            for ks in cutlass.range_constexpr(c.S):
+                                uu_r = tile_r * c.S + ks
+                                for x in cutlass.range_constexpr(4):
+                                    s4[x] = s4[x] + part_s[((uu_r * GMAX + gi_r) * 32 + ln) * 4 + x]
+                            emit_h(stage_bf, hcols, c, tile_r, ln // 4, ln % 4, gi_r, s4[0], s4[1], s4[2], s4[3])
+                        cute.arch.barrier()
+                    # this CTA's h columns -> every CTA of the cluster (16-byte DSMEM stores)
+                    for idx in cutlass.range(tid, NT * c.T1 * C, c.threads):
+                        dst = idx % C
+                        ch = (idx // C) % c.T1
+                        n = idx // (C * c.T1)
+                        src = n * (c.T1 * 4) + ch * 4
+                        v = [stage_s[src + x] for x in range(4)]
+                        dword = n * c.HW + rank * (hcols // 2) + ch * 4
+                        if const_expr(C == 1):
+                            for x in cutlass.range_constexpr(4):
+                                h_flat[dword + x] = v[x]
+                        else:
+                            st_cluster_v4(h_base + dword * 4, dst, v)
+                    # cluster barrier B: h complete in every CTA
+                    if const_expr(C == 1):
+                        cute.arch.barrier()
+                    else:
+                        cute.arch.cluster_arrive()
+                        cute.arch.cluster_wait()
+
+                    # ======================= FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I.
+                    t2_base = ex * (c.dL // 16) + rank * c.T2
+                    for d in cutlass.range_constexpr(D):
+                        if const_expr(d < NS2):
+                            i_ = d // c.NKB2
+                            tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
+                            row_ = (t2_base + tl_) * c.NKB2 + (d - i_ * c.NKB2)
+                            cute.autovec_copy(mW2q[row_ * 32 + lane, None], ringW[d, None])
+                            ringS[d] = mW2s[row_ * 8 + g]
+                    for s0 in cutlass.range(0, NS2_pad, D):
+                        for d in cutlass.range_constexpr(D):
+                            s = s0 + d
+                            if s < NS2:
+                                wv = [ringW[d, j] for j in range(4)]
+                                sv = ringS[d]
+                                if s + D < NS2:
+                                    s_ = s + D
+                                    i_ = s_ // c.NKB2
+                                    tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
+                                    row_ = (t2_base + tl_) * c.NKB2 + (s_ - i_ * c.NKB2)
+                                    cute.autovec_copy(mW2q[row_ * 32 + lane, None], ringW[d, None])
+                                    ringS[d] = mW2s[row_ * 8 + g]
+                                i = s // c.NKB2
+                                kb = s - i * c.NKB2
+                                tile = warp + W * i
+                                if tile < c.T2:
+                                    if kb == 0:
+                                        acc.fill(0.0)
+                                    a = [decode8(wv[j], lut) for j in range(4)]
+                                    for gi in cutlass.range_constexpr(GMAX):
+                                        if gi * 8 < npass:
+                                            for bb in cutlass.range_constexpr(2):
+                                                cute.autovec_copy(gH[0, None, gi * 8 + g, kb * 8 + bb * 4 + t], bv)
+                                                mma_block(a, bv, sv, bb, acc, gi)
+                                    if kb == c.NKB2 - 1:
+                                        r0 = (rank * c.T2 + tile) * 16 + g
+                                        for gi in cutlass.range_constexpr(GMAX):
+                                            for q in cutlass.range_constexpr(2):
+                                                pr = ypair[gi * 2 + q]
+                                                if pr >= 0:
+                                                    mY[pr, r0] = acc[gi * 4 + q].to(BFloat16)
+                                                    mY[pr, r0 + 8] = acc[gi * 4 + 2 + q].to(BFloat16)
+
+                    # ======================= combine: the 16th arrival of (token, row chunk) sums the slots in order
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.barrier()
+                    if tid < npass:
+                        pr = sorted_s[off + pb + tid]
+                        m = pr // TOPK
+                        old = cute.arch.atomic_add(mCnt.iterator + (m * C + rank), Int32(1),
+                                                   sem="acq_rel", scope="gpu")
+                        last = Int32(-1)
+                        if old == TOPK - 1:
+                            mCnt[m * C + rank] = Int32(0)      # self-reset for the next launch / graph replay
+                            last = m
+                        scr[33 + tid] = last
+                    cute.arch.barrier()
+                    for n in cutlass.range(0, npass):
+                        m = scr[33 + n]
+                        if m >= 0:
+                            for v in cutlass.range(tid, NV, c.threads):
+                                vv = rank * NV + v
+                                s8.fill(0.0)
+                                for j in cutlass.range_constexpr(TOPK):
+                                    wj = mTw[m, j]
+                                    cute.copy(ycg, gY[0, None, m * TOPK + j, vv], ry)
+                                    s8.store(s8.load() + ry.load().to(Float32) * wj)
+                                ro.store(s8.load().to(BFloat16))
+                                cute.autovec_copy(ro, gO[0, None, m, vv])
+                    cute.arch.barrier()
+
+    return MoeMxfp4Experts
+
+
+# ----------------------------------------------------------------------------------------------- host entry points
+
+_KERNEL_CLASS = None
+
+
+def _kernel_class():
+    global _KERNEL_CLASS
+    if _KERNEL_CLASS is None:
+        _KERNEL_CLASS = _build_kernel_class()
+    return _KERNEL_CLASS
+
+
+def _compile(cfg: KernelCfg, options: str = TVM_FFI):
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int32
+    obj = _kernel_class()(cfg)
+    M = cute.sym_int()
+    R13, R2, S13, S2, RY = (cute.sym_int() for _ in range(5))
+    args = (
+        fake_tensor(Int32, (M, cfg.dL // 2)),                  # z as bf16x2 words
+        fake_tensor(Int32, (M, TOPK), align=4),                # topk_ids
+        fake_tensor(Float32, (M, TOPK), align=4),              # topk_w
+        fake_tensor(Int32, (R13, 4)),                          # w13q rows of 16 B
+        fake_tensor(Int32, (S13,), align=4),                   # w13s words
+        fake_tensor(Int32, (R2, 4)),
+        fake_tensor(Int32, (S2,), align=4),
+        fake_tensor(BFloat16, (RY, cfg.dL)),                   # y workspace [>= M*16, dL]
+        fake_tensor(Int32, (MAX_M * 8,), align=4),             # combine counters
+        fake_tensor(BFloat16, (M, cfg.dL)),                    # r
+    )
+    return cute.compile(obj, *args, fake_stream(), options=options)
+
+
+def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
+                situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> KernelCfg:
+    MB = m_bucket(M)
+    return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C or default_cluster(MB), D=D, nsm=nsm,
+                     situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta))
+
+
+def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:
+    """All compile keys one K3 config (or (E, dL, I)) needs for the given batch sizes."""
+    if hasattr(cfg_or_dims, "num_experts"):
+        E, dL, I = cfg_or_dims.num_experts, cfg_or_dims.routed_expert_hidden_size, cfg_or_dims.expert_intermediate
+        sb, slb = cfg_or_dims.situ_beta, cfg_or_dims.situ_linear_beta
+    else:
+        (E, dL, I), sb, slb = cfg_or_dims, 4.0, 25.0
+    keys = []
+    for M in batches:
+        k = compile_key(E, dL, I, M, nsm=nsm, situ_beta=sb, situ_linear_beta=slb)
+        if k not in keys:
+            keys.append(k)
+    return keys
+
+
+def get_kernel(key: KernelCfg):
+    return compile_cached(("moe_mxfp4_experts", key), lambda: _compile(key))
+
+
+def warmup(cfg_or_dims, batches=M_BUCKETS, *, nsm: int | None = None) -> list[KernelCfg]:
+    """Compile every key needed before CUDA-graph capture."""
+    if nsm is None:
+        nsm = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    keys = compile_keys(cfg_or_dims, batches, nsm=nsm)
+    for k in keys:
+        get_kernel(k)
+    return keys
+
+
+@dataclass
+class MoeWorkspace:
+    y: torch.Tensor          # [64*16, dL] bf16: per-(token, slot) expert outputs
+    counters: torch.Tensor   # [64*8] int32, zero between launches (self-resetting)
+
+
+def make_workspace(dL: int, device) -> MoeWorkspace:
+    return MoeWorkspace(y=torch.empty(MAX_M * TOPK, dL, dtype=torch.bfloat16, device=device),
+                        counters=torch.zeros(MAX_M * 8, dtype=torch.int32, device=device))
+
+
+_NSM: dict = {}
+
+
+def _num_sms(device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NSM:
+        _NSM[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NSM[idx]
+
+
+def _validate(z, topk_ids, topk_w, prep: PreparedExperts):
+    E, I, dL = prep.dims
+    check_tensor("z", z, dtype=torch.bfloat16)
+    if z.dim() != 2 or z.shape[1] != dL:
+        raise ValueError(f"z: expected shape [M, {dL}], got {list(z.shape)}")
+    M = z.shape[0]
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"z: batch M={M} outside [1, {MAX_M}]")
+    dev = z.device
+    check_tensor("topk_ids", topk_ids, dtype=torch.int32, shape=(M, TOPK), device=dev, align=4)
+    check_tensor("topk_w", topk_w, dtype=torch.float32, shape=(M, TOPK), device=dev, align=4)
+    for n, t in [("w13q", prep.w13q), ("w13s", prep.w13s), ("w2q", prep.w2q), ("w2s", prep.w2s)]:
+        check_tensor(n, t, dtype=torch.int32, device=dev)
+    if tuple(prep.w2q.shape) != (E, dL // 16, I // 64, 32, 4) or tuple(prep.w13s.shape) != (E, I // 8, dL // 64, 8):
+        raise ValueError("prepared expert tensors have inconsistent shapes")
+    return E, I, dL, M
+
+
+def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
+                      situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None):
+    """Routed-expert output r [M, dL] bf16 (see module docstring).
+
+    w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
+    may also be passed as w13_packed with the other three None).  topk_ids values must lie in [0, E) (not checked:
+    that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
+    """
+    if isinstance(w13_packed, PreparedExperts):
+        prep = w13_packed
+    else:
+        prep = PreparedExperts(w13_packed, w13_scale, w2_packed, w2_scale)
+    E, I, dL, M = _validate(z, topk_ids, topk_w, prep)
+    if not z.is_cuda:
+        raise ValueError("moe_mxfp4_experts runs on CUDA tensors only")
+    if out is None:
+        out = torch.empty(M, dL, dtype=torch.bfloat16, device=z.device)
+    check_tensor("out", out, dtype=torch.bfloat16, shape=(M, dL), device=z.device)
+    if workspace is None:
+        workspace = make_workspace(dL, z.device)
+    check_tensor("workspace.y", workspace.y, dtype=torch.bfloat16, device=z.device)
+    check_tensor("workspace.counters", workspace.counters, dtype=torch.int32, shape=(MAX_M * 8,), device=z.device)
+    if workspace.y.dim() != 2 or workspace.y.shape[1] != dL or workspace.y.shape[0] < M * TOPK:
+        raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
+    key = compile_key(E, dL, I, M, nsm=_num_sms(z.device), situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+    fn = get_kernel(key)
+    fn(z.view(torch.int32), topk_ids, topk_w, prep.w13q.view(-1, 4), prep.w13s.view(-1), prep.w2q.view(-1, 4),
+       prep.w2s.view(-1), workspace.y, workspace.counters, out)
+    return out

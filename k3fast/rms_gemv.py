@@ -1,0 +1,770 @@
+"""Skinny GEMV family for Kimi K3 decode (H200, sm_90a), with AttnRes mix + input RMSNorm in the prologue.
+
+Version log
+  v1: FMA warp-per-row GEMV (M = 1..4), mma.sync m16n8k16 swap-AB GEMV (M buckets 8..64), AttnRes+RMSNorm
+      prologue shared by `attnres_rmsnorm` (one CTA per token) and the fused `attnres_rms_gemv` (M <= 4).
+      K split across the warps of a CTA (deterministic in-order smem reduction, no workspace, no atomics).
+      Weights are prefetched into L2 (prefetch.global.L2) before griddepcontrol_wait, and the fused
+      persistent kernel prefetches its next row group while it computes the current one.
+      ptxas (CUTE_DSL_COMPILER_OPT="remarks{ptx}", sm_90a, DSL 4.8.1), 0 spill bytes in every kernel below:
+        fma (8 warps) M=1/2/3/4: 56/80/80/98 regs; mma (8 warps) M=8/16: 47/64, M=32: 90 (RTW=1) / 156 (RTW=2),
+        M=64: 158 (RTW=1) / 186 (RTW=2); attnres_rmsnorm (16 warps, n_blocks=8): 89; fused (16 warps,
+        n_blocks=8) M=1/2/4: 78/84/92. (v1 first kept the sources in registers: ptxas kept their fp32
+        copies live and spilled 300-1600 B at the 128-register cap; they are now staged in smem.)
+      Not measured on a GPU yet. Expected: plain gemv M=1 ~1.05-1.15x floor on in_proj; fused M=1 ~1.1-1.25x
+      (prologue partly hidden behind the L2 prefetch); mma M=8..16 ~1.1-1.3x, M=64 likely >1.3x (x re-read
+      from L2 per row tile: 2x the weight bytes at RTW=2).
+
+Reference ops replaced (k3-spec.md):
+  * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
+    mix over {B[0..n_blocks-1], p'} with u = gamma*pi; section 5 input_layernorm RMSNorm of the FP32 mix
+    (vLLM semantics: m is NOT rounded before the norm). x = bf16(w_ln * m * rstd(m)) is rounded to BF16
+    before the dot product (identical in the fused and the unfused path; matches a bf16 GEMM input).
+  * section 7.2 step 1 / 7.4: the packed KDA in_proj_qkvgfab GEMV (and every other bf16 Linear: o_proj,
+    router+latent down, latent up, shared gate_up/down) -- y = x @ W^T, fp32 accumulate, bf16 out.
+
+Bytes / floor at 4.3 TB/s (weights only; activations are L2-resident and < 1 MB):
+  in_proj (K=7168):   k3_rank16 N=3216  46.1 MB -> 10.7 us | k3_rank8 N=6288 90.1 MB -> 21.0 us |
+                      full N=49376 (4*12288+128+96, already a multiple of 16) 707.9 MB -> 164.6 us
+  o_proj (N=7168):    K=768 11.0 MB -> 2.6 us | K=1536 22.0 MB -> 5.1 us | K=12288 176 MB -> 41 us
+  shared gate_up:     N=768/1536/12288, K=7168: 11.0 / 22.0 / 176 MB; shared down N=7168 K=384/768/6144
+  router+latent down: N=4480 K=7168 64.2 MB -> 14.9 us; latent up N=7168 K=3584 51.4 MB -> 12.0 us
+  AttnRes prologue reads (n_blocks+1..3) x 7168 x 2 B per token (<= 143 KB, L2) and writes 14 KB per token.
+
+Design
+  * M <= 4 (`_FmaGemv`): one warp per output row (RPC rows x KS k-slices per 8-warp CTA), 16-byte weight
+    loads (L1::no_allocate), 8-wide fp32 FMA accumulators per token, butterfly reduce, k-slices summed in a
+    fixed order through smem. KS grows until N*KS >= 2112 warps (16 per SM) so small-N shapes still keep
+    enough 16-byte loads in flight.
+  * M in 5..64 (`_MmaGemv`, buckets 8/16/32/64): swap-AB mma.sync m16n8k16 -- weights are the MMA "M" side
+    (16 rows per warp tile), tokens are N=8 columns per MMA. A and B fragments come straight from global
+    with 16-byte loads: K is permuted inside each 32-wide chunk (thread c of a quad loads k = 8c..8c+7 of
+    its row and feeds k 8c..8c+3 to the first MMA, 8c+4..8c+7 to the second), identically for A and B, so
+    the dot product is unchanged and every load is 128-bit. Token rows >= M are clamped to row M-1 for the
+    loads (never read out of bounds) and never stored. K split across warps, in-order smem reduction.
+  * `attnres_rmsnorm`: one CTA (16 warps) per token; the token's n_blocks+1 sources are read once from L2
+    and staged in smem (<= 129 KB), two block reductions (source stats, then sum m^2). In-place
+    partial_out = partial is allowed here (each thread reads its elements before writing them).
+  * `attnres_rms_gemv` (fused, M <= fuse_max_m): a persistent FMA GEMV whose CTAs (<= 132, 16 warps) first
+    prefetch their first row group into L2, then run the same prologue for every token into smem, then
+    stream weights. Cost estimate that sets the default fuse_max_m = 2: each CTA re-reads M x 129 KB
+    (n_blocks=8) from L2, so 132 CTAs read 17 MB per token (~1.5-2 us of L2 time at M=1, overlapped with
+    the ~30 MB of weights the CTAs already prefetched into L2), against ~2 us for a separate single-CTA
+    prologue kernel + launch. At M = 3..4 the per-CTA prologue (serial over tokens, ~1 us each) costs more
+    than the 4-CTA separate kernel, so the host uses attnres_rmsnorm + gemv there (both are PDL launches).
+  * Every launch uses PDL: weights are prefetched to L2 before griddepcontrol_wait; activations after it.
+"""
+
+
+import math
+
+from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+
+NUM_SMS = 132
+NB_MAX = 8
+M_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)
+FMA_WARPS = 8
+MMA_WARPS = 8
+NORM_WARPS = 16
+FUSED_WARPS = 16
+FUSE_MAX_M = 2
+
+
+def bucket_m(M: int) -> int:
+    for b in M_BUCKETS:
+        if M <= b:
+            return b
+    raise ValueError(f"M={M} outside 1..64")
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+# ----------------------------------------------------------------------------- launch configs (host heuristics)
+
+def _fma_config(N: int, K: int) -> tuple[int, int]:
+    """(rows per CTA, k-slices) for the 8-warp FMA kernel."""
+    ks = 1
+    nvec = K // 8
+    while N * ks < 16 * NUM_SMS and ks < FMA_WARPS and nvec // (ks * 2) >= 64:
+        ks *= 2
+    return FMA_WARPS // ks, ks
+
+
+def _mma_config(N: int, K: int, MB: int) -> tuple[int, int, int]:
+    """(row tiles of 16 per warp RTW, warp row-groups per CTA RT, k-slices KS); RT*KS = 8 warps."""
+    tiles = N // 16
+    # at M >= 32 the x fragments (L2 hits) cost more than the weights unless each is reused by 2 row tiles
+    rtw = 2 if (MB >= 32 and tiles >= 2) else 1
+    wt = -(-tiles // rtw)
+    ks = 1
+    while wt * ks < 12 * NUM_SMS and ks < MMA_WARPS and (K // 32) // (ks * 2) >= 4:
+        ks *= 2
+    return rtw, MMA_WARPS // ks, ks
+
+
+def _fused_config(N: int, K: int) -> tuple[int, int, int]:
+    """(rows per CTA iteration, k-slices, grid) for the persistent fused kernel, balancing row groups."""
+    best = None
+    for ks in (1, 2, 4, 8):
+        if (K // 8) // ks < 64:
+            break
+        rpc = FUSED_WARPS // ks
+        groups = N // rpc
+        iters = -(-groups // NUM_SMS)
+        eff = groups / (iters * NUM_SMS)
+        if best is None or eff > best[0] + 0.02:
+            best = (eff, rpc, ks, -(-groups // iters))
+    return best[1], best[2], best[3]
+
+
+# ----------------------------------------------------------------------------- K3 shapes
+
+def k3_gemv_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(N, K) of every bf16 GEMV of one K3 layer for a K3Config (k3ref.config)."""
+    d = cfg.hidden_size
+    P = cfg.kda_proj
+    return {
+        "in_proj": (_round16(4 * P + cfg.kda_head_dim + cfg.kda_heads), d),
+        "o_proj": (d, P),
+        "router_latent_down": (cfg.num_experts + cfg.routed_expert_hidden_size, d),
+        "latent_up": (d, cfg.routed_expert_hidden_size),
+        "shared_gate_up": (2 * cfg.shared_intermediate, d),
+        "shared_down": (d, cfg.shared_intermediate),
+    }
+
+
+# ----------------------------------------------------------------------------- device code
+
+def _build_kernels():
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int32, const_expr
+
+    ADD = cute.ReductionOp.ADD
+
+    def _w_atom(dtype):
+        return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=128,
+                                   l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+
+    @cute.jit
+    def _prefetch_rows(gWv, row0, nrows, kv0, kv1, lane):
+        # prefetch.global.L2 of rows [row0, row0+nrows) x 16B-vectors [kv0, kv1): one prefetch per 128 B line
+        lpr = (kv1 - kv0 + 7) // 8
+        for idx in cutlass.range(lane, nrows * lpr, 32):
+            r = idx // lpr
+            l = idx - r * lpr
+            cute.arch.prefetch(gWv[0, None, row0 + r, kv0 + 8 * l].iterator.llvm_ptr, cache_level="L2")
+
+    @cute.jit
+    def _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, dst, sV, sRedA, sRedB, tid, warp, lane,
+                       is_writer):
+        """AttnRes mix + RMSNorm of token m by the whole CTA; dst (flat-divided (1,8) view, row m) gets
+        bf16(w_ln * m * rstd). Every thread ends with identical statistics (fixed reduction order).
+
+        The sources are staged in smem sV [NS, K] (each thread re-reads only what it wrote, so no barrier
+        is needed between the two passes): holding them in registers made ptxas keep their fp32 copies
+        live across the reduction and spill at the 128-register cap of a 512-thread CTA."""
+        NS = self.nb + 1
+        VPT = self.vpt
+        NT = self.nthreads
+        nvec = self.K // 8
+        gB = cute.flat_divide(mBlocks, (1, 1, 8))
+        gP = cute.flat_divide(mP, (1, 8))
+        gPo = cute.flat_divide(mPout, (1, 8))
+        gU = cute.flat_divide(mU, (8,))
+        sVv = cute.flat_divide(sV, (1, 8))
+        rT = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
+        rD = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
+        rUj = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), Float32)
+        stats = [Float32(0.0)] * (2 * NS)
+        for j in cutlass.range_constexpr(VPT):
+            # threads past the end re-read the last vector (in bounds) with weight 0 and write nothing
+            v = cutlass.min(tid + j * NT, nvec - 1)
+            wgt = Float32(1.0)
+            if const_expr(nvec % NT != 0):
+                wgt = cutlass.select_(tid + j * NT < nvec, Float32(1.0), Float32(0.0))
+            cute.autovec_copy(gU[None, v], rUj)
+            uv = rUj.load() * wgt
+            for i in cutlass.range_constexpr(NS):
+                if const_expr(i < self.nb):
+                    cute.autovec_copy(gB[0, 0, None, m, i, v], rT)
+                else:
+                    cute.autovec_copy(gP[0, None, m, v], rT)
+                    if const_expr(self.has_delta):
+                        gD = cute.flat_divide(mD, (1, 8))
+                        cute.autovec_copy(gD[0, None, m, v], rD)
+                        # bf16(p + delta): fp32 add, one round to nearest-even (torch's bf16 add)
+                        rT.store((rT.load().to(Float32) + rD.load().to(Float32)).to(BFloat16))
+                    if is_writer:
+                        if tid + j * NT < nvec:
+                            cute.autovec_copy(rT, gPo[0, None, m, v])
+                            if const_expr(self.bw >= 0):
+                                cute.autovec_copy(rT, gB[0, 0, None, m, self.bw, v])
+                cute.autovec_copy(rT, sVv[0, None, i, v])
+                vf = rT.load().to(Float32)
+                stats[2 * i] = stats[2 * i] + (vf * vf).reduce(ADD, Float32(0.0), 0) * wgt
+                stats[2 * i + 1] = stats[2 * i + 1] + (vf * uv).reduce(ADD, Float32(0.0), 0)
+        for q in cutlass.range_constexpr(2 * NS):
+            t = cute.arch.warp_reduction_sum(stats[q])
+            if lane == 0:
+                sRedA[warp, q] = t
+        cute.arch.sync_threads()
+        tot = []
+        for q in cutlass.range_constexpr(2 * NS):
+            acc = Float32(0.0)
+            for w in cutlass.range_constexpr(self.nwarps):
+                acc = acc + sRedA[w, q]
+            tot.append(acc)
+        inv_k = 1.0 / self.K
+        scores = []
+        for i in cutlass.range_constexpr(NS):
+            r = cute.math.rsqrt(tot[2 * i] * inv_k + self.eps)
+            scores.append(r * tot[2 * i + 1])
+        mx = scores[0]
+        for i in cutlass.range_constexpr(1, NS):
+            mx = cute.math.max(mx, scores[i])
+        es = []
+        den = Float32(0.0)
+        for i in cutlass.range_constexpr(NS):
+            e = cute.math.exp(scores[i] - mx)
+            es.append(e)
+            den = den + e
+        rden = 1.0 / den
+        alphas = [e * rden for e in es]
+        # mix of the raw sources in fp32 (sources order: blocks, then p'), kept until rstd is known
+        rM = cute.make_rmem_tensor(cute.make_layout((8, VPT), stride=(1, 8)), Float32)
+        msq = Float32(0.0)
+        for j in cutlass.range_constexpr(VPT):
+            v = cutlass.min(tid + j * NT, nvec - 1)
+            cute.autovec_copy(sVv[0, None, 0, v], rT)
+            mv = rT.load().to(Float32) * alphas[0]
+            for i in cutlass.range_constexpr(1, NS):
+                cute.autovec_copy(sVv[0, None, i, v], rT)
+                mv = mv + rT.load().to(Float32) * alphas[i]
+            rM[None, j].store(mv)
+            part = (mv * mv).reduce(ADD, Float32(0.0), 0)
+            if const_expr(nvec % NT != 0):
+                part = cutlass.select_(tid + j * NT < nvec, part, Float32(0.0))
+            msq = msq + part
+        t2 = cute.arch.warp_reduction_sum(msq)
+        if lane == 0:
+            sRedB[warp, 0] = t2
+        cute.arch.sync_threads()
+        msum = Float32(0.0)
+        for w in cutlass.range_constexpr(self.nwarps):
+            msum = msum + sRedB[w, 0]
+        rstd = cute.math.rsqrt(msum * inv_k + self.eps)
+        rO = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
+        gWl = cute.flat_divide(mWln, (8,))
+        rWt = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mWln.element_type)
+        for j in cutlass.range_constexpr(VPT):
+            v = tid + j * NT
+            if v < nvec:
+                cute.autovec_copy(gWl[None, v], rWt)
+                rO.store((rM[None, j].load() * rWt.load().to(Float32) * rstd).to(BFloat16))
+                cute.autovec_copy(rO, dst[0, None, m, v])
+
+    # ------------------------------------------------------------------ FMA GEMV (M <= 4), optionally fused
+    class _FmaGemv:
+        """y[m, n] = sum_k x[m, k] w[n, k]; warps = rpc rows x ks k-slices; persistent over row groups
+        (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
+
+        def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5):
+            self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
+            self.fused, self.K, self.nb, self.has_delta, self.bw, self.eps = fused, K, nb, has_delta, bw, eps
+            self.nthreads = 32 * nwarps
+            self.vpt = -(-(K // 8) // self.nthreads) if fused else 0
+
+        @cute.jit
+        def __call__(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, grid_x: Int32, stream):
+            self.kernel(mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln).launch(
+                grid=[grid_x, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln):
+            tid = cute.arch.thread_idx()[0]
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bid = cute.arch.block_idx()[0]
+            nblk = cute.arch.grid_dim()[0]
+            N = cute.size(mW, mode=[0])
+            K = cute.size(mW, mode=[1])
+            nvec = K // 8
+            r = warp // self.ks
+            s = warp - r * self.ks
+            chunk = (nvec + self.ks - 1) // self.ks
+            kv0 = s * chunk
+            kv1 = cutlass.min(kv0 + chunk, nvec)
+            n_groups = N // self.rpc
+            gW = cute.flat_divide(mW, (1, 8))
+            w_atom = _w_atom(mW.element_type)
+
+            smem = cutlass.memory.SmemAllocator()
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((2, self.nwarps, self.MB),
+                                                                  stride=(self.nwarps * self.MB, self.MB, 1)), 16)
+            # weights do not depend on the producer: start their HBM stream before the PDL wait
+            if bid < n_groups:
+                _prefetch_rows(gW, bid * self.rpc + r, 1, kv0, kv1, lane)
+            if const_expr(self.fused):
+                sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, self.K), stride=(self.K, 1)), 16)
+                sRedA = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 2 * (self.nb + 1)),
+                                                                       stride=(2 * (self.nb + 1), 1)), 16)
+                sRedB = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 1), stride=(1, 1)), 16)
+                sV = smem.allocate_tensor(BFloat16, cute.make_layout((self.nb + 1, self.K), stride=(self.K, 1)), 16)
+                cute.arch.griddepcontrol_wait()
+                gXs = cute.flat_divide(sX, (1, 8))
+                for m in cutlass.range_constexpr(self.MB):
+                    _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, gXs, sV, sRedA, sRedB, tid, warp,
+                                   lane, bid == 0)
+                cute.arch.sync_threads()
+                gX = gXs
+            else:
+                cute.arch.griddepcontrol_wait()
+                gX = cute.flat_divide(mX, (1, 8))
+
+            rW = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mW.element_type)
+            rX = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), BFloat16)
+            acc = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), Float32)
+            buf = Int32(0)
+            for grp in cutlass.range(bid, n_groups, nblk):
+                row = grp * self.rpc + r
+                if const_expr(self.fused):
+                    nxt = grp + nblk
+                    if nxt < n_groups:
+                        _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
+                acc.fill(0.0)
+                for kv in cutlass.range(kv0 + lane, kv1, 32, unroll=4):
+                    cute.copy(w_atom, gW[0, None, row, kv], rW)
+                    wv = rW.load().to(Float32)
+                    for m in cutlass.range_constexpr(self.MB):
+                        cute.autovec_copy(gX[0, None, m, kv], rX[None, m])
+                        acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
+                for m in cutlass.range_constexpr(self.MB):
+                    t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
+                    if lane == 0:
+                        sRed[buf, warp, m] = t
+                cute.arch.sync_threads()
+                if tid < self.rpc * self.MB:
+                    rr = tid // self.MB
+                    mm = tid - rr * self.MB
+                    tot = Float32(0.0)
+                    for q in cutlass.range_constexpr(self.ks):
+                        tot = tot + sRed[buf, rr * self.ks + q, mm]
+                    mY[mm, grp * self.rpc + rr] = tot.to(mY.element_type)
+                buf = 1 - buf
+            cute.arch.griddepcontrol_launch_dependents()
+
+    # ------------------------------------------------------------------ tensor-core GEMV (M buckets 8..64)
+    class _MmaGemv:
+        """Swap-AB mma.sync: warp = RTW tiles of 16 weight rows x one k-slice; CTA = RT row groups x KS."""
+
+        def __init__(self, MB, rtw, rt, ks):
+            self.MB, self.rtw, self.rt, self.ks = MB, rtw, rt, ks
+            self.nt = MB // 8
+            self.nwarps = rt * ks
+
+        @cute.jit
+        def __call__(self, mX, mW, mY, stream):
+            N = cute.size(mW, mode=[0])
+            tiles = N // 16
+            per_cta = self.rt * self.rtw
+            self.kernel(mX, mW, mY).launch(grid=[(tiles + per_cta - 1) // per_cta, 1, 1],
+                                           block=[32 * self.nwarps, 1, 1], stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, mX, mW, mY):
+            tid = cute.arch.thread_idx()[0]
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bid = cute.arch.block_idx()[0]
+            M = cute.size(mX, mode=[0])
+            N = cute.size(mW, mode=[0])
+            K = cute.size(mW, mode=[1])
+            tiles = N // 16
+            g = lane // 4
+            c = lane - 4 * g
+            rt = warp // self.ks
+            s = warp - rt * self.ks
+            nk = K // 32
+            chunk = (nk + self.ks - 1) // self.ks
+            k0 = s * chunk
+            k1 = cutlass.min(k0 + chunk, nk)
+            tile0 = (bid * self.rt + rt) * self.rtw
+            gW = cute.flat_divide(mW, (1, 8))
+            gX = cute.flat_divide(mX, (1, 8))
+            w_atom = _w_atom(mW.element_type)
+            atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+
+            smem = cutlass.memory.SmemAllocator()
+            sRed = smem.allocate_tensor(
+                Float32, cute.make_layout((self.ks, self.rt * 16, self.MB),
+                                          stride=(self.rt * 16 * self.MB, self.MB, 1)), 16)
+
+            # clamp invalid row tiles onto the last valid one (loads stay in bounds, stores are skipped)
+            rowb = []
+            for t in cutlass.range_constexpr(self.rtw):
+                rowb.append(cutlass.min(tile0 + t, tiles - 1) * 16)
+            if tile0 < tiles:
+                for t in cutlass.range_constexpr(self.rtw):
+                    _prefetch_rows(gW, rowb[t], 16, k0 * 4, k1 * 4, lane)
+            cute.arch.griddepcontrol_wait()
+            xrow = []
+            for j in cutlass.range_constexpr(self.nt):
+                xrow.append(cutlass.min(8 * j + g, M - 1))
+
+            accs = []
+            for t in cutlass.range_constexpr(self.rtw):
+                for j in cutlass.range_constexpr(self.nt):
+                    a = cute.make_rmem_tensor(cute.make_layout((4, 1, 1), stride=(1, 0, 0)), Float32)
+                    a.fill(0.0)
+                    accs.append(a)
+            rA = cute.make_rmem_tensor(cute.make_layout((8, 2 * self.rtw), stride=(1, 8)), mW.element_type)
+            rX = cute.make_rmem_tensor(cute.make_layout((8, self.nt), stride=(1, 8)), BFloat16)
+            fa = cute.make_rmem_tensor(cute.make_layout((8, 1, 1), stride=(1, 0, 0)), BFloat16)
+            fb = cute.make_rmem_tensor(cute.make_layout((4, 1, 1), stride=(1, 0, 0)), BFloat16)
+
+            for kk in cutlass.range(k0, k1, 1, unroll=2):
+                kv = kk * 4 + c
+                for t in cutlass.range_constexpr(self.rtw):
+                    cute.copy(w_atom, gW[0, None, rowb[t] + g, kv], rA[None, 2 * t])
+                    cute.copy(w_atom, gW[0, None, rowb[t] + g + 8, kv], rA[None, 2 * t + 1])
+                for j in cutlass.range_constexpr(self.nt):
+                    cute.autovec_copy(gX[0, None, xrow[j], kv], rX[None, j])
+                for h in cutlass.range_constexpr(2):
+                    for t in cutlass.range_constexpr(self.rtw):
+                        # A regs {row g k(2c,2c+1), row g+8 k(2c,2c+1), row g k(2c+8,+9), row g+8 k(2c+8,+9)}
+                        # = physical k 8c+4h+{0,1}, 8c+4h+{0,1}, 8c+4h+{2,3}, 8c+4h+{2,3}
+                        fa[0] = rA[4 * h + 0, 2 * t]
+                        fa[1] = rA[4 * h + 1, 2 * t]
+                        fa[2] = rA[4 * h + 0, 2 * t + 1]
+                        fa[3] = rA[4 * h + 1, 2 * t + 1]
+                        fa[4] = rA[4 * h + 2, 2 * t]
+                        fa[5] = rA[4 * h + 3, 2 * t]
+                        fa[6] = rA[4 * h + 2, 2 * t + 1]
+                        fa[7] = rA[4 * h + 3, 2 * t + 1]
+                        for j in cutlass.range_constexpr(self.nt):
+                            for e in cutlass.range_constexpr(4):
+                                fb[e] = rX[4 * h + e, j]
+                            cute.gemm(atom, accs[t * self.nt + j], fa, fb, accs[t * self.nt + j])
+
+            # K % 32 == 16 tail: one k16 step (8-byte loads, same permutation), done by the last k-slice
+            if K - nk * 32 > 0:
+                if s == self.ks - 1:
+                    gW4 = cute.flat_divide(mW, (1, 4))
+                    gX4 = cute.flat_divide(mX, (1, 4))
+                    kv4 = nk * 8 + c
+                    rA4 = cute.make_rmem_tensor(cute.make_layout((4, 2 * self.rtw), stride=(1, 4)), mW.element_type)
+                    rX4 = cute.make_rmem_tensor(cute.make_layout((4, self.nt), stride=(1, 4)), BFloat16)
+                    for t in cutlass.range_constexpr(self.rtw):
+                        cute.autovec_copy(gW4[0, None, rowb[t] + g, kv4], rA4[None, 2 * t])
+                        cute.autovec_copy(gW4[0, None, rowb[t] + g + 8, kv4], rA4[None, 2 * t + 1])
+                    for j in cutlass.range_constexpr(self.nt):
+                        cute.autovec_copy(gX4[0, None, xrow[j], kv4], rX4[None, j])
+                    for t in cutlass.range_constexpr(self.rtw):
+                        fa[0] = rA4[0, 2 * t]
+                        fa[1] = rA4[1, 2 * t]
+                        fa[2] = rA4[0, 2 * t + 1]
+                        fa[3] = rA4[1, 2 * t + 1]
+                        fa[4] = rA4[2, 2 * t]
+                        fa[5] = rA4[3, 2 * t]
+                        fa[6] = rA4[2, 2 * t + 1]
+                        fa[7] = rA4[3, 2 * t + 1]
+                        for j in cutlass.range_constexpr(self.nt):
+                            for e in cutlass.range_constexpr(4):
+                                fb[e] = rX4[e, j]
+                            cute.gemm(atom, accs[t * self.nt + j], fa, fb, accs[t * self.nt + j])
+            cute.arch.griddepcontrol_launch_dependents()
+
+            # epilogue, one round per warp row tile: fragments -> smem [ks, rows, tokens] -> in-order k sum
+            for t in cutlass.range_constexpr(self.rtw):
+                for j in cutlass.range_constexpr(self.nt):
+                    a = accs[t * self.nt + j]
+                    rl = rt * 16 + g
+                    tok = 8 * j + 2 * c
+                    sRed[s, rl, tok] = a[0]
+                    sRed[s, rl, tok + 1] = a[1]
+                    sRed[s, rl + 8, tok] = a[2]
+                    sRed[s, rl + 8, tok + 1] = a[3]
+                cute.arch.sync_threads()
+                # output index o = token * (rt*16) + local row: consecutive threads write consecutive n
+                for o in cutlass.range(tid, self.MB * self.rt * 16, 32 * self.nwarps):
+                    tok = o // (self.rt * 16)
+                    rl = o - tok * (self.rt * 16)
+                    rg = rl // 16
+                    tile = (bid * self.rt + rg) * self.rtw + t
+                    if tok < M and tile < tiles:
+                        tot = Float32(0.0)
+                        for q in cutlass.range_constexpr(self.ks):
+                            tot = tot + sRed[q, rl, tok]
+                        mY[tok, tile * 16 + (rl - rg * 16)] = tot.to(mY.element_type)
+                cute.arch.sync_threads()
+
+    # ------------------------------------------------------------------ AttnRes + RMSNorm, one CTA per token
+    class _AttnResNorm:
+        def __init__(self, K, nb, has_delta, bw, eps):
+            self.K, self.nb, self.has_delta, self.bw, self.eps = K, nb, has_delta, bw, eps
+            self.nwarps = NORM_WARPS
+            self.nthreads = 32 * NORM_WARPS
+            self.vpt = -(-(K // 8) // self.nthreads)
+
+        @cute.jit
+        def __call__(self, mBlocks, mP, mD, mPout, mU, mWln, mX, stream):
+            M = cute.size(mP, mode=[0])
+            self.kernel(mBlocks, mP, mD, mPout, mU, mWln, mX).launch(
+                grid=[M, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, mBlocks, mP, mD, mPout, mU, mWln, mX):
+            tid = cute.arch.thread_idx()[0]
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            m = cute.arch.block_idx()[0]
+            smem = cutlass.memory.SmemAllocator()
+            sRedA = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 2 * (self.nb + 1)),
+                                                                   stride=(2 * (self.nb + 1), 1)), 16)
+            sRedB = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 1), stride=(1, 1)), 16)
+            sV = smem.allocate_tensor(BFloat16, cute.make_layout((self.nb + 1, self.K), stride=(self.K, 1)), 16)
+            cute.arch.griddepcontrol_wait()
+            _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, cute.flat_divide(mX, (1, 8)), sV,
+                           sRedA, sRedB, tid, warp, lane, True)
+            cute.arch.griddepcontrol_launch_dependents()
+
+    return cutlass, cute, _FmaGemv, _MmaGemv, _AttnResNorm
+
+
+_KERNELS = None
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _build_kernels()
+    return _KERNELS
+
+
+# ----------------------------------------------------------------------------- compile (fake tensors)
+
+def _dt(name):
+    cutlass, _ = import_cute()
+    return {"bf16": cutlass.BFloat16, "fp32": cutlass.Float32}[name]
+
+
+def _compile_fma(MB, rpc, ks):
+    def build():
+        cutlass, cute, Fma, _, _ = _kernels()
+        BF = cutlass.BFloat16
+        N, K = cute.sym_int(divisibility=16), cute.sym_int(divisibility=16)
+        x = fake_tensor(BF, (MB, K))
+        w = fake_tensor(BF, (N, K))
+        y = fake_tensor(BF, (MB, N), align=2)
+        return cute.compile(Fma(MB, rpc, ks, FMA_WARPS), x, w, y, None, None, None, None, None, None,
+                            cutlass.Int32(1), fake_stream(), options=TVM_FFI)
+    return compile_cached(("rms_gemv.fma", MB, rpc, ks), build)
+
+
+def _compile_mma(MB, rtw, rt, ks):
+    def build():
+        cutlass, cute, _, Mma, _ = _kernels()
+        BF = cutlass.BFloat16
+        M, N, K = cute.sym_int(), cute.sym_int(divisibility=16), cute.sym_int(divisibility=16)
+        x = fake_tensor(BF, (M, K))
+        w = fake_tensor(BF, (N, K))
+        y = fake_tensor(BF, (M, N), align=2)
+        return cute.compile(Mma(MB, rtw, rt, ks), x, w, y, fake_stream(), options=TVM_FFI)
+    return compile_cached(("rms_gemv.mma", MB, rtw, rt, ks), build)
+
+
+def _attn_fakes(cute, BF, M, K, has_delta, wln):
+    blocks = fake_tensor(BF, (M, NB_MAX, K))
+    p = fake_tensor(BF, (M, K))
+    d = fake_tensor(BF, (M, K)) if has_delta else None
+    po = fake_tensor(BF, (M, K))
+    u = fake_tensor(_dt("fp32"), (K,))
+    wl = fake_tensor(_dt(wln), (K,))
+    return blocks, p, d, po, u, wl
+
+
+def _compile_norm(K, nb, has_delta, bw, wln, eps):
+    def build():
+        cutlass, cute, _, _, Norm = _kernels()
+        BF = cutlass.BFloat16
+        M = cute.sym_int()
+        blocks, p, d, po, u, wl = _attn_fakes(cute, BF, M, K, has_delta, wln)
+        x = fake_tensor(BF, (M, K))
+        return cute.compile(Norm(K, nb, has_delta, bw, eps), blocks, p, d, po, u, wl, x, fake_stream(),
+                            options=TVM_FFI)
+    return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps), build)
+
+
+def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks):
+    def build():
+        cutlass, cute, Fma, _, _ = _kernels()
+        BF = cutlass.BFloat16
+        N = cute.sym_int(divisibility=16)
+        blocks, p, d, po, u, wl = _attn_fakes(cute, BF, MB, K, has_delta, wln)
+        w = fake_tensor(BF, (N, K))
+        y = fake_tensor(BF, (MB, N), align=2)
+        obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps)
+        return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(),
+                            options=TVM_FFI)
+    return compile_cached(("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks), build)
+
+
+# ----------------------------------------------------------------------------- host entry points
+
+def _check_2d(name, t, M, K, dev):
+    import torch
+    check_tensor(name, t, dtype=torch.bfloat16, shape=(M, K), device=dev)
+
+
+def gemv(x, w, out=None):
+    """y[M, N] = x[M, K] @ w[N, K]^T (bf16 in/out, fp32 accumulate), M = 1..64, N and K multiples of 16."""
+    import torch
+    check_tensor("w", w, dtype=torch.bfloat16)
+    if w.dim() != 2:
+        raise ValueError(f"w: expected [N, K], got {list(w.shape)}")
+    N, K = w.shape
+    if N % 16 or K % 16 or N == 0 or K == 0:
+        raise ValueError(f"w: N and K must be positive multiples of 16, got [{N}, {K}]")
+    check_tensor("x", x, dtype=torch.bfloat16, device=w.device)
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x: expected [M, {K}], got {list(x.shape)}")
+    M = x.shape[0]
+    if not 1 <= M <= 64:
+        raise ValueError(f"x: M must be in 1..64, got {M}")
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=w.device)
+    else:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=w.device, align=2)
+    MB = bucket_m(M)
+    if MB <= 4:
+        rpc, ks = _fma_config(N, K)
+        _compile_fma(MB, rpc, ks)(x, w, out, None, None, None, None, None, None, N // rpc)
+    else:
+        _compile_mma(MB, *_mma_config(N, K, MB))(x, w, out)
+    return out
+
+
+def _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out, fused):
+    import torch
+    check_tensor("partial", partial, dtype=torch.bfloat16)
+    if partial.dim() != 2:
+        raise ValueError(f"partial: expected [M, K], got {list(partial.shape)}")
+    M, K = partial.shape
+    dev = partial.device
+    if not 1 <= M <= 64:
+        raise ValueError(f"partial: M must be in 1..64, got {M}")
+    if K % 8:
+        raise ValueError(f"K={K} must be a multiple of 8")
+    check_tensor("blocks", blocks, dtype=torch.bfloat16, shape=(M, NB_MAX, K), device=dev)
+    if delta is not None:
+        _check_2d("delta", delta, M, K, dev)
+    check_tensor("u", u, dtype=torch.float32, shape=(K,), device=dev)
+    if w_ln.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"w_ln: expected bfloat16 or float32, got {w_ln.dtype}")
+    check_tensor("w_ln", w_ln, shape=(K,), device=dev)
+    if not isinstance(n_blocks, int) or not 0 <= n_blocks <= NB_MAX:
+        raise ValueError(f"n_blocks must be a Python int in 0..{NB_MAX}, got {n_blocks!r}")
+    if not isinstance(block_write, int) or not -1 <= block_write < NB_MAX:
+        raise ValueError(f"block_write must be an int in -1..{NB_MAX - 1}, got {block_write!r}")
+    if block_write >= 0 and block_write < n_blocks:
+        raise ValueError(f"block_write={block_write} would overwrite a mixed source (n_blocks={n_blocks})")
+    if partial_out is None:
+        partial_out = torch.empty_like(partial)
+    else:
+        _check_2d("partial_out", partial_out, M, K, dev)
+        # attnres_rmsnorm: each thread reads p/delta before writing the same elements, so in place is
+        # fine. Fused: every CTA reads p/delta while CTA 0 writes p', so aliasing would race.
+        if fused:
+            for name, t in (("partial", partial), ("delta", delta)):
+                if t is not None and partial_out.data_ptr() == t.data_ptr():
+                    raise ValueError(f"partial_out must not alias {name} in the fused kernel")
+    return M, K, "bf16" if w_ln.dtype == torch.bfloat16 else "fp32", partial_out
+
+
+def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, block_write=-1, out=None,
+                    partial_out=None):
+    """x = bf16(RMSNorm_{w_ln}(AttnRes mix over {blocks[:, :n_blocks], p'})), p' = bf16(p + delta).
+
+    Returns (x [M, K] bf16, partial_out); blocks[:, block_write] = p' when block_write >= 0."""
+    import torch
+    M, K, wln, partial_out = _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out,
+                                            False)
+    if out is None:
+        out = torch.empty(M, K, dtype=torch.bfloat16, device=partial.device)
+    else:
+        _check_2d("out", out, M, K, partial.device)
+    fn = _compile_norm(K, n_blocks, delta is not None, block_write, wln, float(eps))
+    fn(blocks, partial, delta, partial_out, u, w_ln, out)
+    return out, partial_out
+
+
+def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
+                     partial_out=None, fuse_max_m=FUSE_MAX_M):
+    """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
+
+    M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
+    attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
+    import torch
+    fused = partial.dim() == 2 and partial.shape[0] <= min(fuse_max_m, 4)
+    M, K, wln, partial_out = _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out,
+                                            fused)
+    check_tensor("w", w, dtype=torch.bfloat16, device=partial.device)
+    if w.dim() != 2 or w.shape[1] != K or w.shape[0] % 16 or w.shape[0] == 0:
+        raise ValueError(f"w: expected [N (multiple of 16), {K}], got {list(w.shape)}")
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=partial.device)
+    else:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
+    if fused and K % 16 == 0:
+        rpc, ks, grid = _fused_config(N, K)
+        fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks)
+        fn(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
+        return out, partial_out
+    x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
+                                     block_write=block_write, partial_out=partial_out)
+    gemv(x, w, out=out)
+    return out, partial_out
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=range(NB_MAX + 1),
+                 block_write=(-1, "n"), deltas=(False, True), wln="bf16", eps=1e-5, fuse_max_m=FUSE_MAX_M):
+    """Every (kind, config) a set of GEMV shapes [(N, K)] and batch sizes needs; attnres_N lists the
+    projection widths that run fused after AttnRes (K = attnres_K). block_write "n" means = n_blocks."""
+    keys = set()
+    for (N, K) in shapes:
+        for M in batches:
+            MB = bucket_m(M)
+            keys.add(("fma", MB) + _fma_config(N, K) if MB <= 4 else ("mma", MB) + _mma_config(N, K, MB))
+    if attnres_K is not None:
+        for nb in n_blocks:
+            for bw in block_write:
+                b = nb if bw == "n" else bw
+                if b >= NB_MAX or (b >= 0 and b < nb):
+                    continue
+                for hd in deltas:
+                    keys.add(("norm", attnres_K, nb, hd, b, wln, float(eps)))
+                    for N in attnres_N:
+                        for M in batches:
+                            if M <= min(fuse_max_m, 4):
+                                keys.add(("fused", M, attnres_K, nb, hd, b, wln, float(eps))
+                                         + _fused_config(N, attnres_K)[:2])
+    return sorted(keys, key=str)
+
+
+def warmup(shapes, batches, **kw):
+    """Compile every key compile_keys(...) returns (call before CUDA-graph capture)."""
+    for key in compile_keys(shapes, batches, **kw):
+        kind = key[0]
+        if kind == "fma":
+            _compile_fma(*key[1:])
+        elif kind == "mma":
+            _compile_mma(*key[1:])
+        elif kind == "norm":
+            _compile_norm(*key[1:])
+        else:
+            _compile_fused(*key[1:])

@@ -1,0 +1,135 @@
+"""CPU tests for k3fast.moe_mxfp4_experts: layout round trip (bit-exact), host checks, and sm_90a compiles."""
+import pytest
+import torch
+
+from k3fast import moe_mxfp4_experts as mx
+from k3fast._dsl import dsl_available
+from k3ref.config import k3, k3_rank
+
+pytestmark = pytest.mark.compile
+
+
+def _rand_ckpt(E, I, dL, gen, scale_lo=0, scale_hi=255):
+    r = lambda *s: torch.randint(0, 256, s, generator=gen, dtype=torch.uint8)
+    sc = lambda *s: torch.randint(scale_lo, scale_hi, s, generator=gen, dtype=torch.uint8)
+    return (r(E, I, dL // 2), sc(E, I, dL // 32), r(E, I, dL // 2), sc(E, I, dL // 32),
+            r(E, dL, I // 2), sc(E, dL, I // 32))
+
+
+def test_prepare_roundtrip_bit_exact_all_bytes():
+    gen = torch.Generator().manual_seed(0)
+    E, I, dL = 3, 128, 192
+    w1, s1, w3, s3, w2, s2 = _rand_ckpt(E, I, dL, gen)
+    # every byte value appears in every packed tensor, at several positions
+    for t in (w1, w3, w2):
+        flat = t.view(-1)
+        flat[:256] = torch.arange(256, dtype=torch.uint8)
+        flat[-256:] = torch.arange(255, -1, -1, dtype=torch.uint8)
+    prep = mx.prepare_mxfp4_experts(w1, s1, w3, s3, w2, s2)
+    assert prep.dims == (E, I, dL)
+    d1, d3, d2 = mx.dequant_prepared(prep)
+    for got, (q, s) in [(d1, (w1, s1)), (d3, (w3, s3)), (d2, (w2, s2))]:
+        ref = mx.dequant_checkpoint(q, s)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))      # bit-exact, incl. -0.0
+    # the raw codes and scales survive the round trip too
+    c13, sc13 = mx._unpack_tiles(prep.w13q, prep.w13s)
+    assert torch.equal(c13[:, :, :8].reshape(E, I, dL), mx._unpack_codes(w1))
+    assert torch.equal(sc13[:, :, 8:].reshape(E, I, dL // 32), s3)
+
+
+def _decode_word_like_kernel(word: int):
+    """Python model of the kernel's PRMT decode (decode8) -> 8 bf16 bit patterns in output order."""
+    def prmt(a, b, sel):
+        src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+        return sum(src[(sel >> (4 * k)) & 7] << (8 * k) for k in range(4))
+    w = word & 0xFFFFFFFF
+    m = w & 0x77777777
+    mh = (m >> 16) & 0xFFFF
+    H0, H1 = mx._LUT_HI
+    L0, L1 = mx._LUT_LO
+    hA, lA, hB, lB = prmt(H0, H1, m), prmt(L0, L1, m), prmt(H0, H1, mh), prmt(L0, L1, mh)
+    sm = 0x80008000
+    o = [prmt(lA, hA, 0x5140) | (w & sm), prmt(lA, hA, 0x7362) | ((w << 4) & sm),
+         prmt(lB, hB, 0x5140) | ((w << 8) & sm), prmt(lB, hB, 0x7362) | ((w << 12) & sm)]
+    out = []
+    for x in o:
+        out += [x & 0xFFFF, (x >> 16) & 0xFFFF]
+    return out
+
+
+def test_kernel_decode_model_matches_layout():
+    """The register decode (modelled bit by bit) yields the bf16 of the codes the layout stores, in A-fragment order."""
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (1, 1, 16, 64), generator=gen, dtype=torch.uint8)
+    codes.view(-1)[:16] = torch.arange(16, dtype=torch.uint8)
+    scales = torch.full((1, 1, 16, 2), 127, dtype=torch.uint8)
+    q, _ = mx._pack_tiles(codes, scales)
+    mag = torch.tensor(mx.E2M1_MAG)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for s in range(4):
+            bb, s2 = s // 2, s % 2
+            got = _decode_word_like_kernel(int(q[0, 0, 0, lane, s]))
+            k = 32 * bb + 8 * t + 4 * s2
+            # A fragment order: (g, k..k+1), (g+8, k..k+1), (g, k+2..k+3), (g+8, k+2..k+3)
+            want_rc = [(g, k), (g, k + 1), (g + 8, k), (g + 8, k + 1), (g, k + 2), (g, k + 3), (g + 8, k + 2),
+                       (g + 8, k + 3)]
+            for bits, (r, kk) in zip(got, want_rc):
+                c = int(codes[0, 0, r, kk])
+                v = float(mag[c & 7]) * (-1.0 if c & 8 else 1.0)
+                want = torch.tensor([v], dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
+                assert bits == want, (lane, s, r, kk, hex(bits), hex(want))
+
+
+def test_distinct_expert_bytes():
+    ids = torch.tensor([[1, 2, 3], [3, 4, 1]], dtype=torch.int32)
+    assert mx.distinct_expert_bytes(ids, (3584, 256)) == 4 * mx.expert_bytes(3584, 256)
+    assert mx.expert_bytes(3584, 256) == 1_462_272
+    assert mx.distinct_expert_bytes(ids, k3_rank(16)) == 4 * 1_462_272
+
+
+def _small_prep():
+    gen = torch.Generator().manual_seed(2)
+    return mx.prepare_mxfp4_experts(*_rand_ckpt(4, 64, 128, gen, 118, 125))
+
+
+def test_bad_inputs_rejected_on_cpu():
+    prep = _small_prep()
+    z = torch.randn(2, 128).bfloat16()
+    ids = torch.zeros(2, 16, dtype=torch.int32)
+    w = torch.full((2, 16), 1 / 16)
+    with pytest.raises(TypeError):
+        mx.moe_mxfp4_experts(z.float(), ids, w, prep, None, None, None)
+    with pytest.raises(TypeError):
+        mx.moe_mxfp4_experts(z, ids.long(), w, prep, None, None, None)
+    with pytest.raises(ValueError):
+        mx.moe_mxfp4_experts(z, ids[:, :8], w, prep, None, None, None)
+    with pytest.raises(ValueError):
+        mx.moe_mxfp4_experts(torch.randn(2, 96).bfloat16(), ids, w, prep, None, None, None)
+    with pytest.raises(ValueError):
+        mx.moe_mxfp4_experts(torch.randn(65, 128).bfloat16(), torch.zeros(65, 16, dtype=torch.int32),
+                             torch.zeros(65, 16), prep, None, None, None)
+    with pytest.raises(ValueError, match="CUDA"):
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None)
+    with pytest.raises(ValueError):
+        mx.prepare_mxfp4_experts(*[torch.zeros(4, 64, 63, dtype=torch.uint8)] * 6)
+    with pytest.raises(TypeError):
+        mx.prepare_mxfp4_experts(*[torch.zeros(4, 64, 64, dtype=torch.int8)] * 6)
+
+
+def test_cluster_and_split_choices():
+    for cfg in (k3_rank(16), k3_rank(8), k3()):
+        for key in mx.compile_keys(cfg):
+            assert key.T1 * key.S % key.W == 0 and key.NKB1 % key.S == 0
+            assert key.Q * key.C <= 132
+    with pytest.raises(ValueError):
+        mx.m_bucket(65)
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("cfg", [k3_rank(16), k3_rank(8), k3()], ids=["k3_rank16", "k3_rank8", "full"])
+def test_compile_all_keys(cfg):
+    keys = mx.compile_keys(cfg)
+    assert {k.MB for k in keys} == set(mx.M_BUCKETS)
+    for key in keys:
+        assert mx.get_kernel(key) is not None

@@ -1,0 +1,107 @@
+"""Compile every oproj_attnres key for the K3 shapes on the CPU (sm_90a), plus host-side input checks."""
+import pytest
+import torch
+
+from k3fast import oproj_attnres as oa
+from k3fast._dsl import dsl_available
+
+pytestmark = pytest.mark.compile
+
+needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+
+# k3_rank16, k3_rank8, full width (k3ref.config: kda_proj = 96*128/t)
+SHAPES = {"k3_rank16": 768, "k3_rank8": 1536, "full": 12288}
+BATCH_BUCKETS = (1, 16, 32, 64)           # TG = 1, 2, 4, 8
+
+
+def test_shapes_match_config():
+    from k3ref.config import k3, k3_rank
+    assert k3_rank(16).kda_proj == SHAPES["k3_rank16"]
+    assert k3_rank(8).kda_proj == SHAPES["k3_rank8"]
+    assert k3().kda_proj == SHAPES["full"]
+    assert k3().hidden_size == oa.D
+    # pre-MLP mix sees ceil(l/12) + [boundary] blocks: 1..8 over the 93 layers
+    cfg = k3()
+    nbs = {cfg.num_blocks_before(l) + int(cfg.is_block_boundary(l)) for l in range(cfg.num_hidden_layers)}
+    assert nbs == set(range(1, 9))
+
+
+def test_compile_keys_and_buckets():
+    assert [oa._tg_bucket(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
+    keys = oa.compile_keys(SHAPES.values(), range(1, 9), BATCH_BUCKETS)
+    assert len(keys) == 3 * 8 * 4
+    for kp in SHAPES.values():
+        for tg in (1, 2, 4, 8):
+            s = oa._stages(kp, tg)
+            assert (kp // (oa.CHUNK * oa.KS)) % s == 0 and s >= 1
+
+
+@needs_dsl
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("batch", BATCH_BUCKETS)
+def test_compile_all_n_blocks(shape, batch):
+    kp = SHAPES[shape]
+    for nb in range(1, 9):
+        fn = oa.get_kernel(kp, nb, batch)
+        assert fn is not None
+
+
+@needs_dsl
+def test_compile_zero_blocks():
+    assert oa.get_kernel(768, 0, 1) is not None
+
+
+# ---------------------------------------------------------------- host-side checks (CPU tensors)
+def _inputs(m=2, kp=768, nb=3, dev="cpu"):
+    bf = torch.bfloat16
+    return dict(y=torch.zeros(m, kp, dtype=bf, device=dev), w_o=torch.zeros(oa.D, kp, dtype=bf, device=dev),
+                blocks=torch.zeros(m, 8, oa.D, dtype=bf, device=dev), n_blocks=nb,
+                partial=torch.zeros(m, oa.D, dtype=bf, device=dev),
+                u_mlp=torch.zeros(oa.D, dtype=torch.float32, device=dev),
+                w_post=torch.zeros(oa.D, dtype=bf, device=dev))
+
+
+def _call(**kw):
+    args = _inputs()
+    extra = {k: kw.pop(k) for k in list(kw) if k in ("eps", "boundary", "out_x", "out_partial", "counter")}
+    args.update(kw)
+    return oa.oproj_attnres(args["y"], args["w_o"], args["blocks"], args["n_blocks"], args["partial"],
+                            args["u_mlp"], args["w_post"], **extra)
+
+
+def test_rejects_cpu_device():
+    with pytest.raises(ValueError, match="CUDA"):
+        _call()
+
+
+@pytest.mark.parametrize("bad, exc, msg", [
+    (dict(y=torch.zeros(2, 768, dtype=torch.float16)), TypeError, "y: expected dtype"),
+    (dict(y=torch.zeros(2, 1000, dtype=torch.bfloat16)), ValueError, "Kp must be"),
+    (dict(y=torch.zeros(65, 768, dtype=torch.bfloat16)), ValueError, "batch M"),
+    (dict(y=torch.zeros(0, 768, dtype=torch.bfloat16)), ValueError, "batch M"),
+    (dict(n_blocks=9), ValueError, "n_blocks"),
+    (dict(n_blocks=-1), ValueError, "n_blocks"),
+    (dict(n_blocks=3.0), ValueError, "n_blocks"),
+    (dict(w_o=torch.zeros(7168, 1536, dtype=torch.bfloat16)), ValueError, "w_o: expected shape"),
+    (dict(w_o=torch.zeros(7168, 768, dtype=torch.float32)), TypeError, "w_o: expected dtype"),
+    (dict(blocks=torch.zeros(2, 2, 7168, dtype=torch.bfloat16)), ValueError, "block slots"),
+    (dict(blocks=torch.zeros(3, 8, 7168, dtype=torch.bfloat16)), ValueError, "blocks: expected shape"),
+    (dict(partial=torch.zeros(2, 7168, dtype=torch.float32)), TypeError, "partial: expected dtype"),
+    (dict(u_mlp=torch.zeros(7168, dtype=torch.bfloat16)), TypeError, "u_mlp: expected dtype"),
+    (dict(w_post=torch.zeros(7167, dtype=torch.bfloat16)), ValueError, "w_post: expected shape"),
+    (dict(partial=torch.zeros(2, 2 * 7168, dtype=torch.bfloat16)[:, ::2]), ValueError, "contiguous"),
+    (dict(eps=0.0), ValueError, "eps"),
+    (dict(out_x=torch.zeros(2, 7168, dtype=torch.float32)), TypeError, "out_x: expected dtype"),
+    (dict(counter=torch.zeros(4, dtype=torch.int64)), TypeError, "counter: expected dtype"),
+])
+def test_bad_inputs(bad, exc, msg):
+    with pytest.raises(exc, match=msg):
+        _call(**bad)
+
+
+def test_module_imports_without_cutlass_symbols():
+    # the module must not import cutlass at import time (checked by name, cheap)
+    import importlib, sys
+    src = open(oa.__file__).read()
+    head = src.split("def _build")[0]
+    assert "import cutlass" not in head

@@ -1,0 +1,157 @@
+"""Compile every k3fast.rms_gemv kernel key the K3 shapes need (CPU, CUTE_DSL_ARCH=sm_90a) + host-check tests."""
+import pytest
+import torch
+
+from k3fast import rms_gemv as R
+from k3fast._dsl import COMPILE_LOG, dsl_available
+from k3ref.config import k3, k3_rank
+
+pytestmark = pytest.mark.compile
+
+CONFIGS = [k3_rank(16), k3_rank(8), k3()]
+BATCHES = [1, 2, 3, 4, 7, 8, 16, 32, 64]
+needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm_ffi not importable")
+
+
+def k3_attnres_variants(cfg):
+    """(n_blocks, has_delta, block_write) of every pre-attention AttnRes site in the K3 layer schedule."""
+    out = set()
+    for l in range(cfg.num_hidden_layers):
+        nb = cfg.num_blocks_before(l)
+        bw = l // cfg.attn_res_block_size if cfg.is_block_boundary(l) else -1
+        out.add((nb, l > 0, bw))
+    return sorted(out)
+
+
+def _gemv_shapes():
+    shapes = set()
+    for cfg in CONFIGS:
+        shapes |= set(R.k3_gemv_shapes(cfg).values())
+    return sorted(shapes)
+
+
+def test_shapes_and_configs():
+    assert R.k3_gemv_shapes(k3_rank(16))["in_proj"] == (3216, 7168)
+    assert R.k3_gemv_shapes(k3_rank(8))["in_proj"] == (6288, 7168)
+    assert R.k3_gemv_shapes(k3())["in_proj"] == (49376, 7168)
+    for (N, K) in _gemv_shapes():
+        rpc, ks = R._fma_config(N, K)
+        assert rpc * ks == R.FMA_WARPS and 16 % rpc == 0
+        for MB in (8, 16, 32, 64):
+            rtw, rt, ks = R._mma_config(N, K, MB)
+            assert rt * ks == R.MMA_WARPS and rtw in (1, 2)
+    for N in (3216, 6288, 49376):
+        rpc, ks, grid = R._fused_config(N, 7168)
+        assert rpc * ks == R.FUSED_WARPS and 1 <= grid <= R.NUM_SMS and N % rpc == 0
+    assert [R.bucket_m(m) for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)] == [1, 2, 3, 4, 8, 8, 8, 16, 16, 32, 64, 64]
+    with pytest.raises(ValueError):
+        R.bucket_m(65)
+    v = k3_attnres_variants(k3())
+    assert (0, False, 0) in v and (8, True, -1) in v and (7, True, 7) in v and len(v) == 16
+
+
+@needs_dsl
+def test_compile_gemv_all_keys():
+    keys = R.compile_keys(_gemv_shapes(), BATCHES)
+    assert any(k[0] == "fma" for k in keys) and any(k[0] == "mma" for k in keys)
+    R.warmup(_gemv_shapes(), BATCHES)
+    for k in keys:
+        fn = R._compile_fma(*k[1:]) if k[0] == "fma" else R._compile_mma(*k[1:])
+        assert fn is not None
+
+
+@needs_dsl
+def test_compile_attnres_rmsnorm_schedule():
+    d = k3().hidden_size
+    for (nb, hd, bw) in k3_attnres_variants(k3()):
+        for wln in ("bf16", "fp32"):
+            assert R._compile_norm(d, nb, hd, bw, wln, 1e-5) is not None
+
+
+@needs_dsl
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+def test_compile_fused(cfg):
+    """Fused AttnRes+RMSNorm+in_proj for M <= FUSE_MAX_M: the corner variants of the schedule (the other
+    n_blocks values change only unrolled trip counts); M = 3, 4 compiled once for rank16 (fuse_max_m=4)."""
+    N, K = R.k3_gemv_shapes(cfg)["in_proj"]
+    rpc, ks, _ = R._fused_config(N, K)
+    for (nb, hd, bw) in [(0, False, 0), (1, True, -1), (7, True, 7), (8, True, -1)]:
+        for M in range(1, R.FUSE_MAX_M + 1):
+            assert R._compile_fused(M, K, nb, hd, bw, "bf16", 1e-5, rpc, ks) is not None
+    if cfg.tp == 16:
+        for M in (3, 4):
+            assert R._compile_fused(M, K, 8, True, -1, "bf16", 1e-5, rpc, ks) is not None
+
+
+@needs_dsl
+def test_compile_keys_cover_fused_and_norm():
+    keys = R.compile_keys([(3216, 7168)], [1, 2, 8], attnres_K=7168, attnres_N=(3216,), n_blocks=(1,),
+                          block_write=(-1,), deltas=(True,))
+    kinds = sorted({k[0] for k in keys})
+    assert kinds == ["fma", "fused", "mma", "norm"]
+    n0 = len(COMPILE_LOG)
+    R.warmup([(3216, 7168)], [1, 2, 8], attnres_K=7168, attnres_N=(3216,), n_blocks=(1,), block_write=(-1,),
+             deltas=(True,))
+    assert len(COMPILE_LOG) >= n0
+
+
+# ----------------------------------------------------------------------------- host checks (CPU only)
+
+def _attn_inputs(M=1, K=64, dtype=torch.bfloat16):
+    blocks = torch.randn(M, R.NB_MAX, K, dtype=dtype)
+    p = torch.randn(M, K, dtype=dtype)
+    d = torch.randn(M, K, dtype=dtype)
+    u = torch.randn(K, dtype=torch.float32)
+    wl = torch.randn(K, dtype=torch.bfloat16)
+    return blocks, p, d, u, wl
+
+
+def test_gemv_bad_inputs():
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError):
+        R.gemv(x.float(), w)
+    with pytest.raises(TypeError):
+        R.gemv(x, w.half())
+    with pytest.raises(ValueError):
+        R.gemv(torch.randn(2, 48, dtype=torch.bfloat16), w)            # K mismatch
+    with pytest.raises(ValueError):
+        R.gemv(x, torch.randn(24, 64, dtype=torch.bfloat16))          # N not a multiple of 16
+    with pytest.raises(ValueError):
+        R.gemv(torch.randn(65, 64, dtype=torch.bfloat16), w)          # M > 64
+    with pytest.raises(ValueError):
+        R.gemv(torch.randn(0, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError):
+        R.gemv(torch.randn(64, 2, dtype=torch.bfloat16).t(), w)       # not contiguous
+    with pytest.raises(ValueError):
+        R.gemv(x, w, out=torch.empty(2, 16, dtype=torch.bfloat16))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError):
+            R.gemv(x.cuda(), w)                                        # device mismatch
+
+
+def test_attnres_bad_inputs():
+    blocks, p, d, u, wl = _attn_inputs()
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError):
+        R.attnres_rmsnorm(blocks, 9, p, d, u, wl)                      # n_blocks > 8
+    with pytest.raises(ValueError):
+        R.attnres_rmsnorm(blocks, 3, p, d, u, wl, block_write=2)       # overwrites a mixed source
+    with pytest.raises(ValueError):
+        R.attnres_rmsnorm(blocks, 3, p, d, u, wl, block_write=8)
+    with pytest.raises(TypeError):
+        R.attnres_rmsnorm(blocks, 3, p, d, u.bfloat16(), wl)           # u must be fp32
+    with pytest.raises(TypeError):
+        R.attnres_rmsnorm(blocks, 3, p, d, u, wl.half())
+    with pytest.raises(ValueError):
+        R.attnres_rmsnorm(blocks[:, :4].contiguous(), 3, p, d, u, wl)  # NBmax must be 8
+    with pytest.raises(ValueError):
+        R.attnres_rmsnorm(blocks, 3, p, d[:, :32].contiguous(), u, wl)
+    with pytest.raises(TypeError):
+        R.attnres_rmsnorm(blocks, 3, p.float(), d, u, wl)
+    with pytest.raises(ValueError):
+        R.attnres_rms_gemv(blocks, 3, p, d, u, wl, w, partial_out=p)   # fused: p' would race with readers
+    with pytest.raises(ValueError):
+        R.attnres_rms_gemv(blocks, 3, p, d, u, wl, torch.randn(32, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        R.attnres_rms_gemv(blocks, 3, p, d, u, wl, torch.randn(20, 64, dtype=torch.bfloat16))

@@ -1,0 +1,203 @@
+"""k3fast.rms_gemv on the GPU against a plain fp32 torch reference written here.
+
+Reference (k3-spec.md section 6, vLLM semantics): p' = bf16(p + delta); sources = blocks[:n_blocks] then p';
+r_i = rsqrt(mean v_i^2 + eps); s_i = r_i * <v_i, u>; alpha = softmax(s); m = sum alpha_i v_i (fp32);
+x = w_ln * m * rsqrt(mean m^2 + eps) (fp32); y = F.linear(x, w) in fp32. The kernels round x to bf16 before
+the dot; the tolerance (relative RMSE <= 1e-2) covers that and the bf16 output rounding."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-5
+K = 7168
+N_RANK16, N_RANK8, N_FULL = 3216, 6288, 49376
+
+
+def rel_rmse(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def ref_attnres(blocks, n_blocks, p, delta, u, w_ln):
+    p2 = p if delta is None else (p.float() + delta.float()).to(torch.bfloat16)
+    src = torch.cat([blocks[:, :n_blocks].float(), p2.float()[:, None]], dim=1)      # [M, S, K]
+    r = torch.rsqrt(src.pow(2).mean(-1) + EPS)
+    s = r * (src @ u.float())
+    a = torch.softmax(s, dim=-1)
+    m = torch.einsum("ms,msk->mk", a, src)
+    x = w_ln.float() * m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + EPS)
+    return x, p2
+
+
+def make_inputs(M, n_blocks, with_delta, dev="cuda"):
+    # realistic scales: blocks/partial O(1) with per-token spread, small u (gamma*pi), w_ln ~ 1
+    blocks = (torch.randn(M, 8, K, device=dev) * (0.5 + torch.rand(M, 8, 1, device=dev))).to(torch.bfloat16)
+    p = (torch.randn(M, K, device=dev) * 2.0).to(torch.bfloat16)
+    delta = (torch.randn(M, K, device=dev) * 0.5).to(torch.bfloat16) if with_delta else None
+    u = torch.randn(K, device=dev) * 0.05
+    w_ln = (1.0 + 0.1 * torch.randn(K, device=dev)).to(torch.bfloat16)
+    return blocks, p, delta, u, w_ln
+
+
+def make_w(N, Kw=K, dev="cuda"):
+    return (torch.randn(N, Kw, device=dev) * Kw ** -0.5).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def R():
+    from k3fast import rms_gemv
+    return rms_gemv
+
+
+# ----------------------------------------------------------------------------- plain gemv
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8, 16, 33, 64])
+@pytest.mark.parametrize("N,Kw", [(N_RANK16, K), (7168, 768), (768, 7168), (7168, 384), (64, 1552)])
+def test_gemv(R, seed, M, N, Kw):
+    x = torch.randn(M, Kw, device="cuda").to(torch.bfloat16)
+    w = make_w(N, Kw)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = R.gemv(x, w, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert not y.isnan().any()
+    ref = F.linear(x.float(), w.float())
+    assert rel_rmse(y, ref) <= 1e-2
+
+
+def test_gemv_rows_beyond_M_untouched(R, seed):
+    # a [7, N] view of a bigger buffer: row 7 (bucket padding) must never be written
+    big = torch.full((8, 512), 7.0, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(7, 1024, device="cuda").to(torch.bfloat16)
+    w = make_w(512, 1024)
+    R.gemv(x, w, out=big[:7])
+    assert (big[7] == 7.0).all()
+    assert rel_rmse(big[:7], F.linear(x.float(), w.float())) <= 1e-2
+
+
+# ----------------------------------------------------------------------------- AttnRes + RMSNorm (+ GEMV)
+
+CASES = [(N_RANK16, M) for M in (1, 2, 3, 4, 7, 8, 16, 64)] + [(N_RANK8, M) for M in (1, 2, 4, 8, 64)] \
+    + [(N_FULL, 1), (N_FULL, 8)]
+
+
+@pytest.mark.parametrize("N,M", CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("n_blocks,with_delta,block_write", [(0, False, 0), (1, True, -1), (3, True, -1),
+                                                             (3, False, 3), (8, True, -1)])
+def test_attnres_rms_gemv(R, seed, N, M, n_blocks, with_delta, block_write):
+    if N == N_FULL and (n_blocks, with_delta) not in ((8, True), (0, False)):
+        pytest.skip("full width: two variants are enough (708 MB weight)")
+    blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, with_delta)
+    w = make_w(N)
+    blocks0, p0 = blocks.clone(), p.clone()
+    d0 = None if delta is None else delta.clone()
+    x_ref, p2_ref = ref_attnres(blocks, n_blocks, p, delta, u, w_ln)
+    y_ref = F.linear(x_ref, w.float())
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    pout = torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y, po = R.attnres_rms_gemv(blocks, n_blocks, p, delta, u, w_ln, w, eps=EPS, block_write=block_write,
+                               out=out, partial_out=pout)
+    torch.cuda.synchronize()
+    assert y.data_ptr() == out.data_ptr() and po.data_ptr() == pout.data_ptr()
+    assert not y.isnan().any()
+    assert torch.equal(po, p2_ref)                                   # exact bf16(p + delta)
+    assert rel_rmse(y, y_ref) <= 1e-2
+    assert torch.equal(p, p0) and (delta is None or torch.equal(delta, d0))
+    expect = blocks0.clone()
+    if block_write >= 0:
+        expect[:, block_write] = p2_ref
+    assert torch.equal(blocks, expect)                               # written row exact, others untouched
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+def test_fused_vs_unfused(R, seed, M):
+    """The fused kernel (forced for M <= 4) and attnres_rmsnorm + gemv agree closely."""
+    blocks, p, delta, u, w_ln = make_inputs(M, 5, True)
+    w = make_w(N_RANK16)
+    y1, p1 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, fuse_max_m=4)
+    y2, p2 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, fuse_max_m=0)
+    torch.cuda.synchronize()
+    assert torch.equal(p1, p2)
+    assert rel_rmse(y1, y2) <= 2e-3
+    x_ref, _ = ref_attnres(blocks, 5, p, delta, u, w_ln)
+    assert rel_rmse(y1, F.linear(x_ref, w.float())) <= 1e-2
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 64])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_attnres_rmsnorm(R, seed, M, w_dtype):
+    blocks, p, delta, u, w_ln = make_inputs(M, 4, True)
+    w_ln = w_ln.to(w_dtype)
+    x_ref, p2_ref = ref_attnres(blocks, 4, p, delta, u, w_ln)
+    out = torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+    x, po = R.attnres_rmsnorm(blocks, 4, p, delta, u, w_ln, out=out, block_write=4)
+    torch.cuda.synchronize()
+    assert not x.isnan().any()
+    assert rel_rmse(x, x_ref) <= 1e-2
+    # x is bf16(x_ref) up to fp32 summation order: elementwise within 2 bf16 ulps
+    assert ((x.float() - x_ref).abs() <= 2 ** -7 * x_ref.abs() + 1e-6).float().mean() > 0.999
+    assert torch.equal(po, p2_ref) and torch.equal(blocks[:, 4], p2_ref)
+
+
+def test_attnres_rmsnorm_in_place(R, seed):
+    blocks, p, delta, u, w_ln = make_inputs(4, 2, True)
+    x_ref, p2_ref = ref_attnres(blocks, 2, p, delta, u, w_ln)
+    x, po = R.attnres_rmsnorm(blocks, 2, p, delta, u, w_ln, partial_out=p)     # vLLM updates p in place
+    torch.cuda.synchronize()
+    assert po.data_ptr() == p.data_ptr() and torch.equal(p, p2_ref)
+    assert rel_rmse(x, x_ref) <= 1e-2
+
+
+def test_nan_propagates(R, seed):
+    blocks, p, delta, u, w_ln = make_inputs(1, 2, True)
+    p[0, 123] = float("nan")
+    y, _ = R.attnres_rms_gemv(blocks, 2, p, delta, u, w_ln, make_w(256))
+    torch.cuda.synchronize()
+    assert y.isnan().all()                                           # NaN never turns into a finite value
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+@pytest.mark.parametrize("M", [1, 4, 8, 64])
+def test_cuda_graph_replay(R, seed, M):
+    N = N_RANK16
+    blocks, p, delta, u, w_ln = make_inputs(M, 3, True)
+    w = make_w(N)
+    pout = torch.empty_like(p)
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    xg = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    out2 = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    # warm-up (compiles) outside the capture
+    R.attnres_rms_gemv(blocks, 3, p, delta, u, w_ln, w, out=out, partial_out=pout, block_write=3)
+    R.gemv(xg, w, out=out2)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g):
+            R.attnres_rms_gemv(blocks, 3, p, delta, u, w_ln, w, out=out, partial_out=pout, block_write=3)
+            R.gemv(xg, w, out=out2)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        nb, npp, nd, nu, nwl = make_inputs(M, 3, True)
+        blocks.copy_(nb); p.copy_(npp); delta.copy_(nd); u.copy_(nu); w_ln.copy_(nwl)
+        xg.copy_(torch.randn(M, K, device="cuda"))
+        out.fill_(float("nan")); out2.fill_(float("nan")); pout.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        x_ref, p2_ref = ref_attnres(nb, 3, npp, nd, nu, nwl)
+        assert torch.equal(pout, p2_ref) and torch.equal(blocks[:, 3], p2_ref)
+        assert torch.equal(blocks[:, :3], nb[:, :3]) and torch.equal(blocks[:, 4:], nb[:, 4:])
+        assert rel_rmse(out, F.linear(x_ref, w.float())) <= 1e-2
+        assert rel_rmse(out2, F.linear(xg.float(), w.float())) <= 1e-2
+
+
+def test_deterministic(R, seed):
+    for M in (1, 8, 64):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        w = make_w(768)
+        a = R.gemv(x, w)
+        b = R.gemv(x, w)
+        assert torch.equal(a, b)
