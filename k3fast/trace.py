@@ -211,19 +211,30 @@ def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: in
     records = []
     ref_out = {}
     for impl_name in impls:
-        t0 = time.time()
         try:
-            impl = make_impl(impl_name, cfg, w) if impl_name != "stock" else make_impl(impl_name, cfg, w, max_batch=max(batch, 1))
-        except Exception as ex:                     # a missing optional package (fla, vllm): say so in the log
-            log(f"  {impl_name}: unavailable ({type(ex).__name__}: {str(ex)[:200]})")
-            continue
+            records += _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps,
+                                 perfetto_dir, ref_out, log)
+        except Exception as ex:                     # one broken implementation must not stop the sweep
+            import traceback
+            log(f"  {impl_name}: FAILED {type(ex).__name__}: {str(ex)[:300]}\n" + traceback.format_exc()[-1500:])
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return records
+
+
+def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps, perfetto_dir, ref_out, log):
+    from .impls import make_impl, make_io
+    records = []
+    if True:
+        t0 = time.time()
+        impl = make_impl(impl_name, cfg, w, max_batch=max(batch, 1)) if impl_name in ("stock", "fast") else make_impl(impl_name, cfg, w)
         # correctness on identical fresh inputs: each impl's eager outputs vs the reference's
         io = make_io(cfg, layer, batch, context=context, seed=7)
         impl.layer(io)
         torch.cuda.synchronize()
         outs = {"attn": io.x_mlp.clone(), "layer": io.out.clone()}
         if impl_name == "ref":
-            ref_out = outs
+            ref_out.update(outs)
         err = {p: (rel_rmse(outs[p], ref_out[p]) if ref_out else None) for p in outs}
         # distinct experts actually read by this step's routing (for the bytes model)
         distinct = None
@@ -269,8 +280,6 @@ def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: in
                 f"floor {rec['floor_us']:7.1f} us  err {rec['rel_err_vs_ref']}")
             del g
         log(f"  {impl_name} done in {time.time() - t0:.0f} s")
-        del impl
-        torch.cuda.empty_cache()
     return records
 
 

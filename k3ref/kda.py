@@ -125,6 +125,18 @@ def gated_delta_rule_chunked(q, k, v, lam, beta, state, chunk: int = 16):
 
 # ---------------------------------------------------------------------------- the whole KDA attention
 
+def scatter_valid_rows(pool: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, new: torch.Tensor) -> None:
+    """pool[idx[n]] = new[n] for the valid rows n only, without a data-dependent shape (so it can be
+    captured in a CUDA graph): each padded row repeats the first valid row's (slot, value), and if no
+    row is valid, slot idx[0] gets its own current value back. Untouched slots stay bit-identical."""
+    N = idx.shape[0]
+    first = torch.argmax(valid.to(torch.int32))                      # 0 when no row is valid
+    src = torch.where(valid, torch.arange(N, device=idx.device), first)
+    old = pool[idx]
+    rows = torch.where(valid[src].view(-1, *([1] * (new.dim() - 1))), new[src].to(pool.dtype), old[src])
+    pool.index_copy_(0, idx[src], rows)
+
+
 def kda_core(pr: dict[str, torch.Tensor], w, conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
              T: int, cfg, P: Precision, *, chunked: bool = False) -> torch.Tensor:
     """Steps 2-8 of section 7.2 on the raw projections ``pr`` (see ``kda_projections``): short conv +
@@ -154,8 +166,8 @@ def kda_core(pr: dict[str, torch.Tensor], w, conv_state: torch.Tensor, rec_state
                 beta.to(P.state_dtype), S0)
 
     # state write-back at valid slots only (padded slots stay bit-identical)
-    conv_state[idx[valid]] = cs_new[valid].to(conv_state.dtype)
-    rec_state[idx[valid]] = S[valid].to(rec_state.dtype)
+    scatter_valid_rows(conv_state, idx, valid, cs_new)
+    scatter_valid_rows(rec_state, idx, valid, S)
 
     y = gated_rms_norm(o.to(P.compute), w.o_norm.to(P.compute), P.f(pr["g"]).view(N, T, H, D), cfg.rms_norm_eps)
     y = P.rnd(y.reshape(N * T, Pw))

@@ -102,10 +102,15 @@ def mla_core(q: torch.Tensor, rows: torch.Tensor, w, kv_cache: torch.Tensor, len
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         if bool((valid & (L0 + T > Lmax)).any()):
             raise ValueError(f"MLA cache overflow: a slot would need more than its {Lmax} rows")
-    # append the new rows at valid slots (padding writes nothing)
-    vi = idx[valid]
-    kv_cache[vi[:, None], q_pos[valid]] = rows[valid].to(kv_cache.dtype)
-    lengths[vi] = L0[valid] + T
+    # append the new rows at valid slots (padding writes nothing): each padded request repeats the
+    # first valid request's (slot, position, row), or rewrites slot idx[0]'s current rows if none is valid
+    first = torch.argmax(valid.to(torch.int32))
+    src = torch.where(valid, torch.arange(N, device=q.device), first)
+    pos_w = q_pos[src].clamp(max=Lmax - 1)
+    old_rows = kv_cache[idx[src][:, None], pos_w]
+    new_rows = torch.where(valid[src][:, None, None], rows[src].to(kv_cache.dtype), old_rows)
+    kv_cache[idx[src][:, None], pos_w] = new_rows
+    lengths.index_copy_(0, idx[src], torch.where(valid[src], (L0 + T)[src], L0[src]))
     cache = kv_cache[idx].to(rows.dtype)                                       # [N, Lmax, 576]
     # rows past a request's length hold whatever the pool held: zero them so 0-probability x garbage
     # (NaN, say) cannot leak into the output
