@@ -14,9 +14,15 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def e2m1_table(dtype=torch.float32, device=None) -> torch.Tensor:
-    """The 16 code values: codes 0-7 positive, 8-15 their negatives (code 8 is -0.0)."""
-    pos = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
-    return torch.cat([pos, -pos])
+    """The 16 code values: codes 0-7 positive, 8-15 their negatives (code 8 is -0.0).
+
+    Built arithmetically on ``device`` (code m = e1 e0 mant: m < 2 is subnormal m/2, else
+    2^(e-1) * (1 + mant/2)) so no host-to-device copy happens, which CUDA-graph capture forbids."""
+    c = torch.arange(16, device=device, dtype=torch.float32)
+    m = torch.remainder(c, 8)
+    e, mant = torch.floor(m / 2), torch.remainder(m, 2)
+    mag = torch.where(m < 2, m / 2, torch.exp2(e - 1) * (1 + mant / 2))
+    return torch.where(c < 8, mag, -mag).to(dtype)
 
 
 def unpack_e2m1(packed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
