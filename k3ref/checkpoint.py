@@ -43,3 +43,19 @@ def load_layer(path: str, cfg: K3Config, layer: int, device="cpu") -> LayerWeigh
 def write_random_checkpoint(path: str, cfg: K3Config, layers, seed: int = 0) -> None:
     """A checkpoint of random layers with realistic scales, so tests and notebooks need no download."""
     save_layers(path, [random_layer(cfg, l, seed=seed) for l in layers], cfg)
+
+
+def save_model(path: str, w, cfg: K3Config) -> None:
+    """A whole model (k3ref.model.K3ModelWeights) as one HF-format safetensors file."""
+    from safetensors.torch import save_file
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in w.to_checkpoint(cfg).items()}, path,
+              metadata={"format": "pt", "k3lab_config": cfg.name})
+
+
+def load_model(path: str, cfg: K3Config, device="cpu"):
+    """A whole model from a checkpoint file or shard directory, validated (one error lists every problem)."""
+    from .model import model_from_checkpoint
+    w = model_from_checkpoint(load_tensors(path), cfg)
+    from .weights import _map
+    return _map(w, lambda t: t.to(device))

@@ -69,3 +69,25 @@ def test_bad_checkpoint_lists_every_problem(tmp_path):
     for s in ("missing: " + p + "self_attn.q_proj.weight", "wrong shape: " + p + "self_attn.k_proj.weight",
               "wrong dtype: " + p + "self_attn.A_log", "experts.3.w2.weight_packed", "unexpected: " + p + "self_attn.rotary_emb"):
         assert s in msg, s
+
+
+def test_whole_model_round_trip_and_decode(tmp_path):
+    """A small whole model (tiny) written with the release's names, read back, decoded twice."""
+    from k3ref.checkpoint import load_model, save_model
+    from k3ref.model import K3Model, random_model
+    cfg = tiny()
+    w = random_model(cfg, seed=2)
+    path = str(tmp_path / "model.safetensors")
+    save_model(path, w, cfg)
+    back = load_model(path, cfg)
+    m = K3Model(cfg, back, Precision.model(), slots=3, max_len=8)
+    slots = torch.tensor([0, 2])
+    logits1 = m.decode_step(torch.tensor([5, 17]), slots)
+    logits2 = m.decode_step(logits1.argmax(-1), slots)
+    assert logits2.shape == (2, cfg.vocab_size) and torch.isfinite(logits2).all()
+    assert not torch.equal(logits1, logits2)
+    t = load_tensors(path)
+    del t["language_model.lm_head.weight"]
+    from k3ref.model import model_from_checkpoint
+    with pytest.raises(CheckpointError, match="missing: language_model.lm_head.weight"):
+        model_from_checkpoint(t, cfg)

@@ -1,0 +1,165 @@
+"""Per-kernel benchmarks: each fused kernel against its byte floor and its stock counterpart, one run.
+
+    python -m k3fast.bench --shapes k3_rank16 k3_rank8 full --batches 1 8 64 --out traces/h200
+
+Each case captures ONE call in a CUDA graph and times replays exactly as the layer traces do
+(k3fast.trace.time_replays: L2 flushed before each replay, median/p10/p90). Bytes are what the call
+must move (weights + state read/written + activations); the floor uses the copy bandwidth measured
+in the same run. Records go to ``<out>/kernels-<tag>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from k3ref import Precision, preset
+from k3ref.attnres import attn_res_u
+from k3ref.bytes import expert_bytes
+from k3ref.weights import random_layer
+
+from .trace import _pct, capture, copy_bandwidth_tbps, environment, time_replays
+
+
+def _cases(cfg, batch: int):
+    """(name, fused callable, stock callable, bytes) for every fused kernel at this shape and batch."""
+    from . import kda_conv_gate_step as kmod
+    from .impls import make_io
+    from .kda_conv_gate_step import kda_conv_gate_step
+    from .moe_mxfp4_experts import make_workspace, moe_mxfp4_experts, prepare_mxfp4_experts
+    from .moe_tail import moe_tail, prepare_shared_gate_up, shared_expert_gate_up
+    from .oproj_attnres import oproj_attnres
+    from .rms_gemv import attnres_rms_gemv
+    from .router_down_topk import prepare_front_weight, router_down_topk
+    from .stock_kda import stock_kda_core
+    dev, d, M = "cuda", cfg.hidden_size, batch
+    w = random_layer(cfg, 1, seed=3, device=dev)
+    a, m = w.attn, w.mlp
+    P = Precision.model()
+    io = make_io(cfg, 1, M, seed=5)
+    g = torch.Generator(device=dev).manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, generator=g, device=dev).to(torch.bfloat16)
+    H, D, Pw = cfg.kda_heads, cfg.kda_head_dim, cfg.kda_proj
+    cases = []
+
+    # 1. AttnRes + RMSNorm + packed in_proj
+    rows = torch.cat([a.q_proj, a.k_proj, a.v_proj, a.g_proj, a.f_a_proj, a.b_proj])
+    w_in = torch.cat([rows, rows.new_zeros(kmod.proj_width(H) - rows.shape[0], d)]).contiguous()
+    u1 = attn_res_u(w.attn_res, P).float().contiguous()
+    p_out = torch.empty_like(io.partial)
+    x = rnd(M, d)
+    cases.append(("attnres_rms_gemv", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
+                                                               partial_out=p_out),
+                  lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+    # 2. KDA core
+    proj = rnd(M, w_in.shape[0])
+    conv_w = torch.cat([a.q_conv, a.k_conv, a.v_conv]).view(-1, 4).float().contiguous()
+    kw = {"conv_qkv": conv_w, "A_log": a.A_log, "dt_bias": a.dt_bias, "o_norm": a.o_norm}
+    f = rnd(M, Pw)
+    st = io.state
+    state_bytes = 2 * (st.recurrent[0].numel() * 4 + st.conv[0].numel() * 2) * M
+    cases.append(("kda_conv_gate_step",
+                  lambda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm, st.conv, st.recurrent,
+                                             io.slots, heads=H),
+                  lambda: stock_kda_core(proj[:, :Pw], proj[:, Pw:2 * Pw], proj[:, 2 * Pw:3 * Pw], proj[:, 3 * Pw:4 * Pw], f,
+                                         proj[:, 4 * Pw + D:4 * Pw + D + H], st.conv, st.recurrent, io.slots, kw, head_dim=D,
+                                         null_slot=st.num_slots - 1),
+                  state_bytes + a.f_b_proj.numel() * 2 + M * (proj.shape[1] + Pw) * 2))
+    # 3. o_proj + AttnRes #2
+    y = rnd(M, Pw)
+    u2 = attn_res_u(w.mlp_res, P).float().contiguous()
+    xo, po = torch.empty(M, d, dtype=torch.bfloat16, device=dev), torch.empty(M, d, dtype=torch.bfloat16, device=dev)
+    cases.append(("oproj_attnres", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2, w.post_attention_layernorm,
+                                                         out_x=xo, out_partial=po),
+                  lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
+    # 4. router + latent down + top-k
+    front = prepare_front_weight(m.gate, m.down)
+    bias = m.e_score_correction_bias.float().contiguous()
+
+    def stock_front():
+        s = torch.sigmoid(F.linear(x, m.gate).float())
+        ids = torch.topk(s + bias, cfg.num_experts_per_token, dim=-1).indices
+        return F.linear(x, m.down), ids
+    cases.append(("router_down_topk", lambda: router_down_topk(x, front, bias), stock_front, front.numel() * 2 + M * d * 2))
+    # 5. routed experts (uniform routing: distinct experts per token)
+    prep = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
+    ws = make_workspace(cfg.routed_expert_hidden_size, dev)
+    z = rnd(M, cfg.routed_expert_hidden_size)
+    ids = torch.stack([torch.randperm(cfg.num_experts, generator=g, device=dev)[:cfg.num_experts_per_token]
+                       for _ in range(M)]).to(torch.int32)
+    tw = torch.softmax(torch.randn(M, cfg.num_experts_per_token, generator=g, device=dev), -1)
+    from .stock_moe import MarlinMXFP4Experts
+    marlin = MarlinMXFP4Experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale, max_batch=max(M, 1))
+    n_exp = int(ids.unique().numel())
+    cases.append(("moe_mxfp4_experts", lambda: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws),
+                  lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
+    # 6. shared gate/up and the tail
+    gu = prepare_shared_gate_up(m.shared_gate, m.shared_up)
+    gu_stock = torch.cat([m.shared_gate, m.shared_up]).contiguous()
+    cases.append(("shared_expert_gate_up", lambda: shared_expert_gate_up(x, gu), lambda: F.linear(x, gu_stock),
+                  gu.numel() * 2 + M * d * 2))
+    h = rnd(M, cfg.shared_intermediate)
+    r = rnd(M, cfg.routed_expert_hidden_size)
+    fo = torch.empty(M, d, dtype=torch.bfloat16, device=dev)
+
+    def stock_tail():
+        rn = F.rms_norm(r.float(), (r.shape[-1],), m.norm.float(), cfg.rms_norm_eps).bfloat16()
+        return F.linear(rn, m.up) + F.linear(h, m.shared_down)
+    cases.append(("moe_tail", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo), stock_tail,
+                  (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
+    return cases, io
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["k3_rank16", "k3_rank8", "full"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--out", default="traces/h200")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("k3fast.bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    env = environment()
+    bw = copy_bandwidth_tbps()
+    print(f"{env['gpu']} commit {env['commit']}: copy {bw:.3f} TB/s", flush=True)
+    recs = []
+    for shape in args.shapes:
+        for M in args.batches:
+            cases, io = _cases(preset(shape), M)
+            for name, fused, stock, nbytes in cases:
+                row = {"kernel": name, "shape": shape, "batch": M, "bytes": int(nbytes),
+                       "floor_us": round(nbytes / (bw * 1e12) * 1e6, 3), "copy_tbps": round(bw, 4)}
+                for impl, fn in (("fast", fused), ("stock", stock)):
+                    try:
+                        g = capture(fn)
+                        t = time_replays(g, io.reset, args.replays)
+                        row[f"{impl}_us_median"] = round(_pct(t, 0.5), 3)
+                        row[f"{impl}_us_p10"], row[f"{impl}_us_p90"] = round(_pct(t, 0.1), 3), round(_pct(t, 0.9), 3)
+                    except Exception as ex:
+                        row[f"{impl}_error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+                if "fast_us_median" in row:
+                    row["fast_over_floor"] = round(row["fast_us_median"] / row["floor_us"], 3)
+                    row["achieved_tbps"] = round(nbytes / (row["fast_us_median"] * 1e-6) / 1e12, 3)
+                if "fast_us_median" in row and "stock_us_median" in row:
+                    row["speedup_vs_stock"] = round(row["stock_us_median"] / row["fast_us_median"], 3)
+                recs.append({**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")}, **row})
+                print(json.dumps(row), flush=True)
+            del cases, io
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    tag = args.tag or f"{env['date'][:10]}-{env['commit']}"
+    path = os.path.join(args.out, f"kernels-{tag}.json")
+    with open(path, "w") as f:
+        json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": recs}, f, indent=1)
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
