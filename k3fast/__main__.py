@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
@@ -37,7 +36,29 @@ def reference_demo() -> None:
         print(f"  reference {L.kind} layer {layer} (tiny): 3 decode steps, BF16 model vs fp64 rel err {err:.2e}")
 
 
-KERNEL_MODULES = ("rms_gemv", "kda_conv_gate_step", "oproj_attnres", "router_down_topk", "moe_mxfp4_experts", "moe_tail")
+def batch1_warmups():
+    """(module, description, thunk) compiling each fused kernel's k3_rank(16) batch-1 key(s) for sm_90a."""
+    from k3ref import k3_rank
+    c = k3_rank(16)
+    d = c.hidden_size
+
+    def rms():
+        from . import kda_conv_gate_step as kmod, rms_gemv
+        n = kmod.proj_width(c.kda_heads)
+        rms_gemv.warmup([(n, d)], [1], attnres_K=d, attnres_N=(n,), n_blocks=[1], block_write=(-1,), deltas=(True,))
+    return [
+        ("rms_gemv", "AttnRes + RMSNorm + packed in_proj GEMV", rms),
+        ("kda_conv_gate_step", "KDA core (conv, gates, delta rule, gated norm)",
+         lambda: __import__("k3fast.kda_conv_gate_step", fromlist=["x"]).warmup(c.kda_heads, [1])),
+        ("oproj_attnres", "o_proj + partial sum + AttnRes #2 + RMSNorm",
+         lambda: __import__("k3fast.oproj_attnres", fromlist=["x"]).warmup([c.kda_proj], [2], [1])),
+        ("router_down_topk", "router + latent down + top-16",
+         lambda: __import__("k3fast.router_down_topk", fromlist=["x"]).warmup([1])),
+        ("moe_mxfp4_experts", "MXFP4 routed experts + combine",
+         lambda: __import__("k3fast.moe_mxfp4_experts", fromlist=["x"]).warmup(c, [1], nsm=132)),
+        ("moe_tail", "shared gate/up + SiTU; routed norm + up + shared down + add",
+         lambda: __import__("k3fast.moe_tail", fromlist=["x"]).warmup(c.shared_intermediate, [1])),
+    ]
 
 
 def compile_kernels() -> None:
@@ -46,24 +67,13 @@ def compile_kernels() -> None:
     if not dsl_available():
         print("  CuTe DSL (nvidia-cutlass-dsl + apache-tvm-ffi) not installed: skipping (pip install -e '.[gpu]')")
         return
-    for name in KERNEL_MODULES:
+    for name, what, thunk in batch1_warmups():
+        t, n0 = time.time(), len(COMPILE_LOG)
         try:
-            mod = importlib.import_module(f"k3fast.{name}")
-        except ImportError:
-            continue
-        warm = getattr(mod, "warmup_batch1", None) or getattr(mod, "warmup", None)
-        if warm is None:
-            continue
-        t = time.time()
-        n0 = len(COMPILE_LOG)
-        try:
-            try:
-                warm(batches=[1])
-            except TypeError:
-                warm([1])
-            print(f"  compiled {name}: {len(COMPILE_LOG) - n0} kernel(s) for sm_90a in {time.time() - t:.1f} s")
+            thunk()
+            print(f"  {name:20s} {what}: {len(COMPILE_LOG) - n0} kernel(s) compiled for sm_90a in {time.time() - t:.1f} s")
         except Exception as ex:      # report and go on: one broken kernel must not hide the others
-            print(f"  {name}: compile FAILED: {type(ex).__name__}: {str(ex)[:300]}")
+            print(f"  {name:20s} compile FAILED: {type(ex).__name__}: {str(ex)[:300]}")
 
 
 def main() -> int:
@@ -73,7 +83,7 @@ def main() -> int:
     compile_kernels()
     print("3. recorded H200 traces")
     from k3fast import report
-    report.main(["--no-plots"] if not os.environ.get("K3_PLOTS") else [])
+    report.main(["--print-only"])
     if torch.cuda.is_available():
         print("4. live trace (k3_rank16 KDA+MoE, batch 1)")
         from k3fast import trace

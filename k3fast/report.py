@@ -112,7 +112,7 @@ def plot(records: list[dict], out_dir: str) -> list[str]:
                 fl = sorted({(r["batch"], r["floor_us"]) for r in sub if (r.get("context") or 0) == ctx})
                 axes[0, j].plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="floor" + (f" ctx{ctx}" if ctx else ""))
             axes[0, j].set(xscale="log", yscale="log", title=f"{kind} {shape}", ylabel="µs per decode step")
-            axes[1, j].set(xscale="log", xlabel="batch", ylabel="kernels per step")
+            axes[1, j].set(xscale="log", yscale="log", xlabel="batch", ylabel="kernels per step")
             axes[0, j].legend(fontsize=7)
         fig.tight_layout()
         os.makedirs(out_dir, exist_ok=True)
@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--records", default=None, help="glob of record files (default traces/h200/records-*.json)")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--print-only", action="store_true", help="print the table; write no plot and leave README alone")
     args = ap.parse_args(argv)
     recs = load_records(args.records)
     probs = validate(recs)
@@ -152,6 +153,9 @@ def main(argv=None) -> int:
         ok = update_readme(block, check=True)
         print("README table is up to date" if ok else "README table differs from the records: run python -m k3fast.report")
         return 0 if ok else 1
+    if args.print_only:
+        print(table(recs) if recs else "no records")
+        return 0
     if not args.no_plots and recs:
         for p in plot(recs, os.path.join(ROOT, "traces", "h200", "plots")):
             print("wrote", os.path.relpath(p, ROOT))

@@ -1,0 +1,75 @@
+"""Small helpers shared by the fusion notebooks: recorded H200 results (GPU test outcomes, kernel
+benchmarks, layer traces), a CPU compile of one kernel key, and a live timing when a GPU is present.
+Everything a notebook shows on a CPU comes from files under traces/, with their metadata."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def recorded_gpu_tests(test_module: str) -> dict:
+    """Outcome of ``tests/gpu/<test_module>.py`` in the newest recorded H200 JUnit file."""
+    files = sorted(glob.glob(os.path.join(ROOT, "traces", "h200", "logs", "gpu-junit-*.xml")), key=os.path.getmtime)
+    out = {"passed": 0, "failed": 0, "skipped": 0, "source": None, "failures": []}
+    for path in files[-1:]:
+        out["source"] = os.path.relpath(path, ROOT)
+        for tc in ET.parse(path).getroot().iter("testcase"):
+            if tc.get("classname", "").split(".")[-1] != test_module:
+                continue
+            if tc.find("failure") is not None or tc.find("error") is not None:
+                out["failed"] += 1
+                out["failures"].append(tc.get("name"))
+            elif tc.find("skipped") is not None:
+                out["skipped"] += 1
+            else:
+                out["passed"] += 1
+    return out
+
+
+def recorded_kernel_bench(kernel: str) -> list[dict]:
+    """Rows of traces/h200/kernels-*.json for one fused kernel (empty until a benchmark was recorded)."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "traces", "h200", "kernels-*.json"))):
+        with open(path) as f:
+            doc = json.load(f)
+        rows += [{**r, "source": os.path.relpath(path, ROOT)} for r in doc["records"] if r["kernel"] == kernel]
+    return rows
+
+
+def recorded_layer_parts(kind: str, part: str) -> list[dict]:
+    from .report import load_records
+    return [r for r in load_records() if r["layer_kind"] == kind and r["part"] == part]
+
+
+def compile_on_cpu(warmup_fn, *args, **kw) -> str:
+    """Compile one kernel key for sm_90a (no GPU needed); returns a one-line report."""
+    from ._dsl import COMPILE_LOG, dsl_available
+    if not dsl_available():
+        return "CuTe DSL not installed (pip install -e '.[gpu]'): compile skipped"
+    n0, t = len(COMPILE_LOG), time.time()
+    warmup_fn(*args, **kw)
+    keys = [k for k, _ in COMPILE_LOG[n0:]]
+    return f"compiled {len(keys)} kernel(s) for sm_90a in {time.time() - t:.1f} s: {keys}"
+
+
+def time_live(fn, replays: int = 50) -> float:
+    """Median µs of a CUDA-graph replay of ``fn`` with the L2 flushed before each (GPU only)."""
+    from .trace import _pct, capture, time_replays
+    g = capture(fn)
+    return _pct(time_replays(g, lambda: None, replays), 0.5)
+
+
+def bench_table(rows: list[dict]) -> str:
+    if not rows:
+        return "no recorded kernel benchmark yet (python -m k3fast.bench on the H200 writes traces/h200/kernels-*.json)"
+    lines = ["shape      batch  floor µs   fast µs  stock µs  fast/floor  speed-up"]
+    for r in rows:
+        lines.append(f"{r['shape']:10s} {r['batch']:5d} {r['floor_us']:9.1f} {r.get('fast_us_median', float('nan')):9.1f} "
+                     f"{r.get('stock_us_median', float('nan')):9.1f} {r.get('fast_over_floor', float('nan')):10.2f} "
+                     f"{r.get('speedup_vs_stock', float('nan')):9.2f}")
+    return "\n".join(lines)
