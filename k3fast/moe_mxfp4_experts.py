@@ -24,6 +24,14 @@ Version log
       Expected: ~2.7 ALU ops per weight (17 for the 8-code decode, 2 scale, 1/8 MMA...) -> issue ceiling ~6 TB/s of
       MXFP4, so HBM-bound; guess 70-80 % of 4.3 TB/s at batch >= 8, 50-60 % at batch 1 (prologue + 2 cluster
       barriers + pipeline fill on 5 us of work).
+  v2  fix: H200 tests failed for every M >= 3 (rel-RMSE 0.12-0.37 uniform, 0.67-0.83 ties, 0.87-1.16 shared routing;
+      M = 1, 2 passed).  Cause: each CTA's counting sort ordered an expert's pairs by smem-atomic arrival, and with
+      P = 16 M > 32 the pairs of one expert come from several warps whose arrival order differs between the CTAs of a
+      cluster; h columns are exchanged by position (DSMEM) and y rows written by position, so a y row mixed h chunks
+      of different pairs (finite, counters fine, values wrong).  Found by reading the code and a CPU emulation of the
+      index math with a per-CTA random warp order (reproduced the error pattern per routing; 0 after the fix).  Now
+      each expert segment is re-ranked by pair index after the atomic placement (O(pairs per expert) per pair; one
+      extra [PMAX] smem array and barrier).  Registers unchanged (rank16 142/150, rank8 127/200, full 154/198), 0 spills.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -414,8 +422,8 @@ def _build_kernel_class():
             self.n_stage = c.NT * (c.I // c.C) // 2          # int32 words
             sizes = [
                 ("cnt", 4 * c.E), ("act_e", 4 * c.PMAX), ("act_off", 4 * (c.PMAX + 4)), ("slot", 4 * c.PMAX),
-                ("sorted", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * c.NT * c.HW), ("stage", 4 * self.n_stage),
-                ("part", 4 * self.n_part),
+                ("sorted", 4 * c.PMAX), ("tmp", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * c.NT * c.HW),
+                ("stage", 4 * self.n_stage), ("part", 4 * self.n_part),
             ]
             self.smem_bytes = sum(-(-b // 16) * 16 for _, b in sizes) + 256
 
@@ -447,6 +455,7 @@ def _build_kernel_class():
             act_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16)
             slot_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             sorted_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
+            tmp_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             scr = smem.allocate_tensor(Int32, cute.make_layout(64), 16)
             h_s = smem.allocate_tensor(Int32, cute.make_layout((NT, c.HW), stride=(c.HW, 1)), 16)
             stage_s = smem.allocate_tensor(Int32, cute.make_layout(self.n_stage), 16)
@@ -511,16 +520,29 @@ def _build_kernel_class():
                     if n > 0:
                         act_e[ua] = e
                         act_off[ua] = pa
-                        cnt_s[e] = pa
+                        cnt_s[e] = pa + (n << 16)           # segment offset | length (both <= 1024)
                         ua = ua + 1
                         pa = pa + n
             if tid == c.threads - 1:
                 scr[32] = ua
                 act_off[ua] = pa
             cute.arch.barrier()
+            # The atomics above order an expert's pairs by arrival, which differs between the CTAs of a cluster
+            # once pairs of one expert come from different warps (P > 32).  Every CTA of a cluster must put the
+            # same pair in the same column (h columns are exchanged by position through DSMEM and y rows are
+            # written by position), so each segment is re-ranked by pair index: deterministic, CTA-independent.
             for p in cutlass.range(tid, P, c.threads):
                 ex = mIds[p // TOPK, p % TOPK]
-                sorted_s[cnt_s[ex] + slot_s[p]] = p
+                tmp_s[(cnt_s[ex] & 0xFFFF) + slot_s[p]] = p
+            cute.arch.barrier()
+            for p in cutlass.range(tid, P, c.threads):
+                ex = mIds[p // TOPK, p % TOPK]
+                seg = cnt_s[ex]
+                o = seg & 0xFFFF
+                rk = Int32(0)
+                for k in cutlass.range(o, o + (seg >> 16)):
+                    rk = rk + (tmp_s[k] < p).to(Int32)
+                sorted_s[o + rk] = p
             n_active = scr[32]
             cute.arch.barrier()
 

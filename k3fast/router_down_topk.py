@@ -10,6 +10,12 @@ Version log
       anyway). Weight vectors in flight per lane: 4 (M <= 8), 2 (M=16), 1 (M >= 32).
       Expected: M=1 ~16-17 us (floor 14.9 us), M=2 ~17 us, M=4 ~22 us (FMA issue bound, 2.9 TB/s), M=8 ~40 us, M=16 ~90 us, M=64 ~350 us (FMA issue bound: the
       tensor-core swap-AB path for M > 4 is NOT in v1).
+  v1.1 No kernel logic change. cutlass.memory.SmemAllocator (cutlass.utils one is deprecated); the per-token loops
+      are cutlass.range(mb, unroll_full=True) (fully unrolled by the compiler, so acc stays in registers: no stack
+      frame at M <= 32). Registers: 1: 80, 2: 93, 4: 116, 8: 128, 16: 158, 32: 198, no spills; M=64 STILL SPILLS:
+      255 regs + 372 B spill stores / 400 B loads (v1: 420 B stores). Fix belongs to the mma path (M > 4), not
+      here. H200 run e5c7220: 16/19 GPU tests passed; the 3 failures were the test's expected order (bias steps of
+      0.33 < sigmoid spread), the kernel matched the (-(s + bias), index) reference in all of them.
 
 What it replaces (k3-spec.md sections 10 and 11):
   l   = x W_r^T                (fp32; bf16 products, fp32 accumulate, never rounded)        section 10.1
@@ -57,7 +63,7 @@ PRE = 4            # 16-byte weight vectors per lane issued before griddepcontro
 UNROLL = 4
 
 # ptxas report for the CPU compile (CUTE_DSL_COMPILER_OPT="remarks{ptx}", sm_90a): bucket -> (regs, spill bytes)
-REGISTER_LOG = {1: (80, 0), 2: (93, 0), 4: (116, 0), 8: (128, 0), 16: (162, 0), 32: (198, 0), 64: (255, 420)}
+REGISTER_LOG = {1: (80, 0), 2: (93, 0), 4: (116, 0), 8: (128, 0), 16: (158, 0), 32: (198, 0), 64: (255, 372)}
 
 _WORKSPACES: dict = {}
 
@@ -153,7 +159,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
             n = bid * WARPS + warp
             M = cute.size(mX, mode=[0])
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             sArr = smem.allocate_tensor(Int32, cute.make_layout((2,)), 16)
             # sigmoid scores of the top-k CTA's tokens (keeps 28 fp32 per lane out of the register file)
             sS = smem.allocate_tensor(Float32, cute.make_layout((NE, WARPS)), 16)
@@ -173,7 +179,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
 
             for i in cutlass.range_constexpr(PRE):
                 w = rW[i, None].load().to(Float32)
-                for m in cutlass.range_constexpr(mb):
+                for m in cutlass.range(mb, unroll_full=True):
                     # rows m >= M read the last valid row (never stored): no branch, no out-of-bounds load
                     mm = cutlass.min(Int32(m), M - 1)
                     cute.autovec_copy(gX[0, None, mm, lane + 32 * i], rX)
@@ -183,13 +189,13 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
                     cute.copy(w_atom, gW[0, None, n, lane + 32 * (it * U + u)], rV[u, None])
                 for u in cutlass.range_constexpr(U):
                     w = rV[u, None].load().to(Float32)
-                    for m in cutlass.range_constexpr(mb):
+                    for m in cutlass.range(mb, unroll_full=True):
                         mm = cutlass.min(Int32(m), M - 1)
                         cute.autovec_copy(gX[0, None, mm, lane + 32 * (it * U + u)], rX)
                         acc[m] += (rX.load().to(Float32) * w).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
             is_router = bid < R
-            for m in cutlass.range_constexpr(mb):
+            for m in cutlass.range(mb, unroll_full=True):
                 tot = cute.arch.warp_reduction_sum(acc[m])
                 if lane == 0:
                     if Int32(m) < M:

@@ -178,7 +178,8 @@ def summarize_stages(events: list[dict]) -> dict:
     ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("k3.")]
     launches = {}
     for e in events:
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+        # driver-API launches (Triton, CuTe DSL, cuBLASLt's nvjet kernels) carry the correlation too
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = e["ts"]
     out: dict[str, dict] = {}
     for k in (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
@@ -197,7 +198,7 @@ def summarize_stages(events: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------------------ sweep
 
 def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: int, replays: int, env: dict,
-             copy_tbps: float, perfetto_dir: str | None, log=print) -> list[dict]:
+             copy_tbps: float, perfetto_dir: str | None, log=print, stock_ops: str = "vllm") -> list[dict]:
     """All implementations and parts of one (kind, shape, batch, context) cell; returns records."""
     cfg = preset(shape)
     layer = KIND_LAYER[kind]
@@ -207,7 +208,7 @@ def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: in
     for impl_name in impls:
         try:
             records += _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps,
-                                 perfetto_dir, ref_out, log)
+                                 perfetto_dir, ref_out, log, stock_ops=stock_ops)
         except Exception as ex:                     # one broken implementation must not stop the sweep
             import traceback
             log(f"  {impl_name}: FAILED {type(ex).__name__}: {str(ex)[:300]}\n" + traceback.format_exc()[-1500:])
@@ -216,11 +217,17 @@ def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: in
     return records
 
 
-def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps, perfetto_dir, ref_out, log):
+def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps, perfetto_dir, ref_out, log,
+              stock_ops="vllm"):
     from .impls import make_impl, make_io
     records = []
     t0 = time.time()
-    impl = make_impl(impl_name, cfg, w, max_batch=max(batch, 1)) if impl_name in ("stock", "fast") else make_impl(impl_name, cfg, w)
+    if impl_name == "stock":
+        impl = make_impl(impl_name, cfg, w, max_batch=max(batch, 1), ops=stock_ops)
+    elif impl_name == "fast":
+        impl = make_impl(impl_name, cfg, w, max_batch=max(batch, 1))
+    else:
+        impl = make_impl(impl_name, cfg, w)
     # correctness on identical fresh inputs: each impl's eager outputs vs the reference's
     io = make_io(cfg, layer, batch, context=context, seed=7)
     impl.layer(io)
@@ -275,11 +282,16 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
                "l2": "flushed (256 MB write) before each replay", "kernel_names": gsum["kernel_names"],
                "stages": summarize_stages(st_ev), "perfetto": os.path.basename(trace_path) if trace_path else None,
                "config": cfg.describe()}
+        if impl_name == "stock":
+            rec["stock_variant"] = getattr(impl, "variant", None)     # "vllm-ops" | "torch-glue"
+            if getattr(impl, "ops_fallback", None):
+                rec["stock_ops_fallback"] = impl.ops_fallback
         records.append(rec)
         log(f"  {impl_name:9s} {part:5s} kernels {rec['kernels']:6.1f}  replay {rec['replay_us_median']:9.1f} us  "
             f"floor {rec['floor_us']:7.1f} us  err {rec['rel_err_vs_ref']}")
         del g
-    log(f"  {impl_name} done in {time.time() - t0:.0f} s")
+    variant = f" [{getattr(impl, 'variant', '?')}]" if impl_name == "stock" else ""
+    log(f"  {impl_name}{variant} done in {time.time() - t0:.0f} s")
     return records
 
 
@@ -290,6 +302,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192], help="MLA cached tokens per request")
     ap.add_argument("--impls", nargs="+", default=["ref", "compiled", "stock"])
+    ap.add_argument("--stock-ops", choices=["vllm", "torch"], default="vllm",
+                    help="stock path: vLLM 0.33's fused ops (falls back to torch glue without vLLM) or torch glue")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--out", default="traces/h200")
     ap.add_argument("--tag", default=None)
@@ -320,7 +334,7 @@ def main(argv=None) -> int:
             continue
         print(f"{kind} {shape} batch {batch} context {ctx}", flush=True)
         records += run_cell(kind, shape, batch, args.impls, context=ctx, replays=args.replays, env=env, copy_tbps=bw,
-                            perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True))
+                            perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True), stock_ops=args.stock_ops)
         path = os.path.join(args.out, f"records-{tag}.json")
         with open(path, "w") as f:
             json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": records}, f, indent=1)

@@ -133,3 +133,41 @@ def test_compile_all_keys(cfg):
     assert {k.MB for k in keys} == set(mx.M_BUCKETS)
     for key in keys:
         assert mx.get_kernel(key) is not None
+
+
+def _kernel_sort_model(flat_ids, E, warp_order, threads=256):
+    """Python model of the kernel's routing sort (v2): smem-atomic placement in a CTA-specific warp order, then the
+    re-rank of each expert segment by pair index."""
+    P = len(flat_ids)
+    cnt, slot = [0] * E, [0] * P
+    for it in range(0, P, threads):
+        for w in warp_order(it):
+            for p in range(it + 32 * w, min(it + 32 * w + 32, P)):
+                slot[p] = cnt[flat_ids[p]]
+                cnt[flat_ids[p]] += 1
+    off, acc = [0] * E, 0
+    for e in range(E):
+        off[e], acc = acc, acc + cnt[e]
+    tmp = [0] * P
+    for p in range(P):
+        tmp[off[flat_ids[p]] + slot[p]] = p
+    out = [0] * P
+    for p in range(P):
+        e = flat_ids[p]
+        seg = tmp[off[e]:off[e] + cnt[e]]
+        out[off[e] + sum(q < p for q in seg)] = p
+    return out
+
+
+def test_routing_order_is_cta_independent():
+    """v1 bug: the pair order inside an expert depended on warp arrival order, which differs between the CTAs of a
+    cluster (they exchange h by column position).  The v2 order must equal a stable sort by expert."""
+    gen = torch.Generator().manual_seed(3)
+    for M in (3, 8, 64):
+        base = torch.randperm(64, generator=gen)[:16]
+        ids = torch.stack([base[torch.randperm(16, generator=gen)] for _ in range(M)]).reshape(-1).tolist()
+        want = sorted(range(len(ids)), key=lambda p: (ids[p], p))
+        for seed in range(4):
+            g = torch.Generator().manual_seed(seed)
+            order = lambda it: torch.randperm(8, generator=g).tolist()
+            assert _kernel_sort_model(ids, 64, order) == want

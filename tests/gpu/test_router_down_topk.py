@@ -104,15 +104,25 @@ def test_exact_ties(weights, M):
 
 
 @pytest.mark.parametrize("M", (1, 4, 16))
-def test_bias_forces_experts(weights, M):
+@pytest.mark.parametrize("hi,lo", ((10.0, 5.0), (40.0, 10.0)), ids=("step0.33", "step2"))
+def test_bias_forces_experts(weights, M, hi, lo):
+    # A large bias forces experts 880..895 into the selection. Their ORDER follows s + bias: with steps of
+    # 0.33 the sigmoid (logit std ~1.7 here, so s spans most of (0, 1)) reorders neighbours, and only with
+    # steps of 2.0 > max |s_i - s_j| (< 1) does the bias alone fix the listed order.
     wr, wd, bias = weights
     bias = bias.clone()
     want = list(range(880, 896))
-    bias[want] = torch.linspace(10.0, 5.0, K, device=DEV)        # descending biased order = listed order
+    bias[want] = torch.linspace(hi, lo, K, device=DEV)
     wp = rdt.prepare_front_weight(wr, wd)
     x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
     _, ids, _ = run_checked(x, wr, wd, wp, bias)
-    assert ids.tolist() == [want] * M
+    logits = reference(x, wr, wd, bias)[3]
+    key = (torch.sigmoid(logits) + bias).tolist()       # fp32 keys, exactly as the kernel compares them
+    for m, row in enumerate(ids.tolist()):
+        assert set(row) == set(want)
+        assert row == sorted(want, key=lambda e: (-key[m][e], e)), "order must be (-(s + bias), index)"
+        if (hi - lo) / (K - 1) > 1.0:
+            assert row == want, "bias steps > 1 must decide the order alone"
 
 
 @pytest.mark.parametrize("M", (1, 8, 64))
