@@ -82,10 +82,12 @@ def readme_block(records: list[dict]) -> str:
         return f"{BEGIN}\n_No H200 records yet._\n{END}"
     env = records[0]
     srcs = sorted({r["source"] for r in records})
+    variants = sorted({r.get("stock_variant") or "torch-glue" for r in records if r["impl"] == "stock"})
     return (f"{BEGIN}\nWhole layer (`part: layer`), median CUDA-graph replay µs with the kernel count per replay, "
             f"L2 flushed before each replay; floor = bytes / copy bandwidth measured in the same run "
-            f"({env['copy_tbps']:.2f} TB/s). GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
-            f"cutlass {env['cutlass']}. Sources: {', '.join(f'`{s}`' for s in srcs)}.\n\n{table(records)}\n{END}")
+            f"({', '.join(f'{b:.2f}' for b in sorted({r['copy_tbps'] for r in records}))} TB/s in the runs). GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
+            f"cutlass {env['cutlass']}. Stock variant: {', '.join(variants) or 'none'}. "
+            f"Sources: {', '.join(f'`{s}`' for s in srcs)}.\n\n{table(records)}\n{END}")
 
 
 def plot(records: list[dict], out_dir: str) -> list[str]:

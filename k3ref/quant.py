@@ -69,8 +69,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scaled = blocks / torch.exp2(e)
     table = e2m1_table(torch.float32, w.device)                       # nearest code (ties to the lower code index)
     codes = (scaled.unsqueeze(-1) - table).abs().argmin(-1).to(torch.uint8)
-    codes = codes.flatten(-2)                                         # [..., rows, cols]
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    packed = pack_codes(codes.flatten(-2))                            # [..., rows, cols/2]
     scale = (e.squeeze(-1) + 127).to(torch.uint8)
     return packed.contiguous(), scale.contiguous()
 
