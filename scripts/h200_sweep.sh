@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# On the H200 device machine: layer traces + per-kernel benchmarks, everything under $OUT in <= 8 files.
+#   K3_COMMIT=<the commit you sent> bash scripts/h200_sweep.sh [trace args...]
+# The device copy of the tree has no .git: K3_COMMIT is how the records learn their commit.
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+: "${K3_COMMIT:?set K3_COMMIT to the commit the tree was sent at}"
+export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+tmp=$(mktemp -d)
+timeout "${K3_SWEEP_TIMEOUT:-420}" python3 -m k3fast.trace --out "$tmp" --tag "$K3_COMMIT" "$@" > "$OUT/sweep.log" 2>&1
+if [ -n "${K3_BENCH:-}" ]; then
+  timeout "${K3_BENCH_TIMEOUT:-120}" python3 -m k3fast.bench --out "$tmp" --tag "$K3_COMMIT" $K3_BENCH > "$OUT/bench.log" 2>&1
+fi
+cp "$tmp"/records-*.json "$tmp"/kernels-*.json "$OUT"/ 2>/dev/null
+[ -d "$tmp/perfetto" ] && tar czf "$OUT/perfetto.tgz" -C "$tmp" perfetto
+grep -E "^\s+(ref|stock|compiled|fast) |FAILED|budget" "$OUT/sweep.log" | cut -c1-160 | tail -60
