@@ -53,24 +53,48 @@ def rel_rmse(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bf16_ulp(x):
-    """One bf16 ulp at |x| (power of two spacing, 8 significant bits)."""
-    ax = x.float().abs().clamp_min(2.0 ** -126)
-    return torch.exp2(torch.floor(torch.log2(ax)) - 7)
+# Bound on |fp32 accumulation of y @ w_o^T - exact| relative to sum_k |y_k w_k|. Any summation
+# order (the kernel's mma.sync K-split, cuBLAS) lands within ~2^-23 * that sum in practice; the GPU
+# failures of the earlier 1-ulp-of-|a| bound matched an order difference of ~2^-26 * sum|y w|
+# (e5c7220 log: 156 failing elements over 94 cases vs 190 predicted on CPU from the same inputs).
+# 2^-17 leaves a 64x margin and is still far below one product (a dropped or wrong k shows up).
+ACC_REL = 2.0 ** -17
+
+
+def pn_bracket(y, w_o, partial, boundary):
+    """[lo, hi] of p' = bf16(fp32(p) + fp32(bf16(v))) over every fp32 v within the accumulation bound.
+
+    fp32 rounding, bf16 rounding and the fp32 add are all monotone, so the extremes of v give the
+    extremes of p'. The bf16 ulp of a is NOT a valid bound near a = 0 (cancellation in the dot
+    product): the summation error is absolute, ~u * sum|y w|, and can be many ulps of a tiny a.
+    """
+    v = y.double() @ w_o.double().t()
+    d = ACC_REL * (y.double().abs() @ w_o.double().abs().t())
+
+    def p_of(vv):
+        a = vv.float().to(BF)                                  # the one bf16 rounding of a
+        return a if boundary else (partial.float() + a.float()).to(BF)
+
+    return p_of(v - d), p_of(v + d)
 
 
 def check(x, pn, y, w_o, blocks, nb, partial, u, w_post, boundary):
     x_ref, pn_ref, a_ref = reference(y, w_o, blocks, nb, partial, u, w_post, boundary)
     assert torch.isfinite(x.float()).all(), "x_moe: NaN/inf (unwritten or bad)"
     assert torch.isfinite(pn.float()).all(), "partial_new: NaN/inf (unwritten or bad)"
-    # a may differ from the reference by one bf16 rounding step (fp32 summation order), so the
-    # allowed error of p' is one ulp at the magnitude of the larger operand of the final add.
-    tol = bf16_ulp(torch.maximum(pn_ref.float().abs(), a_ref.float().abs()))
-    err = (pn.float() - pn_ref.float()).abs()
-    assert (err <= tol).all(), f"partial_new off by > 1 ulp: max err {err.max().item()}, " \
-                               f"{(err > tol).sum().item()} elements"
+    lo, hi = pn_bracket(y, w_o, partial, boundary)
+    out = (pn.float() < lo.float()) | (pn.float() > hi.float())
     e = rel_rmse(x, x_ref)
-    assert e <= 1e-2, f"x_moe rel-RMSE {e}"
+    msg = ""
+    if out.any():
+        idx = out.nonzero()[0].tolist()
+        msg = (f"partial_new outside the bf16(p + bf16(a)) bracket at {out.sum().item()} elements, "
+               f"first {idx}: got {pn[idx[0], idx[1]].item()}, allowed [{lo[idx[0], idx[1]].item()}, "
+               f"{hi[idx[0], idx[1]].item()}], ref {pn_ref[idx[0], idx[1]].item()}, "
+               f"a_ref {a_ref[idx[0], idx[1]].item()}; ")
+    if e > 1e-2:
+        msg += f"x_moe rel-RMSE {e}"
+    assert not msg, msg
     return e
 
 
