@@ -28,3 +28,26 @@ def test_impl_matches_ref(impl, layer, batch):
     assert_close("x_mlp", outs[impl][0], outs["ref"][0], "bf16_kernel")
     assert_close("layer out", outs[impl][1], outs["ref"][1], "bf16_kernel")
     assert_close("partial", outs[impl][2], outs["ref"][2], "bf16_kernel")
+
+
+@pytest.mark.parametrize("impl", ["stock", "compiled"])
+@pytest.mark.parametrize("batch", [16, 64])
+def test_moe_half_on_the_reference_input(impl, batch):
+    """At large batch a 1-ulp difference in x_mlp can flip an expert between near-tied sigmoid scores,
+    which moves a token's output by O(1): the layer outputs are then not comparable element-wise. The
+    MoE half run on the reference's own MLP input isolates the arithmetic (same routing up to ties in
+    the router's own FP32 logits)."""
+    cfg = k3_rank(16)
+    w = random_layer(cfg, 1, seed=6, device="cuda")
+    ref = make_impl("ref", cfg, w)
+    io = make_io(cfg, 1, batch, seed=10)
+    ref.attn(io)
+    x = io.x_mlp.clone()
+    ref.moe(io)
+    want = io.out.clone()
+    m = make_impl(impl, cfg, w, max_batch=batch) if impl == "stock" else make_impl(impl, cfg, w)
+    io.x_mlp.copy_(x)
+    io.out.fill_(float("nan"))
+    m.moe(io)
+    torch.cuda.synchronize()
+    assert_close("moe out", io.out, want, "bf16_kernel")
