@@ -57,6 +57,7 @@ class FastImpl:
             self.shared_gu = prepare_shared_gate_up(m.shared_gate, m.shared_up)
             self.e_bias = m.e_score_correction_bias.float().contiguous()
         self._ws = None
+        self._bufs: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------ halves
     def attn(self, io) -> None:
@@ -68,16 +69,19 @@ class FastImpl:
         cfg, w, l = self.cfg, self.w, io.layer
         boundary = cfg.is_block_boundary(l)
         nb = cfg.num_blocks_before(l)
+        # p' = p + delta goes to a scratch row (the fused prologue reads p in every CTA, so it may not
+        # write p in place); o_proj + AttnRes #2 then reads p' and writes the layer's partial sum.
+        p1 = self._scratch("p1", io.partial)
         with stage("k3.kda.in_proj"):
             proj, _ = attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm, self.in_proj,
                                        eps=cfg.rms_norm_eps, block_write=(l // cfg.attn_res_block_size) if boundary else -1,
-                                       partial_out=io.partial)
+                                       partial_out=p1)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps)
         with stage("k3.o_proj"):
-            oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), io.partial, self.u_mlp,
+            oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                           w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
                           out_x=io.x_mlp, out_partial=io.partial)
 
@@ -103,8 +107,13 @@ class FastImpl:
         self.moe(io)
 
     def _workspace(self, x):
-        if self._ws is None:
-            from . import moe_mxfp4_experts as mm
-            mk = getattr(mm, "make_workspace", None)
-            self._ws = mk(x.device) if mk is not None else None
+        if self._ws is None:            # allocated at the first (eager) call, before any graph capture
+            from .moe_mxfp4_experts import make_workspace
+            self._ws = make_workspace(self.cfg.routed_expert_hidden_size, x.device)
         return self._ws
+
+    def _scratch(self, name: str, like):
+        t = self._bufs.get(name)
+        if t is None or t.shape != like.shape:
+            t = self._bufs[name] = torch.empty_like(like)
+        return t
