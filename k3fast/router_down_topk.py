@@ -1,7 +1,7 @@
 """MoE front of a Kimi K3 decode step: router logits + latent down-projection + top-16 routing, ONE launch.
 
 Version log
-  v1  One kernel, M-bucketed (1, 2, 4 FMA path; 8, 16, 32, 64 also FMA, see "speed" below).
+  v1  One kernel, M-bucketed (1, 2, 4 FMA path; 8, 16, 32, 64 also FMA in v1/v1.1, tensor cores since v2).
       Warp per packed weight row, 128-bit weight loads (L1::no_allocate), the first PRE=4 vectors of each
       warp's row issued before griddepcontrol_wait; router CTAs come first in the grid and count their arrival
       on a device counter; the last T router arrivers (T = ceil(M/4)) each run the top-16 of 4 tokens (one
@@ -16,6 +16,28 @@ Version log
       255 regs + 372 B spill stores / 400 B loads (v1: 420 B stores). Fix belongs to the mma path (M > 4), not
       here. H200 run e5c7220: 16/19 GPU tests passed; the 3 failures were the test's expected order (bias steps of
       0.33 < sigmoid spread), the kernel matched the (-(s + bias), index) reference in all of them.
+  v2  M > 4 (buckets 8, 16, 32, 64) -> tensor-core path `FrontMma`: swap-AB mma.sync m16n8k16 bf16 -> fp32
+      (weights = 16-row A tiles, tokens = 8-wide N tiles; fragment scheme and K permutation from
+      k3fast/rms_gemv.py _MmaGemv). Warp = RTW 16-row tiles x one K slice, CTA = KS warps covering all of K
+      of its RTW*16 rows; per-slice sums go through smem and are added in slice order (deterministic, no
+      atomics); router rows store fp32 logits (unrounded), latent rows bf16 z. The first MMA_PF=8 k32 chunks
+      of every warp are L2-prefetched before griddepcontrol_wait. Same arrival/top-k stage, KS tokens per
+      top-k CTA. M <= 4 FMA path unchanged. Config (RTW, KS, unroll) and ptxas regs (remarks{ptx}, sm_90a,
+      4.8.1), 0 spill bytes everywhere now: M=8 (1, 8, 2) 80 regs, 280 CTAs x 256 thr, 3 CTAs/SM fit (65536 /
+      (256 x 80)) -> one wave; M=16 (1, 4, 4) 96 regs, 280 x 128, 5/SM; M=32 (2, 4, 4) 118 regs, 140 x 128,
+      4/SM; M=64 (2, 4, 2) 190 regs, 140 x 128, 2/SM (264 slots >= 140: one wave). FMA keys: 1: 80, 2: 93,
+      4: 116. (8 warps at M=16 took 116 regs -> 2 CTAs/SM = 264 slots < 280 CTAs: a second wave, so KS=4.)
+      Expected (not measured; floor 64.23 MB / 4.3 TB/s = 14.9 us; need ~4.3 TB/s x ~0.8 us = 3.4 MB in flight):
+        M=8:  W in flight 2240 warps x 2 (unroll) x 1 KB = 4.6 MB -> DRAM bound; per k32 chunk a warp issues
+              3 loads + 2 mma; top-k = 1 CTA x 8 tokens after the last router arrival (~1-2 us tail)
+              -> ~16.5-17.5 us (1.1-1.2x).
+        M=16: 1120 warps x 4 x 1 KB = 4.6 MB in flight; x re-read from L2 = 1x W bytes (64 MB); 4 top-k
+              CTAs in parallel -> ~17-18 us (1.15-1.2x).
+        M=64: 560 warps x 2 x 2 KB = 2.3 MB W in flight (below 3.4 MB: ~3-3.5 TB/s), x from L2 = 2x W
+              (128 MB), MMA work 2 x 64 x 4480 x 7168 = 4.1 GFLOP (~7 us at ~600 TFLOPS mma.sync, overlapped)
+              -> ~19-22 us (1.3-1.5x; was ~350 us in v1.1). M=32: ~17-18 us.
+      Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
+      identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
 What it replaces (k3-spec.md sections 10 and 11):
   l   = x W_r^T                (fp32; bf16 products, fp32 accumulate, never rounded)        section 10.1
@@ -30,15 +52,16 @@ What it replaces (k3-spec.md sections 10 and 11):
 Bytes and floor (4.3 TB/s measured H200 copy bandwidth). The router and W_down are REPLICATED on every TP rank
 (k3-spec.md section 13.1), so the per-rank bytes are the same at k3_rank(16), k3_rank(8) and full width (TP1):
   W: 4480 x 7168 x 2 B = 64.23 MB  -> 14.9 us.   x (M x 14 KB), z (M x 7 KB), logits (M x 3.5 KB) are < 2 MB
-  even at M = 64 (+0.4 us).  Targets: M=1 within 1.15x (17.1 us); M <= 64 within 1.3x (needs the mma path).
+  even at M = 64 (+0.4 us).  Targets: M=1 within 1.15x (17.1 us); M <= 64 within 1.3x (the v2 mma path).
 
 Contracts
   * The top-k needs all 896 logits of a token, which are spread over 224 router CTAs. Each router CTA writes
     its logits to an fp32 workspace, fences, then does an acq_rel atomic add on a device counter. The CTA whose
     add returns R-1 (the last arriver) resets the counter to 0 (so CUDA-graph replays and the next layer start
     clean) and bumps an epoch word with a release store; the T-1 arrivers just before it spin (acquire) on the
-    epoch. These T CTAs then read the logits (ld.global.cg) and each run the top-16 for 4 tokens. Spinning is
-    deadlock-free: at most T-1 <= 15 CTAs spin, every other CTA can always be scheduled.
+    epoch. These T CTAs then read the logits (ld.global.cg) and each run the top-16 for 4 tokens (FMA path;
+    mma path: KS tokens, one per warp, R = 896 / (16 RTW)). Spinning is deadlock-free: at most T-1 <= 15 CTAs
+    spin, every other CTA can always be scheduled (and every mma grid fits in one wave).
   * All counter/workspace accesses come after griddepcontrol_wait, so a PDL-overlapped next launch of this
     kernel (the next layer) cannot see a half-reset counter.
   * The workspace and counter are per device and shared by all calls: at most ONE call may be in flight per
@@ -61,9 +84,12 @@ M_MAX = 64
 WARPS = 4          # warps per CTA = rows per CTA = tokens per top-k CTA
 PRE = 4            # 16-byte weight vectors per lane issued before griddepcontrol_wait
 UNROLL = 4
+# tensor-core path (M > 4): bucket -> (16-row tiles per warp RTW, k-slices KS = warps per CTA, k-loop unroll)
+MMA_CONFIG = {8: (1, 8, 2), 16: (1, 4, 4), 32: (2, 4, 4), 64: (2, 4, 2)}
+MMA_PF = 8         # k32 chunks per warp prefetched into L2 before griddepcontrol_wait
 
 # ptxas report for the CPU compile (CUTE_DSL_COMPILER_OPT="remarks{ptx}", sm_90a): bucket -> (regs, spill bytes)
-REGISTER_LOG = {1: (80, 0), 2: (93, 0), 4: (116, 0), 8: (128, 0), 16: (158, 0), 32: (198, 0), 64: (255, 372)}
+REGISTER_LOG = {1: (80, 0), 2: (93, 0), 4: (116, 0), 8: (80, 0), 16: (96, 0), 32: (118, 0), 64: (190, 0)}
 
 _WORKSPACES: dict = {}
 
@@ -77,12 +103,17 @@ def bucket_m(m: int) -> int:
     raise ValueError(f"router_down_topk supports 1 <= M <= {M_MAX}, got M={m}")
 
 
+def kernel_path(m: int) -> str:
+    """"mma" (tensor-core swap-AB, buckets 8..64) or "fma" (warp-per-row, buckets 1..4) for batch m."""
+    return "mma" if bucket_m(m) in MMA_CONFIG else "fma"
+
+
 def compile_keys(batches=(1, 2, 3, 4, 7, 8, 16, 64), *, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN,
                  top_k=TOP_K):
     return sorted({("router_down_topk", bucket_m(b), n_experts, latent, hidden, top_k) for b in batches})
 
 
-def _check_shapes(n_experts, latent, hidden, top_k):
+def _check_shapes(n_experts, latent, hidden, top_k, mb=1):
     if n_experts % 32 or n_experts % WARPS:
         raise ValueError(f"n_experts must be a multiple of 32, got {n_experts}")
     if not (1 <= top_k <= 32 and top_k <= n_experts):
@@ -91,6 +122,11 @@ def _check_shapes(n_experts, latent, hidden, top_k):
         raise ValueError(f"latent width must be a multiple of {WARPS}, got {latent}")
     if hidden % (8 * 32 * UNROLL) or hidden // 256 < PRE:
         raise ValueError(f"hidden size must be a multiple of {8 * 32 * UNROLL}, got {hidden}")
+    if mb in MMA_CONFIG:
+        rtw, ks, _ = MMA_CONFIG[mb]
+        if n_experts % (16 * rtw) or latent % (16 * rtw) or (hidden // 32) % ks:
+            raise ValueError(f"M bucket {mb}: n_experts and latent must be multiples of {16 * rtw} and "
+                             f"hidden/32 a multiple of {ks}, got {n_experts}, {latent}, {hidden}")
 
 
 def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
@@ -108,6 +144,14 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
     U = UNROLL if mb <= 8 else (2 if mb <= 16 else 1)     # fewer vectors in flight where M x acc regs grow
     assert PRE % U == 0 and (ITERS - PRE) % U == 0
     assert T <= R
+    if mb in MMA_CONFIG:
+        RTW, KS, UM = MMA_CONFIG[mb]
+        NT = mb // 8                       # 8-token N tiles
+        CH = (K // 32) // KS               # k32 chunks per warp
+        PF = min(MMA_PF, CH)
+        RM = NE // (16 * RTW)              # router CTAs (the lowest block indices)
+        TM = (mb + KS - 1) // KS           # top-k CTAs, KS tokens each
+        assert TM <= RM and NE % (16 * RTW) == 0 and NL % (16 * RTW) == 0 and (K // 32) % KS == 0
 
     def orderable(v):
         # fp32 -> u32 whose unsigned order is the float order (-0 never occurs: s > 0 or s = +0, and x + -x = +0)
@@ -264,6 +308,147 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
                 mIds[tok, lane] = Int32(my_id)
                 mWt[tok, lane] = my_s / (tot + Float32(1e-20)) * scaling
 
+    class FrontMma(FrontFma):
+        """M > 4: swap-AB mma.sync m16n8k16 (weights = 16-row A tiles, tokens = 8-wide N tiles), fp32 accumulate.
+
+        Warp = RTW row tiles x one k-slice; CTA = KS warps = the whole K of its RTW*16 rows; router CTAs first.
+        Fragment scheme copied from k3fast/rms_gemv.py (_MmaGemv): lane (g, c) = (lane // 4, lane % 4) loads
+        k = 8c..8c+7 of rows g and g+8 (and of tokens 8j+g) with one 16-byte load each, and feeds k 8c..8c+3
+        to the first m16n8k16 of the 32-wide chunk, 8c+4..8c+7 to the second. A and B use the same K
+        permutation, so every dot product is unchanged."""
+
+        @cute.jit
+        def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, stream):
+            w_atom = cute.make_copy_atom(
+                cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
+                l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+            self.kernel(mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling, w_atom).launch(
+                grid=[N // (16 * RTW), 1, 1], block=[32 * KS, 1, 1], stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, w_atom: cute.CopyAtom):
+            tid = cute.arch.thread_idx()[0]
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bid = cute.arch.block_idx()[0]
+            M = cute.size(mX, mode=[0])
+            g = lane // 4
+            c = lane - 4 * g
+            row0 = bid * (16 * RTW)
+            k0 = warp * CH
+
+            smem = cutlass.memory.SmemAllocator()
+            sArr = smem.allocate_tensor(Int32, cute.make_layout((2,)), 16)
+            sS = smem.allocate_tensor(Float32, cute.make_layout((NE, KS)), 16)
+            # per-k-slice partial sums, reduced in k-slice order (deterministic, no atomics)
+            sRed = smem.allocate_tensor(
+                Float32, cute.make_layout((KS, 16 * RTW, mb), stride=(16 * RTW * mb, mb, 1)), 16)
+
+            gW = cute.flat_divide(mW, (1, 8))           # (1, 8, N, KV)
+            gX = cute.flat_divide(mX, (1, 8))           # (1, 8, M, KV)
+            atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+
+            # Weights do not depend on the previous kernel: pull this warp's first chunks into L2 before the
+            # PDL wait (only MMA_PF of CH chunks: all 64 MB would not fit the 60 MB L2 next to x).
+            lpr = PF * 4 // 8                                  # 128-byte lines per row
+            for idx in cutlass.range(lane, 16 * RTW * lpr, 32):
+                r = idx // lpr
+                l = idx - r * lpr
+                cute.arch.prefetch(gW[0, None, row0 + r, k0 * 4 + 8 * l].iterator.llvm_ptr, cache_level="L2")
+            cute.arch.griddepcontrol_wait()
+
+            xrow = []
+            for j in cutlass.range_constexpr(NT):
+                # token rows >= M read row M-1 (in bounds, never stored)
+                xrow.append(cutlass.min(8 * j + g, M - 1))
+            accs = []
+            for t in cutlass.range_constexpr(RTW):
+                for j in cutlass.range_constexpr(NT):
+                    a = cute.make_rmem_tensor(cute.make_layout((4, 1, 1), stride=(1, 0, 0)), Float32)
+                    a.fill(0.0)
+                    accs.append(a)
+            rA = cute.make_rmem_tensor(cute.make_layout((8, 2 * RTW), stride=(1, 8)), BFloat16)
+            rX = cute.make_rmem_tensor(cute.make_layout((8, NT), stride=(1, 8)), BFloat16)
+            fa = cute.make_rmem_tensor(cute.make_layout((8, 1, 1), stride=(1, 0, 0)), BFloat16)
+            fb = cute.make_rmem_tensor(cute.make_layout((4, 1, 1), stride=(1, 0, 0)), BFloat16)
+
+            for kk in cutlass.range(k0, k0 + CH, 1, unroll=UM):
+                kv = kk * 4 + c
+                for t in cutlass.range_constexpr(RTW):
+                    cute.copy(w_atom, gW[0, None, row0 + 16 * t + g, kv], rA[None, 2 * t])
+                    cute.copy(w_atom, gW[0, None, row0 + 16 * t + g + 8, kv], rA[None, 2 * t + 1])
+                for j in cutlass.range_constexpr(NT):
+                    cute.autovec_copy(gX[0, None, xrow[j], kv], rX[None, j])
+                for h in cutlass.range_constexpr(2):
+                    for t in cutlass.range_constexpr(RTW):
+                        # A regs {row g k(2c,2c+1), row g+8 k(2c,2c+1), row g k(2c+8,+9), row g+8 k(2c+8,+9)}
+                        # = physical k 8c+4h+{0,1}, 8c+4h+{0,1}, 8c+4h+{2,3}, 8c+4h+{2,3}
+                        fa[0] = rA[4 * h + 0, 2 * t]
+                        fa[1] = rA[4 * h + 1, 2 * t]
+                        fa[2] = rA[4 * h + 0, 2 * t + 1]
+                        fa[3] = rA[4 * h + 1, 2 * t + 1]
+                        fa[4] = rA[4 * h + 2, 2 * t]
+                        fa[5] = rA[4 * h + 3, 2 * t]
+                        fa[6] = rA[4 * h + 2, 2 * t + 1]
+                        fa[7] = rA[4 * h + 3, 2 * t + 1]
+                        for j in cutlass.range_constexpr(NT):
+                            for e in cutlass.range_constexpr(4):
+                                fb[e] = rX[4 * h + e, j]
+                            cute.gemm(atom, accs[t * NT + j], fa, fb, accs[t * NT + j])
+
+            # accumulator (row g / g+8 of tile t, tokens 8j+2c, 8j+2c+1) -> smem, then an in-order k-slice sum
+            for t in cutlass.range_constexpr(RTW):
+                for j in cutlass.range_constexpr(NT):
+                    a = accs[t * NT + j]
+                    rl = 16 * t + g
+                    tk = 8 * j + 2 * c
+                    sRed[warp, rl, tk] = a[0]
+                    sRed[warp, rl, tk + 1] = a[1]
+                    sRed[warp, rl + 8, tk] = a[2]
+                    sRed[warp, rl + 8, tk + 1] = a[3]
+            cute.arch.sync_threads()
+            is_router = bid < RM
+            # o = token * rows + local row: consecutive threads store consecutive n
+            for o in cutlass.range(tid, mb * 16 * RTW, 32 * KS):
+                tk = o // (16 * RTW)
+                rl = o - tk * (16 * RTW)
+                if tk < M:
+                    tot = Float32(0.0)
+                    for q in cutlass.range_constexpr(KS):
+                        tot = tot + sRed[q, rl, tk]
+                    n = row0 + rl
+                    if is_router:
+                        mWs[tk, n] = tot                       # fp32, never rounded (k3-spec 10.1)
+                    else:
+                        mZ[tk, n - NE] = tot.to(BFloat16)
+
+            if is_router:
+                # Same arrival protocol as the FMA path (see Contracts), KS tokens per top-k CTA.
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                if tid == 0:
+                    cnt_ptr = mCnt.iterator
+                    ep_ptr = mCnt.iterator + 1
+                    e0 = cute.arch.load(ep_ptr, Int32, sem="relaxed", scope="gpu")
+                    old = cute.arch.atomic_add(cnt_ptr, Int32(1), sem="acq_rel", scope="gpu")
+                    if old == RM - 1:
+                        cute.arch.store(cnt_ptr, Int32(0), sem="relaxed", scope="gpu")
+                        cute.arch.store(ep_ptr, e0 + 1, sem="release", scope="gpu")
+                    else:
+                        if old >= RM - TM:
+                            ep = cute.arch.load(ep_ptr, Int32, sem="acquire", scope="gpu")
+                            while ep == e0:
+                                ep = cute.arch.load(ep_ptr, Int32, sem="acquire", scope="gpu")
+                    sArr[0] = old
+                cute.arch.sync_threads()
+                slot = sArr[0] - (RM - TM)
+                if slot >= 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    tok = slot * KS + warp
+                    if tok < M:
+                        self.topk(tok, warp, lane, mBias, mIds, mWt, mWs, sS, scaling)
+            cute.arch.griddepcontrol_launch_dependents()
+
     sym_m = cute.sym_int()
     x = fake_tensor(BFloat16, (sym_m, K))
     w = fake_tensor(BFloat16, (N, K))
@@ -273,11 +458,12 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
     wt = fake_tensor(Float32, (sym_m, TOPK), align=4)
     ws = fake_tensor(Float32, (M_MAX, NE))
     cnt = fake_tensor(Int32, (4,))
-    return cute.compile(FrontFma(), x, w, bias, z, ids, wt, ws, cnt, Float32(1.0), fake_stream(), options=TVM_FFI)
+    obj = FrontMma() if mb in MMA_CONFIG else FrontFma()
+    return cute.compile(obj, x, w, bias, z, ids, wt, ws, cnt, Float32(1.0), fake_stream(), options=TVM_FFI)
 
 
 def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K):
-    _check_shapes(n_experts, latent, hidden, top_k)
+    _check_shapes(n_experts, latent, hidden, top_k, mb)
     key = ("router_down_topk", mb, n_experts, latent, hidden, top_k)
     return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k))
 
@@ -351,6 +537,6 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
     check_tensor("workspace[1]", cnt, dtype=torch.int32, shape=(4,), device=dev)
     if not math.isfinite(float(scaling)):
         raise ValueError(f"scaling must be finite, got {scaling}")
-    fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k)
+    fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k)     # M > 4: tensor-core path
     fn(x, w_packed, e_bias, out_z, out_ids, out_w, ws, cnt, float(scaling))
     return out_z, out_ids, out_w

@@ -33,6 +33,16 @@ def test_buckets():
             rdt.bucket_m(bad)
 
 
+def test_kernel_paths():
+    # M > 4 runs the tensor-core path; the register log must show no spills for any bucket
+    assert [rdt.kernel_path(m) for m in (1, 2, 3, 4, 5, 8, 16, 32, 64)] == ["fma"] * 4 + ["mma"] * 5
+    assert set(rdt.MMA_CONFIG) == {8, 16, 32, 64}
+    assert all(spill == 0 for _, spill in rdt.REGISTER_LOG.values())
+    for mb, (rtw, ks, _) in rdt.MMA_CONFIG.items():
+        assert 896 % (16 * rtw) == 0 and 3584 % (16 * rtw) == 0 and (7168 // 32) % ks == 0
+        assert -(-mb // ks) <= 896 // (16 * rtw)          # top-k CTAs <= router CTAs
+
+
 def test_compile_keys_cover_batches():
     keys = rdt.compile_keys((1, 2, 3, 4, 7, 8, 16, 64))
     assert {k[1] for k in keys} == {1, 2, 4, 8, 16, 64}
@@ -58,6 +68,8 @@ def test_bad_shape_params():
         rdt.get_kernel(1, top_k=33)
     with pytest.raises(ValueError):
         rdt.get_kernel(1, hidden=7000)
+    with pytest.raises(ValueError, match="M bucket 64"):
+        rdt.get_kernel(64, latent=3584 + 16)               # not a multiple of 32 rows (RTW=2 tiles)
 
 
 # ------------------------------------------------------------------ host checks (CPU tensors; no kernel runs)

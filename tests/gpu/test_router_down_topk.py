@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 from k3fast import router_down_topk as rdt  # noqa: E402
 
 NE, DL, D, K = 896, 3584, 7168, 16
-BATCHES = (1, 2, 3, 4, 7, 8, 16, 64)
+BATCHES = (1, 2, 3, 4, 7, 8, 16, 32, 64)      # M > 4: tensor-core (mma) path
 DEV = torch.device("cuda")
 
 
@@ -70,13 +70,14 @@ def test_generic(weights, M):
     wr, wd, bias = weights
     wp = rdt.prepare_front_weight(wr, wd)
     x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
+    assert rdt.kernel_path(M) == ("mma" if M > 4 else "fma")
     run_checked(x, wr, wd, wp, bias)
     # a second call: the counter was reset by the first
     x2 = torch.randn(M, D, device=DEV).to(torch.bfloat16)
     run_checked(x2, wr, wd, wp, bias, scaling=2.5)
 
 
-@pytest.mark.parametrize("M", (1, 3, 8, 64))
+@pytest.mark.parametrize("M", (1, 3, 8, 16, 32, 64))
 def test_exact_ties(weights, M):
     wr, wd, _ = weights
     wr = wr.clone()
@@ -103,7 +104,7 @@ def test_exact_ties(weights, M):
         assert row.index(128) + 1 == row.index(129)
 
 
-@pytest.mark.parametrize("M", (1, 4, 16))
+@pytest.mark.parametrize("M", (1, 4, 16, 64))
 @pytest.mark.parametrize("hi,lo", ((10.0, 5.0), (40.0, 10.0)), ids=("step0.33", "step2"))
 def test_bias_forces_experts(weights, M, hi, lo):
     # A large bias forces experts 880..895 into the selection. Their ORDER follows s + bias: with steps of
@@ -123,6 +124,19 @@ def test_bias_forces_experts(weights, M, hi, lo):
         assert row == sorted(want, key=lambda e: (-key[m][e], e)), "order must be (-(s + bias), index)"
         if (hi - lo) / (K - 1) > 1.0:
             assert row == want, "bias steps > 1 must decide the order alone"
+
+
+@pytest.mark.parametrize("M", (1, 8, 64))
+def test_logits_workspace_fp32(weights, M):
+    # the router logits (fp32 workspace) are the unrounded fp32 dot products on both paths
+    wr, wd, bias = weights
+    wp = rdt.prepare_front_weight(wr, wd)
+    x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
+    run_checked(x, wr, wd, wp, bias)
+    ws = rdt.get_workspace(DEV)[0][:M].clone()
+    ref = reference(x, wr, wd, bias)[3]
+    assert rel_rmse(ws, ref) <= 1e-6
+    assert (ws != ws.to(torch.bfloat16).float()).float().mean().item() > 0.9, "logits look bf16-rounded"
 
 
 @pytest.mark.parametrize("M", (1, 8, 64))
