@@ -186,6 +186,8 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
             keys[j] = usel(gidx == lane_u + Uint32(32 * j), Uint32(0), keys[j])
 
     class FrontFma:
+        n_arrive, n_topk, per_cta = R, T, WARPS      # router CTAs, top-k CTAs, tokens per top-k CTA
+
         @cute.jit
         def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, stream):
             w_atom = cute.make_copy_atom(
@@ -249,32 +251,40 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
                             mZ[m, n - NE] = tot.to(BFloat16)
 
             if is_router:
-                # Make this CTA's logits visible at GPU scope before its arrival is counted.
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.sync_threads()
-                if tid == 0:
-                    cnt_ptr = mCnt.iterator
-                    ep_ptr = mCnt.iterator + 1
-                    e0 = cute.arch.load(ep_ptr, Int32, sem="relaxed", scope="gpu")
-                    old = cute.arch.atomic_add(cnt_ptr, Int32(1), sem="acq_rel", scope="gpu")
-                    if old == R - 1:
-                        # last arriver: reset for the next launch / graph replay, then release the spinners
-                        cute.arch.store(cnt_ptr, Int32(0), sem="relaxed", scope="gpu")
-                        cute.arch.store(ep_ptr, e0 + 1, sem="release", scope="gpu")
-                    else:
-                        if old >= R - T:
-                            ep = cute.arch.load(ep_ptr, Int32, sem="acquire", scope="gpu")
-                            while ep == e0:
-                                ep = cute.arch.load(ep_ptr, Int32, sem="acquire", scope="gpu")
-                    sArr[0] = old
-                cute.arch.sync_threads()
-                slot = sArr[0] - (R - T)
-                if slot >= 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    tok = slot * WARPS + warp
-                    if tok < M:
-                        self.topk(tok, warp, lane, mBias, mIds, mWt, mWs, sS, scaling)
+                self.arrive_then_topk(tid, warp, lane, M, mCnt, sArr, mBias, mIds, mWt, mWs, sS, scaling)
             cute.arch.griddepcontrol_launch_dependents()
+
+        @cute.jit
+        def arrive_then_topk(self, tid, warp, lane, M, mCnt, sArr, mBias, mIds, mWt, mWs, sS, scaling: Float32):
+            """Router CTAs only: count this CTA's arrival; the last ``n_topk`` arrivers (the last one after
+            resetting the counter for the next launch / graph replay) each run the top-16 of ``per_cta``
+            tokens, one per warp. The spinners wait only on CTAs that already arrived: no deadlock."""
+            NA, NT_, PC = self.n_arrive, self.n_topk, self.per_cta
+            # Make this CTA's logits visible at GPU scope before its arrival is counted.
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            if tid == 0:
+                cnt_ptr = mCnt.iterator
+                ep_ptr = mCnt.iterator + 1
+                e0 = cute.arch.load(ep_ptr, Int32, sem="relaxed", scope="gpu")
+                old = cute.arch.atomic_add(cnt_ptr, Int32(1), sem="acq_rel", scope="gpu")
+                if old == NA - 1:
+                    # last arriver: reset for the next launch / graph replay, then release the spinners
+                    cute.arch.store(cnt_ptr, Int32(0), sem="relaxed", scope="gpu")
+                    cute.arch.store(ep_ptr, e0 + 1, sem="release", scope="gpu")
+                else:
+                    if old >= NA - NT_:
+                        ep = cute.arch.load(ep_ptr, Int32, sem="acquire", scope="gpu")
+                        while ep == e0:
+                            ep = cute.arch.load(ep_ptr, Int32, sem="acquire", scope="gpu")
+                sArr[0] = old
+            cute.arch.sync_threads()
+            slot = sArr[0] - (NA - NT_)
+            if slot >= 0:
+                cute.arch.fence_acq_rel_gpu()
+                tok = slot * PC + warp
+                if tok < M:
+                    self.topk(tok, warp, lane, mBias, mIds, mWt, mWs, sS, scaling)
 
         @cute.jit
         def topk(self, tok, warp, lane, mBias, mIds, mWt, mWs, sS, scaling: Float32):
@@ -316,6 +326,8 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
         k = 8c..8c+7 of rows g and g+8 (and of tokens 8j+g) with one 16-byte load each, and feeds k 8c..8c+3
         to the first m16n8k16 of the 32-wide chunk, 8c+4..8c+7 to the second. A and B use the same K
         permutation, so every dot product is unchanged."""
+
+        n_arrive, n_topk, per_cta = (RM, TM, KS) if mb in MMA_CONFIG else (R, T, WARPS)
 
         @cute.jit
         def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, stream):
@@ -423,30 +435,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
                         mZ[tk, n - NE] = tot.to(BFloat16)
 
             if is_router:
-                # Same arrival protocol as the FMA path (see Contracts), KS tokens per top-k CTA.
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.sync_threads()
-                if tid == 0:
-                    cnt_ptr = mCnt.iterator
-                    ep_ptr = mCnt.iterator + 1
-                    e0 = cute.arch.load(ep_ptr, Int32, sem="relaxed", scope="gpu")
-                    old = cute.arch.atomic_add(cnt_ptr, Int32(1), sem="acq_rel", scope="gpu")
-                    if old == RM - 1:
-                        cute.arch.store(cnt_ptr, Int32(0), sem="relaxed", scope="gpu")
-                        cute.arch.store(ep_ptr, e0 + 1, sem="release", scope="gpu")
-                    else:
-                        if old >= RM - TM:
-                            ep = cute.arch.load(ep_ptr, Int32, sem="acquire", scope="gpu")
-                            while ep == e0:
-                                ep = cute.arch.load(ep_ptr, Int32, sem="acquire", scope="gpu")
-                    sArr[0] = old
-                cute.arch.sync_threads()
-                slot = sArr[0] - (RM - TM)
-                if slot >= 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    tok = slot * KS + warp
-                    if tok < M:
-                        self.topk(tok, warp, lane, mBias, mIds, mWt, mWs, sS, scaling)
+                self.arrive_then_topk(tid, warp, lane, M, mCnt, sArr, mBias, mIds, mWt, mWs, sS, scaling)
             cute.arch.griddepcontrol_launch_dependents()
 
     sym_m = cute.sym_int()
