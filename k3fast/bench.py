@@ -22,7 +22,7 @@ from k3ref.attnres import attn_res_u
 from k3ref.bytes import expert_bytes
 from k3ref.weights import random_layer
 
-from .trace import _pct, capture, copy_bandwidth_tbps, environment, time_replays
+from .trace import L2_POLICY, _pct, capture, copy_bandwidth_tbps, environment, time_replays
 
 
 def _cases(cfg, batch: int):
@@ -97,6 +97,17 @@ def _cases(cfg, batch: int):
     n_exp = int(ids.unique().numel())
     cases.append(("moe_mxfp4_experts", lambda: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws),
                   lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
+    # the previous version on the same inputs (A/B in one run; see the module's version log)
+    cases.append(("moe_mxfp4_experts@v2",
+                  lambda: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws, version=2),
+                  lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
+    # skewed routing: every token draws its 16 experts from one hot set of 24 (heavy sharing, ~24 distinct)
+    hot = torch.randperm(cfg.num_experts, generator=g, device=dev)[:24]
+    ids_sk = torch.stack([hot[torch.randperm(24, generator=g, device=dev)[:cfg.num_experts_per_token]]
+                          for _ in range(M)]).to(torch.int32)
+    n_sk = int(ids_sk.unique().numel())
+    cases.append(("moe_mxfp4_experts:skewed", lambda: moe_mxfp4_experts(z, ids_sk, tw, prep, None, None, None, workspace=ws),
+                  lambda: marlin(z, ids_sk, tw), n_sk * expert_bytes(cfg)))
     # 6. shared gate/up and the tail
     gu = prepare_shared_gate_up(m.shared_gate, m.shared_up)
     gu_stock = torch.cat([m.shared_gate, m.shared_up]).contiguous()
@@ -121,6 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--out", default="traces/h200")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--kernels", nargs="+", default=None, help="only these case names (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("k3fast.bench needs a CUDA GPU", file=sys.stderr)
@@ -129,12 +141,17 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_tbps()
     print(f"{env['gpu']} commit {env['commit']}: copy {bw:.3f} TB/s", flush=True)
     recs = []
+    os.makedirs(args.out, exist_ok=True)
+    tag = args.tag or f"{env['date'][:10]}-{env['commit']}"
+    path = os.path.join(args.out, f"kernels-{tag}.json")
     for shape in args.shapes:
         for M in args.batches:
             cases, io = _cases(preset(shape), M)
             for name, fused, stock, nbytes in cases:
+                if args.kernels and name not in args.kernels:
+                    continue
                 row = {"kernel": name, "shape": shape, "batch": M, "bytes": int(nbytes),
-                       "floor_us": round(nbytes / (bw * 1e12) * 1e6, 3), "copy_tbps": round(bw, 4)}
+                       "floor_us": round(nbytes / (bw * 1e12) * 1e6, 3), "copy_tbps": round(bw, 4), "l2": L2_POLICY}
                 for impl, fn in (("fast", fused), ("stock", stock)):
                     try:
                         g = capture(fn)
@@ -152,11 +169,9 @@ def main(argv=None) -> int:
                 print(json.dumps(row), flush=True)
             del cases, io
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    tag = args.tag or f"{env['date'][:10]}-{env['commit']}"
-    path = os.path.join(args.out, f"kernels-{tag}.json")
-    with open(path, "w") as f:
-        json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": recs}, f, indent=1)
+            with open(path, "w") as f:          # after every cell: a time-out keeps what was measured
+                json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": recs}, f,
+                          indent=1)
     print("wrote", path)
     return 0
 

@@ -7,7 +7,7 @@ Attention half of a KDA layer (3 launches at batch <= 4):
     oproj_attnres         o_proj + partial-sum update + AttnRes #2 + post-attention RMSNorm
 MoE half:
     router_down_topk      router logits + latent down-projection + top-16 + renormalised weights
-    shared_expert_gate_up shared experts' gate/up + SiTU (independent of the routing)
+    shared_expert_gate_up shared experts' gate/up + SiTU (independent of the routing: on a side stream)
     moe_mxfp4_experts     routed experts, MXFP4 dequantised in registers, SiTU, w2, weighted combine
     moe_tail              routed_expert_norm + latent up-projection + shared down-projection + add
 
@@ -30,7 +30,7 @@ from .nvtx import stage
 class FastImpl:
     name = "fast"
 
-    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64):
+    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, overlap_shared: bool = True):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -58,6 +58,10 @@ class FastImpl:
             self.e_bias = m.e_score_correction_bias.float().contiguous()
         self._ws = None
         self._bufs: dict[str, torch.Tensor] = {}
+        # The shared experts' gate/up depends on x alone: on a second stream (forked and joined inside the
+        # captured graph) it runs beside the router and the routed experts instead of between them.
+        self.overlap_shared = overlap_shared
+        self._side = None
 
     # ------------------------------------------------------------------------------------------ halves
     def attn(self, io) -> None:
@@ -91,14 +95,25 @@ class FastImpl:
         from .router_down_topk import router_down_topk
         cfg, m = self.cfg, self.w.mlp
         x = io.x_mlp
+        side = self._side_stream() if self.overlap_shared else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+            # h comes from a buffer owned by this object (allocated at the first, eager call), so no
+            # allocation is made on, or freed across, the side stream
+            h = self._buf("h", (x.shape[0], self.shared_gu.shape[0] // 2), x)
+            with torch.cuda.stream(side), stage("k3.moe.shared"):
+                shared_expert_gate_up(x, self.shared_gu, out=h)
         with stage("k3.router"):
             z, ids, ws = router_down_topk(x, self.front, self.e_bias, n_experts=cfg.num_experts,
                                           top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor)
-        with stage("k3.moe.shared"):
-            h = shared_expert_gate_up(x, self.shared_gu)
+        if side is None:
+            with stage("k3.moe.shared"):
+                h = shared_expert_gate_up(x, self.shared_gu)
         with stage("k3.moe.experts"):
             r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
                                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x))
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
         with stage("k3.moe.up"):
             moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out)
 
@@ -106,11 +121,22 @@ class FastImpl:
         self.attn(io)
         self.moe(io)
 
+    def _side_stream(self):
+        if self._side is None and torch.cuda.is_available():
+            self._side = torch.cuda.Stream()
+        return self._side
+
     def _workspace(self, x):
         if self._ws is None:            # allocated at the first (eager) call, before any graph capture
             from .moe_mxfp4_experts import make_workspace
             self._ws = make_workspace(self.cfg.routed_expert_hidden_size, x.device)
         return self._ws
+
+    def _buf(self, name: str, shape, like):
+        t = self._bufs.get(name)
+        if t is None or tuple(t.shape) != tuple(shape):
+            t = self._bufs[name] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return t
 
     def _scratch(self, name: str, like):
         t = self._bufs.get(name)

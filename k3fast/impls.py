@@ -414,6 +414,9 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
     if name == "fast":
         from .fast import FastImpl
         return FastImpl(cfg, w, **kw)
+    if name == "fast-serial":               # the fused path with the shared experts in line (A/B of the overlap)
+        from .fast import FastImpl
+        return FastImpl(cfg, w, overlap_shared=False, **kw)
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast']}")
+        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-serial']}")
     return IMPLS[name](cfg, w, **kw) if name == "stock" else IMPLS[name](cfg, w)

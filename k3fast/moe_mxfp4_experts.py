@@ -32,6 +32,23 @@ Version log
       index math with a per-CTA random warp order (reproduced the error pattern per routing; 0 after the fix).  Now
       each expert segment is re-ranked by pair index after the atomic placement (O(pairs per expert) per pair; one
       extra [PMAX] smem array and barrier).  Registers unchanged (rank16 142/150, rank8 127/200, full 154/198), 0 spills.
+      Measured on the H200 (traces/h200/kernels-6316bd2.json, L2 flushed by a write): correct everywhere it ran,
+      but slow: rank16 b1/b8/b64 45.9 / 260 / 1386 us = 0.51 / 0.67 / 0.64 TB/s (Marlin 37.5 / 104 / 409 us);
+      full b1/b8/b64 263 / 1763 / 9550 us (~1.1 TB/s).  Per-warp cost is ~0.7-0.9 us per 512-byte weight step
+      at every batch, ~1300 cycles: far above the decode ALU (~130 instructions) and what a D = 8 register ring
+      should leave of the HBM latency.  Reading of the code: each FC1 step loads its z (B operand) fragments from
+      global memory right before the MMAs, and the weight loads (default caching) stream ~180 KB per CTA and
+      expert through L1, evicting z; so every step waits one L2 round trip under full HBM load, and 8 warps per
+      SM (1 CTA, 140-200 registers) cannot hide it.  FC2 reads h from smem and does not have this problem.
+  v3  z of the pass staged in shared memory with cp.async (overlapped with the weight ring's first loads; it
+      shares the h region, which other CTAs write only after cluster barrier A), FC1's B operand read from smem;
+      weight loads marked L1::no_allocate; each expert's weight streams based with a 64-bit byte offset (at full
+      width w13 is 9.9 GB; v2 relied on 32-bit element arithmetic).  ptxas: rank16 M1/M8 141, M64 196; rank8 M4
+      160, M64 188; full M1 210, M64 189 registers; 0 spills.
+      Prediction: if the L2 round trip per FC1 step is the cost, FC1 steps drop to ~150-250 cycles and the kernel
+      becomes ring/HBM-bound: rank16 b1 ~15 us (from 45.9), b8 ~60-70 us (from 260), b64 ~300-350 us (from 1386);
+      i.e. 2-3x better than v2 and on par with or better than Marlin.  If it does not move, the per-step cost is
+      elsewhere (MMA/decode dependency chain at 2 warps per scheduler) and the next step is more warps per SM.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -266,6 +283,7 @@ class KernelCfg:
     nsm: int = 132
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
+    version: int = 3  # 2: z read from global per step (kept for A/B benchmarks); 3: z staged in smem per pass
 
     def __post_init__(self):
         if self.dL % 64 or self.I % 64:
@@ -276,6 +294,8 @@ class KernelCfg:
             raise ValueError("E too large for the in-CTA routing sort")
         if self.NKB1 % self.S:
             raise ValueError("K split does not divide the FC1 K steps")
+        if self.version not in (2, 3):
+            raise ValueError(f"version must be 2 or 3, got {self.version}")
 
     @property
     def T1(self):           # FC1 tiles (16 rows = 8 outputs) per CTA
@@ -330,6 +350,10 @@ class KernelCfg:
         return self.I // 2 + 16
 
     @property
+    def ZW(self):           # staged z row stride in 32-bit words (64 B pad: conflict-free 16 B loads)
+        return self.dL // 2 + 16
+
+    @property
     def threads(self):
         return 32 * self.W
 
@@ -367,6 +391,11 @@ def _build_kernel_class():
                         "st.shared::cluster.v4.b32 [ra], {$2, $3, $4, $5};\n}",
                         "r,r,r,r,r,r", has_side_effects=True, is_align_stack=False,
                         asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    def expert_ptr(m, ex, bytes_per_expert, align):
+        """Int32 pointer to expert ``ex``'s slice of ``m``: 64-bit byte arithmetic, alignment restated."""
+        addr = m.iterator.toint() + cutlass.Int64(ex) * bytes_per_expert
+        return cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=align)
 
     def decode8(w, lut):
         """8 stored codes -> 4 bf16x2 A registers (see module docstring for the bit layout)."""
@@ -420,9 +449,12 @@ def _build_kernel_class():
             # shared memory carve-up (bytes, all 16-aligned)
             self.n_part = c.T1 * c.S * c.GMAX * 32 * 4 if c.S > 1 else 4
             self.n_stage = c.NT * (c.I // c.C) // 2          # int32 words
+            # v3: the pass's z rows are staged in the h region (z is only read in FC1, h only written after
+            # cluster barrier A, i.e. after every CTA of the cluster finished FC1)
+            self.n_hz = max(c.NT * c.HW, c.NT * c.ZW) if c.version == 3 else c.NT * c.HW
             sizes = [
                 ("cnt", 4 * c.E), ("act_e", 4 * c.PMAX), ("act_off", 4 * (c.PMAX + 4)), ("slot", 4 * c.PMAX),
-                ("sorted", 4 * c.PMAX), ("tmp", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * c.NT * c.HW),
+                ("sorted", 4 * c.PMAX), ("tmp", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * self.n_hz),
                 ("stage", 4 * self.n_stage), ("part", 4 * self.n_part),
             ]
             self.smem_bytes = sum(-(-b // 16) * 16 for _, b in sizes) + 256
@@ -457,7 +489,9 @@ def _build_kernel_class():
             sorted_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             tmp_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             scr = smem.allocate_tensor(Int32, cute.make_layout(64), 16)
-            h_s = smem.allocate_tensor(Int32, cute.make_layout((NT, c.HW), stride=(c.HW, 1)), 16)
+            hz_s = smem.allocate_tensor(Int32, cute.make_layout(self.n_hz), 16)
+            h_s = cute.make_tensor(hz_s.iterator, cute.make_layout((NT, c.HW), stride=(c.HW, 1)))
+            z_s = cute.make_tensor(hz_s.iterator, cute.make_layout((NT, c.ZW), stride=(c.ZW, 1)))
             stage_s = smem.allocate_tensor(Int32, cute.make_layout(self.n_stage), 16)
             part_s = smem.allocate_tensor(Float32, cute.make_layout(self.n_part), 16)
 
@@ -467,6 +501,12 @@ def _build_kernel_class():
             # views: 16-byte rows of the weight streams, 4-word chunks of z / h, 8-wide bf16 chunks of y / out
             gZ = cute.flat_divide(mZ, (1, 4))            # (1, 4, M, dL/8)
             gH = cute.flat_divide(h_s, (1, 4))           # (1, 4, NT, HW/4)
+            gZs = cute.flat_divide(z_s, (1, 4))          # (1, 4, NT, ZW/4)
+            # weights are read once: keep them out of L1 so the activations stay there
+            wld = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
+                                      l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+            zcp = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                      Int32, num_bits_per_copy=128)
             gY = cute.flat_divide(mY, (1, 8))            # (1, 8, rows, dL/8)
             gO = cute.flat_divide(mOut, (1, 8))
             # y rows were written by other CTAs during this launch: read them from L2 (.cg), never from L1
@@ -558,16 +598,29 @@ def _build_kernel_class():
             s8 = cute.make_rmem_tensor(cute.make_layout(8), Float32)
             ry = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
             ro = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
+            R13 = c.I // 8 * c.NKB1                      # 16-byte rows of one expert's w13 stream / 32
+            R2 = c.dL // 16 * c.NKB2
             for u in cutlass.range(qid, n_active, c.Q):
                 ex = act_e[u]
                 off = act_off[u]
                 n_e = act_off[u + 1] - off
+                # This expert's streams, based with a 64-bit offset: at full width w13 is 9.9 GB, past the reach
+                # of a 32-bit element index (v2 computed ex * rows in int32 and read out of bounds there).
+                eW13q = cute.make_tensor(expert_ptr(mW13q, ex, R13 * 32 * 4 * 4, 16),
+                                         cute.make_layout((R13 * 32, 4), stride=(4, 1)))
+                eW13s = cute.make_tensor(expert_ptr(mW13s, ex, R13 * 8 * 4, 4), cute.make_layout(R13 * 8))
+                eW2q = cute.make_tensor(expert_ptr(mW2q, ex, R2 * 32 * 4 * 4, 16),
+                                        cute.make_layout((R2 * 32, 4), stride=(4, 1)))
+                eW2s = cute.make_tensor(expert_ptr(mW2s, ex, R2 * 8 * 4, 4), cute.make_layout(R2 * 8))
                 for pb in cutlass.range(0, n_e, NT):
                     npass = cutlass.min(n_e - pb, NT)
                     # this lane's B-operand rows (pair column g of each group) and y columns (2t, 2t+1)
                     for gi in cutlass.range_constexpr(GMAX):
                         nn = cutlass.min(gi * 8 + g, npass - 1)
-                        zrow[gi] = sorted_s[off + pb + nn] // TOPK
+                        if const_expr(c.version == 3):
+                            zrow[gi] = nn                               # row of the staged z
+                        else:
+                            zrow[gi] = sorted_s[off + pb + nn] // TOPK  # token row of z in global memory
                         for q in cutlass.range_constexpr(2):
                             n2 = gi * 8 + 2 * t + q
                             ypair[gi * 2 + q] = Int32(-1)
@@ -577,15 +630,31 @@ def _build_kernel_class():
                     # ======================= FC1: CTA-local tiles [0, T1) of w13 (global rank*T1 + tile), K = dL.
                     # Warp w streams units uu = w + W*i (tile = uu // S, K part ks = uu % S), KS1 steps each; the
                     # 16-byte loads of step s + D are issued before step s is decoded (register ring).
-                    t1_base = ex * (c.I // 8) + rank * c.T1
+                    if const_expr(c.version == 3):
+                        # v3: the pass's z rows -> smem (cp.async, overlapped with the weight ring's first loads).
+                        # Safe to overwrite: this CTA's FC2 of the previous pass is behind the combine barriers,
+                        # and the other CTAs write h here only after cluster barrier A of this pass.
+                        for idx in cutlass.range(tid, npass * (c.dL // 8), c.threads):
+                            n_ = idx // (c.dL // 8)
+                            v_ = idx - n_ * (c.dL // 8)
+                            tok = sorted_s[off + pb + n_] // TOPK
+                            cute.copy(zcp, gZ[0, None, tok, v_], gZs[0, None, n_, v_])
+                        cute.arch.cp_async_commit_group()
+                    t1_base = rank * c.T1
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS1):
                             i_ = d // c.KS1
                             uu_ = warp + W * i_
                             kb_ = (uu_ % c.S) * c.KS1 + (d - i_ * c.KS1)
                             row_ = (t1_base + uu_ // c.S) * c.NKB1 + kb_
-                            cute.autovec_copy(mW13q[row_ * 32 + lane, None], ringW[d, None])
-                            ringS[d] = mW13s[row_ * 8 + g]
+                            if const_expr(c.version == 3):
+                                cute.copy(wld, eW13q[row_ * 32 + lane, None], ringW[d, None])
+                            else:
+                                cute.autovec_copy(eW13q[row_ * 32 + lane, None], ringW[d, None])
+                            ringS[d] = eW13s[row_ * 8 + g]
+                    if const_expr(c.version == 3):
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.barrier()
                     for s0 in cutlass.range(0, NS1_pad, D):
                         for d in cutlass.range_constexpr(D):
                             s = s0 + d
@@ -598,8 +667,11 @@ def _build_kernel_class():
                                     uu_ = warp + W * i_
                                     kb_ = (uu_ % c.S) * c.KS1 + (s_ - i_ * c.KS1)
                                     row_ = (t1_base + uu_ // c.S) * c.NKB1 + kb_
-                                    cute.autovec_copy(mW13q[row_ * 32 + lane, None], ringW[d, None])
-                                    ringS[d] = mW13s[row_ * 8 + g]
+                                    if const_expr(c.version == 3):
+                                        cute.copy(wld, eW13q[row_ * 32 + lane, None], ringW[d, None])
+                                    else:
+                                        cute.autovec_copy(eW13q[row_ * 32 + lane, None], ringW[d, None])
+                                    ringS[d] = eW13s[row_ * 8 + g]
                                 i = s // c.KS1
                                 kk = s - i * c.KS1
                                 uu = warp + W * i
@@ -611,7 +683,10 @@ def _build_kernel_class():
                                 for gi in cutlass.range_constexpr(GMAX):
                                     if gi * 8 < npass:
                                         for bb in cutlass.range_constexpr(2):
-                                            cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
+                                            if const_expr(c.version == 3):
+                                                cute.autovec_copy(gZs[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
+                                            else:
+                                                cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
                                             mma_block(a, bv, sv, bb, acc, gi)
                                 if kk == c.KS1 - 1:
                                     if const_expr(c.S > 1):
@@ -662,14 +737,17 @@ def _build_kernel_class():
                         cute.arch.cluster_wait()
 
                     # ======================= FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I.
-                    t2_base = ex * (c.dL // 16) + rank * c.T2
+                    t2_base = rank * c.T2
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS2):
                             i_ = d // c.NKB2
                             tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
                             row_ = (t2_base + tl_) * c.NKB2 + (d - i_ * c.NKB2)
-                            cute.autovec_copy(mW2q[row_ * 32 + lane, None], ringW[d, None])
-                            ringS[d] = mW2s[row_ * 8 + g]
+                            if const_expr(c.version == 3):
+                                cute.copy(wld, eW2q[row_ * 32 + lane, None], ringW[d, None])
+                            else:
+                                cute.autovec_copy(eW2q[row_ * 32 + lane, None], ringW[d, None])
+                            ringS[d] = eW2s[row_ * 8 + g]
                     for s0 in cutlass.range(0, NS2_pad, D):
                         for d in cutlass.range_constexpr(D):
                             s = s0 + d
@@ -681,8 +759,11 @@ def _build_kernel_class():
                                     i_ = s_ // c.NKB2
                                     tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
                                     row_ = (t2_base + tl_) * c.NKB2 + (s_ - i_ * c.NKB2)
-                                    cute.autovec_copy(mW2q[row_ * 32 + lane, None], ringW[d, None])
-                                    ringS[d] = mW2s[row_ * 8 + g]
+                                    if const_expr(c.version == 3):
+                                        cute.copy(wld, eW2q[row_ * 32 + lane, None], ringW[d, None])
+                                    else:
+                                        cute.autovec_copy(eW2q[row_ * 32 + lane, None], ringW[d, None])
+                                    ringS[d] = eW2s[row_ * 8 + g]
                                 i = s // c.NKB2
                                 kb = s - i * c.NKB2
                                 tile = warp + W * i
@@ -769,10 +850,10 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
 
 
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
-                situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> KernelCfg:
+                situ_beta: float = 4.0, situ_linear_beta: float = 25.0, version: int = 3) -> KernelCfg:
     MB = m_bucket(M)
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C or default_cluster(MB), D=D, nsm=nsm,
-                     situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta))
+                     situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version)
 
 
 def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:
@@ -844,7 +925,8 @@ def _validate(z, topk_ids, topk_w, prep: PreparedExperts):
 
 
 def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
-                      situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None):
+                      situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
+                      version: int = 3):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -867,7 +949,8 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     check_tensor("workspace.counters", workspace.counters, dtype=torch.int32, shape=(MAX_M * 8,), device=z.device)
     if workspace.y.dim() != 2 or workspace.y.shape[1] != dL or workspace.y.shape[0] < M * TOPK:
         raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
-    key = compile_key(E, dL, I, M, nsm=_num_sms(z.device), situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+    key = compile_key(E, dL, I, M, nsm=_num_sms(z.device), situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                      version=version)
     fn = get_kernel(key)
     fn(z.view(torch.int32), topk_ids, topk_w, prep.w13q.view(-1, 4), prep.w13s.view(-1), prep.w2q.view(-1, 4),
        prep.w2s.view(-1), workspace.y, workspace.counters, out)

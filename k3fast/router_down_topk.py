@@ -470,6 +470,8 @@ def get_workspace(device, n_experts=N_EXPERTS):
     """(logits [64, n_experts] fp32, counter [4] int32 = 0) for ``device``; allocate before graph capture."""
     import torch
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:      # "cuda" and "cuda:0" must share one workspace
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device, n_experts)
     ws = _WORKSPACES.get(key)
     if ws is None:

@@ -23,6 +23,14 @@ TOLERANCES: dict[str, tuple[str, float, str]] = {
                     "a fused kernel with BF16 output vs the reference in fp32: one or two BF16 roundings (2^-9) "
                     "plus fp32 summation-order differences"),
     "fp32_state": ("rel_rmse", 1e-5, "FP32 recurrent state after one step: fp32 summation order only"),
+    "fp32_state_chain": ("rel_rmse", 2e-3,
+                         "FP32 recurrent state after a whole attention half whose in_proj is a different GEMM "
+                         "(fused GEMV vs cuBLAS): q, k, v, g, beta differ by 1 BF16 ulp (2^-9) in a few "
+                         "elements, and the state update is linear in them; measured 1.5e-5..3.1e-4 on the "
+                         "H200 (logs/gpu-tests-6316bd2.log)"),
+    "bf16_state_chain": ("rel_rmse", 1e-2,
+                         "BF16 conv state (the q, k, v projections themselves) after a different in_proj GEMM: "
+                         "1 BF16 ulp in the elements whose fp32 sums round differently"),
     "exact": ("exact", 0.0, "bookkeeping: must be bit-identical"),
 }
 

@@ -132,7 +132,24 @@ def test_compile_all_keys(cfg):
     keys = mx.compile_keys(cfg)
     assert {k.MB for k in keys} == set(mx.M_BUCKETS)
     for key in keys:
+        assert key.version == 3
         assert mx.get_kernel(key) is not None
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+def test_compile_v2_for_ab_benchmarks():
+    # k3fast.bench times v2 beside v3 on the same inputs; keep it compiling
+    key = mx.compile_key(896, 3584, 256, 8, version=2)
+    assert mx.get_kernel(key) is not None
+    with pytest.raises(ValueError, match="version"):
+        mx.compile_key(896, 3584, 256, 8, version=4)
+
+
+def test_v3_smem_holds_staged_z():
+    # z rows of a pass (NT x dL bf16, padded) share the h region; the CTA must still fit in 227 KB
+    for cfg in (k3_rank(16), k3_rank(8), k3()):
+        for key in mx.compile_keys(cfg):
+            assert key.ZW * 4 >= key.dL * 2 and (key.ZW % 32) == 16
 
 
 def _kernel_sort_model(flat_ids, E, warp_order, threads=256):

@@ -16,18 +16,40 @@ pytestmark = pytest.mark.gpu
 def test_impl_matches_ref(impl, layer, batch):
     cfg = k3_rank(16)
     w = random_layer(cfg, layer, seed=5, device="cuda")
-    outs = {}
+    outs, mods = {}, {}
     for name in ("ref", impl):
         io = make_io(cfg, layer, batch, context=64, seed=9)
         io.x_mlp.fill_(float("nan"))
         io.out.fill_(float("nan"))
-        m = make_impl(name, cfg, w, max_batch=batch) if name == "stock" else make_impl(name, cfg, w)
+        m = mods[name] = make_impl(name, cfg, w, max_batch=batch) if name == "stock" else make_impl(name, cfg, w)
         m.layer(io)
         torch.cuda.synchronize()
-        outs[name] = (io.x_mlp.clone(), io.out.clone(), io.partial.clone())
+        outs[name] = (io.x_mlp.clone(), io.out.clone(), io.partial.clone(), io)
     assert_close("x_mlp", outs[impl][0], outs["ref"][0], "bf16_kernel")
-    assert_close("layer out", outs[impl][1], outs["ref"][1], "bf16_kernel")
     assert_close("partial", outs[impl][2], outs["ref"][2], "bf16_kernel")
+    if same_routing(outs[impl][0], outs["ref"][0], w, cfg):
+        assert_close("layer out", outs[impl][1], outs["ref"][1], "bf16_kernel")
+    else:
+        # A 1-ulp difference in x_mlp flipped an expert between near-tied router scores: the outputs are no
+        # longer comparable element-wise. Compare the MoE half on the reference's own MLP input instead.
+        io = outs[impl][3]
+        io.x_mlp.copy_(outs["ref"][0])
+        io.out.fill_(float("nan"))
+        mods[impl].moe(io)
+        torch.cuda.synchronize()
+        assert_close("layer out (MoE on the reference x_mlp)", io.out, outs["ref"][1], "bf16_kernel")
+
+
+def same_routing(x_a, x_b, w, cfg):
+    """Whether the reference router picks the same experts for both MLP inputs (dense layers: trivially)."""
+    from k3ref import Precision
+    from k3ref.moe import route
+    from k3ref.weights import MoEWeights
+    if not isinstance(w.mlp, MoEWeights):
+        return True
+    ids_a, _ = route(x_a, w.mlp, cfg, Precision.model())
+    ids_b, _ = route(x_b, w.mlp, cfg, Precision.model())
+    return torch.equal(ids_a.sort(-1).values, ids_b.sort(-1).values)
 
 
 @pytest.mark.parametrize("impl", ["stock", "compiled"])
