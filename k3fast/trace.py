@@ -302,7 +302,8 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
                "rel_err_moe_same_input": err.get("moe_same_input") if part != "attn" else None,
                "collectives": "not timed" if cfg.tp > 1 else "none (TP1)",
                "l2": L2_POLICY, "kernel_names": gsum["kernel_names"],
-               "stages": summarize_stages(st_ev), "perfetto": os.path.basename(trace_path) if trace_path else None,
+               "stages": summarize_stages(st_ev),
+               "perfetto": os.path.join(os.path.basename(perfetto_dir), os.path.basename(trace_path)) if trace_path else None,
                "config": cfg.describe()}
         if impl_name == "stock":
             rec["stock_variant"] = getattr(impl, "variant", None)     # "vllm-ops" | "torch-glue"
@@ -341,7 +342,7 @@ def main(argv=None) -> int:
           f"copy {bw:.3f} TB/s", flush=True)
     tag = args.tag or f"{env['date'][:10]}-{env['commit']}"
     os.makedirs(args.out, exist_ok=True)
-    perfetto_dir = os.path.join(args.out, "perfetto")
+    perfetto_dir = os.path.join(args.out, f"perfetto-{tag}")      # one folder per run: names repeat across runs
     cells = [(k, s, b, c) for k in args.kinds for s in args.shapes for b in args.batches
              for c in (args.contexts if k == "mla_moe" else [0])]
     records, t0 = [], time.time()

@@ -13,5 +13,5 @@ if [ -n "${K3_BENCH:-}" ]; then
   timeout "${K3_BENCH_TIMEOUT:-120}" python3 -m k3fast.bench --out "$tmp" --tag "$K3_COMMIT" $K3_BENCH > "$OUT/bench.log" 2>&1
 fi
 cp "$tmp"/records-*.json "$tmp"/kernels-*.json "$OUT"/ 2>/dev/null
-[ -d "$tmp/perfetto" ] && tar czf "$OUT/perfetto.tgz" -C "$tmp" perfetto
+ls -d "$tmp"/perfetto-* >/dev/null 2>&1 && tar czf "$OUT/perfetto.tgz" -C "$tmp" $(cd "$tmp" && ls -d perfetto-*)
 grep -E "^\s+(ref|stock|compiled|fast) |FAILED|budget" "$OUT/sweep.log" | cut -c1-160 | tail -60
