@@ -128,8 +128,8 @@ def flush_l2() -> None:
     global _FLUSH, _FLUSH_OUT
     if _FLUSH is None:
         _FLUSH = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
-        _FLUSH_OUT = torch.empty((), dtype=torch.float32, device="cuda")
-    torch.sum(_FLUSH, out=_FLUSH_OUT)
+        _FLUSH_OUT = torch.empty(1, dtype=torch.float32, device="cuda")
+    torch.sum(_FLUSH.view(1, -1), dim=1, out=_FLUSH_OUT)
 
 
 def time_replays(g: torch.cuda.CUDAGraph, reset: Callable[[], None], n: int) -> list[float]:
