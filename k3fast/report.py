@@ -20,15 +20,16 @@ IMPL_ORDER = ("ref", "compiled", "stock", "fast", "fast-serial")
 
 
 def load_records(pattern: str | None = None) -> list[dict]:
-    """All records of traces/h200/records-*.json; a later file wins for the same cell."""
+    """All records of traces/h200/records-*.json; for the same cell the most recently measured record wins."""
     pattern = pattern or os.path.join(ROOT, "traces", "h200", "records-*.json")
-    cells: dict[tuple, dict] = {}
+    found = []
     for path in sorted(glob.glob(pattern)):
         with open(path) as f:
             doc = json.load(f)
-        for r in doc["records"]:
-            r = {**r, "source": os.path.relpath(path, ROOT)}
-            cells[(r["layer_kind"], r["shape"], r["batch"], r.get("context"), r["impl"], r["part"])] = r
+        found += [{**r, "source": os.path.relpath(path, ROOT)} for r in doc["records"]]
+    cells: dict[tuple, dict] = {}
+    for r in sorted(found, key=lambda r: r.get("date") or ""):      # ISO dates sort chronologically
+        cells[(r["layer_kind"], r["shape"], r["batch"], r.get("context"), r["impl"], r["part"])] = r
     return list(cells.values())
 
 
@@ -56,24 +57,30 @@ def validate(records: list[dict]) -> list[str]:
     return problems
 
 
-def table(records: list[dict], part: str = "layer") -> str:
+def table(records: list[dict], part: str = "layer", kinds: tuple[str, ...] | None = None) -> str:
     rows = defaultdict(dict)
     for r in records:
-        if r["part"] == part:
+        if r["part"] == part and (kinds is None or r["layer_kind"] in kinds):
             rows[(r["layer_kind"], r["shape"], r["batch"], r.get("context"))][r["impl"]] = r
     impls = [i for i in IMPL_ORDER if any(i in v for v in rows.values())]
-    head = "| layer | shape | batch | ctx | floor µs | " + " | ".join(f"{i} µs (kernels)" for i in impls) + " |"
-    sep = "|" + "---|" * (5 + len(impls))
+    head = ("| layer | shape | batch | ctx | floor µs | " + " | ".join(f"{i} µs (kernels)" for i in impls)
+            + " | stock / fast (one run) | runs |")
+    sep = "|" + "---|" * (7 + len(impls))
     lines = [head, sep]
     shape_order = {"k3_rank16": 0, "k3_rank8": 1, "full": 2}
     for key in sorted(rows, key=lambda k: (k[0], shape_order.get(k[1], 9), k[2], k[3] or 0)):
         cell = rows[key]
-        any_r = next(iter(cell.values()))
+        any_r = max(cell.values(), key=lambda r: r.get("date") or "")     # the floor of the latest run
         vals = []
         for i in impls:
             r = cell.get(i)
             vals.append("—" if r is None else f"{r['replay_us_median']:.1f} ({r['kernels']:g})")
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3] or ''} | {any_r['floor_us']:.1f} | " + " | ".join(vals) + " |")
+        runs = sorted({str(r.get("commit", "?"))[:7] for r in cell.values()})
+        st, fa = cell.get("stock"), cell.get("fast")
+        ratio = (f"{st['replay_us_median'] / fa['replay_us_median']:.2f}x"
+                 if st and fa and st.get("commit") == fa.get("commit") else "—")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3] or ''} | {any_r['floor_us']:.1f} | " + " | ".join(vals)
+                     + f" | {ratio} | {' '.join(runs)} |")
     return "\n".join(lines)
 
 
@@ -83,11 +90,19 @@ def readme_block(records: list[dict]) -> str:
     env = records[0]
     srcs = sorted({r["source"] for r in records})
     variants = sorted({r.get("stock_variant") or "torch-glue" for r in records if r["impl"] == "stock"})
-    return (f"{BEGIN}\nWhole layer (`part: layer`), median CUDA-graph replay µs with the kernel count per replay, "
-            f"L2 flushed before each replay; floor = bytes / copy bandwidth measured in the same run "
-            f"({', '.join(f'{b:.2f}' for b in sorted({r['copy_tbps'] for r in records}))} TB/s in the runs). GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
+    l2 = sorted({r.get("l2") or "flushed (256 MB write) before each replay" for r in records})
+    return (f"{BEGIN}\nMedian CUDA-graph replay µs with the kernel count per replay; for each cell and implementation "
+            f"the most recent record. Floor = bytes / copy bandwidth measured in the same run "
+            f"({', '.join(f'{b:.2f}' for b in sorted({r['copy_tbps'] for r in records}))} TB/s in the runs). "
+            f"L2: {'; '.join(l2)} (see `k3fast/trace.py`). GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
             f"cutlass {env['cutlass']}. Stock variant: {', '.join(variants) or 'none'}. "
-            f"Sources: {', '.join(f'`{s}`' for s in srcs)}.\n\n{table(records)}\n{END}")
+            f"`runs` names the commits the row's records come from; the stock/fast ratio is shown only when both come "
+            f"from one run. Sources: {', '.join(f'`{s}`' for s in srcs)}.\n\n"
+            f"**Whole layer** (`part: layer`)\n\n{table(records)}\n\n"
+            f"**Attention half** (`part: attn`, layer input -> MLP input), KDA layers\n\n"
+            f"{table(records, 'attn', ('kda_moe',))}\n\n"
+            f"**MoE half** (`part: moe`, MLP input -> layer output), KDA layers\n\n"
+            f"{table(records, 'moe', ('kda_moe',))}\n{END}")
 
 
 def plot(records: list[dict], out_dir: str) -> list[str]:

@@ -135,7 +135,9 @@ def test_logits_workspace_fp32(weights, M):
     run_checked(x, wr, wd, wp, bias)
     ws = rdt.get_workspace(DEV)[0][:M].clone()
     ref = reference(x, wr, wd, bias)[3]
-    assert rel_rmse(ws, ref) <= 1e-6
+    # fp32 logits from a different summation order over K = 7168 (warp shuffles / mma.sync accumulators vs
+    # cuBLAS): measured 1.8e-6 at M = 64 on the H200 (logs/gpu-tests-f3ee7fa.log); bf16 rounding would be ~1e-3
+    assert rel_rmse(ws, ref) <= 1e-5
     assert (ws != ws.to(torch.bfloat16).float()).float().mean().item() > 0.9, "logits look bf16-rounded"
 
 
