@@ -284,6 +284,7 @@ class KernelCfg:
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
     version: int = 3  # 2: z read from global per step (kept for A/B benchmarks); 3: z staged in smem per pass
+    probe: str = ""   # diagnostics only: "stream" = weights loaded and XOR-folded, no decode / MMA (wrong output)
 
     def __post_init__(self):
         if self.dL % 64 or self.I % 64:
@@ -296,6 +297,8 @@ class KernelCfg:
             raise ValueError("K split does not divide the FC1 K steps")
         if self.version not in (2, 3):
             raise ValueError(f"version must be 2 or 3, got {self.version}")
+        if self.probe not in ("", "stream"):
+            raise ValueError(f"probe must be '' or 'stream', got {self.probe!r}")
 
     @property
     def T1(self):           # FC1 tiles (16 rows = 8 outputs) per CTA
@@ -419,6 +422,12 @@ def _build_kernel_class():
         else:
             bits = (sw << (23 - 8 * j)) & 0x7F800000
         return bits.bitcast(Float32) if hasattr(bits, "bitcast") else Int32(bits).bitcast(Float32)
+
+    def stream_probe(wv, sv, acc):
+        """Diagnostic (probe="stream"): consume the loaded words with one XOR fold instead of decode + MMA, so the
+        time is that of the load pipeline, barriers and combine alone (the output is garbage)."""
+        x = wv[0] ^ wv[1] ^ wv[2] ^ wv[3] ^ sv
+        acc[0] = acc[0] + (x & 1).to(Float32)
 
     def mma_block(a, bv, sv, bb, acc, gi):
         """The two k16 MMAs of MXFP4 block bb (fresh fp32 partial), then acc += partial * 2^(scale - 127)."""
@@ -679,15 +688,18 @@ def _build_kernel_class():
                                 kb = (uu - tile * c.S) * c.KS1 + kk
                                 if kk == 0:
                                     acc.fill(0.0)
-                                a = [decode8(wv[j], lut) for j in range(4)]
-                                for gi in cutlass.range_constexpr(GMAX):
-                                    if gi * 8 < npass:
-                                        for bb in cutlass.range_constexpr(2):
-                                            if const_expr(c.version == 3):
-                                                cute.autovec_copy(gZs[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
-                                            else:
-                                                cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
-                                            mma_block(a, bv, sv, bb, acc, gi)
+                                if const_expr(c.probe == "stream"):
+                                    stream_probe(wv, sv, acc)
+                                else:
+                                    a = [decode8(wv[j], lut) for j in range(4)]
+                                    for gi in cutlass.range_constexpr(GMAX):
+                                        if gi * 8 < npass:
+                                            for bb in cutlass.range_constexpr(2):
+                                                if const_expr(c.version == 3):
+                                                    cute.autovec_copy(gZs[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
+                                                else:
+                                                    cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
+                                                mma_block(a, bv, sv, bb, acc, gi)
                                 if kk == c.KS1 - 1:
                                     if const_expr(c.S > 1):
                                         for x in cutlass.range_constexpr(GMAX * 4):
@@ -770,12 +782,15 @@ def _build_kernel_class():
                                 if tile < c.T2:
                                     if kb == 0:
                                         acc.fill(0.0)
-                                    a = [decode8(wv[j], lut) for j in range(4)]
-                                    for gi in cutlass.range_constexpr(GMAX):
-                                        if gi * 8 < npass:
-                                            for bb in cutlass.range_constexpr(2):
-                                                cute.autovec_copy(gH[0, None, gi * 8 + g, kb * 8 + bb * 4 + t], bv)
-                                                mma_block(a, bv, sv, bb, acc, gi)
+                                    if const_expr(c.probe == "stream"):
+                                        stream_probe(wv, sv, acc)
+                                    else:
+                                        a = [decode8(wv[j], lut) for j in range(4)]
+                                        for gi in cutlass.range_constexpr(GMAX):
+                                            if gi * 8 < npass:
+                                                for bb in cutlass.range_constexpr(2):
+                                                    cute.autovec_copy(gH[0, None, gi * 8 + g, kb * 8 + bb * 4 + t], bv)
+                                                    mma_block(a, bv, sv, bb, acc, gi)
                                     if kb == c.NKB2 - 1:
                                         r0 = (rank * c.T2 + tile) * 16 + g
                                         for gi in cutlass.range_constexpr(GMAX):
@@ -926,7 +941,7 @@ def _validate(z, topk_ids, topk_w, prep: PreparedExperts):
 
 def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
-                      version: int = 3):
+                      version: int = 3, kernel_cfg: KernelCfg | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -951,6 +966,10 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
     key = compile_key(E, dL, I, M, nsm=_num_sms(z.device), situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                       version=version)
+    if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
+        if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M:
+            raise ValueError(f"kernel_cfg {kernel_cfg} does not fit E={E}, dL={dL}, I={I}, M={M}")
+        key = kernel_cfg
     fn = get_kernel(key)
     fn(z.view(torch.int32), topk_ids, topk_w, prep.w13q.view(-1, 4), prep.w13s.view(-1), prep.w2q.view(-1, 4),
        prep.w2s.view(-1), workspace.y, workspace.counters, out)

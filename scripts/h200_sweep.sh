@@ -12,6 +12,10 @@ timeout "${K3_SWEEP_TIMEOUT:-420}" python3 -m k3fast.trace --out "$tmp" --tag "$
 if [ -n "${K3_BENCH:-}" ]; then
   timeout "${K3_BENCH_TIMEOUT:-120}" python3 -m k3fast.bench --out "$tmp" --tag "$K3_COMMIT" $K3_BENCH > "$OUT/bench.log" 2>&1
 fi
-cp "$tmp"/records-*.json "$tmp"/kernels-*.json "$OUT"/ 2>/dev/null
+if [ -n "${K3_EXPERTS:-}" ]; then       # e.g. K3_EXPERTS="--shapes k3_rank16 --batches 1 8 64"
+  timeout "${K3_EXPERTS_TIMEOUT:-150}" python3 -m k3fast.bench_experts --out "$tmp" --tag "$K3_COMMIT" $K3_EXPERTS \
+    > "$OUT/experts.log" 2>&1
+fi
+cp "$tmp"/records-*.json "$tmp"/kernels-*.json "$tmp"/experts-*.json "$OUT"/ 2>/dev/null
 ls -d "$tmp"/perfetto-* >/dev/null 2>&1 && tar czf "$OUT/perfetto.tgz" -C "$tmp" $(cd "$tmp" && ls -d perfetto-*)
 grep -E "^\s+(ref|stock|compiled|fast) |FAILED|budget" "$OUT/sweep.log" | cut -c1-160 | tail -60

@@ -1,0 +1,136 @@
+"""Design-space probe of the routed-experts kernel (k3fast.moe_mxfp4_experts) on the GPU.
+
+    python -m k3fast.bench_experts --shapes k3_rank16 --batches 1 8 64 --out traces/h200
+
+Why: v3 measured 0.6-1.2 TB/s where the issue asks for >= 75 % of the copy bandwidth, and the z-in-smem change
+predicted to fix it moved it by only 1-15 % (LOG.md). Each CTA streams ~6-7 GB/s at every batch. The candidate
+causes give different signatures, and one run of this module separates them:
+
+* ``probe``  the same kernel with decode + MMA replaced by an XOR fold of the loaded words: if it is not much
+             faster, the time is in the load pipeline / barriers / combine, not in the arithmetic;
+* ``C2 C4 C8`` cluster size: if clusters of C CTAs cannot all be co-resident (GPCs of 16-18 SMs hold
+             floor(n / C) clusters), the last clusters run as a second wave and the time doubles at some C;
+* ``D4 D12`` register ring depth: loads in flight per lane; a latency-bound loop scales with D;
+* ``v2``     the previous version on the same inputs.
+
+Every variant runs on the same inputs (uniform routing) in one process; times are median CUDA-graph replays with
+the L2 flushed (k3fast.trace.time_replays); Marlin (the stock path) is timed beside them. Writes
+``experts-<tag>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+from k3ref import preset
+from k3ref.weights import random_layer
+
+VARIANTS = ("v3", "probe", "C2", "C4", "C8", "D4", "D12", "v2")
+
+
+def variant_cfg(name: str, base):
+    """The KernelCfg of a variant name, derived from the default key ``base``."""
+    if name == "v3":
+        return base
+    if name == "v2":
+        return dataclasses.replace(base, version=2)
+    if name == "probe":
+        return dataclasses.replace(base, probe="stream")
+    if name[0] == "C":
+        C = int(name[1:])
+        return dataclasses.replace(base, C=C)
+    if name[0] == "D":
+        return dataclasses.replace(base, D=int(name[1:]))
+    raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS}")
+
+
+def main(argv=None) -> int:
+    from .moe_mxfp4_experts import (compile_key, distinct_expert_bytes, make_workspace, moe_mxfp4_experts,
+                                    prepare_mxfp4_experts)
+    from .stock_moe import MarlinMXFP4Experts
+    from .trace import L2_POLICY, _pct, capture, copy_bandwidth_tbps, environment, time_replays
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["k3_rank16"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--out", default="traces/h200")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("k3fast.bench_experts needs a CUDA GPU", file=sys.stderr)
+        return 2
+    env = environment()
+    bw = copy_bandwidth_tbps()
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{env['gpu']} commit {env['commit']}: copy {bw:.3f} TB/s, {nsm} SMs", flush=True)
+    tag = args.tag or f"{env['date'][:10]}-{env['commit']}"
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"experts-{tag}.json")
+    recs = []
+    for shape in args.shapes:
+        cfg = preset(shape)
+        m = random_layer(cfg, 1, seed=3, device="cuda").mlp
+        prep = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
+        ws = make_workspace(cfg.routed_expert_hidden_size, "cuda")
+        g = torch.Generator(device="cuda").manual_seed(5)
+        for M in args.batches:
+            marlin = MarlinMXFP4Experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale,
+                                        max_batch=M)
+            z = torch.randn(M, cfg.routed_expert_hidden_size, generator=g, device="cuda").bfloat16()
+            ids = torch.stack([torch.randperm(cfg.num_experts, generator=g, device="cuda")[:cfg.num_experts_per_token]
+                               for _ in range(M)]).to(torch.int32)
+            tw = torch.softmax(torch.randn(M, cfg.num_experts_per_token, generator=g, device="cuda"), -1)
+            nbytes = distinct_expert_bytes(ids, cfg)
+            base = compile_key(cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate, M, nsm=nsm,
+                               situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
+            fns = {"marlin": lambda: marlin(z, ids, tw)}
+            kcfgs = {}
+            for v in args.variants:
+                try:
+                    kc = kcfgs[v] = variant_cfg(v, base)
+                except ValueError as ex:          # e.g. a cluster size that does not divide the tiles
+                    print(f"  {shape} b{M} {v}: skipped ({ex})", flush=True)
+                    continue
+                fns[v] = (lambda kc=kc: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws,
+                                                          situ_beta=cfg.situ_beta,
+                                                          situ_linear_beta=cfg.situ_linear_beta, kernel_cfg=kc))
+            ref_out = None
+            for name, fn in fns.items():
+                row = {"shape": shape, "batch": M, "variant": name, "bytes": nbytes, "copy_tbps": round(bw, 4),
+                       "floor_us": round(nbytes / (bw * 1e12) * 1e6, 3), "l2": L2_POLICY}
+                if name in kcfgs:
+                    row["kernel_cfg"] = dataclasses.asdict(kcfgs[name])
+                try:
+                    out = fn().clone()
+                    if name == "v3":
+                        ref_out = out
+                    elif ref_out is not None and name != "probe":
+                        row["max_abs_diff_vs_v3"] = float((out.float() - ref_out.float()).abs().max())
+                    gr = capture(fn)
+                    t = time_replays(gr, lambda: None, args.replays)
+                    row.update(us_median=round(_pct(t, 0.5), 3), us_p10=round(_pct(t, 0.1), 3),
+                               us_p90=round(_pct(t, 0.9), 3))
+                    row["achieved_tbps"] = round(nbytes / (row["us_median"] * 1e-6) / 1e12, 3)
+                    del gr
+                except Exception as ex:
+                    row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+                recs.append({**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")}, **row})
+                print(json.dumps({k: row.get(k) for k in ("shape", "batch", "variant", "us_median", "achieved_tbps",
+                                                          "floor_us", "max_abs_diff_vs_v3", "error")}), flush=True)
+            with open(path, "w") as f:
+                json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": recs}, f,
+                          indent=1)
+            del marlin
+            torch.cuda.empty_cache()
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The experts design-space probe (k3fast.bench_experts): every variant is a valid key and the probe compiles."""
+import pytest
+
+from k3fast import bench_experts as be
+from k3fast import moe_mxfp4_experts as mx
+from k3fast._dsl import dsl_available
+from k3ref import k3, k3_rank
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.mark.parametrize("cfg", [k3_rank(16), k3_rank(8), k3()], ids=["k3_rank16", "k3_rank8", "full"])
+def test_variants_are_valid_keys(cfg):
+    for M in (1, 8, 64):
+        base = mx.compile_key(cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate, M)
+        for v in be.VARIANTS:
+            kc = be.variant_cfg(v, base)
+            assert kc.Q * kc.C <= 132 and (kc.dL // 16) % kc.C == 0
+        assert be.variant_cfg("probe", base).probe == "stream"
+        assert be.variant_cfg("v2", base).version == 2
+    with pytest.raises(ValueError):
+        be.variant_cfg("X1", base)
+    with pytest.raises(ValueError, match="probe"):
+        mx.KernelCfg(E=896, dL=3584, I=256, MB=8, C=8, probe="nonsense")
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+def test_stream_probe_compiles():
+    base = mx.compile_key(896, 3584, 256, 8)
+    assert mx.get_kernel(be.variant_cfg("probe", base)) is not None
