@@ -49,6 +49,19 @@ Version log
       becomes ring/HBM-bound: rank16 b1 ~15 us (from 45.9), b8 ~60-70 us (from 260), b64 ~300-350 us (from 1386);
       i.e. 2-3x better than v2 and on par with or better than Marlin.  If it does not move, the per-step cost is
       elsewhere (MMA/decode dependency chain at 2 warps per scheduler) and the next step is more warps per SM.
+      Measured (traces/h200/kernels-11595c4.json, v2 and v3 on the same inputs in one run, L2 flushed by a read):
+      rank16 b1/b8/b64 38.0 / 220 / 922 us (v2 38.6 / 223 / 1078; Marlin 36.4 / 103 / 408), full b1/b8/b64
+      234 / 1588 / 8908 us (v2 271 / 1844 / 9856; Marlin 133 / 798 / 3990).  Correct (GPU tests 32/32, full-width
+      layer test passed).  PREDICTION MISSED: 1-15 % instead of 2-3x, so the z round trip was not the main cost.
+      What the numbers say instead: every CTA streams ~6-7 GB/s at every batch and shape (b1: 183 KB per CTA in
+      ~33 us; b8: 7.4 experts per cluster at ~30 us each; b64: 18.5 experts per cluster at ~50 us each), ~1/5 of
+      the ~30 GB/s per SM the copy reaches, and the PTX FC1 loop is 134 instructions per 512-byte step (an issue
+      ceiling near 3.5 TB/s).  The v2 row of this run (with v3's 64-bit per-expert base, i.e. simpler address
+      arithmetic) is 22 % faster than v2 in the 6316bd2 run at b64, so the step is sensitive to per-step integer
+      work.  Open candidates, to separate with k3fast.bench_experts in one run: the 33 clusters of 4 at b64 not
+      all co-resident (GPCs hold floor(SMs / 4) clusters: 32 on 8 GPCs would leave one cluster for a second
+      wave), per-pass fixed costs (ring fill twice per expert, two cluster barriers, DSMEM exchange, the gpu-scope
+      fence before the combine), or the loop being latency-bound at 8 warps per SM (D and the stream probe tell).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 

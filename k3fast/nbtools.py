@@ -12,33 +12,47 @@ import xml.etree.ElementTree as ET
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _junit_time(root) -> str:
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    return (suite.get("timestamp") if suite is not None else None) or ""
+
+
 def recorded_gpu_tests(test_module: str) -> dict:
-    """Outcome of ``tests/gpu/<test_module>.py`` in the newest recorded H200 JUnit file."""
-    files = sorted(glob.glob(os.path.join(ROOT, "traces", "h200", "logs", "gpu-junit-*.xml")), key=os.path.getmtime)
+    """Outcome of ``tests/gpu/<test_module>.py`` in the newest recorded H200 JUnit file that ran it (files are
+    ordered by their own timestamp, not by mtime, which a checkout resets)."""
     out = {"passed": 0, "failed": 0, "skipped": 0, "source": None, "failures": []}
-    for path in files[-1:]:
-        out["source"] = os.path.relpath(path, ROOT)
-        for tc in ET.parse(path).getroot().iter("testcase"):
-            if tc.get("classname", "").split(".")[-1] != test_module:
-                continue
-            if tc.find("failure") is not None or tc.find("error") is not None:
-                out["failed"] += 1
-                out["failures"].append(tc.get("name"))
-            elif tc.find("skipped") is not None:
-                out["skipped"] += 1
-            else:
-                out["passed"] += 1
+    best = None
+    for path in glob.glob(os.path.join(ROOT, "traces", "h200", "logs", "gpu-junit-*.xml")):
+        root = ET.parse(path).getroot()
+        cases = [tc for tc in root.iter("testcase") if tc.get("classname", "").split(".")[-1] == test_module]
+        if cases and (best is None or _junit_time(root) > best[0]):
+            best = (_junit_time(root), path, cases)
+    if best is None:
+        return out
+    out["source"] = os.path.relpath(best[1], ROOT)
+    for tc in best[2]:
+        if tc.find("failure") is not None or tc.find("error") is not None:
+            out["failed"] += 1
+            out["failures"].append(tc.get("name"))
+        elif tc.find("skipped") is not None:
+            out["skipped"] += 1
+        else:
+            out["passed"] += 1
     return out
 
 
 def recorded_kernel_bench(kernel: str) -> list[dict]:
-    """Rows of traces/h200/kernels-*.json for one fused kernel (empty until a benchmark was recorded)."""
-    rows = []
+    """Rows of traces/h200/kernels-*.json for one fused kernel: the most recent row per (shape, batch)."""
+    rows = {}
+    found = []
     for path in sorted(glob.glob(os.path.join(ROOT, "traces", "h200", "kernels-*.json"))):
         with open(path) as f:
             doc = json.load(f)
-        rows += [{**r, "source": os.path.relpath(path, ROOT)} for r in doc["records"] if r["kernel"] == kernel]
-    return rows
+        found += [{**r, "source": os.path.relpath(path, ROOT)} for r in doc["records"] if r["kernel"] == kernel]
+    for r in sorted(found, key=lambda r: r.get("date") or ""):
+        rows[(r["shape"], r["batch"])] = r
+    order = {"k3_rank16": 0, "k3_rank8": 1, "full": 2}
+    return [rows[k] for k in sorted(rows, key=lambda k: (order.get(k[0], 9), k[1]))]
 
 
 def recorded_layer_parts(kind: str, part: str) -> list[dict]:
@@ -67,9 +81,9 @@ def time_live(fn, replays: int = 50) -> float:
 def bench_table(rows: list[dict]) -> str:
     if not rows:
         return "no recorded kernel benchmark yet (python -m k3fast.bench on the H200 writes traces/h200/kernels-*.json)"
-    lines = ["shape      batch  floor µs   fast µs  stock µs  fast/floor  speed-up"]
+    lines = ["shape      batch  floor µs   fast µs  stock µs  fast/floor  speed-up  run"]
     for r in rows:
         lines.append(f"{r['shape']:10s} {r['batch']:5d} {r['floor_us']:9.1f} {r.get('fast_us_median', float('nan')):9.1f} "
                      f"{r.get('stock_us_median', float('nan')):9.1f} {r.get('fast_over_floor', float('nan')):10.2f} "
-                     f"{r.get('speedup_vs_stock', float('nan')):9.2f}")
+                     f"{r.get('speedup_vs_stock', float('nan')):9.2f}  {str(r.get('commit', '?'))[:7]}")
     return "\n".join(lines)
