@@ -57,7 +57,10 @@ Version log
   v1: as above. ptxas sm_90a (remarks{ptx}), 128 threads, 0 spill stores/loads for every key:
       NS=8: 64 regs at T=1, 93-100 at T=2..8;  NS=4: 96 regs at T=1, 126-134 at T=2..8
       (same for H = 6, 12, 96). Compile ~2.6 s per key on the 2-core CPU box.
-      Expected (not yet measured): B=1 rank16/rank8 ~3-5 us (latency: PDL wait, L2 proj loads,
+      Measured (kernels-11595c4.json): rank16 b1/b8/b64 9.2 / 10.8 / 30.7 us against fla 0.6.0 + slot glue 28.9 /
+      41.5 / 52.8 us (3.2x / 3.8x / 1.7x); full b1/b8/b64 13.3 / 52.4 / 355 us (floor 3.9 / 25.7 / 200; fla 32 / 78 /
+      361).  Correct at every tested batch, T and padding (60/60).
+      Expected (then): B=1 rank16/rank8 ~3-5 us (latency: PDL wait, L2 proj loads,
       two cluster barriers, 2 x 4 dependent warp reductions per token); B=64 rank16 ~13-16 us
       (~3.3-3.8 TB/s on the 52 MB, NS=4 runs 3 CTAs/SM at 128 regs; nsplit=8 is the alternative
       to try there: 64 regs, more CTAs in flight, 2x the L2-served q/k/W_fb re-reads).

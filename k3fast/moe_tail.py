@@ -15,7 +15,10 @@ v1  mma.sync m16n8k16 "swap-AB" GEMV for every batch M = 1..64: weight rows are 
       gate_up   (Is 384 / 768 / 6144):  NT=1 48/48/68, NT=2 60/60/76, NT=4 78/78/96,   NT=8 112/112/112
       Launch: tail 256 threads (WR x WK = 1x8 for NT<=2: 448 CTAs; 2x4 for NT=4: 224; 4x2 for NT=8: 112);
       gate_up 512 threads (1x16) when 2*Is/16 < 264 row tiles (48 / 96 CTAs at rank16 / rank8), else 256 (768 CTAs).
-    Expected (not yet measured on the H200, see "Performance" below): tail M<=8 ~1.1-1.2x floor, M=16 ~1.3x,
+    Measured (kernels-11595c4.json): tail rank16 b1/b8/b64 20.9 / 22.1 / 82.0 us (floor 13.5-13.7; stock norm + 2
+    GEMMs + add 39.8 / 40.4 / 40.7), full 50.9 / 53.6 / 124.8 (floor 33; stock 63 / 65 / 61); shared gate/up rank16
+    11.7 / 11.8 / 25.6 (cuBLAS 10.7 / 10.9 / 11.4).  The M > 8 path is the weak one.
+    Expected (see "Performance" below): tail M<=8 ~1.1-1.2x floor, M=16 ~1.3x,
     M=64 ~2-2.5x (issue-bound on the per-warp B-operand prep, see below); gate_up at k3_rank(16) ~1.3-1.6x
     floor standalone (only 48 CTAs: it is meant to run beside the routed experts, see "Schedule").
 

@@ -10,7 +10,9 @@ v1  One launch of 112 GEMV CTAs + M epilogue CTAs (256 threads each).
     epilogue CTA), then mix + RMSNorm of one token row.
     ptxas (sm_90a, remarks{ptx}), 0 spills everywhere: 128 regs (Kp 768, n_blocks 0, M<=8),
     144 (1536, 1, M<=32), 176 (768, 8, M<=16; 12288, 8, M<=8), 182 (12288, 8, M<=64),
-    186 (768, 8, M<=64) -> 1 CTA/SM. Expected (not yet measured): M=1 rank16 ~3.5-4 us
+    186 (768, 8, M<=64) -> 1 CTA/SM. Measured (kernels-11595c4.json): rank16 b1/b8/b64 12.9 / 13.1 / 23.6 us (cuBLAS
+    GEMV alone 8.3 / 8.4 / 8.6, floor 2.6-3.7); full b1/b8/b64 69 / 79 / 190 us (cuBLAS 48 / 53 / 60, floor 42).
+    Expected was: M=1 rank16 ~3.5-4 us
     (floor 2.7 us), M=64 rank16 ~6-7 us (floor 4.9 us), full width M=1 ~43 us (floor 41 us).
 v1.1 Kernel unchanged. H200 run e5c7220: 51 pass / 43 fail, every failure the GPU test's
     "p' within 1 bf16 ulp of |a|" check (counter re-arm, determinism, NaN, graph replay, x_moe all

@@ -11,7 +11,12 @@ Version log
         M=64: 158 (RTW=1) / 186 (RTW=2); attnres_rmsnorm (16 warps, n_blocks=8): 89; fused (16 warps,
         n_blocks=8) M=1/2/4: 78/84/92. (v1 first kept the sources in registers: ptxas kept their fp32
         copies live and spilled 300-1600 B at the 128-register cap; they are now staged in smem.)
-      Not measured on a GPU yet. Expected: plain gemv M=1 ~1.05-1.15x floor on in_proj; fused M=1 ~1.1-1.25x
+      Measured later (traces/h200/kernels-11595c4.json, single-kernel graph replays, L2 read-flushed, 4.22 TB/s copy):
+      fused attnres_rms_gemv on the packed in_proj: rank16 b1/b8/b64 34.5 / 30.1 / 44.1 us (floor 10.9-11.8; cuBLAS's
+      bare GEMV without the prologue 19.8 / 19.7 / 21.8); full b1/b8/b64 204 / 359 / 412 us (floor 168; cuBLAS 178 /
+      176 / 182).  Missed: ~1.2x floor at 708 MB but 3.2x at 46 MB (a ~15-20 us fixed cost), and the mma path at
+      M >= 8 is 2-2.3x slower than cuBLAS (B fragments from global at every k step, x re-read per row tile).
+      Expected then: plain gemv M=1 ~1.05-1.15x floor on in_proj; fused M=1 ~1.1-1.25x
       (prologue partly hidden behind the L2 prefetch); mma M=8..16 ~1.1-1.3x, M=64 likely >1.3x (x re-read
       from L2 per row tile: 2x the weight bytes at RTW=2).
 

@@ -27,7 +27,10 @@ Version log
       (256 x 80)) -> one wave; M=16 (1, 4, 4) 96 regs, 280 x 128, 5/SM; M=32 (2, 4, 4) 118 regs, 140 x 128,
       4/SM; M=64 (2, 4, 2) 190 regs, 140 x 128, 2/SM (264 slots >= 140: one wave). FMA keys: 1: 80, 2: 93,
       4: 116. (8 warps at M=16 took 116 regs -> 2 CTAs/SM = 264 slots < 280 CTAs: a second wave, so KS=4.)
-      Expected (not measured; floor 64.23 MB / 4.3 TB/s = 14.9 us; need ~4.3 TB/s x ~0.8 us = 3.4 MB in flight):
+      Measured (kernels-11595c4.json, floor 15.2 us at 4.22 TB/s): b1/b8/b64 32.1 / 41.9 / 66.3 us against the stock
+      router + latent GEMMs + top-k 49.7 / 52.6 / 58.8 us (1.55x / 1.25x / 0.89x).  Correct (GPU tests 29/30; the
+      one failure was a too-tight fp32-logits bound, since 1e-5).
+      Expected (floor 64.23 MB / 4.3 TB/s = 14.9 us; need ~4.3 TB/s x ~0.8 us = 3.4 MB in flight):
         M=8:  W in flight 2240 warps x 2 (unroll) x 1 KB = 4.6 MB -> DRAM bound; per k32 chunk a warp issues
               3 loads + 2 mma; top-k = 1 CTA x 8 tokens after the last router arrival (~1-2 us tail)
               -> ~16.5-17.5 us (1.1-1.2x).
