@@ -10,7 +10,10 @@ causes give different signatures, and one run of this module separates them:
              faster, the time is in the load pipeline / barriers / combine, not in the arithmetic;
 * ``C2 C4 C8`` cluster size: if clusters of C CTAs cannot all be co-resident (GPCs of 16-18 SMs hold
              floor(n / C) clusters), the last clusters run as a second wave and the time doubles at some C;
-* ``D4 D12`` register ring depth: loads in flight per lane; a latency-bound loop scales with D;
+* ``D4 D12`` register ring depth: loads in flight per lane; a latency-bound loop scales with D (D12 spills
+             40-64 bytes, ptxas 4.8.1);
+* ``W16D4 W16D8`` 16 warps per CTA (512 threads, so ptxas caps registers at 128; 12-60 bytes of spills): twice
+             the warps per SM to hide the decode/MMA dependency chain;
 * ``v2``     the previous version on the same inputs.
 
 Every variant runs on the same inputs (uniform routing) in one process; times are median CUDA-graph replays with
@@ -23,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 
 import torch
@@ -30,7 +34,7 @@ import torch
 from k3ref import preset
 from k3ref.weights import random_layer
 
-VARIANTS = ("v3", "probe", "C2", "C4", "C8", "D4", "D12", "v2")
+VARIANTS = ("v3", "probe", "C2", "C4", "C8", "D4", "D12", "W16D4", "W16D8", "v2")
 
 
 def variant_cfg(name: str, base):
@@ -41,12 +45,11 @@ def variant_cfg(name: str, base):
         return dataclasses.replace(base, version=2)
     if name == "probe":
         return dataclasses.replace(base, probe="stream")
-    if name[0] == "C":
-        C = int(name[1:])
-        return dataclasses.replace(base, C=C)
-    if name[0] == "D":
-        return dataclasses.replace(base, D=int(name[1:]))
-    raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS}")
+    parts = re.fullmatch(r"((?:[CDW]\d+)+)", name)
+    if parts:                                   # e.g. C2, D4, W16D4: cluster size, ring depth, warps per CTA
+        kw = {k: int(v) for k, v in re.findall(r"([CDW])(\d+)", name)}
+        return dataclasses.replace(base, **kw)
+    raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS} or letters C/D/W with numbers")
 
 
 def main(argv=None) -> int:
