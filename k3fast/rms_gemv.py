@@ -16,6 +16,13 @@ Version log
       bare GEMV without the prologue 19.8 / 19.7 / 21.8); full b1/b8/b64 204 / 359 / 412 us (floor 168; cuBLAS 178 /
       176 / 182).  Missed: ~1.2x floor at 708 MB but 3.2x at 46 MB (a ~15-20 us fixed cost), and the mma path at
       M >= 8 is 2-2.3x slower than cuBLAS (B fragments from global at every k step, x re-read per row tile).
+      v2 (not yet run on a GPU): the M = 1 FMA loop unrolled 8 instead of 4 (the loop body is one basic block;
+      ptxas issues its loads together), i.e. 8 x 16 B weight loads in flight per lane, 64 KB per 16-warp SM instead
+      of 32 KB. Reasoning from the measured rates: ~32 KB in flight per SM at ~1.5 us loaded latency is ~21 GB/s
+      per SM (2.8 TB/s), what our plain GEMVs reach (moe_tail b1 2.7 TB/s), and the rank16 in_proj (201 row groups
+      over 132 CTAs: two rounds of 7 load batches each) pays ~14 latency rounds. Prediction: in_proj fused b1 rank16
+      34.5 -> ~24 us, full 204 -> ~180-185 us (cuBLAS 178); the attention half at rank16 b1 50.5 -> ~40 us.
+      Registers at M = 1: 48-88, 0 spills (ptxas 4.8.1, remarks{ptx}).
       Expected then: plain gemv M=1 ~1.05-1.15x floor on in_proj; fused M=1 ~1.1-1.25x
       (prologue partly hidden behind the L2 prefetch); mma M=8..16 ~1.1-1.3x, M=64 likely >1.3x (x re-read
       from L2 per row tile: 2x the weight bytes at RTW=2).
@@ -280,6 +287,10 @@ def _build_kernels():
             self.fused, self.K, self.nb, self.has_delta, self.bw, self.eps = fused, K, nb, has_delta, bw, eps
             self.nthreads = 32 * nwarps
             self.vpt = -(-(K // 8) // self.nthreads) if fused else 0
+            # v2: 16-byte weight loads in flight per lane = the unroll (ptxas issues an unrolled body's loads
+            # together, then waits once). 8 at M = 1 (v1: 4 everywhere); at M >= 2 the x vectors of 8 iterations
+            # would not fit the 128-register cap of a 16-warp CTA.
+            self.unroll = 8 if MB == 1 else 4
 
         @cute.jit
         def __call__(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, grid_x: Int32, stream):
@@ -339,7 +350,7 @@ def _build_kernels():
                     if nxt < n_groups:
                         _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
                 acc.fill(0.0)
-                for kv in cutlass.range(kv0 + lane, kv1, 32, unroll=4):
+                for kv in cutlass.range(kv0 + lane, kv1, 32, unroll=self.unroll):
                     cute.copy(w_atom, gW[0, None, row, kv], rW)
                     wv = rW.load().to(Float32)
                     for m in cutlass.range_constexpr(self.MB):
