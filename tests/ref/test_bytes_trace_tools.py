@@ -80,3 +80,26 @@ def test_record_schema_validation(tmp_path):
     assert any("part 'mlp'" in s for s in probs) and any("floor_us" in s for s in probs)
     assert not validate([r for r in recs if r["part"] == "layer"])
     assert "| kda_moe | k3_rank16 | 1 |" in table([r for r in recs if r["part"] == "layer"])
+
+
+def test_report_latest_record_wins_and_ratio_only_within_one_run(tmp_path):
+    from k3fast.report import load_records, table
+    from k3fast.trace import SCHEMA_FIELDS
+    base = {k: 1.0 for k in SCHEMA_FIELDS}
+    base.update(layer_kind="kda_moe", shape="k3_rank16", batch=1, part="layer", gpu="H200", torch="t", cutlass="c",
+                driver="v", floor_us=10.0, kernels=3, replay_us_p10=1.0, replay_us_p90=500.0)
+    old_stock = dict(base, impl="stock", commit="aaaaaaa", date="2026-11-29T09:00:00+00:00", replay_us_median=300.0)
+    new_stock = dict(base, impl="stock", commit="bbbbbbb", date="2026-11-29T11:00:00+00:00", replay_us_median=200.0)
+    fast = dict(base, impl="fast", commit="bbbbbbb", date="2026-11-29T11:01:00+00:00", replay_us_median=100.0)
+    # file names sort opposite to the dates: the date must decide
+    (tmp_path / "records-0-new.json").write_text(json.dumps({"records": [new_stock, fast]}))
+    (tmp_path / "records-9-old.json").write_text(json.dumps({"records": [old_stock]}))
+    recs = load_records(str(tmp_path / "records-*.json"))
+    stock = [r for r in recs if r["impl"] == "stock"]
+    assert len(stock) == 1 and stock[0]["replay_us_median"] == 200.0
+    row = [ln for ln in table(recs).splitlines() if ln.startswith("| kda_moe")][0]
+    assert "200.0 (3)" in row and "100.0 (3)" in row and "2.00x" in row and "bbbbbbb" in row
+    # stock and fast from different runs: no ratio
+    fast_other = dict(fast, commit="ccccccc", date="2026-11-29T12:00:00+00:00")
+    row = [ln for ln in table([new_stock, fast_other]).splitlines() if ln.startswith("| kda_moe")][0]
+    assert "x |" not in row and "bbbbbbb ccccccc" in row
