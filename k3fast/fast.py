@@ -7,7 +7,7 @@ Attention half of a KDA layer (3 launches at batch <= 4):
     oproj_attnres         o_proj + partial-sum update + AttnRes #2 + post-attention RMSNorm
 MoE half:
     router_down_topk      router logits + latent down-projection + top-16 + renormalised weights
-    shared_expert_gate_up shared experts' gate/up + SiTU (independent of the routing: on a side stream)
+    shared_expert_gate_up shared experts' gate/up + SiTU (independent of the routing; optionally on a side stream)
     moe_mxfp4_experts     routed experts, MXFP4 dequantised in registers, SiTU, w2, weighted combine
     moe_tail              routed_expert_norm + latent up-projection + shared down-projection + add
 
@@ -30,7 +30,7 @@ from .nvtx import stage
 class FastImpl:
     name = "fast"
 
-    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, overlap_shared: bool = True):
+    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, overlap_shared: bool = False):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -58,9 +58,12 @@ class FastImpl:
             self.e_bias = m.e_score_correction_bias.float().contiguous()
         self._ws = None
         self._bufs: dict[str, torch.Tensor] = {}
-        # The shared experts' gate/up depends on x alone: on a second stream (forked and joined inside the
-        # captured graph) it runs beside the router and the routed experts instead of between them.
+        # The shared experts' gate/up depends on x alone, so it may run on a second stream (forked and joined
+        # inside the captured graph) beside the router and the routed experts. Off by default: in the 11595c4
+        # sweep the whole layer was 7 % slower with it at rank16 b1, 2.7 % faster at rank8 b1 and within 2 %
+        # elsewhere, i.e. no measured gain for a more complex graph (LOG.md).
         self.overlap_shared = overlap_shared
+        self.variant = "overlap-shared" if overlap_shared else "serial"
         self._side = None
 
     # ------------------------------------------------------------------------------------------ halves

@@ -245,7 +245,7 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
     t0 = time.time()
     if impl_name == "stock":
         impl = make_impl(impl_name, cfg, w, max_batch=max(batch, 1), ops=stock_ops)
-    elif impl_name in ("fast", "fast-serial"):
+    elif impl_name.startswith("fast"):
         impl = make_impl(impl_name, cfg, w, max_batch=max(batch, 1))
     else:
         impl = make_impl(impl_name, cfg, w)
@@ -305,6 +305,8 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
                "stages": summarize_stages(st_ev),
                "perfetto": os.path.join(os.path.basename(perfetto_dir), os.path.basename(trace_path)) if trace_path else None,
                "config": cfg.describe()}
+        if impl_name.startswith("fast"):
+            rec["fast_variant"] = getattr(impl, "variant", None)      # "serial" | "overlap-shared"
         if impl_name == "stock":
             rec["stock_variant"] = getattr(impl, "variant", None)     # "vllm-ops" | "torch-glue"
             if getattr(impl, "ops_fallback", None):
