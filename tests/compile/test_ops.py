@@ -1,0 +1,70 @@
+"""k3fast.ops: the fused kernels registered as torch custom ops. On CPU: registration, schemas (which arguments
+are written in place) and the fake implementations, traced with fake CUDA tensors (no GPU needed)."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import k3fast.ops as kops
+
+pytestmark = pytest.mark.compile
+BF, F32, I32 = torch.bfloat16, torch.float32, torch.int32
+
+
+def test_every_op_is_registered_with_its_mutations():
+    for name in kops.OPS:
+        assert hasattr(torch.ops.k3fast, name), name
+    written = {n: {a.name for a in getattr(torch.ops.k3fast, n).default._schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write} for n in kops.OPS}
+    assert written["attnres_rms_gemv"] == {"blocks", "partial_out"}
+    assert written["kda_conv_gate_step"] == {"conv_state", "rec_state"}
+    for n in ("oproj_attnres", "router_down_topk", "shared_expert_gate_up", "moe_mxfp4_experts", "moe_tail"):
+        assert written[n] == set(), f"{n} must not write its inputs"
+
+
+def _layer_inputs(M, n_slots=5, H=6, Pw=768, N_in=3216, Is=768, E=896, dL=3584, I=256):
+    dev = "cuda"
+    e = lambda *s, dtype=BF: torch.empty(*s, dtype=dtype, device=dev)
+    return dict(
+        blocks=e(M, 4, kops.HIDDEN), partial=e(M, kops.HIDDEN), delta=e(M, kops.HIDDEN), u=e(kops.HIDDEN, dtype=F32),
+        w_ln=e(kops.HIDDEN), w_in=e(N_in, kops.HIDDEN), p1=e(M, kops.HIDDEN), w_fb=e(Pw, 128), conv_w=e(3 * Pw, 4, dtype=F32),
+        a_log=e(H, dtype=F32), dt_bias=e(Pw, dtype=F32), o_norm=e(128), conv=e(n_slots, 3 * Pw, 3),
+        rec=e(n_slots, H, 128, 128, dtype=F32), slots=e(M, dtype=I32), w_o=e(kops.HIDDEN, Pw), w_post=e(kops.HIDDEN),
+        front=e(E + dL, kops.HIDDEN), bias=e(E, dtype=F32), gu=e(2 * Is, kops.HIDDEN),
+        w13q=e(E, I // 8, dL // 64, 32, 4, dtype=I32), w13s=e(E, I // 8, dL // 64, 8, dtype=I32),
+        w2q=e(E, dL // 16, I // 64, 32, 4, dtype=I32), w2s=e(E, dL // 16, I // 64, 8, dtype=I32),
+        r_norm=e(dL), w_up=e(kops.HIDDEN, dL), w_sd=e(kops.HIDDEN, Is))
+
+
+def _layer(t, M):
+    """The fused decode step of a KDA+MoE layer written with the ops (FastImpl's chain)."""
+    ops = torch.ops.k3fast
+    proj = ops.attnres_rms_gemv(t["blocks"], 2, t["partial"], t["delta"], t["u"], t["w_ln"], t["w_in"], 1e-5, -1, t["p1"])
+    y = ops.kda_conv_gate_step(proj, t["w_fb"], t["conv_w"], t["a_log"], t["dt_bias"], t["o_norm"], t["conv"], t["rec"],
+                               t["slots"], 6, 1, -5.0, 1e-5)
+    x, p = ops.oproj_attnres(y, t["w_o"], t["blocks"], 2, t["p1"], t["u"], t["w_post"], 1e-5, False)
+    z, ids, w = ops.router_down_topk(x, t["front"], t["bias"], 896, 16, 2.5)
+    h = ops.shared_expert_gate_up(x, t["gu"])
+    r = ops.moe_mxfp4_experts(z, ids, w, t["w13q"], t["w13s"], t["w2q"], t["w2s"], 4.0, 25.0)
+    return ops.moe_tail(r, t["r_norm"], t["w_up"], h, t["w_sd"], 1e-5), p, proj, y, z, ids, w, h, r
+
+
+@pytest.mark.parametrize("M", [1, 8, 64])
+def test_fake_shapes_compose_into_a_layer(M):
+    with FakeTensorMode():
+        t = _layer_inputs(M)
+        out, p, proj, y, z, ids, w, h, r = _layer(t, M)
+    assert out.shape == (M, kops.HIDDEN) and out.dtype == BF and out.device.type == "cuda"
+    assert p.shape == (M, kops.HIDDEN) and proj.shape == (M, 3216) and y.shape == (M, 768)
+    assert z.shape == (M, 3584) and z.dtype == BF and ids.shape == (M, 16) and ids.dtype == I32 and w.dtype == F32
+    assert h.shape == (M, 768) and r.shape == (M, 3584)
+
+
+def test_ops_appear_as_single_nodes_in_a_traced_graph():
+    with FakeTensorMode():
+        t = _layer_inputs(2)
+        keys = list(t)
+        gm = make_fx(lambda *a: _layer(dict(zip(keys, a)), 2)[0], tracing_mode="fake")(*t.values())
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    for name in kops.OPS:
+        assert sum(f"k3fast.{name}" in s for s in targets) == 1, (name, targets)
