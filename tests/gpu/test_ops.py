@@ -5,13 +5,13 @@ import torch
 
 from k3ref import k3_rank
 from k3ref.weights import random_layer
+import k3fast.ops  # noqa: F401  (registers torch.ops.k3fast.*)
 from k3fast.impls import make_impl, make_io
 
 pytestmark = pytest.mark.gpu
 
 
 def _op_layer(fast, io):
-    import k3fast.ops  # noqa: F401  (registers the ops)
     ops = torch.ops.k3fast
     cfg, w, l = fast.cfg, fast.w, io.layer
     boundary = cfg.is_block_boundary(l)
