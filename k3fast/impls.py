@@ -85,7 +85,8 @@ def make_io(cfg: K3Config, layer: int, batch: int, *, context: int = 0, device="
         state.conv.copy_(rnd(*state.conv.shape))
         state.recurrent.normal_(0, 0.05, generator=g)
     else:
-        state = MLACache.allocate(cfg, n_slots, context + 16, device=device)
+        # room for 16 more tokens, rounded to whole 64-token pages (the page size of the stock FlashMLA path)
+        state = MLACache.allocate(cfg, n_slots, -(-(context + 16) // 64) * 64, device=device)
         state.kv[:, :context] = rnd(n_slots, context, cfg.kv_cache_dim)
         state.lengths.fill_(context)
     io = LayerIO(cfg, layer, blocks, partial, delta, state,
@@ -257,6 +258,15 @@ class StockImpl:
             self.kda_w["conv_qkv"] = pack_conv_weight(self.kda_w)
         else:
             self.mla_a = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj]).contiguous()
+            # the MLA core over the cache: vLLM's FlashMLA on Hopper (vllm-ops variant), else k3ref's mla_core
+            self.mla_core, self.mla_core_variant = None, "k3ref mla_core (torch)"
+            if ops == "vllm":
+                from .stock_mla import FlashMLADecodeCore, flashmla_available
+                ok, why = flashmla_available()
+                if ok:
+                    self.mla_core, self.mla_core_variant = FlashMLADecodeCore(cfg, a), "vllm flashmla (dense bf16)"
+                else:
+                    self.mla_core_variant += f"; flashmla unavailable: {why}"
         m = w.mlp
         if isinstance(m, MoEWeights):
             from .stock_moe import MarlinMXFP4Experts
@@ -372,7 +382,10 @@ class StockImpl:
             with stage("k3.mla.q_b"):
                 q = F.linear(cq, ma.q_b_proj).view(-1, cfg.mla_heads, cfg.qk_head_dim)
             with stage("k3.mla.core"):
-                o = mla_core(q, rows, ma, io.state.kv, io.state.lengths, io.slots, 1, cfg, self.P)
+                if self.mla_core is not None:
+                    o = self.mla_core(q, rows, io.state.kv, io.state.lengths, io.slots)
+                else:
+                    o = mla_core(q, rows, ma, io.state.kv, io.state.lengths, io.slots, 1, cfg, self.P)
             with stage("k3.o_proj"):
                 a = F.linear(V.gate_sigmoid_mul(o, g), ma.o_proj)
         with stage("k3.attn_res_mlp"):

@@ -309,6 +309,8 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
             rec["fast_variant"] = getattr(impl, "variant", None)      # "serial" | "overlap-shared"
         if impl_name == "stock":
             rec["stock_variant"] = getattr(impl, "variant", None)     # "vllm-ops" | "torch-glue"
+            if getattr(impl, "mla_core_variant", None):
+                rec["stock_mla_core"] = impl.mla_core_variant
             if getattr(impl, "ops_fallback", None):
                 rec["stock_ops_fallback"] = impl.ops_fallback
         records.append(rec)
