@@ -14,7 +14,9 @@ causes give different signatures, and one run of this module separates them:
              40-64 bytes, ptxas 4.8.1);
 * ``W16D4 W16D8`` 16 warps per CTA (512 threads, so ptxas caps registers at 128; 12-60 bytes of spills): twice
              the warps per SM to hide the decode/MMA dependency chain;
-* ``v2``     the previous version on the same inputs.
+* ``v2``     the previous version on the same inputs;
+* ``v4``     v3 with each ring slot consumed before its refill is issued (no register copies at the loop's back
+             edge, which otherwise wait for the newest loads once per D steps), alone and combined with the others.
 
 Every variant runs on the same inputs (uniform routing) in one process; times are median CUDA-graph replays with
 the L2 flushed (k3fast.trace.time_replays); Marlin (the stock path) is timed beside them. Writes
@@ -34,7 +36,7 @@ import torch
 from k3ref import preset
 from k3ref.weights import random_layer
 
-VARIANTS = ("v3", "probe", "C2", "C4", "C8", "D4", "D12", "W16D4", "W16D8", "v2")
+VARIANTS = ("v3", "v4", "probe", "v4probe", "C2", "C4", "C8", "D4", "D12", "W16D4", "W16D8", "v4C2", "v4W16D4", "v2")
 
 
 def variant_cfg(name: str, base):
@@ -45,9 +47,13 @@ def variant_cfg(name: str, base):
         return dataclasses.replace(base, version=2)
     if name == "probe":
         return dataclasses.replace(base, probe="stream")
-    parts = re.fullmatch(r"((?:[CDW]\d+)+)", name)
-    if parts:                                   # e.g. C2, D4, W16D4: cluster size, ring depth, warps per CTA
-        kw = {k: int(v) for k, v in re.findall(r"([CDW])(\d+)", name)}
+    if name.endswith("probe") and name != "probe":
+        return dataclasses.replace(variant_cfg(name[:-len("probe")], base), probe="stream")
+    parts = re.fullmatch(r"((?:[CDWv]\d+)+)", name)
+    if parts:                # e.g. C2, D4, W16D4, v4, v4W16D4: cluster size, ring depth, warps per CTA, version
+        kw = {k: int(v) for k, v in re.findall(r"([CDWv])(\d+)", name)}
+        if "v" in kw:
+            kw["version"] = kw.pop("v")
         return dataclasses.replace(base, **kw)
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS} or letters C/D/W with numbers")
 

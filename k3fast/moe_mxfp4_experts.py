@@ -62,6 +62,19 @@ Version log
       all co-resident (GPCs hold floor(SMs / 4) clusters: 32 on 8 GPCs would leave one cluster for a second
       wave), per-pass fixed costs (ring fill twice per expert, two cluster barriers, DSMEM exchange, the gpu-scope
       fence before the combine), or the loop being latency-bound at 8 warps per SM (D and the stream probe tell).
+  v4  (not yet run on a GPU; opt-in, version=4) The register ring was not what it looked like. In each step v3 read a
+      slot's words, issued the slot's refill and only then decoded the old words. So the old and the new values were
+      live together, and the loop-carried slot needed a copy: the v3 PTX FC1 loop has 135 mov.b32 per 8 steps, among
+      them a copy of each of the 40 ring registers (8 slots x 4 words + scale) at the loop head. A mov of a register whose load is still in flight waits for that load, so once per D
+      steps every warp stalls for the newest load: a full loaded-HBM round trip, whatever D is. That stall matches
+      a per-CTA rate that does not move with batch or shape. v4 consumes the slot first (decode and scale factors),
+      then issues the weight refill before the MMAs, and refills the scale word after its last use. The PTX loops
+      now carry no ring copies: the loads write the registers the next pass reads. Same MMAs in the same order, so the
+      output must be bit-identical to v3 (tests/gpu: test_v4_matches_v3_and_reference). ptxas: rank16 M1/M8 128
+      registers (44 B of spills outside the loops), M64 146; full M1 154, M64 150; rank8 M64 150.
+      Prediction: if this is the main cost, per-CTA streaming goes from 6-7 GB/s to 15-25 GB/s, i.e. rank16 b64
+      922 -> ~300-450 us and b8 220 -> ~80-120 us (Marlin 408 / 103). If it barely moves, the stream probe and the
+      W16 variants of k3fast.bench_experts are the next evidence.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -296,7 +309,7 @@ class KernelCfg:
     nsm: int = 132
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
-    version: int = 3  # 2: z read from global per step (kept for A/B benchmarks); 3: z staged in smem per pass
+    version: int = 3  # 2: z read from global per step; 3: z staged in smem per pass; 4: v3 + copy-free ring
     probe: str = ""   # diagnostics only: "stream" = weights loaded and XOR-folded, no decode / MMA (wrong output)
 
     def __post_init__(self):
@@ -308,8 +321,8 @@ class KernelCfg:
             raise ValueError("E too large for the in-CTA routing sort")
         if self.NKB1 % self.S:
             raise ValueError("K split does not divide the FC1 K steps")
-        if self.version not in (2, 3):
-            raise ValueError(f"version must be 2 or 3, got {self.version}")
+        if self.version not in (2, 3, 4):
+            raise ValueError(f"version must be 2, 3 or 4, got {self.version}")
         if self.probe not in ("", "stream"):
             raise ValueError(f"probe must be '' or 'stream', got {self.probe!r}")
 
@@ -442,13 +455,33 @@ def _build_kernel_class():
         x = wv[0] ^ wv[1] ^ wv[2] ^ wv[3] ^ sv
         acc[0] = acc[0] + (x & 1).to(Float32)
 
+    def load_w(c, wld, eW, row_, lane, ring_slot):
+        """One 16-byte weight load per lane into a ring slot (L1::no_allocate from v3 on)."""
+        if const_expr(c.version >= 3):
+            cute.copy(wld, eW[row_ * 32 + lane, None], ring_slot)
+        else:
+            cute.autovec_copy(eW[row_ * 32 + lane, None], ring_slot)
+
+    def consume_slot(c, lut, wv, sv, acc, early, a=None, sf=None):
+        """Decode a ring slot's words and scales: before its refill is issued in v4 (early=True), after it in v2/v3
+        (early=False). v4's order leaves the slot's old values dead when the refill lands, so the ring needs no
+        register copies at the loop's back edge (module docstring, v4)."""
+        if const_expr(early != (c.version >= 4)):
+            return a, sf
+        if const_expr(c.probe == "stream"):
+            stream_probe(wv, sv, acc)
+            return [], []
+        return [decode8(wv[j], lut) for j in range(4)], [scale_f32(sv, j) for j in range(4)]
+
     def mma_block(a, bv, sv, bb, acc, gi):
         """The two k16 MMAs of MXFP4 block bb (fresh fp32 partial), then acc += partial * 2^(scale - 127)."""
+        mma_block_scaled(a, bv, scale_f32(sv, 2 * bb), scale_f32(sv, 2 * bb + 1), bb, acc, gi)
+
+    def mma_block_scaled(a, bv, fg, fg8, bb, acc, gi):
+        """mma_block with the block's two scale factors (rows g and g+8) already decoded."""
         zero = [Float32(0.0)] * 4
         tmp = mma(a[2 * bb], bv[0], bv[1], zero)
         tmp = mma(a[2 * bb + 1], bv[2], bv[3], tmp)
-        fg = scale_f32(sv, 2 * bb)
-        fg8 = scale_f32(sv, 2 * bb + 1)
         acc[gi * 4 + 0] = acc[gi * 4 + 0] + tmp[0] * fg
         acc[gi * 4 + 1] = acc[gi * 4 + 1] + tmp[1] * fg
         acc[gi * 4 + 2] = acc[gi * 4 + 2] + tmp[2] * fg8
@@ -473,7 +506,7 @@ def _build_kernel_class():
             self.n_stage = c.NT * (c.I // c.C) // 2          # int32 words
             # v3: the pass's z rows are staged in the h region (z is only read in FC1, h only written after
             # cluster barrier A, i.e. after every CTA of the cluster finished FC1)
-            self.n_hz = max(c.NT * c.HW, c.NT * c.ZW) if c.version == 3 else c.NT * c.HW
+            self.n_hz = max(c.NT * c.HW, c.NT * c.ZW) if c.version >= 3 else c.NT * c.HW
             sizes = [
                 ("cnt", 4 * c.E), ("act_e", 4 * c.PMAX), ("act_off", 4 * (c.PMAX + 4)), ("slot", 4 * c.PMAX),
                 ("sorted", 4 * c.PMAX), ("tmp", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * self.n_hz),
@@ -639,7 +672,7 @@ def _build_kernel_class():
                     # this lane's B-operand rows (pair column g of each group) and y columns (2t, 2t+1)
                     for gi in cutlass.range_constexpr(GMAX):
                         nn = cutlass.min(gi * 8 + g, npass - 1)
-                        if const_expr(c.version == 3):
+                        if const_expr(c.version >= 3):
                             zrow[gi] = nn                               # row of the staged z
                         else:
                             zrow[gi] = sorted_s[off + pb + nn] // TOPK  # token row of z in global memory
@@ -652,7 +685,7 @@ def _build_kernel_class():
                     # ======================= FC1: CTA-local tiles [0, T1) of w13 (global rank*T1 + tile), K = dL.
                     # Warp w streams units uu = w + W*i (tile = uu // S, K part ks = uu % S), KS1 steps each; the
                     # 16-byte loads of step s + D are issued before step s is decoded (register ring).
-                    if const_expr(c.version == 3):
+                    if const_expr(c.version >= 3):
                         # v3: the pass's z rows -> smem (cp.async, overlapped with the weight ring's first loads).
                         # Safe to overwrite: this CTA's FC2 of the previous pass is behind the combine barriers,
                         # and the other CTAs write h here only after cluster barrier A of this pass.
@@ -669,12 +702,9 @@ def _build_kernel_class():
                             uu_ = warp + W * i_
                             kb_ = (uu_ % c.S) * c.KS1 + (d - i_ * c.KS1)
                             row_ = (t1_base + uu_ // c.S) * c.NKB1 + kb_
-                            if const_expr(c.version == 3):
-                                cute.copy(wld, eW13q[row_ * 32 + lane, None], ringW[d, None])
-                            else:
-                                cute.autovec_copy(eW13q[row_ * 32 + lane, None], ringW[d, None])
+                            load_w(c, wld, eW13q, row_, lane, ringW[d, None])
                             ringS[d] = eW13s[row_ * 8 + g]
-                    if const_expr(c.version == 3):
+                    if const_expr(c.version >= 3):
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.barrier()
                     for s0 in cutlass.range(0, NS1_pad, D):
@@ -683,17 +713,6 @@ def _build_kernel_class():
                             if s < NS1:
                                 wv = [ringW[d, j] for j in range(4)]
                                 sv = ringS[d]
-                                if s + D < NS1:
-                                    s_ = s + D
-                                    i_ = s_ // c.KS1
-                                    uu_ = warp + W * i_
-                                    kb_ = (uu_ % c.S) * c.KS1 + (s_ - i_ * c.KS1)
-                                    row_ = (t1_base + uu_ // c.S) * c.NKB1 + kb_
-                                    if const_expr(c.version == 3):
-                                        cute.copy(wld, eW13q[row_ * 32 + lane, None], ringW[d, None])
-                                    else:
-                                        cute.autovec_copy(eW13q[row_ * 32 + lane, None], ringW[d, None])
-                                    ringS[d] = eW13s[row_ * 8 + g]
                                 i = s // c.KS1
                                 kk = s - i * c.KS1
                                 uu = warp + W * i
@@ -701,18 +720,34 @@ def _build_kernel_class():
                                 kb = (uu - tile * c.S) * c.KS1 + kk
                                 if kk == 0:
                                     acc.fill(0.0)
-                                if const_expr(c.probe == "stream"):
-                                    stream_probe(wv, sv, acc)
-                                else:
-                                    a = [decode8(wv[j], lut) for j in range(4)]
+                                a, sf = consume_slot(c, lut, wv, sv, acc, True)
+                                if s + D < NS1:
+                                    s_ = s + D
+                                    i_ = s_ // c.KS1
+                                    uu_ = warp + W * i_
+                                    kb_ = (uu_ % c.S) * c.KS1 + (s_ - i_ * c.KS1)
+                                    row_ = (t1_base + uu_ // c.S) * c.NKB1 + kb_
+                                    load_w(c, wld, eW13q, row_, lane, ringW[d, None])
+                                    if const_expr(c.version < 4):
+                                        ringS[d] = eW13s[row_ * 8 + g]
+                                a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
+                                if const_expr(c.probe != "stream"):
                                     for gi in cutlass.range_constexpr(GMAX):
                                         if gi * 8 < npass:
                                             for bb in cutlass.range_constexpr(2):
-                                                if const_expr(c.version == 3):
+                                                if const_expr(c.version >= 3):
                                                     cute.autovec_copy(gZs[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
                                                 else:
                                                     cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
-                                                mma_block(a, bv, sv, bb, acc, gi)
+                                                mma_block_scaled(a, bv, sf[2 * bb], sf[2 * bb + 1], bb, acc, gi)
+                                if const_expr(c.version >= 4):
+                                    # v4: the scale word is refilled after its last use (the MMAs' scale factors)
+                                    if s + D < NS1:
+                                        s_ = s + D
+                                        i_ = s_ // c.KS1
+                                        uu_ = warp + W * i_
+                                        kb_ = (uu_ % c.S) * c.KS1 + (s_ - i_ * c.KS1)
+                                        ringS[d] = eW13s[((t1_base + uu_ // c.S) * c.NKB1 + kb_) * 8 + g]
                                 if kk == c.KS1 - 1:
                                     if const_expr(c.S > 1):
                                         for x in cutlass.range_constexpr(GMAX * 4):
@@ -768,10 +803,7 @@ def _build_kernel_class():
                             i_ = d // c.NKB2
                             tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
                             row_ = (t2_base + tl_) * c.NKB2 + (d - i_ * c.NKB2)
-                            if const_expr(c.version == 3):
-                                cute.copy(wld, eW2q[row_ * 32 + lane, None], ringW[d, None])
-                            else:
-                                cute.autovec_copy(eW2q[row_ * 32 + lane, None], ringW[d, None])
+                            load_w(c, wld, eW2q, row_, lane, ringW[d, None])
                             ringS[d] = eW2s[row_ * 8 + g]
                     for s0 in cutlass.range(0, NS2_pad, D):
                         for d in cutlass.range_constexpr(D):
@@ -779,31 +811,34 @@ def _build_kernel_class():
                             if s < NS2:
                                 wv = [ringW[d, j] for j in range(4)]
                                 sv = ringS[d]
+                                i = s // c.NKB2
+                                kb = s - i * c.NKB2
+                                tile = warp + W * i
+                                if kb == 0:
+                                    acc.fill(0.0)
+                                a, sf = consume_slot(c, lut, wv, sv, acc, True)
                                 if s + D < NS2:
                                     s_ = s + D
                                     i_ = s_ // c.NKB2
                                     tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
                                     row_ = (t2_base + tl_) * c.NKB2 + (s_ - i_ * c.NKB2)
-                                    if const_expr(c.version == 3):
-                                        cute.copy(wld, eW2q[row_ * 32 + lane, None], ringW[d, None])
-                                    else:
-                                        cute.autovec_copy(eW2q[row_ * 32 + lane, None], ringW[d, None])
-                                    ringS[d] = eW2s[row_ * 8 + g]
-                                i = s // c.NKB2
-                                kb = s - i * c.NKB2
-                                tile = warp + W * i
+                                    load_w(c, wld, eW2q, row_, lane, ringW[d, None])
+                                    if const_expr(c.version < 4):
+                                        ringS[d] = eW2s[row_ * 8 + g]
+                                a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
                                 if tile < c.T2:
-                                    if kb == 0:
-                                        acc.fill(0.0)
-                                    if const_expr(c.probe == "stream"):
-                                        stream_probe(wv, sv, acc)
-                                    else:
-                                        a = [decode8(wv[j], lut) for j in range(4)]
+                                    if const_expr(c.probe != "stream"):
                                         for gi in cutlass.range_constexpr(GMAX):
                                             if gi * 8 < npass:
                                                 for bb in cutlass.range_constexpr(2):
                                                     cute.autovec_copy(gH[0, None, gi * 8 + g, kb * 8 + bb * 4 + t], bv)
-                                                    mma_block(a, bv, sv, bb, acc, gi)
+                                                    mma_block_scaled(a, bv, sf[2 * bb], sf[2 * bb + 1], bb, acc, gi)
+                                if const_expr(c.version >= 4):
+                                    if s + D < NS2:
+                                        s_ = s + D
+                                        i_ = s_ // c.NKB2
+                                        tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
+                                        ringS[d] = eW2s[((t2_base + tl_) * c.NKB2 + (s_ - i_ * c.NKB2)) * 8 + g]
                                     if kb == c.NKB2 - 1:
                                         r0 = (rank * c.T2 + tile) * 16 + g
                                         for gi in cutlass.range_constexpr(GMAX):
