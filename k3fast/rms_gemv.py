@@ -22,7 +22,9 @@ Version log
       per SM (2.8 TB/s), what our plain GEMVs reach (moe_tail b1 2.7 TB/s), and the rank16 in_proj (201 row groups
       over 132 CTAs: two rounds of 7 load batches each) pays ~14 latency rounds. Prediction: in_proj fused b1 rank16
       34.5 -> ~24 us, full 204 -> ~180-185 us (cuBLAS 178); the attention half at rank16 b1 50.5 -> ~40 us.
-      Registers at M = 1: 48-88, 0 spills (ptxas 4.8.1, remarks{ptx}).
+      Registers at M = 1: 48-88, 0 spills (ptxas 4.8.1, remarks{ptx}). Also in v2: the tensor-core path unrolls its
+      k32 loop 4 (was 2) for MB <= 16 (40-66 registers, 0 spills), i.e. twice the fragments in flight; predicted
+      to bring oproj / shared gate-up / tail at b8 within ~1.2x of cuBLAS (they are 1.1-1.6x slower at b8 now).
       Expected then: plain gemv M=1 ~1.05-1.15x floor on in_proj; fused M=1 ~1.1-1.25x
       (prologue partly hidden behind the L2 prefetch); mma M=8..16 ~1.1-1.3x, M=64 likely >1.3x (x re-read
       from L2 per row tile: 2x the weight bytes at RTW=2).
@@ -379,6 +381,9 @@ def _build_kernels():
             self.MB, self.rtw, self.rt, self.ks = MB, rtw, rt, ks
             self.nt = MB // 8
             self.nwarps = rt * ks
+            # v2: k32 steps whose loads are issued together (the unrolled body is one basic block): 2 in v1;
+            # 4 where the fragments are few (MB <= 16), 2 above (M = 32/64 already use 90-186 registers)
+            self.unroll = 4 if MB <= 16 else 2
 
         @cute.jit
         def __call__(self, mX, mW, mY, stream):
@@ -440,7 +445,7 @@ def _build_kernels():
             fa = cute.make_rmem_tensor(cute.make_layout((8, 1, 1), stride=(1, 0, 0)), BFloat16)
             fb = cute.make_rmem_tensor(cute.make_layout((4, 1, 1), stride=(1, 0, 0)), BFloat16)
 
-            for kk in cutlass.range(k0, k1, 1, unroll=2):
+            for kk in cutlass.range(k0, k1, 1, unroll=self.unroll):
                 kv = kk * 4 + c
                 for t in cutlass.range_constexpr(self.rtw):
                     cute.copy(w_atom, gW[0, None, rowb[t] + g, kv], rA[None, 2 * t])
