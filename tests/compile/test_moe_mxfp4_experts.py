@@ -189,3 +189,19 @@ def test_routing_order_is_cta_independent():
             g = torch.Generator().manual_seed(seed)
             order = lambda it: torch.randperm(8, generator=g).tolist()
             assert _kernel_sort_model(ids, 64, order) == want
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("M", [1, 64])
+def test_v4_ring_carries_no_copies_of_inflight_loads(M):
+    """v3's weight ring made the compiler copy every ring register at the loop head (each copy waits for its
+    load); v4 consumes a slot before refilling it. Checked on the PTX of the main loops (>= 8 global loads)."""
+    import dataclasses
+    from k3fast.ptxcheck import loop_copies_of_loads
+    base = mx.compile_key(56, 3584, 256, M)
+    stats = {}
+    for v in (3, 4):
+        fn = mx._compile(dataclasses.replace(base, version=v), options="--enable-tvm-ffi --keep-ptx")
+        stats[v] = [s for s in loop_copies_of_loads(fn.artifacts.PTX) if s.global_loads >= 8]
+    assert stats[4] and all(s.copies_of_loads == 0 for s in stats[4]), stats[4]
+    assert any(s.copies_of_loads >= 40 for s in stats[3]), "the checker no longer sees v3's copies"
