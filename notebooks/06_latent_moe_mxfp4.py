@@ -81,6 +81,31 @@ for mod in ("test_moe_mxfp4_experts", "test_moe_tail"):
     print(f"{mod}: {rec['passed']} passed, {rec['failed']} failed ({rec['source']})")
 print(nbtools.bench_table(nbtools.recorded_kernel_bench("moe_mxfp4_experts")))
 
+# %% [markdown]
+# ## 6. Reading the PTX: why v3 streamed only 6-7 GB/s per SM
+# The routed-experts kernel keeps a *ring* of D = 8 weight loads in flight per lane: at step s it issues the
+# load for step s + 8. On the H200, v3 read each CTA's weights at 6-7 GB/s, whatever the batch or shape. An SM
+# needs ~30 GB/s to saturate HBM. Version 3 read a slot, issued its refill, and only then decoded the old words.
+# The old and new values were then alive together, so the compiler copied every ring register at the loop head.
+# A copy of a register with a load in flight waits for that load: once every D steps, a full HBM round trip.
+# Version 4 decodes the slot first, then refills it. `k3fast.ptxcheck` counts such copies in the compiled PTX, so
+# the bug is visible on a CPU. Whether v4 is faster is the next H200 run's question: see `k3fast/LOG.md`.
+
+# %%
+import dataclasses
+from k3fast._dsl import dsl_available
+from k3fast.ptxcheck import loop_copies_of_loads
+if dsl_available():
+    key = mx.compile_key(56, 3584, 256, 1)
+    for v in (3, 4):
+        fn = mx._compile(dataclasses.replace(key, version=v), options="--enable-tvm-ffi --keep-ptx")
+        for st in loop_copies_of_loads(fn.artifacts.PTX):
+            if st.global_loads >= 8:
+                print(f"v{v} loop {st.label}: {st.instructions} PTX instructions, {st.global_loads} global loads, "
+                      f"{st.copies_of_loads} copies of in-flight loads")
+else:
+    print("CuTe DSL not installed: PTX check skipped")
+
 # %%
 assert vec_vs_loop < 1e-10
 assert torch.equal(W1.bfloat16().double(), W1)
