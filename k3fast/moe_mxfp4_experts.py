@@ -70,8 +70,10 @@ Version log
       a per-CTA rate that does not move with batch or shape. v4 consumes the slot first (decode and scale factors),
       then issues the weight refill before the MMAs, and refills the scale word after its last use. The PTX loops
       now carry no ring copies: the loads write the registers the next pass reads. Same MMAs in the same order, so the
-      output must be bit-identical to v3 (tests/gpu: test_v4_matches_v3_and_reference). ptxas: rank16 M1/M8 128
-      registers (44 B of spills outside the loops), M64 146; full M1 154, M64 150; rank8 M64 150.
+      output must be bit-identical to v3 (tests/gpu: test_v4_matches_v3_and_reference). ptxas: rank16 M1/M8 140,
+      M64 143; rank8 M64 150; full M1 128 (16 B of spills, outside the loops), M64 150 registers.  (A first draft
+      of this change left FC2's y store inside the v4-only branch; caught by re-reading the code before any GPU run,
+      v2/v3/v4 paths re-checked.)
       Prediction: if this is the main cost, per-CTA streaming goes from 6-7 GB/s to 15-25 GB/s, i.e. rank16 b64
       922 -> ~300-450 us and b8 220 -> ~80-120 us (Marlin 408 / 103). If it barely moves, the stream probe and the
       W16 variants of k3fast.bench_experts are the next evidence.
@@ -833,12 +835,6 @@ def _build_kernel_class():
                                                 for bb in cutlass.range_constexpr(2):
                                                     cute.autovec_copy(gH[0, None, gi * 8 + g, kb * 8 + bb * 4 + t], bv)
                                                     mma_block_scaled(a, bv, sf[2 * bb], sf[2 * bb + 1], bb, acc, gi)
-                                if const_expr(c.version >= 4):
-                                    if s + D < NS2:
-                                        s_ = s + D
-                                        i_ = s_ // c.NKB2
-                                        tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
-                                        ringS[d] = eW2s[((t2_base + tl_) * c.NKB2 + (s_ - i_ * c.NKB2)) * 8 + g]
                                     if kb == c.NKB2 - 1:
                                         r0 = (rank * c.T2 + tile) * 16 + g
                                         for gi in cutlass.range_constexpr(GMAX):
@@ -847,6 +843,13 @@ def _build_kernel_class():
                                                 if pr >= 0:
                                                     mY[pr, r0] = acc[gi * 4 + q].to(BFloat16)
                                                     mY[pr, r0 + 8] = acc[gi * 4 + 2 + q].to(BFloat16)
+                                if const_expr(c.version >= 4):
+                                    # v4: the scale word is refilled after its last use (the MMAs' scale factors)
+                                    if s + D < NS2:
+                                        s_ = s + D
+                                        i_ = s_ // c.NKB2
+                                        tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
+                                        ringS[d] = eW2s[((t2_base + tl_) * c.NKB2 + (s_ - i_ * c.NKB2)) * 8 + g]
 
                     # ======================= combine: the 16th arrival of (token, row chunk) sums the slots in order
                     cute.arch.fence_acq_rel_gpu()
