@@ -29,8 +29,13 @@ def load_records(pattern: str | None = None) -> list[dict]:
         found += [{**r, "source": os.path.relpath(path, ROOT)} for r in doc["records"]]
     cells: dict[tuple, dict] = {}
     for r in sorted(found, key=lambda r: r.get("date") or ""):      # ISO dates sort chronologically
-        cells[(r["layer_kind"], r["shape"], r["batch"], r.get("context"), r["impl"], r["part"])] = r
+        cells[(_kind_label(r), r["shape"], r["batch"], r.get("context"), r["impl"], r["part"])] = r
     return list(cells.values())
+
+
+def _kind_label(r: dict) -> str:
+    """The layer kind, marked when the MoE routing was forced onto a hot set (k3fast.trace --routing skewed)."""
+    return r["layer_kind"] + (" skewed" if str(r.get("routing", "")).startswith("skewed") else "")
 
 
 def validate(records: list[dict]) -> list[str]:
@@ -61,7 +66,7 @@ def table(records: list[dict], part: str = "layer", kinds: tuple[str, ...] | Non
     rows = defaultdict(dict)
     for r in records:
         if r["part"] == part and (kinds is None or r["layer_kind"] in kinds):
-            rows[(r["layer_kind"], r["shape"], r["batch"], r.get("context"))][r["impl"]] = r
+            rows[(_kind_label(r), r["shape"], r["batch"], r.get("context"))][r["impl"]] = r
     impls = [i for i in IMPL_ORDER if any(i in v for v in rows.values())]
     head = ("| layer | shape | batch | ctx | floor µs | " + " | ".join(f"{i} µs (kernels)" for i in impls)
             + " | stock / fast (one run) | runs |")
@@ -110,8 +115,8 @@ def plot(records: list[dict], out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     paths = []
-    for kind in sorted({r["layer_kind"] for r in records}):
-        rs = [r for r in records if r["layer_kind"] == kind and r["part"] == "layer"]
+    for kind in sorted({_kind_label(r) for r in records}):
+        rs = [r for r in records if _kind_label(r) == kind and r["part"] == "layer"]
         shapes = [s for s in ("k3_rank16", "k3_rank8", "full") if any(r["shape"] == s for r in rs)]
         fig, axes = plt.subplots(2, len(shapes), figsize=(5 * len(shapes), 7), squeeze=False)
         for j, shape in enumerate(shapes):
@@ -133,7 +138,7 @@ def plot(records: list[dict], out_dir: str) -> list[str]:
             axes[0, j].legend(fontsize=7)
         fig.tight_layout()
         os.makedirs(out_dir, exist_ok=True)
-        p = os.path.join(out_dir, f"{kind}.png")
+        p = os.path.join(out_dir, f"{kind.replace(' ', '_')}.png")
         fig.savefig(p, dpi=110)
         plt.close(fig)
         paths.append(p)

@@ -210,12 +210,27 @@ def summarize_stages(events: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------------------------ sweep
 
+ROUTINGS = {"random": "router on random inputs",
+            "skewed": "skewed: correction bias +8 on a hot set of 24 experts (every token picks 16 of them)"}
+
+
+def skew_routing(w, n_hot: int = 24, seed: int = 3) -> None:
+    """Make the router pick from a hot set: a selection-only bias of +8 (sigmoid scores lie in (0, 1)) on n_hot
+    experts, so every token's top-16 lies in that set while the combine weights still come from the scores."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hot = torch.randperm(w.mlp.e_score_correction_bias.shape[0], generator=g)[:n_hot]
+    w.mlp.e_score_correction_bias[hot.to(w.mlp.e_score_correction_bias.device)] += 8.0
+
+
 def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: int, replays: int, env: dict,
-             copy_tbps: float, perfetto_dir: str | None, log=print, stock_ops: str = "vllm") -> list[dict]:
+             copy_tbps: float, perfetto_dir: str | None, log=print, stock_ops: str = "vllm",
+             routing: str = "random") -> list[dict]:
     """All implementations and parts of one (kind, shape, batch, context) cell; returns records."""
     cfg = preset(shape)
     layer = KIND_LAYER[kind]
     w = random_layer(cfg, layer, seed=1, device="cuda")
+    if routing == "skewed" and kind.endswith("moe"):
+        skew_routing(w)
     records = []
     ref_out = {}
     if "ref" not in impls:
@@ -229,7 +244,7 @@ def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: in
     for impl_name in impls:
         try:
             records += _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps,
-                                 perfetto_dir, ref_out, log, stock_ops=stock_ops)
+                                 perfetto_dir, ref_out, log, stock_ops=stock_ops, routing=routing)
         except Exception as ex:                     # one broken implementation must not stop the sweep
             import traceback
             log(f"  {impl_name}: FAILED {type(ex).__name__}: {str(ex)[:300]}\n" + traceback.format_exc()[-1500:])
@@ -239,7 +254,7 @@ def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: in
 
 
 def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps, perfetto_dir, ref_out, log,
-              stock_ops="vllm"):
+              stock_ops="vllm", routing="random"):
     from .impls import make_impl, make_io
     records = []
     t0 = time.time()
@@ -285,7 +300,8 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
         io.reset()
         trace_path = None
         if perfetto_dir and batch == 1 and part == "layer":
-            trace_path = os.path.join(perfetto_dir, f"{kind}_{shape}_b{batch}_{impl_name}.json.gz")
+            sk = "_skewed" if routing == "skewed" else ""
+            trace_path = os.path.join(perfetto_dir, f"{kind}_{shape}_b{batch}{sk}_{impl_name}.json.gz")
         st_ev = _profile(fn, trace_path)
         io.reset()
         nbytes = part_bytes(stages_bytes, part)
@@ -297,7 +313,7 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
                "replay_us_median": round(_pct(times, 0.5), 3), "replay_us_p10": round(_pct(times, 0.1), 3),
                "replay_us_p90": round(_pct(times, 0.9), 3), "replays": len(times),
                "bytes": int(nbytes), "floor_us": round(floor_us(nbytes, copy_tbps), 3), "copy_tbps": round(copy_tbps, 4),
-               "distinct_experts": distinct, "routing": "router on random inputs",
+               "distinct_experts": distinct, "routing": ROUTINGS[routing],
                "rel_err_vs_ref": err.get("attn" if part == "attn" else "layer"),
                "rel_err_moe_same_input": err.get("moe_same_input") if part != "attn" else None,
                "collectives": "not timed" if cfg.tp > 1 else "none (TP1)",
@@ -335,6 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="traces/h200")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
+    ap.add_argument("--routing", choices=sorted(ROUTINGS), default="random",
+                    help="MoE routing: the router on random inputs, or skewed onto a hot set of 24 experts")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("k3fast.trace needs a CUDA GPU; on this machine render the recorded traces with "
@@ -361,7 +379,8 @@ def main(argv=None) -> int:
             continue
         print(f"{kind} {shape} batch {batch} context {ctx}", flush=True)
         records += run_cell(kind, shape, batch, args.impls, context=ctx, replays=args.replays, env=env, copy_tbps=bw,
-                            perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True), stock_ops=args.stock_ops)
+                            perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True), stock_ops=args.stock_ops,
+                            routing=args.routing)
         path = os.path.join(args.out, f"records-{tag}.json")
         with open(path, "w") as f:
             json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": records}, f, indent=1)

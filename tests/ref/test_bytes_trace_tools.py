@@ -103,3 +103,29 @@ def test_report_latest_record_wins_and_ratio_only_within_one_run(tmp_path):
     fast_other = dict(fast, commit="ccccccc", date="2026-11-29T12:00:00+00:00")
     row = [ln for ln in table([new_stock, fast_other]).splitlines() if ln.startswith("| kda_moe")][0]
     assert "x |" not in row and "bbbbbbb ccccccc" in row
+
+
+def test_skewed_routing_forces_a_hot_set_and_is_reported_apart(tmp_path):
+    import torch
+    from k3fast.report import load_records, table
+    from k3fast.trace import ROUTINGS, SCHEMA_FIELDS, skew_routing
+    from k3ref import Precision, tiny
+    from k3ref.moe import route
+    from k3ref.weights import random_layer
+    cfg = tiny()
+    layer = next(l for l in range(cfg.num_hidden_layers) if l > 0)
+    w = random_layer(cfg, layer, seed=5)
+    before = w.mlp.e_score_correction_bias.clone()
+    skew_routing(w, n_hot=cfg.num_experts_per_token + 2)
+    hot = (w.mlp.e_score_correction_bias != before).nonzero().flatten()
+    assert hot.numel() == cfg.num_experts_per_token + 2
+    ids, _ = route(torch.randn(32, cfg.hidden_size).bfloat16(), w.mlp, cfg, Precision.model())
+    assert set(ids.flatten().tolist()) <= set(hot.tolist())
+    base = {k: 1.0 for k in SCHEMA_FIELDS}
+    base.update(layer_kind="kda_moe", shape="k3_rank16", batch=8, part="layer", impl="fast", gpu="H200", torch="t",
+                cutlass="c", driver="v", commit="abc", replay_us_p10=0.5, replay_us_p90=9.0, kernels=8)
+    recs = [dict(base, date="2026-01-01", routing=ROUTINGS["random"], replay_us_median=2.0),
+            dict(base, date="2026-01-02", routing=ROUTINGS["skewed"], replay_us_median=3.0)]
+    (tmp_path / "records-x.json").write_text(json.dumps({"records": recs}))
+    rows = [ln for ln in table(load_records(str(tmp_path / "records-*.json"))).splitlines() if "k3_rank16" in ln]
+    assert len(rows) == 2 and any("kda_moe skewed" in ln and "3.0 (8)" in ln for ln in rows)
