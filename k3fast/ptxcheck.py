@@ -6,12 +6,31 @@ emits for a loop-carried register ring whose old value is still live when its re
 copy of a register with a load in flight waits for that load, so a "ring" of depth D then stalls a warp for a
 full memory round trip every D steps. ``moe_mxfp4_experts`` v3 had 40-80 per loop; v4 has none (its version log).
 
-Use: compile with ``options="--enable-tvm-ffi --keep-ptx"`` and pass ``compiled.artifacts.PTX``.
+Use: ``loop_copies_of_loads(compiled_ptx(lambda: build(options="--enable-tvm-ffi --keep-ptx")))``.
 """
 from __future__ import annotations
 
 import re
+import tempfile
 from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def compiled_ptx(compile_fn: Callable[[], Any]) -> str:
+    """Run ``compile_fn`` (a cute.compile with ``--keep-ptx``) and return its PTX text. --keep-ptx also writes a
+    .ptx file into the DSL's dump directory (fixed when cutlass is imported, the working directory by default);
+    for the duration of the call it points at a scratch directory instead, so nothing lands in the tree."""
+    from ._dsl import import_cute
+    import_cute()
+    from cutlass.cutlass_dsl import CuTeDSL
+    env = CuTeDSL._get_dsl().envar
+    old = env.dump_dir
+    with tempfile.TemporaryDirectory() as d:
+        env.dump_dir = d
+        try:
+            return compile_fn().artifacts.PTX
+        finally:
+            env.dump_dir = old
 
 _LABEL = re.compile(r"^\$(L__BB\d+_\d+):")
 _BRANCH = re.compile(r"bra(?:\.uni)?\s+\$(L__BB\d+_\d+);")

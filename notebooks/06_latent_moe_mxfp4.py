@@ -94,12 +94,12 @@ print(nbtools.bench_table(nbtools.recorded_kernel_bench("moe_mxfp4_experts")))
 # %%
 import dataclasses
 from k3fast._dsl import dsl_available
-from k3fast.ptxcheck import loop_copies_of_loads
+from k3fast.ptxcheck import compiled_ptx, loop_copies_of_loads
 if dsl_available():
     key = mx.compile_key(56, 3584, 256, 1)
     for v in (3, 4):
-        fn = mx._compile(dataclasses.replace(key, version=v), options="--enable-tvm-ffi --keep-ptx")
-        for st in loop_copies_of_loads(fn.artifacts.PTX):
+        ptx = compiled_ptx(lambda: mx._compile(dataclasses.replace(key, version=v), options="--enable-tvm-ffi --keep-ptx"))
+        for st in loop_copies_of_loads(ptx):
             if st.global_loads >= 8:
                 print(f"v{v} loop {st.label}: {st.instructions} PTX instructions, {st.global_loads} global loads, "
                       f"{st.copies_of_loads} copies of in-flight loads")

@@ -197,11 +197,11 @@ def test_v4_ring_carries_no_copies_of_inflight_loads(M):
     """v3's weight ring made the compiler copy every ring register at the loop head (each copy waits for its
     load); v4 consumes a slot before refilling it. Checked on the PTX of the main loops (>= 8 global loads)."""
     import dataclasses
-    from k3fast.ptxcheck import loop_copies_of_loads
+    from k3fast.ptxcheck import compiled_ptx, loop_copies_of_loads
     base = mx.compile_key(56, 3584, 256, M)
     stats = {}
     for v in (3, 4):
-        fn = mx._compile(dataclasses.replace(base, version=v), options="--enable-tvm-ffi --keep-ptx")
-        stats[v] = [s for s in loop_copies_of_loads(fn.artifacts.PTX) if s.global_loads >= 8]
+        ptx = compiled_ptx(lambda: mx._compile(dataclasses.replace(base, version=v), options="--enable-tvm-ffi --keep-ptx"))
+        stats[v] = [s for s in loop_copies_of_loads(ptx) if s.global_loads >= 8]
     assert stats[4] and all(s.copies_of_loads == 0 for s in stats[4]), stats[4]
     assert any(s.copies_of_loads >= 40 for s in stats[3]), "the checker no longer sees v3's copies"
