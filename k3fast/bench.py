@@ -55,6 +55,20 @@ def _cases(cfg, batch: int):
     cases.append(("attnres_rms_gemv", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
                                                                partial_out=p_out),
                   lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+    # 1b. diagnostics of 1: our plain GEMV without the prologue (its cost = fused - plain), the unfused pair,
+    # and the fused kernel's k-split choices (the heuristic picks by load balance only)
+    from .rms_gemv import attnres_rmsnorm, gemv
+    cases.append(("gemv_in_proj_plain", lambda: gemv(x, w_in), lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2))
+    if M <= 2:
+        def unfused():
+            xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
+            return gemv(xx, w_in)
+        cases.append(("attnres_rms_gemv@unfused", unfused, lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+        for ks in (1, 4, 8):
+            cases.append((f"attnres_rms_gemv@ks{ks}",
+                          lambda ks=ks: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
+                                                         partial_out=p_out, fused_ks=ks),
+                          lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     # 2. KDA core
     proj = rnd(M, w_in.shape[0])
     conv_w = torch.cat([a.q_conv, a.k_conv, a.v_conv]).view(-1, 4).float().contiguous()

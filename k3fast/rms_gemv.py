@@ -16,12 +16,18 @@ Version log
       bare GEMV without the prologue 19.8 / 19.7 / 21.8); full b1/b8/b64 204 / 359 / 412 us (floor 168; cuBLAS 178 /
       176 / 182).  Missed: ~1.2x floor at 708 MB but 3.2x at 46 MB (a ~15-20 us fixed cost), and the mma path at
       M >= 8 is 2-2.3x slower than cuBLAS (B fragments from global at every k step, x re-read per row tile).
-      v2 (not yet run on a GPU): the M = 1 FMA loop unrolled 8 instead of 4 (the loop body is one basic block;
-      ptxas issues its loads together), i.e. 8 x 16 B weight loads in flight per lane, 64 KB per 16-warp SM instead
-      of 32 KB. Reasoning from the measured rates: ~32 KB in flight per SM at ~1.5 us loaded latency is ~21 GB/s
-      per SM (2.8 TB/s), what our plain GEMVs reach (moe_tail b1 2.7 TB/s), and the rank16 in_proj (201 row groups
-      over 132 CTAs: two rounds of 7 load batches each) pays ~14 latency rounds. Prediction: in_proj fused b1 rank16
-      34.5 -> ~24 us, full 204 -> ~180-185 us (cuBLAS 178); the attention half at rank16 b1 50.5 -> ~40 us.
+      v2 (not yet run on a GPU). (a) The M = 1 FMA loop is unrolled 8 instead of 4: the loop body is one basic
+      block, so ptxas issues its loads together. That is 8 x 16 B weight loads in flight per lane, 64 KB per 16-warp
+      SM instead of 32 KB (~21 GB/s per SM at ~1.5 us loaded latency, what our plain GEMVs reach: moe_tail b1
+      2.7 TB/s). It matters where a lane's k-slice is long, as in the full-width in_proj (ks = 2: 14 vectors per lane).
+      Prediction there: 204 -> ~180-185 us (cuBLAS 178).
+      (b) The fused kernel's heuristic picks ks = 8 for the rank16 in_proj: 13 row-group iterations per CTA, each
+      with 112 vectors per warp, i.e. 3.5 per lane. A runtime-trip-count loop that short runs in its remainder: one
+      load, then its FMAs wait, then the next load. That is ~3-4 round trips per iteration, ~45 in all, which
+      explains most of the 34.5 us. When a slice is <= 8 vectors per lane, v2 unrolls it completely and predicates
+      it: the PTX loop is now LLLL then 32 FMAs, one round trip per iteration.
+      Prediction: rank16 in_proj b1 34.5 -> ~20-25 us, and the attention half 50.5 -> ~38-42 us. The bench rows
+      gemv_in_proj_plain, attnres_rms_gemv@unfused and @ks1/4/8 separate the prologue from the iteration count.
       Registers at M = 1: 48-88, 0 spills (ptxas 4.8.1, remarks{ptx}). Also in v2: the tensor-core path unrolls its
       k32 loop 4 (was 2) for MB <= 16 (40-66 registers, 0 spills), i.e. twice the fragments in flight; predicted
       to bring oproj / shared gate-up / tail at b8 within ~1.2x of cuBLAS (they are 1.1-1.6x slower at b8 now).
@@ -293,6 +299,13 @@ def _build_kernels():
             # together, then waits once). 8 at M = 1 (v1: 4 everywhere); at M >= 2 the x vectors of 8 iterations
             # would not fit the 128-register cap of a 16-warp CTA.
             self.unroll = 8 if MB == 1 else 4
+            # v2, fused path: when a warp's k-slice is only a few vectors per lane (the rank16 in_proj runs
+            # ks = 8: 112 vectors = 3.5 per lane), a runtime-trip-count loop runs in its remainder, one load per
+            # round trip. There, the slice is unrolled completely and predicated (nper loads issued together).
+            self.nper = 0
+            if fused:
+                per_lane = -(-(-(-(K // 8) // ks)) // 32)
+                self.nper = per_lane if per_lane <= 8 else 0
 
         @cute.jit
         def __call__(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, grid_x: Int32, stream):
@@ -344,6 +357,8 @@ def _build_kernels():
             rW = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mW.element_type)
             rX = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), BFloat16)
             acc = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), Float32)
+            rWs = [cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mW.element_type)
+                   for _ in range(self.nper)]
             buf = Int32(0)
             for grp in cutlass.range(bid, n_groups, nblk):
                 row = grp * self.rpc + r
@@ -352,12 +367,26 @@ def _build_kernels():
                     if nxt < n_groups:
                         _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
                 acc.fill(0.0)
-                for kv in cutlass.range(kv0 + lane, kv1, 32, unroll=self.unroll):
-                    cute.copy(w_atom, gW[0, None, row, kv], rW)
-                    wv = rW.load().to(Float32)
-                    for m in cutlass.range_constexpr(self.MB):
-                        cute.autovec_copy(gX[0, None, m, kv], rX[None, m])
-                        acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
+                if const_expr(self.nper > 0):
+                    # every load of the slice first (in bounds: past-the-end lanes re-read the last vector)...
+                    for it in cutlass.range_constexpr(self.nper):
+                        kvc = cutlass.min(kv0 + lane + 32 * it, kv1 - 1)
+                        cute.copy(w_atom, gW[0, None, row, kvc], rWs[it])
+                    # ...then the FMAs, with the re-read vectors weighted 0
+                    for it in cutlass.range_constexpr(self.nper):
+                        kv = kv0 + lane + 32 * it
+                        kvc = cutlass.min(kv, kv1 - 1)
+                        wv = rWs[it].load().to(Float32) * cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
+                        for m in cutlass.range_constexpr(self.MB):
+                            cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
+                            acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
+                else:
+                    for kv in cutlass.range(kv0 + lane, kv1, 32, unroll=self.unroll):
+                        cute.copy(w_atom, gW[0, None, row, kv], rW)
+                        wv = rW.load().to(Float32)
+                        for m in cutlass.range_constexpr(self.MB):
+                            cute.autovec_copy(gX[0, None, m, kv], rX[None, m])
+                            acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
                 for m in cutlass.range_constexpr(self.MB):
                     t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
                     if lane == 0:
@@ -722,7 +751,7 @@ def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, bloc
 
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
-                     partial_out=None, fuse_max_m=FUSE_MAX_M):
+                     partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
@@ -741,6 +770,12 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
     if fused and K % 16 == 0:
         rpc, ks, grid = _fused_config(N, K)
+        if fused_ks is not None:            # benchmarks of the k-split choice (k3fast.bench)
+            if fused_ks not in (1, 2, 4, 8) or (K // 8) // fused_ks < 64:
+                raise ValueError(f"fused_ks must be 1, 2, 4 or 8 with >= 64 vectors per slice, got {fused_ks}")
+            rpc, ks = FUSED_WARPS // fused_ks, fused_ks
+            groups = N // rpc
+            grid = -(-groups // -(-groups // NUM_SMS))
         fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks)
         fn(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
