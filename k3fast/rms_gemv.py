@@ -16,16 +16,20 @@ Version log
       bare GEMV without the prologue 19.8 / 19.7 / 21.8); full b1/b8/b64 204 / 359 / 412 us (floor 168; cuBLAS 178 /
       176 / 182).  Missed: ~1.2x floor at 708 MB but 3.2x at 46 MB (a ~15-20 us fixed cost), and the mma path at
       M >= 8 is 2-2.3x slower than cuBLAS (B fragments from global at every k step, x re-read per row tile).
-      v2 (not yet run on a GPU). (a) The M = 1 FMA loop is unrolled 8 instead of 4: the loop body is one basic
-      block, so ptxas issues its loads together. That is 8 x 16 B weight loads in flight per lane, 64 KB per 16-warp
-      SM instead of 32 KB (~21 GB/s per SM at ~1.5 us loaded latency, what our plain GEMVs reach: moe_tail b1
-      2.7 TB/s). It matters where a lane's k-slice is long, as in the full-width in_proj (ks = 2: 14 vectors per lane).
-      Prediction there: 204 -> ~180-185 us (cuBLAS 178).
+      v2 (not yet run on a GPU). (a) The FMA loop is written as batches of U vectors per lane: U loads, then their
+      FMAs, with the last batch predicated (past-the-end lanes re-read the slice's last vector with weight 0).
+      v1's `range(..., unroll=4)` had a runtime trip count, and its remainder iterations issue one load per round
+      trip. U = 8 at M = 1 and 4 at M >= 2, so a 16-warp SM has 64 KB in flight instead of 32 KB (~21 GB/s per SM
+      at ~1.5 us loaded latency is what our plain GEMVs reach: moe_tail b1 2.7 TB/s). The PTX loop of the plain
+      M = 1 GEMV is now 9 loads, then FMAs. Prediction for the full-width in_proj (ks = 2: 14 vectors per lane):
+      204 -> ~180-185 us (cuBLAS 178). Shared gate/up b1 (ks = 2, 14 per lane: 5 round trips in v1, 2 now): 11.7 ->
+      ~8-9 us.
       (b) The fused kernel's heuristic picks ks = 8 for the rank16 in_proj: 13 row-group iterations per CTA, each
       with 112 vectors per warp, i.e. 3.5 per lane. A runtime-trip-count loop that short runs in its remainder: one
       load, then its FMAs wait, then the next load. That is ~3-4 round trips per iteration, ~45 in all, which
-      explains most of the 34.5 us. When a slice is <= 8 vectors per lane, v2 unrolls it completely and predicates
-      it: the PTX loop is now LLLL then 32 FMAs, one round trip per iteration.
+      explains most of the 34.5 us. When a slice is <= 8 vectors per lane, U is the whole slice: the PTX loop is
+      now LLLL then 32 FMAs, one round trip per iteration. Registers: fused 62-86, plain 52-74. ptxas now spills
+      4-16 B in the AttnRes prologue of some fused keys (at 62-64 registers); the loops do not spill.
       Prediction: rank16 in_proj b1 34.5 -> ~20-25 us, and the attention half 50.5 -> ~38-42 us. The bench rows
       gemv_in_proj_plain, attnres_rms_gemv@unfused and @ks1/4/8 separate the prologue from the iteration count.
       Registers at M = 1: 48-88, 0 spills (ptxas 4.8.1, remarks{ptx}). Also in v2: the tensor-core path unrolls its
@@ -302,10 +306,11 @@ def _build_kernels():
             # v2, fused path: when a warp's k-slice is only a few vectors per lane (the rank16 in_proj runs
             # ks = 8: 112 vectors = 3.5 per lane), a runtime-trip-count loop runs in its remainder, one load per
             # round trip. There, the slice is unrolled completely and predicated (nper loads issued together).
-            self.nper = 0
+            self.U = self.unroll
             if fused:
                 per_lane = -(-(-(-(K // 8) // ks)) // 32)
-                self.nper = per_lane if per_lane <= 8 else 0
+                if per_lane <= 8:
+                    self.U = per_lane           # the whole slice in one batch
 
         @cute.jit
         def __call__(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, grid_x: Int32, stream):
@@ -354,11 +359,10 @@ def _build_kernels():
                 cute.arch.griddepcontrol_wait()
                 gX = cute.flat_divide(mX, (1, 8))
 
-            rW = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mW.element_type)
             rX = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), BFloat16)
             acc = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), Float32)
             rWs = [cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mW.element_type)
-                   for _ in range(self.nper)]
+                   for _ in range(self.U)]
             buf = Int32(0)
             for grp in cutlass.range(bid, n_groups, nblk):
                 row = grp * self.rpc + r
@@ -367,25 +371,19 @@ def _build_kernels():
                     if nxt < n_groups:
                         _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
                 acc.fill(0.0)
-                if const_expr(self.nper > 0):
-                    # every load of the slice first (in bounds: past-the-end lanes re-read the last vector)...
-                    for it in cutlass.range_constexpr(self.nper):
-                        kvc = cutlass.min(kv0 + lane + 32 * it, kv1 - 1)
-                        cute.copy(w_atom, gW[0, None, row, kvc], rWs[it])
-                    # ...then the FMAs, with the re-read vectors weighted 0
-                    for it in cutlass.range_constexpr(self.nper):
-                        kv = kv0 + lane + 32 * it
+                # batches of U vectors per lane: U loads issued together, then their FMAs. Predicated instead of a
+                # remainder loop (a runtime-trip-count remainder issues one load per round trip); past-the-end
+                # lanes re-read the slice's last vector (in bounds) and weight it 0.
+                for kvb in cutlass.range(kv0 + lane, kv1, 32 * self.U):
+                    for u in cutlass.range_constexpr(self.U):
+                        kvc = cutlass.min(kvb + 32 * u, kv1 - 1)
+                        cute.copy(w_atom, gW[0, None, row, kvc], rWs[u])
+                    for u in cutlass.range_constexpr(self.U):
+                        kv = kvb + 32 * u
                         kvc = cutlass.min(kv, kv1 - 1)
-                        wv = rWs[it].load().to(Float32) * cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
+                        wv = rWs[u].load().to(Float32) * cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
                         for m in cutlass.range_constexpr(self.MB):
                             cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
-                            acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
-                else:
-                    for kv in cutlass.range(kv0 + lane, kv1, 32, unroll=self.unroll):
-                        cute.copy(w_atom, gW[0, None, row, kv], rW)
-                        wv = rW.load().to(Float32)
-                        for m in cutlass.range_constexpr(self.MB):
-                            cute.autovec_copy(gX[0, None, m, kv], rX[None, m])
                             acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
                 for m in cutlass.range_constexpr(self.MB):
                     t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
