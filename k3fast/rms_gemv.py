@@ -645,18 +645,29 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
     return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps), build)
 
 
+def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI):
+    cutlass, cute, Fma, _, _ = _kernels()
+    BF = cutlass.BFloat16
+    N = cute.sym_int(divisibility=16)
+    blocks, p, d, po, u, wl = _attn_fakes(cute, BF, MB, K, has_delta, wln)
+    w = fake_tensor(BF, (N, K))
+    y = fake_tensor(BF, (MB, N), align=2)
+    obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps)
+    return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
+
+
 def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks):
-    def build():
-        cutlass, cute, Fma, _, _ = _kernels()
-        BF = cutlass.BFloat16
-        N = cute.sym_int(divisibility=16)
-        blocks, p, d, po, u, wl = _attn_fakes(cute, BF, MB, K, has_delta, wln)
-        w = fake_tensor(BF, (N, K))
-        y = fake_tensor(BF, (MB, N), align=2)
-        obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps)
-        return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(),
-                            options=TVM_FFI)
-    return compile_cached(("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks), build)
+    return compile_cached(("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks),
+                          lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks))
+
+
+def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1) -> str:
+    """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
+    see k3fast.ptxcheck and notebook 02)."""
+    from .ptxcheck import compiled_ptx
+    rpc, ks, _ = _fused_config(N, K)
+    return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
+                                             options=TVM_FFI + " --keep-ptx"))
 
 
 # ----------------------------------------------------------------------------- host entry points

@@ -85,6 +85,26 @@ print(nbtools.compile_on_cpu(rms_gemv.warmup, [(N16, 7168)], [1], attnres_K=7168
                              block_write=(-1,), deltas=(True,)))
 
 # %% [markdown]
+# ### What the compiled loop issues
+# A weight-streaming GEMV is fast only if each warp keeps several 16-byte loads in flight. At rank16 the
+# persistent kernel splits each 7168-wide row over 8 warps: 112 vectors, 3.5 per lane, and 13 row groups per CTA.
+# v1 wrote the slice as `range(..., unroll=4)`. With a trip count that short and known only at run time, the work
+# fell into the loop's remainder, which issues one load, waits for it, and only then issues the next. v2 writes
+# the slice as predicated batches. Below: the order of global loads (`L`) and FMAs (`f`) in the compiled PTX loop.
+# The measured effect is a question for the next H200 run (`k3fast/LOG.md`).
+
+# %%
+from k3fast._dsl import dsl_available
+from k3fast.ptxcheck import loop_issue_order
+if dsl_available():
+    print("fused config (rows per CTA pass, k-slices, grid):", rms_gemv._fused_config(N16, 7168))
+    for label, seq in loop_issue_order(rms_gemv.fused_ptx(N16), min_loads=2):
+        print(f"loop {label}: {seq[:80]}")
+else:
+    print("CuTe DSL not installed: PTX view skipped")
+
+
+# %% [markdown]
 # ## 4. Against the reference, and 5. the measured time
 # On the H200 the kernel is compared with k3ref for batches 1-64 and the three shapes (`tests/gpu/test_rms_gemv.py`);
 # here, the recorded outcome. With a GPU present, a live check and timing follow.
