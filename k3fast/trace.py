@@ -123,12 +123,13 @@ _FLUSH_OUT: torch.Tensor | None = None
 L2_POLICY = "flushed (256 MB read) before each replay"
 
 
-def flush_l2() -> None:
-    """Evict the L2 by reading 256 MB (5x its size); leaves clean lines only (see the module docstring)."""
+def flush_l2(device: str = "cuda", nbytes: int = 256 << 20) -> None:
+    """Evict the L2 by reading 256 MB (5x its size); leaves clean lines only (see the module docstring).
+    ``device``/``nbytes`` exist so the CPU tests can run the same code."""
     global _FLUSH, _FLUSH_OUT
-    if _FLUSH is None:
-        _FLUSH = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
-        _FLUSH_OUT = torch.empty(1, dtype=torch.float32, device="cuda")
+    if _FLUSH is None or _FLUSH.device.type != torch.device(device).type or _FLUSH.numel() * 4 != nbytes:
+        _FLUSH = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        _FLUSH_OUT = torch.empty(1, dtype=torch.float32, device=device)
     torch.sum(_FLUSH.view(1, -1), dim=1, out=_FLUSH_OUT)
 
 

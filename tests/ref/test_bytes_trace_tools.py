@@ -129,3 +129,11 @@ def test_skewed_routing_forces_a_hot_set_and_is_reported_apart(tmp_path):
     (tmp_path / "records-x.json").write_text(json.dumps({"records": recs}))
     rows = [ln for ln in table(load_records(str(tmp_path / "records-*.json"))).splitlines() if "k3_rank16" in ln]
     assert len(rows) == 2 and any("kda_moe skewed" in ln and "3.0 (8)" in ln for ln in rows)
+
+
+def test_flush_l2_reads_the_whole_buffer_on_cpu():
+    # the same code path as on the GPU (a bug here once cost a whole H200 sweep)
+    import k3fast.trace as tr
+    tr.flush_l2(device="cpu", nbytes=1 << 20)
+    assert tr._FLUSH_OUT.item() == (1 << 20) // 4
+    tr._FLUSH = tr._FLUSH_OUT = None
