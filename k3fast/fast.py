@@ -30,7 +30,8 @@ from .nvtx import stage
 class FastImpl:
     name = "fast"
 
-    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, overlap_shared: bool = False):
+    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, overlap_shared: bool = False,
+                 experts_version: int = 3):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -63,7 +64,8 @@ class FastImpl:
         # sweep the whole layer was 7 % slower with it at rank16 b1, 2.7 % faster at rank8 b1 and within 2 %
         # elsewhere, i.e. no measured gain for a more complex graph (LOG.md).
         self.overlap_shared = overlap_shared
-        self.variant = "overlap-shared" if overlap_shared else "serial"
+        self.experts_version = experts_version      # k3fast.moe_mxfp4_experts version log; 4 is opt-in until measured
+        self.variant = ("overlap-shared" if overlap_shared else "serial") + f", experts v{experts_version}"
         self._side = None
 
     # ------------------------------------------------------------------------------------------ halves
@@ -114,7 +116,8 @@ class FastImpl:
                 h = shared_expert_gate_up(x, self.shared_gu)
         with stage("k3.moe.experts"):
             r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
-                                  situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x))
+                                  situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x),
+                                  version=self.experts_version)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         with stage("k3.moe.up"):

@@ -323,7 +323,7 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
                "perfetto": os.path.join(os.path.basename(perfetto_dir), os.path.basename(trace_path)) if trace_path else None,
                "config": cfg.describe()}
         if impl_name.startswith("fast"):
-            rec["fast_variant"] = getattr(impl, "variant", None)      # "serial" | "overlap-shared"
+            rec["fast_variant"] = getattr(impl, "variant", None)      # e.g. "serial, experts v3"
         if impl_name == "stock":
             rec["stock_variant"] = getattr(impl, "variant", None)     # "vllm-ops" | "torch-glue"
             if getattr(impl, "mla_core_variant", None):

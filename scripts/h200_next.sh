@@ -13,7 +13,7 @@ case "${1:-}" in
   tests)  K3_TEST_TIMEOUT=${K3_TEST_TIMEOUT:-540} bash scripts/h200_tests.sh ;;
   kda)    K3_SWEEP_TIMEOUT=200 K3_BENCH="--shapes k3_rank16 full --batches 1 8 64" K3_BENCH_TIMEOUT=150 \
           K3_EXPERTS="--shapes k3_rank16 --batches 1 8 64" K3_EXPERTS_TIMEOUT=210 \
-          bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 150 ;;
+          bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-v4 --budget-s 150 ;;
   skewed) K3_SWEEP_TIMEOUT=500 bash scripts/h200_sweep.sh --kinds kda_moe --routing skewed --impls stock fast \
           --budget-s 420 ;;
   mla)    K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds mla_moe --impls stock --budget-s 480 ;;

@@ -53,8 +53,9 @@ def test_fast_layer_full_width_b1(shape):
     assert_close("layer out", outs["fast"][1], outs["ref"][1], "bf16_kernel")
 
 
+@pytest.mark.parametrize("impl", ["fast", "fast-v4"])
 @pytest.mark.parametrize("batch", [1, 8, 64])
-def test_fast_moe_half_same_input(batch):
+def test_fast_moe_half_same_input(batch, impl):
     cfg = k3_rank(16)
     w = random_layer(cfg, 1, seed=23, device="cuda")
     io = make_io(cfg, 1, batch, seed=24)
@@ -63,7 +64,7 @@ def test_fast_moe_half_same_input(batch):
     x = io.x_mlp.clone()
     ref.moe(io)
     want = io.out.clone()
-    fast = make_impl("fast", cfg, w, max_batch=batch)
+    fast = make_impl(impl, cfg, w, max_batch=batch)
     io.x_mlp.copy_(x)
     io.out.fill_(float("nan"))
     fast.moe(io)
