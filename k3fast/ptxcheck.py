@@ -46,19 +46,23 @@ class LoopStat:
     copies_of_loads: int
 
 
-def loop_copies_of_loads(ptx: str) -> list[LoopStat]:
+def _loops(ptx: str):
+    """(label, body lines) of every loop: the lines from a label to a later branch back to it."""
     lines = ptx.split("\n")
     labels = {}
     for i, line in enumerate(lines):
         m = _LABEL.match(line)
         if m:
             labels[m.group(1)] = i
-    out = []
     for i, line in enumerate(lines):
         m = _BRANCH.search(line)
-        if not m or labels.get(m.group(1), i + 1) >= i:
-            continue
-        body = lines[labels[m.group(1)]:i + 1]
+        if m and labels.get(m.group(1), i + 1) < i:
+            yield m.group(1), lines[labels[m.group(1)]:i + 1]
+
+
+def loop_copies_of_loads(ptx: str) -> list[LoopStat]:
+    out = []
+    for label, body in _loops(ptx):
         loaded = set()
         n_loads = 0
         for x in body:
@@ -70,36 +74,20 @@ def loop_copies_of_loads(ptx: str) -> list[LoopStat]:
             continue
         copies = sum(1 for x in body if (cm := _COPY.match(x)) and cm.group(1) in loaded)
         instr = sum(1 for x in body if x.strip() and not x.strip().startswith(("//", "$")))
-        out.append(LoopStat(m.group(1), instr, n_loads, copies))
+        out.append(LoopStat(label, instr, n_loads, copies))
     return out
+
+
+_ISSUE = (("ld.global", "L"), ("fma", "f"), ("mma", "m"), ("bra", "|"), ("@", "|"))
 
 
 def loop_issue_order(ptx: str, min_loads: int = 1) -> list[tuple[str, str]]:
     """(label, sequence) for every loop with global loads: one character per instruction of interest in program
     order, ``L`` a global load, ``f`` an FMA, ``m`` an MMA, ``|`` a branch. A loop that reads ``LLLLffff...``
     issues its loads together and waits once; ``LffffLffff...`` waits once per load unless ptxas reorders it."""
-    lines = ptx.split("\n")
-    labels = {}
-    for i, line in enumerate(lines):
-        m = _LABEL.match(line)
-        if m:
-            labels[m.group(1)] = i
     out = []
-    for i, line in enumerate(lines):
-        m = _BRANCH.search(line)
-        if not m or labels.get(m.group(1), i + 1) >= i:
-            continue
-        seq = []
-        for x in lines[labels[m.group(1)]:i + 1]:
-            x = x.strip()
-            if x.startswith("ld.global"):
-                seq.append("L")
-            elif x.startswith("fma"):
-                seq.append("f")
-            elif x.startswith("mma"):
-                seq.append("m")
-            elif x.startswith(("bra", "@")):
-                seq.append("|")
+    for label, body in _loops(ptx):
+        seq = "".join(next((c for p, c in _ISSUE if x.strip().startswith(p)), "") for x in body)
         if seq.count("L") >= min_loads:
-            out.append((m.group(1), "".join(seq)))
+            out.append((label, seq))
     return out
