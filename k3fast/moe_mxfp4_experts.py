@@ -457,6 +457,18 @@ def _build_kernel_class():
         x = wv[0] ^ wv[1] ^ wv[2] ^ wv[3] ^ sv
         acc[0] = acc[0] + (x & 1).to(Float32)
 
+    def fc1_row(c, warp, t1_base, s_):
+        """16-byte-row index (per lane: * 32 + lane) of FC1 step s_ of this warp: unit uu = warp + W*i, i = s_ // KS1
+        (tile uu // S, K part uu % S), K step s_ - i*KS1 within the part."""
+        i_ = s_ // c.KS1
+        uu_ = warp + c.W * i_
+        return (t1_base + uu_ // c.S) * c.NKB1 + (uu_ % c.S) * c.KS1 + (s_ - i_ * c.KS1)
+
+    def fc2_row(c, warp, t2_base, s_):
+        """The same for FC2 step s_: tile warp + W*i (clamped to the last tile; its results are not stored)."""
+        i_ = s_ // c.NKB2
+        return (t2_base + cutlass.min(warp + c.W * i_, c.T2 - 1)) * c.NKB2 + (s_ - i_ * c.NKB2)
+
     def load_w(c, wld, eW, row_, lane, ring_slot):
         """One 16-byte weight load per lane into a ring slot (L1::no_allocate from v3 on)."""
         if const_expr(c.version >= 3):
@@ -700,10 +712,7 @@ def _build_kernel_class():
                     t1_base = rank * c.T1
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS1):
-                            i_ = d // c.KS1
-                            uu_ = warp + W * i_
-                            kb_ = (uu_ % c.S) * c.KS1 + (d - i_ * c.KS1)
-                            row_ = (t1_base + uu_ // c.S) * c.NKB1 + kb_
+                            row_ = fc1_row(c, warp, t1_base, d)
                             load_w(c, wld, eW13q, row_, lane, ringW[d, None])
                             ringS[d] = eW13s[row_ * 8 + g]
                     if const_expr(c.version >= 3):
@@ -723,12 +732,8 @@ def _build_kernel_class():
                                 if kk == 0:
                                     acc.fill(0.0)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, True)
+                                row_ = fc1_row(c, warp, t1_base, s + D)     # the refill of this slot
                                 if s + D < NS1:
-                                    s_ = s + D
-                                    i_ = s_ // c.KS1
-                                    uu_ = warp + W * i_
-                                    kb_ = (uu_ % c.S) * c.KS1 + (s_ - i_ * c.KS1)
-                                    row_ = (t1_base + uu_ // c.S) * c.NKB1 + kb_
                                     load_w(c, wld, eW13q, row_, lane, ringW[d, None])
                                     if const_expr(c.version < 4):
                                         ringS[d] = eW13s[row_ * 8 + g]
@@ -745,11 +750,7 @@ def _build_kernel_class():
                                 if const_expr(c.version >= 4):
                                     # v4: the scale word is refilled after its last use (the MMAs' scale factors)
                                     if s + D < NS1:
-                                        s_ = s + D
-                                        i_ = s_ // c.KS1
-                                        uu_ = warp + W * i_
-                                        kb_ = (uu_ % c.S) * c.KS1 + (s_ - i_ * c.KS1)
-                                        ringS[d] = eW13s[((t1_base + uu_ // c.S) * c.NKB1 + kb_) * 8 + g]
+                                        ringS[d] = eW13s[row_ * 8 + g]
                                 if kk == c.KS1 - 1:
                                     if const_expr(c.S > 1):
                                         for x in cutlass.range_constexpr(GMAX * 4):
@@ -802,9 +803,7 @@ def _build_kernel_class():
                     t2_base = rank * c.T2
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS2):
-                            i_ = d // c.NKB2
-                            tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
-                            row_ = (t2_base + tl_) * c.NKB2 + (d - i_ * c.NKB2)
+                            row_ = fc2_row(c, warp, t2_base, d)
                             load_w(c, wld, eW2q, row_, lane, ringW[d, None])
                             ringS[d] = eW2s[row_ * 8 + g]
                     for s0 in cutlass.range(0, NS2_pad, D):
@@ -819,11 +818,8 @@ def _build_kernel_class():
                                 if kb == 0:
                                     acc.fill(0.0)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, True)
+                                row_ = fc2_row(c, warp, t2_base, s + D)     # the refill of this slot
                                 if s + D < NS2:
-                                    s_ = s + D
-                                    i_ = s_ // c.NKB2
-                                    tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
-                                    row_ = (t2_base + tl_) * c.NKB2 + (s_ - i_ * c.NKB2)
                                     load_w(c, wld, eW2q, row_, lane, ringW[d, None])
                                     if const_expr(c.version < 4):
                                         ringS[d] = eW2s[row_ * 8 + g]
@@ -846,10 +842,7 @@ def _build_kernel_class():
                                 if const_expr(c.version >= 4):
                                     # v4: the scale word is refilled after its last use (the MMAs' scale factors)
                                     if s + D < NS2:
-                                        s_ = s + D
-                                        i_ = s_ // c.NKB2
-                                        tl_ = cutlass.min(warp + W * i_, c.T2 - 1)
-                                        ringS[d] = eW2s[((t2_base + tl_) * c.NKB2 + (s_ - i_ * c.NKB2)) * 8 + g]
+                                        ringS[d] = eW2s[row_ * 8 + g]
 
                     # ======================= combine: the 16th arrival of (token, row chunk) sums the slots in order
                     cute.arch.fence_acq_rel_gpu()
