@@ -68,6 +68,30 @@ def fake_stream():
 TVM_FFI = "--enable-tvm-ffi"
 
 
+def weight_load_atom(dtype):
+    """16-byte global -> register copy for weights, which each kernel reads exactly once: L1::no_allocate keeps
+    them from evicting the activations that every warp re-reads from L1."""
+    _, cute = import_cute()
+    return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=128,
+                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+
+
+def swapab_a_fragment(fa, rA, h, t):
+    """Fill the 8 bf16 A registers of one m16n8k16 (swap-AB GEMV: weight rows g and g+8 of tile t) from the two
+    16-byte row loads rA[:, 2t] (row g) and rA[:, 2t+1] (row g+8), for the h-th k16 half of a 32-wide chunk.
+    The A registers hold {row g k(2c,2c+1), row g+8 k(2c,2c+1), row g k(2c+8,+9), row g+8 k(2c+8,+9)}, which is
+    physical k 8c+4h+{0,1}, 8c+4h+{0,1}, 8c+4h+{2,3}, 8c+4h+{2,3}: the K permutation that lets thread c of a quad
+    load 8 contiguous k with one 16-byte load (the B side is permuted the same way)."""
+    fa[0] = rA[4 * h + 0, 2 * t]
+    fa[1] = rA[4 * h + 1, 2 * t]
+    fa[2] = rA[4 * h + 0, 2 * t + 1]
+    fa[3] = rA[4 * h + 1, 2 * t + 1]
+    fa[4] = rA[4 * h + 2, 2 * t]
+    fa[5] = rA[4 * h + 3, 2 * t]
+    fa[6] = rA[4 * h + 2, 2 * t + 1]
+    fa[7] = rA[4 * h + 3, 2 * t + 1]
+
+
 def check_tensor(name: str, t, *, dtype=None, shape=None, device=None, contiguous: bool = True, align: int = 16):
     """Validate a torch tensor handed to a kernel; raise one clear error instead of a crash inside it."""
     import torch

@@ -113,7 +113,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, weight_load_atom
 
 E2M1_MAG = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # bf16 bytes of the 8 magnitudes (hi = sign/exponent byte, lo = exponent lsb + mantissa byte), little-endian words
@@ -571,9 +571,7 @@ def _build_kernel_class():
             gZ = cute.flat_divide(mZ, (1, 4))            # (1, 4, M, dL/8)
             gH = cute.flat_divide(h_s, (1, 4))           # (1, 4, NT, HW/4)
             gZs = cute.flat_divide(z_s, (1, 4))          # (1, 4, NT, ZW/4)
-            # weights are read once: keep them out of L1 so the activations stay there
-            wld = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
-                                      l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+            wld = weight_load_atom(Int32)
             zcp = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                                       Int32, num_bits_per_copy=128)
             gY = cute.flat_divide(mY, (1, 8))            # (1, 8, rows, dL/8)

@@ -95,7 +95,8 @@ Contracts
 import math
 from typing import Iterable
 
-from k3fast._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+from k3fast._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
+                         weight_load_atom)
 
 D = 7168                 # hidden size
 ROWS = 64                # o_proj output rows per GEMV CTA
@@ -232,9 +233,7 @@ def _build(kp: int, n_blocks: int, tg: int):
                 n0 = bid * ROWS + rg * 16 + g
                 gW = cute.flat_divide(mW, (1, VEC))            # (1, 8, N, Kp/8)
                 gY = cute.flat_divide(mY, (1, VEC))            # (1, 8, M, Kp/8)
-                w_atom = cute.make_copy_atom(
-                    cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
-                    l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+                w_atom = weight_load_atom(BFloat16)
                 rW = cute.make_rmem_tensor(cute.make_layout((S, 2, VEC), stride=(2 * VEC, VEC, 1)), BFloat16)
                 rY = cute.make_rmem_tensor(cute.make_layout((VEC,), stride=(1,)), BFloat16)
                 acc = cute.make_rmem_tensor(cute.make_layout((4 * tg,), stride=(1,)), Float32)

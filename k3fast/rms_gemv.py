@@ -82,7 +82,8 @@ Design
 
 import math
 
-from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+from ._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, swapab_a_fragment,
+                   weight_load_atom)
 
 NUM_SMS = 132
 NB_MAX = 8
@@ -166,10 +167,6 @@ def _build_kernels():
     from cutlass import BFloat16, Float32, Int32, const_expr
 
     ADD = cute.ReductionOp.ADD
-
-    def _w_atom(dtype):
-        return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=128,
-                                   l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
 
     @cute.jit
     def _prefetch_rows(gWv, row0, nrows, kv0, kv1, lane):
@@ -334,7 +331,7 @@ def _build_kernels():
             kv1 = cutlass.min(kv0 + chunk, nvec)
             n_groups = N // self.rpc
             gW = cute.flat_divide(mW, (1, 8))
-            w_atom = _w_atom(mW.element_type)
+            w_atom = weight_load_atom(mW.element_type)
 
             smem = cutlass.memory.SmemAllocator()
             sRed = smem.allocate_tensor(Float32, cute.make_layout((2, self.nwarps, self.MB),
@@ -441,7 +438,7 @@ def _build_kernels():
             tile0 = (bid * self.rt + rt) * self.rtw
             gW = cute.flat_divide(mW, (1, 8))
             gX = cute.flat_divide(mX, (1, 8))
-            w_atom = _w_atom(mW.element_type)
+            w_atom = weight_load_atom(mW.element_type)
             atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
 
             smem = cutlass.memory.SmemAllocator()
@@ -481,16 +478,7 @@ def _build_kernels():
                     cute.autovec_copy(gX[0, None, xrow[j], kv], rX[None, j])
                 for h in cutlass.range_constexpr(2):
                     for t in cutlass.range_constexpr(self.rtw):
-                        # A regs {row g k(2c,2c+1), row g+8 k(2c,2c+1), row g k(2c+8,+9), row g+8 k(2c+8,+9)}
-                        # = physical k 8c+4h+{0,1}, 8c+4h+{0,1}, 8c+4h+{2,3}, 8c+4h+{2,3}
-                        fa[0] = rA[4 * h + 0, 2 * t]
-                        fa[1] = rA[4 * h + 1, 2 * t]
-                        fa[2] = rA[4 * h + 0, 2 * t + 1]
-                        fa[3] = rA[4 * h + 1, 2 * t + 1]
-                        fa[4] = rA[4 * h + 2, 2 * t]
-                        fa[5] = rA[4 * h + 3, 2 * t]
-                        fa[6] = rA[4 * h + 2, 2 * t + 1]
-                        fa[7] = rA[4 * h + 3, 2 * t + 1]
+                        swapab_a_fragment(fa, rA, h, t)
                         for j in cutlass.range_constexpr(self.nt):
                             for e in cutlass.range_constexpr(4):
                                 fb[e] = rX[4 * h + e, j]

@@ -76,7 +76,8 @@ Contracts
 
 import math
 
-from k3fast._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+from k3fast._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, swapab_a_fragment,
+                         weight_load_atom)
 
 HIDDEN = 7168
 N_EXPERTS = 896
@@ -193,9 +194,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
 
         @cute.jit
         def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, stream):
-            w_atom = cute.make_copy_atom(
-                cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
-                l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+            w_atom = weight_load_atom(BFloat16)
             self.kernel(mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling, w_atom).launch(
                 grid=[N // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True)
 
@@ -334,9 +333,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
 
         @cute.jit
         def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, stream):
-            w_atom = cute.make_copy_atom(
-                cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
-                l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+            w_atom = weight_load_atom(BFloat16)
             self.kernel(mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling, w_atom).launch(
                 grid=[N // (16 * RTW), 1, 1], block=[32 * KS, 1, 1], stream=stream, use_pdl=True)
 
@@ -396,16 +393,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
                     cute.autovec_copy(gX[0, None, xrow[j], kv], rX[None, j])
                 for h in cutlass.range_constexpr(2):
                     for t in cutlass.range_constexpr(RTW):
-                        # A regs {row g k(2c,2c+1), row g+8 k(2c,2c+1), row g k(2c+8,+9), row g+8 k(2c+8,+9)}
-                        # = physical k 8c+4h+{0,1}, 8c+4h+{0,1}, 8c+4h+{2,3}, 8c+4h+{2,3}
-                        fa[0] = rA[4 * h + 0, 2 * t]
-                        fa[1] = rA[4 * h + 1, 2 * t]
-                        fa[2] = rA[4 * h + 0, 2 * t + 1]
-                        fa[3] = rA[4 * h + 1, 2 * t + 1]
-                        fa[4] = rA[4 * h + 2, 2 * t]
-                        fa[5] = rA[4 * h + 3, 2 * t]
-                        fa[6] = rA[4 * h + 2, 2 * t + 1]
-                        fa[7] = rA[4 * h + 3, 2 * t + 1]
+                        swapab_a_fragment(fa, rA, h, t)
                         for j in cutlass.range_constexpr(NT):
                             for e in cutlass.range_constexpr(4):
                                 fb[e] = rX[4 * h + e, j]
