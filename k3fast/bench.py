@@ -22,7 +22,7 @@ from k3ref.attnres import attn_res_u
 from k3ref.bytes import expert_bytes
 from k3ref.weights import random_layer
 
-from .trace import L2_POLICY, _pct, capture, copy_bandwidth_tbps, environment, time_replays
+from .trace import L2_POLICY, capture, replay_stats, start_run, time_replays, write_run
 
 
 def _cases(cfg, batch: int):
@@ -151,12 +151,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("k3fast.bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    env = environment()
-    bw = copy_bandwidth_tbps()
-    print(f"{env['gpu']} commit {env['commit']}: copy {bw:.3f} TB/s", flush=True)
+    env, bw, tag = start_run(args.out, args.tag)
     recs = []
-    os.makedirs(args.out, exist_ok=True)
-    tag = args.tag or f"{env['date'][:10]}-{env['commit']}"
     path = os.path.join(args.out, f"kernels-{tag}.json")
     for shape in args.shapes:
         for M in args.batches:
@@ -169,9 +165,7 @@ def main(argv=None) -> int:
                 for impl, fn in (("fast", fused), ("stock", stock)):
                     try:
                         g = capture(fn)
-                        t = time_replays(g, io.reset, args.replays)
-                        row[f"{impl}_us_median"] = round(_pct(t, 0.5), 3)
-                        row[f"{impl}_us_p10"], row[f"{impl}_us_p90"] = round(_pct(t, 0.1), 3), round(_pct(t, 0.9), 3)
+                        row.update(replay_stats(time_replays(g, io.reset, args.replays), f"{impl}_"))
                     except Exception as ex:
                         row[f"{impl}_error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
                 if "fast_us_median" in row:
@@ -183,9 +177,7 @@ def main(argv=None) -> int:
                 print(json.dumps(row), flush=True)
             del cases, io
             torch.cuda.empty_cache()
-            with open(path, "w") as f:          # after every cell: a time-out keeps what was measured
-                json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": recs}, f,
-                          indent=1)
+            write_run(path, env, bw, recs)
     print("wrote", path)
     return 0
 

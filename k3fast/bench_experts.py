@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     from .moe_mxfp4_experts import (compile_key, distinct_expert_bytes, make_workspace, moe_mxfp4_experts,
                                     prepare_mxfp4_experts)
     from .stock_moe import MarlinMXFP4Experts
-    from .trace import L2_POLICY, _pct, capture, copy_bandwidth_tbps, environment, time_replays
+    from .trace import L2_POLICY, capture, replay_stats, start_run, time_replays, write_run
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["k3_rank16"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
@@ -74,12 +74,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("k3fast.bench_experts needs a CUDA GPU", file=sys.stderr)
         return 2
-    env = environment()
-    bw = copy_bandwidth_tbps()
+    env, bw, tag = start_run(args.out, args.tag)
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{env['gpu']} commit {env['commit']}: copy {bw:.3f} TB/s, {nsm} SMs", flush=True)
-    tag = args.tag or f"{env['date'][:10]}-{env['commit']}"
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"experts-{tag}.json")
     recs = []
     for shape in args.shapes:
@@ -122,9 +118,7 @@ def main(argv=None) -> int:
                     elif ref_out is not None and name != "probe":
                         row["max_abs_diff_vs_v3"] = float((out.float() - ref_out.float()).abs().max())
                     gr = capture(fn)
-                    t = time_replays(gr, lambda: None, args.replays)
-                    row.update(us_median=round(_pct(t, 0.5), 3), us_p10=round(_pct(t, 0.1), 3),
-                               us_p90=round(_pct(t, 0.9), 3))
+                    row.update(replay_stats(time_replays(gr, lambda: None, args.replays)))
                     row["achieved_tbps"] = round(nbytes / (row["us_median"] * 1e-6) / 1e12, 3)
                     del gr
                 except Exception as ex:
@@ -132,9 +126,7 @@ def main(argv=None) -> int:
                 recs.append({**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")}, **row})
                 print(json.dumps({k: row.get(k) for k in ("shape", "batch", "variant", "us_median", "achieved_tbps",
                                                           "floor_us", "max_abs_diff_vs_v3", "error")}), flush=True)
-            with open(path, "w") as f:
-                json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": recs}, f,
-                          indent=1)
+            write_run(path, env, bw, recs)
             del marlin
             torch.cuda.empty_cache()
     print("wrote", path)

@@ -150,6 +150,30 @@ def time_replays(g: torch.cuda.CUDAGraph, reset: Callable[[], None], n: int) -> 
     return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
 
 
+def start_run(out: str, tag: str | None) -> tuple[dict, float, str]:
+    """The environment, the copy bandwidth measured now, and the run's tag (default: date-commit); prints them
+    and creates ``out``. Every tool that writes records under traces/ starts with this."""
+    env = environment()
+    bw = copy_bandwidth_tbps()
+    print(f"{env['gpu']} driver {env['driver']} torch {env['torch']} cutlass {env['cutlass']} commit {env['commit']}: "
+          f"copy {bw:.3f} TB/s", flush=True)
+    os.makedirs(out, exist_ok=True)
+    return env, bw, tag or f"{env['date'][:10]}-{env['commit']}"
+
+
+def write_run(path: str, env: dict, bw: float, records: list[dict]) -> None:
+    """One records file: environment, copy bandwidth, the exact command line, the records (rewritten after every
+    cell, so a time-out keeps what was measured)."""
+    with open(path, "w") as f:
+        json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": records}, f,
+                  indent=1)
+
+
+def replay_stats(times: list[float], prefix: str = "") -> dict:
+    """{prefix}us_median / us_p10 / us_p90 of per-replay µs."""
+    return {f"{prefix}us_{k}": round(_pct(times, q), 3) for k, q in (("median", 0.5), ("p10", 0.1), ("p90", 0.9))}
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
@@ -359,12 +383,7 @@ def main(argv=None) -> int:
         print("k3fast.trace needs a CUDA GPU; on this machine render the recorded traces with "
               "`python -m k3fast.report`", file=sys.stderr)
         return 2
-    env = environment()
-    bw = copy_bandwidth_tbps()
-    print(f"{env['gpu']} driver {env['driver']} torch {env['torch']} cutlass {env['cutlass']} commit {env['commit']}: "
-          f"copy {bw:.3f} TB/s", flush=True)
-    tag = args.tag or f"{env['date'][:10]}-{env['commit']}"
-    os.makedirs(args.out, exist_ok=True)
+    env, bw, tag = start_run(args.out, args.tag)
     perfetto_dir = os.path.join(args.out, f"perfetto-{tag}")      # one folder per run: names repeat across runs
     cells = [(k, s, b, c) for k in args.kinds for s in args.shapes for b in args.batches
              for c in (args.contexts if k == "mla_moe" else [0])]
@@ -383,8 +402,7 @@ def main(argv=None) -> int:
                             perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True), stock_ops=args.stock_ops,
                             routing=args.routing)
         path = os.path.join(args.out, f"records-{tag}.json")
-        with open(path, "w") as f:
-            json.dump({"environment": env, "copy_tbps": bw, "command": " ".join(sys.argv), "records": records}, f, indent=1)
+        write_run(path, env, bw, records)
     print(f"wrote {len(records)} records to {path}")
     return 0
 

@@ -137,3 +137,13 @@ def test_flush_l2_reads_the_whole_buffer_on_cpu():
     tr.flush_l2(device="cpu", nbytes=1 << 20)
     assert tr._FLUSH_OUT.item() == (1 << 20) // 4
     tr._FLUSH = tr._FLUSH_OUT = None
+
+
+def test_replay_stats_and_write_run(tmp_path):
+    from k3fast.trace import replay_stats, write_run
+    st = replay_stats([float(x) for x in range(1, 102)], "fast_")
+    assert st == {"fast_us_median": 51.0, "fast_us_p10": 11.0, "fast_us_p90": 91.0}
+    p = tmp_path / "r.json"
+    write_run(str(p), {"gpu": "x"}, 4.2, [{"a": 1}])
+    doc = json.loads(p.read_text())
+    assert doc["copy_tbps"] == 4.2 and doc["records"] == [{"a": 1}] and doc["command"]
