@@ -84,6 +84,15 @@ def reference(z, ids, w, ck):
     return acc.to(BF)
 
 
+def case(M, I, kind, seed):
+    """Weights of width I, fresh z, a routing of the given kind and a fresh workspace."""
+    ck, prep = weights(I)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    z = torch.randn(M, DL, generator=gen, device=DEV).to(BF)
+    ids, w = routing(M, kind, gen)
+    return ck, prep, z, ids, w, mx.make_workspace(DL, DEV)
+
+
 V4_CASES = [(m, 256, r) for m in (1, 3, 8, 64) for r in ("uniform", "shared", "ties")] + [(64, 384, "uniform"),
                                                                                          (1, 3072, "uniform")]
 
@@ -91,11 +100,7 @@ V4_CASES = [(m, 256, r) for m in (1, 3, 8, 64) for r in ("uniform", "shared", "t
 @pytest.mark.parametrize("M,I,kind", V4_CASES)
 def test_v4_matches_v3_and_reference(M, I, kind):
     """v4 (ring consumed before its refill) computes exactly what v3 computes: same MMAs in the same order."""
-    ck, prep = weights(I)
-    gen = torch.Generator(device=DEV).manual_seed(2000 * M + I + len(kind))
-    z = torch.randn(M, DL, generator=gen, device=DEV).to(BF)
-    ids, w = routing(M, kind, gen)
-    ws = mx.make_workspace(DL, DEV)
+    ck, prep, z, ids, w, ws = case(M, I, kind, 2000 * M + I + len(kind))
     outs = {}
     for v in (3, 4):
         outs[v] = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
@@ -108,11 +113,7 @@ def test_v4_matches_v3_and_reference(M, I, kind):
 
 @pytest.mark.parametrize("M,I,kind", CASES)
 def test_matches_reference(M, I, kind):
-    ck, prep = weights(I)
-    gen = torch.Generator(device=DEV).manual_seed(1000 * M + I + len(kind))
-    z = torch.randn(M, DL, generator=gen, device=DEV).to(BF)
-    ids, w = routing(M, kind, gen)
-    ws = mx.make_workspace(DL, DEV)
+    ck, prep, z, ids, w, ws = case(M, I, kind, 1000 * M + I + len(kind))
     ws.y.fill_(float("nan"))
     out = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
     mx.moe_mxfp4_experts(z, ids, w, prep.w13q, prep.w13s, prep.w2q, prep.w2s, out=out, workspace=ws)
@@ -136,15 +137,8 @@ def test_cuda_graph_replay_new_routing(M):
     ws = mx.make_workspace(DL, DEV)
     out = torch.empty(M, DL, dtype=BF, device=DEV)
     mx.warmup((E, DL, 256), [M])
-    mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws)   # warm (compiled)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(graph):
-            mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws)
-    torch.cuda.current_stream().wait_stream(s)
+    from k3fast.trace import capture
+    graph = capture(lambda: mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws), warmup=1)
     for it, kind in enumerate(("uniform", "shared", "ties")):
         z.copy_(torch.randn(M, DL, generator=gen, device=DEV).to(BF))
         ids2, w2 = routing(M, kind, gen)

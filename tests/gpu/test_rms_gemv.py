@@ -168,18 +168,12 @@ def test_cuda_graph_replay(R, seed, M):
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     xg = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     out2 = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    # warm-up (compiles) outside the capture
-    R.attnres_rms_gemv(blocks, 3, p, delta, u, w_ln, w, out=out, partial_out=pout, block_write=3)
-    R.gemv(xg, w, out=out2)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g):
-            R.attnres_rms_gemv(blocks, 3, p, delta, u, w_ln, w, out=out, partial_out=pout, block_write=3)
-            R.gemv(xg, w, out=out2)
-    torch.cuda.current_stream().wait_stream(s)
+    from k3fast.trace import capture
+
+    def step():
+        R.attnres_rms_gemv(blocks, 3, p, delta, u, w_ln, w, out=out, partial_out=pout, block_write=3)
+        R.gemv(xg, w, out=out2)
+    g = capture(step, warmup=1)            # the warm-up compiles, outside the capture
     for _ in range(3):
         nb, npp, nd, nu, nwl = make_inputs(M, 3, True)
         blocks.copy_(nb); p.copy_(npp); delta.copy_(nd); u.copy_(nu); w_ln.copy_(nwl)
