@@ -60,6 +60,30 @@ def recorded_layer_parts(kind: str, part: str) -> list[dict]:
     return [r for r in load_records() if r["layer_kind"] == kind and r["part"] == part]
 
 
+def measured_copy_tbps() -> float | None:
+    """The copy bandwidth of the most recent recorded H200 run (traces/h200/records-*.json), if any."""
+    from .report import load_records
+    recs = load_records()
+    return max(recs, key=lambda r: r.get("date") or "")["copy_tbps"] if recs else None
+
+
+def stage_floors(stages: tuple[str, ...], kind: str = "kda_moe", batch: int = 1) -> str:
+    """Bytes of the given k3ref.bytes stages at each shape, with the floor at the spec's 4.3 TB/s and at the copy
+    bandwidth measured on the H200 (when recorded)."""
+    from k3ref import k3, k3_rank
+    from k3ref.bytes import floor_us, layer_bytes
+    bw = measured_copy_tbps()
+    lines = []
+    for name, c in (("k3_rank16", k3_rank(16)), ("k3_rank8", k3_rank(8)), ("full", k3())):
+        st = {x.stage: x for x in layer_bytes(c, kind, batch, distinct_experts=16)}
+        nb = sum(st[s].total for s in stages)
+        line = f"{name:10s} batch {batch}: {nb / 1e6:8.2f} MB  floor {floor_us(nb, 4.3):7.2f} µs at 4.3 TB/s"
+        if bw:
+            line += f", {floor_us(nb, bw):7.2f} µs at the measured {bw:.2f} TB/s"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def compile_on_cpu(warmup_fn, *args, **kw) -> str:
     """Compile one kernel key for sm_90a (no GPU needed); returns a one-line report."""
     from ._dsl import COMPILE_LOG, dsl_available

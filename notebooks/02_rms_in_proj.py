@@ -25,10 +25,10 @@
 # %%
 import torch
 
-from k3ref import Precision, ResidualStream, k3, k3_rank, random_layer, tiny
+from k3ref import Precision, ResidualStream, k3_rank, random_layer, tiny
 from k3ref.attnres import pre_attention
-from k3ref.bytes import floor_us, layer_bytes
 from k3ref.kda import kda_projections
+
 from k3fast import nbtools
 
 P = Precision.exact()
@@ -65,10 +65,7 @@ print(f"folded-norm GEMV vs normalise-then-GEMV (fp64): {err:.2e}")
 # ## 2. Bytes and floor (batch 1; the projection weight dominates)
 
 # %%
-for name, c in (("k3_rank16", k3_rank(16)), ("k3_rank8", k3_rank(8)), ("full", k3())):
-    st = {x.stage: x for x in layer_bytes(c, "kda_moe", 1, distinct_experts=16)}
-    nb = st["k3.kda.in_proj"].total + st["k3.attn_res"].total
-    print(f"{name:10s} {nb / 1e6:8.1f} MB  floor {floor_us(nb, 4.3):6.1f} µs at 4.3 TB/s")
+print(nbtools.stage_floors(("k3.kda.in_proj", "k3.attn_res")))
 
 # %% [markdown]
 # ## 3. The fused kernel (`k3fast/rms_gemv.py`)

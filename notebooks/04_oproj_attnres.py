@@ -26,9 +26,9 @@
 # %%
 import torch
 
-from k3ref import Precision, ResidualStream, k3, k3_rank, random_layer, tiny
+from k3ref import Precision, ResidualStream, k3_rank, random_layer, tiny
 from k3ref.attnres import attn_res_mix, attn_res_u, pre_mlp
-from k3ref.bytes import floor_us, layer_bytes
+
 from k3fast import nbtools
 
 cfg, P = tiny(), Precision.exact()
@@ -60,10 +60,7 @@ print(f"pre/post split of the AttnRes statistics vs the one-shot mix: {split_err
 # ## 2. Bytes and floor
 
 # %%
-for name, c in (("k3_rank16", k3_rank(16)), ("k3_rank8", k3_rank(8)), ("full", k3())):
-    st = {x.stage: x for x in layer_bytes(c, "kda_moe", 1, distinct_experts=16)}
-    nb = st["k3.o_proj"].total + st["k3.attn_res_mlp"].total
-    print(f"{name:10s} {nb / 1e6:8.2f} MB  floor {floor_us(nb, 4.3):6.2f} µs at 4.3 TB/s")
+print(nbtools.stage_floors(("k3.o_proj", "k3.attn_res_mlp")))
 
 # %% [markdown]
 # ## 3. The fused kernel (`k3fast/oproj_attnres.py`)
