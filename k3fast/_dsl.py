@@ -92,6 +92,15 @@ def swapab_a_fragment(fa, rA, h, t):
     fa[7] = rA[4 * h + 3, 2 * t + 1]
 
 
+def swapab_c_fragment_to(sRed, k, acc, row, tok):
+    """Store one m16n8k16 accumulator fragment of the swap-AB GEMV into smem sRed[k, row, token]: this thread
+    holds weight rows ``row`` (= tile row g) and ``row + 8``, tokens ``tok`` (= 2c) and ``tok + 1``."""
+    sRed[k, row, tok] = acc[0]
+    sRed[k, row, tok + 1] = acc[1]
+    sRed[k, row + 8, tok] = acc[2]
+    sRed[k, row + 8, tok + 1] = acc[3]
+
+
 def check_tensor(name: str, t, *, dtype=None, shape=None, device=None, contiguous: bool = True, align: int = 16):
     """Validate a torch tensor handed to a kernel; raise one clear error instead of a crash inside it."""
     import torch

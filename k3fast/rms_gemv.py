@@ -83,7 +83,7 @@ Design
 import math
 
 from ._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, swapab_a_fragment,
-                   weight_load_atom)
+                   swapab_c_fragment_to, weight_load_atom)
 
 NUM_SMS = 132
 NB_MAX = 8
@@ -515,13 +515,7 @@ def _build_kernels():
             # epilogue, one round per warp row tile: fragments -> smem [ks, rows, tokens] -> in-order k sum
             for t in cutlass.range_constexpr(self.rtw):
                 for j in cutlass.range_constexpr(self.nt):
-                    a = accs[t * self.nt + j]
-                    rl = rt * 16 + g
-                    tok = 8 * j + 2 * c
-                    sRed[s, rl, tok] = a[0]
-                    sRed[s, rl, tok + 1] = a[1]
-                    sRed[s, rl + 8, tok] = a[2]
-                    sRed[s, rl + 8, tok + 1] = a[3]
+                    swapab_c_fragment_to(sRed, s, accs[t * self.nt + j], rt * 16 + g, 8 * j + 2 * c)
                 cute.arch.sync_threads()
                 # output index o = token * (rt*16) + local row: consecutive threads write consecutive n
                 for o in cutlass.range(tid, self.MB * self.rt * 16, 32 * self.nwarps):

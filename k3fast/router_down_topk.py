@@ -77,7 +77,7 @@ Contracts
 import math
 
 from k3fast._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, swapab_a_fragment,
-                         weight_load_atom)
+                         swapab_c_fragment_to, weight_load_atom)
 
 HIDDEN = 7168
 N_EXPERTS = 896
@@ -402,13 +402,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
             # accumulator (row g / g+8 of tile t, tokens 8j+2c, 8j+2c+1) -> smem, then an in-order k-slice sum
             for t in cutlass.range_constexpr(RTW):
                 for j in cutlass.range_constexpr(NT):
-                    a = accs[t * NT + j]
-                    rl = 16 * t + g
-                    tk = 8 * j + 2 * c
-                    sRed[warp, rl, tk] = a[0]
-                    sRed[warp, rl, tk + 1] = a[1]
-                    sRed[warp, rl + 8, tk] = a[2]
-                    sRed[warp, rl + 8, tk + 1] = a[3]
+                    swapab_c_fragment_to(sRed, warp, accs[t * NT + j], 16 * t + g, 8 * j + 2 * c)
             cute.arch.sync_threads()
             is_router = bid < RM
             # o = token * rows + local row: consecutive threads store consecutive n
