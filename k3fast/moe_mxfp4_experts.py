@@ -70,8 +70,10 @@ Version log
       a per-CTA rate that does not move with batch or shape. v4 consumes the slot first (decode and scale factors),
       then issues the weight refill before the MMAs, and refills the scale word after its last use. The PTX loops
       now carry no ring copies: the loads write the registers the next pass reads. Same MMAs in the same order, so the
-      output must be bit-identical to v3 (tests/gpu: test_v4_matches_v3_and_reference). ptxas: rank16 M1/M8 140,
-      M64 143; rank8 M64 150; full M1 128 (16 B of spills, outside the loops), M64 150 registers.  (A first draft
+      output must be bit-identical to v3 (tests/gpu: test_v4_matches_v3_and_reference). ptxas (after the row-index helper
+      refactor): rank16 M1 128 registers with 40 B of spills, M64 140; rank8 M64 150; full M1 128 with 24 B of
+      spills, M64 146. ptxas chooses the 128 cap for M1 itself; the spills are not visible in the PTX, so where
+      they land is for a SASS dump (nvdisasm >= 13.4) to show.  (A first draft
       of this change left FC2's y store inside the v4-only branch; caught by re-reading the code before any GPU run,
       v2/v3/v4 paths re-checked.)
       Prediction: if this is the main cost, per-CTA streaming goes from 6-7 GB/s to 15-25 GB/s, i.e. rank16 b64
