@@ -91,3 +91,47 @@ def loop_issue_order(ptx: str, min_loads: int = 1) -> list[tuple[str, str]]:
         if seq.count("L") >= min_loads:
             out.append((label, seq))
     return out
+
+
+def main(argv=None) -> int:
+    """python -m k3fast.ptxcheck [--out traces/cpu]: the loop statistics this module's docstring talks about, for
+    the experts kernel (v3, v4) and the fused in_proj GEMV, written to ptxcheck-<commit>.json with the versions."""
+    import argparse
+    import dataclasses
+    import json
+    import os
+
+    from . import moe_mxfp4_experts as mx
+    from . import rms_gemv
+    from ._dsl import TVM_FFI, import_cute
+    from .trace import environment
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--out", default="traces/cpu")
+    args = ap.parse_args(argv)
+    cutlass, _ = import_cute()
+    rows = []
+    for v in (3, 4):
+        for M in (1, 64):
+            key = dataclasses.replace(mx.compile_key(896, 3584, 256, M), version=v)
+            ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
+            for st in loop_copies_of_loads(ptx):
+                if st.global_loads >= 8:
+                    rows.append({"kernel": f"moe_mxfp4_experts v{v}", "config": "k3_rank16", "M": M,
+                                 **dataclasses.asdict(st)})
+    for label, seq in loop_issue_order(rms_gemv.fused_ptx(3216), min_loads=2):
+        rows.append({"kernel": "attnres_rms_gemv (fused)", "config": "k3_rank16 in_proj N=3216", "M": 1,
+                     "label": label, "issue_order": seq})
+    env = environment()
+    env["arch"] = os.environ.get("CUTE_DSL_ARCH")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"ptxcheck-{env['commit']}.json")
+    with open(path, "w") as f:
+        json.dump({"environment": env, "command": "python -m k3fast.ptxcheck", "records": rows}, f, indent=1)
+    for r in rows:
+        print(r)
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
