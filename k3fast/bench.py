@@ -55,8 +55,9 @@ def _cases(cfg, batch: int):
     cases.append(("attnres_rms_gemv", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
                                                                partial_out=p_out),
                   lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    # 1b. diagnostics of 1: our plain GEMV without the prologue (its cost = fused - plain), the unfused pair,
-    # and the fused kernel's k-split choices (the heuristic picks by load balance only)
+    # 1b. diagnostics of 1: our plain GEMV without the prologue (its cost = fused - plain), the unfused pair at
+    # M <= 2 (the k-split rows @ks1/4/8 of kernels-ea0c850.json set the fused kernel's ks = 4), and the split-K
+    # tensor-core kernel at M > 4
     from .rms_gemv import attnres_rmsnorm, gemv
     cases.append(("gemv_in_proj_plain", lambda: gemv(x, w_in), lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2))
     if M <= 2:
@@ -64,11 +65,14 @@ def _cases(cfg, batch: int):
             xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
             return gemv(xx, w_in)
         cases.append(("attnres_rms_gemv@unfused", unfused, lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-        for ks in (1, 4, 8):
-            cases.append((f"attnres_rms_gemv@ks{ks}",
-                          lambda ks=ks: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
-                                                         partial_out=p_out, fused_ks=ks),
-                          lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+    else:
+        # the opt-in tensor-core kernel with x staged in shared memory and K split across CTAs (gemv_splitk)
+        cases.append(("gemv_in_proj_plain@splitk", lambda: gemv(x, w_in, mma="splitk"), lambda: F.linear(x, w_in),
+                      w_in.numel() * 2 + M * d * 2))
+        cases.append(("attnres_rms_gemv@splitk",
+                      lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
+                                               partial_out=p_out, mma="splitk"),
+                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     # 2. KDA core
     proj = rnd(M, w_in.shape[0])
     conv_w = torch.cat([a.q_conv, a.k_conv, a.v_conv]).view(-1, 4).float().contiguous()
@@ -111,9 +115,12 @@ def _cases(cfg, batch: int):
     n_exp = int(ids.unique().numel())
     cases.append(("moe_mxfp4_experts", lambda: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws),
                   lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
-    # the previous version on the same inputs (A/B in one run; see the module's version log)
-    cases.append(("moe_mxfp4_experts@v2",
-                  lambda: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws, version=2),
+    # the previous default on the same inputs (A/B in one run; see the module's version log): v3 with the
+    # cluster rule that assumed every cluster co-resident
+    from .moe_mxfp4_experts import cluster_before_20261129, m_bucket
+    cases.append(("moe_mxfp4_experts@prev",
+                  lambda: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws, version=3,
+                                            cluster=cluster_before_20261129(m_bucket(M))),
                   lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
     # skewed routing: every token draws its 16 experts from one hot set of 24 (heavy sharing, ~24 distinct)
     hot = torch.randperm(cfg.num_experts, generator=g, device=dev)[:24]

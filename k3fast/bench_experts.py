@@ -14,9 +14,12 @@ causes give different signatures, and one run of this module separates them:
              40-64 bytes, ptxas 4.8.1);
 * ``W16D4 W16D8`` 16 warps per CTA (512 threads, so ptxas caps registers at 128; 12-60 bytes of spills): twice
              the warps per SM to hide the decode/MMA dependency chain;
-* ``v2``     the previous version on the same inputs;
-* ``v4``     v3 with each ring slot consumed before its refill is issued (no register copies at the loop's back
-             edge, which otherwise wait for the newest loads once per D steps), alone and combined with the others.
+* ``v2 v3``  earlier versions (v3 is v4 without the copy-free ring) on the same inputs;
+* ``default`` the kernel the layer runs (since 2026-11-29: v4, C = 2 for M > 2, C = 4 for M <= 2), the reference
+             for ``max_abs_diff_vs_default``; ``v3C8 v3C4`` are the defaults of before;
+* ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
+             C = 2 is bound by loads in flight (time moves with D) or by issue (the probe is much faster than
+             the kernel at every D).
 
 Every variant runs on the same inputs (uniform routing) in one process; times are median CUDA-graph replays with
 the L2 flushed (k3fast.trace.time_replays); Marlin (the stock path) is timed beside them. Writes
@@ -36,19 +39,20 @@ import torch
 from k3ref import preset
 from k3ref.weights import random_layer
 
-VARIANTS = ("v3", "v4", "probe", "v4probe", "C2", "C4", "C8", "D4", "D12", "W16D4", "W16D8", "v4C2", "v4W16D4", "v2")
+VARIANTS = ("default", "v3", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W16D4", "W16D8", "Dprobe4", "v3C8", "v3C4",
+            "v2")
 
 
 def variant_cfg(name: str, base):
     """The KernelCfg of a variant name, derived from the default key ``base``."""
-    if name == "v3":
+    if name == "default":
         return base
-    if name == "v2":
-        return dataclasses.replace(base, version=2)
     if name == "probe":
         return dataclasses.replace(base, probe="stream")
     if name.endswith("probe") and name != "probe":
         return dataclasses.replace(variant_cfg(name[:-len("probe")], base), probe="stream")
+    if name.startswith("Dprobe"):            # the stream probe at another ring depth, e.g. Dprobe4
+        return dataclasses.replace(base, probe="stream", D=int(name[len("Dprobe"):]))
     parts = re.fullmatch(r"((?:[CDWv]\d+)+)", name)
     if parts:                # e.g. C2, D4, W16D4, v4, v4W16D4: cluster size, ring depth, warps per CTA, version
         kw = {k: int(v) for k, v in re.findall(r"([CDWv])(\d+)", name)}
@@ -98,10 +102,14 @@ def main(argv=None) -> int:
             kcfgs = {}
             for v in args.variants:
                 try:
-                    kc = kcfgs[v] = variant_cfg(v, base)
+                    kc = variant_cfg(v, base)
                 except ValueError as ex:          # e.g. a cluster size that does not divide the tiles
                     print(f"  {shape} b{M} {v}: skipped ({ex})", flush=True)
                     continue
+                if v != "default" and kc == base:
+                    print(f"  {shape} b{M} {v}: same kernel as default, not timed twice", flush=True)
+                    continue
+                kcfgs[v] = kc
                 fns[v] = (lambda kc=kc: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws,
                                                           situ_beta=cfg.situ_beta,
                                                           situ_linear_beta=cfg.situ_linear_beta, kernel_cfg=kc))
@@ -113,10 +121,10 @@ def main(argv=None) -> int:
                     row["kernel_cfg"] = dataclasses.asdict(kcfgs[name])
                 try:
                     out = fn().clone()
-                    if name == "v3":
+                    if name == "default":
                         ref_out = out
-                    elif ref_out is not None and name != "probe":
-                        row["max_abs_diff_vs_v3"] = float((out.float() - ref_out.float()).abs().max())
+                    elif ref_out is not None and "probe" not in name:
+                        row["max_abs_diff_vs_default"] = float((out.float() - ref_out.float()).abs().max())
                     gr = capture(fn)
                     row.update(replay_stats(time_replays(gr, lambda: None, args.replays)))
                     row["achieved_tbps"] = round(nbytes / (row["us_median"] * 1e-6) / 1e12, 3)
@@ -125,7 +133,7 @@ def main(argv=None) -> int:
                     row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
                 recs.append({**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")}, **row})
                 print(json.dumps({k: row.get(k) for k in ("shape", "batch", "variant", "us_median", "achieved_tbps",
-                                                          "floor_us", "max_abs_diff_vs_v3", "error")}), flush=True)
+                                                          "floor_us", "max_abs_diff_vs_default", "error")}), flush=True)
             write_run(path, env, bw, recs)
             del marlin
             torch.cuda.empty_cache()

@@ -31,7 +31,7 @@ class FastImpl:
     name = "fast"
 
     def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, overlap_shared: bool = False,
-                 experts_version: int = 3):
+                 experts_version: int | None = None, experts_cluster=None, gemv_mma: str = "v2"):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -64,9 +64,22 @@ class FastImpl:
         # sweep the whole layer was 7 % slower with it at rank16 b1, 2.7 % faster at rank8 b1 and within 2 %
         # elsewhere, i.e. no measured gain for a more complex graph (LOG.md).
         self.overlap_shared = overlap_shared
-        self.experts_version = experts_version      # k3fast.moe_mxfp4_experts version log; 4 is opt-in until measured
-        self.variant = ("overlap-shared" if overlap_shared else "serial") + f", experts v{experts_version}"
+        # k3fast.moe_mxfp4_experts version log. experts_cluster: None = default_cluster; a callable MB -> C selects
+        # another rule (the "fast-prev" A/B runs the defaults before 2026-11-29: v3, C = 8 up to MB 8, else 4).
+        from .moe_mxfp4_experts import DEFAULT_VERSION
+        self.experts_version = DEFAULT_VERSION if experts_version is None else experts_version
+        self.experts_cluster = experts_cluster
+        self.gemv_mma = gemv_mma      # rms_gemv.gemv's kernel for M > 4: "v2" or the opt-in "splitk"
+        self.variant = (("overlap-shared" if overlap_shared else "serial") + f", experts v{self.experts_version}"
+                        + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")
+                        + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}"))
         self._side = None
+
+    def _experts_cluster(self, M: int):
+        if self.experts_cluster is None:
+            return None
+        from .moe_mxfp4_experts import m_bucket
+        return self.experts_cluster(m_bucket(M))
 
     # ------------------------------------------------------------------------------------------ halves
     def attn(self, io) -> None:
@@ -84,7 +97,7 @@ class FastImpl:
         with stage("k3.kda.in_proj"):
             proj, _ = attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm, self.in_proj,
                                        eps=cfg.rms_norm_eps, block_write=(l // cfg.attn_res_block_size) if boundary else -1,
-                                       partial_out=p1)
+                                       partial_out=p1, mma=self.gemv_mma)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
@@ -117,7 +130,7 @@ class FastImpl:
         with stage("k3.moe.experts"):
             r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
                                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x),
-                                  version=self.experts_version)
+                                  version=self.experts_version, cluster=self._experts_cluster(x.shape[0]))
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         with stage("k3.moe.up"):

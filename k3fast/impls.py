@@ -427,14 +427,18 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
     if name == "fast":
         from .fast import FastImpl
         return FastImpl(cfg, w, **kw)
-    if name == "fast-v4":                   # the fused path with the opt-in experts kernel v4 (A/B at layer level)
+    if name == "fast-prev":                 # A/B at layer level: the experts kernel as it was before 2026-11-29
         from .fast import FastImpl
-        return FastImpl(cfg, w, experts_version=4, **kw)
+        from .moe_mxfp4_experts import cluster_before_20261129
+        return FastImpl(cfg, w, experts_version=3, experts_cluster=cluster_before_20261129, **kw)
+    if name == "fast-splitk":               # A/B at layer level: in_proj at M > 4 on k3fast.gemv_splitk (opt-in)
+        from .fast import FastImpl
+        return FastImpl(cfg, w, gemv_mma="splitk", **kw)
     if name in ("fast-overlap", "fast-serial"):
         # A/B of the shared-experts overlap. Until 11595c4 "fast" overlapped and "fast-serial" did not; since
         # then "fast" is serial, and each record names its variant in `fast_variant`.
         from .fast import FastImpl
         return FastImpl(cfg, w, overlap_shared=(name == "fast-overlap"), **kw)
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-v4']}")
+        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk']}")
     return IMPLS[name](cfg, w, **kw) if name == "stock" else IMPLS[name](cfg, w)

@@ -62,7 +62,7 @@ Version log
       all co-resident (GPCs hold floor(SMs / 4) clusters: 32 on 8 GPCs would leave one cluster for a second
       wave), per-pass fixed costs (ring fill twice per expert, two cluster barriers, DSMEM exchange, the gpu-scope
       fence before the combine), or the loop being latency-bound at 8 warps per SM (D and the stream probe tell).
-  v4  (not yet run on a GPU; opt-in, version=4) The register ring was not what it looked like. In each step v3 read a
+  v4  (default since the H200 run below) The register ring was not what it looked like. In each step v3 read a
       slot's words, issued the slot's refill and only then decoded the old words. So the old and the new values were
       live together, and the loop-carried slot needed a copy: the v3 PTX FC1 loop has 135 mov.b32 per 8 steps, among
       them a copy of each of the 40 ring registers (8 slots x 4 words + scale) at the loop head. A mov of a register whose load is still in flight waits for that load, so once per D
@@ -79,6 +79,25 @@ Version log
       Prediction: if this is the main cost, per-CTA streaming goes from 6-7 GB/s to 15-25 GB/s, i.e. rank16 b64
       922 -> ~300-450 us and b8 220 -> ~80-120 us (Marlin 408 / 103). If it barely moves, the stream probe and the
       W16 variants of k3fast.bench_experts are the next evidence.
+      Measured (traces/h200/experts-ea0c850.json, k3fast.bench_experts, one run, L2 read-flushed): bit-identical to
+      v3 at every batch (max |diff| 0).  rank16 b1/b8/b64 at the then-default clusters (C = 8, 8, 4): v3 41.0 /
+      239.4 / 1044.6 us, v4 29.9 / 167.8 / 953.5 us (Marlin 36.4 / 101.1 / 405.4).  PREDICTION PARTLY MISSED: b8
+      moved 1.4x (predicted 2-3x), b64 9 % (predicted 2-3x).  The cluster-size rows found the main cost instead:
+                       b1      b8       b64      (us; v3 unless named)
+        C = 2         45.1     87.5    484.8
+        C = 4         30.8    154.3   1044.8
+        C = 8         41.3    240.5   1472.6
+        v4, C = 2     49.2     94.2    478.5
+      At b64 the time per expert pass is ~52-56 us at both C = 2 and C = 4 although a C = 2 pass streams twice the
+      bytes per CTA: the C = 4 grid (33 clusters) does not fit at once, and the 33rd cluster runs its 18 experts
+      after the others (GPCs of 16-18 SMs hold 4 clusters of 4 each: 32).  C = 8 (16 clusters) shows the same at
+      b1/b8.  C = 2 clusters are TPC pairs and all 66 fit.  The stream probe (no decode, no MMA) at the old
+      clusters was 19.6 / 99.6 / 575.6 us, i.e. itself bound by the same second wave.
+      Default from then on: version 4, C = 2 for MB >= 4, C = 4 for MB <= 2 (default_cluster).  Predicted: rank16
+      b8 ~90 us, b64 ~480 us (1.85 TB/s, 44 % of copy: still under the 75 % target, and Marlin's 2.2 TB/s at b64),
+      b1 ~28-31 us.  What remains at C = 2 is ~14 GB/s per SM with 32 KB of loads in flight per SM (8 warps x D = 8
+      x 512 B): either the loop's issue rate at 2 warps per scheduler (~150 instructions per 512 B step) or the
+      in-flight depth.  bench_experts' C = 2 rows (probe, D = 4/12, 16 warps) separate the two.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -296,9 +315,25 @@ def m_bucket(M: int) -> int:
 
 
 def default_cluster(MB: int) -> int:
-    # Expected distinct experts (E=896, top-16): 16, 32, 63, 119, 215, 392, 610 for M = 1..64.  Whole-expert work
-    # items over 132/C clusters: C = 8 keeps the last wave >= 93 % full up to M = 8; above that C = 4 (>= 93 %).
+    """Cluster size by batch bucket, from the H200 measurement in the version log (v4, measured).
+
+    The kernel is persistent with a static assignment (cluster q takes active experts q, q + Q, ...), so a cluster
+    that is not co-resident with the others runs its whole share after them and doubles the time.  Clusters of C
+    CTAs must fit inside one GPC; the GPCs of a 132-SM part hold 16-18 SMs, so only C = 2 (TPC pairs) is always
+    fully co-resident (66 clusters).  At C = 4 the 33rd cluster was measured as a second wave (rank16 b64 1045 us
+    against 485 us at C = 2).  C = 4 stays for MB <= 2: at most 32 active experts, so no cluster beyond the 32nd
+    ever has work, and each expert is split over 4 SMs instead of 2 (64 busy SMs at batch 1).
+    """
+    return 4 if MB <= 2 else 2
+
+
+def cluster_before_20261129(MB: int) -> int:
+    """The rule default_cluster replaced (kept for the layer-level A/B ``fast-prev``): whole-expert work items over
+    132 / C clusters with the last wave >= 93 % full, which assumed every cluster co-resident."""
     return 8 if MB <= 8 else 4
+
+
+DEFAULT_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -313,7 +348,7 @@ class KernelCfg:
     nsm: int = 132
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
-    version: int = 3  # 2: z read from global per step; 3: z staged in smem per pass; 4: v3 + copy-free ring
+    version: int = DEFAULT_VERSION  # 2: z from global per step; 3: z staged in smem; 4: v3 + copy-free ring
     probe: str = ""   # diagnostics only: "stream" = weights loaded and XOR-folded, no decode / MMA (wrong output)
 
     def __post_init__(self):
@@ -909,7 +944,8 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
 
 
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
-                situ_beta: float = 4.0, situ_linear_beta: float = 25.0, version: int = 3) -> KernelCfg:
+                situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                version: int = DEFAULT_VERSION) -> KernelCfg:
     MB = m_bucket(M)
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C or default_cluster(MB), D=D, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version)
@@ -985,7 +1021,8 @@ def _validate(z, topk_ids, topk_w, prep: PreparedExperts):
 
 def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
-                      version: int = 3, kernel_cfg: KernelCfg | None = None):
+                      version: int = DEFAULT_VERSION, cluster: int | None = None,
+                      kernel_cfg: KernelCfg | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -1008,8 +1045,8 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     check_tensor("workspace.counters", workspace.counters, dtype=torch.int32, shape=(MAX_M * 8,), device=z.device)
     if workspace.y.dim() != 2 or workspace.y.shape[1] != dL or workspace.y.shape[0] < M * TOPK:
         raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
-    key = compile_key(E, dL, I, M, nsm=_num_sms(z.device), situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                      version=version)
+    key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
+                      situ_linear_beta=situ_linear_beta, version=version)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M:
             raise ValueError(f"kernel_cfg {kernel_cfg} does not fit E={E}, dL={dL}, I={I}, M={M}")

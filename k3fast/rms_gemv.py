@@ -130,18 +130,19 @@ def _mma_config(N: int, K: int, MB: int) -> tuple[int, int, int]:
 
 
 def _fused_config(N: int, K: int) -> tuple[int, int, int]:
-    """(rows per CTA iteration, k-slices, grid) for the persistent fused kernel, balancing row groups."""
-    best = None
-    for ks in (1, 2, 4, 8):
-        if (K // 8) // ks < 64:
-            break
-        rpc = FUSED_WARPS // ks
-        groups = N // rpc
-        iters = -(-groups // NUM_SMS)
-        eff = groups / (iters * NUM_SMS)
-        if best is None or eff > best[0] + 0.02:
-            best = (eff, rpc, ks, -(-groups // iters))
-    return best[1], best[2], best[3]
+    """(rows per CTA iteration, k-slices, grid) for the persistent fused kernel.
+
+    ks = 4 where K allows (>= 64 16-byte vectors per slice).  v2's rule balanced row groups over the SMs and
+    picked ks = 8 at rank16 and ks = 2 at full width; the H200 bench at ea0c850 timed every choice on the same
+    inputs (traces/h200/kernels-ea0c850.json): rank16 b1 ks 1/4/8 = 26.2 / 24.1 / 27.1 us, full b1 ks 1/4/8 =
+    229.1 / 210.7 / 276.8 us against 225.8 us for ks = 2; ks = 4 was the fastest at both."""
+    ks = 4
+    while ks > 1 and (K // 8) // ks < 64:
+        ks //= 2
+    rpc = FUSED_WARPS // ks
+    groups = N // rpc
+    iters = -(-groups // NUM_SMS)
+    return rpc, ks, -(-groups // iters)
 
 
 # ----------------------------------------------------------------------------- K3 shapes
@@ -659,8 +660,12 @@ def _check_2d(name, t, M, K, dev):
     check_tensor(name, t, dtype=torch.bfloat16, shape=(M, K), device=dev)
 
 
-def gemv(x, w, out=None):
-    """y[M, N] = x[M, K] @ w[N, K]^T (bf16 in/out, fp32 accumulate), M = 1..64, N and K multiples of 16."""
+def gemv(x, w, out=None, *, mma: str = "v2"):
+    """y[M, N] = x[M, K] @ w[N, K]^T (bf16 in/out, fp32 accumulate), M = 1..64, N and K multiples of 16.
+
+    mma: the tensor-core kernel for M > 4: "v2" (`_MmaGemv`, K split among a CTA's warps) or "splitk"
+    (k3fast.gemv_splitk: x staged in shared memory, K split across CTAs; opt-in until measured, used only
+    where gemv_splitk.applicable says so)."""
     import torch
     check_tensor("w", w, dtype=torch.bfloat16)
     if w.dim() != 2:
@@ -678,13 +683,22 @@ def gemv(x, w, out=None):
         out = torch.empty(M, N, dtype=torch.bfloat16, device=w.device)
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=w.device, align=2)
+    if mma not in ("v2", "splitk"):
+        raise ValueError(f"mma must be 'v2' or 'splitk', got {mma!r}")
     MB = bucket_m(M)
     if MB <= 4:
         rpc, ks = _fma_config(N, K)
         _compile_fma(MB, rpc, ks)(x, w, out, None, None, None, None, None, None, N // rpc)
+    elif mma == "splitk" and _splitk().applicable(N, K, M):
+        _splitk().gemv_splitk(x, w, out=out)
     else:
         _compile_mma(MB, *_mma_config(N, K, MB))(x, w, out)
     return out
+
+
+def _splitk():
+    from . import gemv_splitk
+    return gemv_splitk
 
 
 def _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out, fused):
@@ -742,7 +756,7 @@ def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, bloc
 
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
-                     partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None):
+                     partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2"):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
@@ -772,7 +786,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
                                      block_write=block_write, partial_out=partial_out)
-    gemv(x, w, out=out)
+    gemv(x, w, out=out, mma=mma)
     return out, partial_out
 
 

@@ -132,8 +132,20 @@ def test_compile_all_keys(cfg):
     keys = mx.compile_keys(cfg)
     assert {k.MB for k in keys} == set(mx.M_BUCKETS)
     for key in keys:
-        assert key.version == 3
+        assert key.version == mx.DEFAULT_VERSION == 4
+        assert key.C == mx.default_cluster(key.MB)
         assert mx.get_kernel(key) is not None
+
+
+def test_default_cluster_keeps_every_busy_cluster_co_resident():
+    # Clusters of 2 are TPC pairs (66 always fit on 132 SMs); clusters of 4 only where <= 32 experts are active
+    # (M <= 2), so a cluster that would run as a second wave never has work (version log, v4 measured).
+    for MB in mx.M_BUCKETS:
+        C = mx.default_cluster(MB)
+        active_max = min(mx.TOPK * MB, 896)
+        fits = {2: 66, 4: 32}[C]
+        assert active_max <= fits or C == 2
+    assert mx.cluster_before_20261129(8) == 8 and mx.default_cluster(8) == 2
 
 
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")

@@ -158,3 +158,20 @@ def test_distinct_expert_bytes_counts_dedup():
     gen = torch.Generator(device=DEV).manual_seed(9)
     ids, _ = routing(8, "shared", gen)
     assert mx.distinct_expert_bytes(ids, (DL, 256)) == 16 * mx.expert_bytes(DL, 256)
+
+
+@pytest.mark.parametrize("C", [2, 4, 8])
+@pytest.mark.parametrize("M", [1, 8, 64])
+def test_every_cluster_size_matches_reference(M, C):
+    """The default cluster size moved from 8/4 to 4/2 (version log): every size stays correct, and the output does
+    not depend on it where the FC1 K split does not change (S = 1 at C = 2 and 4 for I = 256)."""
+    ck, prep, z, ids, w, ws = case(M, 256, "uniform", 3000 * M + C)
+    outs = {}
+    for c in (C, 2):
+        outs[c] = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=outs[c], workspace=ws, cluster=c)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[C]).all() and ws.counters.eq(0).all()
+    assert rel_rmse(outs[C], reference(z, ids, w, ck)) <= TOL
+    if C == 4:
+        assert torch.equal(outs[4].view(torch.int16), outs[2].view(torch.int16))
