@@ -55,6 +55,24 @@ def recorded_kernel_bench(kernel: str) -> list[dict]:
     return [rows[k] for k in sorted(rows, key=lambda k: (order.get(k[0], 9), k[1]))]
 
 
+def recorded_experts_probe(shape: str = "k3_rank16") -> tuple[str, dict]:
+    """The newest traces/h200/experts-*.json (k3fast.bench_experts): (source, {variant: {batch: us_median}})."""
+    best = None
+    for path in glob.glob(os.path.join(ROOT, "traces", "h200", "experts-*.json")):
+        with open(path) as f:
+            doc = json.load(f)
+        date = max((r.get("date") or "" for r in doc["records"]), default="")
+        if best is None or date > best[0]:
+            best = (date, path, doc)
+    if best is None:
+        return "", {}
+    table: dict = {}
+    for r in best[2]["records"]:
+        if r["shape"] == shape and r.get("us_median") is not None:
+            table.setdefault(r["variant"], {})[r["batch"]] = r["us_median"]
+    return os.path.relpath(best[1], ROOT), table
+
+
 def recorded_layer_parts(kind: str, part: str) -> list[dict]:
     from .report import load_records
     return [r for r in load_records() if r["layer_kind"] == kind and r["part"] == part]

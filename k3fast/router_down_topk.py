@@ -30,6 +30,10 @@ Version log
       Measured (kernels-11595c4.json, floor 15.2 us at 4.22 TB/s): b1/b8/b64 32.1 / 41.9 / 66.3 us against the stock
       router + latent GEMMs + top-k 49.7 / 52.6 / 58.8 us (1.55x / 1.25x / 0.89x).  Correct (GPU tests 29/30; the
       one failure was a too-tight fp32-logits bound, since 1e-5).
+  v2.1 (2026-11-29, CPU-compiled) FMA path at M <= 2: 8 weight vectors per lane in flight after the 4-vector
+      prologue (was 4): 28 vectors per lane take 1 + 3 round trips instead of 1 + 6.  ptxas M=1: 96 registers
+      (80 before), M=2: 114; 0 spills; 5 CTAs of 4 warps per SM instead of 6.  Predicted b1 31.4 -> ~24-27 us;
+      the bench row router_down_topk@U4 times the old choice on the same inputs.
       Expected (floor 64.23 MB / 4.3 TB/s = 14.9 us; need ~4.3 TB/s x ~0.8 us = 3.4 MB in flight):
         M=8:  W in flight 2240 warps x 2 (unroll) x 1 KB = 4.6 MB -> DRAM bound; per k32 chunk a warp issues
               3 loads + 2 mma; top-k = 1 CTA x 8 tokens after the last router arrival (~1-2 us tail)
@@ -88,12 +92,20 @@ M_MAX = 64
 WARPS = 4          # warps per CTA = rows per CTA = tokens per top-k CTA
 PRE = 4            # 16-byte weight vectors per lane issued before griddepcontrol_wait
 UNROLL = 4
+
+
+def fma_unroll(mb: int) -> int:
+    """16-byte weight vectors per lane in flight in the FMA path (after the PRE issued before the PDL wait).
+    8 at M <= 2 since 2026-11-29 (v2.1): at 4 a warp's 28 vectors per lane take 7 round trips; fewer where
+    M x accumulator registers grow."""
+    return 8 if mb <= 2 else (UNROLL if mb <= 8 else (2 if mb <= 16 else 1))
+
 # tensor-core path (M > 4): bucket -> (16-row tiles per warp RTW, k-slices KS = warps per CTA, k-loop unroll)
 MMA_CONFIG = {8: (1, 8, 2), 16: (1, 4, 4), 32: (2, 4, 4), 64: (2, 4, 2)}
 MMA_PF = 8         # k32 chunks per warp prefetched into L2 before griddepcontrol_wait
 
 # ptxas report for the CPU compile (CUTE_DSL_COMPILER_OPT="remarks{ptx}", sm_90a): bucket -> (regs, spill bytes)
-REGISTER_LOG = {1: (80, 0), 2: (93, 0), 4: (116, 0), 8: (80, 0), 16: (96, 0), 32: (118, 0), 64: (190, 0)}
+REGISTER_LOG = {1: (96, 0), 2: (114, 0), 4: (116, 0), 8: (80, 0), 16: (96, 0), 32: (118, 0), 64: (190, 0)}
 
 _WORKSPACES: dict = {}
 
@@ -133,7 +145,7 @@ def _check_shapes(n_experts, latent, hidden, top_k, mb=1):
                              f"hidden/32 a multiple of {ks}, got {n_experts}, {latent}, {hidden}")
 
 
-def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
+def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll: int):
     """Trace and compile one M bucket (called through compile_cached)."""
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Uint32
@@ -145,8 +157,8 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
     J = NE // 32                     # logits per lane in the top-k
     R = NE // WARPS                  # router CTAs
     T = (mb + WARPS - 1) // WARPS    # top-k CTAs (the last T router arrivers)
-    U = UNROLL if mb <= 8 else (2 if mb <= 16 else 1)     # fewer vectors in flight where M x acc regs grow
-    assert PRE % U == 0 and (ITERS - PRE) % U == 0
+    U = unroll
+    assert (ITERS - PRE) % U == 0, f"unroll {U} must divide the {ITERS - PRE} vectors per lane after the prologue"
     assert T <= R
     if mb in MMA_CONFIG:
         RTW, KS, UM = MMA_CONFIG[mb]
@@ -232,14 +244,14 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
                     mm = cutlass.min(Int32(m), M - 1)
                     cute.autovec_copy(gX[0, None, mm, lane + 32 * i], rX)
                     acc[m] += (rX.load().to(Float32) * w).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            for it in cutlass.range(PRE // U, ITERS // U, 1):
+            for it in cutlass.range(0, (ITERS - PRE) // U, 1):
                 for u in cutlass.range_constexpr(U):
-                    cute.copy(w_atom, gW[0, None, n, lane + 32 * (it * U + u)], rV[u, None])
+                    cute.copy(w_atom, gW[0, None, n, lane + 32 * (PRE + it * U + u)], rV[u, None])
                 for u in cutlass.range_constexpr(U):
                     w = rV[u, None].load().to(Float32)
                     for m in cutlass.range(mb, unroll_full=True):
                         mm = cutlass.min(Int32(m), M - 1)
-                        cute.autovec_copy(gX[0, None, mm, lane + 32 * (it * U + u)], rX)
+                        cute.autovec_copy(gX[0, None, mm, lane + 32 * (PRE + it * U + u)], rX)
                         acc[m] += (rX.load().to(Float32) * w).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
             is_router = bid < R
@@ -436,10 +448,14 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int):
     return cute.compile(obj, x, w, bias, z, ids, wt, ws, cnt, Float32(1.0), fake_stream(), options=TVM_FFI)
 
 
-def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K):
+def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K, unroll=None):
     _check_shapes(n_experts, latent, hidden, top_k, mb)
-    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k)
-    return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k))
+    if unroll is None:
+        unroll, rest = fma_unroll(mb), hidden // 256 - PRE
+        while rest % unroll:              # e.g. hidden 2048: 4 vectors per lane after the prologue
+            unroll //= 2
+    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll)
+    return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k, unroll))
 
 
 def warmup(batches=(1, 2, 3, 4, 7, 8, 16, 64), *, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K,
@@ -476,8 +492,10 @@ def prepare_front_weight(w_router, w_down):
 
 
 def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0,
-                     out_z=None, out_ids=None, out_w=None, workspace=None):
+                     out_z=None, out_ids=None, out_w=None, workspace=None, fma_unroll=None):
     """z = bf16(x W_down^T), topk_ids [M, top_k] int32, topk_w [M, top_k] fp32 (k3-spec.md sections 10, 11).
+
+    fma_unroll: benchmarks only (k3fast.bench's @U4 row): the FMA path's vectors in flight per lane.
 
     x [M, 7168] bf16 (1 <= M <= 64), w_packed from prepare_front_weight, e_bias [n_experts] fp32.
     ids are ordered by descending s + e_bias, ties by ascending expert index (the lower index wins a tie).
@@ -513,6 +531,6 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
     check_tensor("workspace[1]", cnt, dtype=torch.int32, shape=(4,), device=dev)
     if not math.isfinite(float(scaling)):
         raise ValueError(f"scaling must be finite, got {scaling}")
-    fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k)     # M > 4: tensor-core path
+    fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k, fma_unroll)     # M > 4: tensor-core path
     fn(x, w_packed, e_bias, out_z, out_ids, out_w, ws, cnt, float(scaling))
     return out_z, out_ids, out_w

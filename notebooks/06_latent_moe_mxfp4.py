@@ -89,7 +89,8 @@ print(nbtools.bench_table(nbtools.recorded_kernel_bench("moe_mxfp4_experts")))
 # The old and new values were then alive together, so the compiler copied every ring register at the loop head.
 # A copy of a register with a load in flight waits for that load: once every D steps, a full HBM round trip.
 # Version 4 decodes the slot first, then refills it. `k3fast.ptxcheck` counts such copies in the compiled PTX, so
-# the bug is visible on a CPU. Whether v4 is faster is the next H200 run's question: see `k3fast/LOG.md`.
+# the bug is visible on a CPU. On the H200 v4 was bit-identical to v3 and 1.4x faster at batch 8, but only 9 %
+# at batch 64: the copies were a cost, not *the* cost (section 7).
 
 # %%
 import dataclasses
@@ -105,6 +106,23 @@ if dsl_available():
                       f"{st.copies_of_loads} copies of in-flight loads")
 else:
     print("CuTe DSL not installed: PTX check skipped")
+
+# %% [markdown]
+# ## 7. What the H200 said: clusters that do not fit at once
+# `python -m k3fast.bench_experts` times design variants of the kernel on the same inputs in one run. The kernel
+# is persistent: cluster q takes active experts q, q + Q, ... A cluster of C CTAs must fit inside one GPC (16-18
+# SMs), so a grid of 33 clusters of 4 does not fit at once, and the 33rd cluster runs its whole share after the
+# others: the time doubles. Clusters of 2 are TPC pairs, and all 66 fit. The `probe` rows replace decode and MMA
+# with an XOR of the loaded words: the load pipeline alone. Since this run the default is v4 with C = 2 (C = 4 at
+# M <= 2), and the rows below say how far that still is from the floor.
+
+# %%
+src, table = nbtools.recorded_experts_probe("k3_rank16")
+print(f"k3_rank16, median µs per launch ({src})")
+batches = sorted({b for row in table.values() for b in row})
+print(f"{'variant':10s}" + "".join(f"{'b' + str(b):>10s}" for b in batches))
+for variant, row in table.items():
+    print(f"{variant:10s}" + "".join(f"{row.get(b, float('nan')):10.1f}" for b in batches))
 
 # %%
 assert vec_vs_loop < 1e-10

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the H200: the measurements k3fast/LOG.md lists under "Next session, in order", as separate steps so each fits
 # one 10-minute device call. Files under $OUT (<= 8 per call).
-#   K3_COMMIT=<commit> bash scripts/h200_next.sh tests     # all GPU tests (~6 min)
-#   K3_COMMIT=<commit> bash scripts/h200_next.sh kda       # KDA+MoE fast vs stock + kernel bench + experts probe
+#   K3_COMMIT=<commit> bash scripts/h200_next.sh tests     # all GPU tests (~7 min)
+#   K3_COMMIT=<commit> bash scripts/h200_next.sh changed   # the GPU tests of what changed since the last full run
+#   K3_COMMIT=<commit> bash scripts/h200_next.sh kda       # KDA+MoE stock/fast/fast-splitk + kernel bench + experts probe
 #   K3_COMMIT=<commit> bash scripts/h200_next.sh skewed    # KDA+MoE with routing skewed onto 24 hot experts
 #   K3_COMMIT=<commit> bash scripts/h200_next.sh mla       # MLA+MoE stock (FlashMLA core) at every cell
 set -o pipefail
@@ -11,11 +12,16 @@ cd "$(dirname "$0")/.."
 export K3_COMMIT
 case "${1:-}" in
   tests)  K3_TEST_TIMEOUT=${K3_TEST_TIMEOUT:-540} bash scripts/h200_tests.sh ;;
-  kda)    K3_SWEEP_TIMEOUT=200 K3_BENCH="--shapes k3_rank16 full --batches 1 8 64" K3_BENCH_TIMEOUT=150 \
-          K3_EXPERTS="--shapes k3_rank16 --batches 1 8 64" K3_EXPERTS_TIMEOUT=210 \
-          bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-v4 --budget-s 150 ;;
+  # what changed since the last GPU test run (2026-11-29): experts clusters, fused ks, gemv_splitk
+  changed) K3_TEST_TIMEOUT=260 bash scripts/h200_tests.sh tests/gpu/test_gemv_splitk.py \
+          tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py tests/gpu/test_router_down_topk.py \
+          tests/gpu/test_rms_gemv.py -k "(splitk or cluster or attnres_rms_gemv or fused or fast or router or matches or v4) and not full_width" ;;
+  kda)    K3_SWEEP_TIMEOUT=190 K3_BENCH="--shapes k3_rank16 --batches 1 8 64" K3_BENCH_TIMEOUT=80 \
+          K3_EXPERTS="--shapes k3_rank16 --batches 1 8 64 --variants default probe C4 D4 D12 W16D8 Dprobe4 v3C8" \
+          K3_EXPERTS_TIMEOUT=140 \
+          bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-splitk --budget-s 150 ;;
   skewed) K3_SWEEP_TIMEOUT=500 bash scripts/h200_sweep.sh --kinds kda_moe --routing skewed --impls stock fast \
           --budget-s 420 ;;
   mla)    K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds mla_moe --impls stock --budget-s 480 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|kda|skewed|mla"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|changed|kda|skewed|mla"; exit 2 ;;
 esac

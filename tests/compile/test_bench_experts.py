@@ -18,6 +18,10 @@ def test_variants_are_valid_keys(cfg):
             assert kc.Q * kc.C <= 132 and (kc.dL // 16) % kc.C == 0
         assert be.variant_cfg("probe", base).probe == "stream"
         assert be.variant_cfg("v2", base).version == 2
+        assert be.variant_cfg("default", base) == base and base.version == 4
+        dp = be.variant_cfg("Dprobe4", base)
+        assert dp.probe == "stream" and dp.D == 4 and dp.C == base.C
+        assert be.variant_cfg("v3C8", base).C == 8 and be.variant_cfg("v3C8", base).version == 3
     with pytest.raises(ValueError):
         be.variant_cfg("X1", base)
     with pytest.raises(ValueError, match="probe"):
