@@ -103,8 +103,8 @@ def _cases(cfg, batch: int):
         ids = torch.topk(s + bias, cfg.num_experts_per_token, dim=-1).indices
         return F.linear(x, m.down), ids
     cases.append(("router_down_topk", lambda: router_down_topk(x, front, bias), stock_front, front.numel() * 2 + M * d * 2))
-    if M <= 2:      # the previous FMA unroll (4 vectors per lane in flight; 8 since 2026-11-29) on the same inputs
-        cases.append(("router_down_topk@U4", lambda: router_down_topk(x, front, bias, fma_unroll=4), stock_front,
+    if M <= 2:      # a deeper FMA unroll (8 vectors per lane in flight; measured slower at e44cd14, LOG.md)
+        cases.append(("router_down_topk@U8", lambda: router_down_topk(x, front, bias, fma_unroll=8), stock_front,
                       front.numel() * 2 + M * d * 2))
     # 5. routed experts (uniform routing: distinct experts per token)
     prep = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)

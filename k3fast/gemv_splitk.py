@@ -19,11 +19,20 @@ fp32 partial sums per K range, added in range order; one rounding to bf16 at the
 `_MmaGemv`'s only in fp32 summation order.
 
 Version log
-  v1  (2026-11-29; CPU-compiled for sm_90a, not yet run on a GPU).  Prediction (rank16 in_proj, N = 3216,
+  v1  (2026-11-29).  Prediction (rank16 in_proj, N = 3216,
       K = 7168: 26 row blocks x KG = 14 K ranges of 16 k32 steps, 364 CTAs, x tile 70 KB at M = 64): b64 39.6 ->
       ~22-26 us, b8 27.2 -> ~18-21 us, i.e. on par with cuBLAS; the attention half at b64 then loses ~15-20 us.
       If it misses, the first suspects are the short per-warp streams (16 k32 steps of 1 KB with 4 in flight) and
       the 1.4-wave grid; KG is one host-side number to sweep (``kg=`` override).
+      Measured (traces/h200/kernels-e44cd14.json, same inputs and run; GPU tests passed, logs/gpu-junit-e44cd14.xml):
+      plain in_proj rank16 b8 25.2 us (rms_gemv v2 27.3, cuBLAS 19.9), b64 58.4 us (v2 39.9, cuBLAS 22.1); the
+      attention half at b64 104.8 us against 86.8 us with v2 (records-e44cd14-kda.json, fast-splitk vs fast).
+      PREDICTION MISSED: 8 % better at b8, 46 % worse at b64.  Not measured, so hypotheses only: at b64 each
+      CTA sums 14 partial tiles of 32 KB alone at the end of the grid, so each row block pays a serial
+      ~450 KB read from L2 after its last K range; each warp's 16 k32 steps at unroll 2 are 8 dependent round trips; and
+      128 registers x 256 threads allow 2 CTAs per SM, so 364 CTAs run in 1.4 waves.  Next: a kg sweep (1.5-wave
+      vs 1-wave grids), and a reduction spread over the row block's CTAs (each sums 1/kg of the tile) or done
+      with DSMEM in a cluster of the K ranges.  It stays opt-in (`mma="v2"` is the default).
 """
 
 from ._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, swapab_a_fragment,

@@ -98,6 +98,27 @@ Version log
       b1 ~28-31 us.  What remains at C = 2 is ~14 GB/s per SM with 32 KB of loads in flight per SM (8 warps x D = 8
       x 512 B): either the loop's issue rate at 2 warps per scheduler (~150 instructions per 512 B step) or the
       in-flight depth.  bench_experts' C = 2 rows (probe, D = 4/12, 16 warps) separate the two.
+      Measured (traces/h200/experts-e44cd14.json, one run, copy 4.21 TB/s; GPU tests of the new default passed,
+      logs/gpu-junit-e44cd14.xml): rank16 b1/b8/b64 31.1 / 94.4 / 481.8 us = 0.75 / 1.81 / 1.85 TB/s (Marlin 36.6 /
+      102.3 / 407.0), i.e. the prediction held (~28-31 / ~88-94 / ~480).  Faster than Marlin at b1 and b8, 18 %
+      slower at b64.  What bounds it now, from the C = 2 rows of the same run:
+                       b1      b8       b64     (us)
+        default       31.1     94.4    481.8    (W = 8, D = 8: 40 KB of loads in flight per SM)
+        probe         20.6     54.9    264.1    (no decode / MMA: 1.13 / 3.12 / 3.37 TB/s)
+        Dprobe4       22.4     67.9    333.7    (probe with half the loads in flight)
+        D4            33.3    105.4    568.7
+        D12           30.1     99.8    547.4    (ptxas: 255 registers + 96 B of spills at MB 64)
+        W16D8         30.1     82.4    433.2    (16 warps; 128-register cap, 44-48 B of spills)
+      The load structure alone reaches 80 % of the copy bandwidth at b64 (the probe), and depth matters to it
+      (Dprobe4 is 26 % slower).  The full kernel takes 1.8x the probe's time at every depth, and 16 warps per SM
+      recover 10-13 %.  So the decode + MMA instruction stream is the bound (~150 instructions per 512-byte step at
+      8 warps, where ~2 IPC gives ~14 GB/s per SM), not HBM.  The next version has to cut instructions per step
+      (decode through shift + LOP3 + one bf16x2 multiply per register instead of the PRMT table, or fewer
+      scale multiplies) and run 16 warps.  W16D8 is bit-identical to the default on these inputs, but the GPU tests
+      have not run it, so it is not the default yet.
+      Skewed routing (24 hot experts) got slower with C = 2: b64 170.9 -> 232.6 us.  With ~24 active experts only
+      24 clusters have work, i.e. 48 SMs at C = 2 against 96 at C = 4.  Work items of one pass (expert, <= NT
+      pairs) instead of one expert would spread those passes over all 66 clusters (not done).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 

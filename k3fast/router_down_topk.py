@@ -34,6 +34,10 @@ Version log
       prologue (was 4): 28 vectors per lane take 1 + 3 round trips instead of 1 + 6.  ptxas M=1: 96 registers
       (80 before), M=2: 114; 0 spills; 5 CTAs of 4 warps per SM instead of 6.  Predicted b1 31.4 -> ~24-27 us;
       the bench row router_down_topk@U4 times the old choice on the same inputs.
+      Measured (kernels-e44cd14.json, one run): U = 8 33.9 us, U = 4 31.8 us.  PREDICTION MISSED, the other way:
+      the extra 16 registers cost a CTA per SM (24 -> 20 warps), i.e. as many bytes in flight per SM as the
+      deeper unroll adds, plus fewer warps to hide the FMA chains.  Reverted to U = 4; the loop keeps the
+      prologue-offset form (identical indices at U = 4) and the `fma_unroll` argument for such A/Bs.
       Expected (floor 64.23 MB / 4.3 TB/s = 14.9 us; need ~4.3 TB/s x ~0.8 us = 3.4 MB in flight):
         M=8:  W in flight 2240 warps x 2 (unroll) x 1 KB = 4.6 MB -> DRAM bound; per k32 chunk a warp issues
               3 loads + 2 mma; top-k = 1 CTA x 8 tokens after the last router arrival (~1-2 us tail)
@@ -95,17 +99,16 @@ UNROLL = 4
 
 
 def fma_unroll(mb: int) -> int:
-    """16-byte weight vectors per lane in flight in the FMA path (after the PRE issued before the PDL wait).
-    8 at M <= 2 since 2026-11-29 (v2.1): at 4 a warp's 28 vectors per lane take 7 round trips; fewer where
-    M x accumulator registers grow."""
-    return 8 if mb <= 2 else (UNROLL if mb <= 8 else (2 if mb <= 16 else 1))
+    """16-byte weight vectors per lane in flight in the FMA path (after the PRE issued before the PDL wait); fewer
+    where M x accumulator registers grow.  8 at M <= 2 was tried and measured slower (version log, v2.1)."""
+    return UNROLL if mb <= 8 else (2 if mb <= 16 else 1)
 
 # tensor-core path (M > 4): bucket -> (16-row tiles per warp RTW, k-slices KS = warps per CTA, k-loop unroll)
 MMA_CONFIG = {8: (1, 8, 2), 16: (1, 4, 4), 32: (2, 4, 4), 64: (2, 4, 2)}
 MMA_PF = 8         # k32 chunks per warp prefetched into L2 before griddepcontrol_wait
 
 # ptxas report for the CPU compile (CUTE_DSL_COMPILER_OPT="remarks{ptx}", sm_90a): bucket -> (regs, spill bytes)
-REGISTER_LOG = {1: (96, 0), 2: (114, 0), 4: (116, 0), 8: (80, 0), 16: (96, 0), 32: (118, 0), 64: (190, 0)}
+REGISTER_LOG = {1: (80, 0), 2: (93, 0), 4: (116, 0), 8: (80, 0), 16: (96, 0), 32: (118, 0), 64: (190, 0)}
 
 _WORKSPACES: dict = {}
 
