@@ -17,6 +17,8 @@ causes give different signatures, and one run of this module separates them:
 * ``v2 v3``  earlier versions (v3 is v4 without the copy-free ring) on the same inputs;
 * ``default`` the kernel the layer runs (since 2026-11-29: v4, C = 2 for M > 2, C = 4 for M <= 2), the reference
              for ``max_abs_diff_vs_default``; ``v3C8 v3C4`` are the defaults of before;
+* ``v5 v5W16D8`` single passes (expert, <= NT pairs) as work items instead of whole experts (opt-in; it matters
+             with ``--routing skewed``, where ~24 experts hold every pair);
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
              C = 2 is bound by loads in flight (time moves with D) or by issue (the probe is much faster than
              the kernel at every D).
@@ -39,8 +41,8 @@ import torch
 from k3ref import preset
 from k3ref.weights import random_layer
 
-VARIANTS = ("default", "v3", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W16D4", "W16D8", "Dprobe4", "v3C8", "v3C4",
-            "v2")
+VARIANTS = ("default", "v3", "v5", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
+            "v3C8", "v3C4", "v2")
 
 
 def variant_cfg(name: str, base):
@@ -72,6 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
+                    help="skewed: every token draws its 16 experts from one hot set of 24")
     ap.add_argument("--out", default="traces/h200")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
         return 2
     env, bw, tag = start_run(args.out, args.tag)
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
-    path = os.path.join(args.out, f"experts-{tag}.json")
+    path = os.path.join(args.out, f"experts-{tag}" + ("" if args.routing == "uniform" else f"-{args.routing}") + ".json")
     recs = []
     for shape in args.shapes:
         cfg = preset(shape)
@@ -92,8 +96,13 @@ def main(argv=None) -> int:
             marlin = MarlinMXFP4Experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale,
                                         max_batch=M)
             z = torch.randn(M, cfg.routed_expert_hidden_size, generator=g, device="cuda").bfloat16()
-            ids = torch.stack([torch.randperm(cfg.num_experts, generator=g, device="cuda")[:cfg.num_experts_per_token]
-                               for _ in range(M)]).to(torch.int32)
+            if args.routing == "skewed":
+                hot = torch.randperm(cfg.num_experts, generator=g, device="cuda")[:24]
+                ids = torch.stack([hot[torch.randperm(24, generator=g, device="cuda")[:cfg.num_experts_per_token]]
+                                   for _ in range(M)]).to(torch.int32)
+            else:
+                ids = torch.stack([torch.randperm(cfg.num_experts, generator=g, device="cuda")[:cfg.num_experts_per_token]
+                                   for _ in range(M)]).to(torch.int32)
             tw = torch.softmax(torch.randn(M, cfg.num_experts_per_token, generator=g, device="cuda"), -1)
             nbytes = distinct_expert_bytes(ids, cfg)
             base = compile_key(cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate, M, nsm=nsm,
@@ -115,7 +124,8 @@ def main(argv=None) -> int:
                                                           situ_linear_beta=cfg.situ_linear_beta, kernel_cfg=kc))
             ref_out = None
             for name, fn in fns.items():
-                row = {"shape": shape, "batch": M, "variant": name, "bytes": nbytes, "copy_tbps": round(bw, 4),
+                row = {"shape": shape, "batch": M, "variant": name, "routing": args.routing, "bytes": nbytes,
+                       "copy_tbps": round(bw, 4),
                        "floor_us": round(nbytes / (bw * 1e12) * 1e6, 3), "l2": L2_POLICY}
                 if name in kcfgs:
                     row["kernel_cfg"] = dataclasses.asdict(kcfgs[name])

@@ -431,6 +431,9 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
         from .fast import FastImpl
         from .moe_mxfp4_experts import cluster_before_20261129
         return FastImpl(cfg, w, experts_version=3, experts_cluster=cluster_before_20261129, **kw)
+    if name == "fast-v5":                   # A/B at layer level: experts v5 (single passes as work items; opt-in)
+        from .fast import FastImpl
+        return FastImpl(cfg, w, experts_version=5, **kw)
     if name == "fast-splitk":               # A/B at layer level: in_proj at M > 4 on k3fast.gemv_splitk (opt-in)
         from .fast import FastImpl
         return FastImpl(cfg, w, gemv_mma="splitk", **kw)
@@ -440,5 +443,5 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
         from .fast import FastImpl
         return FastImpl(cfg, w, overlap_shared=(name == "fast-overlap"), **kw)
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk']}")
+        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5']}")
     return IMPLS[name](cfg, w, **kw) if name == "stock" else IMPLS[name](cfg, w)

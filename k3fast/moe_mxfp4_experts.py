@@ -118,7 +118,17 @@ Version log
       have not run it, so it is not the default yet.
       Skewed routing (24 hot experts) got slower with C = 2: b64 170.9 -> 232.6 us.  With ~24 active experts only
       24 clusters have work, i.e. 48 SMs at C = 2 against 96 at C = 4.  Work items of one pass (expert, <= NT
-      pairs) instead of one expert would spread those passes over all 66 clusters (not done).
+      pairs) instead of one expert would spread those passes over all 66 clusters (v5).
+  v5  (2026-11-29; opt-in, version=5; CPU-compiled, not yet run on a GPU) v4 with single passes as work items.
+      The prologue's block scan also counts passes (packed as passes << 21 | active << 11 | pairs: <= 1024, <= 896
+      and <= 1024 fit), every CTA writes pass_off[] beside act_off[], and cluster q takes items q, q + Q, ...,
+      finding its expert by an 11-step binary search over pass_off.  Same MMAs on the same pass boundaries, so
+      the output must be bit-identical to v4 (tests/gpu: test_v5_matches_v4_and_reference; the index math is
+      replayed on CPU by tests/compile: test_v5_pass_items_cover_every_pass_once).  ptxas: rank16 M1 152, M8 146,
+      M64 142 registers, 0 spills (v4: 128 with 28 B of spills at M1/M8, 142 at M64).
+      Prediction: skewed rank16 b64 (24 hot experts, ~3 passes each, 72 items over 66 clusters) 232.6 -> ~90-120
+      us, the kernel bench's moe_mxfp4_experts@v5:skewed row; uniform routing unchanged within noise (about one
+      pass per expert).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -369,7 +379,7 @@ class KernelCfg:
     nsm: int = 132
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
-    version: int = DEFAULT_VERSION  # 2: z from global per step; 3: z staged in smem; 4: v3 + copy-free ring
+    version: int = DEFAULT_VERSION  # 2: z from global; 3: z staged in smem; 4: + copy-free ring; 5: + pass items
     probe: str = ""   # diagnostics only: "stream" = weights loaded and XOR-folded, no decode / MMA (wrong output)
 
     def __post_init__(self):
@@ -381,8 +391,8 @@ class KernelCfg:
             raise ValueError("E too large for the in-CTA routing sort")
         if self.NKB1 % self.S:
             raise ValueError("K split does not divide the FC1 K steps")
-        if self.version not in (2, 3, 4):
-            raise ValueError(f"version must be 2, 3 or 4, got {self.version}")
+        if self.version not in (2, 3, 4, 5):
+            raise ValueError(f"version must be 2, 3, 4 or 5, got {self.version}")
         if self.probe not in ("", "stream"):
             raise ValueError(f"probe must be '' or 'stream', got {self.probe!r}")
 
@@ -580,7 +590,8 @@ def _build_kernel_class():
             # cluster barrier A, i.e. after every CTA of the cluster finished FC1)
             self.n_hz = max(c.NT * c.HW, c.NT * c.ZW) if c.version >= 3 else c.NT * c.HW
             sizes = [
-                ("cnt", 4 * c.E), ("act_e", 4 * c.PMAX), ("act_off", 4 * (c.PMAX + 4)), ("slot", 4 * c.PMAX),
+                ("cnt", 4 * c.E), ("act_e", 4 * c.PMAX), ("act_off", 4 * (c.PMAX + 4)),
+                ("pass_off", 4 * (c.PMAX + 4)), ("slot", 4 * c.PMAX),
                 ("sorted", 4 * c.PMAX), ("tmp", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * self.n_hz),
                 ("stage", 4 * self.n_stage), ("part", 4 * self.n_part),
             ]
@@ -612,6 +623,7 @@ def _build_kernel_class():
             cnt_s = smem.allocate_tensor(Int32, cute.make_layout(c.E), 16)
             act_e = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             act_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16)
+            pass_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16)
             slot_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             sorted_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             tmp_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
@@ -656,13 +668,18 @@ def _build_kernel_class():
                 ex = mIds[p // TOPK, p % TOPK]
                 slot_s[p] = cute.arch.atomic_add(cnt_s.iterator + ex, Int32(1), scope="cta")
             cute.arch.barrier()
-            # block scan over experts: thread owns experts [tid*EPT, tid*EPT+EPT); packs (#active << 16 | #pairs)
+            # block scan over experts: thread owns experts [tid*EPT, tid*EPT+EPT); packs (#active << 16 | #pairs),
+            # from v5 (#passes << 21 | #active << 11 | #pairs): pairs <= 1024 and passes <= 1024 take 11 bits each,
+            # active experts <= 896 take 10
             loc = Int32(0)
             for k in cutlass.range_constexpr(self.EPT):
                 e = tid * self.EPT + k
                 if e < c.E:
                     n = cnt_s[e]
-                    loc = loc + n + ((n > 0).to(Int32) << 16)
+                    if const_expr(c.version >= 5):
+                        loc = loc + n + ((n > 0).to(Int32) << 11) + (((n + NT - 1) // NT) << 21)
+                    else:
+                        loc = loc + n + ((n > 0).to(Int32) << 16)
             incl = loc
             for sh in cutlass.range_constexpr(5):
                 o = cute.arch.shuffle_sync_up(incl, 1 << sh)
@@ -676,8 +693,14 @@ def _build_kernel_class():
                 if w2 < warp:
                     base = base + scr[w2]
             excl = base + incl - loc
-            ua = excl >> 16
-            pa = excl & 0xFFFF
+            if const_expr(c.version >= 5):
+                ua = (excl >> 11) & 0x3FF
+                pa = excl & 0x7FF
+                qa = (excl >> 21) & 0x7FF
+            else:
+                ua = excl >> 16
+                pa = excl & 0xFFFF
+                qa = Int32(0)
             for k in cutlass.range_constexpr(self.EPT):
                 e = tid * self.EPT + k
                 if e < c.E:
@@ -686,11 +709,16 @@ def _build_kernel_class():
                         act_e[ua] = e
                         act_off[ua] = pa
                         cnt_s[e] = pa + (n << 16)           # segment offset | length (both <= 1024)
+                        if const_expr(c.version >= 5):
+                            pass_off[ua] = qa
+                            qa = qa + (n + NT - 1) // NT
                         ua = ua + 1
                         pa = pa + n
             if tid == c.threads - 1:
                 scr[32] = ua
                 act_off[ua] = pa
+                if const_expr(c.version >= 5):
+                    pass_off[ua] = qa
             cute.arch.barrier()
             # The atomics above order an expert's pairs by arrival, which differs between the CTAs of a cluster
             # once pairs of one expert come from different warps (P > 32).  Every CTA of a cluster must put the
@@ -725,10 +753,31 @@ def _build_kernel_class():
             ro = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
             R13 = c.I // 8 * c.NKB1                      # 16-byte rows of one expert's w13 stream / 32
             R2 = c.dL // 16 * c.NKB2
-            for u in cutlass.range(qid, n_active, c.Q):
+            # Work items: whole active experts (v2-v4; a cluster runs all passes of its expert), or from v5 single
+            # passes (expert, <= NT pairs), so that a few experts shared by many tokens (skewed routing) spread their
+            # passes over every cluster.  Each pass reads the expert's weights once either way.
+            n_work = pass_off[n_active] if const_expr(c.version >= 5) else n_active
+            for wi in cutlass.range(qid, n_work, c.Q):
+                u = wi
+                if const_expr(c.version >= 5):
+                    # the expert whose passes contain item wi: pass_off[lo] <= wi < pass_off[hi]
+                    lo = Int32(0)
+                    hi = n_active
+                    for _ in cutlass.range_constexpr(11):   # n_active <= 1024
+                        mid = (lo + hi) // 2
+                        if pass_off[mid] <= wi:
+                            lo = mid
+                        else:
+                            hi = mid
+                    u = lo
                 ex = act_e[u]
                 off = act_off[u]
                 n_e = act_off[u + 1] - off
+                pb0 = Int32(0)
+                pb1 = n_e
+                if const_expr(c.version >= 5):
+                    pb0 = (wi - pass_off[u]) * NT
+                    pb1 = pb0 + 1
                 # This expert's streams, based with a 64-bit offset: at full width w13 is 9.9 GB, past the reach
                 # of a 32-bit element index (v2 computed ex * rows in int32 and read out of bounds there).
                 eW13q = cute.make_tensor(expert_ptr(mW13q, ex, R13 * 32 * 4 * 4, 16),
@@ -737,7 +786,7 @@ def _build_kernel_class():
                 eW2q = cute.make_tensor(expert_ptr(mW2q, ex, R2 * 32 * 4 * 4, 16),
                                         cute.make_layout((R2 * 32, 4), stride=(4, 1)))
                 eW2s = cute.make_tensor(expert_ptr(mW2s, ex, R2 * 8 * 4, 4), cute.make_layout(R2 * 8))
-                for pb in cutlass.range(0, n_e, NT):
+                for pb in cutlass.range(pb0, pb1, NT):
                     npass = cutlass.min(n_e - pb, NT)
                     # this lane's B-operand rows (pair column g of each group) and y columns (2t, 2t+1)
                     for gi in cutlass.range_constexpr(GMAX):

@@ -59,6 +59,8 @@ def recorded_experts_probe(shape: str = "k3_rank16") -> tuple[str, dict]:
     """The newest traces/h200/experts-*.json (k3fast.bench_experts): (source, {variant: {batch: us_median}})."""
     best = None
     for path in glob.glob(os.path.join(ROOT, "traces", "h200", "experts-*.json")):
+        if path.endswith("-skewed.json"):          # the uniform-routing probe only
+            continue
         with open(path) as f:
             doc = json.load(f)
         date = max((r.get("date") or "" for r in doc["records"]), default="")

@@ -20,8 +20,9 @@ case "${1:-}" in
           K3_EXPERTS="--shapes k3_rank16 --batches 1 8 64 --variants default probe C4 D4 D12 W16D8 Dprobe4 v3C8" \
           K3_EXPERTS_TIMEOUT=140 \
           bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-splitk --budget-s 150 ;;
-  skewed) K3_SWEEP_TIMEOUT=500 bash scripts/h200_sweep.sh --kinds kda_moe --routing skewed --impls stock fast \
-          --budget-s 420 ;;
+  skewed) K3_SWEEP_TIMEOUT=330 K3_EXPERTS="--shapes k3_rank16 --batches 1 8 64 --routing skewed --variants default v5 v5W16D8" \
+          K3_EXPERTS_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --routing skewed --impls stock fast fast-v5 \
+          --budget-s 280 ;;
   mla)    K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds mla_moe --impls stock --budget-s 480 ;;
   *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|changed|kda|skewed|mla"; exit 2 ;;
 esac

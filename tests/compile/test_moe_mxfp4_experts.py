@@ -149,13 +149,25 @@ def test_default_cluster_keeps_every_busy_cluster_co_resident():
 
 
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
-def test_compile_v2_for_ab_benchmarks():
-    # k3fast.bench times v2 beside v3 on the same inputs; keep it compiling
-    for v in (2, 4):
-        key = mx.compile_key(896, 3584, 256, 8, version=v)
-        assert mx.get_kernel(key) is not None
+def test_compile_other_versions_for_ab_benchmarks():
+    # k3fast.bench / bench_experts time v2, v3 and the opt-in v5 beside the default on the same inputs
+    for v in (2, 3, 5):
+        for M in (8, 64):
+            key = mx.compile_key(896, 3584, 256, M, version=v)
+            assert mx.get_kernel(key) is not None
+    assert mx.get_kernel(mx.compile_key(896, 3584, 3072, 64, version=5)) is not None
     with pytest.raises(ValueError, match="version"):
-        mx.compile_key(896, 3584, 256, 8, version=5)
+        mx.compile_key(896, 3584, 256, 8, version=6)
+
+
+def test_smem_fits_with_pass_offsets():
+    # v5 adds pass_off[PMAX + 4]; every default key and its v5 twin must still fit 227 KB of shared memory
+    import dataclasses
+    for cfg in (k3_rank(16), k3_rank(8), k3()):
+        for key in mx.compile_keys(cfg):
+            for v in (key.version, 5):
+                k = dataclasses.replace(key, version=v)
+                assert mx._kernel_class()(k).smem_bytes <= 227 * 1024, (k, mx._kernel_class()(k).smem_bytes)
 
 
 def test_v3_smem_holds_staged_z():
@@ -217,3 +229,57 @@ def test_v4_ring_carries_no_copies_of_inflight_loads(M):
         stats[v] = [s for s in loop_copies_of_loads(ptx) if s.global_loads >= 8]
     assert stats[4] and all(s.copies_of_loads == 0 for s in stats[4]), stats[4]
     assert any(s.copies_of_loads >= 40 for s in stats[3]), "the checker no longer sees v3's copies"
+
+
+def _emulate_v5_items(ids, NT):
+    """The v5 prologue's bookkeeping in numpy int32 (block scan of packed counts, pass offsets, the 11-step binary
+    search of each work item): returns the (expert, first pair of the pass) of every item, in item order."""
+    import numpy as np
+    E = 896
+    cnt = np.bincount(ids.ravel(), minlength=E).astype(np.int64)
+    loc = cnt + ((cnt > 0).astype(np.int64) << 11) + (((cnt + NT - 1) // NT) << 21)
+    excl = (np.cumsum(loc) - loc).astype(np.int64)
+    assert loc.sum() < 2 ** 31, "packed scan overflows int32"
+    act_e, act_off, pass_off = [], [], []
+    for e in range(E):
+        if cnt[e]:
+            assert (excl[e] >> 11) & 0x3FF == len(act_e)
+            act_e.append(e)
+            act_off.append(int(excl[e] & 0x7FF))
+            pass_off.append(int((excl[e] >> 21) & 0x7FF))
+    n_active = len(act_e)
+    act_off.append(int(cnt.sum()))
+    pass_off.append(int(((cnt + NT - 1) // NT).sum()))
+    items = []
+    for wi in range(pass_off[n_active]):
+        lo, hi = 0, n_active
+        for _ in range(11):
+            mid = (lo + hi) // 2
+            if pass_off[mid] <= wi:
+                lo = mid
+            else:
+                hi = mid
+        items.append((act_e[lo], (wi - pass_off[lo]) * NT, act_off[lo + 1] - act_off[lo]))
+    return items, cnt
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 64])
+@pytest.mark.parametrize("kind", ["uniform", "shared", "skewed", "one-expert"])
+def test_v5_pass_items_cover_every_pass_once(M, kind):
+    """v5 hands out single passes (expert, <= NT pairs) as work items.  The index math, replayed on CPU for routings
+    from all-distinct to one expert in every slot: every pass of every active expert is one item, in order."""
+    import numpy as np
+    rng = np.random.default_rng(1000 * M + len(kind))
+    if kind == "uniform":
+        ids = np.stack([rng.permutation(896)[:16] for _ in range(M)])
+    elif kind == "shared":
+        ids = np.stack([rng.permutation(rng.permutation(896)[:16]) for _ in range(M)])
+    elif kind == "skewed":
+        hot = rng.permutation(896)[:24]
+        ids = np.stack([hot[rng.permutation(24)[:16]] for _ in range(M)])
+    else:
+        ids = np.full((M, 16), 5)
+    NT = 8 * (1 if mx.m_bucket(M) <= 8 else 2)
+    items, cnt = _emulate_v5_items(ids, NT)
+    want = [(e, pb, int(cnt[e])) for e in range(896) if cnt[e] for pb in range(0, int(cnt[e]), NT)]
+    assert items == want

@@ -57,7 +57,7 @@ def test_fast_layer_full_width_b1(shape):
     assert_close("layer out", outs["fast"][1], outs["ref"][1], "bf16_kernel")
 
 
-@pytest.mark.parametrize("impl", ["fast", "fast-prev"])
+@pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5"])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_fast_moe_half_same_input(batch, impl):
     cfg = k3_rank(16)

@@ -53,6 +53,9 @@ def routing(M, kind, gen):
     if kind == "shared":                            # every token picks the same 16 experts (in different orders)
         base = torch.randperm(E, generator=gen, device=DEV)[:TOPK]
         ids = torch.stack([base[torch.randperm(TOPK, generator=gen, device=DEV)] for _ in range(M)])
+    elif kind == "skewed":                          # every token draws its 16 experts from one hot set of 24
+        hot = torch.randperm(E, generator=gen, device=DEV)[:24]
+        ids = torch.stack([hot[torch.randperm(24, generator=gen, device=DEV)[:TOPK]] for _ in range(M)])
     else:
         ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:TOPK] for _ in range(M)])
     w = torch.rand(M, TOPK, generator=gen, device=DEV) + 0.05
@@ -175,3 +178,23 @@ def test_every_cluster_size_matches_reference(M, C):
     assert rel_rmse(outs[C], reference(z, ids, w, ck)) <= TOL
     if C == 4:
         assert torch.equal(outs[4].view(torch.int16), outs[2].view(torch.int16))
+
+
+V5_CASES = [(m, 256, r) for m in (1, 3, 8, 16, 64) for r in ("uniform", "shared", "skewed", "ties")] \
+    + [(64, 384, "skewed"), (1, 3072, "uniform"), (8, 3072, "skewed")]
+
+
+@pytest.mark.parametrize("M,I,kind", V5_CASES)
+def test_v5_matches_v4_and_reference(M, I, kind):
+    """v5 hands out single passes as work items instead of whole experts: the same MMAs on the same pass
+    boundaries, so the output is bit-identical to v4's; the counters reset; poisoned y rows are all rewritten."""
+    ck, prep, z, ids, w, ws = case(M, I, kind, 4000 * M + I + len(kind))
+    outs = {}
+    for v in (4, 5):
+        ws.y.fill_(float("nan"))
+        outs[v] = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=outs[v], workspace=ws, version=v)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[5]).all() and ws.counters.eq(0).all()
+    assert torch.equal(outs[5].view(torch.int16), outs[4].view(torch.int16)), "v5 differs from v4"
+    assert rel_rmse(outs[5], reference(z, ids, w, ck)) <= TOL
