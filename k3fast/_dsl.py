@@ -118,3 +118,26 @@ def check_tensor(name: str, t, *, dtype=None, shape=None, device=None, contiguou
         raise ValueError(f"{name}: expected a contiguous tensor (strides {t.stride()})")
     if align and t.is_cuda and t.data_ptr() % align:
         raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
+
+
+def gemv_operands(x, w, out, *, k_multiple: int = 16, out_align: int = 2):
+    """Validate y[M, N] = x[M, K] @ w[N, K]^T operands (bf16, M in 1..64, N a multiple of 16, K of k_multiple);
+    allocate ``out`` when None.  Returns (M, N, K, out)."""
+    import torch
+    check_tensor("w", w, dtype=torch.bfloat16)
+    if w.dim() != 2:
+        raise ValueError(f"w: expected [N, K], got {list(w.shape)}")
+    N, K = w.shape
+    if N % 16 or K % k_multiple or N == 0 or K == 0:
+        raise ValueError(f"w: N must be a positive multiple of 16 and K of {k_multiple}, got [{N}, {K}]")
+    check_tensor("x", x, dtype=torch.bfloat16, device=w.device)
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x: expected [M, {K}], got {list(x.shape)}")
+    M = x.shape[0]
+    if not 1 <= M <= 64:
+        raise ValueError(f"x: M must be in 1..64, got {M}")
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=w.device)
+    else:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=w.device, align=out_align)
+    return M, N, K, out

@@ -35,7 +35,7 @@ Version log
       with DSMEM in a cluster of the K ranges.  It stays opt-in (`mma="v2"` is the default).
 """
 
-from ._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, swapab_a_fragment,
+from ._dsl import (TVM_FFI, compile_cached, fake_stream, fake_tensor, gemv_operands, import_cute, swapab_a_fragment,
                    swapab_c_fragment_to, weight_load_atom)
 
 WARPS = 8
@@ -288,23 +288,7 @@ def workspace(device, kg: int, M: int, N: int):
 
 def gemv_splitk(x, w, out=None, *, kg: int | None = None):
     """y[M, N] = x[M, K] @ w[N, K]^T for M in 1..64, N a multiple of 16, K a multiple of 32 (module docstring)."""
-    import torch
-    check_tensor("w", w, dtype=torch.bfloat16)
-    if w.dim() != 2:
-        raise ValueError(f"w: expected [N, K], got {list(w.shape)}")
-    N, K = w.shape
-    if N % 16 or K % 32 or N == 0 or K == 0:
-        raise ValueError(f"w: N must be a positive multiple of 16 and K of 32, got [{N}, {K}]")
-    check_tensor("x", x, dtype=torch.bfloat16, device=w.device)
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"x: expected [M, {K}], got {list(x.shape)}")
-    M = x.shape[0]
-    if not 1 <= M <= 64:
-        raise ValueError(f"x: M must be in 1..64, got {M}")
-    if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=w.device)
-    else:
-        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=w.device, align=8)
+    M, N, K, out = gemv_operands(x, w, out, k_multiple=32, out_align=8)
     if not w.is_cuda:
         raise ValueError("gemv_splitk runs on CUDA tensors only")
     MB, kcs = compile_key(N, K, M, kg)

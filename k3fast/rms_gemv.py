@@ -82,8 +82,8 @@ Design
 
 import math
 
-from ._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, swapab_a_fragment,
-                   swapab_c_fragment_to, weight_load_atom)
+from ._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, gemv_operands, import_cute,
+                   swapab_a_fragment, swapab_c_fragment_to, weight_load_atom)
 
 NUM_SMS = 132
 NB_MAX = 8
@@ -664,25 +664,9 @@ def gemv(x, w, out=None, *, mma: str = "v2"):
     """y[M, N] = x[M, K] @ w[N, K]^T (bf16 in/out, fp32 accumulate), M = 1..64, N and K multiples of 16.
 
     mma: the tensor-core kernel for M > 4: "v2" (`_MmaGemv`, K split among a CTA's warps) or "splitk"
-    (k3fast.gemv_splitk: x staged in shared memory, K split across CTAs; opt-in until measured, used only
-    where gemv_splitk.applicable says so)."""
-    import torch
-    check_tensor("w", w, dtype=torch.bfloat16)
-    if w.dim() != 2:
-        raise ValueError(f"w: expected [N, K], got {list(w.shape)}")
-    N, K = w.shape
-    if N % 16 or K % 16 or N == 0 or K == 0:
-        raise ValueError(f"w: N and K must be positive multiples of 16, got [{N}, {K}]")
-    check_tensor("x", x, dtype=torch.bfloat16, device=w.device)
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"x: expected [M, {K}], got {list(x.shape)}")
-    M = x.shape[0]
-    if not 1 <= M <= 64:
-        raise ValueError(f"x: M must be in 1..64, got {M}")
-    if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=w.device)
-    else:
-        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=w.device, align=2)
+    (k3fast.gemv_splitk: x staged in shared memory, K split across CTAs; opt-in, slower at b64 in its first
+    H200 run (its version log); used only where gemv_splitk.applicable says so)."""
+    M, N, K, out = gemv_operands(x, w, out)
     if mma not in ("v2", "splitk"):
         raise ValueError(f"mma must be 'v2' or 'splitk', got {mma!r}")
     MB = bucket_m(M)

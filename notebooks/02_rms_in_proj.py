@@ -127,6 +127,25 @@ if torch.cuda.is_available():
           f"{nbtools.time_live(lambda: rms_gemv.attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u, wg.input_layernorm, Win, partial_out=pout)):.1f} µs")
     assert live_err < 1e-2
 
+# %% [markdown]
+# ## 6. A fusion that lost: the tensor-core path at batch 64
+# Above batch 4 the in_proj runs on tensor cores (`_MmaGemv`): each warp owns 16 weight rows and a slice of K,
+# and reads its activations (the MMA's B operand) from L2 at every 32-wide k step. At M = 64 that is 4-8 times
+# the weight bytes again, from L2. `k3fast/gemv_splitk.py` stages x once per CTA in shared memory and splits K
+# across CTAs instead, with the last CTA of each row block summing the partials in order. It was predicted to
+# reach cuBLAS's time. The H200 said otherwise: a little faster at batch 8, much slower at batch 64. Its
+# version log lists what was not measured yet. A prediction written before the run makes a miss visible, and
+# the recorded rows below keep it.
+
+# %%
+plain = {(r["shape"], r["batch"]): r for r in nbtools.recorded_kernel_bench("gemv_in_proj_plain")}
+split = {(r["shape"], r["batch"]): r for r in nbtools.recorded_kernel_bench("gemv_in_proj_plain@splitk")}
+print("shape      batch   floor µs  _MmaGemv µs  gemv_splitk µs  cuBLAS µs")
+for key in sorted(split):
+    p, q = plain.get(key, {}), split[key]
+    print(f"{key[0]:10s} {key[1]:5d} {q['floor_us']:10.1f} {p.get('fast_us_median', float('nan')):12.1f} "
+          f"{q['fast_us_median']:15.1f} {q['stock_us_median']:10.1f}")
+
 # %%
 assert err < 1e-12
 assert rec["source"] is None or rec["failed"] == 0
