@@ -591,7 +591,7 @@ def _build_kernel_class():
             self.n_hz = max(c.NT * c.HW, c.NT * c.ZW) if c.version >= 3 else c.NT * c.HW
             sizes = [
                 ("cnt", 4 * c.E), ("act_e", 4 * c.PMAX), ("act_off", 4 * (c.PMAX + 4)),
-                ("pass_off", 4 * (c.PMAX + 4)), ("slot", 4 * c.PMAX),
+                ("pass_off", 4 * (c.PMAX + 4) if c.version >= 5 else 0), ("slot", 4 * c.PMAX),
                 ("sorted", 4 * c.PMAX), ("tmp", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * self.n_hz),
                 ("stage", 4 * self.n_stage), ("part", 4 * self.n_part),
             ]
@@ -623,7 +623,8 @@ def _build_kernel_class():
             cnt_s = smem.allocate_tensor(Int32, cute.make_layout(c.E), 16)
             act_e = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             act_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16)
-            pass_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16)
+            pass_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16) if const_expr(c.version >= 5) \
+                else None
             slot_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             sorted_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             tmp_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
