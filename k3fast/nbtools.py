@@ -57,22 +57,15 @@ def recorded_kernel_bench(kernel: str) -> list[dict]:
 
 def recorded_experts_probe(shape: str = "k3_rank16") -> tuple[str, dict]:
     """The newest traces/h200/experts-*.json (k3fast.bench_experts): (source, {variant: {batch: us_median}})."""
-    best = None
-    for path in glob.glob(os.path.join(ROOT, "traces", "h200", "experts-*.json")):
-        if path.endswith("-skewed.json"):          # the uniform-routing probe only
-            continue
-        with open(path) as f:
-            doc = json.load(f)
-        date = max((r.get("date") or "" for r in doc["records"]), default="")
-        if best is None or date > best[0]:
-            best = (date, path, doc)
-    if best is None:
+    from .report import latest_experts_probe
+    path, doc = latest_experts_probe()
+    if doc is None:
         return "", {}
     table: dict = {}
-    for r in best[2]["records"]:
+    for r in doc["records"]:
         if r["shape"] == shape and r.get("us_median") is not None:
             table.setdefault(r["variant"], {})[r["batch"]] = r["us_median"]
-    return os.path.relpath(best[1], ROOT), table
+    return os.path.relpath(path, ROOT), table
 
 
 def recorded_layer_parts(kind: str, part: str) -> list[dict]:

@@ -89,7 +89,81 @@ def table(records: list[dict], part: str = "layer", kinds: tuple[str, ...] | Non
     return "\n".join(lines)
 
 
-def readme_block(records: list[dict]) -> str:
+KERNEL_ORDER = ("attnres_rms_gemv", "kda_conv_gate_step", "oproj_attnres", "router_down_topk", "shared_expert_gate_up",
+                "moe_mxfp4_experts", "moe_tail")
+
+
+def load_kernel_bench(pattern: str | None = None) -> list[dict]:
+    """Rows of traces/h200/kernels-*.json (k3fast.bench); for the same (kernel, shape, batch) the latest wins."""
+    pattern = pattern or os.path.join(ROOT, "traces", "h200", "kernels-*.json")
+    found = []
+    for path in sorted(glob.glob(pattern)):
+        with open(path) as f:
+            found += [{**r, "source": os.path.relpath(path, ROOT)} for r in json.load(f)["records"]]
+    cells = {}
+    for r in sorted(found, key=lambda r: r.get("date") or ""):
+        cells[(r["kernel"], r["shape"], r["batch"])] = r
+    return list(cells.values())
+
+
+def kernel_table(rows: list[dict]) -> str:
+    """One row per fused kernel and shape, one column per batch: fast / stock µs in one run, and fast over floor.
+    Diagnostic variants (names with @ or :) stay in the JSON and the notebooks."""
+    cells = defaultdict(dict)
+    for r in rows:
+        if r["kernel"] in KERNEL_ORDER:
+            cells[(r["kernel"], r["shape"])][r["batch"]] = r
+    batches = sorted({b for c in cells.values() for b in c})
+    shape_order = {"k3_rank16": 0, "k3_rank8": 1, "full": 2}
+    lines = ["| kernel | shape | " + " | ".join(f"b{b}: fast / stock µs (x floor)" for b in batches) + " | runs |",
+             "|" + "---|" * (3 + len(batches))]
+    for key in sorted(cells, key=lambda k: (KERNEL_ORDER.index(k[0]), shape_order.get(k[1], 9))):
+        c = cells[key]
+        vals = []
+        for b in batches:
+            r = c.get(b)
+            vals.append("—" if r is None else f"{r['fast_us_median']:.1f} / {r['stock_us_median']:.1f} "
+                                              f"({r['fast_us_median'] / r['floor_us']:.1f})")
+        runs = " ".join(sorted({str(r.get("commit", "?"))[:7] for r in c.values()}))
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(vals) + f" | {runs} |")
+    return "\n".join(lines)
+
+
+def latest_experts_probe(pattern: str | None = None):
+    """(path, document) of the newest uniform-routing k3fast.bench_experts file, or (None, None)."""
+    pattern = pattern or os.path.join(ROOT, "traces", "h200", "experts-*.json")
+    best = None
+    for path in glob.glob(pattern):
+        if path.endswith("-skewed.json"):
+            continue
+        with open(path) as f:
+            doc = json.load(f)
+        date = max((r.get("date") or "" for r in doc["records"]), default="")
+        if best is None or date > best[0]:
+            best = (date, path, doc)
+    return (None, None) if best is None else best[1:]
+
+
+def experts_probe_table(pattern: str | None = None) -> str:
+    """The newest uniform-routing k3fast.bench_experts file as variant x batch (µs and TB/s), Marlin included."""
+    path, doc = latest_experts_probe(pattern)
+    if doc is None:
+        return "_No experts probe recorded yet._"
+    rows = defaultdict(dict)
+    for r in doc["records"]:
+        if r.get("us_median") is not None:
+            rows[(r["shape"], r["variant"])][r["batch"]] = r
+    batches = sorted({b for c in rows.values() for b in c})
+    lines = [f"From `{os.path.relpath(path, ROOT)}` (copy {doc.get('copy_tbps', float('nan')):.2f} TB/s).",
+             "", "| shape | variant | " + " | ".join(f"b{b} µs (TB/s)" for b in batches) + " |",
+             "|" + "---|" * (2 + len(batches))]
+    for (shape, variant), c in rows.items():
+        vals = ["—" if b not in c else f"{c[b]['us_median']:.1f} ({c[b]['achieved_tbps']:.2f})" for b in batches]
+        lines.append(f"| {shape} | {variant} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def readme_block(records: list[dict], kernel_rows: list[dict] | None = None, experts: str | None = None) -> str:
     if not records:
         return f"{BEGIN}\n_No H200 records yet._\n{END}"
     env = records[0]
@@ -107,7 +181,13 @@ def readme_block(records: list[dict]) -> str:
             f"**Attention half** (`part: attn`, layer input -> MLP input), KDA layers\n\n"
             f"{table(records, 'attn', ('kda_moe',))}\n\n"
             f"**MoE half** (`part: moe`, MLP input -> layer output), KDA layers\n\n"
-            f"{table(records, 'moe', ('kda_moe',))}\n{END}")
+            f"{table(records, 'moe', ('kda_moe',))}\n\n"
+            + (f"**Per kernel** (`python -m k3fast.bench`, `kernels-*.json`): each fused kernel alone as a one-kernel "
+               f"CUDA graph against its stock counterpart in the same run, and its time over its floor\n\n"
+               f"{kernel_table(kernel_rows)}\n\n" if kernel_rows else "")
+            + (f"**Routed-experts design probe** (`python -m k3fast.bench_experts`; variants in its docstring)\n\n"
+               f"{experts}\n" if experts else "")
+            + f"{END}")
 
 
 def plot(records: list[dict], out_dir: str) -> list[str]:
@@ -170,7 +250,7 @@ def main(argv=None) -> int:
     if probs:
         print("schema problems:\n  " + "\n  ".join(probs[:20]))
         return 1
-    block = readme_block(recs)
+    block = readme_block(recs, load_kernel_bench(), experts_probe_table())
     if args.check:
         ok = update_readme(block, check=True)
         print("README table is up to date" if ok else "README table differs from the records: run python -m k3fast.report")
