@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200: the measurements k3fast/LOG.md lists under "Next session, in order", as separate steps so each fits
 # one 10-minute device call. Files under $OUT (<= 8 per call).
-#   K3_COMMIT=<commit> bash scripts/h200_next.sh tests     # all GPU tests (~7 min)
+#   K3_COMMIT=<commit> bash scripts/h200_next.sh tests     # all GPU tests (~9 min: use tests1 + tests2)
 #   K3_COMMIT=<commit> bash scripts/h200_next.sh changed   # the GPU tests of what changed since the last full run
 #   K3_COMMIT=<commit> bash scripts/h200_next.sh kda       # KDA+MoE stock/fast/fast-splitk + kernel bench + experts probe
 #   K3_COMMIT=<commit> bash scripts/h200_next.sh skewed    # KDA+MoE with routing skewed onto 24 hot experts
@@ -12,6 +12,12 @@ cd "$(dirname "$0")/.."
 export K3_COMMIT
 case "${1:-}" in
   tests)  K3_TEST_TIMEOUT=${K3_TEST_TIMEOUT:-540} bash scripts/h200_tests.sh ;;
+  # the whole GPU tier in two calls (since 2026-11-29 it is ~9 min, past one call's limit with the start-up):
+  tests1) K3_TEST_TIMEOUT=540 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv.py tests/gpu/test_gemv_splitk.py \
+          tests/gpu/test_oproj_attnres.py tests/gpu/test_kda_conv_gate_step.py tests/gpu/test_router_down_topk.py \
+          tests/gpu/test_moe_tail.py tests/gpu/test_moe_mxfp4_experts.py ;;
+  tests2) K3_TEST_TIMEOUT=540 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py tests/gpu/test_stock_compiled.py \
+          tests/gpu/test_stock_vllm_ops.py tests/gpu/test_ops.py ;;
   # what changed since the last GPU test run (2026-11-29): experts clusters, fused ks, gemv_splitk
   changed) K3_TEST_TIMEOUT=260 bash scripts/h200_tests.sh tests/gpu/test_gemv_splitk.py \
           tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py tests/gpu/test_router_down_topk.py \
@@ -30,5 +36,5 @@ case "${1:-}" in
           --impls compiled --budget-s 480 ;;
   cells2) K3_SWEEP_TIMEOUT=560 bash scripts/h200_sweep.sh --kinds mla_moe kda_moe --shapes full --batches 1 64 \
           --contexts 8192 --impls ref compiled --budget-s 480 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|changed|kda|skewed|mla|cells|cells2"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|kda|skewed|mla|cells|cells2"; exit 2 ;;
 esac
