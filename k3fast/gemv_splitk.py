@@ -35,6 +35,8 @@ Version log
       with DSMEM in a cluster of the K ranges.  It stays opt-in (`mma="v2"` is the default).
 """
 
+import functools
+
 from ._dsl import (TVM_FFI, compile_cached, fake_stream, fake_tensor, gemv_operands, import_cute, swapab_a_fragment,
                    swapab_c_fragment_to, weight_load_atom)
 
@@ -72,6 +74,7 @@ def x_tile_bytes(MB: int, kcs: int) -> int:
     return MB * (kcs * 32 + 32) * 2
 
 
+@functools.lru_cache(maxsize=None)
 def config(N: int, K: int, MB: int) -> int:
     """KG, the number of K ranges: the smallest divisor of K/32 that gives >= TARGET_CTAS CTAs with an x tile
     <= X_TILE_MAX and >= 4 k32 steps per range (otherwise the largest that fits)."""

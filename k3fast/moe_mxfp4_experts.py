@@ -537,12 +537,15 @@ def _build_kernel_class():
         i_ = s_ // c.NKB2
         return (t2_base + cutlass.min(warp + c.W * i_, c.T2 - 1)) * c.NKB2 + (s_ - i_ * c.NKB2)
 
-    def load_w(c, wld, eW, row_, lane, ring_slot):
-        """One 16-byte weight load per lane into a ring slot (L1::no_allocate from v3 on)."""
+    def load_slot(c, wld, eWq, eWs, row_, lane, g, ringW, ringS, d, scale=True):
+        """Fill ring slot d from 16-byte weight row row_: one 16-byte load per lane (L1::no_allocate from v3 on)
+        and, when ``scale``, the slot's E8M0 word (v4 refills that word later, after its last use)."""
         if const_expr(c.version >= 3):
-            cute.copy(wld, eW[row_ * 32 + lane, None], ring_slot)
+            cute.copy(wld, eWq[row_ * 32 + lane, None], ringW[d, None])
         else:
-            cute.autovec_copy(eW[row_ * 32 + lane, None], ring_slot)
+            cute.autovec_copy(eWq[row_ * 32 + lane, None], ringW[d, None])
+        if const_expr(scale):
+            ringS[d] = eWs[row_ * 8 + g]
 
     def consume_slot(c, lut, wv, sv, acc, early, a=None, sf=None):
         """Decode a ring slot's words and scales: before its refill is issued in v4 (early=True), after it in v2/v3
@@ -819,8 +822,7 @@ def _build_kernel_class():
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS1):
                             row_ = fc1_row(c, warp, t1_base, d)
-                            load_w(c, wld, eW13q, row_, lane, ringW[d, None])
-                            ringS[d] = eW13s[row_ * 8 + g]
+                            load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d)
                     if const_expr(c.version >= 3):
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.barrier()
@@ -840,9 +842,8 @@ def _build_kernel_class():
                                 a, sf = consume_slot(c, lut, wv, sv, acc, True)
                                 row_ = fc1_row(c, warp, t1_base, s + D)     # the refill of this slot
                                 if s + D < NS1:
-                                    load_w(c, wld, eW13q, row_, lane, ringW[d, None])
-                                    if const_expr(c.version < 4):
-                                        ringS[d] = eW13s[row_ * 8 + g]
+                                    load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d,
+                                              scale=c.version < 4)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
                                 if const_expr(c.probe != "stream"):
                                     for gi in cutlass.range_constexpr(GMAX):
@@ -910,8 +911,7 @@ def _build_kernel_class():
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS2):
                             row_ = fc2_row(c, warp, t2_base, d)
-                            load_w(c, wld, eW2q, row_, lane, ringW[d, None])
-                            ringS[d] = eW2s[row_ * 8 + g]
+                            load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
                     for s0 in cutlass.range(0, NS2_pad, D):
                         for d in cutlass.range_constexpr(D):
                             s = s0 + d
@@ -926,9 +926,8 @@ def _build_kernel_class():
                                 a, sf = consume_slot(c, lut, wv, sv, acc, True)
                                 row_ = fc2_row(c, warp, t2_base, s + D)     # the refill of this slot
                                 if s + D < NS2:
-                                    load_w(c, wld, eW2q, row_, lane, ringW[d, None])
-                                    if const_expr(c.version < 4):
-                                        ringS[d] = eW2s[row_ * 8 + g]
+                                    load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d,
+                                              scale=c.version < 4)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
                                 if tile < c.T2:
                                     if const_expr(c.probe != "stream"):

@@ -453,10 +453,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
 
 def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K, unroll=None):
     _check_shapes(n_experts, latent, hidden, top_k, mb)
-    if unroll is None:
-        unroll, rest = fma_unroll(mb), hidden // 256 - PRE
-        while rest % unroll:              # e.g. hidden 2048: 4 vectors per lane after the prologue
-            unroll //= 2
+    unroll = fma_unroll(mb) if unroll is None else unroll      # _check_shapes: hidden % 1024, so 4 | rest
     key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll)
     return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k, unroll))
 

@@ -96,6 +96,25 @@ def case(M, I, kind, seed):
     return ck, prep, z, ids, w, mx.make_workspace(DL, DEV)
 
 
+def run_variants(M, z, ids, w, prep, ws, **variants):
+    """Each variant (keyword arguments of moe_mxfp4_experts) on the same inputs, with the output and the y
+    workspace poisoned before each launch; checks that every output is finite and the counters reset."""
+    outs = {}
+    for name, kw in variants.items():
+        ws.y.fill_(float("nan"))
+        outs[name] = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=outs[name], workspace=ws, **kw)
+    torch.cuda.synchronize()
+    for name, out in outs.items():
+        assert torch.isfinite(out).all(), f"{name}: unwritten (NaN) or non-finite outputs"
+    assert ws.counters.eq(0).all(), "combine counters did not reset"
+    return outs
+
+
+def same_bits(a, b) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 V4_CASES = [(m, 256, r) for m in (1, 3, 8, 64) for r in ("uniform", "shared", "ties")] + [(64, 384, "uniform"),
                                                                                          (1, 3072, "uniform")]
 
@@ -104,14 +123,9 @@ V4_CASES = [(m, 256, r) for m in (1, 3, 8, 64) for r in ("uniform", "shared", "t
 def test_v4_matches_v3_and_reference(M, I, kind):
     """v4 (ring consumed before its refill) computes exactly what v3 computes: same MMAs in the same order."""
     ck, prep, z, ids, w, ws = case(M, I, kind, 2000 * M + I + len(kind))
-    outs = {}
-    for v in (3, 4):
-        outs[v] = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
-        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=outs[v], workspace=ws, version=v)
-    torch.cuda.synchronize()
-    assert torch.isfinite(outs[4]).all() and ws.counters.eq(0).all()
-    assert torch.equal(outs[4].view(torch.int16), outs[3].view(torch.int16)), "v4 differs from v3"
-    assert rel_rmse(outs[4], reference(z, ids, w, ck)) <= TOL
+    outs = run_variants(M, z, ids, w, prep, ws, v3=dict(version=3), v4=dict(version=4))
+    assert same_bits(outs["v4"], outs["v3"]), "v4 differs from v3"
+    assert rel_rmse(outs["v4"], reference(z, ids, w, ck)) <= TOL
 
 
 @pytest.mark.parametrize("M,I,kind", CASES)
@@ -169,15 +183,10 @@ def test_every_cluster_size_matches_reference(M, C):
     """The default cluster size moved from 8/4 to 4/2 (version log): every size stays correct, and the output does
     not depend on it where the FC1 K split does not change (S = 1 at C = 2 and 4 for I = 256)."""
     ck, prep, z, ids, w, ws = case(M, 256, "uniform", 3000 * M + C)
-    outs = {}
-    for c in (C, 2):
-        outs[c] = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
-        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=outs[c], workspace=ws, cluster=c)
-    torch.cuda.synchronize()
-    assert torch.isfinite(outs[C]).all() and ws.counters.eq(0).all()
-    assert rel_rmse(outs[C], reference(z, ids, w, ck)) <= TOL
+    outs = run_variants(M, z, ids, w, prep, ws, this=dict(cluster=C), c2=dict(cluster=2))
+    assert rel_rmse(outs["this"], reference(z, ids, w, ck)) <= TOL
     if C == 4:
-        assert torch.equal(outs[4].view(torch.int16), outs[2].view(torch.int16))
+        assert same_bits(outs["this"], outs["c2"])
 
 
 V5_CASES = [(m, 256, r) for m in (1, 3, 8, 16, 64) for r in ("uniform", "shared", "skewed", "ties")] \
@@ -189,15 +198,9 @@ def test_v5_matches_v4_and_reference(M, I, kind):
     """v5 hands out single passes as work items instead of whole experts: the same MMAs on the same pass
     boundaries, so the output is bit-identical to v4's; the counters reset; poisoned y rows are all rewritten."""
     ck, prep, z, ids, w, ws = case(M, I, kind, 4000 * M + I + len(kind))
-    outs = {}
-    for v in (4, 5):
-        ws.y.fill_(float("nan"))
-        outs[v] = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
-        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=outs[v], workspace=ws, version=v)
-    torch.cuda.synchronize()
-    assert torch.isfinite(outs[5]).all() and ws.counters.eq(0).all()
-    assert torch.equal(outs[5].view(torch.int16), outs[4].view(torch.int16)), "v5 differs from v4"
-    assert rel_rmse(outs[5], reference(z, ids, w, ck)) <= TOL
+    outs = run_variants(M, z, ids, w, prep, ws, v4=dict(version=4), v5=dict(version=5))
+    assert same_bits(outs["v5"], outs["v4"]), "v5 differs from v4"
+    assert rel_rmse(outs["v5"], reference(z, ids, w, ck)) <= TOL
 
 
 W16_CASES = [(m, 256, r) for m in (1, 8, 64) for r in ("uniform", "skewed")] + [(8, 384, "uniform"),
@@ -212,12 +215,7 @@ def test_16_warps_match_reference(M, I, kind):
     ck, prep, z, ids, w, ws = case(M, I, kind, 5000 * M + I + len(kind))
     base = mx.compile_key(E, DL, I, M)
     w16 = dataclasses.replace(base, W=16, D=8)
-    outs = {}
-    for name, kc in (("w8", base), ("w16", w16)):
-        outs[name] = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
-        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=outs[name], workspace=ws, kernel_cfg=kc)
-    torch.cuda.synchronize()
-    assert torch.isfinite(outs["w16"]).all() and ws.counters.eq(0).all()
+    outs = run_variants(M, z, ids, w, prep, ws, w8=dict(kernel_cfg=base), w16=dict(kernel_cfg=w16))
     assert rel_rmse(outs["w16"], reference(z, ids, w, ck)) <= TOL
     if w16.S == base.S == 1:
-        assert torch.equal(outs["w16"].view(torch.int16), outs["w8"].view(torch.int16))
+        assert same_bits(outs["w16"], outs["w8"])
