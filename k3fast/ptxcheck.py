@@ -78,6 +78,25 @@ def loop_copies_of_loads(ptx: str) -> list[LoopStat]:
     return out
 
 
+def loop_opcodes(ptx: str, min_loads: int = 8) -> dict[str, dict[str, int]]:
+    """{label: {opcode: count}} for every loop with at least ``min_loads`` global loads (the opcode is the
+    instruction's first dotted word, predicates stripped): where a loop's instructions go, e.g. how many of the
+    experts kernel's FC1 step are decode (prmt, and, shl, or) against loads and MMAs."""
+    out = {}
+    for label, body in _loops(ptx):
+        ops: dict[str, int] = {}
+        for x in body:
+            t = x.strip()
+            if not t or t.startswith(("//", "$", "{", "}", ".")):
+                continue
+            t = re.sub(r"^@!?%p\d+\s+", "", t)
+            op = re.split(r"[\s.;]", t, maxsplit=1)[0]
+            ops[op] = ops.get(op, 0) + 1
+        if sum(1 for x in body if _LOAD.search(x)) >= min_loads:
+            out[label] = dict(sorted(ops.items(), key=lambda kv: -kv[1]))
+    return out
+
+
 _ISSUE = (("ld.global", "L"), ("fma", "f"), ("mma", "m"), ("bra", "|"), ("@", "|"))
 
 
@@ -118,6 +137,14 @@ def main(argv=None) -> int:
                 if st.global_loads >= 8:
                     rows.append({"kernel": f"moe_mxfp4_experts v{v}", "config": "k3_rank16", "M": M,
                                  **dataclasses.asdict(st)})
+    # where the default kernel's loop instructions go (v4, default clusters), at b8 and b64
+    for M in (8, 64):
+        key = mx.compile_key(896, 3584, 256, M)
+        ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
+        for label, ops in loop_opcodes(ptx).items():
+            rows.append({"kernel": f"moe_mxfp4_experts v{key.version} (default, C={key.C}, D={key.D})",
+                         "config": "k3_rank16", "M": M, "label": label, "instructions": sum(ops.values()),
+                         "opcodes": ops})
     for label, seq in loop_issue_order(rms_gemv.fused_ptx(3216), min_loads=2):
         rows.append({"kernel": "attnres_rms_gemv (fused)", "config": "k3_rank16 in_proj N=3216", "M": 1,
                      "label": label, "issue_order": seq})

@@ -283,3 +283,18 @@ def test_v5_pass_items_cover_every_pass_once(M, kind):
     items, cnt = _emulate_v5_items(ids, NT)
     want = [(e, pb, int(cnt[e])) for e in range(896) if cnt[e] for pb in range(0, int(cnt[e]), NT)]
     assert items == want
+
+
+def test_loop_opcodes_counts_a_hand_written_loop():
+    from k3fast.ptxcheck import loop_opcodes
+    ptx = "\n".join([
+        "$L__BB0_7:",
+        "\tld.global.nc.v4.u32 {%r1, %r2, %r3, %r4}, [%rd1];",
+        "\tprmt.b32 %r5, %r1, %r2, %r3;",
+        "\tprmt.b32 %r6, %r1, %r2, %r4;",
+        "\tand.b32 %r7, %r5, 255;",
+        "\t@%p1 bra $L__BB0_7;",
+        "\tret;",
+    ])
+    assert loop_opcodes(ptx, min_loads=1) == {"L__BB0_7": {"prmt": 2, "ld": 1, "and": 1, "bra": 1}}
+    assert loop_opcodes(ptx, min_loads=2) == {}
