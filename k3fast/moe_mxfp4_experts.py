@@ -110,7 +110,7 @@ Version log
         D12           30.1     99.8    547.4    (ptxas: 255 registers + 96 B of spills at MB 64)
         W16D8         30.1     82.4    433.2    (16 warps; 128-register cap, 44-48 B of spills)
       The load structure alone reaches 80 % of the copy bandwidth at b64 (the probe), and depth matters to it
-      (Dprobe4 is 26 % slower).  The full kernel takes 1.8x the probe's time at every depth, and 16 warps per SM
+      (Dprobe4 is 26 % slower).  The full kernel takes 1.55-1.82x the probe's time (D = 4, 8), and 16 warps per SM
       recover 10-13 %.  So the decode + MMA instruction stream is the bound (~150 instructions per 512-byte step at
       8 warps, where ~2 IPC gives ~14 GB/s per SM), not HBM.  The next version has to cut instructions per step
       (decode through shift + LOP3 + one bf16x2 multiply per register instead of the PRMT table, or fewer
