@@ -363,6 +363,26 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
     return records
 
 
+def parse_cell(spec: str) -> tuple[str, str, int, int, list[str]]:
+    """``KIND,SHAPE,BATCH,CONTEXT,IMPL[+IMPL...]`` (one sweep cell with its implementations, e.g.
+    ``mla_moe,full,64,8192,ref+compiled``) -> (kind, shape, batch, context, impls). KDA cells take context 0."""
+    parts = spec.split(",")
+    if len(parts) != 5:
+        raise argparse.ArgumentTypeError(f"--cell expects KIND,SHAPE,BATCH,CONTEXT,IMPL[+IMPL...], got {spec!r}")
+    kind, shape, batch, ctx, impls = parts
+    if kind not in ("kda_moe", "mla_moe"):
+        raise argparse.ArgumentTypeError(f"--cell kind must be kda_moe or mla_moe, got {kind!r}")
+    if shape not in ("k3_rank16", "k3_rank8", "full"):
+        raise argparse.ArgumentTypeError(f"--cell shape must be k3_rank16, k3_rank8 or full, got {shape!r}")
+    try:
+        b, c = int(batch), int(ctx)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cell batch and context must be integers, got {batch!r}, {ctx!r}") from None
+    if b < 1 or c < 0 or (kind == "kda_moe" and c != 0) or (kind == "mla_moe" and c < 1):
+        raise argparse.ArgumentTypeError(f"--cell {spec!r}: batch >= 1; context 0 for kda_moe, >= 1 for mla_moe")
+    return kind, shape, b, c, [i for i in impls.split("+") if i]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", nargs="+", default=["kda_moe", "mla_moe"])
@@ -376,6 +396,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="traces/h200")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
+    ap.add_argument("--cell", action="append", type=parse_cell, default=None, metavar="KIND,SHAPE,BATCH,CTX,IMPLS",
+                    help="run exactly these cells, in this order (repeatable; replaces --kinds/--shapes/--batches/"
+                         "--contexts/--impls), e.g. --cell mla_moe,full,64,8192,ref+compiled")
     ap.add_argument("--routing", choices=sorted(ROUTINGS), default="random",
                     help="MoE routing: the router on random inputs, or skewed onto a hot set of 24 experts")
     args = ap.parse_args(argv)
@@ -385,20 +408,20 @@ def main(argv=None) -> int:
         return 2
     env, bw, tag = start_run(args.out, args.tag)
     perfetto_dir = os.path.join(args.out, f"perfetto-{tag}")      # one folder per run: names repeat across runs
-    cells = [(k, s, b, c) for k in args.kinds for s in args.shapes for b in args.batches
-             for c in (args.contexts if k == "mla_moe" else [0])]
+    cells = args.cell or [(k, s, b, c, args.impls) for k in args.kinds for s in args.shapes for b in args.batches
+                          for c in (args.contexts if k == "mla_moe" else [0])]
     records, t0 = [], time.time()
     try:
         from tqdm import tqdm
         it = tqdm(cells, desc="cells", file=sys.stdout, mininterval=5)
     except ImportError:
         it = cells
-    for kind, shape, batch, ctx in it:
+    for kind, shape, batch, ctx, impls in it:
         if time.time() - t0 > args.budget_s:
             print(f"budget reached: skipping {kind} {shape} b{batch} ctx{ctx}", flush=True)
             continue
         print(f"{kind} {shape} batch {batch} context {ctx}", flush=True)
-        records += run_cell(kind, shape, batch, args.impls, context=ctx, replays=args.replays, env=env, copy_tbps=bw,
+        records += run_cell(kind, shape, batch, impls, context=ctx, replays=args.replays, env=env, copy_tbps=bw,
                             perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True), stock_ops=args.stock_ops,
                             routing=args.routing)
         path = os.path.join(args.out, f"records-{tag}.json")

@@ -30,11 +30,16 @@ case "${1:-}" in
           K3_EXPERTS_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --routing skewed --impls stock fast fast-v5 \
           --budget-s 280 ;;
   mla)    K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds mla_moe --impls stock --budget-s 480 ;;
-  # issue 3's last cells: torch.compile at MLA+MoE rank8 b8/b64 and full width (compiles dominate), then the
-  # reference at full width b64 with 8K of cache, and KDA+MoE full b64 compiled
-  cells)  K3_SWEEP_TIMEOUT=560 bash scripts/h200_sweep.sh --kinds mla_moe --shapes k3_rank8 full --batches 8 64 \
-          --impls compiled --budget-s 480 ;;
-  cells2) K3_SWEEP_TIMEOUT=560 bash scripts/h200_sweep.sh --kinds mla_moe kda_moe --shapes full --batches 1 64 \
-          --contexts 8192 --impls ref compiled --budget-s 480 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|kda|skewed|mla|cells|cells2"; exit 2 ;;
+  # issue 3's last 12 cells (records at 21f6cdf lack them), ordered so that cells sharing a torch.compile graph
+  # (same shape and batch, two MLA contexts) run back to back; records are rewritten after every cell
+  cellsA) K3_SWEEP_TIMEOUT=560 bash scripts/h200_sweep.sh --budget-s 470 \
+          --cell mla_moe,k3_rank8,8,1024,compiled --cell mla_moe,k3_rank8,8,8192,compiled \
+          --cell mla_moe,k3_rank8,64,1024,compiled --cell mla_moe,k3_rank8,64,8192,compiled \
+          --cell mla_moe,full,1,1024,compiled --cell mla_moe,full,1,8192,compiled \
+          --cell mla_moe,full,64,8192,ref ;;
+  cellsB) K3_SWEEP_TIMEOUT=560 bash scripts/h200_sweep.sh --budget-s 470 \
+          --cell mla_moe,full,8,1024,compiled --cell mla_moe,full,8,8192,compiled \
+          --cell mla_moe,full,64,1024,compiled --cell mla_moe,full,64,8192,compiled \
+          --cell kda_moe,full,64,0,compiled ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|kda|skewed|mla|cellsA|cellsB"; exit 2 ;;
 esac

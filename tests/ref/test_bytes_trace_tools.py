@@ -169,3 +169,15 @@ def test_kernel_and_experts_tables_come_from_the_json(tmp_path):
     (tmp_path / "experts-b-skewed.json").write_text(json.dumps(skewed))
     text = experts_probe_table(str(tmp_path / "experts-*.json"))
     assert "| k3_rank16 | default | 90.0 (1.90) | 480.0 (1.85) |" in text and "5.0" not in text
+
+
+def test_trace_cell_spec_parses_and_rejects_bad_cells():
+    import argparse
+
+    from k3fast.trace import parse_cell
+    assert parse_cell("mla_moe,full,64,8192,ref+compiled") == ("mla_moe", "full", 64, 8192, ["ref", "compiled"])
+    assert parse_cell("kda_moe,k3_rank16,1,0,stock") == ("kda_moe", "k3_rank16", 1, 0, ["stock"])
+    for bad in ["mla_moe,full,64,ref", "gqa,full,1,0,ref", "kda_moe,k3_rank4,1,0,ref", "kda_moe,full,x,0,ref",
+                "kda_moe,full,1,1024,ref", "mla_moe,full,1,0,ref", "kda_moe,full,0,0,ref"]:
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_cell(bad)
