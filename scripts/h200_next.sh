@@ -32,12 +32,12 @@ case "${1:-}" in
   mla)    K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds mla_moe --impls stock --budget-s 480 ;;
   # issue 3's last 12 cells (records at 21f6cdf lack them), ordered so that cells sharing a torch.compile graph
   # (same shape and batch, two MLA contexts) run back to back; records are rewritten after every cell
-  cellsA) K3_SWEEP_TIMEOUT=560 bash scripts/h200_sweep.sh --budget-s 470 \
+  cellsA) K3_SWEEP_TIMEOUT=${K3_SWEEP_TIMEOUT:-500} bash scripts/h200_sweep.sh --budget-s ${K3_BUDGET:-380} \
           --cell mla_moe,k3_rank8,8,1024,compiled --cell mla_moe,k3_rank8,8,8192,compiled \
           --cell mla_moe,k3_rank8,64,1024,compiled --cell mla_moe,k3_rank8,64,8192,compiled \
           --cell mla_moe,full,1,1024,compiled --cell mla_moe,full,1,8192,compiled \
           --cell mla_moe,full,64,8192,ref ;;
-  cellsB) K3_SWEEP_TIMEOUT=560 bash scripts/h200_sweep.sh --budget-s 470 \
+  cellsB) K3_SWEEP_TIMEOUT=${K3_SWEEP_TIMEOUT:-500} bash scripts/h200_sweep.sh --budget-s ${K3_BUDGET:-380} \
           --cell mla_moe,full,8,1024,compiled --cell mla_moe,full,8,8192,compiled \
           --cell mla_moe,full,64,1024,compiled --cell mla_moe,full,64,8192,compiled \
           --cell kda_moe,full,64,0,compiled ;;
