@@ -108,6 +108,9 @@ def _cases(cfg, batch: int):
                       front.numel() * 2 + M * d * 2))
     # 5. routed experts (uniform routing: distinct experts per token)
     prep = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
+    # the nibble layout (PRMT-table decode, fp32 per-block scales): the default until 2026-11-29, for the A/B rows
+    prep_nib = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale,
+                                     layout="nibble")
     ws = make_workspace(cfg.routed_expert_hidden_size, dev)
     z = rnd(M, cfg.routed_expert_hidden_size)
     ids = torch.stack([torch.randperm(cfg.num_experts, generator=g, device=dev)[:cfg.num_experts_per_token]
@@ -118,11 +121,14 @@ def _cases(cfg, batch: int):
     n_exp = int(ids.unique().numel())
     cases.append(("moe_mxfp4_experts", lambda: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws),
                   lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
-    # the previous default on the same inputs (A/B in one run; see the module's version log): v3 with the
-    # cluster rule that assumed every cluster co-resident
+    cases.append(("moe_mxfp4_experts@nibble",
+                  lambda: moe_mxfp4_experts(z, ids, tw, prep_nib, None, None, None, workspace=ws),
+                  lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
+    # the default before the cluster fix on the same inputs (A/B in one run; see the module's version log): v3
+    # with the cluster rule that assumed every cluster co-resident
     from .moe_mxfp4_experts import cluster_before_20261129, m_bucket
     cases.append(("moe_mxfp4_experts@prev",
-                  lambda: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws, version=3,
+                  lambda: moe_mxfp4_experts(z, ids, tw, prep_nib, None, None, None, workspace=ws, version=3,
                                             cluster=cluster_before_20261129(m_bucket(M))),
                   lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
     # skewed routing: every token draws its 16 experts from one hot set of 24 (heavy sharing, ~24 distinct)

@@ -14,6 +14,8 @@ causes give different signatures, and one run of this module separates them:
              40-64 bytes, ptxas 4.8.1);
 * ``W16D4 W16D8`` 16 warps per CTA (512 threads, so ptxas caps registers at 128; 12-60 bytes of spills): twice
              the warps per SM to hide the decode/MMA dependency chain;
+* ``nibble`` the default kernel decoding the nibble layout (PRMT table, fp32 per-block scales): the default
+             until the rot layout (2026-11-29), so the decode change is an A/B in one run;
 * ``v2 v3``  earlier versions (v3 is v4 without the copy-free ring) on the same inputs;
 * ``default`` the kernel the layer runs (since 2026-11-29: v4, C = 2 for M > 2, C = 4 for M <= 2), the reference
              for ``max_abs_diff_vs_default``; ``v3C8 v3C4`` are the defaults of before;
@@ -41,7 +43,7 @@ import torch
 from k3ref import preset
 from k3ref.weights import random_layer
 
-VARIANTS = ("default", "v3", "v5", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
+VARIANTS = ("default", "nibble", "v3", "v5", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
             "v3C8", "v3C4", "v2")
 
 
@@ -51,6 +53,8 @@ def variant_cfg(name: str, base):
         return base
     if name == "probe":
         return dataclasses.replace(base, probe="stream")
+    if name.endswith("nibble"):              # e.g. nibble, W16D8nibble: the same kernel on the nibble layout
+        return dataclasses.replace(variant_cfg(name[:-len("nibble")] or "default", base), layout="nibble")
     if name.endswith("probe") and name != "probe":
         return dataclasses.replace(variant_cfg(name[:-len("probe")], base), probe="stream")
     if name.startswith("Dprobe"):            # the stream probe at another ring depth, e.g. Dprobe4
@@ -60,6 +64,8 @@ def variant_cfg(name: str, base):
         kw = {k: int(v) for k, v in re.findall(r"([CDWv])(\d+)", name)}
         if "v" in kw:
             kw["version"] = kw.pop("v")
+            if kw["version"] < 4:            # versions 2-3 decode the nibble layout only
+                kw["layout"] = "nibble"
         return dataclasses.replace(base, **kw)
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS} or letters C/D/W with numbers")
 
@@ -89,7 +95,8 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         cfg = preset(shape)
         m = random_layer(cfg, 1, seed=3, device="cuda").mlp
-        prep = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
+        preps = {lay: prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed,
+                                            m.w2_scale, layout=lay) for lay in ("rot", "nibble")}
         ws = make_workspace(cfg.routed_expert_hidden_size, "cuda")
         g = torch.Generator(device="cuda").manual_seed(5)
         for M in args.batches:
@@ -119,7 +126,7 @@ def main(argv=None) -> int:
                     print(f"  {shape} b{M} {v}: same kernel as default, not timed twice", flush=True)
                     continue
                 kcfgs[v] = kc
-                fns[v] = (lambda kc=kc: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws,
+                fns[v] = (lambda kc=kc: moe_mxfp4_experts(z, ids, tw, preps[kc.layout], None, None, None, workspace=ws,
                                                           situ_beta=cfg.situ_beta,
                                                           situ_linear_beta=cfg.situ_linear_beta, kernel_cfg=kc))
             ref_out = None

@@ -10,6 +10,7 @@ MoE half:
     shared_expert_gate_up shared experts' gate/up + SiTU (independent of the routing; optionally on a side stream)
     moe_mxfp4_experts     routed experts, MXFP4 dequantised in registers, SiTU, w2, weighted combine
     moe_tail              routed_expert_norm + latent up-projection + shared down-projection + add
+                          (M <= TAIL_DSL_MAX_M; above it RMSNorm + two cuBLAS GEMMs + add, see below)
 
 Weights are re-laid once at construction (packed in_proj, packed front, interleaved shared gate/up,
 MXFP4 tiles); nothing is compiled or allocated on the hot path after ``warmup``. MLA layers use the
@@ -27,11 +28,20 @@ from k3ref.weights import KDAWeights, LayerWeights, MoEWeights
 from .nvtx import stage
 
 
+# Largest batch whose MoE tail (routed_expert_norm + up + shared down + add) runs on k3fast.moe_tail; above it the
+# tail is RMSNorm + two cuBLAS GEMMs + add (3-4 kernels). moe_tail's swap-AB GEMV re-reads the activations from
+# L2 in every warp and holds two fp32 accumulator sets per n-tile, so past two n-tiles it falls far behind cuBLAS:
+# in the layer at rank16 b64 it took 124.4 us against the stock tail's ~25 us (records-e44cd14-kda.json, stages
+# k3.moe.up / k3.moe.shared), 82.0 us in isolation (kernels-11595c4.json). At M <= 16 it is 1.1-1.3x its floor.
+TAIL_DSL_MAX_M = 16
+
+
 class FastImpl:
     name = "fast"
 
     def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, overlap_shared: bool = False,
-                 experts_version: int | None = None, experts_cluster=None, gemv_mma: str = "v2"):
+                 experts_version: int | None = None, experts_cluster=None, gemv_mma: str = "v2",
+                 tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto"):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -54,7 +64,10 @@ class FastImpl:
         m = w.mlp
         if isinstance(m, MoEWeights):
             self.front = prepare_front_weight(m.gate, m.down)
-            self.experts = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
+            # versions 2-3 (the fast-prev A/B) decode the nibble layout only; otherwise the layout is "auto"
+            layout = "nibble" if experts_layout == "nibble" or (experts_version or 4) < 4 else "auto"
+            self.experts = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed,
+                                                 m.w2_scale, layout=layout)
             self.shared_gu = prepare_shared_gate_up(m.shared_gate, m.shared_up)
             self.e_bias = m.e_score_correction_bias.float().contiguous()
         self._ws = None
@@ -70,9 +83,12 @@ class FastImpl:
         self.experts_version = DEFAULT_VERSION if experts_version is None else experts_version
         self.experts_cluster = experts_cluster
         self.gemv_mma = gemv_mma      # rms_gemv.gemv's kernel for M > 4: "v2" or the opt-in "splitk"
+        self.tail_dsl_max_m = tail_dsl_max_m
         self.variant = (("overlap-shared" if overlap_shared else "serial") + f", experts v{self.experts_version}"
                         + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")
-                        + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}"))
+                        + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}")
+                        + ("" if tail_dsl_max_m == TAIL_DSL_MAX_M else f", moe_tail up to M={tail_dsl_max_m}")
+                        + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
 
     def _experts_cluster(self, M: int):
@@ -133,8 +149,18 @@ class FastImpl:
                                   version=self.experts_version, cluster=self._experts_cluster(x.shape[0]))
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
-        with stage("k3.moe.up"):
-            moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out)
+        if x.shape[0] <= self.tail_dsl_max_m:
+            with stage("k3.moe.up"):
+                moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out)
+        else:
+            # cuBLAS tail (TAIL_DSL_MAX_M says why); the same roundings as k3ref: bf16 r_hat, bf16 routed and
+            # shared, their sum rounded once
+            import torch.nn.functional as F
+            with stage("k3.moe.shared"):
+                shared = F.linear(h, m.shared_down)
+            with stage("k3.moe.up"):
+                rn = F.rms_norm(r.float(), (r.shape[-1],), m.norm.float(), cfg.rms_norm_eps).bfloat16()
+                torch.add(F.linear(rn, m.up), shared, out=io.out)
 
     def layer(self, io) -> None:
         self.attn(io)

@@ -434,6 +434,12 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
     if name == "fast-v5":                   # A/B at layer level: experts v5 (single passes as work items; opt-in)
         from .fast import FastImpl
         return FastImpl(cfg, w, experts_version=5, **kw)
+    if name == "fast-nibble":               # A/B at layer level: experts in the nibble layout (default before 2026-11-29)
+        from .fast import FastImpl
+        return FastImpl(cfg, w, experts_layout="nibble", **kw)
+    if name == "fast-taildsl":              # A/B at layer level: k3fast.moe_tail at every batch (before 2026-11-29)
+        from .fast import FastImpl
+        return FastImpl(cfg, w, tail_dsl_max_m=64, **kw)
     if name == "fast-splitk":               # A/B at layer level: in_proj at M > 4 on k3fast.gemv_splitk (opt-in)
         from .fast import FastImpl
         return FastImpl(cfg, w, gemv_mma="splitk", **kw)
@@ -443,5 +449,5 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
         from .fast import FastImpl
         return FastImpl(cfg, w, overlap_shared=(name == "fast-overlap"), **kw)
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5']}")
+        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5', 'fast-taildsl', 'fast-nibble']}")
     return IMPLS[name](cfg, w, **kw) if name == "stock" else IMPLS[name](cfg, w)

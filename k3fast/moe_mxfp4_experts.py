@@ -129,6 +129,29 @@ Version log
       Prediction: skewed rank16 b64 (24 hot experts, ~3 passes each, 72 items over 66 clusters) 232.6 -> ~90-120
       us, the kernel bench's moe_mxfp4_experts@v5:skewed row; uniform routing unchanged within noise (about one
       pass per expert).
+  rot layout (2026-11-29; the default for v4/v5 when every E8M0 scale is <= 128, CPU-compiled, not yet run on a
+      GPU).  The instruction cut that v4's measurements asked for, by layout rather than by a new version: the
+      words are packed so that register j of a word is (rotl(w, r) & mask) over one piece (j = 0, 1, 2: r = 0, 4,
+      10) or two (j = 3: r = 6 and 14), 9 ALU ops per word, giving code * 2^-126 as bf16 (e1 e0 in the exponent
+      lsbs, m in the mantissa msb, so code 0.5 is a subnormal).  One mul.rn.bf16x2 by 2^(E-1) (= 2^126 * scale,
+      built from the E8M0 byte by one PRMT and one IMAD) makes the exact dequantised bf16 weight, so the MMAs
+      accumulate straight into acc: no fresh fp32 partial and no 4 scale FFMAs per block and n-group.  The
+      nibble layout's decode was 8 PRMTs (4 of them table look-ups whose table word ptxas re-materialised from a
+      uniform register each time: 4 extra IMAD.U32) + 3 shifts + 5 LOP3 per word.  The FC1/FC2 step indices are
+      also split once per D steps (step_split) instead of dividing by KS1 = 56 twice per step.
+      SASS of the main loops (ptxas 12.9 from the PTX, nvdisasm; k3_rank16, C = 2, D = 8; instructions per
+      8-step loop body, FC1 / FC2):     nibble          rot
+                                  M 8   1097 / 935     727 / 636   (-34 % / -32 %)
+                                  M 64  1371 / 1119    912 / 839   (-33 % / -25 %)
+      ptxas: 128 registers at M 8 (12 B of spills outside the loops; nibble: 28 B), 138 at M 64, 0 spills.
+      Numerics: the same exact weights as the nibble layout, accumulated in one fp32 chain per k16 MMA instead
+      of per-block partials, so the output may differ from the nibble layout's in the last bits (GPU test
+      test_rot_and_nibble_layouts_agree), never from the reference by more than the tolerance.  Scales 0 are
+      exact here (2^-127; the nibble layout maps them to 0); scales > 128 would overflow the multiplier, and
+      prepare_mxfp4_experts(layout="auto") then keeps the nibble layout.
+      Prediction (issue bound, time ~ instructions; the probe is the floor of this structure): rank16 b1 / b8 / b64
+      31.1 / 94.4 / 481.8 -> ~28-31 / ~65-72 / ~330-370 us; the bench rows moe_mxfp4_experts@nibble and
+      bench_experts' "nibble" variant time the old layout on the same inputs.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -140,7 +163,8 @@ Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1
   Target (issue): >= 75 % of 4.3 TB/s at batch 8 and 64 (rank16: <= 54 us and <= 276 us).
   Activations (z, h, y workspace, r) add < 8 MB at batch 64 and live in L2.
 
-Layout (prepare_mxfp4_experts, once at load time): weights are tiled in 16-row MMA tiles; for w13 a tile holds 8 w1
+Layout (prepare_mxfp4_experts, once at load time; "nibble" layout described here, "rot" in the version log):
+weights are tiled in 16-row MMA tiles; for w13 a tile holds 8 w1
 rows and the 8 w3 rows of the same outputs (rows g and g+8 of the fragment: a thread owns a and c of an output).
 For each (expert, tile, 64-wide K step) the 32 lanes each load 16 contiguous bytes = the A fragments of 4 MMAs
 (2 MXFP4 blocks x 2 k16 steps); the K index inside a block is permuted identically on the A and B sides, so a lane's
@@ -178,6 +202,20 @@ _SIGN_OF_NIBBLE = tuple(_SIGN_HOLDER.index(n) for n in range(8))
 _NIB_HR = tuple((n // 2) % 2 for n in range(8))
 _NIB_KK = tuple(2 * (n // 4) + n % 2 for n in range(8))
 
+# "rot" layout (2026-11-29): a stored word is decoded to its 4 bf16x2 A registers by rotations and masks alone.
+# Register j's bits at ROT_S (signs 15/31, e1 e0 m at 8..6 / 24..22) are (rotl(word, r) & mask) over the pieces of
+# ROT_PIECES[j]; the four images tile ROT_S and the sources tile the 32 bits (a search over all rotation sets:
+# at most three full translates of ROT_S are disjoint, so one register needs two pieces; 9 ALU ops per word).
+# The result is code * 2^-126 as a bf16 (codes 0.5 are subnormals); one bf16x2 multiply by 2^(E-1) = 2^126 * the
+# E8M0 scale then gives the exact dequantised weight, which needs E <= 128 (scale <= 2): prepare_mxfp4_experts
+# falls back to the "nibble" layout when a checkpoint has a larger scale.
+ROT_S = 0x81C081C0
+ROT_PIECES = (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((10, 0x81C081C0),), ((6, 0x80C080C0), (14, 0x01000100)))
+ROT_MAX_SCALE = 128
+LAYOUTS = ("nibble", "rot")
+# target bit (mod 16) -> code bit: sign, e1, e0, m
+_ROT_CODE_BIT = {15: 3, 8: 2, 7: 1, 6: 0}
+
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_M = 64
 TOPK = 16
@@ -192,6 +230,7 @@ class PreparedExperts:
     w13s: torch.Tensor     # [E, I/8, dL/64, 8]
     w2q: torch.Tensor      # [E, dL/16, I/64, 32, 4]
     w2s: torch.Tensor      # [E, dL/16, I/64, 8]
+    layout: str = "nibble" # how a word holds its 8 codes: "nibble" (PRMT-table decode) or "rot" (see ROT_PIECES)
 
     @property
     def dims(self) -> tuple[int, int, int]:
@@ -206,7 +245,45 @@ def _unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _pack_tiles(codes: torch.Tensor, scales: torch.Tensor):
+def _rot_word(nib_codes: torch.Tensor) -> torch.Tensor:
+    """[..., 8] codes in register order (code 2j + h -> half h of A register j) -> int64 words of the rot layout."""
+    word = torch.zeros(nib_codes.shape[:-1], dtype=torch.int64, device=nib_codes.device)
+    for j, pieces in enumerate(ROT_PIECES):
+        for r, mask in pieces:
+            for q in range(32):
+                if mask >> q & 1:
+                    bit = (nib_codes[..., 2 * j + q // 16] >> _ROT_CODE_BIT[q % 16]) & 1
+                    word |= bit << ((q - r) % 32)
+    return word
+
+
+def _rot_codes(word: torch.Tensor) -> torch.Tensor:
+    """Inverse of _rot_word: int64 words -> [..., 8] codes in register order."""
+    codes = torch.zeros(*word.shape, 8, dtype=torch.int64, device=word.device)
+    for j, pieces in enumerate(ROT_PIECES):
+        for r, mask in pieces:
+            for q in range(32):
+                if mask >> q & 1:
+                    bit = (word >> ((q - r) % 32)) & 1
+                    codes[..., 2 * j + q // 16] |= bit << _ROT_CODE_BIT[q % 16]
+    return codes
+
+
+def rot_decode_reference(word: torch.Tensor) -> torch.Tensor:
+    """The kernel's rot-layout decode, step for step on int64 (CPU tests): [...] words -> [..., 4] bf16x2 bit
+    patterns (code * 2^-126 in each half)."""
+    w = word & 0xFFFFFFFF
+    outs = []
+    for pieces in ROT_PIECES:
+        o = torch.zeros_like(w)
+        for r, mask in pieces:
+            rot = ((w << r) | (w >> ((32 - r) % 32))) & 0xFFFFFFFF if r else w
+            o |= rot & mask
+        outs.append(o)
+    return torch.stack(outs, dim=-1)
+
+
+def _pack_tiles(codes: torch.Tensor, scales: torch.Tensor, layout: str = "nibble"):
     """codes [E, T, 16, K] uint8 (0..15), scales [E, T, 16, K/32] uint8 -> (q [E,T,K/64,32,4] i32, s [E,T,K/64,8] i32)."""
     E, T, R, K = codes.shape
     assert R == 16 and K % 64 == 0
@@ -214,12 +291,15 @@ def _pack_tiles(codes: torch.Tensor, scales: torch.Tensor):
     c = codes.to(torch.int64).reshape(E, T, 2, 8, KB, 2, 4, 2, 4)        # hr g kb bb t s2 kk
     c = c.permute(0, 1, 4, 3, 6, 5, 7, 2, 8)                              # E T kb g t bb s2 hr kk
     nib_codes = torch.stack([c[..., _NIB_HR[n], _NIB_KK[n]] for n in range(8)], dim=-1)   # [..., 8]
-    mag = nib_codes & 7
-    sign = nib_codes >> 3
-    word = torch.zeros(nib_codes.shape[:-1], dtype=torch.int64, device=codes.device)
-    for n in range(8):
-        nib = mag[..., n] | (sign[..., _SIGN_OF_NIBBLE[n]] << 3)
-        word |= nib << (4 * n)
+    if layout == "rot":
+        word = _rot_word(nib_codes)
+    else:
+        mag = nib_codes & 7
+        sign = nib_codes >> 3
+        word = torch.zeros(nib_codes.shape[:-1], dtype=torch.int64, device=codes.device)
+        for n in range(8):
+            nib = mag[..., n] | (sign[..., _SIGN_OF_NIBBLE[n]] << 3)
+            word |= nib << (4 * n)
     word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
     q = word.reshape(E, T, KB, 32, 4).contiguous()                       # lane = 4g + t, word = 2bb + s2
     s = scales.to(torch.int64).reshape(E, T, 2, 8, KB, 2)                 # hr g kb bb
@@ -229,16 +309,19 @@ def _pack_tiles(codes: torch.Tensor, scales: torch.Tensor):
     return q, sw
 
 
-def _unpack_tiles(q: torch.Tensor, sw: torch.Tensor):
+def _unpack_tiles(q: torch.Tensor, sw: torch.Tensor, layout: str = "nibble"):
     """Inverse of _pack_tiles: -> codes [E, T, 16, K] uint8, scales [E, T, 16, K/32] uint8."""
     E, T, KB = q.shape[:3]
     w = q.to(torch.int64) & 0xFFFFFFFF
     w = w.reshape(E, T, KB, 8, 4, 2, 2)                                   # kb g t bb s2
-    nibs = torch.stack([(w >> (4 * n)) & 0xF for n in range(8)], dim=-1)
-    codes_n = torch.empty_like(nibs)
-    for n in range(8):
-        holder = _SIGN_HOLDER[n]                                          # code n's sign sits in nibble `holder`
-        codes_n[..., n] = (nibs[..., n] & 7) | (nibs[..., holder] & 8)
+    if layout == "rot":
+        codes_n = _rot_codes(w)
+    else:
+        nibs = torch.stack([(w >> (4 * n)) & 0xF for n in range(8)], dim=-1)
+        codes_n = torch.empty_like(nibs)
+        for n in range(8):
+            holder = _SIGN_HOLDER[n]                                      # code n's sign sits in nibble `holder`
+            codes_n[..., n] = (nibs[..., n] & 7) | (nibs[..., holder] & 8)
     out = torch.empty(E, T, KB, 8, 4, 2, 2, 2, 4, dtype=torch.int64, device=q.device)     # ... hr kk
     for n in range(8):
         out[..., _NIB_HR[n], _NIB_KK[n]] = codes_n[..., n]
@@ -249,11 +332,16 @@ def _unpack_tiles(q: torch.Tensor, sw: torch.Tensor):
     return out.to(torch.uint8), sb.to(torch.uint8)
 
 
-def prepare_mxfp4_experts(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale) -> PreparedExperts:
+def prepare_mxfp4_experts(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                          layout: str = "auto") -> PreparedExperts:
     """Checkpoint layout -> kernel layout (run once at load time; CPU or GPU tensors, result on the same device).
 
     w1/w3_packed [E, I, dL/2] u8, w1/w3_scale [E, I, dL/32] u8, w2_packed [E, dL, I/2] u8, w2_scale [E, dL, I/32] u8.
+    layout: "rot" (the default kernel's), "nibble" (kernel versions 2-3 and the A/B runs) or "auto": "rot" when every
+    E8M0 scale byte is <= ROT_MAX_SCALE (the rot decode's multiplier 2^(E-1) must be a finite bf16), else "nibble".
     """
+    if layout not in LAYOUTS + ("auto",):
+        raise ValueError(f"layout must be one of {LAYOUTS + ('auto',)}, got {layout!r}")
     for n, t in [("w1_packed", w1_packed), ("w1_scale", w1_scale), ("w3_packed", w3_packed),
                  ("w3_scale", w3_scale), ("w2_packed", w2_packed), ("w2_scale", w2_scale)]:
         check_tensor(n, t, dtype=torch.uint8, contiguous=False, align=0)
@@ -268,6 +356,12 @@ def prepare_mxfp4_experts(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w
                       ("w2_scale", w2_scale, (E, dL, I // 32))]:
         if tuple(t.shape) != shp:
             raise ValueError(f"{n}: expected shape {list(shp)}, got {list(t.shape)}")
+    max_scale = max(int(t.max()) for t in (w1_scale, w3_scale, w2_scale))
+    if layout == "auto":
+        layout = "rot" if max_scale <= ROT_MAX_SCALE else "nibble"
+    elif layout == "rot" and max_scale > ROT_MAX_SCALE:
+        raise ValueError(f"layout 'rot' needs every E8M0 scale byte <= {ROT_MAX_SCALE} (scale <= 2), got {max_scale}: "
+                         f"use layout='nibble' or 'auto'")
     # chunks of experts keep the int64 temporaries small; runs on the tensors' device (GPU: ~1 s for K3)
     q13, s13, q2, s2 = [], [], [], []
     step = max(1, (1 << 24) // (I * dL))
@@ -278,16 +372,16 @@ def prepare_mxfp4_experts(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w
         c3 = _unpack_codes(w3_packed[e0:e1]).reshape(n, I // 8, 8, dL)
         sc1 = w1_scale[e0:e1].reshape(n, I // 8, 8, dL // 32)
         sc3 = w3_scale[e0:e1].reshape(n, I // 8, 8, dL // 32)
-        q, s = _pack_tiles(torch.cat([c1, c3], dim=2), torch.cat([sc1, sc3], dim=2))
+        q, s = _pack_tiles(torch.cat([c1, c3], dim=2), torch.cat([sc1, sc3], dim=2), layout)
         q13.append(q)
         s13.append(s)
         c2 = _unpack_codes(w2_packed[e0:e1]).reshape(n, dL // 16, 16, I)
         sc2 = w2_scale[e0:e1].reshape(n, dL // 16, 16, I // 32)
-        q, s = _pack_tiles(c2, sc2)
+        q, s = _pack_tiles(c2, sc2, layout)
         q2.append(q)
         s2.append(s)
     outs = [torch.cat(x).contiguous() for x in (q13, s13, q2, s2)]
-    return PreparedExperts(*outs)
+    return PreparedExperts(*outs, layout=layout)
 
 
 def dequant_checkpoint(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -302,8 +396,8 @@ def dequant_checkpoint(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 def dequant_prepared(prep: PreparedExperts):
     """Exact float32 dequant of the kernel layout -> (w1 [E,I,dL], w3 [E,I,dL], w2 [E,dL,I]) (for tests)."""
     E, I, dL = prep.dims
-    c13, s13 = _unpack_tiles(prep.w13q, prep.w13s)                       # [E, I/8, 16, dL]
-    c2, s2 = _unpack_tiles(prep.w2q, prep.w2s)                           # [E, dL/16, 16, I]
+    c13, s13 = _unpack_tiles(prep.w13q, prep.w13s, prep.layout)          # [E, I/8, 16, dL]
+    c2, s2 = _unpack_tiles(prep.w2q, prep.w2s, prep.layout)              # [E, dL/16, 16, I]
 
     def val(c, s):
         c = c.to(torch.int64)
@@ -381,6 +475,7 @@ class KernelCfg:
     situ_linear_beta: float = 25.0
     version: int = DEFAULT_VERSION  # 2: z from global; 3: z staged in smem; 4: + copy-free ring; 5: + pass items
     probe: str = ""   # diagnostics only: "stream" = weights loaded and XOR-folded, no decode / MMA (wrong output)
+    layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
 
     def __post_init__(self):
         if self.dL % 64 or self.I % 64:
@@ -393,6 +488,10 @@ class KernelCfg:
             raise ValueError("K split does not divide the FC1 K steps")
         if self.version not in (2, 3, 4, 5):
             raise ValueError(f"version must be 2, 3, 4 or 5, got {self.version}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "rot" and self.version < 4:
+            raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in ("", "stream"):
             raise ValueError(f"probe must be '' or 'stream', got {self.probe!r}")
 
@@ -511,6 +610,34 @@ def _build_kernel_class():
         o3 = prmt(lB, hB, 0x7362) | ((w << 12) & sm)
         return [o0, o1, o2, o3]
 
+    def shf_rot(x, r):
+        return Int32(llvm.inline_asm(T.i32(), [_i(x), _i(x)], f"shf.l.wrap.b32 $0, $1, $2, {r};", "=r,r,r",
+                                     has_side_effects=False, is_align_stack=False,
+                                     asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def mul_bf16x2(a, b):
+        return Int32(llvm.inline_asm(T.i32(), [_i(a), _i(b)], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r",
+                                     has_side_effects=False, is_align_stack=False,
+                                     asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def decode_rot(w):
+        """rot layout: 8 stored codes -> 4 bf16x2 A registers holding code * 2^-126 (ROT_PIECES): 9 ALU ops."""
+        outs = []
+        for pieces in ROT_PIECES:
+            o = None
+            for r, mask in reversed(pieces):
+                v = (w if r == 0 else shf_rot(w, r)) & Int32(mask - (1 << 32) if mask >= 1 << 31 else mask)
+                o = v if o is None else o | v
+            outs.append(o)
+        return outs
+
+    def rot_multiplier(sw, byte):
+        """E8M0 byte ``byte`` of the scale word -> bf16x2 2^(E-1) in both halves, i.e. 2^126 * scale: the byte
+        moved to bits 0-7 (PRMT with a zero register), then one IMAD: E * 0x00800080 + (126 << 7) * 0x00010001.
+        E <= ROT_MAX_SCALE keeps it a finite bf16 (prepare_mxfp4_experts)."""
+        e = prmt(sw, Int32(0), 0x4440 + byte)
+        return e * Int32(0x00800080) + Int32(0x3F003F00)
+
     def scale_f32(sw, j):
         """E8M0 byte j of the scale word -> fp32 2^(s-127) (bits s << 23)."""
         if const_expr(j == 3):
@@ -550,13 +677,41 @@ def _build_kernel_class():
     def consume_slot(c, lut, wv, sv, acc, early, a=None, sf=None):
         """Decode a ring slot's words and scales: before its refill is issued in v4 (early=True), after it in v2/v3
         (early=False). v4's order leaves the slot's old values dead when the refill lands, so the ring needs no
-        register copies at the loop's back edge (module docstring, v4)."""
+        register copies at the loop's back edge (module docstring, v4). The rot layout returns the A registers
+        already multiplied by their block's 2^126 * scale (word w is k16 half w % 2 of block w // 2; register j
+        is row g for even j, g + 8 for odd j), and no separate scale factors."""
         if const_expr(early != (c.version >= 4)):
             return a, sf
         if const_expr(c.probe == "stream"):
             stream_probe(wv, sv, acc)
             return [], []
+        if const_expr(c.layout == "rot"):
+            mult = [rot_multiplier(sv, b) for b in range(4)]       # byte 2 * bb + hr
+            return [[mul_bf16x2(o, mult[2 * (w // 2) + j % 2]) for j, o in enumerate(decode_rot(wv[w]))]
+                    for w in range(4)], []
         return [decode8(wv[j], lut) for j in range(4)], [scale_f32(sv, j) for j in range(4)]
+
+    def mma_block_any(c, a, bv, sf, bb, acc, gi):
+        """The two k16 MMAs of MXFP4 block bb into acc: through a fresh fp32 partial and its scale factors
+        (nibble layout), or straight into acc with pre-scaled A registers (rot layout)."""
+        if const_expr(c.layout == "rot"):
+            for h in range(2):
+                r = mma(a[2 * bb + h], bv[2 * h], bv[2 * h + 1], [acc[gi * 4 + x] for x in range(4)])
+                for x in range(4):
+                    acc[gi * 4 + x] = r[x]
+        else:
+            mma_block_scaled(a, bv, sf[2 * bb], sf[2 * bb + 1], bb, acc, gi)
+
+    def step_split(s0, d, K, D):
+        """(i, k) = divmod(s0 + d, K) for s0 a multiple of D and d < D a trace-time constant, with one division per
+        D steps (the compiler shares s0 // K between the D unrolled steps) or none, where K and D allow it."""
+        if const_expr(K % D == 0):
+            i = s0 // K
+            return i, s0 - i * K + d
+        if const_expr(D % K == 0):
+            return s0 // K + d // K, d % K
+        i = (s0 + d) // K
+        return i, s0 + d - i * K
 
     def mma_block(a, bv, sv, bb, acc, gi):
         """The two k16 MMAs of MXFP4 block bb (fresh fp32 partial), then acc += partial * 2^(scale - 127)."""
@@ -832,15 +987,23 @@ def _build_kernel_class():
                             if s < NS1:
                                 wv = [ringW[d, j] for j in range(4)]
                                 sv = ringS[d]
-                                i = s // c.KS1
-                                kk = s - i * c.KS1
+                                if const_expr(c.layout == "rot"):
+                                    i, kk = step_split(s0, d, c.KS1, D)
+                                else:
+                                    i = s // c.KS1
+                                    kk = s - i * c.KS1
                                 uu = warp + W * i
                                 tile = uu // c.S
                                 kb = (uu - tile * c.S) * c.KS1 + kk
                                 if kk == 0:
                                     acc.fill(0.0)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, True)
-                                row_ = fc1_row(c, warp, t1_base, s + D)     # the refill of this slot
+                                if const_expr(c.layout == "rot"):
+                                    i_, k_ = step_split(s0 + D, d, c.KS1, D)
+                                    uu_ = warp + W * i_
+                                    row_ = (t1_base + uu_ // c.S) * c.NKB1 + (uu_ % c.S) * c.KS1 + k_
+                                else:
+                                    row_ = fc1_row(c, warp, t1_base, s + D)     # the refill of this slot
                                 if s + D < NS1:
                                     load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d,
                                               scale=c.version < 4)
@@ -853,7 +1016,7 @@ def _build_kernel_class():
                                                     cute.autovec_copy(gZs[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
                                                 else:
                                                     cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
-                                                mma_block_scaled(a, bv, sf[2 * bb], sf[2 * bb + 1], bb, acc, gi)
+                                                mma_block_any(c, a, bv, sf, bb, acc, gi)
                                 if const_expr(c.version >= 4):
                                     # v4: the scale word is refilled after its last use (the MMAs' scale factors)
                                     if s + D < NS1:
@@ -918,13 +1081,20 @@ def _build_kernel_class():
                             if s < NS2:
                                 wv = [ringW[d, j] for j in range(4)]
                                 sv = ringS[d]
-                                i = s // c.NKB2
-                                kb = s - i * c.NKB2
+                                if const_expr(c.layout == "rot"):
+                                    i, kb = step_split(s0, d, c.NKB2, D)
+                                else:
+                                    i = s // c.NKB2
+                                    kb = s - i * c.NKB2
                                 tile = warp + W * i
                                 if kb == 0:
                                     acc.fill(0.0)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, True)
-                                row_ = fc2_row(c, warp, t2_base, s + D)     # the refill of this slot
+                                if const_expr(c.layout == "rot"):
+                                    i_, k_ = step_split(s0 + D, d, c.NKB2, D)
+                                    row_ = (t2_base + cutlass.min(warp + W * i_, c.T2 - 1)) * c.NKB2 + k_
+                                else:
+                                    row_ = fc2_row(c, warp, t2_base, s + D)     # the refill of this slot
                                 if s + D < NS2:
                                     load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d,
                                               scale=c.version < 4)
@@ -935,7 +1105,7 @@ def _build_kernel_class():
                                             if gi * 8 < npass:
                                                 for bb in cutlass.range_constexpr(2):
                                                     cute.autovec_copy(gH[0, None, gi * 8 + g, kb * 8 + bb * 4 + t], bv)
-                                                    mma_block_scaled(a, bv, sf[2 * bb], sf[2 * bb + 1], bb, acc, gi)
+                                                    mma_block_any(c, a, bv, sf, bb, acc, gi)
                                     if kb == c.NKB2 - 1:
                                         r0 = (rank * c.T2 + tile) * 16 + g
                                         for gi in cutlass.range_constexpr(GMAX):
@@ -1015,10 +1185,14 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
 
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                version: int = DEFAULT_VERSION) -> KernelCfg:
+                version: int = DEFAULT_VERSION, layout: str | None = None) -> KernelCfg:
+    """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3."""
     MB = m_bucket(M)
+    if layout is None:
+        layout = "rot" if version >= 4 else "nibble"
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C or default_cluster(MB), D=D, nsm=nsm,
-                     situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version)
+                     situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
+                     layout=layout)
 
 
 def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:
@@ -1092,17 +1266,26 @@ def _validate(z, topk_ids, topk_w, prep: PreparedExperts):
 def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
                       version: int = DEFAULT_VERSION, cluster: int | None = None,
-                      kernel_cfg: KernelCfg | None = None):
+                      kernel_cfg: KernelCfg | None = None, layout: str | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
-    may also be passed as w13_packed with the other three None).  topk_ids values must lie in [0, E) (not checked:
+    may also be passed as w13_packed with the other three None; the four tensors alone need ``layout``).  topk_ids
+    values must lie in [0, E) (not checked:
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed
+        if layout is not None and layout != prep.layout:
+            raise ValueError(f"layout={layout!r} given for experts prepared with layout {prep.layout!r}")
     else:
-        prep = PreparedExperts(w13_packed, w13_scale, w2_packed, w2_scale)
+        if layout not in LAYOUTS:
+            raise ValueError(f"moe_mxfp4_experts with the four prepared tensors needs layout= one of {LAYOUTS} "
+                             f"(PreparedExperts.layout), got {layout!r}")
+        prep = PreparedExperts(w13_packed, w13_scale, w2_packed, w2_scale, layout=layout)
+    if prep.layout == "rot" and version < 4:
+        raise ValueError(f"experts prepared with layout 'rot' need kernel version >= 4, got {version}; prepare them "
+                         f"with layout='nibble' for versions 2-3")
     E, I, dL, M = _validate(z, topk_ids, topk_w, prep)
     if not z.is_cuda:
         raise ValueError("moe_mxfp4_experts runs on CUDA tensors only")
@@ -1116,9 +1299,10 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     if workspace.y.dim() != 2 or workspace.y.shape[1] != dL or workspace.y.shape[0] < M * TOPK:
         raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
-                      situ_linear_beta=situ_linear_beta, version=version)
+                      situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
-        if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M:
+        if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
+                or kernel_cfg.layout != prep.layout:
             raise ValueError(f"kernel_cfg {kernel_cfg} does not fit E={E}, dL={dL}, I={I}, M={M}")
         key = kernel_cfg
     fn = get_kernel(key)

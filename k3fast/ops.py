@@ -114,14 +114,14 @@ def _(x, packed):
 @torch.library.custom_op("k3fast::moe_mxfp4_experts", mutates_args=())
 def moe_mxfp4_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, w13q: torch.Tensor,
                       w13s: torch.Tensor, w2q: torch.Tensor, w2s: torch.Tensor, situ_beta: float,
-                      situ_linear_beta: float) -> torch.Tensor:
+                      situ_linear_beta: float, layout: str) -> torch.Tensor:
     from .moe_mxfp4_experts import moe_mxfp4_experts as impl
     return impl(z, topk_ids, topk_w, w13q, w13s, w2q, w2s, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                workspace=_experts_workspace(z.shape[1], z.device))
+                workspace=_experts_workspace(z.shape[1], z.device), layout=layout)
 
 
 @moe_mxfp4_experts.register_fake
-def _(z, topk_ids, topk_w, w13q, w13s, w2q, w2s, situ_beta, situ_linear_beta):
+def _(z, topk_ids, topk_w, w13q, w13s, w2q, w2s, situ_beta, situ_linear_beta, layout):
     return z.new_empty(z.shape, dtype=torch.bfloat16)
 
 

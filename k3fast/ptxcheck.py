@@ -129,22 +129,24 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cutlass, _ = import_cute()
     rows = []
-    for v in (3, 4):
+    for v, layout in ((3, "nibble"), (4, "nibble"), (4, "rot")):
         for M in (1, 64):
-            key = dataclasses.replace(mx.compile_key(896, 3584, 256, M), version=v)
+            key = dataclasses.replace(mx.compile_key(896, 3584, 256, M), version=v, layout=layout)
             ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
             for st in loop_copies_of_loads(ptx):
                 if st.global_loads >= 8:
-                    rows.append({"kernel": f"moe_mxfp4_experts v{v}", "config": "k3_rank16", "M": M,
-                                 **dataclasses.asdict(st)})
-    # where the default kernel's loop instructions go (v4, default clusters), at b8 and b64
-    for M in (8, 64):
-        key = mx.compile_key(896, 3584, 256, M)
-        ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
-        for label, ops in loop_opcodes(ptx).items():
-            rows.append({"kernel": f"moe_mxfp4_experts v{key.version} (default, C={key.C}, D={key.D})",
-                         "config": "k3_rank16", "M": M, "label": label, "instructions": sum(ops.values()),
-                         "opcodes": ops})
+                    rows.append({"kernel": f"moe_mxfp4_experts v{v} ({layout} layout)", "config": "k3_rank16",
+                                 "M": M, **dataclasses.asdict(st)})
+    # where the loop instructions go (v4, default clusters), at b8 and b64: the default (rot layout) and the
+    # nibble layout it replaced
+    for layout in ("rot", "nibble"):
+        for M in (8, 64):
+            key = mx.compile_key(896, 3584, 256, M, layout=layout)
+            ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
+            for label, ops in loop_opcodes(ptx).items():
+                rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({layout} layout, C={key.C}, D={key.D})",
+                             "config": "k3_rank16", "M": M, "label": label, "instructions": sum(ops.values()),
+                             "opcodes": ops})
     for label, seq in loop_issue_order(rms_gemv.fused_ptx(3216), min_loads=2):
         rows.append({"kernel": "attnres_rms_gemv (fused)", "config": "k3_rank16 in_proj N=3216", "M": 1,
                      "label": label, "issue_order": seq})

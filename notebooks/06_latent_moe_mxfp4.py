@@ -99,7 +99,8 @@ from k3fast.ptxcheck import compiled_ptx, loop_copies_of_loads
 if dsl_available():
     key = mx.compile_key(56, 3584, 256, 1)
     for v in (3, 4):
-        ptx = compiled_ptx(lambda: mx._compile(dataclasses.replace(key, version=v), options="--enable-tvm-ffi --keep-ptx"))
+        ptx = compiled_ptx(lambda: mx._compile(dataclasses.replace(key, version=v, layout="nibble"),
+                                               options="--enable-tvm-ffi --keep-ptx"))
         for st in loop_copies_of_loads(ptx):
             if st.global_loads >= 8:
                 print(f"v{v} loop {st.label}: {st.instructions} PTX instructions, {st.global_loads} global loads, "

@@ -16,23 +16,25 @@ def _rand_ckpt(E, I, dL, gen, scale_lo=0, scale_hi=255):
             r(E, dL, I // 2), sc(E, dL, I // 32))
 
 
-def test_prepare_roundtrip_bit_exact_all_bytes():
+@pytest.mark.parametrize("layout", ["nibble", "rot"])
+def test_prepare_roundtrip_bit_exact_all_bytes(layout):
     gen = torch.Generator().manual_seed(0)
     E, I, dL = 3, 128, 192
-    w1, s1, w3, s3, w2, s2 = _rand_ckpt(E, I, dL, gen)
+    # the rot layout takes scales up to ROT_MAX_SCALE (its multiplier 2^(E-1) must be a finite bf16)
+    w1, s1, w3, s3, w2, s2 = _rand_ckpt(E, I, dL, gen, 0, 256 if layout == "nibble" else mx.ROT_MAX_SCALE + 1)
     # every byte value appears in every packed tensor, at several positions
     for t in (w1, w3, w2):
         flat = t.view(-1)
         flat[:256] = torch.arange(256, dtype=torch.uint8)
         flat[-256:] = torch.arange(255, -1, -1, dtype=torch.uint8)
-    prep = mx.prepare_mxfp4_experts(w1, s1, w3, s3, w2, s2)
-    assert prep.dims == (E, I, dL)
+    prep = mx.prepare_mxfp4_experts(w1, s1, w3, s3, w2, s2, layout=layout)
+    assert prep.dims == (E, I, dL) and prep.layout == layout
     d1, d3, d2 = mx.dequant_prepared(prep)
     for got, (q, s) in [(d1, (w1, s1)), (d3, (w3, s3)), (d2, (w2, s2))]:
         ref = mx.dequant_checkpoint(q, s)
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32))      # bit-exact, incl. -0.0
     # the raw codes and scales survive the round trip too
-    c13, sc13 = mx._unpack_tiles(prep.w13q, prep.w13s)
+    c13, sc13 = mx._unpack_tiles(prep.w13q, prep.w13s, layout)
     assert torch.equal(c13[:, :, :8].reshape(E, I, dL), mx._unpack_codes(w1))
     assert torch.equal(sc13[:, :, 8:].reshape(E, I, dL // 32), s3)
 
@@ -81,6 +83,53 @@ def test_kernel_decode_model_matches_layout():
                 assert bits == want, (lane, s, r, kk, hex(bits), hex(want))
 
 
+def test_rot_layout_tiles_the_word():
+    """Every stored bit feeds exactly one register bit, and each register gets exactly its 8 bits (ROT_S)."""
+    used = 0
+    for pieces in mx.ROT_PIECES:
+        img = 0
+        for r, mask in pieces:
+            src = ((mask >> r) | (mask << (32 - r))) & 0xFFFFFFFF if r else mask
+            assert used & src == 0 and img & mask == 0
+            used |= src
+            img |= mask
+        assert img == mx.ROT_S
+    assert used == 0xFFFFFFFF
+
+
+def test_rot_decode_model_matches_layout():
+    """The rot decode (rotations and masks, modelled step for step) times the kernel's multiplier (one IMAD on the
+    E8M0 byte, an exact bf16x2 multiply) is the exact dequantised weight of every code at every scale 0..128, in
+    A-fragment order."""
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 16, (1, 1, 16, 64), generator=gen, dtype=torch.uint8)
+    codes.view(-1)[:16] = torch.arange(16, dtype=torch.uint8)
+    scales = torch.full((1, 1, 16, 2), 127, dtype=torch.uint8)
+    q, _ = mx._pack_tiles(codes, scales, "rot")
+    pats = mx.rot_decode_reference(q.to(torch.int64))                     # [1, 1, 1, 32, 4, 4] bf16x2 patterns
+    mag = torch.tensor(mx.E2M1_MAG)
+
+    def bf16(bits):
+        return torch.tensor([bits & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().item()
+    for E in (0, 1, 64, 120, 127, 128):
+        mult = (E * 0x00800080 + 0x3F003F00) & 0xFFFFFFFF                   # the kernel's IMAD
+        assert mult & 0xFFFF == mult >> 16 and bf16(mult) == 2.0 ** (E - 1)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for s in range(4):
+                bb, s2 = s // 2, s % 2
+                k = 32 * bb + 8 * t + 4 * s2
+                want_rc = [(g, k), (g, k + 1), (g + 8, k), (g + 8, k + 1), (g, k + 2), (g, k + 3), (g + 8, k + 2),
+                           (g + 8, k + 3)]
+                for n, (r, kk) in enumerate(want_rc):
+                    bits = int(pats[0, 0, 0, lane, s, n // 2]) >> (16 * (n % 2))
+                    c = int(codes[0, 0, r, kk])
+                    want = float(mag[c & 7]) * (-1.0 if c & 8 else 1.0) * 2.0 ** (E - 127)
+                    got = bf16(bits) * 2.0 ** (E - 1)                       # exact: powers of two, no overflow
+                    got_bf16 = torch.tensor([got]).bfloat16().float().item()
+                    assert got == want == got_bf16, (E, lane, s, r, kk, got, want)
+
+
 def test_distinct_expert_bytes():
     ids = torch.tensor([[1, 2, 3], [3, 4, 1]], dtype=torch.int32)
     assert mx.distinct_expert_bytes(ids, (3584, 256)) == 4 * mx.expert_bytes(3584, 256)
@@ -115,6 +164,24 @@ def test_bad_inputs_rejected_on_cpu():
         mx.prepare_mxfp4_experts(*[torch.zeros(4, 64, 63, dtype=torch.uint8)] * 6)
     with pytest.raises(TypeError):
         mx.prepare_mxfp4_experts(*[torch.zeros(4, 64, 64, dtype=torch.int8)] * 6)
+    # layouts: auto picks rot for scales <= 128 and nibble above; rot is refused above; a version that cannot
+    # decode the layout, and the four tensors without their layout, are refused before any kernel runs
+    assert prep.layout == "rot"
+    gen = torch.Generator().manual_seed(9)
+    big = _rand_ckpt(4, 64, 128, gen, 120, 140)
+    assert mx.prepare_mxfp4_experts(*big).layout == "nibble"
+    with pytest.raises(ValueError, match="rot"):
+        mx.prepare_mxfp4_experts(*big, layout="rot")
+    with pytest.raises(ValueError, match="layout"):
+        mx.prepare_mxfp4_experts(*big, layout="nib")
+    with pytest.raises(ValueError, match="version"):
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, version=3)
+    with pytest.raises(ValueError, match="layout"):
+        mx.moe_mxfp4_experts(z, ids, w, prep.w13q, prep.w13s, prep.w2q, prep.w2s)
+    with pytest.raises(ValueError, match="layout"):
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, layout="nibble")
+    with pytest.raises(ValueError, match="versions >= 4"):
+        mx.compile_key(896, 3584, 256, 8, version=3, layout="rot")
 
 
 def test_cluster_and_split_choices():
@@ -132,7 +199,7 @@ def test_compile_all_keys(cfg):
     keys = mx.compile_keys(cfg)
     assert {k.MB for k in keys} == set(mx.M_BUCKETS)
     for key in keys:
-        assert key.version == mx.DEFAULT_VERSION == 4
+        assert key.version == mx.DEFAULT_VERSION == 4 and key.layout == "rot"
         assert key.C == mx.default_cluster(key.MB)
         assert mx.get_kernel(key) is not None
 
@@ -154,7 +221,10 @@ def test_compile_other_versions_for_ab_benchmarks():
     for v in (2, 3, 5):
         for M in (8, 64):
             key = mx.compile_key(896, 3584, 256, M, version=v)
+            assert key.layout == ("nibble" if v < 4 else "rot")
             assert mx.get_kernel(key) is not None
+    for M in (1, 8, 64):        # the nibble-layout default (the A/B of the rot decode)
+        assert mx.get_kernel(mx.compile_key(896, 3584, 256, M, layout="nibble")) is not None
     assert mx.get_kernel(mx.compile_key(896, 3584, 3072, 64, version=5)) is not None
     with pytest.raises(ValueError, match="version"):
         mx.compile_key(896, 3584, 256, 8, version=6)
@@ -224,10 +294,12 @@ def test_v4_ring_carries_no_copies_of_inflight_loads(M):
     from k3fast.ptxcheck import compiled_ptx, loop_copies_of_loads
     base = mx.compile_key(56, 3584, 256, M)
     stats = {}
-    for v in (3, 4):
-        ptx = compiled_ptx(lambda: mx._compile(dataclasses.replace(base, version=v), options="--enable-tvm-ffi --keep-ptx"))
-        stats[v] = [s for s in loop_copies_of_loads(ptx) if s.global_loads >= 8]
-    assert stats[4] and all(s.copies_of_loads == 0 for s in stats[4]), stats[4]
+    for v, layout in ((3, "nibble"), (4, "nibble"), (4, "rot")):
+        ptx = compiled_ptx(lambda: mx._compile(dataclasses.replace(base, version=v, layout=layout),
+                                               options="--enable-tvm-ffi --keep-ptx"))
+        stats[v if layout == "nibble" else "rot"] = [s for s in loop_copies_of_loads(ptx) if s.global_loads >= 8]
+    for v in (4, "rot"):
+        assert stats[v] and all(s.copies_of_loads == 0 for s in stats[v]), stats[v]
     assert any(s.copies_of_loads >= 40 for s in stats[3]), "the checker no longer sees v3's copies"
 
 
@@ -298,3 +370,21 @@ def test_loop_opcodes_counts_a_hand_written_loop():
     ])
     assert loop_opcodes(ptx, min_loads=1) == {"L__BB0_7": {"prmt": 2, "ld": 1, "and": 1, "bra": 1}}
     assert loop_opcodes(ptx, min_loads=2) == {}
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("M", [8, 64])
+def test_rot_layout_shortens_the_main_loops(M):
+    """The point of the rot layout: fewer instructions per weight step in the FC1/FC2 loops than the nibble
+    layout's PRMT-table decode + fp32 scale FMAs (PTX, per MMA: both do the same MMAs; SASS figures in the module's
+    version log)."""
+    from k3fast.ptxcheck import compiled_ptx, loop_opcodes
+    per_load = {}
+    for layout in ("nibble", "rot"):
+        key = mx.compile_key(896, 3584, 256, M, layout=layout)
+        loops = loop_opcodes(compiled_ptx(lambda: mx._compile(key, options="--enable-tvm-ffi --keep-ptx")))
+        n = sum(sum(ops.values()) for ops in loops.values())
+        per_load[layout] = (n, sum(ops.get("mma", 0) for ops in loops.values()))
+    (n_nib, l_nib), (n_rot, l_rot) = per_load["nibble"], per_load["rot"]
+    assert l_nib == l_rot > 0, per_load
+    assert n_rot <= 0.8 * n_nib, per_load

@@ -45,7 +45,7 @@ def _layer(t, M):
     x, p = ops.oproj_attnres(y, t["w_o"], t["blocks"], 2, t["p1"], t["u"], t["w_post"], 1e-5, False)
     z, ids, w = ops.router_down_topk(x, t["front"], t["bias"], 896, 16, 2.5)
     h = ops.shared_expert_gate_up(x, t["gu"])
-    r = ops.moe_mxfp4_experts(z, ids, w, t["w13q"], t["w13s"], t["w2q"], t["w2s"], 4.0, 25.0)
+    r = ops.moe_mxfp4_experts(z, ids, w, t["w13q"], t["w13s"], t["w2q"], t["w2s"], 4.0, 25.0, "rot")
     return ops.moe_tail(r, t["r_norm"], t["w_up"], h, t["w_sd"], 1e-5), p, proj, y, z, ids, w, h, r
 
 

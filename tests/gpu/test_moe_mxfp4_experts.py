@@ -6,6 +6,7 @@ op with this contract yet):
     y_e  = bf16(h W2_e^T);                  r = bf16(sum_j topk_w[m, j] * fp32(y_{ids[m, j]}))  (slot order)
 
 E = 896, dL = 3584; I = 256 (k3_rank16) for every batch, I = 384 (k3_rank8) for a few, I = 3072 once at M = 1.
+The experts are prepared in the default "rot" layout; the A/B tests against versions 2-3 use the "nibble" layout.
 Compile time dominates the wall time (~8 s per key; 9 keys).
 """
 import pytest
@@ -35,18 +36,26 @@ def rel_rmse(out, ref):
 _W = {}
 
 
-def weights(I):
-    """Random checkpoint bytes (all codes), realistic E8M0 scales 2^-9..2^-4; prepared once per width."""
-    if I not in _W:
-        _W.clear()                                    # keep at most one width resident (I = 3072 is ~15 GB)
-        g = torch.Generator(device=DEV).manual_seed(77 + I)
-        r = lambda *s: torch.randint(0, 256, s, generator=g, device=DEV, dtype=torch.int32).to(torch.uint8)
-        sc = lambda *s: torch.randint(118, 124, s, generator=g, device=DEV, dtype=torch.int32).to(torch.uint8)
-        ck = dict(w1=r(E, I, DL // 2), s1=sc(E, I, DL // 32), w3=r(E, I, DL // 2), s3=sc(E, I, DL // 32),
-                  w2=r(E, DL, I // 2), s2=sc(E, DL, I // 32))
-        prep = mx.prepare_mxfp4_experts(ck["w1"], ck["s1"], ck["w3"], ck["s3"], ck["w2"], ck["s2"])
-        _W[I] = (ck, prep)
-    return _W[I]
+def weights(I, layout="rot", scales=(118, 124), scales2=None):
+    """Random checkpoint bytes (all codes), realistic E8M0 scales 2^-9..2^-4 (or ``scales`` for w1/w3 and
+    ``scales2``, default the same, for w2); prepared once per width, layout and scale ranges."""
+    scales = (scales, scales2 or scales)
+    key = (I, layout, scales)
+    if key not in _W:
+        if any(k[0] != I or k[2] != scales for k in _W):
+            _W.clear()                                # keep at most one width resident (I = 3072 is ~15 GB)
+        ck = next((v[0] for k, v in _W.items()), None)
+        if ck is None:
+            g = torch.Generator(device=DEV).manual_seed(77 + I + scales[0][0])
+            r = lambda *s: torch.randint(0, 256, s, generator=g, device=DEV, dtype=torch.int32).to(torch.uint8)
+            sc = lambda lohi, *s: torch.randint(lohi[0], lohi[1], s, generator=g, device=DEV,
+                                                dtype=torch.int32).to(torch.uint8)
+            ck = dict(w1=r(E, I, DL // 2), s1=sc(scales[0], E, I, DL // 32), w3=r(E, I, DL // 2),
+                      s3=sc(scales[0], E, I, DL // 32), w2=r(E, DL, I // 2), s2=sc(scales[1], E, DL, I // 32))
+        prep = mx.prepare_mxfp4_experts(ck["w1"], ck["s1"], ck["w3"], ck["s3"], ck["w2"], ck["s2"], layout=layout)
+        assert prep.layout == layout
+        _W[key] = (ck, prep)
+    return _W[key]
 
 
 def routing(M, kind, gen):
@@ -87,9 +96,9 @@ def reference(z, ids, w, ck):
     return acc.to(BF)
 
 
-def case(M, I, kind, seed):
+def case(M, I, kind, seed, layout="rot", scales=(118, 124), scales2=None):
     """Weights of width I, fresh z, a routing of the given kind and a fresh workspace."""
-    ck, prep = weights(I)
+    ck, prep = weights(I, layout, scales, scales2)
     gen = torch.Generator(device=DEV).manual_seed(seed)
     z = torch.randn(M, DL, generator=gen, device=DEV).to(BF)
     ids, w = routing(M, kind, gen)
@@ -122,7 +131,7 @@ V4_CASES = [(m, 256, r) for m in (1, 3, 8, 64) for r in ("uniform", "shared", "t
 @pytest.mark.parametrize("M,I,kind", V4_CASES)
 def test_v4_matches_v3_and_reference(M, I, kind):
     """v4 (ring consumed before its refill) computes exactly what v3 computes: same MMAs in the same order."""
-    ck, prep, z, ids, w, ws = case(M, I, kind, 2000 * M + I + len(kind))
+    ck, prep, z, ids, w, ws = case(M, I, kind, 2000 * M + I + len(kind), layout="nibble")
     outs = run_variants(M, z, ids, w, prep, ws, v3=dict(version=3), v4=dict(version=4))
     assert same_bits(outs["v4"], outs["v3"]), "v4 differs from v3"
     assert rel_rmse(outs["v4"], reference(z, ids, w, ck)) <= TOL
@@ -133,7 +142,8 @@ def test_matches_reference(M, I, kind):
     ck, prep, z, ids, w, ws = case(M, I, kind, 1000 * M + I + len(kind))
     ws.y.fill_(float("nan"))
     out = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
-    mx.moe_mxfp4_experts(z, ids, w, prep.w13q, prep.w13s, prep.w2q, prep.w2s, out=out, workspace=ws)
+    mx.moe_mxfp4_experts(z, ids, w, prep.w13q, prep.w13s, prep.w2q, prep.w2s, out=out, workspace=ws,
+                         layout=prep.layout)
     torch.cuda.synchronize()
     ref = reference(z, ids, w, ck)
     assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite outputs"
@@ -219,3 +229,39 @@ def test_16_warps_match_reference(M, I, kind):
     assert rel_rmse(outs["w16"], reference(z, ids, w, ck)) <= TOL
     if w16.S == base.S == 1:
         assert same_bits(outs["w16"], outs["w8"])
+
+
+ROT_CASES = [(m, 256, r) for m in (1, 8, 64) for r in ("uniform", "shared", "ties")] + [(16, 384, "skewed"),
+                                                                                      (1, 3072, "uniform")]
+
+
+@pytest.mark.parametrize("M,I,kind", ROT_CASES)
+def test_rot_and_nibble_layouts_agree(M, I, kind):
+    """The rot layout (default since 2026-11-29: rotations + masks, A pre-scaled by an exact bf16x2 multiply, MMAs
+    straight into the accumulator) and the nibble layout (PRMT table, fp32 per-block scale FMAs) dequantise the
+    same weights exactly, so both match the reference; they may differ in the last fp32 bits of the accumulation
+    order only, i.e. by a bf16 rounding step at most, never more than the tolerance."""
+    ck, prep_rot, z, ids, w, ws = case(M, I, kind, 6000 * M + I + len(kind))
+    prep_nib = weights(I, "nibble")[1]
+    rot = run_variants(M, z, ids, w, prep_rot, ws, rot={})["rot"]
+    nib = run_variants(M, z, ids, w, prep_nib, ws, nib={})["nib"]
+    ref = reference(z, ids, w, ck)
+    assert rel_rmse(rot, ref) <= TOL and rel_rmse(nib, ref) <= TOL
+    assert rel_rmse(rot, nib) <= TOL / 4
+
+
+@pytest.mark.parametrize("scales", [(0, 12), (100, 129)], ids=["tiny", "up_to_128"])
+def test_rot_layout_edge_scales(scales):
+    """Scales at both ends of what the rot layout takes: E8M0 0..11 in w1/w3 (bf16 subnormal weights, multiplier
+    2^-1..2^10; w2 keeps realistic scales and z is lifted by 2^100 so nothing underflows) and 100..128 everywhere
+    (multiplier up to 2^127, the largest finite power of two in bf16). The result must match the reference's exact
+    dequant. (The nibble layout maps E = 0 to 0: not compared at the tiny end.)"""
+    M = 8
+    ck, prep, z, ids, w, ws = case(M, 256, "uniform", 7000 + scales[0], scales=scales,
+                                   scales2=(118, 124) if scales[0] == 0 else None)
+    if scales[0] == 0:
+        z = (z.float() * 2.0 ** 100).to(BF)          # weights ~2^-127..2^-114: lift a and c out of underflow
+    out = run_variants(M, z, ids, w, prep, ws, rot={})["rot"]
+    ref = reference(z, ids, w, ck)
+    assert ref.abs().max() > 0 and torch.isfinite(ref).all()
+    assert rel_rmse(out, ref) <= TOL

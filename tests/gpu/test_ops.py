@@ -29,7 +29,8 @@ def _op_layer(fast, io):
                                       cfg.routed_scaling_factor)
     h = ops.shared_expert_gate_up(x, fast.shared_gu)
     e = fast.experts
-    r = ops.moe_mxfp4_experts(z, ids, tw, e.w13q, e.w13s, e.w2q, e.w2s, cfg.situ_beta, cfg.situ_linear_beta)
+    r = ops.moe_mxfp4_experts(z, ids, tw, e.w13q, e.w13s, e.w2q, e.w2s, cfg.situ_beta, cfg.situ_linear_beta,
+                              e.layout)
     return x, p, ops.moe_tail(r, m.norm, m.up, h, m.shared_down, cfg.rms_norm_eps)
 
 
