@@ -24,6 +24,7 @@ collectives; the collectives themselves are not timed (``collectives: "not timed
 from __future__ import annotations
 
 import argparse
+import gc
 import datetime
 import gzip
 import json
@@ -111,6 +112,11 @@ def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+    # A capture allocates from a private pool and may not free cached blocks (cudaFree is illegal while capturing):
+    # with the eager runs' blocks still cached, a large graph (torch.compile's MoE at full width or batch 64) ran
+    # out of memory inside the capture, which surfaces as cudaErrorStreamCaptureInvalidated (cellsA/B at d53ff19).
+    gc.collect()
+    torch.cuda.empty_cache()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
@@ -421,9 +427,15 @@ def main(argv=None) -> int:
             print(f"budget reached: skipping {kind} {shape} b{batch} ctx{ctx}", flush=True)
             continue
         print(f"{kind} {shape} batch {batch} context {ctx}", flush=True)
-        records += run_cell(kind, shape, batch, impls, context=ctx, replays=args.replays, env=env, copy_tbps=bw,
-                            perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True), stock_ops=args.stock_ops,
-                            routing=args.routing)
+        try:
+            records += run_cell(kind, shape, batch, impls, context=ctx, replays=args.replays, env=env, copy_tbps=bw,
+                                perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True),
+                                stock_ops=args.stock_ops, routing=args.routing)
+        except Exception as ex:                     # e.g. out of memory building the cell's weights: next cell
+            import traceback
+            print(f"  cell FAILED {type(ex).__name__}: {str(ex)[:300]}\n" + traceback.format_exc()[-1500:], flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
         path = os.path.join(args.out, f"records-{tag}.json")
         write_run(path, env, bw, records)
     print(f"wrote {len(records)} records to {path}")

@@ -9,6 +9,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
 tmp=$(mktemp -d)
 timeout "${K3_SWEEP_TIMEOUT:-420}" python3 -m k3fast.trace --out "$tmp" --tag "$K3_COMMIT" "$@" > "$OUT/sweep.log" 2>&1
+rc=$?          # the script exits with the sweep's status (not the status of the summary grep below)
 if [ -n "${K3_BENCH:-}" ]; then
   timeout "${K3_BENCH_TIMEOUT:-120}" python3 -m k3fast.bench --out "$tmp" --tag "$K3_COMMIT" $K3_BENCH > "$OUT/bench.log" 2>&1
 fi
@@ -18,4 +19,5 @@ if [ -n "${K3_EXPERTS:-}" ]; then       # e.g. K3_EXPERTS="--shapes k3_rank16 --
 fi
 cp "$tmp"/records-*.json "$tmp"/kernels-*.json "$tmp"/experts-*.json "$OUT"/ 2>/dev/null
 ls -d "$tmp"/perfetto-* >/dev/null 2>&1 && tar czf "$OUT/perfetto.tgz" -C "$tmp" $(cd "$tmp" && ls -d perfetto-*)
-grep -E "^\s+(ref|stock|compiled|fast) |FAILED|budget" "$OUT/sweep.log" | cut -c1-160 | tail -60
+grep -E "^\s+(ref|stock|compiled|fast[-a-z0-9]*) |FAILED|budget" "$OUT/sweep.log" | cut -c1-160 | tail -60
+exit $rc
