@@ -12,6 +12,7 @@ causes give different signatures, and one run of this module separates them:
              floor(n / C) clusters), the last clusters run as a second wave and the time doubles at some C;
 * ``D4 D12`` register ring depth: loads in flight per lane; a latency-bound loop scales with D (D12 spills
              40-64 bytes, ptxas 4.8.1);
+* ``W8`` 8 warps per CTA: the default until e384fbf (16 since);
 * ``W16D4 W16D8`` 16 warps per CTA (512 threads, so ptxas caps registers at 128; 12-60 bytes of spills): twice
              the warps per SM to hide the decode/MMA dependency chain;
 * ``nibble`` the default kernel decoding the nibble layout (PRMT table, fp32 per-block scales): the default
@@ -43,7 +44,7 @@ import torch
 from k3ref import preset
 from k3ref.weights import random_layer
 
-VARIANTS = ("default", "nibble", "v3", "v5", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
+VARIANTS = ("default", "nibble", "v3", "v5", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
             "v3C8", "v3C4", "v2")
 
 
@@ -64,8 +65,9 @@ def variant_cfg(name: str, base):
         kw = {k: int(v) for k, v in re.findall(r"([CDWv])(\d+)", name)}
         if "v" in kw:
             kw["version"] = kw.pop("v")
-            if kw["version"] < 4:            # versions 2-3 decode the nibble layout only
+            if kw["version"] < 4:            # versions 2-3: the nibble layout only, and 8 warps as they ran
                 kw["layout"] = "nibble"
+                kw.setdefault("W", 8)
         return dataclasses.replace(base, **kw)
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS} or letters C/D/W with numbers")
 

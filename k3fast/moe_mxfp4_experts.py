@@ -216,6 +216,10 @@ LAYOUTS = ("nibble", "rot")
 # target bit (mod 16) -> code bit: sign, e1, e0, m
 _ROT_CODE_BIT = {15: 3, 8: 2, 7: 1, 6: 0}
 
+# warps per CTA of the default kernel: 16 since the rot-layout run (experts-e384fbf.json: W16D8 66.8 / 348.4 us
+# against 77.3 / 419.9 at W = 8, rank16 b8 / b64, bit-identical; GPU tests test_16_warps_match_reference passed)
+DEFAULT_WARPS = 16
+
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_M = 64
 TOPK = 16
@@ -1185,12 +1189,15 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
 
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                version: int = DEFAULT_VERSION, layout: str | None = None) -> KernelCfg:
-    """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3."""
+                version: int = DEFAULT_VERSION, layout: str | None = None, W: int | None = None) -> KernelCfg:
+    """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
+    versions >= 4 (measured, version log "rot layout"), 8 for 2-3."""
     MB = m_bucket(M)
     if layout is None:
         layout = "rot" if version >= 4 else "nibble"
-    return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C or default_cluster(MB), D=D, nsm=nsm,
+    if W is None:
+        W = DEFAULT_WARPS if version >= 4 else 8
+    return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C or default_cluster(MB), D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
                      layout=layout)
 

@@ -115,7 +115,8 @@ else:
 # SMs), so a grid of 33 clusters of 4 does not fit at once, and the 33rd cluster runs its whole share after the
 # others: the time doubles. Clusters of 2 are TPC pairs, and all 66 fit. The `probe` rows replace decode and MMA
 # with an XOR of the loaded words: the load pipeline alone. Since this run the default is v4 with C = 2 (C = 4 at
-# M <= 2), and the rows below say how far that still is from the floor.
+# M <= 2); since e384fbf it is also the rot layout (section 8) with 16 warps per CTA. The rows below come from the
+newest recorded run.
 
 # %%
 src, table = nbtools.recorded_experts_probe("k3_rank16")
@@ -125,7 +126,40 @@ print(f"{'variant':10s}" + "".join(f"{'b' + str(b):>10s}" for b in batches))
 for variant, row in table.items():
     print(f"{variant:10s}" + "".join(f"{row.get(b, float('nan')):10.1f}" for b in batches))
 
+# %% [markdown]
+# ## 8. Fewer instructions per byte: a decode by rotations
+# The probe above said the kernel was bound by its instruction stream, and the PTX of the FC1 loop said two thirds
+# of it was decode. The old ("nibble") layout decoded 8 codes with a PRMT table (8 PRMTs, 3 shifts, 5 LOP3s per
+# word, plus one fp32 FMA per accumulator and block for the scale). The "rot" layout packs the bits of a word so
+# that each bf16x2 register is `rotl(word, r) & mask` (one piece, or two for the last register): 9 ALU ops per
+# word. The result is code * 2^-126 as a bf16 (the exponent lsbs hold e1 e0 and the mantissa msb holds m, so the
+# code 0.5 becomes a subnormal), and one exact bf16x2 multiply by 2^(E-1) = 2^126 * scale gives the dequantised
+# weight. Below, the decode runs bit for bit on the CPU against the exact dequant, then the H200 run that put the
+# two layouts side by side on the same inputs.
+
 # %%
+print("register pieces (rotation, mask):", [[(r, hex(m)) for r, m in p] for p in mx.ROT_PIECES])
+codes = torch.randint(0, 16, (1, 1, 16, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(11))
+scales = torch.full((1, 1, 16, 2), 121, dtype=torch.uint8)
+q_rot, _ = mx._pack_tiles(codes, scales, "rot")
+pat = mx.rot_decode_reference(q_rot.to(torch.int64))                  # [..., 4 registers] bf16x2 bit patterns
+halves = torch.stack([pat & 0xFFFF, pat >> 16], dim=-1).to(torch.int32).to(torch.int16).view(torch.bfloat16)
+decoded = halves.double() * 2.0 ** (121 - 1)                          # the kernel's bf16x2 multiply, exactly
+want = torch.tensor(mx.E2M1_MAG, dtype=torch.float64)[(mx._rot_codes(q_rot.to(torch.int64) & 0xFFFFFFFF) & 7)]
+want = torch.where((mx._rot_codes(q_rot.to(torch.int64) & 0xFFFFFFFF) & 8) != 0, -want, want) * 2.0 ** (121 - 127)
+rot_decode_exact = torch.equal(decoded.reshape(want.shape), want)
+print("rot decode exact on every code:", rot_decode_exact)
+
+# %%
+src, table = nbtools.recorded_experts_probe("k3_rank16")
+if "nibble" in table:
+    print(f"k3_rank16, median µs per launch ({src}): rot layout (default) against the nibble layout")
+    for b in sorted(table["default"]):
+        print(f"  b{b:<3d} rot {table['default'][b]:7.1f}   nibble {table['nibble'][b]:7.1f}   "
+              f"ratio {table['nibble'][b] / table['default'][b]:.2f}x   marlin {table.get('marlin', {}).get(b, float('nan')):7.1f}")
+
+# %%
+assert rot_decode_exact
 assert vec_vs_loop < 1e-10
 assert torch.equal(W1.bfloat16().double(), W1)
 print("ok")

@@ -22,6 +22,8 @@ def test_variants_are_valid_keys(cfg):
         dp = be.variant_cfg("Dprobe4", base)
         assert dp.probe == "stream" and dp.D == 4 and dp.C == base.C
         assert be.variant_cfg("v3C8", base).C == 8 and be.variant_cfg("v3C8", base).version == 3
+        assert be.variant_cfg("v3C8", base).W == 8 and be.variant_cfg("W8", base).W == 8 and base.W == 16
+        assert be.variant_cfg("nibble", base).layout == "nibble" and base.layout == "rot"
     with pytest.raises(ValueError):
         be.variant_cfg("X1", base)
     with pytest.raises(ValueError, match="probe"):

@@ -199,7 +199,7 @@ def test_compile_all_keys(cfg):
     keys = mx.compile_keys(cfg)
     assert {k.MB for k in keys} == set(mx.M_BUCKETS)
     for key in keys:
-        assert key.version == mx.DEFAULT_VERSION == 4 and key.layout == "rot"
+        assert key.version == mx.DEFAULT_VERSION == 4 and key.layout == "rot" and key.W == mx.DEFAULT_WARPS == 16
         assert key.C == mx.default_cluster(key.MB)
         assert mx.get_kernel(key) is not None
 

@@ -223,8 +223,9 @@ def test_16_warps_match_reference(M, I, kind):
     everywhere, and bit-identical to the 8-warp default where the FC1 K split S stays 1 (I = 256 at C = 2)."""
     import dataclasses
     ck, prep, z, ids, w, ws = case(M, I, kind, 5000 * M + I + len(kind))
-    base = mx.compile_key(E, DL, I, M)
+    base = mx.compile_key(E, DL, I, M, W=8)
     w16 = dataclasses.replace(base, W=16, D=8)
+    assert w16 == mx.compile_key(E, DL, I, M)          # the default since e384fbf
     outs = run_variants(M, z, ids, w, prep, ws, w8=dict(kernel_cfg=base), w16=dict(kernel_cfg=w16))
     assert rel_rmse(outs["w16"], reference(z, ids, w, ck)) <= TOL
     if w16.S == base.S == 1:
