@@ -84,6 +84,17 @@ def mla_absorbed(q: torch.Tensor, cache: torch.Tensor, q_pos: torch.Tensor, w, c
     return torch.einsum("nthc,hdc->nthd", o_lat, P.f(W_UV))
 
 
+@torch.compiler.disable
+def _check_cache_room(valid: torch.Tensor, need: torch.Tensor, Lmax: int) -> None:
+    """Raise if a valid slot would need more than Lmax cache rows. A host-side check (it syncs), so it is skipped
+    while a CUDA graph is being captured; kept out of torch.compile's graph so that the compiled code does not
+    depend on the capture state (a guard on it recompiled inside the capture and invalidated it)."""
+    if need.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if bool((valid & (need > Lmax)).any()):
+        raise ValueError(f"MLA cache overflow: a slot would need more than its {Lmax} rows")
+
+
 def mla_core(q: torch.Tensor, rows: torch.Tensor, w, kv_cache: torch.Tensor, lengths: torch.Tensor,
              slots: torch.Tensor, T: int, cfg, P: Precision, *, absorbed: bool = True) -> torch.Tensor:
     """Append the new cache rows at ``slots`` and attend: q [N*T, H, 192], rows [N*T, 576] (from
@@ -99,9 +110,7 @@ def mla_core(q: torch.Tensor, rows: torch.Tensor, w, kv_cache: torch.Tensor, len
     q, rows = q.view(N, T, H, -1), rows.view(N, T, -1)
     L0 = lengths[idx]                                                          # [N]
     q_pos = L0[:, None] + torch.arange(T, device=q.device)[None, :]            # [N, T]
-    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        if bool((valid & (L0 + T > Lmax)).any()):
-            raise ValueError(f"MLA cache overflow: a slot would need more than its {Lmax} rows")
+    _check_cache_room(valid, L0 + T, Lmax)
     # append the new rows at valid slots (padding writes nothing): each padded request repeats the
     # first valid request's (slot, position, row), or rewrites slot idx[0]'s current rows if none is valid
     first = torch.argmax(valid.to(torch.int32))

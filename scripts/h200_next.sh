@@ -51,6 +51,10 @@ case "${1:-}" in
           bash scripts/h200_sweep.sh --budget-s ${K3_BUDGET:-400} \
           --cell mla_moe,full,64,1024,compiled --cell mla_moe,full,64,8192,compiled \
           --cell kda_moe,full,64,0,compiled ;;
+  # issue 3's last three cells, one process each: in one process the compiled reference kept earlier cells'
+  # memory (the KDA cell ran out of memory after two full-width MLA cells, records-7b9edd7-cellsD.json)
+  cellsF) rc=0; for c in mla_moe,full,8,1024,compiled mla_moe,full,64,1024,compiled kda_moe,full,64,0,compiled; do
+            OUT="$OUT/${c//,/_}" K3_SWEEP_TIMEOUT=180 bash scripts/h200_sweep.sh --cell "$c" || rc=1; done; exit $rc ;;
   # the rot-layout experts and the cuBLAS tail (2026-11-29): their GPU tests, then the A/B in one run
   rot)    K3_TEST_TIMEOUT=420 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
           tests/gpu/test_ops.py -k "rot or 16_warps or moe_half or ops or (v5_matches and (64 or 3072)) or \
@@ -59,5 +63,5 @@ case "${1:-}" in
           K3_EXPERTS_TIMEOUT=150 K3_BENCH="--shapes k3_rank16 --batches 1 8 64" K3_BENCH_TIMEOUT=100 \
           bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-nibble fast-taildsl \
           --budget-s 170 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|rot|rotperf"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf"; exit 2 ;;
 esac
