@@ -152,6 +152,13 @@ Version log
       Prediction (issue bound, time ~ instructions; the probe is the floor of this structure): rank16 b1 / b8 / b64
       31.1 / 94.4 / 481.8 -> ~28-31 / ~65-72 / ~330-370 us; the bench rows moe_mxfp4_experts@nibble and
       bench_experts' "nibble" variant time the old layout on the same inputs.
+      Measured (experts-e384fbf.json, copy 4.19 TB/s; GPU tests 67 passed, logs/gpu-junit-e384fbf-rot.xml):
+      rank16 b1 / b8 / b64 26.6 / 77.3 / 419.9 us against nibble 31.1 / 94.9 / 482.7 on the same inputs (-15 /
+      -19 / -13 %): b1 held, b8 and b64 MISSED (25-34 % fewer SASS instructions bought 13-19 %; the loop is not
+      purely issue bound, the probe is 55.2 / 265.8 us).  16 warps per CTA (W16D8): 25.6 / 66.8 / 348.4 us
+      (2.56 TB/s at b8 and b64, 61 % of copy; Marlin 36.7 / 102.3 / 409.1), bit-identical to W = 8, so
+      DEFAULT_WARPS = 16 from here (ptxas caps 512-thread CTAs at 128 registers: 24-52 B of spills outside
+      the main loops).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
