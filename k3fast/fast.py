@@ -2,11 +2,13 @@
 buffers as the other implementations (k3fast.impls.LayerIO).
 
 Attention half of a KDA layer (3 launches at batch <= 4):
-    attnres_rms_gemv      AttnRes #1 + input RMSNorm + packed in_proj [q|k|v|g|f_a|b]   (rms_gemv.py)
+    attnres_rms_gemv      AttnRes #1 + input RMSNorm + packed in_proj [q|k|v|g|f_a|b]   (rms_gemv.py;
+                          the GEMV on cuBLAS above GEMV_DSL_MAX_M)
     kda_conv_gate_step    conv + SiLU, f_b + decay gate, beta, L2 norms, delta rule, gated norm
     oproj_attnres         o_proj + partial-sum update + AttnRes #2 + post-attention RMSNorm
 MoE half:
     router_down_topk      router logits + latent down-projection + top-16 + renormalised weights
+                          (M <= FRONT_DSL_MAX_M; above it one cuBLAS GEMM + torch top-k)
     shared_expert_gate_up shared experts' gate/up + SiTU (independent of the routing; optionally on a side stream)
     moe_mxfp4_experts     routed experts, MXFP4 dequantised in registers, SiTU, w2, weighted combine
     moe_tail              routed_expert_norm + latent up-projection + shared down-projection + add
@@ -34,6 +36,15 @@ from .nvtx import stage
 # in the layer at rank16 b64 it took 124.4 us against the stock tail's ~25 us (records-e44cd14-kda.json, stages
 # k3.moe.up / k3.moe.shared), 82.0 us in isolation (kernels-11595c4.json). At M <= 16 it is 1.1-1.3x its floor.
 TAIL_DSL_MAX_M = 16
+# Largest batch whose in_proj GEMV (after the AttnRes + RMSNorm prologue) runs on rms_gemv's tensor-core kernel;
+# above it cuBLAS. kernels-e44cd14.json, plain GEMV at rank16: ours 27.3 / 39.9 us at b8 / b64 against cuBLAS
+# 19.9 / 22.1 (the split-K variant 25.2 / 58.4). At b8 ours stays: it is PDL-chained with the prologue and the
+# KDA core, a cuBLAS launch is not, and the layer A/B (fast-gemvdsl) is the measurement that decides.
+GEMV_DSL_MAX_M = 8
+# Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
+# cuBLAS GEMM with fp32 output + torch top-k (router_down_topk_cublas): at rank16 b64 the fused kernel took 63.2
+# us in the layer against the stock router + down at 35.5 us (records-e384fbf-rot.json); at b8 36.5 against 29.3.
+FRONT_DSL_MAX_M = 16
 
 
 class FastImpl:
@@ -41,7 +52,8 @@ class FastImpl:
 
     def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, overlap_shared: bool = False,
                  experts_version: int | None = None, experts_cluster=None, gemv_mma: str = "v2",
-                 tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto"):
+                 tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto",
+                 gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -84,10 +96,14 @@ class FastImpl:
         self.experts_cluster = experts_cluster
         self.gemv_mma = gemv_mma      # rms_gemv.gemv's kernel for M > 4: "v2" or the opt-in "splitk"
         self.tail_dsl_max_m = tail_dsl_max_m
+        self.gemv_dsl_max_m = gemv_dsl_max_m
+        self.front_dsl_max_m = front_dsl_max_m
         self.variant = (("overlap-shared" if overlap_shared else "serial") + f", experts v{self.experts_version}"
                         + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")
                         + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}")
                         + ("" if tail_dsl_max_m == TAIL_DSL_MAX_M else f", moe_tail up to M={tail_dsl_max_m}")
+                        + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", in_proj GEMV up to M={gemv_dsl_max_m}")
+                        + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
 
@@ -113,7 +129,8 @@ class FastImpl:
         with stage("k3.kda.in_proj"):
             proj, _ = attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm, self.in_proj,
                                        eps=cfg.rms_norm_eps, block_write=(l // cfg.attn_res_block_size) if boundary else -1,
-                                       partial_out=p1, mma=self.gemv_mma)
+                                       partial_out=p1,
+                                       mma=self.gemv_mma if io.partial.shape[0] <= self.gemv_dsl_max_m else "cublas")
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
@@ -126,7 +143,7 @@ class FastImpl:
     def moe(self, io) -> None:
         from .moe_mxfp4_experts import moe_mxfp4_experts
         from .moe_tail import moe_tail, shared_expert_gate_up
-        from .router_down_topk import router_down_topk
+        from .router_down_topk import router_down_topk, router_down_topk_cublas
         cfg, m = self.cfg, self.w.mlp
         x = io.x_mlp
         side = self._side_stream() if self.overlap_shared else None
@@ -138,8 +155,9 @@ class FastImpl:
             with torch.cuda.stream(side), stage("k3.moe.shared"):
                 shared_expert_gate_up(x, self.shared_gu, out=h)
         with stage("k3.router"):
-            z, ids, ws = router_down_topk(x, self.front, self.e_bias, n_experts=cfg.num_experts,
-                                          top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor)
+            front = router_down_topk if x.shape[0] <= self.front_dsl_max_m else router_down_topk_cublas
+            z, ids, ws = front(x, self.front, self.e_bias, n_experts=cfg.num_experts,
+                               top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor)
         if side is None:
             with stage("k3.moe.shared"):
                 h = shared_expert_gate_up(x, self.shared_gu)

@@ -437,17 +437,20 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
     if name == "fast-nibble":               # A/B at layer level: experts in the nibble layout (default before 2026-11-29)
         from .fast import FastImpl
         return FastImpl(cfg, w, experts_layout="nibble", **kw)
+    if name == "fast-alldsl":               # A/B at layer level: our kernels at every batch (no cuBLAS dispatch)
+        from .fast import FastImpl
+        return FastImpl(cfg, w, tail_dsl_max_m=64, gemv_dsl_max_m=64, front_dsl_max_m=64, **kw)
     if name == "fast-taildsl":              # A/B at layer level: k3fast.moe_tail at every batch (before 2026-11-29)
         from .fast import FastImpl
         return FastImpl(cfg, w, tail_dsl_max_m=64, **kw)
     if name == "fast-splitk":               # A/B at layer level: in_proj at M > 4 on k3fast.gemv_splitk (opt-in)
         from .fast import FastImpl
-        return FastImpl(cfg, w, gemv_mma="splitk", **kw)
+        return FastImpl(cfg, w, gemv_mma="splitk", gemv_dsl_max_m=64, **kw)
     if name in ("fast-overlap", "fast-serial"):
         # A/B of the shared-experts overlap. Until 11595c4 "fast" overlapped and "fast-serial" did not; since
         # then "fast" is serial, and each record names its variant in `fast_variant`.
         from .fast import FastImpl
         return FastImpl(cfg, w, overlap_shared=(name == "fast-overlap"), **kw)
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5', 'fast-taildsl', 'fast-nibble']}")
+        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5', 'fast-taildsl', 'fast-nibble', 'fast-alldsl']}")
     return IMPLS[name](cfg, w, **kw) if name == "stock" else IMPLS[name](cfg, w)

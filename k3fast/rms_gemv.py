@@ -663,13 +663,17 @@ def _check_2d(name, t, M, K, dev):
 def gemv(x, w, out=None, *, mma: str = "v2"):
     """y[M, N] = x[M, K] @ w[N, K]^T (bf16 in/out, fp32 accumulate), M = 1..64, N and K multiples of 16.
 
-    mma: the tensor-core kernel for M > 4: "v2" (`_MmaGemv`, K split among a CTA's warps) or "splitk"
-    (k3fast.gemv_splitk: x staged in shared memory, K split across CTAs; opt-in, slower at b64 in its first
-    H200 run (its version log); used only where gemv_splitk.applicable says so)."""
+    mma: the kernel for M > 4: "v2" (`_MmaGemv`, K split among a CTA's warps), "splitk" (k3fast.gemv_splitk:
+    x staged in shared memory, K split across CTAs; opt-in, slower at b64 in its first H200 run (its version
+    log); used only where gemv_splitk.applicable says so) or "cublas" (torch.mm: where both of ours lose, see
+    k3fast.fast.GEMV_DSL_MAX_M)."""
     M, N, K, out = gemv_operands(x, w, out)
-    if mma not in ("v2", "splitk"):
-        raise ValueError(f"mma must be 'v2' or 'splitk', got {mma!r}")
+    if mma not in ("v2", "splitk", "cublas"):
+        raise ValueError(f"mma must be 'v2', 'splitk' or 'cublas', got {mma!r}")
     MB = bucket_m(M)
+    if mma == "cublas" and MB > 4:
+        import torch
+        return torch.mm(x, w.t(), out=out)
     if MB <= 4:
         rpc, ks = _fma_config(N, K)
         _compile_fma(MB, rpc, ks)(x, w, out, None, None, None, None, None, None, N // rpc)

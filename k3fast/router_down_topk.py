@@ -534,3 +534,25 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
     fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k, fma_unroll)     # M > 4: tensor-core path
     fn(x, w_packed, e_bias, out_z, out_ids, out_w, ws, cnt, float(scaling))
     return out_z, out_ids, out_w
+
+
+def route_from_logits(logits, e_bias, *, top_k=TOP_K, scaling=1.0):
+    """The routing of k3ref.moe.route from fp32 logits [M, E], in torch ops: ids [M, top_k] int32 by descending
+    biased score (ties: the lower expert index, by a stable sort), weights [M, top_k] fp32 renormalised over the
+    chosen unbiased scores (+1e-20) and scaled. The same contract as router_down_topk's top-k stage."""
+    import torch
+    s = torch.sigmoid(logits)
+    order = torch.sort(s + e_bias, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    ws = s.gather(-1, order)
+    ws = ws / (ws.sum(-1, keepdim=True) + 1e-20) * scaling
+    return order.to(torch.int32), ws
+
+
+def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0):
+    """router_down_topk's outputs from one cuBLAS GEMM over the packed front weight (fp32 out: the router logits
+    unrounded, z rounded once to bf16) and route_from_logits. For the larger batches, where the fused kernel is
+    slower than these library kernels (k3fast.fast.FRONT_DSL_MAX_M says by how much)."""
+    import torch
+    y = torch.mm(x, w_packed.t(), out_dtype=torch.float32)
+    ids, ws = route_from_logits(y[:, :n_experts], e_bias, top_k=top_k, scaling=scaling)
+    return y[:, n_experts:].to(torch.bfloat16), ids, ws

@@ -15,7 +15,9 @@ case "${1:-}" in
   # the whole GPU tier in two calls (since 2026-11-29 it is ~9 min, past one call's limit with the start-up):
   tests1) K3_TEST_TIMEOUT=540 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv.py tests/gpu/test_gemv_splitk.py \
           tests/gpu/test_oproj_attnres.py tests/gpu/test_kda_conv_gate_step.py tests/gpu/test_router_down_topk.py \
-          tests/gpu/test_moe_tail.py tests/gpu/test_moe_mxfp4_experts.py ;;
+          tests/gpu/test_moe_tail.py ;;
+  # the experts file alone since the rot layout (~140 cases, compile time dominates)
+  tests1x) K3_TEST_TIMEOUT=540 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py ;;
   tests2) K3_TEST_TIMEOUT=540 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py tests/gpu/test_stock_compiled.py \
           tests/gpu/test_stock_vllm_ops.py tests/gpu/test_ops.py ;;
   # what changed since the last GPU test run (2026-11-29): experts clusters, fused ks, gemv_splitk
@@ -61,7 +63,9 @@ case "${1:-}" in
           (test_matches_reference and (ties or 384 or 3072 or 64-256))" ;;
   rotperf) K3_SWEEP_TIMEOUT=200 K3_EXPERTS="--shapes k3_rank16 --batches 1 8 64 --variants default nibble probe W8 v5" \
           K3_EXPERTS_TIMEOUT=150 K3_BENCH="--shapes k3_rank16 --batches 1 8 64" K3_BENCH_TIMEOUT=100 \
-          bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-nibble fast-taildsl \
+          bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-nibble fast-alldsl \
           --budget-s 170 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf"; exit 2 ;;
+  # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
+  kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall"; exit 2 ;;
 esac

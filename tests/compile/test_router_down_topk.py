@@ -125,3 +125,29 @@ def test_import_without_cutlass_side_effects():
     assert hasattr(mod, "router_down_topk")
     assert "cutlass" not in mod.__dict__
     del sys
+
+
+def test_route_from_logits_is_k3ref_route():
+    """The torch top-k of the cuBLAS front (FastImpl above FRONT_DSL_MAX_M) is k3ref's route on the same logits:
+    same ids in the same order (ties: lower index), same weights."""
+    from k3ref import tiny
+    from k3ref.moe import route
+    from k3ref.precision import Precision
+    from k3ref.weights import random_layer
+    cfg = tiny()
+    w = random_layer(cfg, 1, seed=3).mlp
+    P = Precision.model()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, cfg.hidden_size, generator=g).bfloat16()
+    w.gate[5] = w.gate[2]                           # an exact tie in the logits of every token
+    logits = P.linear_f32(x, w.gate)
+    ids_ref, ws_ref = route(x, w, cfg, P)
+    ids, ws = rdt.route_from_logits(logits, w.e_score_correction_bias.float(), top_k=cfg.num_experts_per_token,
+                                    scaling=cfg.routed_scaling_factor)
+    assert ids.dtype == torch.int32 and ws.dtype == torch.float32
+    assert torch.equal(ids.long(), ids_ref)
+    assert torch.equal(ws, ws_ref.float())
+    sel = ids.tolist()
+    for row in sel:
+        if 2 in row and 5 in row:
+            assert row.index(2) < row.index(5)

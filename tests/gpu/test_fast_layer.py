@@ -10,12 +10,14 @@ from tolerances import assert_close
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("impl", ["fast", "fast-splitk"])
+@pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
     if impl == "fast-splitk" and batch <= 4:
         pytest.skip("M <= 4 runs the FMA kernels in both")
+    if impl == "fast-alldsl" and batch <= 8:
+        pytest.skip("M <= GEMV_DSL_MAX_M: fast runs the same kernels")
     cfg = k3_rank(tp)
     w = random_layer(cfg, 1, seed=21, device="cuda")
     outs = {}
@@ -57,7 +59,7 @@ def test_fast_layer_full_width_b1(shape):
     assert_close("layer out", outs["fast"][1], outs["ref"][1], "bf16_kernel")
 
 
-@pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5", "fast-taildsl", "fast-nibble"])
+@pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl"])
 @pytest.mark.parametrize("batch", [1, 8, 17, 64])
 def test_fast_moe_half_same_input(batch, impl):
     cfg = k3_rank(16)

@@ -46,13 +46,17 @@ def weights():
     return wr, wd, bias
 
 
-def run_checked(x, wr, wd, wp, bias, scaling=1.0):
+def run_checked(x, wr, wd, wp, bias, scaling=1.0, front="kernel"):
     M = x.shape[0]
-    z = torch.full((M, DL), float("nan"), dtype=torch.bfloat16, device=DEV)
-    ids = torch.full((M, K), -7, dtype=torch.int32, device=DEV)
-    w = torch.full((M, K), float("nan"), dtype=torch.float32, device=DEV)
-    rz, rids, rw = rdt.router_down_topk(x, wp, bias, scaling=scaling, out_z=z, out_ids=ids, out_w=w)
-    assert rz is z and rids is ids and rw is w
+    if front == "cublas":          # the library path FastImpl takes above FRONT_DSL_MAX_M: the same contract
+        z, ids, w = rdt.router_down_topk_cublas(x, wp, bias, scaling=scaling)
+        assert z.dtype == torch.bfloat16 and ids.dtype == torch.int32 and w.dtype == torch.float32
+    else:
+        z = torch.full((M, DL), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ids = torch.full((M, K), -7, dtype=torch.int32, device=DEV)
+        w = torch.full((M, K), float("nan"), dtype=torch.float32, device=DEV)
+        rz, rids, rw = rdt.router_down_topk(x, wp, bias, scaling=scaling, out_z=z, out_ids=ids, out_w=w)
+        assert rz is z and rids is ids and rw is w
     torch.cuda.synchronize()
     zr, idr, wref, _ = reference(x, wr, wd, bias, scaling=scaling)
     assert torch.isfinite(z.float()).all(), "z has unwritten (NaN) elements"
@@ -77,8 +81,18 @@ def test_generic(weights, M):
     run_checked(x2, wr, wd, wp, bias, scaling=2.5)
 
 
+@pytest.mark.parametrize("M", (17, 32, 64))
+def test_cublas_front_matches(weights, M):
+    wr, wd, bias = weights
+    wp = rdt.prepare_front_weight(wr, wd)
+    run_checked(torch.randn(M, D, device=DEV).to(torch.bfloat16), wr, wd, wp, bias, scaling=2.5, front="cublas")
+
+
+@pytest.mark.parametrize("front", ["kernel", "cublas"])
 @pytest.mark.parametrize("M", (1, 3, 8, 16, 32, 64))
-def test_exact_ties(weights, M):
+def test_exact_ties(weights, M, front):
+    if front == "cublas" and M <= 16:
+        pytest.skip("the cuBLAS front serves M > FRONT_DSL_MAX_M = 16 only")
     wr, wd, _ = weights
     wr = wr.clone()
     bias = torch.zeros(NE, device=DEV)
@@ -94,7 +108,7 @@ def test_exact_ties(weights, M):
     x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
     _, _, _, logits = reference(x, wr, wd, bias)
     assert torch.equal(logits[:, 10], logits[:, 500]) and torch.equal(logits[:, 200], logits[:, 300])
-    _, ids, _ = run_checked(x, wr, wd, wp, bias)
+    _, ids, _ = run_checked(x, wr, wd, wp, bias, front=front)
     for m in range(M):
         row = ids[m].tolist()
         assert set(row) == set(forced) | {200}
