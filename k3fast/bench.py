@@ -103,6 +103,9 @@ def _cases(cfg, batch: int):
         ids = torch.topk(s + bias, cfg.num_experts_per_token, dim=-1).indices
         return F.linear(x, m.down), ids
     cases.append(("router_down_topk", lambda: router_down_topk(x, front, bias), stock_front, front.numel() * 2 + M * d * 2))
+    if M <= 2:      # the FMA path without the occupancy hint (the default before 2026-11-29, v2.2)
+        cases.append(("router_down_topk@minb0", lambda: router_down_topk(x, front, bias, fma_min_blocks=0), stock_front,
+                      front.numel() * 2 + M * d * 2))
     if M <= 2:      # a deeper FMA unroll (8 vectors per lane in flight; measured slower at e44cd14, LOG.md)
         cases.append(("router_down_topk@U8", lambda: router_down_topk(x, front, bias, fma_unroll=8), stock_front,
                       front.numel() * 2 + M * d * 2))

@@ -47,6 +47,12 @@ Version log
         M=64: 560 warps x 2 x 2 KB = 2.3 MB W in flight (below 3.4 MB: ~3-3.5 TB/s), x from L2 = 2x W
               (128 MB), MMA work 2 x 64 x 4480 x 7168 = 4.1 GFLOP (~7 us at ~600 TFLOPS mma.sync, overlapped)
               -> ~19-22 us (1.3-1.5x; was ~350 us in v1.1). M=32: ~17-18 us.
+  v2.2 (2026-11-29, CPU-compiled only) FMA path occupancy: FMA_MIN_BLOCKS asks ptxas for 9 resident CTAs per SM at
+      M = 1 (56 registers; the 20 B of spills sit in the top-k, not the main loop, per the SASS) and 7 at M = 2 (72
+      registers, no spills), with the largest shared-memory carveout so that 9 x 14.4 KB of sS fit. M = 1 was 1.41
+      waves of 3168 resident warps over 4480 warp-rows: the last 1312 rows streamed with a third of the loads in
+      flight while most SMs idled. Prediction: b1 30.7 -> ~20-23 us in the layer (kernel bench 33.3 -> ~22-25);
+      the bench row router_down_topk@minb0 times the old occupancy on the same inputs.
       Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
       identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
@@ -98,6 +104,18 @@ PRE = 4            # 16-byte weight vectors per lane issued before griddepcontro
 UNROLL = 4
 
 
+# FMA path (M <= 2): resident CTAs per SM asked of ptxas (0 = no hint). With 4480 warp-rows and 4 warps per CTA,
+# 80 registers at M = 1 left 6 CTAs (24 warps) per SM: 3168 warps in flight, so the grid ran as 1.41 waves and the
+# last 0.41 streamed its rows with a third of the loads in flight. 9 CTAs (56 registers; 20 B of spills, all in
+# the top-k, none in the main loop) hold all 1120 CTAs at once; at M = 2, 7 CTAs (72 registers, no spills) make
+# 1.21 waves of 1.7. ptxas 12.9 on the DSL's PTX (the version log has the prediction).
+FMA_MIN_BLOCKS = {1: 9, 2: 7}
+
+
+def fma_min_blocks(mb: int) -> int:
+    return FMA_MIN_BLOCKS.get(mb, 0)
+
+
 def fma_unroll(mb: int) -> int:
     """16-byte weight vectors per lane in flight in the FMA path (after the PRE issued before the PDL wait); fewer
     where M x accumulator registers grow.  8 at M <= 2 was tried and measured slower (version log, v2.1)."""
@@ -108,7 +126,8 @@ MMA_CONFIG = {8: (1, 8, 2), 16: (1, 4, 4), 32: (2, 4, 4), 64: (2, 4, 2)}
 MMA_PF = 8         # k32 chunks per warp prefetched into L2 before griddepcontrol_wait
 
 # ptxas report for the CPU compile (CUTE_DSL_COMPILER_OPT="remarks{ptx}", sm_90a): bucket -> (regs, spill bytes)
-REGISTER_LOG = {1: (80, 0), 2: (93, 0), 4: (116, 0), 8: (80, 0), 16: (96, 0), 32: (118, 0), 64: (190, 0)}
+# (v2.2: M = 1 and 2 under the FMA_MIN_BLOCKS caps, ptxas 12.9; M = 1's 20 B are in the top-k, not the main loop)
+REGISTER_LOG = {1: (56, 20), 2: (72, 0), 4: (116, 0), 8: (80, 0), 16: (96, 0), 32: (118, 0), 64: (190, 0)}
 
 _WORKSPACES: dict = {}
 
@@ -148,7 +167,15 @@ def _check_shapes(n_experts, latent, hidden, top_k, mb=1):
                              f"hidden/32 a multiple of {ks}, got {n_experts}, {latent}, {hidden}")
 
 
-def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll: int):
+def _occupancy_hint(min_blocks: int) -> dict:
+    """Launch options asking ptxas for ``min_blocks`` resident CTAs per SM (nvvm.minctasm, i.e. a register cap of
+    65536 / (min_blocks * threads)) and the largest shared-memory carveout, so that the CTAs' shared memory fits
+    too (the carveout is given explicitly: without it the DSL asks the driver for the SM's shared memory at
+    compile time, which the CPU compile cannot)."""
+    return {} if not min_blocks else {"min_blocks_per_mp": min_blocks, "preferred_smem_carveout": 100}
+
+
+def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll: int, min_blocks: int = 0):
     """Trace and compile one M bucket (called through compile_cached)."""
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Uint32
@@ -161,6 +188,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
     R = NE // WARPS                  # router CTAs
     T = (mb + WARPS - 1) // WARPS    # top-k CTAs (the last T router arrivers)
     U = unroll
+    MINB = min_blocks
     assert (ITERS - PRE) % U == 0, f"unroll {U} must divide the {ITERS - PRE} vectors per lane after the prologue"
     assert T <= R
     if mb in MMA_CONFIG:
@@ -211,7 +239,8 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
         def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, stream):
             w_atom = weight_load_atom(BFloat16)
             self.kernel(mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling, w_atom).launch(
-                grid=[N // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True)
+                grid=[N // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True,
+                **_occupancy_hint(MINB))
 
         @cute.kernel
         def kernel(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, w_atom: cute.CopyAtom):
@@ -451,11 +480,14 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
     return cute.compile(obj, x, w, bias, z, ids, wt, ws, cnt, Float32(1.0), fake_stream(), options=TVM_FFI)
 
 
-def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K, unroll=None):
+def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K, unroll=None, min_blocks=None):
     _check_shapes(n_experts, latent, hidden, top_k, mb)
     unroll = fma_unroll(mb) if unroll is None else unroll      # _check_shapes: hidden % 1024, so 4 | rest
-    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll)
-    return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k, unroll))
+    min_blocks = fma_min_blocks(mb) if min_blocks is None else min_blocks
+    if mb in MMA_CONFIG:
+        min_blocks = 0
+    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll, min_blocks)
+    return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k, unroll, min_blocks))
 
 
 def warmup(batches=(1, 2, 3, 4, 7, 8, 16, 64), *, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K,
@@ -492,7 +524,7 @@ def prepare_front_weight(w_router, w_down):
 
 
 def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0,
-                     out_z=None, out_ids=None, out_w=None, workspace=None, fma_unroll=None):
+                     out_z=None, out_ids=None, out_w=None, workspace=None, fma_unroll=None, fma_min_blocks=None):
     """z = bf16(x W_down^T), topk_ids [M, top_k] int32, topk_w [M, top_k] fp32 (k3-spec.md sections 10, 11).
 
     fma_unroll: benchmarks only (k3fast.bench's @U4 row): the FMA path's vectors in flight per lane.
@@ -531,7 +563,7 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
     check_tensor("workspace[1]", cnt, dtype=torch.int32, shape=(4,), device=dev)
     if not math.isfinite(float(scaling)):
         raise ValueError(f"scaling must be finite, got {scaling}")
-    fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k, fma_unroll)     # M > 4: tensor-core path
+    fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k, fma_unroll, fma_min_blocks)  # M > 4: tensor cores
     fn(x, w_packed, e_bias, out_z, out_ids, out_w, ws, cnt, float(scaling))
     return out_z, out_ids, out_w
 
