@@ -62,7 +62,7 @@ case "${1:-}" in
           tests/gpu/test_ops.py -k "rot or 16_warps or moe_half or ops or (v5_matches and (64 or 3072)) or \
           (test_matches_reference and (ties or 384 or 3072 or 64-256))" ;;
   rotperf) K3_SWEEP_TIMEOUT=200 K3_EXPERTS="--shapes k3_rank16 --batches 1 8 64 --variants default nibble probe W8 v5" \
-          K3_EXPERTS_TIMEOUT=150 K3_BENCH="--shapes k3_rank16 --batches 1 8 64" K3_BENCH_TIMEOUT=100 \
+          K3_EXPERTS_TIMEOUT=130 K3_BENCH="--shapes k3_rank16 --batches 1 8 64" K3_BENCH_TIMEOUT=150 \
           bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-nibble fast-alldsl \
           --budget-s 170 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
