@@ -226,6 +226,35 @@ def summarize_graph_events(events: list[dict], replays: int) -> dict:
                                                               sorted(names.items(), key=lambda kv: -kv[1])}}
 
 
+def replay_timeline(events: list[dict], replays: int) -> dict | None:
+    """Where the time of a graph replay goes, from the same CUPTI trace as summarize_graph_events: for the replay
+    whose span (first kernel start to last kernel end) is the median, each kernel's start offset and duration (µs),
+    the span, the time some kernel was running (``busy_us``, overlaps under PDL counted once) and the rest
+    (``idle_us``: launch and dependency gaps inside the replay). A replay's wall time minus its span is the graph
+    launch itself. None when the kernels do not split evenly into ``replays``."""
+    kern = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kern or len(kern) % replays:
+        return None
+    n = len(kern) // replays
+    groups = [kern[i * n:(i + 1) * n] for i in range(replays)]
+
+    def span(g):
+        return max(e["ts"] + e.get("dur", 0.0) for e in g) - g[0]["ts"]
+    g = sorted(groups, key=span)[len(groups) // 2]
+    t0, busy, cur_s, cur_e = g[0]["ts"], 0.0, None, None
+    for e in g:                      # union of [ts, ts + dur) in start order
+        s, t = e["ts"], e["ts"] + e.get("dur", 0.0)
+        if cur_e is None or s > cur_e:
+            busy += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    busy += cur_e - cur_s
+    sp = span(g)
+    return {"span_us": round(sp, 3), "busy_us": round(busy, 3), "idle_us": round(sp - busy, 3),
+            "kernels": [[e["name"][:80], round(e["ts"] - t0, 3), round(e.get("dur", 0.0), 3)] for e in g]}
+
+
 def summarize_stages(events: list[dict]) -> dict:
     """Attribute each kernel of an eager run to the innermost k3.* range around its launch."""
     ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("k3.")]
@@ -337,6 +366,7 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
         times = time_replays(g, io.reset, replays)
         ev = _profile(lambda: [g.replay() for _ in range(3)])
         gsum = summarize_graph_events(ev, 3)
+        timeline = replay_timeline(ev, 3)
         io.reset()
         trace_path = None
         if perfetto_dir and batch == 1 and part == "layer":
@@ -359,6 +389,7 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
                "collectives": "not timed" if cfg.tp > 1 else "none (TP1)",
                "l2": L2_POLICY, "kernel_names": gsum["kernel_names"],
                "stages": summarize_stages(st_ev),
+               "replay_timeline": timeline,
                "perfetto": os.path.join(os.path.basename(perfetto_dir), os.path.basename(trace_path)) if trace_path else None,
                "config": cfg.describe()}
         if impl_name.startswith("fast"):

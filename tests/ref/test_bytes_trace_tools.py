@@ -181,3 +181,18 @@ def test_trace_cell_spec_parses_and_rejects_bad_cells():
                 "kda_moe,full,1,1024,ref", "mla_moe,full,1,0,ref", "kda_moe,full,0,0,ref"]:
         with pytest.raises(argparse.ArgumentTypeError):
             parse_cell(bad)
+
+
+def test_replay_timeline_splits_busy_and_idle():
+    from k3fast.trace import replay_timeline
+    ev = []
+    for r, base in enumerate((0.0, 1000.0, 2000.0)):
+        gap = (5.0, 30.0, 6.0)[r]                   # the middle replay has the median span
+        ev += [{"cat": "kernel", "name": "router", "ts": base, "dur": 10.0},
+               {"cat": "kernel", "name": "experts", "ts": base + 8.0, "dur": 20.0},      # overlaps under PDL
+               {"cat": "kernel", "name": "tail", "ts": base + 28.0 + gap, "dur": 4.0},
+               {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": base - 3.0, "dur": 2.0}]
+    t = replay_timeline(ev, 3)
+    assert t["span_us"] == 38.0 and t["busy_us"] == 32.0 and t["idle_us"] == 6.0
+    assert [k[0] for k in t["kernels"]] == ["router", "experts", "tail"] and t["kernels"][2][1] == 34.0
+    assert replay_timeline(ev[:-2], 3) is None      # 8 kernels do not split into 3 replays
