@@ -585,6 +585,12 @@ def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=T
     unrounded, z rounded once to bf16) and route_from_logits. For the larger batches, where the fused kernel is
     slower than these library kernels (k3fast.fast.FRONT_DSL_MAX_M says by how much)."""
     import torch
-    y = torch.mm(x, w_packed.t(), out_dtype=torch.float32)
+    try:
+        y = torch.mm(x, w_packed.t(), out_dtype=torch.float32)
+    except TypeError:              # torch before out_dtype on mm: the fused kernel serves every batch instead
+        import warnings
+        warnings.warn("torch.mm has no out_dtype here (it needs a newer torch): router_down_topk_cublas falls back "
+                      "to the fused router_down_topk kernel", RuntimeWarning, stacklevel=2)
+        return router_down_topk(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
     ids, ws = route_from_logits(y[:, :n_experts], e_bias, top_k=top_k, scaling=scaling)
     return y[:, n_experts:].to(torch.bfloat16), ids, ws
