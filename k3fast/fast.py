@@ -6,6 +6,7 @@ Attention half of a KDA layer (3 launches at batch <= 4):
                           the GEMV on cuBLAS above GEMV_DSL_MAX_M)
     kda_conv_gate_step    conv + SiLU, f_b + decay gate, beta, L2 norms, delta rule, gated norm
     oproj_attnres         o_proj + partial-sum update + AttnRes #2 + post-attention RMSNorm
+                          (above GEMV_DSL_MAX_M: o_proj on cuBLAS + rms_gemv.attnres_rmsnorm)
 MoE half:
     router_down_topk      router logits + latent down-projection + top-16 + renormalised weights
                           (M <= FRONT_DSL_MAX_M; above it one cuBLAS GEMM + torch top-k)
@@ -40,7 +41,7 @@ TAIL_DSL_MAX_M = 16
 # above it cuBLAS. kernels-e44cd14.json, plain GEMV at rank16: ours 27.3 / 39.9 us at b8 / b64 against cuBLAS
 # 19.9 / 22.1 (the split-K variant 25.2 / 58.4). At b8 ours stays: it is PDL-chained with the prologue and the
 # KDA core, a cuBLAS launch is not, and the layer A/B (fast-gemvdsl) is the measurement that decides.
-GEMV_DSL_MAX_M = 8
+GEMV_DSL_MAX_M = 8      # the same threshold serves o_proj (oproj_attnres: 23.6 us at rank16 b64, cuBLAS 8.6)
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + torch top-k (router_down_topk_cublas): at rank16 b64 the fused kernel took 63.2
 # us in the layer against the stock router + down at 35.5 us (records-e384fbf-rot.json); at b8 36.5 against 29.3.
@@ -136,9 +137,20 @@ class FastImpl:
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps)
         with stage("k3.o_proj"):
-            oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
-                          w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
-                          out_x=io.x_mlp, out_partial=io.partial)
+            if io.partial.shape[0] <= self.gemv_dsl_max_m:
+                oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
+                              w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
+                              out_x=io.x_mlp, out_partial=io.partial)
+            else:
+                # above GEMV_DSL_MAX_M: a = bf16(y W_o^T) on cuBLAS (oproj_attnres's GEMV is 1.5-2x cuBLAS there,
+                # kernels-11595c4.json), then the same AttnRes #2 + RMSNorm as in_proj's prologue with p' =
+                # bf16(p1 + a), or a itself at a block boundary (p' then starts the new block: p1 := 0)
+                import torch.nn.functional as F
+                from .rms_gemv import attnres_rmsnorm
+                a = F.linear(y, w.attn.o_proj)
+                attnres_rmsnorm(io.blocks, nb + int(boundary), self._zeros("p0", p1) if boundary else p1, a,
+                                self.u_mlp, w.post_attention_layernorm, eps=cfg.rms_norm_eps, out=io.x_mlp,
+                                partial_out=io.partial)
 
     def moe(self, io) -> None:
         from .moe_mxfp4_experts import moe_mxfp4_experts
@@ -199,6 +211,13 @@ class FastImpl:
         t = self._bufs.get(name)
         if t is None or tuple(t.shape) != tuple(shape):
             t = self._bufs[name] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return t
+
+    def _zeros(self, name: str, like):
+        """A zero tensor shaped like ``like``, owned here and never written (allocated at the first, eager call)."""
+        t = self._bufs.get(name)
+        if t is None or t.shape != like.shape:
+            t = self._bufs[name] = torch.zeros_like(like)
         return t
 
     def _scratch(self, name: str, like):

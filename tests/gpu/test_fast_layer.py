@@ -42,6 +42,27 @@ def test_fast_attention_half(tp, batch, impl):
     assert_close("conv state", outs["fast"][3], outs["ref"][3], "bf16_state_chain")
 
 
+@pytest.mark.parametrize("impl", ["fast", "fast-alldsl"])
+@pytest.mark.parametrize("batch", [4, 64])
+def test_fast_attention_half_at_a_block_boundary(batch, impl):
+    """Layer 24 closes an AttnRes block: in_proj writes the finished block and o_proj starts the new partial sum
+    (p' = a). Both o_proj paths (oproj_attnres, and cuBLAS + attnres_rmsnorm above GEMV_DSL_MAX_M) against k3ref."""
+    cfg = k3_rank(16)
+    layer = 24
+    assert cfg.is_block_boundary(layer) and cfg.is_kda_layer(layer)
+    w = random_layer(cfg, layer, seed=29, device="cuda")
+    outs = {}
+    for name in ("ref", impl):
+        io = make_io(cfg, layer, batch, seed=30)
+        io.x_mlp.fill_(float("nan"))
+        make_impl(name, cfg, w, **({"max_batch": batch} if name != "ref" else {})).attn(io)
+        torch.cuda.synchronize()
+        outs[name] = (io.x_mlp.clone(), io.partial.clone(), io.blocks.clone())
+    assert_close("x_mlp", outs[impl][0], outs["ref"][0], "bf16_kernel")
+    assert_close("partial", outs[impl][1], outs["ref"][1], "bf16_kernel")
+    assert_close("blocks", outs[impl][2], outs["ref"][2], "bf16_kernel")
+
+
 @pytest.mark.parametrize("shape", ["full"])
 def test_fast_layer_full_width_b1(shape):
     """The whole fused layer at TP1 width (in_proj 708 MB, experts 15 GB: exercises 64-bit expert offsets)."""
