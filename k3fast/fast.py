@@ -54,7 +54,8 @@ class FastImpl:
     def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, overlap_shared: bool = False,
                  experts_version: int | None = None, experts_cluster=None, gemv_mma: str = "v2",
                  tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto",
-                 gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M):
+                 gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
+                 experts_warps: int | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -99,12 +100,17 @@ class FastImpl:
         self.tail_dsl_max_m = tail_dsl_max_m
         self.gemv_dsl_max_m = gemv_dsl_max_m
         self.front_dsl_max_m = front_dsl_max_m
+        # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
+        # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
+        # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
+        self.experts_warps = experts_warps
         self.variant = (("overlap-shared" if overlap_shared else "serial") + f", experts v{self.experts_version}"
                         + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")
                         + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}")
                         + ("" if tail_dsl_max_m == TAIL_DSL_MAX_M else f", moe_tail up to M={tail_dsl_max_m}")
                         + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", in_proj GEMV up to M={gemv_dsl_max_m}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
+                        + ("" if experts_warps is None else f", experts {experts_warps} warps")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
 
@@ -176,7 +182,8 @@ class FastImpl:
         with stage("k3.moe.experts"):
             r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
                                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x),
-                                  version=self.experts_version, cluster=self._experts_cluster(x.shape[0]))
+                                  version=self.experts_version, cluster=self._experts_cluster(x.shape[0]),
+                                  warps=self.experts_warps)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         if x.shape[0] <= self.tail_dsl_max_m:

@@ -437,6 +437,9 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
     if name == "fast-nibble":               # A/B at layer level: experts in the nibble layout (default before 2026-11-29)
         from .fast import FastImpl
         return FastImpl(cfg, w, experts_layout="nibble", **kw)
+    if name == "fast-w8":                   # A/B at layer level: experts at 8 warps per CTA (the default before 16)
+        from .fast import FastImpl
+        return FastImpl(cfg, w, experts_warps=8, **kw)
     if name == "fast-alldsl":               # A/B at layer level: our kernels at every batch (no cuBLAS dispatch)
         from .fast import FastImpl
         return FastImpl(cfg, w, tail_dsl_max_m=64, gemv_dsl_max_m=64, front_dsl_max_m=64, **kw)
@@ -452,5 +455,5 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
         from .fast import FastImpl
         return FastImpl(cfg, w, overlap_shared=(name == "fast-overlap"), **kw)
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5', 'fast-taildsl', 'fast-nibble', 'fast-alldsl']}")
+        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5', 'fast-taildsl', 'fast-nibble', 'fast-alldsl', 'fast-w8']}")
     return IMPLS[name](cfg, w, **kw) if name == "stock" else IMPLS[name](cfg, w)

@@ -16,7 +16,7 @@ from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- results-table:begin -->", "<!-- results-table:end -->"
-IMPL_ORDER = ("ref", "compiled", "stock", "fast", "fast-serial", "fast-overlap", "fast-v4", "fast-prev", "fast-splitk", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl")
+IMPL_ORDER = ("ref", "compiled", "stock", "fast", "fast-serial", "fast-overlap", "fast-v4", "fast-prev", "fast-splitk", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl", "fast-w8")
 
 
 def load_records(pattern: str | None = None) -> list[dict]:

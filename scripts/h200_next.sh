@@ -63,7 +63,7 @@ case "${1:-}" in
           (test_matches_reference and (ties or 384 or 3072 or 64-256))" ;;
   rotperf) K3_SWEEP_TIMEOUT=200 K3_EXPERTS="--shapes k3_rank16 --batches 1 8 64 --variants default nibble probe W8 v5" \
           K3_EXPERTS_TIMEOUT=130 K3_BENCH="--shapes k3_rank16 --batches 1 8 64" K3_BENCH_TIMEOUT=150 \
-          bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-nibble fast-alldsl fast-overlap \
+          bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-w8 fast-nibble fast-alldsl fast-overlap \
           --budget-s 170 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;

@@ -80,7 +80,8 @@ def test_fast_layer_full_width_b1(shape):
     assert_close("layer out", outs["fast"][1], outs["ref"][1], "bf16_kernel")
 
 
-@pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl"])
+@pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl",
+                                  "fast-w8"])
 @pytest.mark.parametrize("batch", [1, 8, 17, 64])
 def test_fast_moe_half_same_input(batch, impl):
     cfg = k3_rank(16)
