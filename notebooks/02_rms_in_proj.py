@@ -146,6 +146,19 @@ for key in sorted(split):
     print(f"{key[0]:10s} {key[1]:5d} {q['floor_us']:10.1f} {p.get('fast_us_median', float('nan')):12.1f} "
           f"{q['fast_us_median']:15.1f} {q['stock_us_median']:10.1f}")
 
+# %% [markdown]
+# ## 7. What the layer does with that: dispatch by batch
+# A fused kernel earns its place per batch, by measurement. `k3fast.fast` keeps this kernel (fused prologue +
+# GEMV, one launch at M <= 4; prologue + tensor-core GEMV at M <= 8), and above `GEMV_DSL_MAX_M` it runs the same
+# prologue followed by cuBLAS, because both of our tensor-core GEMVs lost to it there (rows above). The same rule
+# sends o_proj, the router front and the MoE tail to cuBLAS at larger batches. `impl="fast-alldsl"` keeps every
+# CuTe kernel at every batch, so the choice is an A/B in one run.
+
+# %%
+from k3fast import fast as fast_mod
+print("in_proj / o_proj GEMV on CuTe up to M =", fast_mod.GEMV_DSL_MAX_M, "| router front up to M =",
+      fast_mod.FRONT_DSL_MAX_M, "| MoE tail up to M =", fast_mod.TAIL_DSL_MAX_M)
+
 # %%
 assert err < 1e-12
 assert rec["source"] is None or rec["failed"] == 0
