@@ -97,6 +97,66 @@ def loop_opcodes(ptx: str, min_loads: int = 8) -> dict[str, dict[str, int]]:
     return out
 
 
+def find_sass_tools() -> tuple[str, str] | None:
+    """(ptxas, nvdisasm) to turn PTX into SASS on this machine: $K3_PTXAS / $K3_NVDISASM, else the ones on PATH,
+    else the pair shipped in an importable Triton wheel (triton/backends/nvidia/bin). None when there is no pair."""
+    import importlib.util
+    import os
+    import shutil
+    ptxas, nvdis = os.environ.get("K3_PTXAS"), os.environ.get("K3_NVDISASM")
+    if ptxas and nvdis:
+        return ptxas, nvdis
+    if shutil.which("ptxas") and shutil.which("nvdisasm"):
+        return shutil.which("ptxas"), shutil.which("nvdisasm")
+    spec = importlib.util.find_spec("triton")
+    if spec and spec.submodule_search_locations:
+        d = os.path.join(list(spec.submodule_search_locations)[0], "backends", "nvidia", "bin")
+        if os.path.exists(os.path.join(d, "ptxas")) and os.path.exists(os.path.join(d, "nvdisasm")):
+            return os.path.join(d, "ptxas"), os.path.join(d, "nvdisasm")
+    return None
+
+
+def sass_loop_opcodes(ptx: str, tools: tuple[str, str], arch: str = "sm_90a", min_loads: int = 4) -> dict:
+    """{label: {opcode: count}} of every SASS loop (a backward branch) with at least ``min_loads`` LDG: the
+    instructions the GPU issues, after ptxas has fused, rematerialised and scheduled (the PTX counts above are
+    before). The PTX's .version is lowered to what this ptxas reads; the code is unchanged. Also returns the ptxas
+    version line under the key "ptxas"."""
+    import subprocess
+    ptxas, nvdis = tools
+    version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    m = re.search(r"release (\d+)\.(\d+)", subprocess.run([ptxas, "--version"], capture_output=True,
+                                                        text=True).stdout)
+    isa = {(12, 9): "8.8", (12, 8): "8.7"}.get((int(m.group(1)), int(m.group(2))) if m else (0, 0))
+    if isa:
+        ptx = re.sub(r"^\.version \S+", f".version {isa}", ptx, count=1, flags=re.M)
+    with tempfile.TemporaryDirectory() as d:
+        src, cub = f"{d}/k.ptx", f"{d}/k.cubin"
+        with open(src, "w") as f:
+            f.write(ptx)
+        subprocess.run([ptxas, f"-arch={arch}", "-O3", src, "-o", cub], check=True, capture_output=True)
+        sass = subprocess.run([nvdis, cub], check=True, capture_output=True, text=True).stdout
+    ins, labels = [], {}
+    for line in sass.split("\n"):
+        lm = re.match(r"^(\.L_x_\d+):", line.strip())
+        if lm:
+            labels[lm.group(1)] = len(ins)
+            continue
+        im = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if im:
+            ins.append(im.group(1))
+    out = {"ptxas": version}
+    for i, t in enumerate(ins):
+        bm = re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)
+        if bm and labels.get(bm.group(1), i + 1) < i:
+            ops: dict[str, int] = {}
+            for x in ins[labels[bm.group(1)]:i + 1]:
+                op = re.sub(r"^@!?U?P[T\d]+\s+", "", x).split()[0].split(".")[0]
+                ops[op] = ops.get(op, 0) + 1
+            if ops.get("LDG", 0) >= min_loads:
+                out[bm.group(1)] = dict(sorted(ops.items(), key=lambda kv: -kv[1]))
+    return out
+
+
 _ISSUE = (("ld.global", "L"), ("fma", "f"), ("mma", "m"), ("bra", "|"), ("@", "|"))
 
 
@@ -147,6 +207,20 @@ def main(argv=None) -> int:
                 rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({layout} layout, C={key.C}, D={key.D})",
                              "config": "k3_rank16", "M": M, "label": label, "instructions": sum(ops.values()),
                              "opcodes": ops})
+    # the same loops in SASS, where a SASS toolchain is found (module find_sass_tools): what the GPU issues
+    tools = find_sass_tools()
+    for layout in ("rot", "nibble"):
+        for M in (8, 64):
+            if tools is None:
+                break
+            key = mx.compile_key(896, 3584, 256, M, layout=layout)
+            ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
+            loops = sass_loop_opcodes(ptx, tools)
+            ver = loops.pop("ptxas")
+            for label, ops in loops.items():
+                rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({layout} layout, C={key.C}, D={key.D}, "
+                                       f"W={key.W})", "config": "k3_rank16", "M": M, "label": label, "sass": True,
+                             "ptxas": ver, "instructions": sum(ops.values()), "opcodes": ops})
     for label, seq in loop_issue_order(rms_gemv.fused_ptx(3216), min_loads=2):
         rows.append({"kernel": "attnres_rms_gemv (fused)", "config": "k3_rank16 in_proj N=3216", "M": 1,
                      "label": label, "issue_order": seq})
