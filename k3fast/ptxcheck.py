@@ -209,11 +209,11 @@ def main(argv=None) -> int:
                              "opcodes": ops})
     # the same loops in SASS, where a SASS toolchain is found (module find_sass_tools): what the GPU issues
     tools = find_sass_tools()
-    for layout in ("rot", "nibble"):
+    for layout, W in (("rot", 16), ("nibble", 16), ("rot", 8), ("nibble", 8)):
         for M in (8, 64):
             if tools is None:
                 break
-            key = mx.compile_key(896, 3584, 256, M, layout=layout)
+            key = mx.compile_key(896, 3584, 256, M, layout=layout, W=W)
             ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
             loops = sass_loop_opcodes(ptx, tools)
             ver = loops.pop("ptxas")
