@@ -139,8 +139,9 @@ Version log
       nibble layout's decode was 8 PRMTs (4 of them table look-ups whose table word ptxas re-materialised from a
       uniform register each time: 4 extra IMAD.U32) + 3 shifts + 5 LOP3 per word.  The FC1/FC2 step indices are
       also split once per D steps (step_split) instead of dividing by KS1 = 56 twice per step.
-      SASS of the main loops (ptxas 12.9 from the PTX, nvdisasm; k3_rank16, C = 2, D = 8; instructions per
-      8-step loop body, FC1 / FC2):     nibble          rot
+      SASS of the main loops (ptxas 12.9 from the PTX, nvdisasm: `python -m k3fast.ptxcheck`, recorded in
+      traces/cpu/ptxcheck-b70965984d93.json; k3_rank16, C = 2, D = 8, W = 8; instructions per 8-step loop
+      body, FC1 / FC2; at W = 16 rot 720 / 679 and 933 / 893, nibble 1098 / 972 and 1367 / 1164):     nibble          rot
                                   M 8   1097 / 935     727 / 636   (-34 % / -32 %)
                                   M 64  1371 / 1119    912 / 839   (-33 % / -25 %)
       ptxas: 128 registers at M 8 (12 B of spills outside the loops; nibble: 28 B), 138 at M 64, 0 spills.
