@@ -116,6 +116,26 @@ def find_sass_tools() -> tuple[str, str] | None:
     return None
 
 
+def _lower_version(ptx: str, ptxas: str) -> str:
+    import subprocess
+    m = re.search(r"release (\d+)\.(\d+)", subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout)
+    isa = {(12, 9): "8.8", (12, 8): "8.7"}.get((int(m.group(1)), int(m.group(2))) if m else (0, 0))
+    return re.sub(r"^\.version \S+", f".version {isa}", ptx, count=1, flags=re.M) if isa else ptx
+
+
+def ptxas_resources(ptx: str, ptxas: str, arch: str = "sm_90a") -> dict:
+    """Registers and spill bytes that ``ptxas -v`` reports for the PTX's kernel."""
+    import subprocess
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/k.ptx", "w") as f:
+            f.write(_lower_version(ptx, ptxas))
+        err = subprocess.run([ptxas, f"-arch={arch}", "-O3", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             check=True, capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", err)
+    spill = re.search(r"(\d+) bytes spill stores", err)
+    return {"registers": int(regs.group(1)) if regs else None, "spill_store_bytes": int(spill.group(1)) if spill else 0}
+
+
 def sass_loop_opcodes(ptx: str, tools: tuple[str, str], arch: str = "sm_90a", min_loads: int = 4) -> dict:
     """{label: {opcode: count}} of every SASS loop (a backward branch) with at least ``min_loads`` LDG: the
     instructions the GPU issues, after ptxas has fused, rematerialised and scheduled (the PTX counts above are
@@ -124,11 +144,7 @@ def sass_loop_opcodes(ptx: str, tools: tuple[str, str], arch: str = "sm_90a", mi
     import subprocess
     ptxas, nvdis = tools
     version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    m = re.search(r"release (\d+)\.(\d+)", subprocess.run([ptxas, "--version"], capture_output=True,
-                                                        text=True).stdout)
-    isa = {(12, 9): "8.8", (12, 8): "8.7"}.get((int(m.group(1)), int(m.group(2))) if m else (0, 0))
-    if isa:
-        ptx = re.sub(r"^\.version \S+", f".version {isa}", ptx, count=1, flags=re.M)
+    ptx = _lower_version(ptx, ptxas)
     with tempfile.TemporaryDirectory() as d:
         src, cub = f"{d}/k.ptx", f"{d}/k.cubin"
         with open(src, "w") as f:
@@ -221,6 +237,18 @@ def main(argv=None) -> int:
                 rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({layout} layout, C={key.C}, D={key.D}, "
                                        f"W={key.W})", "config": "k3_rank16", "M": M, "label": label, "sass": True,
                              "ptxas": ver, "instructions": sum(ops.values()), "opcodes": ops})
+    if tools is not None:        # router_down_topk v2.2: the FMA path's occupancy hint and what ptxas made of it
+        from . import router_down_topk as rdt
+        old = rdt.TVM_FFI
+        rdt.TVM_FFI = TVM_FFI + " --keep-ptx"
+        try:
+            for mb in (1, 2):
+                for minb in sorted({0, rdt.fma_min_blocks(mb)}):
+                    ptx = compiled_ptx(lambda: rdt._build(mb, 896, 3584, 7168, 16, rdt.fma_unroll(mb), minb))
+                    rows.append({"kernel": "router_down_topk (FMA path)", "M": mb, "min_blocks": minb,
+                                 **ptxas_resources(ptx, tools[0])})
+        finally:
+            rdt.TVM_FFI = old
     for label, seq in loop_issue_order(rms_gemv.fused_ptx(3216), min_loads=2):
         rows.append({"kernel": "attnres_rms_gemv (fused)", "config": "k3_rank16 in_proj N=3216", "M": 1,
                      "label": label, "issue_order": seq})
