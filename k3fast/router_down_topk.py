@@ -126,7 +126,8 @@ MMA_CONFIG = {8: (1, 8, 2), 16: (1, 4, 4), 32: (2, 4, 4), 64: (2, 4, 2)}
 MMA_PF = 8         # k32 chunks per warp prefetched into L2 before griddepcontrol_wait
 
 # ptxas report for the CPU compile (CUTE_DSL_COMPILER_OPT="remarks{ptx}", sm_90a): bucket -> (regs, spill bytes)
-# (v2.2: M = 1 and 2 under the FMA_MIN_BLOCKS caps, ptxas 12.9; M = 1's 20 B are in the top-k, not the main loop)
+# (v2.2: M = 1 and 2 under the FMA_MIN_BLOCKS caps, ptxas 12.9, recorded in traces/cpu/ptxcheck-1202b4ba7c81.json;
+# M = 1's 20 B are in the top-k, not the main loop)
 REGISTER_LOG = {1: (56, 20), 2: (72, 0), 4: (116, 0), 8: (80, 0), 16: (96, 0), 32: (118, 0), 64: (190, 0)}
 
 _WORKSPACES: dict = {}
