@@ -22,6 +22,7 @@ stock attention half (the fused MLA chain is not written yet).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from k3ref import K3Config
 from k3ref.attnres import attn_res_u
@@ -40,7 +41,7 @@ TAIL_DSL_MAX_M = 16
 # Largest batch whose in_proj GEMV (after the AttnRes + RMSNorm prologue) runs on rms_gemv's tensor-core kernel;
 # above it cuBLAS. kernels-e44cd14.json, plain GEMV at rank16: ours 27.3 / 39.9 us at b8 / b64 against cuBLAS
 # 19.9 / 22.1 (the split-K variant 25.2 / 58.4). At b8 ours stays: it is PDL-chained with the prologue and the
-# KDA core, a cuBLAS launch is not, and the layer A/B (fast-gemvdsl) is the measurement that decides.
+# KDA core, a cuBLAS launch is not, and the layer A/B (fast-alldsl) is the measurement that decides.
 GEMV_DSL_MAX_M = 8      # the same threshold serves o_proj (oproj_attnres: 23.6 us at rank16 b64, cuBLAS 8.6)
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + torch top-k (router_down_topk_cublas): at rank16 b64 the fused kernel took 63.2
@@ -151,7 +152,6 @@ class FastImpl:
                 # above GEMV_DSL_MAX_M: a = bf16(y W_o^T) on cuBLAS (oproj_attnres's GEMV is 1.5-2x cuBLAS there,
                 # kernels-11595c4.json), then the same AttnRes #2 + RMSNorm as in_proj's prologue with p' =
                 # bf16(p1 + a), or a itself at a block boundary (p' then starts the new block: p1 := 0)
-                import torch.nn.functional as F
                 from .rms_gemv import attnres_rmsnorm
                 a = F.linear(y, w.attn.o_proj)
                 attnres_rmsnorm(io.blocks, nb + int(boundary), self._zeros("p0", p1) if boundary else p1, a,
@@ -192,7 +192,6 @@ class FastImpl:
         else:
             # cuBLAS tail (TAIL_DSL_MAX_M says why); the same roundings as k3ref: bf16 r_hat, bf16 routed and
             # shared, their sum rounded once
-            import torch.nn.functional as F
             with stage("k3.moe.shared"):
                 shared = F.linear(h, m.shared_down)
             with stage("k3.moe.up"):

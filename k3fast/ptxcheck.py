@@ -116,9 +116,13 @@ def find_sass_tools() -> tuple[str, str] | None:
     return None
 
 
-def _lower_version(ptx: str, ptxas: str) -> str:
+def _ptxas_version(ptxas: str) -> str:
     import subprocess
-    m = re.search(r"release (\d+)\.(\d+)", subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout)
+    return subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+
+
+def _lower_version(ptx: str, ptxas: str, version: str | None = None) -> str:
+    m = re.search(r"release (\d+)\.(\d+)", version or _ptxas_version(ptxas))
     isa = {(12, 9): "8.8", (12, 8): "8.7"}.get((int(m.group(1)), int(m.group(2))) if m else (0, 0))
     return re.sub(r"^\.version \S+", f".version {isa}", ptx, count=1, flags=re.M) if isa else ptx
 
@@ -143,8 +147,9 @@ def sass_loop_opcodes(ptx: str, tools: tuple[str, str], arch: str = "sm_90a", mi
     version line under the key "ptxas"."""
     import subprocess
     ptxas, nvdis = tools
-    version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    ptx = _lower_version(ptx, ptxas)
+    full = _ptxas_version(ptxas)
+    version = full.strip().splitlines()[-1]
+    ptx = _lower_version(ptx, ptxas, full)
     with tempfile.TemporaryDirectory() as d:
         src, cub = f"{d}/k.ptx", f"{d}/k.cubin"
         with open(src, "w") as f:

@@ -117,18 +117,9 @@ def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
     # out of memory inside the capture, which surfaces as cudaErrorStreamCaptureInvalidated (cellsA/B at d53ff19).
     gc.collect()
     torch.cuda.empty_cache()
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-    except RuntimeError:
-        # k3ref checks torch.cuda.is_current_stream_capturing() before its host-side validations, so torch.compile
-        # guards on it and recompiles on the first captured call, which invalidates that capture (cudaErrorStream-
-        # CaptureInvalidated, the MLA compiled cells at d53ff19). The recompiled code is cached: capture again.
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
     torch.cuda.synchronize()
     return g
 
