@@ -20,6 +20,9 @@ case "${1:-}" in
   tests1x) K3_TEST_TIMEOUT=540 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py ;;
   tests2) K3_TEST_TIMEOUT=540 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py tests/gpu/test_stock_compiled.py \
           tests/gpu/test_stock_vllm_ops.py tests/gpu/test_ops.py ;;
+  # the GPU tests of session 4's CPU-only changes (cuBLAS in_proj/o_proj/front dispatch, router v2.2 occupancy hint)
+  changed5) K3_TEST_TIMEOUT=500 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py tests/gpu/test_router_down_topk.py \
+          tests/gpu/test_ops.py tests/gpu/test_rms_gemv.py tests/gpu/test_oproj_attnres.py ;;
   # what changed since the last GPU test run (2026-11-29): experts clusters, fused ks, gemv_splitk
   changed) K3_TEST_TIMEOUT=260 bash scripts/h200_tests.sh tests/gpu/test_gemv_splitk.py \
           tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py tests/gpu/test_router_down_topk.py \
@@ -67,5 +70,5 @@ case "${1:-}" in
           --budget-s 170 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall"; exit 2 ;;
 esac
