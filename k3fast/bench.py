@@ -103,9 +103,22 @@ def _cases(cfg, batch: int):
         ids = torch.topk(s + bias, cfg.num_experts_per_token, dim=-1).indices
         return F.linear(x, m.down), ids
     cases.append(("router_down_topk", lambda: router_down_topk(x, front, bias), stock_front, front.numel() * 2 + M * d * 2))
-    if M <= 2:      # the FMA path without the occupancy hint (the default before 2026-11-29, v2.2)
-        cases.append(("router_down_topk@minb0", lambda: router_down_topk(x, front, bias, fma_min_blocks=0), stock_front,
+    if M <= 2:      # the FMA path with v2.2's occupancy hint (9 / 7 CTAs per SM; measured slower, reverted in v2.3)
+        from .router_down_topk import FMA_MIN_BLOCKS_TRIED
+        cases.append(("router_down_topk@minb9", lambda: router_down_topk(x, front, bias,
+                                                                          fma_min_blocks=FMA_MIN_BLOCKS_TRIED[M]),
+                      stock_front,
                       front.numel() * 2 + M * d * 2))
+    # the cuBLAS front (fp32 GEMM over the packed weight) + TopkFromLogits, the path above FRONT_DSL_MAX_M, and the
+    # same with the shared experts' gate/up folded in (stock: the router GEMMs + top-k, then the shared gate/up GEMM)
+    from .router_down_topk import prepare_front_shared_weight, router_down_topk_cublas
+    cases.append(("router_down_topk_cublas", lambda: router_down_topk_cublas(x, front, bias), stock_front,
+                  front.numel() * 2 + M * d * 2))
+    front_sh = prepare_front_shared_weight(m.gate, m.down, m.shared_gate, m.shared_up)
+    sh_gu = torch.cat([m.shared_gate, m.shared_up]).contiguous()
+    cases.append(("router_down_topk_cublas+shared",
+                  lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0]),
+                  lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
     if M <= 2:      # a deeper FMA unroll (8 vectors per lane in flight; measured slower at e44cd14, LOG.md)
         cases.append(("router_down_topk@U8", lambda: router_down_topk(x, front, bias, fma_unroll=8), stock_front,
                       front.numel() * 2 + M * d * 2))

@@ -9,7 +9,8 @@ Attention half of a KDA layer (3 launches at batch <= 4):
                           (above GEMV_DSL_MAX_M: o_proj on cuBLAS + rms_gemv.attnres_rmsnorm)
 MoE half:
     router_down_topk      router logits + latent down-projection + top-16 + renormalised weights
-                          (M <= FRONT_DSL_MAX_M; above it one cuBLAS GEMM + torch top-k)
+                          (M <= FRONT_DSL_MAX_M; above it one cuBLAS GEMM over [router; down; shared gate/up]
+                          + router_down_topk.TopkFromLogits: top-16, z, and the shared experts' SiTU)
     shared_expert_gate_up shared experts' gate/up + SiTU (independent of the routing; optionally on a side stream)
     moe_mxfp4_experts     routed experts, MXFP4 dequantised in registers, SiTU, w2, weighted combine
     moe_tail              routed_expert_norm + latent up-projection + shared down-projection + add
@@ -44,8 +45,10 @@ TAIL_DSL_MAX_M = 16
 # KDA core, a cuBLAS launch is not, and the layer A/B (fast-alldsl) is the measurement that decides.
 GEMV_DSL_MAX_M = 8      # the same threshold serves o_proj (oproj_attnres: 23.6 us at rank16 b64, cuBLAS 8.6)
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
-# cuBLAS GEMM with fp32 output + torch top-k (router_down_topk_cublas): at rank16 b64 the fused kernel took 63.2
-# us in the layer against the stock router + down at 35.5 us (records-e384fbf-rot.json); at b8 36.5 against 29.3.
+# cuBLAS GEMM with fp32 output + the TopkFromLogits kernel (router_down_topk_cublas): at rank16 b64 the fused kernel
+# took 63.2 us in the layer against the stock router + down at 35.5 us (records-e384fbf-rot.json); at b8 36.5
+# against 29.3. Until 2026-11-29 (session 5) the top-k there was torch ops (route_from_logits: ~12 kernels, 50 us
+# at b64 with its stable radix sort, records-50b6243-rotperf.json). fast-front0 / fast-front4 are the A/B.
 FRONT_DSL_MAX_M = 16
 
 
@@ -56,11 +59,11 @@ class FastImpl:
                  experts_version: int | None = None, experts_cluster=None, gemv_mma: str = "v2",
                  tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto",
                  gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
-                 experts_warps: int | None = None):
+                 experts_warps: int | None = None, shared_in_front: bool = True):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
-        from .router_down_topk import prepare_front_weight
+        from .router_down_topk import prepare_front_shared_weight, prepare_front_weight
         self.cfg, self.w, self.P = cfg, w, Precision.model()
         P = self.P
         self.u_attn = attn_res_u(w.attn_res, P).float().contiguous()
@@ -85,6 +88,12 @@ class FastImpl:
                                                  m.w2_scale, layout=layout)
             self.shared_gu = prepare_shared_gate_up(m.shared_gate, m.shared_up)
             self.e_bias = m.e_score_correction_bias.float().contiguous()
+            # Where the cuBLAS front serves (M > front_dsl_max_m), the shared experts' gate/up rows ride in its GEMM
+            # and TopkFromLogits forms h: one launch fewer, and at b64 the separate gate/up kernel was 20 us on the
+            # critical path (records-50b6243-rotperf.json). Not with the side-stream overlap, which runs it apart.
+            self.front_sh = None
+            if shared_in_front and not overlap_shared and front_dsl_max_m < max_batch:
+                self.front_sh = prepare_front_shared_weight(m.gate, m.down, m.shared_gate, m.shared_up)
         self._ws = None
         self._bufs: dict[str, torch.Tensor] = {}
         # The shared experts' gate/up depends on x alone, so it may run on a second stream (forked and joined
@@ -112,6 +121,7 @@ class FastImpl:
                         + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", in_proj GEMV up to M={gemv_dsl_max_m}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
+                        + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from the cuBLAS front")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
 
@@ -172,11 +182,17 @@ class FastImpl:
             h = self._buf("h", (x.shape[0], self.shared_gu.shape[0] // 2), x)
             with torch.cuda.stream(side), stage("k3.moe.shared"):
                 shared_expert_gate_up(x, self.shared_gu, out=h)
+        h = None
         with stage("k3.router"):
-            front = router_down_topk if x.shape[0] <= self.front_dsl_max_m else router_down_topk_cublas
-            z, ids, ws = front(x, self.front, self.e_bias, n_experts=cfg.num_experts,
-                               top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor)
-        if side is None:
+            kw = dict(n_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor)
+            if x.shape[0] <= self.front_dsl_max_m:
+                z, ids, ws = router_down_topk(x, self.front, self.e_bias, **kw)
+            elif self.front_sh is not None:       # the shared gate/up in the same GEMM (k3.router covers both)
+                z, ids, ws, h = router_down_topk_cublas(x, self.front_sh, self.e_bias,
+                                                        shared=self.shared_gu.shape[0] // 2, **kw)
+            else:
+                z, ids, ws = router_down_topk_cublas(x, self.front, self.e_bias, **kw)
+        if side is None and h is None:
             with stage("k3.moe.shared"):
                 h = shared_expert_gate_up(x, self.shared_gu)
         with stage("k3.moe.experts"):

@@ -248,7 +248,7 @@ def main(argv=None) -> int:
         rdt.TVM_FFI = TVM_FFI + " --keep-ptx"
         try:
             for mb in (1, 2):
-                for minb in sorted({0, rdt.fma_min_blocks(mb)}):
+                for minb in sorted({0, rdt.FMA_MIN_BLOCKS_TRIED.get(mb, 0)}):
                     ptx = compiled_ptx(lambda: rdt._build(mb, 896, 3584, 7168, 16, rdt.fma_unroll(mb), minb))
                     rows.append({"kernel": "router_down_topk (FMA path)", "M": mb, "min_blocks": minb,
                                  **ptxas_resources(ptx, tools[0])})

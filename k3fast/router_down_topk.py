@@ -104,12 +104,12 @@ PRE = 4            # 16-byte weight vectors per lane issued before griddepcontro
 UNROLL = 4
 
 
-# FMA path (M <= 2): resident CTAs per SM asked of ptxas (0 = no hint). With 4480 warp-rows and 4 warps per CTA,
-# 80 registers at M = 1 left 6 CTAs (24 warps) per SM: 3168 warps in flight, so the grid ran as 1.41 waves and the
-# last 0.41 streamed its rows with a third of the loads in flight. 9 CTAs (56 registers; 20 B of spills, all in
-# the top-k, none in the main loop) hold all 1120 CTAs at once; at M = 2, 7 CTAs (72 registers, no spills) make
-# 1.21 waves of 1.7. ptxas 12.9 on the DSL's PTX (the version log has the prediction).
-FMA_MIN_BLOCKS = {1: 9, 2: 7}
+# FMA path: resident CTAs per SM asked of ptxas (0 = no hint). v2.2 asked for 9 at M = 1 (56 registers) and 7 at
+# M = 2 so that the M = 1 grid ran as one wave instead of 1.41; measured slower (kernels-50b6243.json: 39.3 us with
+# the hint against 33.2 without; in the layer the stage went 30.7 -> 37.5 us), so no bucket asks for it now. The
+# mechanism stays for the A/B (bench row router_down_topk@minb9); the version log has the analysis.
+FMA_MIN_BLOCKS: dict = {}
+FMA_MIN_BLOCKS_TRIED = {1: 9, 2: 7}
 
 
 def fma_min_blocks(mb: int) -> int:
@@ -126,9 +126,9 @@ MMA_CONFIG = {8: (1, 8, 2), 16: (1, 4, 4), 32: (2, 4, 4), 64: (2, 4, 2)}
 MMA_PF = 8         # k32 chunks per warp prefetched into L2 before griddepcontrol_wait
 
 # ptxas report for the CPU compile (CUTE_DSL_COMPILER_OPT="remarks{ptx}", sm_90a): bucket -> (regs, spill bytes)
-# (v2.2: M = 1 and 2 under the FMA_MIN_BLOCKS caps, ptxas 12.9, recorded in traces/cpu/ptxcheck-1202b4ba7c81.json;
-# M = 1's 20 B are in the top-k, not the main loop)
-REGISTER_LOG = {1: (56, 20), 2: (72, 0), 4: (116, 0), 8: (80, 0), 16: (96, 0), 32: (118, 0), 64: (190, 0)}
+# (v2.2 tried M = 1 and 2 under register caps: 56 registers + 20 B of top-k spills and 72, ptxas 12.9,
+# traces/cpu/ptxcheck-1202b4ba7c81.json; v2.3 is back to no cap)
+REGISTER_LOG = {1: (80, 0), 2: (93, 0), 4: (116, 0), 8: (80, 0), 16: (96, 0), 32: (118, 0), 64: (190, 0)}
 
 _WORKSPACES: dict = {}
 
@@ -176,10 +176,11 @@ def _occupancy_hint(min_blocks: int) -> dict:
     return {} if not min_blocks else {"min_blocks_per_mp": min_blocks, "preferred_smem_carveout": 100}
 
 
-def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll: int, min_blocks: int = 0):
+def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll: int, min_blocks: int = 0,
+           shared: int = 0):
     """Trace and compile one M bucket (called through compile_cached)."""
     cutlass, cute = import_cute()
-    from cutlass import BFloat16, Float32, Int32, Uint32
+    from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 
     NE, NL, K, TOPK = n_experts, latent, hidden, top_k
     N = NE + NL
@@ -187,9 +188,10 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
     ITERS = KV // 32                 # per lane
     J = NE // 32                     # logits per lane in the top-k
     R = NE // WARPS                  # router CTAs
-    T = (mb + WARPS - 1) // WARPS    # top-k CTAs (the last T router arrivers)
+    T = (max(mb, 1) + WARPS - 1) // WARPS    # top-k CTAs (the last T router arrivers)
     U = unroll
     MINB = min_blocks
+    IS = shared                      # shared experts' intermediate width folded into TopkFromLogits' GEMM (mb = 0)
     assert (ITERS - PRE) % U == 0, f"unroll {U} must divide the {ITERS - PRE} vectors per lane after the prologue"
     assert T <= R
     if mb in MMA_CONFIG:
@@ -235,6 +237,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
 
     class FrontFma:
         n_arrive, n_topk, per_cta = R, T, WARPS      # router CTAs, top-k CTAs, tokens per top-k CTA
+        ws_stride = NE                               # fp32 elements between two tokens' logits in mWs
 
         @cute.jit
         def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, stream):
@@ -338,7 +341,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
             keys = []
             for j in cutlass.range_constexpr(J):
                 e = lane + 32 * j
-                lg = cute.arch.load(mWs.iterator + (tok * NE + e), Float32, cop="cg")
+                lg = cute.arch.load(mWs.iterator + (tok * self.ws_stride + e), Float32, cop="cg")
                 s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg))
                 sS[e, warp] = s
                 keys.append(orderable(s + mBias[e]))
@@ -468,7 +471,65 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
                 self.arrive_then_topk(tid, warp, lane, M, mCnt, sArr, mBias, mIds, mWt, mWs, sS, scaling)
             cute.arch.griddepcontrol_launch_dependents()
 
+    class TopkFromLogits(FrontFma):
+        """The front's second half after a library GEMM: y = x [W_r; W_down (; W_sg; W_su)]^T in fp32
+        ([M, NE + NL (+ 2 IS)]). One CTA per token: warp 0 runs the same top-16 as the fused kernel on y[tok, :NE]
+        (so the tie order and the weights are bit-identical to it on the same logits), and all warps round the
+        latent block to z = bf16(y[tok, NE:NE+NL]) (the GEMM's single rounding of z, k3-spec.md section 11).
+        With IS > 0 the shared experts' gate and up rows ride in the same GEMM, and h = bf16(SiTU-GLU(bf16(a),
+        bf16(c))) is formed here: a and c rounded to bf16 as a bf16 Linear would (k3-spec.md section 12), SiTU in
+        fp32 (the same expression as moe_tail's shared gate/up kernel). No counter, no workspace."""
+        ws_stride = N + 2 * IS
+
+        @cute.jit
+        def __call__(self, mY, mBias, mZ, mIds, mWt, mH, scaling: Float32, grid_x: Int32, stream):
+            self.kernel(mY, mBias, mZ, mIds, mWt, mH, scaling).launch(
+                grid=[grid_x, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, mY, mBias, mZ, mIds, mWt, mH, scaling: Float32):
+            tid = cute.arch.thread_idx()[0]
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            tok = cute.arch.block_idx()[0]
+            smem = cutlass.memory.SmemAllocator()
+            sS = smem.allocate_tensor(Float32, cute.make_layout((NE, WARPS)), 16)
+            gY = cute.flat_divide(mY, (1, 4))           # (1, 4, M, ws_stride / 4)
+            gZ = cute.flat_divide(mZ, (1, 4))           # (1, 4, M, NL / 4)
+            rY = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+            rC = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+            rZ = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
+            cute.arch.griddepcontrol_wait()             # y is the previous kernel's output
+            if warp == 0:
+                self.topk(tok, warp, lane, mBias, mIds, mWt, mY, sS, scaling)
+            for v in cutlass.range(tid, NL // 4, 32 * WARPS, unroll=4):
+                cute.autovec_copy(gY[0, None, tok, NE // 4 + v], rY)
+                rZ.store(rY.load().to(BFloat16))
+                cute.autovec_copy(rZ, gZ[0, None, tok, v])
+            if const_expr(IS > 0):
+                gH = cute.flat_divide(mH, (1, 4))       # (1, 4, M, IS / 4)
+                for v in cutlass.range(tid, IS // 4, 32 * WARPS, unroll=2):
+                    cute.autovec_copy(gY[0, None, tok, N // 4 + v], rY)
+                    cute.autovec_copy(gY[0, None, tok, (N + IS) // 4 + v], rC)
+                    for i in cutlass.range_constexpr(4):
+                        a = rY[i].to(BFloat16).to(Float32)
+                        c = rC[i].to(BFloat16).to(Float32)
+                        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-a))
+                        rZ[i] = (Float32(4.0) * cute.math.tanh(a * Float32(0.25)) * sig
+                                 * (Float32(25.0) * cute.math.tanh(c * Float32(0.04)))).to(BFloat16)
+                    cute.autovec_copy(rZ, gH[0, None, tok, v])
+            cute.arch.griddepcontrol_launch_dependents()
+
     sym_m = cute.sym_int()
+    if mb == 0:             # the top-k of a library GEMM's logits (any M): TopkFromLogits
+        y = fake_tensor(Float32, (sym_m, N + 2 * IS))
+        bias = fake_tensor(Float32, (NE,))
+        z = fake_tensor(BFloat16, (sym_m, NL), align=8)
+        ids = fake_tensor(Int32, (sym_m, TOPK), align=4)
+        wt = fake_tensor(Float32, (sym_m, TOPK), align=4)
+        h = fake_tensor(BFloat16, (sym_m, IS if IS else NL), align=8)     # IS = 0: z stands in, never written
+        return cute.compile(TopkFromLogits(), y, bias, z, ids, wt, h, Float32(1.0), Int32(1), fake_stream(),
+                            options=TVM_FFI)
     x = fake_tensor(BFloat16, (sym_m, K))
     w = fake_tensor(BFloat16, (N, K))
     bias = fake_tensor(Float32, (NE,))
@@ -489,6 +550,16 @@ def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k
         min_blocks = 0
     key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll, min_blocks)
     return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k, unroll, min_blocks))
+
+
+def get_topk_kernel(n_experts=N_EXPERTS, latent=LATENT, top_k=TOP_K, shared=0):
+    """The compiled TopkFromLogits kernel (any M: one CTA per token); its key does not depend on M or on K.
+    ``shared``: the shared experts' intermediate width whose gate/up columns follow the latent block (0: none)."""
+    _check_shapes(n_experts, latent, HIDDEN, top_k)
+    if shared < 0 or shared % 4:
+        raise ValueError(f"shared intermediate width must be a non-negative multiple of 4, got {shared}")
+    key = ("router_topk_from_logits", n_experts, latent, top_k, shared)
+    return compile_cached(key, lambda: _build(0, n_experts, latent, HIDDEN, top_k, UNROLL, shared=shared))
 
 
 def warmup(batches=(1, 2, 3, 4, 7, 8, 16, 64), *, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K,
@@ -581,11 +652,34 @@ def route_from_logits(logits, e_bias, *, top_k=TOP_K, scaling=1.0):
     return order.to(torch.int32), ws
 
 
-def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0):
-    """router_down_topk's outputs from one cuBLAS GEMM over the packed front weight (fp32 out: the router logits
-    unrounded, z rounded once to bf16) and route_from_logits. For the larger batches, where the fused kernel is
-    slower than these library kernels (k3fast.fast.FRONT_DSL_MAX_M says by how much)."""
+def prepare_front_shared_weight(w_router, w_down, w_shared_gate, w_shared_up):
+    """[W_r; W_down; W_sg; W_su] ([896 + 3584 + 2 Is, 7168] bf16): the cuBLAS front with the shared experts'
+    gate/up in the same GEMM (router_down_topk_cublas(..., shared=Is)). Done once."""
     import torch
+    front = prepare_front_weight(w_router, w_down)
+    for name, t in (("w_shared_gate", w_shared_gate), ("w_shared_up", w_shared_up)):
+        check_tensor(name, t, dtype=torch.bfloat16, shape=(None, front.shape[1]), device=front.device, align=0)
+    if w_shared_gate.shape != w_shared_up.shape:
+        raise ValueError(f"w_shared_gate {list(w_shared_gate.shape)} and w_shared_up {list(w_shared_up.shape)} differ")
+    return torch.cat([front, w_shared_gate, w_shared_up], dim=0).contiguous()
+
+
+def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0, shared=0):
+    """router_down_topk's outputs from one cuBLAS GEMM over the packed front weight (fp32 out: the router logits
+    unrounded, z rounded once to bf16) and the TopkFromLogits kernel. For the larger batches, where the fused kernel
+    is slower than these library kernels (k3fast.fast.FRONT_DSL_MAX_M says by how much).
+
+    shared = Is > 0: w_packed is prepare_front_shared_weight's [W_r; W_down; W_sg; W_su], and a fourth output h
+    [M, Is] bf16 = SiTU-GLU of the shared experts (shared_expert_gate_up's contract) comes back."""
+    import torch
+    if shared:
+        if w_packed.shape[0] <= 2 * shared:
+            raise ValueError(f"w_packed: {w_packed.shape[0]} rows cannot hold 2 x {shared} shared gate/up rows")
+        y = torch.mm(x, w_packed.t(), out_dtype=torch.float32)
+        h = torch.empty(x.shape[0], shared, dtype=torch.bfloat16, device=x.device)
+        z, ids, w = topk_from_logits(y, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling, shared=shared,
+                                     out_h=h)
+        return z, ids, w, h
     try:
         y = torch.mm(x, w_packed.t(), out_dtype=torch.float32)
     except TypeError:              # torch before out_dtype on mm: the fused kernel serves every batch instead
@@ -593,5 +687,45 @@ def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=T
         warnings.warn("torch.mm has no out_dtype here (it needs a newer torch): router_down_topk_cublas falls back "
                       "to the fused router_down_topk kernel", RuntimeWarning, stacklevel=2)
         return router_down_topk(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
-    ids, ws = route_from_logits(y[:, :n_experts], e_bias, top_k=top_k, scaling=scaling)
-    return y[:, n_experts:].to(torch.bfloat16), ids, ws
+    return topk_from_logits(y, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
+
+
+def topk_from_logits(y, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0, out_z=None, out_ids=None,
+                     out_w=None, shared=0, out_h=None):
+    """(z, ids, w) from the packed front GEMM's fp32 output y = x [W_r; W_down]^T ([M, n_experts + latent]): the
+    fused kernel's top-k stage on y[:, :n_experts] and z = bf16(y[:, n_experts:]), in one launch (one CTA per
+    token). It replaces route_from_logits' ~12 torch kernels (a stable radix sort among them: 50 us at rank16
+    b64, records-50b6243-rotperf.json). Same contract as router_down_topk: ids by descending s + e_bias, ties by
+    ascending index; weights renormalised over the unbiased scores (+1e-20) and scaled."""
+    import torch
+    check_tensor("y", y, dtype=torch.float32, shape=(None, None))
+    if not y.is_cuda:
+        raise ValueError(f"y: expected a CUDA tensor, got device {y.device}")
+    M, N = y.shape
+    if M < 1:
+        raise ValueError("y: expected at least one token row, got 0")
+    latent = N - n_experts - 2 * shared
+    if latent <= 0:
+        raise ValueError(f"y: {N} columns cannot hold {n_experts} router logits, a latent block and 2 x {shared} "
+                         "shared gate/up columns")
+    _check_shapes(n_experts, latent, HIDDEN, top_k)
+    check_tensor("e_bias", e_bias, dtype=torch.float32, shape=(n_experts,), device=y.device)
+    if shared:
+        if out_h is None:
+            raise ValueError("topk_from_logits: shared > 0 needs out_h [M, shared] bf16")
+        check_tensor("out_h", out_h, dtype=torch.bfloat16, shape=(M, shared), device=y.device, align=8)
+    if not math.isfinite(float(scaling)):
+        raise ValueError(f"scaling must be finite, got {scaling}")
+    dev = y.device
+    if out_z is None:
+        out_z = torch.empty(M, latent, dtype=torch.bfloat16, device=dev)
+    if out_ids is None:
+        out_ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
+    if out_w is None:
+        out_w = torch.empty(M, top_k, dtype=torch.float32, device=dev)
+    check_tensor("out_z", out_z, dtype=torch.bfloat16, shape=(M, latent), device=dev, align=8)
+    check_tensor("out_ids", out_ids, dtype=torch.int32, shape=(M, top_k), device=dev, align=4)
+    check_tensor("out_w", out_w, dtype=torch.float32, shape=(M, top_k), device=dev, align=4)
+    get_topk_kernel(n_experts, latent, top_k, shared)(y, e_bias, out_z, out_ids, out_w, out_h if shared else out_z,
+                                                      float(scaling), M)
+    return out_z, out_ids, out_w

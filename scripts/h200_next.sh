@@ -68,7 +68,14 @@ case "${1:-}" in
           K3_EXPERTS_TIMEOUT=130 K3_BENCH="--shapes k3_rank16 --batches 1 8 64" K3_BENCH_TIMEOUT=150 \
           bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-w8 fast-nibble fast-alldsl fast-overlap \
           --budget-s 170 ;;
+  # session 5: the cuBLAS front's top-k kernel (+ shared gate/up folded in), the router hint revert; tests, then the A/B
+  s5tests) K3_TEST_TIMEOUT=420 bash scripts/h200_tests.sh tests/gpu/test_router_down_topk.py tests/gpu/test_fast_layer.py \
+          tests/gpu/test_ops.py -k "router or moe_half or gemv0 or ops or graph_replay or boundary" ;;
+  s5perf) K3_SWEEP_TIMEOUT=230 K3_BENCH="--shapes k3_rank16 --batches 1 8 64 --kernels router_down_topk \
+          router_down_topk@minb9 router_down_topk_cublas router_down_topk_cublas+shared shared_expert_gate_up" \
+          K3_BENCH_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
+          --impls stock fast fast-front0 fast-front4 fast-gemv0 fast-shapart --budget-s 200 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf"; exit 2 ;;
 esac

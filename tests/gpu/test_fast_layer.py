@@ -10,7 +10,7 @@ from tolerances import assert_close
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl"])
+@pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl", "fast-gemv0"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -18,6 +18,8 @@ def test_fast_attention_half(tp, batch, impl):
         pytest.skip("M <= 4 runs the FMA kernels in both")
     if impl == "fast-alldsl" and batch <= 8:
         pytest.skip("M <= GEMV_DSL_MAX_M: fast runs the same kernels")
+    if impl == "fast-gemv0" and batch > 8:
+        pytest.skip("M > GEMV_DSL_MAX_M: fast runs the same kernels")
     cfg = k3_rank(tp)
     w = random_layer(cfg, 1, seed=21, device="cuda")
     outs = {}
@@ -81,7 +83,7 @@ def test_fast_layer_full_width_b1(shape):
 
 
 @pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl",
-                                  "fast-w8"])
+                                  "fast-w8", "fast-front0", "fast-front4", "fast-shapart", "fast-overlap"])
 @pytest.mark.parametrize("batch", [1, 8, 17, 64])
 def test_fast_moe_half_same_input(batch, impl):
     cfg = k3_rank(16)

@@ -30,6 +30,14 @@ def reference(x, wr, wd, bias, top_k=K, scaling=1.0):
     return z, ids.to(torch.int32), w, logits
 
 
+IS = 384                     # shared experts' intermediate width at k3_rank(16)
+
+
+def shared_weights():
+    g = torch.Generator(device=DEV).manual_seed(5)
+    return tuple((torch.randn(IS, D, device=DEV, generator=g) * 0.02).to(torch.bfloat16) for _ in range(2))
+
+
 def rel_rmse(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
@@ -51,6 +59,24 @@ def run_checked(x, wr, wd, wp, bias, scaling=1.0, front="kernel"):
     if front == "cublas":          # the library path FastImpl takes above FRONT_DSL_MAX_M: the same contract
         z, ids, w = rdt.router_down_topk_cublas(x, wp, bias, scaling=scaling)
         assert z.dtype == torch.bfloat16 and ids.dtype == torch.int32 and w.dtype == torch.float32
+    elif front == "cublas-shared":  # the same with the shared gate/up folded into the GEMM; poisoned outputs
+        wg, wu = shared_weights()
+        wps = rdt.prepare_front_shared_weight(wr, wd, wg, wu)
+        y = torch.mm(x, wps.t(), out_dtype=torch.float32)
+        z = torch.full((M, DL), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ids = torch.full((M, K), -7, dtype=torch.int32, device=DEV)
+        w = torch.full((M, K), float("nan"), dtype=torch.float32, device=DEV)
+        h = torch.full((M, IS), float("nan"), dtype=torch.bfloat16, device=DEV)
+        rdt.topk_from_logits(y, bias, scaling=scaling, shared=IS, out_z=z, out_ids=ids, out_w=w, out_h=h)
+        torch.cuda.synchronize()
+        a = F.linear(x.float(), wg.float()).to(torch.bfloat16).float()
+        c = F.linear(x.float(), wu.float()).to(torch.bfloat16).float()
+        h_ref = (4.0 * torch.tanh(a / 4.0) * torch.sigmoid(a) * (25.0 * torch.tanh(c / 25.0))).to(torch.bfloat16)
+        assert torch.isfinite(h.float()).all(), "h has unwritten (NaN) elements"
+        assert rel_rmse(h.float(), h_ref.float()) <= 1e-2
+        # the fourth output of the host wrapper is the same h
+        z2, ids2, w2, h2 = rdt.router_down_topk_cublas(x, wps, bias, scaling=scaling, shared=IS)
+        assert torch.equal(h2, h) and torch.equal(ids2, ids) and torch.equal(z2, z)
     else:
         z = torch.full((M, DL), float("nan"), dtype=torch.bfloat16, device=DEV)
         ids = torch.full((M, K), -7, dtype=torch.int32, device=DEV)
@@ -81,18 +107,18 @@ def test_generic(weights, M):
     run_checked(x2, wr, wd, wp, bias, scaling=2.5)
 
 
-@pytest.mark.parametrize("M", (17, 32, 64))
-def test_cublas_front_matches(weights, M):
+@pytest.mark.parametrize("front", ["cublas", "cublas-shared"])
+@pytest.mark.parametrize("M", (1, 3, 8, 17, 32, 64))
+def test_cublas_front_matches(weights, M, front):
+    """The cuBLAS front + TopkFromLogits at every batch (fast-front0 runs it from M = 1)."""
     wr, wd, bias = weights
     wp = rdt.prepare_front_weight(wr, wd)
-    run_checked(torch.randn(M, D, device=DEV).to(torch.bfloat16), wr, wd, wp, bias, scaling=2.5, front="cublas")
+    run_checked(torch.randn(M, D, device=DEV).to(torch.bfloat16), wr, wd, wp, bias, scaling=2.5, front=front)
 
 
-@pytest.mark.parametrize("front", ["kernel", "cublas"])
+@pytest.mark.parametrize("front", ["kernel", "cublas", "cublas-shared"])
 @pytest.mark.parametrize("M", (1, 3, 8, 16, 32, 64))
 def test_exact_ties(weights, M, front):
-    if front == "cublas" and M <= 16:
-        pytest.skip("the cuBLAS front serves M > FRONT_DSL_MAX_M = 16 only")
     wr, wd, _ = weights
     wr = wr.clone()
     bias = torch.zeros(NE, device=DEV)
