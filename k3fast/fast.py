@@ -175,6 +175,7 @@ class FastImpl:
         cfg, m = self.cfg, self.w.mlp
         x = io.x_mlp
         side = self._side_stream() if self.overlap_shared else None
+        h = None              # the shared experts' SiTU output: the side stream, the cuBLAS front, or its own kernel
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
             # h comes from a buffer owned by this object (allocated at the first, eager call), so no
@@ -182,12 +183,11 @@ class FastImpl:
             h = self._buf("h", (x.shape[0], self.shared_gu.shape[0] // 2), x)
             with torch.cuda.stream(side), stage("k3.moe.shared"):
                 shared_expert_gate_up(x, self.shared_gu, out=h)
-        h = None
         with stage("k3.router"):
             kw = dict(n_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor)
             if x.shape[0] <= self.front_dsl_max_m:
                 z, ids, ws = router_down_topk(x, self.front, self.e_bias, **kw)
-            elif self.front_sh is not None:       # the shared gate/up in the same GEMM (k3.router covers both)
+            elif self.front_sh is not None and side is None:       # the shared gate/up in the same GEMM (k3.router covers both)
                 z, ids, ws, h = router_down_topk_cublas(x, self.front_sh, self.e_bias,
                                                         shared=self.shared_gu.shape[0] // 2, **kw)
             else:

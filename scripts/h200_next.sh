@@ -71,6 +71,7 @@ case "${1:-}" in
   # session 5: the cuBLAS front's top-k kernel (+ shared gate/up folded in), the router hint revert; tests, then the A/B
   s5tests) K3_TEST_TIMEOUT=420 bash scripts/h200_tests.sh tests/gpu/test_router_down_topk.py tests/gpu/test_fast_layer.py \
           tests/gpu/test_ops.py -k "router or moe_half or gemv0 or ops or graph_replay or boundary" ;;
+  s5fix) K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py -k "moe_half and (overlap or front0 or 64-fast])" ;;
   s5perf) K3_SWEEP_TIMEOUT=230 K3_BENCH="--shapes k3_rank16 --batches 1 8 64 --kernels router_down_topk \
           router_down_topk@minb9 router_down_topk_cublas router_down_topk_cublas+shared shared_expert_gate_up" \
           K3_BENCH_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
