@@ -43,13 +43,19 @@ TAIL_DSL_MAX_M = 16
 # above it cuBLAS. kernels-e44cd14.json, plain GEMV at rank16: ours 27.3 / 39.9 us at b8 / b64 against cuBLAS
 # 19.9 / 22.1 (the split-K variant 25.2 / 58.4). At b8 ours stays: it is PDL-chained with the prologue and the
 # KDA core, a cuBLAS launch is not, and the layer A/B (fast-alldsl) is the measurement that decides.
-GEMV_DSL_MAX_M = 8      # the same threshold serves o_proj (oproj_attnres: 23.6 us at rank16 b64, cuBLAS 8.6)
+# Session 5 (records-cd4a730-s5perf.json, one run, rank16): with in_proj and o_proj on cuBLAS at b8 (fast-gemv0) the
+# attention half took 41.9 us against 46.7 for ours (stock 77.2), so the threshold went 8 -> 4; at b1 ours stays
+# (39.6 against 40.2). M = 2..4 were not measured: they keep the FMA path, which is where the b1 figure comes from.
+GEMV_DSL_MAX_M = 4      # the same threshold serves o_proj (oproj_attnres: 23.6 us at rank16 b64, cuBLAS 8.6)
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + the TopkFromLogits kernel (router_down_topk_cublas): at rank16 b64 the fused kernel
 # took 63.2 us in the layer against the stock router + down at 35.5 us (records-e384fbf-rot.json); at b8 36.5
 # against 29.3. Until 2026-11-29 (session 5) the top-k there was torch ops (route_from_logits: ~12 kernels, 50 us
-# at b64 with its stable radix sort, records-50b6243-rotperf.json). fast-front0 / fast-front4 are the A/B.
-FRONT_DSL_MAX_M = 16
+# at b64 with its stable radix sort, records-50b6243-rotperf.json). fast-front0 / fast-front16 are the A/B: in
+# records-cd4a730-s5perf.json the cuBLAS front took the MoE half at b8 from 133.4 to 125.3 us (with the cuBLAS front above M = 4: 125.6), and
+# at b1 79.4 against 80.4 (the fused kernel: 31.7 us alone against 39.7 for GEMM + top-k, kernels-cd4a730.json).
+# So 16 -> 4: the fused kernel keeps its FMA buckets, the cuBLAS front serves the tensor-core ones.
+FRONT_DSL_MAX_M = 4
 
 
 class FastImpl:

@@ -443,15 +443,15 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
     if name == "fast-alldsl":               # A/B at layer level: our kernels at every batch (no cuBLAS dispatch)
         from .fast import FastImpl
         return FastImpl(cfg, w, tail_dsl_max_m=64, gemv_dsl_max_m=64, front_dsl_max_m=64, **kw)
-    if name in ("fast-front0", "fast-front4"):   # A/B at layer level: the cuBLAS front (+ the top-k kernel) from M = 1 / 5
+    if name in ("fast-front0", "fast-front16"):  # A/B at layer level: the cuBLAS front from M = 1 / above M = 16
         from .fast import FastImpl
-        return FastImpl(cfg, w, front_dsl_max_m=0 if name == "fast-front0" else 4, **kw)
+        return FastImpl(cfg, w, front_dsl_max_m=0 if name == "fast-front0" else 16, **kw)
     if name == "fast-shapart":              # A/B at layer level: the shared gate/up kernel apart from the cuBLAS front
         from .fast import FastImpl
         return FastImpl(cfg, w, shared_in_front=False, **kw)
-    if name == "fast-gemv0":                # A/B at layer level: in_proj and o_proj GEMMs on cuBLAS at every batch
+    if name in ("fast-gemv0", "fast-gemv8"):  # A/B at layer level: in_proj/o_proj on cuBLAS at every batch / above 8
         from .fast import FastImpl
-        return FastImpl(cfg, w, gemv_dsl_max_m=0, **kw)
+        return FastImpl(cfg, w, gemv_dsl_max_m=0 if name == "fast-gemv0" else 8, **kw)
     if name == "fast-taildsl":              # A/B at layer level: k3fast.moe_tail at every batch (before 2026-11-29)
         from .fast import FastImpl
         return FastImpl(cfg, w, tail_dsl_max_m=64, **kw)
@@ -464,5 +464,5 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
         from .fast import FastImpl
         return FastImpl(cfg, w, overlap_shared=(name == "fast-overlap"), **kw)
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5', 'fast-taildsl', 'fast-nibble', 'fast-alldsl', 'fast-w8', 'fast-front0', 'fast-front4', 'fast-gemv0', 'fast-shapart']}")
+        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5', 'fast-taildsl', 'fast-nibble', 'fast-alldsl', 'fast-w8', 'fast-front0', 'fast-front16', 'fast-gemv0', 'fast-gemv8', 'fast-shapart']}")
     return IMPLS[name](cfg, w, **kw) if name == "stock" else IMPLS[name](cfg, w)

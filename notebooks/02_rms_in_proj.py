@@ -148,9 +148,10 @@ for key in sorted(split):
 
 # %% [markdown]
 # ## 7. What the layer does with that: dispatch by batch
-# A fused kernel earns its place per batch, by measurement. `k3fast.fast` keeps this kernel (fused prologue +
-# GEMV, one launch at M <= 4; prologue + tensor-core GEMV at M <= 8), and above `GEMV_DSL_MAX_M` it runs the same
-# prologue followed by cuBLAS, because both of our tensor-core GEMVs lost to it there (rows above). The same rule
+# A fused kernel earns its place per batch, by measurement. `k3fast.fast` keeps this kernel at M <= 4 (fused
+# prologue + FMA GEMV, one launch at M <= 2), and above `GEMV_DSL_MAX_M` it runs the same prologue followed by
+# cuBLAS, because both of our tensor-core GEMVs lost to it there (rows above; at b8 the layer A/B `fast-gemv0`
+# measured the attention half at 41.9 us against 46.7 with ours, records-cd4a730-s5perf.json). The same rule
 # sends o_proj, the router front and the MoE tail to cuBLAS at larger batches. `impl="fast-alldsl"` keeps every
 # CuTe kernel at every batch, so the choice is an A/B in one run.
 

@@ -76,6 +76,7 @@ case "${1:-}" in
           router_down_topk@minb9 router_down_topk_cublas router_down_topk_cublas+shared shared_expert_gate_up" \
           K3_BENCH_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
           --impls stock fast fast-front0 fast-front4 fast-gemv0 fast-shapart --budget-s 200 ;;
+  # (fast-front4 was the name, at cd4a730, of today's default front threshold; fast-front16 is the old one)
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
   *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf"; exit 2 ;;

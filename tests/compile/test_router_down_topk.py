@@ -168,7 +168,8 @@ def test_import_without_cutlass_side_effects():
 
 
 def test_route_from_logits_is_k3ref_route():
-    """The torch top-k of the cuBLAS front (FastImpl above FRONT_DSL_MAX_M) is k3ref's route on the same logits:
+    """route_from_logits, the torch statement of the top-k contract that TopkFromLogits (the cuBLAS front's
+    kernel, FastImpl above FRONT_DSL_MAX_M) and the fused kernel implement, is k3ref's route on the same logits:
     same ids in the same order (ties: lower index), same weights."""
     from k3ref import tiny
     from k3ref.moe import route

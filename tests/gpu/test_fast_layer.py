@@ -10,16 +10,19 @@ from tolerances import assert_close
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl", "fast-gemv0"])
+@pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl", "fast-gemv0", "fast-gemv8"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
     if impl == "fast-splitk" and batch <= 4:
         pytest.skip("M <= 4 runs the FMA kernels in both")
-    if impl == "fast-alldsl" and batch <= 8:
+    from k3fast.fast import GEMV_DSL_MAX_M
+    if impl == "fast-alldsl" and batch <= GEMV_DSL_MAX_M:
         pytest.skip("M <= GEMV_DSL_MAX_M: fast runs the same kernels")
-    if impl == "fast-gemv0" and batch > 8:
+    if impl == "fast-gemv0" and batch > GEMV_DSL_MAX_M:
         pytest.skip("M > GEMV_DSL_MAX_M: fast runs the same kernels")
+    if impl == "fast-gemv8" and not GEMV_DSL_MAX_M < batch <= 8:
+        pytest.skip("fast-gemv8 differs from fast only for GEMV_DSL_MAX_M < M <= 8")
     cfg = k3_rank(tp)
     w = random_layer(cfg, 1, seed=21, device="cuda")
     outs = {}
@@ -83,7 +86,7 @@ def test_fast_layer_full_width_b1(shape):
 
 
 @pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl",
-                                  "fast-w8", "fast-front0", "fast-front4", "fast-shapart", "fast-overlap"])
+                                  "fast-w8", "fast-front0", "fast-front16", "fast-shapart", "fast-overlap"])
 @pytest.mark.parametrize("batch", [1, 8, 17, 64])
 def test_fast_moe_half_same_input(batch, impl):
     cfg = k3_rank(16)
