@@ -119,6 +119,12 @@ def _cases(cfg, batch: int):
     cases.append(("router_down_topk_cublas+shared",
                   lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0]),
                   lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
+    # router v2.4 (opt-in): the top-k selection rounds as a loop (57 -> 25 KB of SASS), in both fronts
+    cases.append(("router_down_topk@rolled", lambda: router_down_topk(x, front, bias, rolled=True), stock_front,
+                  front.numel() * 2 + M * d * 2))
+    cases.append(("router_down_topk_cublas+shared@rolled",
+                  lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0], rolled=True),
+                  lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
     if M <= 2:      # a deeper FMA unroll (8 vectors per lane in flight; measured slower at e44cd14, LOG.md)
         cases.append(("router_down_topk@U8", lambda: router_down_topk(x, front, bias, fma_unroll=8), stock_front,
                       front.numel() * 2 + M * d * 2))

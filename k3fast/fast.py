@@ -65,7 +65,7 @@ class FastImpl:
                  experts_version: int | None = None, experts_cluster=None, gemv_mma: str = "v2",
                  tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto",
                  gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
-                 experts_warps: int | None = None, shared_in_front: bool = True):
+                 experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -116,6 +116,7 @@ class FastImpl:
         self.tail_dsl_max_m = tail_dsl_max_m
         self.gemv_dsl_max_m = gemv_dsl_max_m
         self.front_dsl_max_m = front_dsl_max_m
+        self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
@@ -128,6 +129,7 @@ class FastImpl:
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from the cuBLAS front")
+                        + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
 
@@ -190,7 +192,8 @@ class FastImpl:
             with torch.cuda.stream(side), stage("k3.moe.shared"):
                 shared_expert_gate_up(x, self.shared_gu, out=h)
         with stage("k3.router"):
-            kw = dict(n_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor)
+            kw = dict(n_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor,
+                      rolled=self.router_rolled)
             if x.shape[0] <= self.front_dsl_max_m:
                 z, ids, ws = router_down_topk(x, self.front, self.e_bias, **kw)
             elif self.front_sh is not None and side is None:       # the shared gate/up in the same GEMM (k3.router covers both)

@@ -53,6 +53,29 @@ Version log
       waves of 3168 resident warps over 4480 warp-rows: the last 1312 rows streamed with a third of the loads in
       flight while most SMs idled. Prediction: b1 30.7 -> ~20-23 us in the layer (kernel bench 33.3 -> ~22-25);
       the bench row router_down_topk@minb0 times the old occupancy on the same inputs.
+      Measured (kernels-50b6243.json): 39.3 us with the hint against 33.2 us without (router_down_topk@minb0); in the
+      layer the stage went 30.7 -> 37.5 us (records-50b6243-rotperf.json). PREDICTION MISSED, the other way.
+  v2.3 (2026-11-29, session 5) No hint (FMA_MIN_BLOCKS = {}; the A/B row is router_down_topk@minb9). New:
+      TopkFromLogits, the top-k stage alone over a library GEMM's fp32 output y = x [W_r; W_down (; W_sg; W_su)]^T,
+      one CTA per token; warp 0 runs this kernel's own top-k code, so ties and weights match it exactly. It serves
+      the cuBLAS front (router_down_topk_cublas, FastImpl above FRONT_DSL_MAX_M) in place of route_from_logits'
+      ~12 torch kernels, and with the shared experts' gate/up rows in the same GEMM it also writes their SiTU
+      output h (one launch fewer). Measured (records-cd4a730-s5perf.json, rank16): MoE half b64 453.5 -> 398.1 us
+      (without the shared fold: 420.9); kernels per replay 23 -> 10. But TopkFromLogits itself takes 15.7-17.5 us
+      at every M (~3-5 expected), and the cuBLAS front at M = 1 (GEMM + top-k) 39.7 us against this kernel's 31.7.
+  v2.4 (2026-11-29, CPU-compiled only; opt-in: TOPK_ROLLED / rolled=True / impl "fast-rolled") The top-k's 16
+      selection rounds as a dynamic loop over a register tensor of keys instead of unrolled code. Why: the
+      unrolled top-k is most of each kernel's SASS (ptxas 12.9, sm_90a): TopkFromLogits 3648 instructions = 57 KB,
+      the FMA front at M = 1 4040 = 63 KB, the mma front at M = 8 3864 = 60 KB. One warp per token runs it once,
+      from an instruction cache that the replay's L2 flush leaves cold, and a constant ~16 us at every M looks like
+      instruction fetch, not arithmetic (16 rounds x ~200 dependent cycles is ~2 us). Rolled: 1640 / 1680 / 1568
+      instructions (25-26 KB), registers 95 -> 72 / 80 -> 56 / 80 -> 48, no local memory, no spills. At 56
+      registers the M = 1 grid fits 9 CTAs per SM without v2.2's cap. Predictions: TopkFromLogits 16 -> ~5-7 us;
+      the fused front at b1 30.1 -> ~20-24 us in the layer; MoE half b1 80.4 -> ~70-74, b8 125 -> ~115, b64 398 ->
+      ~388. If TopkFromLogits stays near 16 us the fetch hypothesis is wrong and the next suspect is the 28 cold
+      global loads of e_bias plus the logits per lane (ld.cg from L2 after the GEMM). Bench rows:
+      router_down_topk@rolled, router_down_topk_cublas+shared@rolled; GPU tests: every router test runs both ways,
+      and test_rolled_matches_unrolled_bitwise.
       Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
       identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
@@ -109,6 +132,9 @@ UNROLL = 4
 # the hint against 33.2 without; in the layer the stage went 30.7 -> 37.5 us), so no bucket asks for it now. The
 # mechanism stays for the A/B (bench row router_down_topk@minb9); the version log has the analysis.
 FMA_MIN_BLOCKS: dict = {}
+# v2.4 (opt-in until the H200 measures it): the top-k's 16 selection rounds as a loop, not unrolled code
+# (topk's comment says why); the compile key carries it. k3fast.fast's router_rolled / impl "fast-rolled" flip it.
+TOPK_ROLLED = False
 FMA_MIN_BLOCKS_TRIED = {1: 9, 2: 7}
 
 
@@ -177,7 +203,7 @@ def _occupancy_hint(min_blocks: int) -> dict:
 
 
 def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll: int, min_blocks: int = 0,
-           shared: int = 0):
+           shared: int = 0, rolled: bool = False):
     """Trace and compile one M bucket (called through compile_cached)."""
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
@@ -192,6 +218,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
     U = unroll
     MINB = min_blocks
     IS = shared                      # shared experts' intermediate width folded into TopkFromLogits' GEMM (mb = 0)
+    ROLLED = rolled                  # v2.4 opt-in: the top-k selection rounds as a loop (see topk)
     assert (ITERS - PRE) % U == 0, f"unroll {U} must divide the {ITERS - PRE} vectors per lane after the prologue"
     assert T <= R
     if mb in MMA_CONFIG:
@@ -346,21 +373,49 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
                 sS[e, warp] = s
                 keys.append(orderable(s + mBias[e]))
             cute.arch.sync_warp()          # sS is read below by other lanes of this warp
-            my_id = Uint32(0)
-            my_s = Float32(0.0)
             lane_u = Uint32(lane)
-            for r in cutlass.range_constexpr(TOPK):
-                # this lane's best (largest key, lowest slot on ties): a tree whose left operand is always
-                # the lower slot, so ">" keeps the lower index on equal keys
-                bk, bj = local_best(keys)
-                gmax = cute.arch.warp_redux_sync(bk, "umax")
-                cand = usel(bk == gmax, lane_u + Uint32(32) * bj, Uint32(0xFFFFFFFF))
-                gidx = cute.arch.warp_redux_sync(cand, "umin")     # lowest expert index among the max keys
-                remove(keys, gidx, lane_u)
-                s_sel = sS[Int32(gidx), warp]          # written by the owner lane of this warp
-                mine = lane == r
-                my_id = usel(mine, gidx, my_id)
-                my_s = fsel(mine, s_sel, my_s)
+            if const_expr(ROLLED):
+                # v2.4 (opt-in, `rolled`): the TOPK selection rounds as a loop instead of unrolled code. Unrolled,
+                # the top-k is ~2800 of the TopkFromLogits kernel's 3648 SASS instructions (58 KB, ptxas 12.9), run
+                # once by one warp: fetched cold from HBM after the L2 flush, which is the suspected cause of its
+                # 15.7-17.5 us (records-cd4a730-s5perf.json). The keys live in a register tensor indexed only by
+                # trace-time constants, so they stay in registers across the dynamic loop.
+                rK = cute.make_rmem_tensor(cute.make_layout((J,)), Uint32)
+                for j in cutlass.range_constexpr(J):
+                    rK[j] = keys[j]
+                rId = cute.make_rmem_tensor(cute.make_layout((1,)), Uint32)
+                rSel = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
+                rId[0] = Uint32(0)
+                rSel[0] = Float32(0.0)
+                for r in cutlass.range(0, TOPK, 1, unroll=1):
+                    cur = [rK[j] for j in range(J)]
+                    bk, bj = local_best(cur)
+                    gmax = cute.arch.warp_redux_sync(bk, "umax")
+                    cand = usel(bk == gmax, lane_u + Uint32(32) * bj, Uint32(0xFFFFFFFF))
+                    gidx = cute.arch.warp_redux_sync(cand, "umin")
+                    for j in cutlass.range_constexpr(J):
+                        rK[j] = usel(gidx == lane_u + Uint32(32 * j), Uint32(0), rK[j])
+                    s_sel = sS[Int32(gidx), warp]
+                    mine = lane == r
+                    rId[0] = usel(mine, gidx, rId[0])
+                    rSel[0] = fsel(mine, s_sel, rSel[0])
+                my_id = rId[0]
+                my_s = rSel[0]
+            else:
+                my_id = Uint32(0)
+                my_s = Float32(0.0)
+                for r in cutlass.range_constexpr(TOPK):
+                    # this lane's best (largest key, lowest slot on ties): a tree whose left operand is always
+                    # the lower slot, so ">" keeps the lower index on equal keys
+                    bk, bj = local_best(keys)
+                    gmax = cute.arch.warp_redux_sync(bk, "umax")
+                    cand = usel(bk == gmax, lane_u + Uint32(32) * bj, Uint32(0xFFFFFFFF))
+                    gidx = cute.arch.warp_redux_sync(cand, "umin")     # lowest expert index among the max keys
+                    remove(keys, gidx, lane_u)
+                    s_sel = sS[Int32(gidx), warp]          # written by the owner lane of this warp
+                    mine = lane == r
+                    my_id = usel(mine, gidx, my_id)
+                    my_s = fsel(mine, s_sel, my_s)
             # 1e-20 and the scaling exactly as HF's gate (k3-spec.md 10.4); unbiased scores
             part = fsel(lane < TOPK, my_s, Float32(0.0))
             tot = cute.arch.warp_reduction_sum(part)
@@ -542,24 +597,29 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
     return cute.compile(obj, x, w, bias, z, ids, wt, ws, cnt, Float32(1.0), fake_stream(), options=TVM_FFI)
 
 
-def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K, unroll=None, min_blocks=None):
+def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K, unroll=None, min_blocks=None,
+               rolled=None):
     _check_shapes(n_experts, latent, hidden, top_k, mb)
+    rolled = TOPK_ROLLED if rolled is None else bool(rolled)
     unroll = fma_unroll(mb) if unroll is None else unroll      # _check_shapes: hidden % 1024, so 4 | rest
     min_blocks = fma_min_blocks(mb) if min_blocks is None else min_blocks
     if mb in MMA_CONFIG:
         min_blocks = 0
-    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll, min_blocks)
-    return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k, unroll, min_blocks))
+    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll, min_blocks, rolled)
+    return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k, unroll, min_blocks,
+                                              rolled=rolled))
 
 
-def get_topk_kernel(n_experts=N_EXPERTS, latent=LATENT, top_k=TOP_K, shared=0):
+def get_topk_kernel(n_experts=N_EXPERTS, latent=LATENT, top_k=TOP_K, shared=0, rolled=None):
     """The compiled TopkFromLogits kernel (any M: one CTA per token); its key does not depend on M or on K.
     ``shared``: the shared experts' intermediate width whose gate/up columns follow the latent block (0: none)."""
     _check_shapes(n_experts, latent, HIDDEN, top_k)
     if shared < 0 or shared % 4:
         raise ValueError(f"shared intermediate width must be a non-negative multiple of 4, got {shared}")
-    key = ("router_topk_from_logits", n_experts, latent, top_k, shared)
-    return compile_cached(key, lambda: _build(0, n_experts, latent, HIDDEN, top_k, UNROLL, shared=shared))
+    rolled = TOPK_ROLLED if rolled is None else bool(rolled)
+    key = ("router_topk_from_logits", n_experts, latent, top_k, shared, rolled)
+    return compile_cached(key, lambda: _build(0, n_experts, latent, HIDDEN, top_k, UNROLL, shared=shared,
+                                              rolled=rolled))
 
 
 def warmup(batches=(1, 2, 3, 4, 7, 8, 16, 64), *, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K,
@@ -596,8 +656,11 @@ def prepare_front_weight(w_router, w_down):
 
 
 def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0,
-                     out_z=None, out_ids=None, out_w=None, workspace=None, fma_unroll=None, fma_min_blocks=None):
+                     out_z=None, out_ids=None, out_w=None, workspace=None, fma_unroll=None, fma_min_blocks=None,
+                     rolled=None):
     """z = bf16(x W_down^T), topk_ids [M, top_k] int32, topk_w [M, top_k] fp32 (k3-spec.md sections 10, 11).
+
+    rolled: the top-k selection rounds as a loop (v2.4, opt-in until measured; None = TOPK_ROLLED).
 
     fma_unroll: benchmarks only (k3fast.bench's @U4 row): the FMA path's vectors in flight per lane.
 
@@ -635,7 +698,8 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
     check_tensor("workspace[1]", cnt, dtype=torch.int32, shape=(4,), device=dev)
     if not math.isfinite(float(scaling)):
         raise ValueError(f"scaling must be finite, got {scaling}")
-    fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k, fma_unroll, fma_min_blocks)  # M > 4: tensor cores
+    fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k, fma_unroll, fma_min_blocks,  # M > 4: tensor cores
+                    rolled)
     fn(x, w_packed, e_bias, out_z, out_ids, out_w, ws, cnt, float(scaling))
     return out_z, out_ids, out_w
 
@@ -664,7 +728,8 @@ def prepare_front_shared_weight(w_router, w_down, w_shared_gate, w_shared_up):
     return torch.cat([front, w_shared_gate, w_shared_up], dim=0).contiguous()
 
 
-def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0, shared=0):
+def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0, shared=0,
+                            rolled=None):
     """router_down_topk's outputs from one cuBLAS GEMM over the packed front weight (fp32 out: the router logits
     unrounded, z rounded once to bf16) and the TopkFromLogits kernel. For the larger batches, where the fused kernel
     is slower than these library kernels (k3fast.fast.FRONT_DSL_MAX_M says by how much).
@@ -678,7 +743,7 @@ def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=T
         y = torch.mm(x, w_packed.t(), out_dtype=torch.float32)
         h = torch.empty(x.shape[0], shared, dtype=torch.bfloat16, device=x.device)
         z, ids, w = topk_from_logits(y, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling, shared=shared,
-                                     out_h=h)
+                                     out_h=h, rolled=rolled)
         return z, ids, w, h
     try:
         y = torch.mm(x, w_packed.t(), out_dtype=torch.float32)
@@ -687,11 +752,11 @@ def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=T
         warnings.warn("torch.mm has no out_dtype here (it needs a newer torch): router_down_topk_cublas falls back "
                       "to the fused router_down_topk kernel", RuntimeWarning, stacklevel=2)
         return router_down_topk(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
-    return topk_from_logits(y, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
+    return topk_from_logits(y, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling, rolled=rolled)
 
 
 def topk_from_logits(y, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0, out_z=None, out_ids=None,
-                     out_w=None, shared=0, out_h=None):
+                     out_w=None, shared=0, out_h=None, rolled=None):
     """(z, ids, w) from the packed front GEMM's fp32 output y = x [W_r; W_down]^T ([M, n_experts + latent]): the
     fused kernel's top-k stage on y[:, :n_experts] and z = bf16(y[:, n_experts:]), in one launch (one CTA per
     token). It replaces route_from_logits' ~12 torch kernels (a stable radix sort among them: 50 us at rank16
@@ -726,6 +791,6 @@ def topk_from_logits(y, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0
     check_tensor("out_z", out_z, dtype=torch.bfloat16, shape=(M, latent), device=dev, align=8)
     check_tensor("out_ids", out_ids, dtype=torch.int32, shape=(M, top_k), device=dev, align=4)
     check_tensor("out_w", out_w, dtype=torch.float32, shape=(M, top_k), device=dev, align=4)
-    get_topk_kernel(n_experts, latent, top_k, shared)(y, e_bias, out_z, out_ids, out_w, out_h if shared else out_z,
+    get_topk_kernel(n_experts, latent, top_k, shared, rolled)(y, e_bias, out_z, out_ids, out_w, out_h if shared else out_z,
                                                       float(scaling), M)
     return out_z, out_ids, out_w

@@ -145,6 +145,27 @@ def test_topk_from_logits_compiles(shape):
     assert rdt.get_topk_kernel(sh["n_experts"], sh["latent"], sh["top_k"]) is not None
 
 
+@pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("mb", [0, 1, 8, 64])
+def test_rolled_topk_compiles_smaller(mb):
+    """v2.4: the rolled top-k compiles for the fused kernel's FMA and mma buckets and for TopkFromLogits (mb 0),
+    and its PTX is much shorter than the unrolled one's (the point of the change: less code fetched cold)."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    import k3fast.router_down_topk as m
+    old = m.TVM_FFI
+    m.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        n = {}
+        for rolled in (False, True):
+            ptx = compiled_ptx(lambda: m._build(mb, 896, 3584, 7168, 16, m.fma_unroll(max(mb, 1)), 0, shared=384 * (mb == 0),
+                                                rolled=rolled))
+            n[rolled] = sum(1 for line in ptx.splitlines() if line.strip().endswith(";"))
+    finally:
+        m.TVM_FFI = old
+    assert n[True] < 0.6 * n[False], n
+
+
 def test_prepare_front_weight():
     wr = torch.randn(896, 64).to(torch.bfloat16)
     wd = torch.randn(3584, 64).to(torch.bfloat16)

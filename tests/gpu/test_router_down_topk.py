@@ -54,6 +54,28 @@ def weights():
     return wr, wd, bias
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["unrolled", "rolled"])
+def topk_rolled(request, monkeypatch):
+    """Every test runs with the top-k selection unrolled (the default) and rolled into a loop (v2.4, opt-in)."""
+    monkeypatch.setattr(rdt, "TOPK_ROLLED", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("M", (1, 8, 64))
+def test_rolled_matches_unrolled_bitwise(weights, M):
+    """v2.4 changes only the code's shape: ids, weights, z and h must be bit-identical to the unrolled top-k."""
+    wr, wd, bias = weights
+    wp = rdt.prepare_front_weight(wr, wd)
+    wps = rdt.prepare_front_shared_weight(wr, wd, *shared_weights())
+    x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
+    for fn in (lambda r: rdt.router_down_topk(x, wp, bias, scaling=2.5, rolled=r),
+               lambda r: rdt.router_down_topk_cublas(x, wps, bias, scaling=2.5, shared=IS, rolled=r)):
+        a = [t.clone() for t in fn(False)]
+        b = [t.clone() for t in fn(True)]
+        for ta, tb in zip(a, b):
+            assert torch.equal(ta, tb)
+
+
 def run_checked(x, wr, wd, wp, bias, scaling=1.0, front="kernel"):
     M = x.shape[0]
     if front == "cublas":          # the library path FastImpl takes above FRONT_DSL_MAX_M: the same contract
