@@ -181,6 +181,79 @@ def sass_loop_opcodes(ptx: str, tools: tuple[str, str], arch: str = "sm_90a", mi
 _ISSUE = (("ld.global", "L"), ("fma", "f"), ("mma", "m"), ("bra", "|"), ("@", "|"))
 
 
+def sass_size(ptx: str, tools: tuple[str, str], arch: str = "sm_90a") -> dict:
+    """SASS instructions (16 B each), registers and local-memory instructions of the PTX's kernel. Straight-line code
+    that one warp runs once is fetched from a cold instruction cache (the replays' L2 flush evicts it too), so the
+    code size of a latency-bound stage is a cost of its own (router_down_topk v2.4)."""
+    import subprocess
+    ptxas, nvdis = tools
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/k.ptx", "w") as f:
+            f.write(_lower_version(ptx, ptxas))
+        err = subprocess.run([ptxas, f"-arch={arch}", "-O3", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             check=True, capture_output=True, text=True).stderr
+        sass = subprocess.run([nvdis, "-c", f"{d}/k.cubin"], check=True, capture_output=True, text=True).stdout
+    ins = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+    regs = re.search(r"Used (\d+) registers", err)
+    return {"sass_instructions": len(ins), "code_kb": round(len(ins) * 16 / 1024, 1),
+            "registers": int(regs.group(1)) if regs else None,
+            "local_memory_instructions": sum(1 for line in ins if "LDL" in line or "STL" in line)}
+
+
+def code_sizes(tools: tuple[str, str]) -> list[dict]:
+    """sass_size of every kernel of the fused KDA+MoE decode step at k3_rank(16), batch 1 (and the router front at
+    the b8 bucket and as TopkFromLogits, unrolled and rolled)."""
+    import dataclasses
+    from contextlib import contextmanager
+
+    from . import kda_conv_gate_step as kda, moe_mxfp4_experts as mx, moe_tail, oproj_attnres as oa, rms_gemv
+    from . import router_down_topk as rdt
+    from ._dsl import TVM_FFI
+    from k3ref import k3_rank
+    cfg = k3_rank(16)
+
+    @contextmanager
+    def keep_ptx(*mods):
+        old = [m.TVM_FFI for m in mods]
+        for m in mods:
+            m.TVM_FFI = TVM_FFI + " --keep-ptx"
+        try:
+            yield
+        finally:
+            for m, o in zip(mods, old):
+                m.TVM_FFI = o
+
+    builds = [("attnres_rms_gemv (fused in_proj)", "M=1", lambda: rms_gemv.fused_ptx(3216))]
+    with keep_ptx(kda, oa, moe_tail, rdt):
+        kkey = kda.compile_key(cfg.kda_heads, 1, kda.choose_nsplit(1, cfg.kda_heads))
+        _, kp, nb, tg = oa.compile_key(768, 1, 1)
+        inter = 384
+        builds += [
+            ("kda_conv_gate_step", "M=1 T=1", lambda: compiled_ptx(lambda: kda._compile(kkey))),
+            ("oproj_attnres", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg))),
+            ("shared_expert_gate_up", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_gate_up(moe_tail.n_tiles(1), inter))),
+            ("moe_mxfp4_experts", "M=1", lambda: compiled_ptx(lambda: mx._compile(mx.compile_key(896, 3584, 256, 1),
+                                                                              options=TVM_FFI + " --keep-ptx"))),
+            ("moe_tail", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter))),
+        ]
+        for rolled in (False, True):
+            tag = "rolled" if rolled else "unrolled"
+            builds += [
+                (f"router_down_topk ({tag} top-k)", "M=1 (FMA)",
+                 lambda r=rolled: compiled_ptx(lambda: rdt._build(1, 896, 3584, 7168, 16, rdt.fma_unroll(1), 0, rolled=r))),
+                (f"router_down_topk ({tag} top-k)", "M=8 (mma)",
+                 lambda r=rolled: compiled_ptx(lambda: rdt._build(8, 896, 3584, 7168, 16, rdt.fma_unroll(8), 0, rolled=r))),
+                (f"TopkFromLogits ({tag} top-k)", "any M, shared 384",
+                 lambda r=rolled: compiled_ptx(lambda: rdt._build(0, 896, 3584, 7168, 16, rdt.UNROLL, shared=384,
+                                                                  rolled=r))),
+            ]
+        rows = []
+        for name, cfgs, fn in builds:
+            rows.append({"kernel": name, "config": f"k3_rank16 {cfgs}", "code_size": True, **sass_size(fn(), tools)})
+    del dataclasses
+    return rows
+
+
 def loop_issue_order(ptx: str, min_loads: int = 1) -> list[tuple[str, str]]:
     """(label, sequence) for every loop with global loads: one character per instruction of interest in program
     order, ``L`` a global load, ``f`` an FMA, ``m`` an MMA, ``|`` a branch. A loop that reads ``LLLLffff...``
@@ -254,6 +327,8 @@ def main(argv=None) -> int:
                                  **ptxas_resources(ptx, tools[0])})
         finally:
             rdt.TVM_FFI = old
+    if tools is not None:        # code size per kernel (router_down_topk v2.4: the cold instruction fetch)
+        rows += code_sizes(tools)
     for label, seq in loop_issue_order(rms_gemv.fused_ptx(3216), min_loads=2):
         rows.append({"kernel": "attnres_rms_gemv (fused)", "config": "k3_rank16 in_proj N=3216", "M": 1,
                      "label": label, "issue_order": seq})
