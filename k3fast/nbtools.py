@@ -124,3 +124,40 @@ def bench_table(rows: list[dict]) -> str:
                      f"{r.get('stock_us_median', float('nan')):9.1f} {r.get('fast_over_floor', float('nan')):10.2f} "
                      f"{r.get('speedup_vs_stock', float('nan')):9.2f}  {str(r.get('commit', '?'))[:7]}")
     return "\n".join(lines)
+
+
+def ab_table(records_file: str, part: str, impls: list[str], shape: str = "k3_rank16", kind: str = "kda_moe") -> str:
+    """Median replay µs (kernels) per batch for several implementations of one recorded run (one records file, so
+    the ratios are measured in one run), with each implementation's speed-up over stock."""
+    with open(os.path.join(ROOT, records_file)) as f:
+        doc = json.load(f)
+    recs = [r for r in doc["records"] if r["part"] == part and r["shape"] == shape and r["layer_kind"] == kind]
+    cell = {(r["impl"], r["batch"]): r for r in recs}
+    batches = sorted({r["batch"] for r in recs})
+    lines = [f"{part} half, {kind} {shape}, {records_file} (copy {doc['records'][0]['copy_tbps']:.3f} TB/s)",
+             f"{'impl':14s}" + "".join(f"{'b' + str(b):>22s}" for b in batches)]
+    for impl in impls:
+        row = f"{impl:14s}"
+        for b in batches:
+            r, s = cell.get((impl, b)), cell.get(("stock", b))
+            if r is None:
+                row += f"{'—':>22s}"
+                continue
+            ratio = f" {s['replay_us_median'] / r['replay_us_median']:.2f}x" if s else ""
+            row += f"{r['replay_us_median']:9.1f} ({r['kernels']:.0f}){ratio:>9s}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def recorded_code_sizes() -> tuple[str, list[dict]]:
+    """SASS code size per kernel (k3fast.ptxcheck's code_size rows) from the newest traces/cpu/ptxcheck-*.json that
+    has them: (source, rows)."""
+    best = None
+    for path in glob.glob(os.path.join(ROOT, "traces", "cpu", "ptxcheck-*.json")):
+        with open(path) as f:
+            doc = json.load(f)
+        rows = [r for r in doc["records"] if r.get("code_size")]
+        date = doc.get("environment", {}).get("date") or ""
+        if rows and (best is None or date > best[0]):
+            best = (date, path, rows)
+    return (os.path.relpath(best[1], ROOT), best[2]) if best else ("", [])

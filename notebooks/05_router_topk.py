@@ -70,6 +70,38 @@ if rec["failed"]:
     print("failing:", rec["failures"], "(a test that assumed the bias alone orders the picks; fixed, to be re-run)")
 print(nbtools.bench_table(nbtools.recorded_kernel_bench("router_down_topk")))
 
+# %% [markdown]
+# ## 6. Above M = 4: one cuBLAS GEMM, then the top-k alone (`TopkFromLogits`)
+# At the tensor-core batches the fused kernel loses to a library GEMM over the same packed weight (fp32 output,
+# so the logits are never rounded). What is left is the top-k, and it matters how it is done. In torch ops it
+# took ~12 kernels, a 20 µs stable radix sort among them. `TopkFromLogits` is one CTA per token: warp 0 runs the
+# fused kernel's own top-k code, so the ties and weights are the same. It also rounds z, and forms the shared
+# experts' SiTU from their gate/up rows, which ride in the same GEMM. The layer A/B below comes from one run
+# (commit cd4a730). There `fast` took the cuBLAS front above M = 16 (today's `fast-front16`), `fast-front4` above
+# M = 4 (today's default, after this run) and `fast-front0` at every M. `fast-shapart` keeps the shared gate/up
+# as its own kernel.
+
+# %%
+print(nbtools.bench_table(nbtools.recorded_kernel_bench("router_down_topk_cublas")))
+print(nbtools.bench_table(nbtools.recorded_kernel_bench("router_down_topk_cublas+shared")))
+print(nbtools.ab_table("traces/h200/records-cd4a730-s5perf.json", "moe",
+                       ["stock", "fast", "fast-front0", "fast-front4", "fast-shapart"]))
+
+# %% [markdown]
+# ## 7. Code size is time here
+# `TopkFromLogits` took ~16 µs at every batch in that run, against a few µs of arithmetic. Look at the size of
+# each kernel's machine code. With the 16 selection rounds unrolled, the top-k is most of the router kernels'
+# SASS. One warp runs it once per token, fetching it cold: the replays flush the L2, and in a real decode step 60
+# other layers' kernels run in between. Rolling the rounds into a loop (v2.4, opt-in until the H200 measures it:
+# `rolled=True`, impl `fast-rolled`) cuts the code by more than half. The keys stay in registers.
+
+# %%
+src, sizes = nbtools.recorded_code_sizes()
+print(f"SASS per kernel ({src}):")
+for r in sizes:
+    print(f"  {r['kernel']:36s} {r['config']:32s} {r['sass_instructions']:5d} instructions = {r['code_kb']:5.1f} KB, "
+          f"{r['registers']} registers")
+
 # %%
 assert torch.allclose(ws.sum(-1), torch.ones(4, dtype=torch.float64))
 assert torch.equal(ws, s.gather(1, ids) / s.gather(1, ids).sum(-1, keepdim=True))
