@@ -655,6 +655,22 @@ def prepare_front_weight(w_router, w_down):
     return torch.cat([w_router, w_down], dim=0).contiguous()
 
 
+def _front_outputs(M, latent, top_k, dev, out_z, out_ids, out_w, *, z_align):
+    """The front's outputs z [M, latent] bf16, ids [M, top_k] int32, w [M, top_k] fp32: allocated when None, else
+    checked (the fused kernel stores z 16 bytes at a time, TopkFromLogits 8)."""
+    import torch
+    if out_z is None:
+        out_z = torch.empty(M, latent, dtype=torch.bfloat16, device=dev)
+    if out_ids is None:
+        out_ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
+    if out_w is None:
+        out_w = torch.empty(M, top_k, dtype=torch.float32, device=dev)
+    check_tensor("out_z", out_z, dtype=torch.bfloat16, shape=(M, latent), device=dev, align=z_align)
+    check_tensor("out_ids", out_ids, dtype=torch.int32, shape=(M, top_k), device=dev, align=4)
+    check_tensor("out_w", out_w, dtype=torch.float32, shape=(M, top_k), device=dev, align=4)
+    return out_z, out_ids, out_w
+
+
 def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0,
                      out_z=None, out_ids=None, out_w=None, workspace=None, fma_unroll=None, fma_min_blocks=None,
                      rolled=None):
@@ -682,15 +698,7 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
         raise ValueError(f"w_packed: {N} rows cannot hold {n_experts} router rows and a latent block")
     _check_shapes(n_experts, latent, K, top_k)
     check_tensor("e_bias", e_bias, dtype=torch.float32, shape=(n_experts,), device=dev)
-    if out_z is None:
-        out_z = torch.empty(M, latent, dtype=torch.bfloat16, device=dev)
-    if out_ids is None:
-        out_ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
-    if out_w is None:
-        out_w = torch.empty(M, top_k, dtype=torch.float32, device=dev)
-    check_tensor("out_z", out_z, dtype=torch.bfloat16, shape=(M, latent), device=dev)
-    check_tensor("out_ids", out_ids, dtype=torch.int32, shape=(M, top_k), device=dev, align=4)
-    check_tensor("out_w", out_w, dtype=torch.float32, shape=(M, top_k), device=dev, align=4)
+    out_z, out_ids, out_w = _front_outputs(M, latent, top_k, dev, out_z, out_ids, out_w, z_align=16)
     if workspace is None:
         workspace = get_workspace(dev, n_experts)
     ws, cnt = workspace
@@ -782,15 +790,7 @@ def topk_from_logits(y, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0
     if not math.isfinite(float(scaling)):
         raise ValueError(f"scaling must be finite, got {scaling}")
     dev = y.device
-    if out_z is None:
-        out_z = torch.empty(M, latent, dtype=torch.bfloat16, device=dev)
-    if out_ids is None:
-        out_ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
-    if out_w is None:
-        out_w = torch.empty(M, top_k, dtype=torch.float32, device=dev)
-    check_tensor("out_z", out_z, dtype=torch.bfloat16, shape=(M, latent), device=dev, align=8)
-    check_tensor("out_ids", out_ids, dtype=torch.int32, shape=(M, top_k), device=dev, align=4)
-    check_tensor("out_w", out_w, dtype=torch.float32, shape=(M, top_k), device=dev, align=4)
+    out_z, out_ids, out_w = _front_outputs(M, latent, top_k, dev, out_z, out_ids, out_w, z_align=8)
     get_topk_kernel(n_experts, latent, top_k, shared, rolled)(y, e_bias, out_z, out_ids, out_w, out_h if shared else out_z,
                                                       float(scaling), M)
     return out_z, out_ids, out_w
