@@ -22,7 +22,7 @@ from k3ref.attnres import attn_res_u
 from k3ref.bytes import expert_bytes
 from k3ref.weights import random_layer
 
-from .trace import L2_POLICY, capture, replay_stats, start_run, time_replays, write_run
+from .trace import L2_POLICY, L2_WARM, capture, replay_stats, start_run, time_replays, write_run
 
 
 def _cases(cfg, batch: int):
@@ -125,6 +125,19 @@ def _cases(cfg, batch: int):
     cases.append(("router_down_topk_cublas+shared@rolled",
                   lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0], rolled=True),
                   lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
+    # TopkFromLogits alone on a precomputed y (~16 KB per token): unrolled / rolled top-k, with the L2 flushed and
+    # (names ending "~warm") not flushed. If the unrolled kernel's ~16 us is cold instruction fetch (v2.4's
+    # hypothesis), it drops a lot when warm and the rolled one flushed sits near the warm figure.
+    from .router_down_topk import topk_from_logits
+    y_front = torch.mm(x, front_sh.t(), out_dtype=torch.float32)
+    h_front = torch.empty(M, m.shared_gate.shape[0], dtype=torch.bfloat16, device=dev)
+    for tag, r in (("", False), ("@rolled", True)):
+        for warm in ("", "~warm"):
+            cases.append((f"topk_from_logits{tag}{warm}",
+                          lambda r=r: topk_from_logits(y_front, bias, shared=m.shared_gate.shape[0], out_h=h_front,
+                                                       rolled=r),
+                          lambda: torch.topk(torch.sigmoid(y_front[:, :m.gate.shape[0]]) + bias, 16),
+                          y_front.numel() * 4))
     if M <= 2:      # a deeper FMA unroll (8 vectors per lane in flight; measured slower at e44cd14, LOG.md)
         cases.append(("router_down_topk@U8", lambda: router_down_topk(x, front, bias, fma_unroll=8), stock_front,
                       front.numel() * 2 + M * d * 2))
@@ -202,12 +215,14 @@ def main(argv=None) -> int:
             for name, fused, stock, nbytes in cases:
                 if args.kernels and name not in args.kernels:
                     continue
+                warm = name.endswith("~warm")
                 row = {"kernel": name, "shape": shape, "batch": M, "bytes": int(nbytes),
-                       "floor_us": round(nbytes / (bw * 1e12) * 1e6, 3), "copy_tbps": round(bw, 4), "l2": L2_POLICY}
+                       "floor_us": round(nbytes / (bw * 1e12) * 1e6, 3), "copy_tbps": round(bw, 4),
+                       "l2": L2_WARM if warm else L2_POLICY}
                 for impl, fn in (("fast", fused), ("stock", stock)):
                     try:
                         g = capture(fn)
-                        row.update(replay_stats(time_replays(g, io.reset, args.replays), f"{impl}_"))
+                        row.update(replay_stats(time_replays(g, io.reset, args.replays, flush=not warm), f"{impl}_"))
                     except Exception as ex:
                         row[f"{impl}_error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
                 if "fast_us_median" in row:

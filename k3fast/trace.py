@@ -139,15 +139,20 @@ def flush_l2(device: str = "cuda", nbytes: int = 256 << 20) -> None:
     torch.sum(_FLUSH.view(1, -1), dim=1, out=_FLUSH_OUT)
 
 
-def time_replays(g: torch.cuda.CUDAGraph, reset: Callable[[], None], n: int) -> list[float]:
-    """µs of each of ``n`` replays, each after an L2 flush and an input reset (neither is timed)."""
+L2_WARM = "not flushed: the previous replay's weights, inputs and code stay in L2 (a diagnostic, not a speed claim)"
+
+
+def time_replays(g: torch.cuda.CUDAGraph, reset: Callable[[], None], n: int, *, flush: bool = True) -> list[float]:
+    """µs of each of ``n`` replays, each after an L2 flush (unless ``flush`` is False: L2_WARM) and an input reset
+    (neither is timed)."""
     flush_l2()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)             # keep the GPU behind the CPU so no launch gap is timed
     for i in range(n):
-        flush_l2()
+        if flush:
+            flush_l2()
         reset()
         starts[i].record()
         g.replay()

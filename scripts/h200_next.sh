@@ -81,7 +81,8 @@ case "${1:-}" in
   s6tests) K3_TEST_TIMEOUT=420 bash scripts/h200_tests.sh tests/gpu/test_router_down_topk.py tests/gpu/test_fast_layer.py \
           -k "router or rolled or front16 or gemv8 or (moe_half and fast-) or graph_replay" ;;
   s6perf) K3_SWEEP_TIMEOUT=230 K3_BENCH="--shapes k3_rank16 --batches 1 8 64 --kernels router_down_topk \
-          router_down_topk@rolled router_down_topk_cublas+shared router_down_topk_cublas+shared@rolled" \
+          router_down_topk@rolled router_down_topk_cublas+shared router_down_topk_cublas+shared@rolled \
+          topk_from_logits topk_from_logits~warm topk_from_logits@rolled topk_from_logits@rolled~warm" \
           K3_BENCH_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
           --impls stock fast fast-rolled fast-front16 fast-gemv8 --budget-s 200 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
