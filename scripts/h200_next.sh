@@ -84,7 +84,7 @@ case "${1:-}" in
           router_down_topk@rolled router_down_topk_cublas+shared router_down_topk_cublas+shared@rolled \
           topk_from_logits topk_from_logits~warm topk_from_logits@rolled topk_from_logits@rolled~warm" \
           K3_BENCH_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
-          --impls stock fast fast-rolled fast-front16 fast-gemv8 --budget-s 200 ;;
+          --impls stock fast fast-rolled fast-front0 fast-front0r fast-front16 fast-gemv8 --budget-s 200 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
   *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf"; exit 2 ;;
