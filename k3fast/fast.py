@@ -65,7 +65,8 @@ class FastImpl:
                  experts_version: int | None = None, experts_cluster=None, gemv_mma: str = "v2",
                  tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto",
                  gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
-                 experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None):
+                 experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
+                 shared_late: bool = False):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -117,6 +118,13 @@ class FastImpl:
         self.gemv_dsl_max_m = gemv_dsl_max_m
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
+        # Where the fused front serves (M <= front_dsl_max_m), launch the shared gate/up after the routed experts
+        # instead of between the router and the experts (opt-in, "fast-shlate"). At b1 the experts kernel fills 64
+        # SMs, so the gate/up CTAs wait beside it with their weights loaded and finish a few us after it, where in
+        # line they cost ~7.5 us between the router and the experts (records-cd4a730-s5perf.json, the b1 timeline).
+        # The gate/up then launches the tail at its start (moe_tail early_trigger), so the tail still prefetches
+        # during the experts.
+        self.shared_late = shared_late
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
@@ -130,6 +138,7 @@ class FastImpl:
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from the cuBLAS front")
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
+                        + (", shared gate/up after the experts" if shared_late else "")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
 
@@ -201,7 +210,8 @@ class FastImpl:
                                                         shared=self.shared_gu.shape[0] // 2, **kw)
             else:
                 z, ids, ws = router_down_topk_cublas(x, self.front, self.e_bias, **kw)
-        if side is None and h is None:
+        late = self.shared_late and side is None and h is None
+        if side is None and h is None and not late:
             with stage("k3.moe.shared"):
                 h = shared_expert_gate_up(x, self.shared_gu)
         with stage("k3.moe.experts"):
@@ -209,6 +219,9 @@ class FastImpl:
                                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x),
                                   version=self.experts_version, cluster=self._experts_cluster(x.shape[0]),
                                   warps=self.experts_warps)
+        if late:
+            with stage("k3.moe.shared"):
+                h = shared_expert_gate_up(x, self.shared_gu, early_trigger=True)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         if x.shape[0] <= self.tail_dsl_max_m:

@@ -145,8 +145,15 @@ def _kernel_class():
     class SwapAbGemv:
         """mode "tail": out = bf16(bf16(rstd * (w_norm*r) W1^T) + bf16(h W2^T)); mode "gate_up": h = SiTU(x Wp^T)."""
 
-        def __init__(self, mode: str, nt: int, wr: int, wk: int, u: int, n_rows: int, k1: int, k2: int):
+        def __init__(self, mode: str, nt: int, wr: int, wk: int, u: int, n_rows: int, k1: int, k2: int,
+                     early_trigger: bool = False):
             assert mode in ("tail", "gate_up")
+            # early_trigger: launch the dependents (the tail) as soon as every CTA has its first weights in flight,
+            # not after the main loop. For the shared gate/up launched after the routed experts (FastImpl
+            # shared_late): the tail then prefetches its weights during the experts, as it does when the experts
+            # kernel is its direct predecessor. Safe: the tail still waits (griddepcontrol.wait) for this grid to
+            # complete.
+            self.early_trigger = early_trigger
             assert k1 % CHUNK == 0 and k2 % CHUNK == 0 and n_rows % (16 * wr) == 0
             self.mode, self.nt, self.wr, self.wk, self.u = mode, nt, wr, wk, u
             self.n_rows, self.k1, self.k2 = n_rows, k1, k2
@@ -273,6 +280,8 @@ def _kernel_class():
 
             # weights do not depend on the previous kernel: first stage in flight before the PDL wait
             self.load_w(gW1, rW, 0, Int32(0), wk, row_g, t, self.nch[0])
+            if const_expr(self.early_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
 
             self.segment(0, gX1, gW1, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, True)
@@ -282,7 +291,8 @@ def _kernel_class():
                 self.segment(1, gX2, gW2, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, False)
 
             # the next kernel may start its own weight prefetch while we reduce and store
-            cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(not self.early_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
 
             # ---- cross-warp (split-K) reduction through shared memory, fixed order
             if const_expr(self.wk > 1):
@@ -347,11 +357,11 @@ def _build_tail(nt: int, inter: int):
     return cute.compile(obj, *fakes, Float32(1e-5), fake_stream(), options=TVM_FFI)
 
 
-def _build_gate_up(nt: int, inter: int):
+def _build_gate_up(nt: int, inter: int, early_trigger: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32
     wr, wk, u = _gate_up_cfg(nt, inter)
-    obj = _kernel_class()("gate_up", nt, wr, wk, u, 2 * inter, HIDDEN, 0)
+    obj = _kernel_class()("gate_up", nt, wr, wk, u, 2 * inter, HIDDEN, 0, early_trigger=early_trigger)
     m = _sym_m()
     fakes = (fake_tensor(BFloat16, (m, HIDDEN)), fake_tensor(BFloat16, (2 * inter, HIDDEN)),
              None, None, None, fake_tensor(BFloat16, (m, inter)))
@@ -367,8 +377,11 @@ def compile_keys(inter: int, batches: Iterable[int]) -> list[tuple]:
 
 def _get(key: tuple):
     op, nt, inter = key
-    build = _build_tail if op == "moe_tail" else _build_gate_up
-    return compile_cached(("k3fast.moe_tail",) + key, lambda: build(nt, inter))
+    if op == "moe_tail":
+        build = lambda: _build_tail(nt, inter)                                  # noqa: E731
+    else:
+        build = lambda: _build_gate_up(nt, inter, early_trigger=(op == "shared_gate_up_early"))  # noqa: E731
+    return compile_cached(("k3fast.moe_tail",) + key, build)
 
 
 def warmup(inter: int, batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64)) -> list[tuple]:
@@ -404,8 +417,11 @@ def _check_m(name: str, t) -> int:
     return m
 
 
-def shared_expert_gate_up(x, packed, *, out=None):
-    """h [M, Is] = SiTU-GLU(x W_sg^T, x W_su^T), with ``packed`` from prepare_shared_gate_up. x [M, 7168] bf16."""
+def shared_expert_gate_up(x, packed, *, out=None, early_trigger=False):
+    """h [M, Is] = SiTU-GLU(x W_sg^T, x W_su^T), with ``packed`` from prepare_shared_gate_up. x [M, 7168] bf16.
+
+    early_trigger: the PDL dependents launch when this kernel starts, not after its main loop (for a launch
+    after the routed experts, see SwapAbGemv; opt-in)."""
     import torch
     check_tensor("x", x, dtype=torch.bfloat16, shape=(None, HIDDEN))
     m = _check_m("x", x)
@@ -420,7 +436,7 @@ def shared_expert_gate_up(x, packed, *, out=None):
         check_tensor("out", out, dtype=torch.bfloat16, shape=(m, inter), device=x.device)
     if not x.is_cuda:
         raise ValueError("shared_expert_gate_up: expected CUDA tensors")
-    fn = _get(("shared_gate_up", n_tiles(m), inter))
+    fn = _get(("shared_gate_up_early" if early_trigger else "shared_gate_up", n_tiles(m), inter))
     fn(x, packed, None, None, None, out, 0.0)
     return out
 

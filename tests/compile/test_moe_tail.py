@@ -133,3 +133,23 @@ def test_prepare_shared_gate_up_layout():
 def test_bad_inter_width():
     with pytest.raises(ValueError):
         mt.compile_keys(100, (1,))
+
+
+@needs_dsl
+@pytest.mark.parametrize("early", [False, True])
+def test_gate_up_trigger_placement(early):
+    """The shared gate/up launches its PDL dependents once: after its main loop by default, and before its own
+    griddepcontrol.wait with early_trigger (FastImpl shared_late: the tail launched behind it must still be able to
+    prefetch during the routed experts). Checked in the PTX of the rank16 b1 key."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    old = mt.TVM_FFI
+    mt.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        ptx = compiled_ptx(lambda: mt._build_gate_up(mt.n_tiles(1), 384, early_trigger=early))
+    finally:
+        mt.TVM_FFI = old
+    trig = [i for i, line in enumerate(ptx.splitlines()) if "griddepcontrol.launch_dependents" in line]
+    wait = [i for i, line in enumerate(ptx.splitlines()) if "griddepcontrol.wait" in line]
+    assert len(trig) == 1 and len(wait) == 1
+    assert (trig[0] < wait[0]) == early
