@@ -60,6 +60,11 @@ def _cases(cfg, batch: int):
     # tensor-core kernel at M > 4
     from .rms_gemv import attnres_rmsnorm, gemv
     cases.append(("gemv_in_proj_plain", lambda: gemv(x, w_in), lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2))
+    if M <= 2:      # rms_gemv v3 (opt-in): two row groups per iteration of the fused kernel's loop
+        cases.append(("attnres_rms_gemv@G2", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
+                                                                      w.input_layernorm, w_in, partial_out=p_out,
+                                                                      fused_groups=2),
+                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 2:
         def unfused():
             xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)

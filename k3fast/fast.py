@@ -66,7 +66,7 @@ class FastImpl:
                  tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto",
                  gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
-                 shared_late: bool = False):
+                 shared_late: bool = False, gemv_groups: int | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -125,6 +125,7 @@ class FastImpl:
         # The gate/up then launches the tail at its start (moe_tail early_trigger), so the tail still prefetches
         # during the experts.
         self.shared_late = shared_late
+        self.gemv_groups = gemv_groups       # None: rms_gemv.FUSED_GROUPS (2 = the fused in_proj's v3, opt-in)
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
@@ -139,6 +140,7 @@ class FastImpl:
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from the cuBLAS front")
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
                         + (", shared gate/up after the experts" if shared_late else "")
+                        + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
 
@@ -165,7 +167,8 @@ class FastImpl:
             proj, _ = attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm, self.in_proj,
                                        eps=cfg.rms_norm_eps, block_write=(l // cfg.attn_res_block_size) if boundary else -1,
                                        partial_out=p1,
-                                       mma=self.gemv_mma if io.partial.shape[0] <= self.gemv_dsl_max_m else "cublas")
+                                       mma=self.gemv_mma if io.partial.shape[0] <= self.gemv_dsl_max_m else "cublas",
+                                       fused_groups=self.gemv_groups)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,

@@ -39,6 +39,20 @@ Version log
       (prologue partly hidden behind the L2 prefetch); mma M=8..16 ~1.1-1.3x, M=64 likely >1.3x (x re-read
       from L2 per row tile: 2x the weight bytes at RTW=2).
 
+      Measured (kernels-ea0c850.json): in_proj rank16 b1 26.7 us, attention half 42.4 us (near the top of the range).
+  v3 (2026-11-29, session 5; CPU-compiled only, opt-in: fused_groups=2 / FUSED_GROUPS / impl "fast-gemvg2") The
+      fused kernel's loop takes two row groups per iteration and issues both groups' weight loads before the first
+      FMA: 14 16-byte loads per lane in flight instead of 7 (ks = 4, K = 7168). Why: in the layer at rank16 b1 the
+      fused in_proj takes 17.2 us against an 11 us floor (records-cd4a730-s5perf.json timeline). Its 115 CTAs each
+      run 7 row groups, and each group is one batch of 7 loads followed by a warp reduction, a CTA barrier and the
+      store: 7 serial round trips to L2 (the next group is L2-prefetched) per CTA. Per group, the FMAs, reduction
+      and store are the same operations in the same order, so the outputs are bit-identical to v2
+      (tests/gpu test_fused_two_groups_bitwise). The v2 path's PTX is unchanged. ptxas 12.9: M = 1 98 registers
+      (v2 82), M = 2 104 (82), no local memory; SASS 31.5 / 45.8 KB (23.0 / 34.8).
+      Prediction: in_proj at b1 17.2 -> ~13-14 us in the layer, so the attention half 39.6 -> ~36 us (1.8x stock
+      is 35.8 us). If it does not move, the round trips are not the cost, and the 46 MB read itself is: cuBLAS
+      takes 19.2 us in the same bench, where the copy-bandwidth floor is 11.2 us. Bench row attnres_rms_gemv@G2.
+
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
     mix over {B[0..n_blocks-1], p'} with u = gamma*pi; section 5 input_layernorm RMSNorm of the FP32 mix
@@ -93,6 +107,7 @@ MMA_WARPS = 8
 NORM_WARPS = 16
 FUSED_WARPS = 16
 FUSE_MAX_M = 2
+FUSED_GROUPS = 1    # v3 (opt-in until measured): 2 row groups per iteration of the fused kernel's loop
 
 
 def bucket_m(M: int) -> int:
@@ -292,8 +307,12 @@ def _build_kernels():
         """y[m, n] = sum_k x[m, k] w[n, k]; warps = rpc rows x ks k-slices; persistent over row groups
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
-        def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5):
+        def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
+            # v3 (opt-in, fused only): G row groups per loop iteration, all their weight loads issued together (G x U
+            # vectors per lane in flight, one round trip per G groups instead of one per group). v2 at rank16 b1
+            # runs 7 groups per CTA, each a single batch of 7 loads followed by its reduction: 7 serial round trips.
+            self.G = G
             self.fused, self.K, self.nb, self.has_delta, self.bw, self.eps = fused, K, nb, has_delta, bw, eps
             self.nthreads = 32 * nwarps
             self.vpt = -(-(K // 8) // self.nthreads) if fused else 0
@@ -309,6 +328,8 @@ def _build_kernels():
                 per_lane = -(-(-(-(K // 8) // ks)) // 32)
                 if per_lane <= 8:
                     self.U = per_lane           # the whole slice in one batch
+            if G != 1 and not (fused and G == 2 and self.U == per_lane):
+                raise ValueError(f"G = {G}: only the fused kernel with a one-batch slice takes G = 2 (U {self.U})")
 
         @cute.jit
         def __call__(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, grid_x: Int32, stream):
@@ -362,41 +383,87 @@ def _build_kernels():
             rWs = [cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mW.element_type)
                    for _ in range(self.U)]
             buf = Int32(0)
-            for grp in cutlass.range(bid, n_groups, nblk):
-                row = grp * self.rpc + r
-                if const_expr(self.fused):
-                    nxt = grp + nblk
-                    if nxt < n_groups:
-                        _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
-                acc.fill(0.0)
-                # batches of U vectors per lane: U loads issued together, then their FMAs. Predicated instead of a
-                # remainder loop (a runtime-trip-count remainder issues one load per round trip); past-the-end
-                # lanes re-read the slice's last vector (in bounds) and weight it 0.
-                for kvb in cutlass.range(kv0 + lane, kv1, 32 * self.U):
+            if const_expr(self.G == 2):
+                rWa = cute.make_rmem_tensor(cute.make_layout((8, self.U), stride=(1, 8)), mW.element_type)
+                rWb = cute.make_rmem_tensor(cute.make_layout((8, self.U), stride=(1, 8)), mW.element_type)
+                kvb = kv0 + lane                # the slice is one batch: lanes cover [kv0, kv0 + 32 U) >= [kv0, kv1)
+                for grp in cutlass.range(bid, n_groups, 2 * nblk):
+                    g2 = grp + nblk
+                    rowa = grp * self.rpc + r
+                    rowb = cutlass.min(g2, n_groups - 1) * self.rpc + r     # past the end: re-read, never stored
+                    for ahead in cutlass.range_constexpr(2, 4):
+                        nxt = grp + ahead * nblk
+                        if nxt < n_groups:
+                            _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
                     for u in cutlass.range_constexpr(self.U):
-                        kvc = cutlass.min(kvb + 32 * u, kv1 - 1)
-                        cute.copy(w_atom, gW[0, None, row, kvc], rWs[u])
+                        cute.copy(w_atom, gW[0, None, rowa, cutlass.min(kvb + 32 * u, kv1 - 1)], rWa[None, u])
                     for u in cutlass.range_constexpr(self.U):
-                        kv = kvb + 32 * u
-                        kvc = cutlass.min(kv, kv1 - 1)
-                        wv = rWs[u].load().to(Float32) * cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
-                        for m in cutlass.range_constexpr(self.MB):
-                            cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
-                            acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
-                for m in cutlass.range_constexpr(self.MB):
-                    t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
-                    if lane == 0:
-                        sRed[buf, warp, m] = t
-                cute.arch.sync_threads()
-                if tid < self.rpc * self.MB:
-                    rr = tid // self.MB
-                    mm = tid - rr * self.MB
-                    tot = Float32(0.0)
-                    for q in cutlass.range_constexpr(self.ks):
-                        tot = tot + sRed[buf, rr * self.ks + q, mm]
-                    mY[mm, grp * self.rpc + rr] = tot.to(mY.element_type)
-                buf = 1 - buf
+                        cute.copy(w_atom, gW[0, None, rowb, cutlass.min(kvb + 32 * u, kv1 - 1)], rWb[None, u])
+                    self.group_out(rWa, kvb, kv1, gX, acc, rX, sRed, 0, grp, mY, warp, lane, tid)
+                    if g2 < n_groups:
+                        self.group_out(rWb, kvb, kv1, gX, acc, rX, sRed, 1, g2, mY, warp, lane, tid)
+            else:
+                for grp in cutlass.range(bid, n_groups, nblk):
+                    row = grp * self.rpc + r
+                    if const_expr(self.fused):
+                        nxt = grp + nblk
+                        if nxt < n_groups:
+                            _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
+                    acc.fill(0.0)
+                    # batches of U vectors per lane: U loads issued together, then their FMAs. Predicated instead of a
+                    # remainder loop (a runtime-trip-count remainder issues one load per round trip); past-the-end
+                    # lanes re-read the slice's last vector (in bounds) and weight it 0.
+                    for kvb in cutlass.range(kv0 + lane, kv1, 32 * self.U):
+                        for u in cutlass.range_constexpr(self.U):
+                            kvc = cutlass.min(kvb + 32 * u, kv1 - 1)
+                            cute.copy(w_atom, gW[0, None, row, kvc], rWs[u])
+                        for u in cutlass.range_constexpr(self.U):
+                            kv = kvb + 32 * u
+                            kvc = cutlass.min(kv, kv1 - 1)
+                            wv = rWs[u].load().to(Float32) * cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
+                            for m in cutlass.range_constexpr(self.MB):
+                                cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
+                                acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
+                    for m in cutlass.range_constexpr(self.MB):
+                        t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
+                        if lane == 0:
+                            sRed[buf, warp, m] = t
+                    cute.arch.sync_threads()
+                    if tid < self.rpc * self.MB:
+                        rr = tid // self.MB
+                        mm = tid - rr * self.MB
+                        tot = Float32(0.0)
+                        for q in cutlass.range_constexpr(self.ks):
+                            tot = tot + sRed[buf, rr * self.ks + q, mm]
+                        mY[mm, grp * self.rpc + rr] = tot.to(mY.element_type)
+                    buf = 1 - buf
             cute.arch.griddepcontrol_launch_dependents()
+
+        @cute.jit
+        def group_out(self, rW, kvb, kv1, gX, acc, rX, sRed, sbuf: cutlass.Constexpr, grp, mY, warp, lane, tid):
+            """v3 (G = 2): one row group's FMAs from the U loaded vectors rW[:, u], the k-slice reduction through
+            sRed[sbuf] and the store: the same operations in the same order as the G = 1 loop body, so the results
+            are bit-identical to it."""
+            acc.fill(0.0)
+            for u in cutlass.range_constexpr(self.U):
+                kv = kvb + 32 * u
+                kvc = cutlass.min(kv, kv1 - 1)
+                wv = rW[None, u].load().to(Float32) * cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
+                for m in cutlass.range_constexpr(self.MB):
+                    cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
+                    acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
+            for m in cutlass.range_constexpr(self.MB):
+                t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
+                if lane == 0:
+                    sRed[sbuf, warp, m] = t
+            cute.arch.sync_threads()
+            if tid < self.rpc * self.MB:
+                rr = tid // self.MB
+                mm = tid - rr * self.MB
+                tot = Float32(0.0)
+                for q in cutlass.range_constexpr(self.ks):
+                    tot = tot + sRed[sbuf, rr * self.ks + q, mm]
+                mY[mm, grp * self.rpc + rr] = tot.to(mY.element_type)
 
     # ------------------------------------------------------------------ tensor-core GEMV (M buckets 8..64)
     class _MmaGemv:
@@ -628,29 +695,29 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
     return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps), build)
 
 
-def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI):
+def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
     blocks, p, d, po, u, wl = _attn_fakes(cute, BF, MB, K, has_delta, wln)
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
-    obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps)
+    obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
-def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks):
-    return compile_cached(("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks),
-                          lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks))
+def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1):
+    key = ("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
+    return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G))
 
 
-def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1) -> str:
+def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
-                                             options=TVM_FFI + " --keep-ptx"))
+                                             options=TVM_FFI + " --keep-ptx", G=G))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -743,9 +810,17 @@ def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, bloc
     return out, partial_out
 
 
+def _check_groups(G) -> int:
+    if G not in (1, 2):
+        raise ValueError(f"fused_groups must be 1 or 2, got {G}")
+    return G
+
+
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
-                     partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2"):
+                     partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
+
+    fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
@@ -769,7 +844,10 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
             rpc, ks = FUSED_WARPS // fused_ks, fused_ks
             groups = N // rpc
             grid = -(-groups // -(-groups // NUM_SMS))
-        fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks)
+        G = _check_groups(FUSED_GROUPS if fused_groups is None else fused_groups)
+        if G == 2 and -(-(-(-(K // 8) // ks)) // 32) > 8:
+            G = 1                           # a slice of more than 8 vectors per lane: no one-batch groups to pair
+        fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G)
         fn(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,

@@ -155,3 +155,23 @@ def test_attnres_bad_inputs():
         R.attnres_rms_gemv(blocks, 3, p, d, u, wl, torch.randn(32, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError):
         R.attnres_rms_gemv(blocks, 3, p, d, u, wl, torch.randn(20, 64, dtype=torch.bfloat16))
+
+
+@needs_dsl
+@pytest.mark.parametrize("N", [3216, 6288, 49376])
+@pytest.mark.parametrize("M", [1, 2])
+def test_fused_two_groups_issue_all_loads_first(N, M):
+    """v3 (fused_groups=2): the loop body issues both row groups' weight loads (2 x 7 per lane at ks = 4, K = 7168)
+    before the first FMA, so one round trip serves two groups; v2's body issues one group's 7."""
+    from k3fast.ptxcheck import loop_issue_order
+    for G, n in ((1, 7), (2, 14)):
+        seqs = [seq for _, seq in loop_issue_order(R.fused_ptx(N, M=M, G=G), min_loads=2)]
+        assert any(seq.lstrip("|").startswith("L" * n + "f") for seq in seqs), (G, seqs)
+
+
+def test_fused_two_groups_rejects_multi_batch_slices():
+    _, _, Fma, _, _ = R._kernels()
+    with pytest.raises(ValueError, match="G = 2"):
+        Fma(1, 8, 1, R.FMA_WARPS, G=2)                  # the plain GEMV: slices of several batches
+    with pytest.raises(ValueError, match="fused_groups"):
+        R._check_groups(3)

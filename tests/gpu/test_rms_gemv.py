@@ -124,6 +124,19 @@ def test_fused_vs_unfused(R, seed, M):
     assert rel_rmse(y1, F.linear(x_ref, w.float())) <= 1e-2
 
 
+@pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
+@pytest.mark.parametrize("M", [1, 2])
+def test_fused_two_groups_bitwise(R, seed, M, N):
+    """v3 (fused_groups=2) does the same operations per row group as v2: outputs bit-identical."""
+    blocks, p, delta, u, w_ln = make_inputs(M, 5, True)
+    w = make_w(N)
+    y1, p1 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, fused_groups=1)
+    y2 = torch.full_like(y1, float("nan"))
+    _, p2 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, fused_groups=2, out=y2)
+    torch.cuda.synchronize()
+    assert torch.equal(y1, y2) and torch.equal(p1, p2)
+
+
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 def test_attnres_rmsnorm(R, seed, M, w_dtype):
