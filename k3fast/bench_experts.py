@@ -22,6 +22,8 @@ causes give different signatures, and one run of this module separates them:
              for ``max_abs_diff_vs_default``; ``v3C8 v3C4`` are the defaults of before;
 * ``v5 v5W16D8`` single passes (expert, <= NT pairs) as work items instead of whole experts (opt-in; it matters
              with ``--routing skewed``, where ~24 experts hold every pair);
+* ``v6 v6probe`` (batch buckets <= 2) each expert split over two clusters by I: 32 clusters of 4 (128 SMs) at b1
+             instead of 16 (64 SMs); opt-in, the version log has the prediction;
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
              C = 2 is bound by loads in flight (time moves with D) or by issue (the probe is much faster than
              the kernel at every D).
@@ -44,7 +46,7 @@ import torch
 from k3ref import preset
 from k3ref.weights import random_layer
 
-VARIANTS = ("default", "nibble", "v3", "v5", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
+VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
             "v3C8", "v3C4", "v2")
 
 

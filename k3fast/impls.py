@@ -449,6 +449,9 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
     if name in ("fast-rolled", "fast-front0r"):  # A/B at layer level: router v2.4, the top-k rounds as a loop (opt-in);
         from .fast import FastImpl               # front0r: with the cuBLAS front at every batch
         return FastImpl(cfg, w, router_rolled=True, **({"front_dsl_max_m": 0} if name == "fast-front0r" else {}), **kw)
+    if name == "fast-v6":                   # A/B at layer level: experts v6 at batch buckets <= 2 (opt-in)
+        from .fast import FastImpl
+        return FastImpl(cfg, w, experts_version=6, **kw)
     if name == "fast-gemvg2":               # A/B at layer level: the fused in_proj's v3 (2 row groups per iteration)
         from .fast import FastImpl
         return FastImpl(cfg, w, gemv_groups=2, **kw)
@@ -473,5 +476,5 @@ def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
         from .fast import FastImpl
         return FastImpl(cfg, w, overlap_shared=(name == "fast-overlap"), **kw)
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5', 'fast-taildsl', 'fast-nibble', 'fast-alldsl', 'fast-w8', 'fast-front0', 'fast-front16', 'fast-gemv0', 'fast-gemv8', 'fast-shapart', 'fast-rolled', 'fast-front0r', 'fast-shlate', 'fast-gemvg2']}")
+        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5', 'fast-taildsl', 'fast-nibble', 'fast-alldsl', 'fast-w8', 'fast-front0', 'fast-front16', 'fast-gemv0', 'fast-gemv8', 'fast-shapart', 'fast-rolled', 'fast-front0r', 'fast-shlate', 'fast-gemvg2', 'fast-v6']}")
     return IMPLS[name](cfg, w, **kw) if name == "stock" else IMPLS[name](cfg, w)

@@ -160,6 +160,24 @@ Version log
       (2.56 TB/s at b8 and b64, 61 % of copy; Marlin 36.7 / 102.3 / 409.1), bit-identical to W = 8, so
       DEFAULT_WARPS = 16 from here (ptxas caps 512-thread CTAs at 128 registers: 24-52 B of spills outside
       the main loops).
+  v6  (2026-11-29, session 5; opt-in, version=6, batch buckets <= 2 only; CPU-compiled, not yet run on a GPU) v4
+      with each expert split over two clusters by the intermediate dimension: work item wi = (expert wi // 2, half
+      wi % 2). A half's cluster computes h for its I/2 outputs (its w13 tiles [hI I/16, (hI+1) I/16)), exchanges
+      them inside the cluster, and runs FC2 over the matching I/2 K steps of every w2 tile (the SiTU is elementwise
+      in I, so the split is exact). It stores the fp32 partial y_half in a workspace [2 x pairs, dL] (the bf16 y
+      workspace's memory, viewed as fp32). The combine fires at 32 arrivals per (token, rank), not 16, and forms
+      bf16(y_0 + y_1) per slot before the weighted sum: the reference's single rounding of y_e. Two fp32 chains
+      over I/2 instead of one over I, so v6 is close to v4 but not bit-identical (GPU test at 2e-3 against v4, the
+      table's tolerance against the reference).
+      Why: at b1 the 16 experts x C = 4 keep 64 of the 132 SMs streaming (the stream probe: 17.6 us for 23 MB,
+      experts-50b6243.json). C = 8 would use 128, but only 15 clusters of 8 are co-resident. 32 clusters of 4
+      are: the grid is 32 clusters, even at MB 2 (the 33rd would be a second wave). The CPU tier replays the
+      FC1/FC2 row arithmetic over both halves, every rank, warp and step: each w13 and w2 row is read exactly once
+      (test_v6_index_math_covers_every_weight_row_once). The v3/v4/v5 PTX is unchanged (md5 of the PTX at M 1, 8
+      and 64). ptxas 12.9: 128 registers, 14 local-memory instructions (v4: 12), SASS 46.4 KB (43.6).
+      Prediction: rank16 b1 experts 25.2 -> ~14-17 us in the kernel bench (bench_experts v6 / v6probe), MoE half
+      b1 -6 to -9 us in the layer (fast-v6). b2 similar. If the probe halves but the kernel does not, the fixed
+      costs per item (prologue sort, two cluster barriers, the combine) dominate at this size.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -485,21 +503,25 @@ class KernelCfg:
     nsm: int = 132
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
-    version: int = DEFAULT_VERSION  # 2: z from global; 3: z staged in smem; 4: + copy-free ring; 5: + pass items
+    version: int = DEFAULT_VERSION  # 2: z from global; 3: z staged in smem; 4: + copy-free ring; 5: + pass items;
+    #                                 6: v4 with each expert split over two clusters by I (MB <= 2)
     probe: str = ""   # diagnostics only: "stream" = weights loaded and XOR-folded, no decode / MMA (wrong output)
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
 
     def __post_init__(self):
         if self.dL % 64 or self.I % 64:
             raise ValueError("dL and I must be multiples of 64")
-        if self.I % (8 * self.C) or (self.dL // 16) % self.C:
-            raise ValueError(f"cluster size {self.C} does not divide the tiles (I={self.I}, dL={self.dL})")
+        if self.IH % (8 * self.C) or (self.dL // 16) % self.C or self.IH % 64:
+            raise ValueError(f"cluster size {self.C} does not divide the tiles (I={self.I}, dL={self.dL}"
+                             + (", v6: I/2 per work item)" if self.version == 6 else ")"))
         if self.E > 1024 * 4:
             raise ValueError("E too large for the in-CTA routing sort")
         if self.NKB1 % self.S:
             raise ValueError("K split does not divide the FC1 K steps")
-        if self.version not in (2, 3, 4, 5):
-            raise ValueError(f"version must be 2, 3, 4 or 5, got {self.version}")
+        if self.version not in (2, 3, 4, 5, 6):
+            raise ValueError(f"version must be 2, 3, 4, 5 or 6, got {self.version}")
+        if self.version == 6 and self.MB > 2:
+            raise ValueError(f"version 6 (an expert split over two clusters) serves batch buckets <= 2, got {self.MB}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.layout == "rot" and self.version < 4:
@@ -508,8 +530,12 @@ class KernelCfg:
             raise ValueError(f"probe must be '' or 'stream', got {self.probe!r}")
 
     @property
+    def IH(self):           # intermediate outputs per work item: I, or I / 2 in v6 (each half of an expert is an item)
+        return self.I // 2 if self.version == 6 else self.I
+
+    @property
     def T1(self):           # FC1 tiles (16 rows = 8 outputs) per CTA
-        return self.I // (8 * self.C)
+        return self.IH // (8 * self.C)
 
     @property
     def S(self):            # FC1 K-split so that T1 * S is a multiple of W
@@ -536,8 +562,12 @@ class KernelCfg:
         return -(-self.T2 // self.W)
 
     @property
-    def NKB2(self):
+    def NKB2(self):         # 64-wide K steps of a whole w2 row (the stride of the w2 stream's tiles)
         return self.I // 64
+
+    @property
+    def NKB2H(self):        # FC2 K steps of one work item (v6: half of them)
+        return self.IH // 64
 
     @property
     def GMAX(self):         # 8-column MMA groups per pass
@@ -553,11 +583,15 @@ class KernelCfg:
 
     @property
     def Q(self):            # clusters in the grid
+        if self.version == 6:
+            # two work items per expert; an even cluster count, because at C = 4 the 33rd cluster of a 132-SM
+            # H200 is not co-resident (the version log, v4 measured)
+            return max(1, min(2 * self.PMAX, self.nsm // self.C // 2 * 2))
         return max(1, min(self.PMAX, self.nsm // self.C))
 
     @property
     def HW(self):           # h row stride in 32-bit words (64 B pad: conflict-free 16 B loads)
-        return self.I // 2 + 16
+        return self.IH // 2 + 16
 
     @property
     def ZW(self):           # staged z row stride in 32-bit words (64 B pad: conflict-free 16 B loads)
@@ -671,10 +705,11 @@ def _build_kernel_class():
         uu_ = warp + c.W * i_
         return (t1_base + uu_ // c.S) * c.NKB1 + (uu_ % c.S) * c.KS1 + (s_ - i_ * c.KS1)
 
-    def fc2_row(c, warp, t2_base, s_):
-        """The same for FC2 step s_: tile warp + W*i (clamped to the last tile; its results are not stored)."""
-        i_ = s_ // c.NKB2
-        return (t2_base + cutlass.min(warp + c.W * i_, c.T2 - 1)) * c.NKB2 + (s_ - i_ * c.NKB2)
+    def fc2_row(c, warp, t2_base, s_, koff=0):
+        """The same for FC2 step s_: tile warp + W*i (clamped to the last tile; its results are not stored). A work
+        item takes NKB2H of a tile's NKB2 K steps, from step koff (v6: the half's; else all of them from 0)."""
+        i_ = s_ // c.NKB2H
+        return (t2_base + cutlass.min(warp + c.W * i_, c.T2 - 1)) * c.NKB2 + koff + (s_ - i_ * c.NKB2H)
 
     def load_slot(c, wld, eWq, eWs, row_, lane, g, ringW, ringS, d, scale=True):
         """Fill ring slot d from 16-byte weight row row_: one 16-byte load per lane (L1::no_allocate from v3 on)
@@ -755,13 +790,13 @@ def _build_kernel_class():
             self.EPT = -(-c.E // c.threads)
             # shared memory carve-up (bytes, all 16-aligned)
             self.n_part = c.T1 * c.S * c.GMAX * 32 * 4 if c.S > 1 else 4
-            self.n_stage = c.NT * (c.I // c.C) // 2          # int32 words
+            self.n_stage = c.NT * (c.IH // c.C) // 2         # int32 words
             # v3: the pass's z rows are staged in the h region (z is only read in FC1, h only written after
             # cluster barrier A, i.e. after every CTA of the cluster finished FC1)
             self.n_hz = max(c.NT * c.HW, c.NT * c.ZW) if c.version >= 3 else c.NT * c.HW
             sizes = [
                 ("cnt", 4 * c.E), ("act_e", 4 * c.PMAX), ("act_off", 4 * (c.PMAX + 4)),
-                ("pass_off", 4 * (c.PMAX + 4) if c.version >= 5 else 0), ("slot", 4 * c.PMAX),
+                ("pass_off", 4 * (c.PMAX + 4) if c.version == 5 else 0), ("slot", 4 * c.PMAX),
                 ("sorted", 4 * c.PMAX), ("tmp", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * self.n_hz),
                 ("stage", 4 * self.n_stage), ("part", 4 * self.n_part),
             ]
@@ -793,7 +828,7 @@ def _build_kernel_class():
             cnt_s = smem.allocate_tensor(Int32, cute.make_layout(c.E), 16)
             act_e = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             act_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16)
-            pass_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16) if const_expr(c.version >= 5) \
+            pass_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16) if const_expr(c.version == 5) \
                 else None
             slot_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             sorted_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
@@ -820,6 +855,13 @@ def _build_kernel_class():
             # y rows were written by other CTAs during this launch: read them from L2 (.cg), never from L1
             ycg = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
                                       load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
+            # v6: y holds fp32 half partials, rows 2 pair + half
+            ycg32 = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
+                                        load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
+            gY4 = cute.flat_divide(mY, (1, 4))           # (1, 4, rows, dL/4)
+            y4a = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            y4b = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            ARRIVALS = 2 * TOPK if c.version == 6 else TOPK    # arrivals per (token, row chunk) and launch
 
             stage_bf = cute.recast_tensor(stage_s, BFloat16)
             ringW = cute.make_rmem_tensor(cute.make_layout((D, 4), stride=(4, 1)), Int32)
@@ -847,7 +889,7 @@ def _build_kernel_class():
                 e = tid * self.EPT + k
                 if e < c.E:
                     n = cnt_s[e]
-                    if const_expr(c.version >= 5):
+                    if const_expr(c.version == 5):
                         loc = loc + n + ((n > 0).to(Int32) << 11) + (((n + NT - 1) // NT) << 21)
                     else:
                         loc = loc + n + ((n > 0).to(Int32) << 16)
@@ -864,7 +906,7 @@ def _build_kernel_class():
                 if w2 < warp:
                     base = base + scr[w2]
             excl = base + incl - loc
-            if const_expr(c.version >= 5):
+            if const_expr(c.version == 5):
                 ua = (excl >> 11) & 0x3FF
                 pa = excl & 0x7FF
                 qa = (excl >> 21) & 0x7FF
@@ -880,7 +922,7 @@ def _build_kernel_class():
                         act_e[ua] = e
                         act_off[ua] = pa
                         cnt_s[e] = pa + (n << 16)           # segment offset | length (both <= 1024)
-                        if const_expr(c.version >= 5):
+                        if const_expr(c.version == 5):
                             pass_off[ua] = qa
                             qa = qa + (n + NT - 1) // NT
                         ua = ua + 1
@@ -888,7 +930,7 @@ def _build_kernel_class():
             if tid == c.threads - 1:
                 scr[32] = ua
                 act_off[ua] = pa
-                if const_expr(c.version >= 5):
+                if const_expr(c.version == 5):
                     pass_off[ua] = qa
             cute.arch.barrier()
             # The atomics above order an expert's pairs by arrival, which differs between the CTAs of a cluster
@@ -913,10 +955,10 @@ def _build_kernel_class():
             # ---------------------------------------------------------------- expert loop
             h_base = h_s.iterator.toint()
             h_flat = cute.make_tensor(h_s.iterator, cute.make_layout(NT * c.HW))
-            hcols = c.I // C
+            hcols = c.IH // C
             NS1 = c.U1 * c.KS1
             NS1_pad = -(-NS1 // D) * D
-            NS2 = c.U2 * c.NKB2
+            NS2 = c.U2 * c.NKB2H
             NS2_pad = -(-NS2 // D) * D
             NV = c.dL // 8 // C
             s8 = cute.make_rmem_tensor(cute.make_layout(8), Float32)
@@ -927,10 +969,16 @@ def _build_kernel_class():
             # Work items: whole active experts (v2-v4; a cluster runs all passes of its expert), or from v5 single
             # passes (expert, <= NT pairs), so that a few experts shared by many tokens (skewed routing) spread their
             # passes over every cluster.  Each pass reads the expert's weights once either way.
-            n_work = pass_off[n_active] if const_expr(c.version >= 5) else n_active
+            n_work = pass_off[n_active] if const_expr(c.version == 5) else n_active
+            if const_expr(c.version == 6):
+                n_work = 2 * n_active               # items (expert, half of I): wi = 2 u + hI
             for wi in cutlass.range(qid, n_work, c.Q):
                 u = wi
-                if const_expr(c.version >= 5):
+                hI = Int32(0)
+                if const_expr(c.version == 6):
+                    u = wi // 2
+                    hI = wi - 2 * u
+                if const_expr(c.version == 5):
                     # the expert whose passes contain item wi: pass_off[lo] <= wi < pass_off[hi]
                     lo = Int32(0)
                     hi = n_active
@@ -946,7 +994,7 @@ def _build_kernel_class():
                 n_e = act_off[u + 1] - off
                 pb0 = Int32(0)
                 pb1 = n_e
-                if const_expr(c.version >= 5):
+                if const_expr(c.version == 5):
                     pb0 = (wi - pass_off[u]) * NT
                     pb1 = pb0 + 1
                 # This expert's streams, based with a 64-bit offset: at full width w13 is 9.9 GB, past the reach
@@ -986,6 +1034,8 @@ def _build_kernel_class():
                             cute.copy(zcp, gZ[0, None, tok, v_], gZs[0, None, n_, v_])
                         cute.arch.cp_async_commit_group()
                     t1_base = rank * c.T1
+                    if const_expr(c.version == 6):
+                        t1_base = hI * (c.I // 16) + rank * c.T1     # w13 tiles of half hI: [hI I/16, (hI+1) I/16)
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS1):
                             row_ = fc1_row(c, warp, t1_base, d)
@@ -1083,9 +1133,12 @@ def _build_kernel_class():
 
                     # ======================= FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I.
                     t2_base = rank * c.T2
+                    koff = 0
+                    if const_expr(c.version == 6):
+                        koff = hI * c.NKB2H                          # the half's K steps of each w2 tile
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS2):
-                            row_ = fc2_row(c, warp, t2_base, d)
+                            row_ = fc2_row(c, warp, t2_base, d, koff)
                             load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
                     for s0 in cutlass.range(0, NS2_pad, D):
                         for d in cutlass.range_constexpr(D):
@@ -1094,19 +1147,19 @@ def _build_kernel_class():
                                 wv = [ringW[d, j] for j in range(4)]
                                 sv = ringS[d]
                                 if const_expr(c.layout == "rot"):
-                                    i, kb = step_split(s0, d, c.NKB2, D)
+                                    i, kb = step_split(s0, d, c.NKB2H, D)
                                 else:
-                                    i = s // c.NKB2
-                                    kb = s - i * c.NKB2
+                                    i = s // c.NKB2H
+                                    kb = s - i * c.NKB2H
                                 tile = warp + W * i
                                 if kb == 0:
                                     acc.fill(0.0)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, True)
                                 if const_expr(c.layout == "rot"):
-                                    i_, k_ = step_split(s0 + D, d, c.NKB2, D)
-                                    row_ = (t2_base + cutlass.min(warp + W * i_, c.T2 - 1)) * c.NKB2 + k_
+                                    i_, k_ = step_split(s0 + D, d, c.NKB2H, D)
+                                    row_ = (t2_base + cutlass.min(warp + W * i_, c.T2 - 1)) * c.NKB2 + koff + k_
                                 else:
-                                    row_ = fc2_row(c, warp, t2_base, s + D)     # the refill of this slot
+                                    row_ = fc2_row(c, warp, t2_base, s + D, koff)     # the refill of this slot
                                 if s + D < NS2:
                                     load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d,
                                               scale=c.version < 4)
@@ -1118,14 +1171,20 @@ def _build_kernel_class():
                                                 for bb in cutlass.range_constexpr(2):
                                                     cute.autovec_copy(gH[0, None, gi * 8 + g, kb * 8 + bb * 4 + t], bv)
                                                     mma_block_any(c, a, bv, sf, bb, acc, gi)
-                                    if kb == c.NKB2 - 1:
+                                    if kb == c.NKB2H - 1:
                                         r0 = (rank * c.T2 + tile) * 16 + g
                                         for gi in cutlass.range_constexpr(GMAX):
                                             for q in cutlass.range_constexpr(2):
                                                 pr = ypair[gi * 2 + q]
                                                 if pr >= 0:
-                                                    mY[pr, r0] = acc[gi * 4 + q].to(BFloat16)
-                                                    mY[pr, r0 + 8] = acc[gi * 4 + 2 + q].to(BFloat16)
+                                                    if const_expr(c.version == 6):
+                                                        # the half's fp32 partial: y_e is rounded once, in the
+                                                        # combine, after the two halves are added
+                                                        mY[pr * 2 + hI, r0] = acc[gi * 4 + q]
+                                                        mY[pr * 2 + hI, r0 + 8] = acc[gi * 4 + 2 + q]
+                                                    else:
+                                                        mY[pr, r0] = acc[gi * 4 + q].to(BFloat16)
+                                                        mY[pr, r0 + 8] = acc[gi * 4 + 2 + q].to(BFloat16)
                                 if const_expr(c.version >= 4):
                                     # v4: the scale word is refilled after its last use (the MMAs' scale factors)
                                     if s + D < NS2:
@@ -1140,7 +1199,7 @@ def _build_kernel_class():
                         old = cute.arch.atomic_add(mCnt.iterator + (m * C + rank), Int32(1),
                                                    sem="acq_rel", scope="gpu")
                         last = Int32(-1)
-                        if old == TOPK - 1:
+                        if old == ARRIVALS - 1:
                             mCnt[m * C + rank] = Int32(0)      # self-reset for the next launch / graph replay
                             last = m
                         scr[33 + tid] = last
@@ -1151,10 +1210,21 @@ def _build_kernel_class():
                             for v in cutlass.range(tid, NV, c.threads):
                                 vv = rank * NV + v
                                 s8.fill(0.0)
-                                for j in cutlass.range_constexpr(TOPK):
-                                    wj = mTw[m, j]
-                                    cute.copy(ycg, gY[0, None, m * TOPK + j, vv], ry)
-                                    s8.store(s8.load() + ry.load().to(Float32) * wj)
+                                if const_expr(c.version == 6):
+                                    # y_e = bf16(y_half0 + y_half1): the reference's single rounding of y_e
+                                    for j in cutlass.range_constexpr(TOPK):
+                                        wj = mTw[m, j]
+                                        for q in cutlass.range_constexpr(2):
+                                            cute.copy(ycg32, gY4[0, None, (m * TOPK + j) * 2, 2 * vv + q], y4a)
+                                            cute.copy(ycg32, gY4[0, None, (m * TOPK + j) * 2 + 1, 2 * vv + q], y4b)
+                                            for x in cutlass.range_constexpr(4):
+                                                ye = (y4a[x] + y4b[x]).to(BFloat16).to(Float32)
+                                                s8[4 * q + x] = s8[4 * q + x] + ye * wj
+                                else:
+                                    for j in cutlass.range_constexpr(TOPK):
+                                        wj = mTw[m, j]
+                                        cute.copy(ycg, gY[0, None, m * TOPK + j, vv], ry)
+                                        s8.store(s8.load() + ry.load().to(Float32) * wj)
                                 ro.store(s8.load().to(BFloat16))
                                 cute.autovec_copy(ro, gO[0, None, m, vv])
                     cute.arch.barrier()
@@ -1188,7 +1258,7 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
         fake_tensor(Int32, (S13,), align=4),                   # w13s words
         fake_tensor(Int32, (R2, 4)),
         fake_tensor(Int32, (S2,), align=4),
-        fake_tensor(BFloat16, (RY, cfg.dL)),                   # y workspace [>= M*16, dL]
+        fake_tensor(Float32 if cfg.version == 6 else BFloat16, (RY, cfg.dL)),   # y workspace [>= M*16 (v6: 2 M*16), dL]
         fake_tensor(Int32, (MAX_M * 8,), align=4),             # combine counters
         fake_tensor(BFloat16, (M, cfg.dL)),                    # r
     )
@@ -1313,6 +1383,8 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     check_tensor("workspace.counters", workspace.counters, dtype=torch.int32, shape=(MAX_M * 8,), device=z.device)
     if workspace.y.dim() != 2 or workspace.y.shape[1] != dL or workspace.y.shape[0] < M * TOPK:
         raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
+    if version == 6 and m_bucket(M) > 2:
+        version = DEFAULT_VERSION       # v6 splits each expert over two clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
@@ -1321,6 +1393,11 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
             raise ValueError(f"kernel_cfg {kernel_cfg} does not fit E={E}, dL={dL}, I={I}, M={M}")
         key = kernel_cfg
     fn = get_kernel(key)
+    y = workspace.y
+    if key.version == 6:
+        # the two halves' fp32 partials, rows 2 pair + half: 2 x M x 16 x dL x 4 B, inside the bf16 workspace's
+        # MAX_M x 16 x dL x 2 B (MB <= 2)
+        y = workspace.y.view(-1).view(torch.float32)[: 2 * M * TOPK * dL].view(2 * M * TOPK, dL)
     fn(z.view(torch.int32), topk_ids, topk_w, prep.w13q.view(-1, 4), prep.w13s.view(-1), prep.w2q.view(-1, 4),
-       prep.w2s.view(-1), workspace.y, workspace.counters, out)
+       prep.w2s.view(-1), y, workspace.counters, out)
     return out

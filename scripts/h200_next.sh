@@ -79,14 +79,18 @@ case "${1:-}" in
   # (fast-front4 was the name, at cd4a730, of today's default front threshold; fast-front16 is the old one)
   # session 6: router v2.4 (rolled top-k, opt-in) and the session-5 thresholds; tests, then the A/B, then every shape
   s6tests) K3_TEST_TIMEOUT=420 bash scripts/h200_tests.sh tests/gpu/test_router_down_topk.py tests/gpu/test_fast_layer.py \
-          tests/gpu/test_rms_gemv.py -k "router or rolled or front0r or front16 or gemv8 or shlate or graph_replay \
-          or two_groups or gemvg2" ;;
+          tests/gpu/test_rms_gemv.py tests/gpu/test_moe_mxfp4_experts.py -k "router or rolled or front0r or front16 \
+          or gemv8 or shlate or graph_replay or two_groups or gemvg2 or v6"; rc=$?
+          # experts v6 against the default and the stream probe at b1 / b2 (experts-<commit>.json)
+          timeout 120 python3 -m k3fast.bench_experts --out "$OUT" --tag "$K3_COMMIT" --shapes k3_rank16 --batches 1 2 \
+            --variants default v6 probe v6probe > "$OUT/experts.log" 2>&1 || rc=1
+          exit $rc ;;
   s6perf) K3_SWEEP_TIMEOUT=300 K3_BENCH="--shapes k3_rank16 --batches 1 8 64 --kernels router_down_topk \
           router_down_topk@rolled router_down_topk_cublas+shared router_down_topk_cublas+shared@rolled \
           topk_from_logits topk_from_logits~warm topk_from_logits@rolled topk_from_logits@rolled~warm \
-          attnres_rms_gemv attnres_rms_gemv@G2" K3_BENCH_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe \
-          --shapes k3_rank16 --impls stock fast fast-rolled fast-shlate fast-gemvg2 fast-front0 fast-front0r \
-          fast-front16 fast-gemv8 --budget-s 260 ;;
+          attnres_rms_gemv attnres_rms_gemv@G2" K3_BENCH_TIMEOUT=120 \
+          bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-rolled fast-shlate \
+          fast-gemvg2 fast-v6 fast-front0 fast-front0r fast-front16 fast-gemv8 --budget-s 240 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
   *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf"; exit 2 ;;

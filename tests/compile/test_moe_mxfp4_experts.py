@@ -388,3 +388,39 @@ def test_rot_layout_shortens_the_main_loops(M):
     (n_nib, l_nib), (n_rot, l_rot) = per_load["nibble"], per_load["rot"]
     assert l_nib == l_rot > 0, per_load
     assert n_rot <= 0.8 * n_nib, per_load
+
+
+@pytest.mark.parametrize("I", [256, 384, 3072])
+@pytest.mark.parametrize("M", [1, 2])
+def test_v6_index_math_covers_every_weight_row_once(I, M):
+    """v6 (one expert = two work items, one per half of I): the FC1 and FC2 row arithmetic of the kernel, replayed
+    on CPU over both halves, every CTA rank of a cluster, every warp and step, reads each 16-byte w13 and w2 row of
+    an expert exactly once (FC2 steps of clamped tiles past T2 are re-reads that are never stored, as in v4)."""
+    from collections import Counter
+    c = mx.compile_key(896, 3584, I, M, version=6)
+    assert c.C * c.T1 * 2 == I // 8 and c.NKB2H * 2 == c.NKB2 and c.Q % 2 == 0 and c.Q <= 32
+    fc1, fc2 = Counter(), Counter()
+    for hI in (0, 1):
+        for rank in range(c.C):
+            t1_base = hI * (I // 16) + rank * c.T1
+            t2_base = rank * c.T2
+            for warp in range(c.W):
+                for s in range(c.U1 * c.KS1):                 # the kernel's fc1_row
+                    i = s // c.KS1
+                    uu = warp + c.W * i
+                    fc1[(t1_base + uu // c.S) * c.NKB1 + (uu % c.S) * c.KS1 + (s - i * c.KS1)] += 1
+                for s in range(c.U2 * c.NKB2H):               # the kernel's fc2_row with koff = hI NKB2H
+                    i = s // c.NKB2H
+                    if warp + c.W * i < c.T2:
+                        fc2[(t2_base + warp + c.W * i) * c.NKB2 + hI * c.NKB2H + (s - i * c.NKB2H)] += 1
+    assert fc1 == Counter(range(I // 8 * c.NKB1))
+    assert fc2 == Counter(range(3584 // 16 * c.NKB2))
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("I", [256, 384, 3072])
+def test_v6_compiles(I):
+    for M in (1, 2):
+        mx.get_kernel(mx.compile_key(896, 3584, I, M, version=6))
+    with pytest.raises(ValueError, match="version 6"):
+        mx.compile_key(896, 3584, I, 8, version=6)
