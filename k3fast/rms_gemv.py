@@ -424,23 +424,12 @@ def _build_kernels():
                             for m in cutlass.range_constexpr(self.MB):
                                 cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
                                 acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
-                    for m in cutlass.range_constexpr(self.MB):
-                        t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
-                        if lane == 0:
-                            sRed[buf, warp, m] = t
-                    cute.arch.sync_threads()
-                    if tid < self.rpc * self.MB:
-                        rr = tid // self.MB
-                        mm = tid - rr * self.MB
-                        tot = Float32(0.0)
-                        for q in cutlass.range_constexpr(self.ks):
-                            tot = tot + sRed[buf, rr * self.ks + q, mm]
-                        mY[mm, grp * self.rpc + rr] = tot.to(mY.element_type)
+                    self.reduce_store(acc, sRed, buf, grp, mY, warp, lane, tid)
                     buf = 1 - buf
             cute.arch.griddepcontrol_launch_dependents()
 
         @cute.jit
-        def group_out(self, rW, kvb, kv1, gX, acc, rX, sRed, sbuf: cutlass.Constexpr, grp, mY, warp, lane, tid):
+        def group_out(self, rW, kvb, kv1, gX, acc, rX, sRed, sbuf, grp, mY, warp, lane, tid):
             """v3 (G = 2): one row group's FMAs from the U loaded vectors rW[:, u], the k-slice reduction through
             sRed[sbuf] and the store: the same operations in the same order as the G = 1 loop body, so the results
             are bit-identical to it."""
@@ -452,6 +441,11 @@ def _build_kernels():
                 for m in cutlass.range_constexpr(self.MB):
                     cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
                     acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
+            self.reduce_store(acc, sRed, sbuf, grp, mY, warp, lane, tid)
+
+        @cute.jit
+        def reduce_store(self, acc, sRed, sbuf, grp, mY, warp, lane, tid):
+            """A row group's warp sums -> sRed[sbuf] -> the k-slices added in a fixed order -> y (deterministic)."""
             for m in cutlass.range_constexpr(self.MB):
                 t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
                 if lane == 0:
