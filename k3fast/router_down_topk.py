@@ -262,6 +262,18 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
         for j in range(len(keys)):
             keys[j] = usel(gidx == lane_u + Uint32(32 * j), Uint32(0), keys[j])
 
+    def select_round(keys, r, lane, lane_u, sS, warp, my_id, my_s):
+        """One of the top-k's TOPK rounds: the warp's best remaining key (largest; the lowest expert index among
+        equal keys), removed from its owner lane's keys (in place); lane r keeps its expert id and unbiased score."""
+        bk, bj = local_best(keys)
+        gmax = cute.arch.warp_redux_sync(bk, "umax")
+        cand = usel(bk == gmax, lane_u + Uint32(32) * bj, Uint32(0xFFFFFFFF))
+        gidx = cute.arch.warp_redux_sync(cand, "umin")     # lowest expert index among the max keys
+        remove(keys, gidx, lane_u)
+        s_sel = sS[Int32(gidx), warp]          # written by the owner lane of this warp
+        mine = lane == r
+        return usel(mine, gidx, my_id), fsel(mine, s_sel, my_s)
+
     class FrontFma:
         n_arrive, n_topk, per_cta = R, T, WARPS      # router CTAs, top-k CTAs, tokens per top-k CTA
         ws_stride = NE                               # fp32 elements between two tokens' logits in mWs
@@ -389,33 +401,16 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
                 rSel[0] = Float32(0.0)
                 for r in cutlass.range(0, TOPK, 1, unroll=1):
                     cur = [rK[j] for j in range(J)]
-                    bk, bj = local_best(cur)
-                    gmax = cute.arch.warp_redux_sync(bk, "umax")
-                    cand = usel(bk == gmax, lane_u + Uint32(32) * bj, Uint32(0xFFFFFFFF))
-                    gidx = cute.arch.warp_redux_sync(cand, "umin")
+                    rId[0], rSel[0] = select_round(cur, r, lane, lane_u, sS, warp, rId[0], rSel[0])
                     for j in cutlass.range_constexpr(J):
-                        rK[j] = usel(gidx == lane_u + Uint32(32 * j), Uint32(0), rK[j])
-                    s_sel = sS[Int32(gidx), warp]
-                    mine = lane == r
-                    rId[0] = usel(mine, gidx, rId[0])
-                    rSel[0] = fsel(mine, s_sel, rSel[0])
+                        rK[j] = cur[j]
                 my_id = rId[0]
                 my_s = rSel[0]
             else:
                 my_id = Uint32(0)
                 my_s = Float32(0.0)
                 for r in cutlass.range_constexpr(TOPK):
-                    # this lane's best (largest key, lowest slot on ties): a tree whose left operand is always
-                    # the lower slot, so ">" keeps the lower index on equal keys
-                    bk, bj = local_best(keys)
-                    gmax = cute.arch.warp_redux_sync(bk, "umax")
-                    cand = usel(bk == gmax, lane_u + Uint32(32) * bj, Uint32(0xFFFFFFFF))
-                    gidx = cute.arch.warp_redux_sync(cand, "umin")     # lowest expert index among the max keys
-                    remove(keys, gidx, lane_u)
-                    s_sel = sS[Int32(gidx), warp]          # written by the owner lane of this warp
-                    mine = lane == r
-                    my_id = usel(mine, gidx, my_id)
-                    my_s = fsel(mine, s_sel, my_s)
+                    my_id, my_s = select_round(keys, r, lane, lane_u, sS, warp, my_id, my_s)
             # 1e-20 and the scaling exactly as HF's gate (k3-spec.md 10.4); unbiased scores
             part = fsel(lane < TOPK, my_s, Float32(0.0))
             tot = cute.arch.warp_reduction_sum(part)
@@ -745,22 +740,21 @@ def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=T
     shared = Is > 0: w_packed is prepare_front_shared_weight's [W_r; W_down; W_sg; W_su], and a fourth output h
     [M, Is] bf16 = SiTU-GLU of the shared experts (shared_expert_gate_up's contract) comes back."""
     import torch
-    if shared:
-        if w_packed.shape[0] <= 2 * shared:
-            raise ValueError(f"w_packed: {w_packed.shape[0]} rows cannot hold 2 x {shared} shared gate/up rows")
-        y = torch.mm(x, w_packed.t(), out_dtype=torch.float32)
-        h = torch.empty(x.shape[0], shared, dtype=torch.bfloat16, device=x.device)
-        z, ids, w = topk_from_logits(y, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling, shared=shared,
-                                     out_h=h, rolled=rolled)
-        return z, ids, w, h
+    if shared and w_packed.shape[0] <= 2 * shared:
+        raise ValueError(f"w_packed: {w_packed.shape[0]} rows cannot hold 2 x {shared} shared gate/up rows")
     try:
         y = torch.mm(x, w_packed.t(), out_dtype=torch.float32)
     except TypeError:              # torch before out_dtype on mm: the fused kernel serves every batch instead
+        if shared:
+            raise RuntimeError("router_down_topk_cublas(shared=...) needs torch.mm with out_dtype (a newer torch)")
         import warnings
         warnings.warn("torch.mm has no out_dtype here (it needs a newer torch): router_down_topk_cublas falls back "
                       "to the fused router_down_topk kernel", RuntimeWarning, stacklevel=2)
         return router_down_topk(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
-    return topk_from_logits(y, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling, rolled=rolled)
+    h = torch.empty(x.shape[0], shared, dtype=torch.bfloat16, device=x.device) if shared else None
+    z, ids, w = topk_from_logits(y, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling, shared=shared,
+                                 out_h=h, rolled=rolled)
+    return (z, ids, w, h) if shared else (z, ids, w)
 
 
 def topk_from_logits(y, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0, out_z=None, out_ids=None,
