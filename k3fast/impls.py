@@ -34,6 +34,7 @@ from k3ref.norms import rms_norm, situ_glu
 from k3ref.state import KDAState, MLACache
 from k3ref.weights import KDAWeights, LayerWeights, MoEWeights
 
+from .moe_mxfp4_experts import cluster_before_20261129
 from .nvtx import stage
 
 
@@ -423,58 +424,38 @@ class StockImpl:
 IMPLS = {"ref": RefImpl, "compiled": CompiledImpl, "stock": StockImpl}
 
 
+# The fused path's layer-level A/B variants: FastImpl keyword arguments by name. Each is an alternative to one
+# default, measured beside "fast" in one run (k3fast/LOG.md; each record names its variant in `fast_variant`).
+FAST_VARIANTS = {
+    "fast": {},
+    "fast-prev": {"experts_version": 3, "experts_cluster": cluster_before_20261129},  # experts before 2026-11-29
+    "fast-v5": {"experts_version": 5},          # experts v5: single passes as work items (opt-in)
+    "fast-v6": {"experts_version": 6},          # experts v6: each expert over two clusters at buckets <= 2 (opt-in)
+    "fast-nibble": {"experts_layout": "nibble"},  # experts in the nibble layout (the default before 2026-11-29)
+    "fast-w8": {"experts_warps": 8},            # experts at 8 warps per CTA (the default before 16)
+    "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "front_dsl_max_m": 64},  # no cuBLAS dispatch
+    "fast-taildsl": {"tail_dsl_max_m": 64},     # k3fast.moe_tail at every batch (before 2026-11-29)
+    "fast-gemv0": {"gemv_dsl_max_m": 0},        # in_proj / o_proj GEMMs on cuBLAS at every batch
+    "fast-gemv8": {"gemv_dsl_max_m": 8},        # ... above M = 8 (the threshold before session 5)
+    "fast-splitk": {"gemv_mma": "splitk", "gemv_dsl_max_m": 64},  # in_proj at M > 4 on gemv_splitk (opt-in)
+    "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
+    "fast-front0": {"front_dsl_max_m": 0},      # the cuBLAS front + TopkFromLogits at every batch
+    "fast-front16": {"front_dsl_max_m": 16},    # ... above M = 16 (the threshold before session 5)
+    "fast-rolled": {"router_rolled": True},     # router v2.4: the top-k rounds as a loop (opt-in)
+    "fast-front0r": {"router_rolled": True, "front_dsl_max_m": 0},
+    "fast-shapart": {"shared_in_front": False},  # the shared gate/up kernel apart from the cuBLAS front
+    "fast-shlate": {"shared_late": True},       # the shared gate/up after the experts at M <= 4 (opt-in)
+    # Until 11595c4 "fast" overlapped the shared experts on a side stream and "fast-serial" did not; since then
+    # "fast" is serial.
+    "fast-overlap": {"overlap_shared": True},
+    "fast-serial": {"overlap_shared": False},
+}
+
+
 def make_impl(name: str, cfg: K3Config, w: LayerWeights, **kw):
-    if name == "fast":
+    if name in FAST_VARIANTS:
         from .fast import FastImpl
-        return FastImpl(cfg, w, **kw)
-    if name == "fast-prev":                 # A/B at layer level: the experts kernel as it was before 2026-11-29
-        from .fast import FastImpl
-        from .moe_mxfp4_experts import cluster_before_20261129
-        return FastImpl(cfg, w, experts_version=3, experts_cluster=cluster_before_20261129, **kw)
-    if name == "fast-v5":                   # A/B at layer level: experts v5 (single passes as work items; opt-in)
-        from .fast import FastImpl
-        return FastImpl(cfg, w, experts_version=5, **kw)
-    if name == "fast-nibble":               # A/B at layer level: experts in the nibble layout (default before 2026-11-29)
-        from .fast import FastImpl
-        return FastImpl(cfg, w, experts_layout="nibble", **kw)
-    if name == "fast-w8":                   # A/B at layer level: experts at 8 warps per CTA (the default before 16)
-        from .fast import FastImpl
-        return FastImpl(cfg, w, experts_warps=8, **kw)
-    if name == "fast-alldsl":               # A/B at layer level: our kernels at every batch (no cuBLAS dispatch)
-        from .fast import FastImpl
-        return FastImpl(cfg, w, tail_dsl_max_m=64, gemv_dsl_max_m=64, front_dsl_max_m=64, **kw)
-    if name in ("fast-front0", "fast-front16"):  # A/B at layer level: the cuBLAS front from M = 1 / above M = 16
-        from .fast import FastImpl
-        return FastImpl(cfg, w, front_dsl_max_m=0 if name == "fast-front0" else 16, **kw)
-    if name in ("fast-rolled", "fast-front0r"):  # A/B at layer level: router v2.4, the top-k rounds as a loop (opt-in);
-        from .fast import FastImpl               # front0r: with the cuBLAS front at every batch
-        return FastImpl(cfg, w, router_rolled=True, **({"front_dsl_max_m": 0} if name == "fast-front0r" else {}), **kw)
-    if name == "fast-v6":                   # A/B at layer level: experts v6 at batch buckets <= 2 (opt-in)
-        from .fast import FastImpl
-        return FastImpl(cfg, w, experts_version=6, **kw)
-    if name == "fast-gemvg2":               # A/B at layer level: the fused in_proj's v3 (2 row groups per iteration)
-        from .fast import FastImpl
-        return FastImpl(cfg, w, gemv_groups=2, **kw)
-    if name == "fast-shlate":               # A/B at layer level: the shared gate/up after the experts (opt-in)
-        from .fast import FastImpl
-        return FastImpl(cfg, w, shared_late=True, **kw)
-    if name == "fast-shapart":              # A/B at layer level: the shared gate/up kernel apart from the cuBLAS front
-        from .fast import FastImpl
-        return FastImpl(cfg, w, shared_in_front=False, **kw)
-    if name in ("fast-gemv0", "fast-gemv8"):  # A/B at layer level: in_proj/o_proj on cuBLAS at every batch / above 8
-        from .fast import FastImpl
-        return FastImpl(cfg, w, gemv_dsl_max_m=0 if name == "fast-gemv0" else 8, **kw)
-    if name == "fast-taildsl":              # A/B at layer level: k3fast.moe_tail at every batch (before 2026-11-29)
-        from .fast import FastImpl
-        return FastImpl(cfg, w, tail_dsl_max_m=64, **kw)
-    if name == "fast-splitk":               # A/B at layer level: in_proj at M > 4 on k3fast.gemv_splitk (opt-in)
-        from .fast import FastImpl
-        return FastImpl(cfg, w, gemv_mma="splitk", gemv_dsl_max_m=64, **kw)
-    if name in ("fast-overlap", "fast-serial"):
-        # A/B of the shared-experts overlap. Until 11595c4 "fast" overlapped and "fast-serial" did not; since
-        # then "fast" is serial, and each record names its variant in `fast_variant`.
-        from .fast import FastImpl
-        return FastImpl(cfg, w, overlap_shared=(name == "fast-overlap"), **kw)
+        return FastImpl(cfg, w, **FAST_VARIANTS[name], **kw)
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + ['fast', 'fast-overlap', 'fast-serial', 'fast-prev', 'fast-splitk', 'fast-v5', 'fast-taildsl', 'fast-nibble', 'fast-alldsl', 'fast-w8', 'fast-front0', 'fast-front16', 'fast-gemv0', 'fast-gemv8', 'fast-shapart', 'fast-rolled', 'fast-front0r', 'fast-shlate', 'fast-gemvg2', 'fast-v6']}")
+        raise ValueError(f"unknown implementation {name!r}; expected one of {sorted(IMPLS) + list(FAST_VARIANTS)}")
     return IMPLS[name](cfg, w, **kw) if name == "stock" else IMPLS[name](cfg, w)

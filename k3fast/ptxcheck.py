@@ -127,14 +127,25 @@ def _lower_version(ptx: str, ptxas: str, version: str | None = None) -> str:
     return re.sub(r"^\.version \S+", f".version {isa}", ptx, count=1, flags=re.M) if isa else ptx
 
 
-def ptxas_resources(ptx: str, ptxas: str, arch: str = "sm_90a") -> dict:
-    """Registers and spill bytes that ``ptxas -v`` reports for the PTX's kernel."""
+def _assemble(ptx: str, ptxas: str, arch: str, nvdisasm: str | None = None, disasm_args: tuple = (),
+              version: str | None = None) -> tuple[str, str | None]:
+    """ptxas -O3 -v on the PTX (its .version lowered to what this ptxas reads; the code is unchanged): (the -v report,
+    the SASS listing from nvdisasm with ``disasm_args`` when ``nvdisasm`` is given, else None)."""
     import subprocess
     with tempfile.TemporaryDirectory() as d:
-        with open(f"{d}/k.ptx", "w") as f:
-            f.write(_lower_version(ptx, ptxas))
-        err = subprocess.run([ptxas, f"-arch={arch}", "-O3", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+        src, cub = f"{d}/k.ptx", f"{d}/k.cubin"
+        with open(src, "w") as f:
+            f.write(_lower_version(ptx, ptxas, version))
+        err = subprocess.run([ptxas, f"-arch={arch}", "-O3", "-v", src, "-o", cub],
                              check=True, capture_output=True, text=True).stderr
+        sass = None if nvdisasm is None else subprocess.run([nvdisasm, *disasm_args, cub], check=True,
+                                                            capture_output=True, text=True).stdout
+    return err, sass
+
+
+def ptxas_resources(ptx: str, ptxas: str, arch: str = "sm_90a") -> dict:
+    """Registers and spill bytes that ``ptxas -v`` reports for the PTX's kernel."""
+    err, _ = _assemble(ptx, ptxas, arch)
     regs = re.search(r"Used (\d+) registers", err)
     spill = re.search(r"(\d+) bytes spill stores", err)
     return {"registers": int(regs.group(1)) if regs else None, "spill_store_bytes": int(spill.group(1)) if spill else 0}
@@ -145,17 +156,10 @@ def sass_loop_opcodes(ptx: str, tools: tuple[str, str], arch: str = "sm_90a", mi
     instructions the GPU issues, after ptxas has fused, rematerialised and scheduled (the PTX counts above are
     before). The PTX's .version is lowered to what this ptxas reads; the code is unchanged. Also returns the ptxas
     version line under the key "ptxas"."""
-    import subprocess
     ptxas, nvdis = tools
     full = _ptxas_version(ptxas)
     version = full.strip().splitlines()[-1]
-    ptx = _lower_version(ptx, ptxas, full)
-    with tempfile.TemporaryDirectory() as d:
-        src, cub = f"{d}/k.ptx", f"{d}/k.cubin"
-        with open(src, "w") as f:
-            f.write(ptx)
-        subprocess.run([ptxas, f"-arch={arch}", "-O3", src, "-o", cub], check=True, capture_output=True)
-        sass = subprocess.run([nvdis, cub], check=True, capture_output=True, text=True).stdout
+    _, sass = _assemble(ptx, ptxas, arch, nvdis, version=full)
     ins, labels = [], {}
     for line in sass.split("\n"):
         lm = re.match(r"^(\.L_x_\d+):", line.strip())
@@ -178,21 +182,11 @@ def sass_loop_opcodes(ptx: str, tools: tuple[str, str], arch: str = "sm_90a", mi
     return out
 
 
-_ISSUE = (("ld.global", "L"), ("fma", "f"), ("mma", "m"), ("bra", "|"), ("@", "|"))
-
-
 def sass_size(ptx: str, tools: tuple[str, str], arch: str = "sm_90a") -> dict:
     """SASS instructions (16 B each), registers and local-memory instructions of the PTX's kernel. Straight-line code
     that one warp runs once is fetched from a cold instruction cache (the replays' L2 flush evicts it too), so the
     code size of a latency-bound stage is a cost of its own (router_down_topk v2.4)."""
-    import subprocess
-    ptxas, nvdis = tools
-    with tempfile.TemporaryDirectory() as d:
-        with open(f"{d}/k.ptx", "w") as f:
-            f.write(_lower_version(ptx, ptxas))
-        err = subprocess.run([ptxas, f"-arch={arch}", "-O3", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
-                             check=True, capture_output=True, text=True).stderr
-        sass = subprocess.run([nvdis, "-c", f"{d}/k.cubin"], check=True, capture_output=True, text=True).stdout
+    err, sass = _assemble(ptx, tools[0], arch, tools[1], ("-c",))
     ins = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
     regs = re.search(r"Used (\d+) registers", err)
     return {"sass_instructions": len(ins), "code_kb": round(len(ins) * 16 / 1024, 1),
@@ -200,10 +194,12 @@ def sass_size(ptx: str, tools: tuple[str, str], arch: str = "sm_90a") -> dict:
             "local_memory_instructions": sum(1 for line in ins if "LDL" in line or "STL" in line)}
 
 
+_ISSUE = (("ld.global", "L"), ("fma", "f"), ("mma", "m"), ("bra", "|"), ("@", "|"))
+
+
 def code_sizes(tools: tuple[str, str]) -> list[dict]:
     """sass_size of every kernel of the fused KDA+MoE decode step at k3_rank(16), batch 1 (and the router front at
     the b8 bucket and as TopkFromLogits, unrolled and rolled)."""
-    import dataclasses
     from contextlib import contextmanager
 
     from . import kda_conv_gate_step as kda, moe_mxfp4_experts as mx, moe_tail, oproj_attnres as oa, rms_gemv
@@ -250,7 +246,6 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
         rows = []
         for name, cfgs, fn in builds:
             rows.append({"kernel": name, "config": f"k3_rank16 {cfgs}", "code_size": True, **sass_size(fn(), tools)})
-    del dataclasses
     return rows
 
 

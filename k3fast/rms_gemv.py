@@ -110,6 +110,11 @@ FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in until measured): 2 row groups per iteration of the fused kernel's loop
 
 
+def _vectors_per_lane(K: int, ks: int) -> int:
+    """16-byte weight vectors per lane of one warp's k-slice (K split into ks slices, 32 lanes each)."""
+    return -(-(-(-(K // 8) // ks)) // 32)
+
+
 def bucket_m(M: int) -> int:
     for b in M_BUCKETS:
         if M <= b:
@@ -325,7 +330,7 @@ def _build_kernels():
             # round trip. There, the slice is unrolled completely and predicated (nper loads issued together).
             self.U = self.unroll
             if fused:
-                per_lane = -(-(-(-(K // 8) // ks)) // 32)
+                per_lane = _vectors_per_lane(K, ks)
                 if per_lane <= 8:
                     self.U = per_lane           # the whole slice in one batch
             if G != 1 and not (fused and G == 2 and self.U == per_lane):
@@ -839,7 +844,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
             groups = N // rpc
             grid = -(-groups // -(-groups // NUM_SMS))
         G = _check_groups(FUSED_GROUPS if fused_groups is None else fused_groups)
-        if G == 2 and -(-(-(-(K // 8) // ks)) // 32) > 8:
+        if G == 2 and _vectors_per_lane(K, ks) > 8:
             G = 1                           # a slice of more than 8 vectors per lane: no one-batch groups to pair
         fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G)
         fn(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
