@@ -219,7 +219,9 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
             for m, o in zip(mods, old):
                 m.TVM_FFI = o
 
-    builds = [("attnres_rms_gemv (fused in_proj)", "M=1", lambda: rms_gemv.fused_ptx(3216))]
+    builds = [("attnres_rms_gemv (fused in_proj)", "M=1", lambda: rms_gemv.fused_ptx(3216)),
+              ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=1", lambda: rms_gemv.fused_ptx(3216, G=2)),
+              ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, G=2))]
     with keep_ptx(kda, oa, moe_tail, rdt):
         kkey = kda.compile_key(cfg.kda_heads, 1, kda.choose_nsplit(1, cfg.kda_heads))
         _, kp, nb, tg = oa.compile_key(768, 1, 1)
@@ -230,6 +232,8 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
             ("shared_expert_gate_up", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_gate_up(moe_tail.n_tiles(1), inter))),
             ("moe_mxfp4_experts", "M=1", lambda: compiled_ptx(lambda: mx._compile(mx.compile_key(896, 3584, 256, 1),
                                                                               options=TVM_FFI + " --keep-ptx"))),
+            ("moe_mxfp4_experts v6", "M=1", lambda: compiled_ptx(lambda: mx._compile(
+                mx.compile_key(896, 3584, 256, 1, version=6), options=TVM_FFI + " --keep-ptx"))),
             ("moe_tail", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter))),
         ]
         for rolled in (False, True):
