@@ -174,7 +174,8 @@ Version log
       are: the grid is 32 clusters, even at MB 2 (the 33rd would be a second wave). The CPU tier replays the
       FC1/FC2 row arithmetic over both halves, every rank, warp and step: each w13 and w2 row is read exactly once
       (test_v6_index_math_covers_every_weight_row_once). The v3/v4/v5 PTX is unchanged (md5 of the PTX at M 1, 8
-      and 64). ptxas 12.9: 128 registers, 14 local-memory instructions (v4: 12), SASS 46.4 KB (43.6).
+      and 64). ptxas 12.9 (traces/cpu/ptxcheck-07cd715093d7.json): 128 registers, 14 local-memory instructions (v4: 12),
+      SASS 46.4 KB (43.6).
       Prediction: rank16 b1 experts 25.2 -> ~14-17 us in the kernel bench (bench_experts v6 / v6probe), MoE half
       b1 -6 to -9 us in the layer (fast-v6). b2 similar. If the probe halves but the kernel does not, the fixed
       costs per item (prologue sort, two cluster barriers, the combine) dominate at this size.

@@ -47,7 +47,7 @@ Version log
       run 7 row groups, and each group is one batch of 7 loads followed by a warp reduction, a CTA barrier and the
       store: 7 serial round trips to L2 (the next group is L2-prefetched) per CTA. Per group, the FMAs, reduction
       and store are the same operations in the same order, so the outputs are bit-identical to v2
-      (tests/gpu test_fused_two_groups_bitwise). The v2 path's PTX is unchanged. ptxas 12.9: M = 1 98 registers
+      (tests/gpu test_fused_two_groups_bitwise). The v2 path's PTX is unchanged. ptxas 12.9 (traces/cpu/ptxcheck-07cd715093d7.json): M = 1 98 registers
       (v2 82), M = 2 104 (82), no local memory; SASS 31.5 / 45.8 KB (23.0 / 34.8).
       Prediction: in_proj at b1 17.2 -> ~13-14 us in the layer, so the attention half 39.6 -> ~36 us (1.8x stock
       is 35.8 us). If it does not move, the round trips are not the cost, and the 46 MB read itself is: cuBLAS
