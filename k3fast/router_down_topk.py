@@ -76,6 +76,19 @@ Version log
       global loads of e_bias plus the logits per lane (ld.cg from L2 after the GEMM). Bench rows:
       router_down_topk@rolled, router_down_topk_cublas+shared@rolled; GPU tests: every router test runs both ways,
       and test_rolled_matches_unrolled_bitwise.
+      Measured (kernels-31884ea.json, records-31884ea-s6perf.json): the hypothesis is wrong. TopkFromLogits alone
+      at b1: 21.3 us flushed, 14.1 us with the L2 warm; rolled 21.9 / 14.4. The fused front at b1 got slower
+      rolled (33.6 -> 37.2 us bench, MoE half 80.5 -> 84.0 us). Stays opt-in.
+  v2.5 (2026-11-29, session 6) The top-k loads all 28 logits and 28 biases per lane before the first sigmoid. The
+      SASS of every top-k (ptxas 12.9) showed the real cause: each logit's ld.global.cg sat behind the previous
+      logit's IEEE-division slow-path branch (div.rn.f32: MUFU.RCP, a range check, a CALL), and ptxas does not
+      hoist a load over a branch, so the 28 loads ran one L2 round trip at a time: 28 x ~0.5 us = the ~14 us warm
+      figure. v2.5 changes only the order (the arithmetic and the tie rule are the same, so results are bit-identical
+      to v2.3); the CPU test test_topk_loads_issue_before_the_first_sigmoid checks it in the PTX of both forms and
+      of all buckets. Predictions: TopkFromLogits alone 21.3 -> ~7-9 us flushed, 14.1 -> ~3-4 us warm; in the
+      layer 15.7-17.5 -> ~4-5 us; the fused front's top-k stage (same code, last arriver) drops by about the same
+      ~10 us, so router_down_topk b1 33.6 -> ~22-24 us (bench) and the MoE half b1 80.5 -> ~69-71 us, b64 (cuBLAS
+      front + TopkFromLogits) 398.9 -> ~388 us.
       Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
       identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
@@ -132,8 +145,8 @@ UNROLL = 4
 # the hint against 33.2 without; in the layer the stage went 30.7 -> 37.5 us), so no bucket asks for it now. The
 # mechanism stays for the A/B (bench row router_down_topk@minb9); the version log has the analysis.
 FMA_MIN_BLOCKS: dict = {}
-# v2.4 (opt-in until the H200 measures it): the top-k's 16 selection rounds as a loop, not unrolled code
-# (topk's comment says why); the compile key carries it. k3fast.fast's router_rolled / impl "fast-rolled" flip it.
+# v2.4 (opt-in; measured no faster, see the version log): the top-k's 16 selection rounds as a loop, not unrolled
+# code; the compile key carries it. k3fast.fast's router_rolled / impl "fast-rolled" flip it.
 TOPK_ROLLED = False
 FMA_MIN_BLOCKS_TRIED = {1: 9, 2: 7}
 
@@ -377,21 +390,26 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
 
         @cute.jit
         def topk(self, tok, warp, lane, mBias, mIds, mWt, mWs, sS, scaling: Float32):
+            # v2.5: all J logits and biases are loaded before the first sigmoid. Interleaved (v2.4 and earlier), each
+            # IEEE division's slow-path branch kept ptxas from hoisting the next load above it, so the J = 28 loads
+            # ran as 28 serial L2 round trips (~14 us with the L2 warm, kernels-31884ea.json); a CPU test checks
+            # the order in the PTX.
+            lgs = [cute.arch.load(mWs.iterator + (tok * self.ws_stride + lane + 32 * j), Float32, cop="cg")
+                   for j in range(J)]
+            bs = [mBias[lane + 32 * j] for j in range(J)]
             keys = []
             for j in cutlass.range_constexpr(J):
-                e = lane + 32 * j
-                lg = cute.arch.load(mWs.iterator + (tok * self.ws_stride + e), Float32, cop="cg")
-                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg))
-                sS[e, warp] = s
-                keys.append(orderable(s + mBias[e]))
+                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lgs[j]))
+                sS[lane + 32 * j, warp] = s
+                keys.append(orderable(s + bs[j]))
             cute.arch.sync_warp()          # sS is read below by other lanes of this warp
             lane_u = Uint32(lane)
             if const_expr(ROLLED):
                 # v2.4 (opt-in, `rolled`): the TOPK selection rounds as a loop instead of unrolled code. Unrolled,
                 # the top-k is ~2800 of the TopkFromLogits kernel's 3648 SASS instructions (58 KB, ptxas 12.9), run
-                # once by one warp: fetched cold from HBM after the L2 flush, which is the suspected cause of its
-                # 15.7-17.5 us (records-cd4a730-s5perf.json). The keys live in a register tensor indexed only by
-                # trace-time constants, so they stay in registers across the dynamic loop.
+                # once by one warp. Cold instruction fetch was suspected for TopkFromLogits' 15.7-17.5 us; measured,
+                # rolled is no faster (kernels-31884ea.json: the serial loads above were the cost). The keys live in
+                # a register tensor indexed only by trace-time constants, so they stay in registers across the loop.
                 rK = cute.make_rmem_tensor(cute.make_layout((J,)), Uint32)
                 for j in cutlass.range_constexpr(J):
                     rK[j] = keys[j]

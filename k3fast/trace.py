@@ -12,7 +12,9 @@ For each (layer kind, shape, batch, context, impl, part) one record:
   mutated inputs restored, so weights and state come from HBM every time. A read, not a write: a
   write flush leaves the L2 full of dirty lines whose write-back is then charged to the timed replay
   (up to ~50 MB of extra HBM traffic, ~12 µs on this GPU);
-* ``kernels``, ``kernel_us_sum``, ``kernel_names``: torch.profiler (CUPTI) over a few replays;
+* ``kernels``, ``kernel_us_sum``, ``kernel_names``, ``replay_timeline``: torch.profiler (CUPTI) over a few
+  replays, each after the same flush and reset as the timed ones (``replay_timeline["l2"]`` says so; before
+  this, records profiled back-to-back replays with part of the weights still in L2);
 * ``stages``: the same step run eagerly inside the k3fast.nvtx ranges, kernels attributed to the
   innermost range (kernel count and GPU µs per stage);
 * ``bytes`` and ``floor_us`` from k3ref.bytes, at ``copy_tbps`` measured by a device-to-device copy
@@ -222,6 +224,35 @@ def summarize_graph_events(events: list[dict], replays: int) -> dict:
                                                               sorted(names.items(), key=lambda kv: -kv[1])}}
 
 
+def graph_events(events: list[dict]) -> list[dict]:
+    """The GPU events (kernels, copies) of a CUPTI trace that graph replays launched: those whose correlation id is a
+    cudaGraphLaunch's. What the host launched eagerly between replays (the L2 flush, the input reset) is left out,
+    so replays can be profiled under the same conditions as they are timed."""
+    launches = {e["args"]["correlation"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "GraphLaunch" in e.get("name", "")
+                and "correlation" in e.get("args", {})}
+    return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+            and e.get("args", {}).get("correlation") in launches]
+
+
+def profile_replays(g: "torch.cuda.CUDAGraph", reset: Callable[[], None], replays: int = 3) -> tuple[list[dict], str]:
+    """CUPTI events of ``replays`` graph replays, each after an L2 flush and an input reset as in time_replays (so
+    the kernel durations in replay_timeline are cold-L2 ones, like the timed replays; back-to-back replays keep
+    part of a <= 50 MB step's weights in L2, e.g. ~6 us of the rank16 attention half at b1 in
+    records-31884ea-s6perf.json). Returns (the graph's events, the L2 condition). Falls back to back-to-back
+    replays (L2_WARM) when the trace carries no cudaGraphLaunch correlation to tell the replays' kernels apart."""
+    def run():
+        for _ in range(replays):
+            flush_l2()
+            reset()
+            g.replay()
+    ev = graph_events(_profile(run))
+    if ev:
+        return ev, L2_POLICY
+    return [e for e in _profile(lambda: [g.replay() for _ in range(replays)])
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")], L2_WARM
+
+
 def replay_timeline(events: list[dict], replays: int) -> dict | None:
     """Where the time of a graph replay goes, from the same CUPTI trace as summarize_graph_events: for the replay
     whose span (first kernel start to last kernel end) is the median, each kernel's start offset and duration (µs),
@@ -360,9 +391,11 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
         fn = {"layer": lambda: impl.layer(io), "attn": lambda: impl.attn(io), "moe": lambda: impl.moe(io)}[part]
         g = capture(fn)
         times = time_replays(g, io.reset, replays)
-        ev = _profile(lambda: [g.replay() for _ in range(3)])
+        ev, timeline_l2 = profile_replays(g, io.reset, 3)
         gsum = summarize_graph_events(ev, 3)
         timeline = replay_timeline(ev, 3)
+        if timeline is not None:
+            timeline["l2"] = timeline_l2
         io.reset()
         trace_path = None
         if perfetto_dir and batch == 1 and part == "layer":

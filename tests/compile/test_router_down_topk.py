@@ -1,4 +1,6 @@
 """CPU compile tests for k3fast.router_down_topk: every compile key for the K3 shapes, plus host-side input checks."""
+import re
+
 import pytest
 import torch
 
@@ -145,25 +147,48 @@ def test_topk_from_logits_compiles(shape):
     assert rdt.get_topk_kernel(sh["n_experts"], sh["latent"], sh["top_k"]) is not None
 
 
+_PTX: dict = {}
+
+
+def _topk_ptx(mb, rolled):
+    """PTX of the front (mb >= 1) or of TopkFromLogits (mb 0, shared gate/up folded in), compiled once per test run."""
+    if (mb, rolled) not in _PTX:
+        from k3fast._dsl import TVM_FFI
+        from k3fast.ptxcheck import compiled_ptx
+        old = rdt.TVM_FFI
+        rdt.TVM_FFI = TVM_FFI + " --keep-ptx"
+        try:
+            _PTX[mb, rolled] = compiled_ptx(lambda: rdt._build(mb, 896, 3584, 7168, 16, rdt.fma_unroll(max(mb, 1)), 0,
+                                                               shared=384 * (mb == 0), rolled=rolled))
+        finally:
+            rdt.TVM_FFI = old
+    return _PTX[mb, rolled]
+
+
 @pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
 @pytest.mark.parametrize("mb", [0, 1, 8, 64])
 def test_rolled_topk_compiles_smaller(mb):
     """v2.4: the rolled top-k compiles for the fused kernel's FMA and mma buckets and for TopkFromLogits (mb 0),
-    and its PTX is much shorter than the unrolled one's (the point of the change: less code fetched cold)."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
-    import k3fast.router_down_topk as m
-    old = m.TVM_FFI
-    m.TVM_FFI = TVM_FFI + " --keep-ptx"
-    try:
-        n = {}
-        for rolled in (False, True):
-            ptx = compiled_ptx(lambda: m._build(mb, 896, 3584, 7168, 16, m.fma_unroll(max(mb, 1)), 0, shared=384 * (mb == 0),
-                                                rolled=rolled))
-            n[rolled] = sum(1 for line in ptx.splitlines() if line.strip().endswith(";"))
-    finally:
-        m.TVM_FFI = old
+    and its PTX is much shorter than the unrolled one's."""
+    n = {rolled: sum(1 for line in _topk_ptx(mb, rolled).splitlines() if line.strip().endswith(";"))
+         for rolled in (False, True)}
     assert n[True] < 0.6 * n[False], n
+
+
+@pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("mb", [0, 1, 8, 64])
+@pytest.mark.parametrize("rolled", [False, True])
+def test_topk_loads_issue_before_the_first_sigmoid(mb, rolled):
+    """v2.5: the top-k reads its 28 logits (ld.global.cg: written by other CTAs or by the GEMM) and 28 biases before
+    the first sigmoid's ex2. Interleaved, every load sat behind the previous division's slow-path branch and
+    ptxas issued them one L2 round trip at a time (~14 us of TopkFromLogits with the L2 warm)."""
+    lines = [ln.strip() for ln in _topk_ptx(mb, rolled).splitlines()]
+    first_ex2 = next(i for i, ln in enumerate(lines) if ln.startswith("ex2."))
+    logits = [i for i, ln in enumerate(lines) if ln.startswith("ld.global.cg.")]
+    assert len(logits) == 896 // 32, len(logits)
+    assert max(logits) < first_ex2, (max(logits), first_ex2)
+    plain = [i for i, ln in enumerate(lines[:first_ex2]) if re.match(r"ld\.global\.(b32|f32)\b", ln)]
+    assert len(plain) >= 896 // 32, f"only {len(plain)} bias loads before the first ex2"
 
 
 def test_prepare_front_weight():

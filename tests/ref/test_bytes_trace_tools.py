@@ -196,3 +196,25 @@ def test_replay_timeline_splits_busy_and_idle():
     assert t["span_us"] == 38.0 and t["busy_us"] == 32.0 and t["idle_us"] == 6.0
     assert [k[0] for k in t["kernels"]] == ["router", "experts", "tail"] and t["kernels"][2][1] == 34.0
     assert replay_timeline(ev[:-2], 3) is None      # 8 kernels do not split into 3 replays
+
+
+def test_graph_events_keep_only_the_replays_kernels():
+    """profile_replays flushes the L2 and resets the inputs between replays: those eager kernels and copies must not
+    count as the graph's (kernel count, timeline), and a replay's kernels share its cudaGraphLaunch's correlation."""
+    from k3fast.trace import graph_events, replay_timeline, summarize_graph_events
+    ev = []
+    for r, base in enumerate((0.0, 1000.0, 2000.0)):
+        c = 10 * r
+        ev += [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": base - 50, "args": {"correlation": c + 1}},
+               {"cat": "kernel", "name": "flush", "ts": base - 40, "dur": 30.0, "args": {"correlation": c + 1}},
+               {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": base - 9, "args": {"correlation": c + 2}},
+               {"cat": "gpu_memcpy", "name": "reset", "ts": base - 8, "dur": 1.0, "args": {"correlation": c + 2}},
+               {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": base - 3, "args": {"correlation": c + 3}},
+               {"cat": "kernel", "name": "gemv", "ts": base, "dur": 10.0, "args": {"correlation": c + 3}},
+               {"cat": "kernel", "name": "tail", "ts": base + 12.0, "dur": 4.0, "args": {"correlation": c + 3}}]
+    g = graph_events(ev)
+    assert [e["name"] for e in g] == ["gemv", "tail"] * 3
+    s = summarize_graph_events(g, 3)
+    assert s["kernels"] == 2 and s["copies"] == 0 and s["kernel_us_sum"] == 14.0
+    assert replay_timeline(g, 3)["span_us"] == 16.0
+    assert graph_events([e for e in ev if e["name"] != "cudaGraphLaunch"]) == []
