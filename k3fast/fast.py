@@ -66,7 +66,7 @@ class FastImpl:
                  tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto",
                  gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
-                 shared_late: bool = False, gemv_groups: int | None = None):
+                 shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -126,6 +126,9 @@ class FastImpl:
         # during the experts.
         self.shared_late = shared_late
         self.gemv_groups = gemv_groups       # None: rms_gemv.FUSED_GROUPS (2 = the fused in_proj's v3, opt-in)
+        # None: moe_tail.L2_PREFETCH. True: the shared gate/up and the tail bulk-prefetch their weight rows into L2
+        # before their PDL wait (moe_tail v2, "fast-tailpf")
+        self.tail_l2_prefetch = tail_l2_prefetch
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
@@ -141,6 +144,7 @@ class FastImpl:
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
+                        + ("" if tail_l2_prefetch is None else f", tail L2 prefetch {'on' if tail_l2_prefetch else 'off'}")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
 
@@ -202,7 +206,7 @@ class FastImpl:
             # allocation is made on, or freed across, the side stream
             h = self._buf("h", (x.shape[0], self.shared_gu.shape[0] // 2), x)
             with torch.cuda.stream(side), stage("k3.moe.shared"):
-                shared_expert_gate_up(x, self.shared_gu, out=h)
+                shared_expert_gate_up(x, self.shared_gu, out=h, l2_prefetch=self.tail_l2_prefetch)
         with stage("k3.router"):
             kw = dict(n_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor,
                       rolled=self.router_rolled)
@@ -216,7 +220,7 @@ class FastImpl:
         late = self.shared_late and side is None and h is None
         if side is None and h is None and not late:
             with stage("k3.moe.shared"):
-                h = shared_expert_gate_up(x, self.shared_gu)
+                h = shared_expert_gate_up(x, self.shared_gu, l2_prefetch=self.tail_l2_prefetch)
         with stage("k3.moe.experts"):
             r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
                                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x),
@@ -224,12 +228,13 @@ class FastImpl:
                                   warps=self.experts_warps)
         if late:
             with stage("k3.moe.shared"):
-                h = shared_expert_gate_up(x, self.shared_gu, early_trigger=True)
+                h = shared_expert_gate_up(x, self.shared_gu, early_trigger=True, l2_prefetch=self.tail_l2_prefetch)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         if x.shape[0] <= self.tail_dsl_max_m:
             with stage("k3.moe.up"):
-                moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out)
+                moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out,
+                         l2_prefetch=self.tail_l2_prefetch)
         else:
             # cuBLAS tail (TAIL_DSL_MAX_M says why); the same roundings as k3ref: bf16 r_hat, bf16 routed and
             # shared, their sum rounded once

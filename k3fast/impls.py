@@ -445,6 +445,8 @@ FAST_VARIANTS = {
     "fast-front0r": {"router_rolled": True, "front_dsl_max_m": 0},
     "fast-shapart": {"shared_in_front": False},  # the shared gate/up kernel apart from the cuBLAS front
     "fast-shlate": {"shared_late": True},       # the shared gate/up after the experts at M <= 4 (opt-in)
+    "fast-tailpf": {"tail_l2_prefetch": True},  # moe_tail v2: gate/up and tail bulk-prefetch weights to L2 (opt-in)
+    "fast-shlatepf": {"shared_late": True, "tail_l2_prefetch": True},
     # Until 11595c4 "fast" overlapped the shared experts on a side stream and "fast-serial" did not; since then
     # "fast" is serial.
     "fast-overlap": {"overlap_shared": True},

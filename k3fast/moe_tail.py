@@ -21,6 +21,17 @@ v1  mma.sync m16n8k16 "swap-AB" GEMV for every batch M = 1..64: weight rows are 
     Expected (see "Performance" below): tail M<=8 ~1.1-1.2x floor, M=16 ~1.3x,
     M=64 ~2-2.5x (issue-bound on the per-warp B-operand prep, see below); gate_up at k3_rank(16) ~1.3-1.6x
     floor standalone (only 48 CTAs: it is meant to run beside the routed experts, see "Schedule").
+v2  (2026-11-29, session 6; opt-in: L2_PREFETCH / l2_prefetch=True / impl "fast-tailpf") Before its PDL wait each
+    CTA issues one cp.async.bulk.prefetch.L2 per weight row of its tile (W_up and W_sd rows in the tail, the packed
+    gate/up rows in gate_up). Why: in the rank16 b1 timeline (records-31884ea-s6perf.json) the tail starts beside
+    the routed experts at 39.3 us but ends 16.1 us after them (60.3 -> 76.4): before the wait it has only one
+    register stage (2 chunks per warp) in flight, so its 57 MB stream from HBM after the experts end, while during
+    the experts (~23 MB in ~22 us) the HBM is mostly idle. The ~270 tail CTAs that fit beside the 64 expert SMs can
+    pull ~60 % of W_up (~34 MB; the L2 holds 60 MB) into L2 during the experts. Arithmetic unchanged: outputs are
+    bit-identical (GPU test test_l2_prefetch_is_bit_identical). Prediction: the tail's time after the experts at
+    b1 16 -> ~9-10 us, MoE half b1 -5 to -7 us; b8 (same tiles, one n-tile) -3 to -6 us; b64 unchanged (cuBLAS
+    tail above TAIL_DSL_MAX_M). Risk: the prefetch competes with the experts' own loads (they would slow down) and
+    can evict their lines; the layer A/B fast-tailpf shows the net.
 
 What it replaces (k3-spec.md section 11, section 9 for SiTU, section 13 for the per-rank shapes)
 ---------------------------------------------------------------------------------------------
@@ -97,6 +108,9 @@ LATENT = 3584          # dL = routed_expert_hidden_size
 CHUNK = 32             # k per chunk: 4 lanes x 8 bf16
 MAX_M = 64
 SHARED_INTERMEDIATE = {"k3_rank16": 384, "k3_rank8": 768, "k3": 6144}
+# v2 (opt-in until measured; FastImpl tail_l2_prefetch / impl "fast-tailpf"): each CTA bulk-prefetches its weight
+# rows into L2 before griddepcontrol_wait (SwapAbGemv's l2_prefetch says why). Part of the compile key.
+L2_PREFETCH = False
 
 
 # ----------------------------------------------------------------------------------------------- configuration
@@ -142,12 +156,20 @@ def _kernel_class():
             write_only_types=[Float32, Float32, Float32, Float32],
             read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
 
+    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch as bulk_prefetch_l2
+
     class SwapAbGemv:
         """mode "tail": out = bf16(bf16(rstd * (w_norm*r) W1^T) + bf16(h W2^T)); mode "gate_up": h = SiTU(x Wp^T)."""
 
         def __init__(self, mode: str, nt: int, wr: int, wk: int, u: int, n_rows: int, k1: int, k2: int,
-                     early_trigger: bool = False):
+                     early_trigger: bool = False, l2_prefetch: bool = False):
             assert mode in ("tail", "gate_up")
+            # l2_prefetch (v2, opt-in): before griddepcontrol_wait every CTA asks the TMA unit to pull its whole
+            # weight slice (its 16 * wr rows of W1, and of W2 in the tail) into L2 with one cp.async.bulk.prefetch
+            # per row. A CTA that is resident while its predecessor runs (the tail beside the routed experts) then
+            # streams from L2 after the wait, and the HBM reads overlap the predecessor, which at b1 leaves the
+            # HBM mostly idle (the experts read ~23 MB in ~22 us). No registers: the prefetch has no destination.
+            self.l2_prefetch = l2_prefetch
             # early_trigger: launch the dependents (the tail) as soon as every CTA has its first weights in flight,
             # not after the main loop. For the shared gate/up launched after the routed experts (FastImpl
             # shared_late): the tail then prefetches its weights during the experts, as it does when the experts
@@ -280,6 +302,16 @@ def _kernel_class():
 
             # weights do not depend on the previous kernel: first stage in flight before the PDL wait
             self.load_w(gW1, rW, 0, Int32(0), wk, row_g, t, self.nch[0])
+            if const_expr(self.l2_prefetch):
+                if wk == 0:
+                    # lanes 0-15: the tile's 16 rows of W1; lanes 16-31 (tail): the same rows of W2. Rows are
+                    # contiguous, 16-byte aligned and k * 2 bytes long (a multiple of 16: CHUNK divides k).
+                    r = tile * 16 + lane % 16
+                    if lane < 16:
+                        bulk_prefetch_l2(gW1[0, None, r, 0].iterator, self.k1 * 2)
+                    if const_expr(self.mode == "tail"):
+                        if lane >= 16:
+                            bulk_prefetch_l2(cute.flat_divide(mW2, (1, 8))[0, None, r, 0].iterator, self.k2 * 2)
             if const_expr(self.early_trigger):
                 cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
@@ -345,11 +377,11 @@ def _sym_m():
     return cute.sym_int()
 
 
-def _build_tail(nt: int, inter: int):
+def _build_tail(nt: int, inter: int, l2_prefetch: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32
     wr, wk, u = _tail_cfg(nt)
-    obj = _kernel_class()("tail", nt, wr, wk, u, HIDDEN, LATENT, inter)
+    obj = _kernel_class()("tail", nt, wr, wk, u, HIDDEN, LATENT, inter, l2_prefetch=l2_prefetch)
     m = _sym_m()
     fakes = (fake_tensor(BFloat16, (m, LATENT)), fake_tensor(BFloat16, (HIDDEN, LATENT)),
              fake_tensor(BFloat16, (LATENT,)), fake_tensor(BFloat16, (m, inter)),
@@ -357,11 +389,12 @@ def _build_tail(nt: int, inter: int):
     return cute.compile(obj, *fakes, Float32(1e-5), fake_stream(), options=TVM_FFI)
 
 
-def _build_gate_up(nt: int, inter: int, early_trigger: bool = False):
+def _build_gate_up(nt: int, inter: int, early_trigger: bool = False, l2_prefetch: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32
     wr, wk, u = _gate_up_cfg(nt, inter)
-    obj = _kernel_class()("gate_up", nt, wr, wk, u, 2 * inter, HIDDEN, 0, early_trigger=early_trigger)
+    obj = _kernel_class()("gate_up", nt, wr, wk, u, 2 * inter, HIDDEN, 0, early_trigger=early_trigger,
+                          l2_prefetch=l2_prefetch)
     m = _sym_m()
     fakes = (fake_tensor(BFloat16, (m, HIDDEN)), fake_tensor(BFloat16, (2 * inter, HIDDEN)),
              None, None, None, fake_tensor(BFloat16, (m, inter)))
@@ -375,13 +408,15 @@ def compile_keys(inter: int, batches: Iterable[int]) -> list[tuple]:
     return [(op, nt, inter) for op in ("moe_tail", "shared_gate_up") for nt in nts]
 
 
-def _get(key: tuple):
+def _get(key: tuple, l2_prefetch: bool | None = None):
     op, nt, inter = key
+    pf = L2_PREFETCH if l2_prefetch is None else bool(l2_prefetch)
     if op == "moe_tail":
-        build = lambda: _build_tail(nt, inter)                                  # noqa: E731
+        build = lambda: _build_tail(nt, inter, l2_prefetch=pf)                   # noqa: E731
     else:
-        build = lambda: _build_gate_up(nt, inter, early_trigger=(op == "shared_gate_up_early"))  # noqa: E731
-    return compile_cached(("k3fast.moe_tail",) + key, build)
+        build = lambda: _build_gate_up(nt, inter, early_trigger=(op == "shared_gate_up_early"),  # noqa: E731
+                                       l2_prefetch=pf)
+    return compile_cached(("k3fast.moe_tail",) + key + (("l2_prefetch",) if pf else ()), build)
 
 
 def warmup(inter: int, batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64)) -> list[tuple]:
@@ -417,11 +452,11 @@ def _check_m(name: str, t) -> int:
     return m
 
 
-def shared_expert_gate_up(x, packed, *, out=None, early_trigger=False):
+def shared_expert_gate_up(x, packed, *, out=None, early_trigger=False, l2_prefetch=None):
     """h [M, Is] = SiTU-GLU(x W_sg^T, x W_su^T), with ``packed`` from prepare_shared_gate_up. x [M, 7168] bf16.
 
     early_trigger: the PDL dependents launch when this kernel starts, not after its main loop (for a launch
-    after the routed experts, see SwapAbGemv; opt-in)."""
+    after the routed experts, see SwapAbGemv; opt-in). l2_prefetch: see L2_PREFETCH (None: that default)."""
     import torch
     check_tensor("x", x, dtype=torch.bfloat16, shape=(None, HIDDEN))
     m = _check_m("x", x)
@@ -436,13 +471,13 @@ def shared_expert_gate_up(x, packed, *, out=None, early_trigger=False):
         check_tensor("out", out, dtype=torch.bfloat16, shape=(m, inter), device=x.device)
     if not x.is_cuda:
         raise ValueError("shared_expert_gate_up: expected CUDA tensors")
-    fn = _get(("shared_gate_up_early" if early_trigger else "shared_gate_up", n_tiles(m), inter))
+    fn = _get(("shared_gate_up_early" if early_trigger else "shared_gate_up", n_tiles(m), inter), l2_prefetch)
     fn(x, packed, None, None, None, out, 0.0)
     return out
 
 
-def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None):
-    """f [M, 7168] = bf16(bf16(RMSNorm_{w_norm}(r) W_up^T) + bf16(h W_sd^T)).
+def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None, l2_prefetch=None):
+    """f [M, 7168] = bf16(bf16(RMSNorm_{w_norm}(r) W_up^T) + bf16(h W_sd^T)). l2_prefetch: see L2_PREFETCH.
 
     r [M, 3584] bf16 (combined routed-expert output), w_norm [3584] bf16, w_up [7168, 3584] bf16,
     h [M, Is] bf16 (SiTU output of the shared experts), w_sd [7168, Is] bf16."""
@@ -464,6 +499,6 @@ def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None):
         check_tensor("out", out, dtype=torch.bfloat16, shape=(m, HIDDEN), device=dev)
     if not r.is_cuda:
         raise ValueError("moe_tail: expected CUDA tensors")
-    fn = _get(("moe_tail", n_tiles(m), inter))
+    fn = _get(("moe_tail", n_tiles(m), inter), l2_prefetch)
     fn(r, w_up, w_norm, h, w_sd, out, float(eps))
     return out
