@@ -65,6 +65,11 @@ def _cases(cfg, batch: int):
                                                                       w.input_layernorm, w_in, partial_out=p_out,
                                                                       fused_groups=2),
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+    if M <= 2:      # rms_gemv v4 (opt-in): the fused kernel's weight prefetch as bulk L2 requests
+        cases.append(("attnres_rms_gemv@pf", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
+                                                                      w.input_layernorm, w_in, partial_out=p_out,
+                                                                      l2_bulk=True),
+                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 2:
         def unfused():
             xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
@@ -196,6 +201,12 @@ def _cases(cfg, batch: int):
         return F.linear(rn, m.up) + F.linear(h, m.shared_down)
     cases.append(("moe_tail", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo), stock_tail,
                   (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
+    # moe_tail v2 (opt-in): bulk L2 prefetch of each CTA's weight rows before the PDL wait. Alone in a graph there
+    # is no predecessor to hide it behind, so these rows show only the cost or gain of the request pattern itself
+    cases.append(("shared_expert_gate_up@pf", lambda: shared_expert_gate_up(x, gu, l2_prefetch=True),
+                  lambda: F.linear(x, gu_stock), gu.numel() * 2 + M * d * 2))
+    cases.append(("moe_tail@pf", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo, l2_prefetch=True),
+                  stock_tail, (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
     return cases, io
 
 

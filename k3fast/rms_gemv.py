@@ -52,6 +52,20 @@ Version log
       Prediction: in_proj at b1 17.2 -> ~13-14 us in the layer, so the attention half 39.6 -> ~36 us (1.8x stock
       is 35.8 us). If it does not move, the round trips are not the cost, and the 46 MB read itself is: cuBLAS
       takes 19.2 us in the same bench, where the copy-bandwidth floor is 11.2 us. Bench row attnres_rms_gemv@G2.
+      Measured (kernels-31884ea.json, records-31884ea-s6perf.json): no gain. Bench b1 24.2 us against v2's 23.7;
+      attention half b1 39.4 against 39.8 us. The round trips are not the cost. Stays opt-in.
+  v4 (2026-11-29, session 6; CPU-compiled only, opt-in: l2_bulk=True / FUSED_BULK_L2 / impl "fast-gemvpf") The
+      fused kernel's weight prefetch becomes bulk L2 requests: before the PDL wait, warp 0 of each CTA issues one
+      cp.async.bulk.prefetch.L2 per weight row of its first `win` row groups (win = BULK_L2_BYTES = 36 MB over one
+      round of the grid's groups: 5 of the 7 at rank16), and each loop iteration requests the group `win` ahead.
+      v2 prefetched only the next group, with one prefetch.global.L2 per 128-byte line. Why: v3 showed that
+      round trips are not the cost, and the kernel streams at ~2 TB/s (bench b1 23.7 us for 46 MB). The weights
+      need not wait for the AttnRes prologue (n_blocks + 1 source rows from L2, three CTA reductions) nor for the
+      register loads, which cap what each SM keeps in flight. The TMA unit can keep the HBM busy on its own.
+      Arithmetic unchanged: bit-identical to v2 (GPU test test_fused_bulk_l2_bitwise). Prediction: bench b1 23.7 ->
+      ~14-16 us; in_proj in the layer (flushed timeline) ~ -6 us, so the attention half b1 39.8 -> ~33-35 us
+      (1.8x stock is 35.6). At rank8 (90 MB > L2) the window keeps ~36 MB ahead of use; expect a smaller gain.
+      Risk: the prologue's own L2 reads queue behind the bulk stream.
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -107,7 +121,9 @@ MMA_WARPS = 8
 NORM_WARPS = 16
 FUSED_WARPS = 16
 FUSE_MAX_M = 2
-FUSED_GROUPS = 1    # v3 (opt-in until measured): 2 row groups per iteration of the fused kernel's loop
+FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
+FUSED_BULK_L2 = False   # v4 (opt-in until measured): the fused kernel's weight prefetch as bulk L2 requests
+BULK_L2_BYTES = 36 << 20   # v4: weight bytes the grid asks for ahead of use (the L2 holds 60 MB)
 
 
 def _vectors_per_lane(K: int, ks: int) -> int:
@@ -186,6 +202,7 @@ def k3_gemv_shapes(cfg) -> dict[str, tuple[int, int]]:
 def _build_kernels():
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, const_expr
+    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch as bulk_prefetch_l2
 
     ADD = cute.ReductionOp.ADD
 
@@ -312,8 +329,15 @@ def _build_kernels():
         """y[m, n] = sum_k x[m, k] w[n, k]; warps = rpc rows x ks k-slices; persistent over row groups
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
-        def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1):
+        def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
+                     bulk=False):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
+            # v4 (opt-in, fused G = 1 only): bulk L2 prefetch. Before the PDL wait, warp 0 asks the TMA unit for the
+            # CTA's next `win` row groups, one cp.async.bulk.prefetch per weight row (no registers, no per-line
+            # instructions); each loop iteration then asks for the group `win` ahead. win = BULK_L2_BYTES over the
+            # bytes of one round of groups of the whole grid, so at most ~BULK_L2_BYTES are requested ahead of use.
+            self.bulk = bulk
+            assert not (bulk and (G != 1 or not fused))
             # v3 (opt-in, fused only): G row groups per loop iteration, all their weight loads issued together (G x U
             # vectors per lane in flight, one round trip per G groups instead of one per group). v2 at rank16 b1
             # runs 7 groups per CTA, each a single batch of 7 loads followed by its reduction: 7 serial round trips.
@@ -364,7 +388,16 @@ def _build_kernels():
             sRed = smem.allocate_tensor(Float32, cute.make_layout((2, self.nwarps, self.MB),
                                                                   stride=(self.nwarps * self.MB, self.MB, 1)), 16)
             # weights do not depend on the producer: start their HBM stream before the PDL wait
-            if bid < n_groups:
+            win = Int32(1)
+            if const_expr(self.bulk):
+                win = cutlass.max(Int32(1), Int32(BULK_L2_BYTES) // (nblk * self.rpc * K * 2))
+                if warp == 0:
+                    for idx in cutlass.range(lane, win * self.rpc, 32):
+                        gi = idx // self.rpc
+                        grp0 = bid + gi * nblk
+                        if grp0 < n_groups:
+                            bulk_prefetch_l2(gW[0, None, grp0 * self.rpc + idx - gi * self.rpc, 0].iterator, K * 2)
+            elif bid < n_groups:
                 _prefetch_rows(gW, bid * self.rpc + r, 1, kv0, kv1, lane)
             if const_expr(self.fused):
                 sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, self.K), stride=(self.K, 1)), 16)
@@ -410,7 +443,13 @@ def _build_kernels():
             else:
                 for grp in cutlass.range(bid, n_groups, nblk):
                     row = grp * self.rpc + r
-                    if const_expr(self.fused):
+                    if const_expr(self.bulk):
+                        nxt = grp + win * nblk
+                        if warp == 0:
+                            if lane < self.rpc:
+                                if nxt < n_groups:
+                                    bulk_prefetch_l2(gW[0, None, nxt * self.rpc + lane, 0].iterator, K * 2)
+                    elif const_expr(self.fused):
                         nxt = grp + nblk
                         if nxt < n_groups:
                             _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
@@ -694,29 +733,30 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
     return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps), build)
 
 
-def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1):
+def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, bulk=False):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
     blocks, p, d, po, u, wl = _attn_fakes(cute, BF, MB, K, has_delta, wln)
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
-    obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G)
+    obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G, bulk=bulk)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
-def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1):
-    key = ("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
-    return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G))
+def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, bulk=False):
+    key = (("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
+           + (("bulk",) if bulk else ()))
+    return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G, bulk=bulk))
 
 
-def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1) -> str:
+def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, bulk: bool = False) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
-                                             options=TVM_FFI + " --keep-ptx", G=G))
+                                             options=TVM_FFI + " --keep-ptx", G=G, bulk=bulk))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -816,10 +856,12 @@ def _check_groups(G) -> int:
 
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
-                     partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None):
+                     partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
+                     l2_bulk=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
+    l2_bulk: the fused kernel's weight prefetch as bulk L2 requests (None = FUSED_BULK_L2; v4, opt-in; G = 1 only).
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
@@ -846,7 +888,10 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         G = _check_groups(FUSED_GROUPS if fused_groups is None else fused_groups)
         if G == 2 and _vectors_per_lane(K, ks) > 8:
             G = 1                           # a slice of more than 8 vectors per lane: no one-batch groups to pair
-        fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G)
+        bulk = FUSED_BULK_L2 if l2_bulk is None else bool(l2_bulk)
+        if bulk and G != 1:
+            raise ValueError("l2_bulk needs fused_groups = 1 (v4 and v3 are separate opt-ins)")
+        fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G, bulk)
         fn(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,

@@ -10,7 +10,8 @@ from tolerances import assert_close
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl", "fast-gemv0", "fast-gemv8", "fast-gemvg2"])
+@pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl", "fast-gemv0", "fast-gemv8", "fast-gemvg2",
+                                  "fast-gemvpf"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -21,8 +22,8 @@ def test_fast_attention_half(tp, batch, impl):
         pytest.skip("M <= GEMV_DSL_MAX_M: fast runs the same kernels")
     if impl == "fast-gemv0" and batch > GEMV_DSL_MAX_M:
         pytest.skip("M > GEMV_DSL_MAX_M: fast runs the same kernels")
-    if impl == "fast-gemvg2" and batch > 2:
-        pytest.skip("fast-gemvg2 differs from fast only where the fused in_proj runs (M <= 2)")
+    if impl in ("fast-gemvg2", "fast-gemvpf") and batch > 2:
+        pytest.skip(f"{impl} differs from fast only where the fused in_proj runs (M <= 2)")
     if impl == "fast-gemv8" and not GEMV_DSL_MAX_M < batch <= 8:
         pytest.skip("fast-gemv8 differs from fast only for GEMV_DSL_MAX_M < M <= 8")
     cfg = k3_rank(tp)
@@ -90,7 +91,7 @@ def test_fast_layer_full_width_b1(shape):
 @pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl",
                                   "fast-w8", "fast-front0", "fast-front16", "fast-shapart", "fast-overlap",
                                   "fast-rolled", "fast-front0r", "fast-shlate", "fast-v6", "fast-tailpf",
-                                  "fast-shlatepf"])
+                                  "fast-shlatepf", "fast-pf"])
 @pytest.mark.parametrize("batch", [1, 8, 17, 64])
 def test_fast_moe_half_same_input(batch, impl):
     cfg = k3_rank(16)

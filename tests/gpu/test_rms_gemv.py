@@ -137,6 +137,20 @@ def test_fused_two_groups_bitwise(R, seed, M, N):
     assert torch.equal(y1, y2) and torch.equal(p1, p2)
 
 
+@pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
+@pytest.mark.parametrize("M", [1, 2])
+def test_fused_bulk_l2_bitwise(R, seed, M, N):
+    """v4 (l2_bulk=True) changes only where the weights are prefetched from: outputs bit-identical to v2, including
+    the full-width in_proj whose 708 MB is far more than the bulk window (BULK_L2_BYTES)."""
+    blocks, p, delta, u, w_ln = make_inputs(M, 5, True)
+    w = make_w(N)
+    y1, p1 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, l2_bulk=False)
+    y2 = torch.full_like(y1, float("nan"))
+    _, p2 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, l2_bulk=True, out=y2)
+    torch.cuda.synchronize()
+    assert torch.equal(y1, y2) and torch.equal(p1, p2)
+
+
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 def test_attnres_rmsnorm(R, seed, M, w_dtype):
