@@ -132,6 +132,9 @@ def _cases(cfg, batch: int):
     # router v2.4 (opt-in): the top-k selection rounds as a loop (57 -> 25 KB of SASS), in both fronts
     cases.append(("router_down_topk@rolled", lambda: router_down_topk(x, front, bias, rolled=True), stock_front,
                   front.numel() * 2 + M * d * 2))
+    if M <= 4:      # router v2.6 (opt-in): the FMA path's bulk L2 prefetch of each weight row
+        cases.append(("router_down_topk@pf", lambda: router_down_topk(x, front, bias, l2_bulk=True), stock_front,
+                      front.numel() * 2 + M * d * 2))
     cases.append(("router_down_topk_cublas+shared@rolled",
                   lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0], rolled=True),
                   lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))

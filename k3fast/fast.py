@@ -67,7 +67,7 @@ class FastImpl:
                  gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
                  shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | None = None,
-                 gemv_l2_bulk: bool | None = None):
+                 gemv_l2_bulk: bool | None = None, front_l2_bulk: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -130,7 +130,8 @@ class FastImpl:
         # None: moe_tail.L2_PREFETCH. True: the shared gate/up and the tail bulk-prefetch their weight rows into L2
         # before their PDL wait (moe_tail v2, "fast-tailpf")
         self.tail_l2_prefetch = tail_l2_prefetch
-        self.gemv_l2_bulk = gemv_l2_bulk     # None: rms_gemv.FUSED_BULK_L2 (True: the fused in_proj's v4, "fast-gemvpf")
+        self.gemv_l2_bulk = gemv_l2_bulk
+        self.front_l2_bulk = front_l2_bulk   # None: router_down_topk.FMA_BULK_L2 (True: v2.6, "fast-frontpf")     # None: rms_gemv.FUSED_BULK_L2 (True: the fused in_proj's v4, "fast-gemvpf")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
@@ -146,6 +147,7 @@ class FastImpl:
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
+                        + ("" if front_l2_bulk is None else f", router front bulk L2 {'on' if front_l2_bulk else 'off'}")
                         + ("" if gemv_l2_bulk is None else f", fused in_proj bulk L2 {'on' if gemv_l2_bulk else 'off'}")
                         + ("" if tail_l2_prefetch is None else f", tail L2 prefetch {'on' if tail_l2_prefetch else 'off'}")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
@@ -214,7 +216,7 @@ class FastImpl:
             kw = dict(n_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor,
                       rolled=self.router_rolled)
             if x.shape[0] <= self.front_dsl_max_m:
-                z, ids, ws = router_down_topk(x, self.front, self.e_bias, **kw)
+                z, ids, ws = router_down_topk(x, self.front, self.e_bias, l2_bulk=self.front_l2_bulk, **kw)
             elif self.front_sh is not None and side is None:       # the shared gate/up in the same GEMM (k3.router covers both)
                 z, ids, ws, h = router_down_topk_cublas(x, self.front_sh, self.e_bias,
                                                         shared=self.shared_gu.shape[0] // 2, **kw)

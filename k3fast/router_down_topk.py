@@ -89,6 +89,14 @@ Version log
       layer 15.7-17.5 -> ~4-5 us; the fused front's top-k stage (same code, last arriver) drops by about the same
       ~10 us, so router_down_topk b1 33.6 -> ~22-24 us (bench) and the MoE half b1 80.5 -> ~69-71 us, b64 (cuBLAS
       front + TopkFromLogits) 398.9 -> ~388 us.
+  v2.6 (2026-11-29, session 6; CPU-compiled only, opt-in: FMA_BULK_L2 / l2_bulk=True / impl "fast-frontpf") On
+      the FMA path (M <= 4), lane 0 of each warp requests its whole weight row (14 KB) into L2 with one
+      cp.async.bulk.prefetch before the PDL wait. The register loads keep PRE + U vectors per lane in flight, and
+      the kernel streams at ~1.9 TB/s (bench b1 33.6 us for 64 MB). The bulk request keeps the HBM busy
+      independently of the registers, at least for the ~1 wave of CTAs that is resident. Bit-identical outputs
+      (GPU test test_bulk_l2_matches_default_bitwise). Prediction: the GEMV part of the b1 front (v2.5 bench minus
+      its ~4 us top-k) 30 -> ~20-22 us, i.e. the bench row router_down_topk@pf ~6-9 us below router_down_topk.
+      Also measured by fast-frontpf and fast-pf, the layer A/B.
       Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
       identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
@@ -148,6 +156,8 @@ FMA_MIN_BLOCKS: dict = {}
 # v2.4 (opt-in; measured no faster, see the version log): the top-k's 16 selection rounds as a loop, not unrolled
 # code; the compile key carries it. k3fast.fast's router_rolled / impl "fast-rolled" flip it.
 TOPK_ROLLED = False
+# v2.6 (opt-in until measured; FastImpl front_l2_bulk / impl "fast-frontpf"): the FMA path's bulk L2 row prefetch
+FMA_BULK_L2 = False
 FMA_MIN_BLOCKS_TRIED = {1: 9, 2: 7}
 
 
@@ -216,10 +226,11 @@ def _occupancy_hint(min_blocks: int) -> dict:
 
 
 def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll: int, min_blocks: int = 0,
-           shared: int = 0, rolled: bool = False):
+           shared: int = 0, rolled: bool = False, bulk: bool = False):
     """Trace and compile one M bucket (called through compile_cached)."""
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch as bulk_prefetch_l2
 
     NE, NL, K, TOPK = n_experts, latent, hidden, top_k
     N = NE + NL
@@ -232,6 +243,8 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
     MINB = min_blocks
     IS = shared                      # shared experts' intermediate width folded into TopkFromLogits' GEMM (mb = 0)
     ROLLED = rolled                  # v2.4 opt-in: the top-k selection rounds as a loop (see topk)
+    BULK = bulk                      # v2.6 opt-in (FMA path): bulk L2 prefetch of each warp's weight row
+    assert not (BULK and (mb == 0 or mb in MMA_CONFIG))
     assert (ITERS - PRE) % U == 0, f"unroll {U} must divide the {ITERS - PRE} vectors per lane after the prologue"
     assert T <= R
     if mb in MMA_CONFIG:
@@ -323,6 +336,11 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
             # Weights do not depend on the previous kernel: start streaming them before the PDL wait.
             for i in cutlass.range_constexpr(PRE):
                 cute.copy(w_atom, gW[0, None, n, lane + 32 * i], rW[i, None])
+            if const_expr(BULK):
+                # v2.6: the whole row (K * 2 bytes) as one bulk L2 request, so the HBM stream does not wait for
+                # the register loads' round trips; the loop's loads then hit L2 (or join the request in flight)
+                if lane == 0:
+                    bulk_prefetch_l2(gW[0, None, n, 0].iterator, K * 2)
             cute.arch.griddepcontrol_wait()
 
             for i in cutlass.range_constexpr(PRE):
@@ -611,16 +629,17 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
 
 
 def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K, unroll=None, min_blocks=None,
-               rolled=None):
+               rolled=None, bulk=None):
     _check_shapes(n_experts, latent, hidden, top_k, mb)
     rolled = TOPK_ROLLED if rolled is None else bool(rolled)
     unroll = fma_unroll(mb) if unroll is None else unroll      # _check_shapes: hidden % 1024, so 4 | rest
     min_blocks = fma_min_blocks(mb) if min_blocks is None else min_blocks
     if mb in MMA_CONFIG:
         min_blocks = 0
-    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll, min_blocks, rolled)
+    bulk = (FMA_BULK_L2 if bulk is None else bool(bulk)) and mb not in MMA_CONFIG
+    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll, min_blocks, rolled) + (("bulk",) * bulk)
     return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k, unroll, min_blocks,
-                                              rolled=rolled))
+                                              rolled=rolled, bulk=bulk))
 
 
 def get_topk_kernel(n_experts=N_EXPERTS, latent=LATENT, top_k=TOP_K, shared=0, rolled=None):
@@ -686,10 +705,11 @@ def _front_outputs(M, latent, top_k, dev, out_z, out_ids, out_w, *, z_align):
 
 def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0,
                      out_z=None, out_ids=None, out_w=None, workspace=None, fma_unroll=None, fma_min_blocks=None,
-                     rolled=None):
+                     rolled=None, l2_bulk=None):
     """z = bf16(x W_down^T), topk_ids [M, top_k] int32, topk_w [M, top_k] fp32 (k3-spec.md sections 10, 11).
 
-    rolled: the top-k selection rounds as a loop (v2.4, opt-in until measured; None = TOPK_ROLLED).
+    rolled: the top-k selection rounds as a loop (v2.4, opt-in; None = TOPK_ROLLED).
+    l2_bulk: the FMA path (M <= 4) requests each weight row into L2 at once (v2.6, opt-in; None = FMA_BULK_L2).
 
     fma_unroll: benchmarks only (k3fast.bench's @U4 row): the FMA path's vectors in flight per lane.
 
@@ -720,7 +740,7 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
     if not math.isfinite(float(scaling)):
         raise ValueError(f"scaling must be finite, got {scaling}")
     fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k, fma_unroll, fma_min_blocks,  # M > 4: tensor cores
-                    rolled)
+                    rolled, l2_bulk)
     fn(x, w_packed, e_bias, out_z, out_ids, out_w, ws, cnt, float(scaling))
     return out_z, out_ids, out_w
 
