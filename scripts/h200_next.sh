@@ -91,7 +91,17 @@ case "${1:-}" in
           attnres_rms_gemv attnres_rms_gemv@G2" K3_BENCH_TIMEOUT=120 \
           bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-rolled fast-shlate \
           fast-gemvg2 fast-v6 fast-front0 fast-front0r fast-front16 fast-gemv8 --budget-s 240 ;;
+  # session 6, second run: router v2.5 (default) and the bulk L2 prefetch opt-ins; tests, then the A/B
+  s7tests) K3_TEST_TIMEOUT=400 bash scripts/h200_tests.sh tests/gpu/test_router_down_topk.py tests/gpu/test_fast_layer.py \
+          tests/gpu/test_moe_tail.py tests/gpu/test_rms_gemv.py -k "router or pf or prefetch or bulk or graph_replay \
+          or -fast]" ;;
+  s7perf) K3_SWEEP_TIMEOUT=300 K3_BENCH="--shapes k3_rank16 --batches 1 8 64 --kernels router_down_topk \
+          router_down_topk@pf router_down_topk@rolled router_down_topk_cublas+shared topk_from_logits \
+          topk_from_logits~warm topk_from_logits@rolled attnres_rms_gemv attnres_rms_gemv@pf shared_expert_gate_up \
+          shared_expert_gate_up@pf moe_tail moe_tail@pf" K3_BENCH_TIMEOUT=150 \
+          bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-rolled fast-tailpf \
+          fast-shlatepf fast-gemvpf fast-frontpf fast-pf fast-front0 --budget-s 240 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf"; exit 2 ;;
 esac
