@@ -88,6 +88,25 @@ def test_bulk_l2_matches_default_bitwise(weights, M):
         assert torch.equal(ta, tb)
 
 
+# Biased scores closer than this may come out in either order: the kernels' fp32 logits (FMA lanes, mma.sync tiles,
+# a cuBLAS GEMM whose algorithm depends on N) and the reference's F.linear sum in different orders, ~1e-6 apart
+# at K = 7168. Exact ties, which must follow the lower-index rule, have their own test (test_exact_ties).
+NEAR_TIE = 1e-5
+
+
+def assert_same_routing(ids, idr, biased):
+    """ids equal the reference's idr, except for neighbours whose reference biased scores lie within NEAR_TIE (an
+    order flip, or the 16th / 17th expert exchanged); every such exception is checked against the scores."""
+    if torch.equal(ids, idr):
+        return
+    b = biased.gather(1, ids.long())
+    assert (b[:, 1:] <= b[:, :-1] + NEAR_TIE).all(), f"ids not in descending biased-score order:\n{ids}"
+    left_out = biased.scatter(1, ids.long(), float("-inf")).max(-1).values
+    assert (left_out <= b[:, -1] + NEAR_TIE).all(), "an expert left out scores above the selection"
+    gap = (b - biased.gather(1, idr.long())).abs()
+    assert (gap[ids != idr] <= NEAR_TIE).all(), f"ids differ beyond a near-tie:\n{ids}\n{idr}"
+
+
 def run_checked(x, wr, wd, wp, bias, scaling=1.0, front="kernel"):
     M = x.shape[0]
     if front == "cublas":          # the library path FastImpl takes above FRONT_DSL_MAX_M: the same contract
@@ -118,12 +137,13 @@ def run_checked(x, wr, wd, wp, bias, scaling=1.0, front="kernel"):
         rz, rids, rw = rdt.router_down_topk(x, wp, bias, scaling=scaling, out_z=z, out_ids=ids, out_w=w)
         assert rz is z and rids is ids and rw is w
     torch.cuda.synchronize()
-    zr, idr, wref, _ = reference(x, wr, wd, bias, scaling=scaling)
+    zr, idr, wref, logits = reference(x, wr, wd, bias, scaling=scaling)
     assert torch.isfinite(z.float()).all(), "z has unwritten (NaN) elements"
     assert torch.isfinite(w).all(), "topk_w has unwritten (NaN) elements"
     assert ((ids >= 0) & (ids < NE)).all(), "topk_ids has unwritten elements"
-    assert torch.equal(ids, idr), f"ids differ:\n{ids}\n{idr}"
-    assert rel_rmse(w, wref) <= 1e-5
+    assert_same_routing(ids, idr, torch.sigmoid(logits) + bias)
+    s = torch.sigmoid(logits).gather(1, ids.long())          # the weights of the experts this routing picked
+    assert rel_rmse(w, s / (s.sum(-1, keepdim=True) + 1e-20) * scaling) <= 1e-5
     assert (w.sum(-1) - scaling).abs().max().item() <= 1e-5 * max(1.0, scaling)
     assert rel_rmse(z.float(), zr.float()) <= 1e-2
     return z, ids, w
@@ -238,9 +258,10 @@ def test_cuda_graph_replay(weights, M):
         ids.fill_(-1)
         g.replay()
         torch.cuda.synchronize()
-        zr, idr, wref, _ = reference(x, wr, wd, bias)
-        assert torch.equal(ids, idr)
-        assert rel_rmse(w, wref) <= 1e-5
+        zr, idr, wref, logits = reference(x, wr, wd, bias)
+        assert_same_routing(ids, idr, torch.sigmoid(logits) + bias)
+        sel = torch.sigmoid(logits).gather(1, ids.long())
+        assert rel_rmse(w, sel / (sel.sum(-1, keepdim=True) + 1e-20)) <= 1e-5
         assert rel_rmse(z.float(), zr.float()) <= 1e-2
     cnt = rdt.get_workspace(DEV)[1]
     assert cnt[0].item() == 0, "the arrival counter must be back at 0 after every launch"
