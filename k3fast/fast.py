@@ -67,7 +67,8 @@ class FastImpl:
                  gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
                  shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | None = None,
-                 gemv_l2_bulk: bool | None = None, front_l2_bulk: bool | None = None):
+                 gemv_l2_bulk: bool | None = None, front_l2_bulk: bool | None = None,
+                 attn_early_trigger: bool = False):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -131,7 +132,10 @@ class FastImpl:
         # before their PDL wait (moe_tail v2, "fast-tailpf")
         self.tail_l2_prefetch = tail_l2_prefetch
         self.gemv_l2_bulk = gemv_l2_bulk
-        self.front_l2_bulk = front_l2_bulk   # None: router_down_topk.FMA_BULK_L2 (True: v2.6, "fast-frontpf")     # None: rms_gemv.FUSED_BULK_L2 (True: the fused in_proj's v4, "fast-gemvpf")
+        self.front_l2_bulk = front_l2_bulk
+        # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
+        # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2; opt-in)
+        self.attn_early_trigger = attn_early_trigger   # None: router_down_topk.FMA_BULK_L2 (True: v2.6, "fast-frontpf")     # None: rms_gemv.FUSED_BULK_L2 (True: the fused in_proj's v4, "fast-gemvpf")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
@@ -147,6 +151,7 @@ class FastImpl:
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
+                        + (", attention PDL triggers after each wait" if attn_early_trigger else "")
                         + ("" if front_l2_bulk is None else f", router front bulk L2 {'on' if front_l2_bulk else 'off'}")
                         + ("" if gemv_l2_bulk is None else f", fused in_proj bulk L2 {'on' if gemv_l2_bulk else 'off'}")
                         + ("" if tail_l2_prefetch is None else f", tail L2 prefetch {'on' if tail_l2_prefetch else 'off'}")
@@ -177,11 +182,13 @@ class FastImpl:
                                        eps=cfg.rms_norm_eps, block_write=(l // cfg.attn_res_block_size) if boundary else -1,
                                        partial_out=p1,
                                        mma=self.gemv_mma if io.partial.shape[0] <= self.gemv_dsl_max_m else "cublas",
-                                       fused_groups=self.gemv_groups, l2_bulk=self.gemv_l2_bulk)
+                                       fused_groups=self.gemv_groups, l2_bulk=self.gemv_l2_bulk,
+                                       early_trigger=self.attn_early_trigger)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
-                                   lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps)
+                                   lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
+                                   early_trigger=self.attn_early_trigger)
         with stage("k3.o_proj"):
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,

@@ -64,6 +64,14 @@ Version log
       two cluster barriers, 2 x 4 dependent warp reductions per token); B=64 rank16 ~13-16 us
       (~3.3-3.8 TB/s on the 52 MB, NS=4 runs 3 CTAs/SM at 128 regs; nsplit=8 is the alternative
       to try there: 64 regs, more CTAs in flight, 2x the L2-served q/k/W_fb re-reads).
+  v2 (2026-11-29, session 6; opt-in: early_trigger=True, FastImpl kda_early_trigger / impl "fast-trig") The PDL
+      dependents launch right after this kernel's own wait instead of at its end. In the rank16 b1 chain
+      (records-c90da94-kdaall.json, flushed timeline) o_proj + AttnRes #2 starts at 26.3 us, when this kernel ends
+      (26.2), and then spends 9.4 us streaming 11 MB (floor 2.6 us): nothing of it overlapped the 5.4 us of KDA.
+      Safe in the chain: o_proj reads no KDA state, and any later kernel starts only after o_proj has passed its
+      own wait, i.e. after this grid completed (every kernel of the chain triggers after its wait). Not safe for
+      a second KDA step launched directly behind this one (test_back_to_back_steps keeps the default).
+      Prediction: o_proj's weights stream during the KDA step, so the attention half b1 -2 to -3 us.
 """
 from __future__ import annotations
 
@@ -115,9 +123,9 @@ def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_b
 
 # ---------------------------------------------------------------------------- device code
 
-def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float):
+def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float, early_trigger: bool = False):
     cutlass, cute = import_cute()
-    from cutlass import BFloat16, Float32, Int32, Int64
+    from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass.cutlass_dsl import dsl_user_op
     from cutlass._mlir.dialects import llvm
 
@@ -233,6 +241,9 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
 
             cute.arch.griddepcontrol_wait()
             cute.arch.cluster_wait()
+            if const_expr(early_trigger):
+                # v2 (opt-in, see the contracts): the dependent (o_proj + AttnRes #2) may start its weight stream now
+                cute.arch.griddepcontrol_launch_dependents()
 
             # ---------------- phase A: conv, beta, f -> alpha for all T tokens (state-independent)
             rFa = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
@@ -350,13 +361,15 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
 
             # state writes must be visible before a dependent grid may start its pre-wait loads
             cute.arch.fence_acq_rel_gpu()
-            cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(not early_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
 
     return KdaConvGateStep()
 
 
 def _compile(key):
-    _, heads, head_dim, T, nsplit, lower_bound, eps = key
+    _, heads, head_dim, T, nsplit, lower_bound, eps = key[:7]
+    early = key[7:] == ("early_trigger",)
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
@@ -364,7 +377,7 @@ def _compile(key):
     M = cute.sym_int()          # B*T rows
     B = cute.sym_int()          # requests
     S = cute.sym_int()          # state slots
-    obj = _build(heads, head_dim, T, nsplit, lower_bound, eps)
+    obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early)
     fakes = (
         fake_tensor(BFloat16, (M, proj_width(heads, head_dim))),
         fake_tensor(BFloat16, (P, head_dim)),
@@ -387,9 +400,13 @@ def _get_compiled(key):
 # ---------------------------------------------------------------------------- host entry point
 
 def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
-                       head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None):
+                       head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None, early_trigger=False):
     """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
-    for the valid slots and returns y [B*T, H*D] bf16. See the module docstring for the contracts."""
+    for the valid slots and returns y [B*T, H*D] bf16. See the module docstring for the contracts.
+
+    early_trigger (v2, opt-in): launch the PDL dependents right after the wait instead of at the end. Only for a
+    dependent that reads no KDA state before its own wait (o_proj in the layer chain), never for a second KDA step
+    launched directly behind this one."""
     import torch
 
     if head_dim != HEAD_DIM:
@@ -434,6 +451,6 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     ns = choose_nsplit(B, H) if nsplit is None else int(nsplit)
     if ns not in (4, 8):
         raise ValueError(f"nsplit must be 4 or 8, got {nsplit}")
-    fn = _get_compiled(compile_key(H, T, ns, lower_bound, eps, D))
+    fn = _get_compiled(compile_key(H, T, ns, lower_bound, eps, D) + (("early_trigger",) if early_trigger else ()))
     fn(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, out)
     return out

@@ -66,6 +66,12 @@ Version log
       ~14-16 us; in_proj in the layer (flushed timeline) ~ -6 us, so the attention half b1 39.8 -> ~33-35 us
       (1.8x stock is 35.6). At rank8 (90 MB > L2) the window keeps ~36 MB ahead of use; expect a smaller gain.
       Risk: the prologue's own L2 reads queue behind the bulk stream.
+  v5 (2026-11-29, session 6; opt-in: early_trigger=True, FastImpl attn_early_trigger / impl "fast-trig") The fused
+      kernel launches its PDL dependents right after its wait instead of after its last row group. In the rank16
+      b1 chain (records-c90da94-kdaall.json, flushed) the KDA step starts at 20.8 us, after this kernel ends at
+      20.4, so its pre-wait loads (the FP32 state of the batch's slots, W_fb, conv weights) never overlap.
+      Safe under the chain rule (the dependent reads nothing this kernel writes before its own wait). Prediction,
+      together with kda_conv_gate_step v2: attention half b1 -3 to -4 us.
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -330,8 +336,12 @@ def _build_kernels():
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
         def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
-                     bulk=False):
+                     bulk=False, early_trigger=False):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
+            # v5 (opt-in, fused only): launch the PDL dependents (the KDA step) right after the wait, so their
+            # pre-wait state and weight loads overlap this kernel's weight stream instead of following it
+            self.early_trigger = early_trigger
+            assert not (early_trigger and not fused)
             # v4 (opt-in, fused G = 1 only): bulk L2 prefetch. Before the PDL wait, warp 0 asks the TMA unit for the
             # CTA's next `win` row groups, one cp.async.bulk.prefetch per weight row (no registers, no per-line
             # instructions); each loop iteration then asks for the group `win` ahead. win = BULK_L2_BYTES over the
@@ -406,6 +416,8 @@ def _build_kernels():
                 sRedB = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 1), stride=(1, 1)), 16)
                 sV = smem.allocate_tensor(BFloat16, cute.make_layout((self.nb + 1, self.K), stride=(self.K, 1)), 16)
                 cute.arch.griddepcontrol_wait()
+                if const_expr(self.early_trigger):
+                    cute.arch.griddepcontrol_launch_dependents()
                 gXs = cute.flat_divide(sX, (1, 8))
                 for m in cutlass.range_constexpr(self.MB):
                     _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, gXs, sV, sRedA, sRedB, tid, warp,
@@ -470,7 +482,8 @@ def _build_kernels():
                                 acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
                     self.reduce_store(acc, sRed, buf, grp, mY, warp, lane, tid)
                     buf = 1 - buf
-            cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(not self.early_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
 
         @cute.jit
         def group_out(self, rW, kvb, kv1, gX, acc, rX, sRed, sbuf, grp, mY, warp, lane, tid):
@@ -733,30 +746,34 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
     return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps), build)
 
 
-def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, bulk=False):
+def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, bulk=False, early_trigger=False):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
     blocks, p, d, po, u, wl = _attn_fakes(cute, BF, MB, K, has_delta, wln)
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
-    obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G, bulk=bulk)
+    obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G, bulk=bulk,
+              early_trigger=early_trigger)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
-def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, bulk=False):
+def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, bulk=False, early_trigger=False):
     key = (("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
-           + (("bulk",) if bulk else ()))
-    return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G, bulk=bulk))
+           + (("bulk",) if bulk else ()) + (("early_trigger",) if early_trigger else ()))
+    return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G, bulk=bulk,
+                                                    early_trigger=early_trigger))
 
 
-def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, bulk: bool = False) -> str:
+def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, bulk: bool = False,
+              early_trigger: bool = False) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
-                                             options=TVM_FFI + " --keep-ptx", G=G, bulk=bulk))
+                                             options=TVM_FFI + " --keep-ptx", G=G, bulk=bulk,
+                                             early_trigger=early_trigger))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -857,11 +874,13 @@ def _check_groups(G) -> int:
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     l2_bulk=None):
+                     l2_bulk=None, early_trigger=False):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
     l2_bulk: the fused kernel's weight prefetch as bulk L2 requests (None = FUSED_BULK_L2; v4, opt-in; G = 1 only).
+    early_trigger: the fused kernel launches its PDL dependents right after its wait (v5, opt-in), for a dependent
+    whose pre-wait reads do not include this call's outputs (the KDA step).
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
@@ -891,7 +910,8 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         bulk = FUSED_BULK_L2 if l2_bulk is None else bool(l2_bulk)
         if bulk and G != 1:
             raise ValueError("l2_bulk needs fused_groups = 1 (v4 and v3 are separate opt-ins)")
-        fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G, bulk)
+        fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G, bulk,
+                            bool(early_trigger))
         fn(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,

@@ -89,6 +89,14 @@ Version log
       layer 15.7-17.5 -> ~4-5 us; the fused front's top-k stage (same code, last arriver) drops by about the same
       ~10 us, so router_down_topk b1 33.6 -> ~22-24 us (bench) and the MoE half b1 80.5 -> ~69-71 us, b64 (cuBLAS
       front + TopkFromLogits) 398.9 -> ~388 us.
+      Measured (records-1214f05-s7perf.json, kernels-1214f05.json): router_down_topk b1 33.6 -> 23.6 us (bench);
+      MoE half b1 80.5 -> 69.9 us, b64 398.9 -> 390.3; TopkFromLogits alone 21.3 -> 13.1 us flushed, 14.1 -> 10.4
+      warm (predicted ~7-9 / ~3-4: missed). Its SASS then showed the z copy as load, store, load, store: each
+      store waits for its load, and ptxas does not hoist the next load over a store to memory it cannot prove
+      disjoint (7 round trips per thread). TopkFromLogits now loads all of a thread's z vectors right after the
+      wait, before warp 0's top-k, and stores them after (the CPU test checks the order). Prediction:
+      TopkFromLogits in the layer (flushed timeline, records-c90da94-kdaall.json: 8.4-8.8 us) -> ~5-6 us, i.e.
+      the MoE half at b8 / b64 -3 us.
   v2.6 (2026-11-29, session 6; CPU-compiled only, opt-in: FMA_BULK_L2 / l2_bulk=True / impl "fast-frontpf") On
       the FMA path (M <= 4), lane 0 of each warp requests its whole weight row (14 KB) into L2 with one
       cp.async.bulk.prefetch before the PDL wait. The register loads keep PRE + U vectors per lane in flight, and
@@ -242,6 +250,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
     U = unroll
     MINB = min_blocks
     IS = shared                      # shared experts' intermediate width folded into TopkFromLogits' GEMM (mb = 0)
+    NZ = -(-(NL // 4) // (32 * WARPS))   # TopkFromLogits: z vectors per thread
     ROLLED = rolled                  # v2.4 opt-in: the top-k selection rounds as a loop (see topk)
     BULK = bulk                      # v2.6 opt-in (FMA path): bulk L2 prefetch of each warp's weight row
     assert not (BULK and (mb == 0 or mb in MMA_CONFIG))
@@ -586,12 +595,20 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
             rC = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
             rZ = cute.make_rmem_tensor(cute.make_layout((4,)), BFloat16)
             cute.arch.griddepcontrol_wait()             # y is the previous kernel's output
+            # v2.5: every z vector of this thread is loaded before the first store (and, in warp 0, before the
+            # top-k). As a loop, each store waited for its load and the next load was not hoisted above the store
+            # (y and z may alias as far as ptxas knows): NZ serial L2 round trips.
+            rYz = cute.make_rmem_tensor(cute.make_layout((4, NZ), stride=(1, 4)), Float32)
+            for i in cutlass.range_constexpr(NZ):
+                vc = cutlass.min(tid + i * 32 * WARPS, NL // 4 - 1)   # past the end: re-read, never stored
+                cute.autovec_copy(gY[0, None, tok, NE // 4 + vc], rYz[None, i])
             if warp == 0:
                 self.topk(tok, warp, lane, mBias, mIds, mWt, mY, sS, scaling)
-            for v in cutlass.range(tid, NL // 4, 32 * WARPS, unroll=4):
-                cute.autovec_copy(gY[0, None, tok, NE // 4 + v], rY)
-                rZ.store(rY.load().to(BFloat16))
-                cute.autovec_copy(rZ, gZ[0, None, tok, v])
+            for i in cutlass.range_constexpr(NZ):
+                v = tid + i * 32 * WARPS
+                if v < NL // 4:
+                    rZ.store(rYz[None, i].load().to(BFloat16))
+                    cute.autovec_copy(rZ, gZ[0, None, tok, v])
             if const_expr(IS > 0):
                 gH = cute.flat_divide(mH, (1, 4))       # (1, 4, M, IS / 4)
                 for v in cutlass.range(tid, IS // 4, 32 * WARPS, unroll=2):

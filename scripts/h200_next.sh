@@ -101,9 +101,17 @@ case "${1:-}" in
           shared_expert_gate_up@pf moe_tail moe_tail@pf" K3_BENCH_TIMEOUT=150 \
           bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-rolled fast-tailpf \
           fast-shlatepf fast-gemvpf fast-frontpf fast-pf fast-front0 --budget-s 240 ;;
+  # session 6, last run (~5 min of device time left): TopkFromLogits' batched z copy (default) and the early
+  # PDL triggers of the attention chain (fast-trig): their GPU tests, the rank16 A/B and the top-k bench rows
+  s8) K3_TEST_TIMEOUT=110 bash scripts/h200_tests.sh tests/gpu/test_router_down_topk.py tests/gpu/test_fast_layer.py \
+          tests/gpu/test_kda_conv_gate_step.py -k "router or fast-trig or back_to_back"; rc=$?
+      K3_SWEEP_TIMEOUT=110 K3_BENCH="--shapes k3_rank16 --batches 1 8 --kernels topk_from_logits \
+          topk_from_logits~warm" K3_BENCH_TIMEOUT=50 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
+          --impls stock fast fast-trig --budget-s 90 || rc=1
+      exit $rc ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8"; exit 2 ;;
 esac

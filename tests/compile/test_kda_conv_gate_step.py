@@ -127,3 +127,24 @@ def test_T_changes_expected_rows():
     kw = _inputs(B=2, T=4)
     with pytest.raises(ValueError, match="proj"):
         _call(kw, T=2)
+
+
+@needs_dsl
+@pytest.mark.parametrize("early", [False, True])
+def test_trigger_placement(early):
+    """v2 (early_trigger): the PDL dependents launch right after the wait, before any state store; by default
+    after the state writes and their fence (what test_back_to_back_steps relies on)."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    key = kmod.compile_key(6, 1, kmod.choose_nsplit(1, 6)) + (("early_trigger",) if early else ())
+    old = kmod.TVM_FFI
+    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        lines = compiled_ptx(lambda: kmod._compile(key)).splitlines()
+    finally:
+        kmod.TVM_FFI = old
+    trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+    wait = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    stores = [i for i, ln in enumerate(lines) if ln.strip().startswith("st.global")]
+    assert len(trig) == 1 and len(wait) == 1 and stores
+    assert (trig[0] < min(stores)) == early and (trig[0] > max(stores)) == (not early) and trig[0] > wait[0]

@@ -193,3 +193,16 @@ def test_fused_bulk_l2_prefetch_before_the_wait(M):
         R.attnres_rms_gemv(torch.zeros(1, 8, 7168, dtype=torch.bfloat16), 1, t, t, torch.zeros(7168),
                            torch.zeros(7168, dtype=torch.bfloat16), torch.zeros(3216, 7168, dtype=torch.bfloat16),
                            fused_groups=2, l2_bulk=True)
+
+
+@needs_dsl
+@pytest.mark.parametrize("early", [False, True])
+def test_fused_trigger_placement(early):
+    """v5 (early_trigger): the fused kernel launches its dependents right after its wait, before the AttnRes
+    prologue's first store; by default after its last row group's stores."""
+    lines = R.fused_ptx(3216, M=1, early_trigger=early).splitlines()
+    trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+    wait = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    stores = [i for i, ln in enumerate(lines) if ln.strip().startswith("st.global")]
+    assert len(trig) == 1 and len(wait) == 1 and stores and trig[0] > wait[0]
+    assert (trig[0] < min(stores)) == early and (trig[0] > max(stores)) == (not early)

@@ -189,6 +189,11 @@ def test_topk_loads_issue_before_the_first_sigmoid(mb, rolled):
     assert max(logits) < first_ex2, (max(logits), first_ex2)
     plain = [i for i, ln in enumerate(lines[:first_ex2]) if re.match(r"ld\.global\.(b32|f32)\b", ln)]
     assert len(plain) >= 896 // 32, f"only {len(plain)} bias loads before the first ex2"
+    if mb == 0:
+        # TopkFromLogits' z = bf16(y[:, NE:]): a thread's 7 vector loads all come before its first store
+        first_st = next(i for i, ln in enumerate(lines) if ln.startswith("st.global"))
+        vec = [i for i, ln in enumerate(lines) if ln.startswith("ld.global.v4")]
+        assert len(vec) >= 3584 // 4 // 128 and sorted(vec)[3584 // 4 // 128 - 1] < first_st
 
 
 def test_prepare_front_weight():
