@@ -68,7 +68,7 @@ class FastImpl:
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
                  shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | None = None,
                  gemv_l2_bulk: bool | None = None, front_l2_bulk: bool | None = None,
-                 attn_early_trigger: bool = False):
+                 attn_early_trigger: bool = True):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -134,7 +134,9 @@ class FastImpl:
         self.gemv_l2_bulk = gemv_l2_bulk
         self.front_l2_bulk = front_l2_bulk
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
-        # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2; opt-in)
+        # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
+        # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
+        # "fast-endtrig" keeps the triggers at the kernels' ends
         self.attn_early_trigger = attn_early_trigger   # None: router_down_topk.FMA_BULK_L2 (True: v2.6, "fast-frontpf")     # None: rms_gemv.FUSED_BULK_L2 (True: the fused in_proj's v4, "fast-gemvpf")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
@@ -151,7 +153,7 @@ class FastImpl:
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
-                        + (", attention PDL triggers after each wait" if attn_early_trigger else "")
+                        + ("" if attn_early_trigger else ", attention PDL triggers at the kernels' ends")
                         + ("" if front_l2_bulk is None else f", router front bulk L2 {'on' if front_l2_bulk else 'off'}")
                         + ("" if gemv_l2_bulk is None else f", fused in_proj bulk L2 {'on' if gemv_l2_bulk else 'off'}")
                         + ("" if tail_l2_prefetch is None else f", tail L2 prefetch {'on' if tail_l2_prefetch else 'off'}")

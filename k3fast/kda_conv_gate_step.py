@@ -64,7 +64,7 @@ Version log
       two cluster barriers, 2 x 4 dependent warp reductions per token); B=64 rank16 ~13-16 us
       (~3.3-3.8 TB/s on the 52 MB, NS=4 runs 3 CTAs/SM at 128 regs; nsplit=8 is the alternative
       to try there: 64 regs, more CTAs in flight, 2x the L2-served q/k/W_fb re-reads).
-  v2 (2026-11-29, session 6; opt-in: early_trigger=True, FastImpl kda_early_trigger / impl "fast-trig") The PDL
+  v2 (2026-11-29, session 6; early_trigger=True, FastImpl attn_early_trigger, the default since 001a431) The PDL
       dependents launch right after this kernel's own wait instead of at its end. In the rank16 b1 chain
       (records-c90da94-kdaall.json, flushed timeline) o_proj + AttnRes #2 starts at 26.3 us, when this kernel ends
       (26.2), and then spends 9.4 us streaming 11 MB (floor 2.6 us): nothing of it overlapped the 5.4 us of KDA.
@@ -72,6 +72,11 @@ Version log
       own wait, i.e. after this grid completed (every kernel of the chain triggers after its wait). Not safe for
       a second KDA step launched directly behind this one (test_back_to_back_steps keeps the default).
       Prediction: o_proj's weights stream during the KDA step, so the attention half b1 -2 to -3 us.
+      Measured with rms_gemv v5 (records-001a431-s8.json, fast-trig against fast, flushed timelines): attention
+      half b1 39.6 -> 36.5 us (1.79x stock). The KDA CTAs now launch at 2.4 us instead of 20.9, and o_proj at
+      21.4 instead of 26.2; o_proj ends 6.8 us after the KDA step instead of 9.6. b8 / b64 unchanged (o_proj is
+      on cuBLAS there). GPU-tested: test_fast_attention_half at b1-4, tp16 and tp8, and test_back_to_back_steps
+      (default trigger).
 """
 from __future__ import annotations
 

@@ -32,6 +32,9 @@ v2  (2026-11-29, session 6; opt-in: L2_PREFETCH / l2_prefetch=True / impl "fast-
     b1 16 -> ~9-10 us, MoE half b1 -5 to -7 us; b8 (same tiles, one n-tile) -3 to -6 us; b64 unchanged (cuBLAS
     tail above TAIL_DSL_MAX_M). Risk: the prefetch competes with the experts' own loads (they would slow down) and
     can evict their lines; the layer A/B fast-tailpf shows the net.
+    Measured (records-1214f05-s7perf.json, kernels-1214f05.json): slower. MoE half b1 74.0 against 69.9 us, b8
+    121.7 against 115.7. The tail alone (bench) is 28.6 against 21.2 us at b1, 30.2 against 22.5 at b8, but 70.0
+    against 80.4 at b64, where it is issue-bound (and on cuBLAS in the layer). Stays opt-in.
 
 What it replaces (k3-spec.md section 11, section 9 for SiTU, section 13 for the per-rank shapes)
 ---------------------------------------------------------------------------------------------
@@ -108,7 +111,7 @@ LATENT = 3584          # dL = routed_expert_hidden_size
 CHUNK = 32             # k per chunk: 4 lanes x 8 bf16
 MAX_M = 64
 SHARED_INTERMEDIATE = {"k3_rank16": 384, "k3_rank8": 768, "k3": 6144}
-# v2 (opt-in until measured; FastImpl tail_l2_prefetch / impl "fast-tailpf"): each CTA bulk-prefetches its weight
+# v2 (opt-in; measured slower at M <= 8; FastImpl tail_l2_prefetch / impl "fast-tailpf"): each CTA bulk-prefetches its weight
 # rows into L2 before griddepcontrol_wait (SwapAbGemv's l2_prefetch says why). Part of the compile key.
 L2_PREFETCH = False
 

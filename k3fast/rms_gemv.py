@@ -54,7 +54,7 @@ Version log
       takes 19.2 us in the same bench, where the copy-bandwidth floor is 11.2 us. Bench row attnres_rms_gemv@G2.
       Measured (kernels-31884ea.json, records-31884ea-s6perf.json): no gain. Bench b1 24.2 us against v2's 23.7;
       attention half b1 39.4 against 39.8 us. The round trips are not the cost. Stays opt-in.
-  v4 (2026-11-29, session 6; CPU-compiled only, opt-in: l2_bulk=True / FUSED_BULK_L2 / impl "fast-gemvpf") The
+  v4 (2026-11-29, session 6; opt-in: l2_bulk=True / FUSED_BULK_L2 / impl "fast-gemvpf") The
       fused kernel's weight prefetch becomes bulk L2 requests: before the PDL wait, warp 0 of each CTA issues one
       cp.async.bulk.prefetch.L2 per weight row of its first `win` row groups (win = BULK_L2_BYTES = 36 MB over one
       round of the grid's groups: 5 of the 7 at rank16), and each loop iteration requests the group `win` ahead.
@@ -66,12 +66,15 @@ Version log
       ~14-16 us; in_proj in the layer (flushed timeline) ~ -6 us, so the attention half b1 39.8 -> ~33-35 us
       (1.8x stock is 35.6). At rank8 (90 MB > L2) the window keeps ~36 MB ahead of use; expect a smaller gain.
       Risk: the prologue's own L2 reads queue behind the bulk stream.
-  v5 (2026-11-29, session 6; opt-in: early_trigger=True, FastImpl attn_early_trigger / impl "fast-trig") The fused
+      Measured (kernels-1214f05.json, records-1214f05-s7perf.json): slower. Bench b1 26.9 against 24.8 us; the
+      attention half b1 41.9 against 39.5. Stays opt-in; LOG.md (session 6) has the likely mechanism.
+  v5 (2026-11-29, session 6; early_trigger=True, FastImpl attn_early_trigger, the default since 001a431) The fused
       kernel launches its PDL dependents right after its wait instead of after its last row group. In the rank16
       b1 chain (records-c90da94-kdaall.json, flushed) the KDA step starts at 20.8 us, after this kernel ends at
       20.4, so its pre-wait loads (the FP32 state of the batch's slots, W_fb, conv weights) never overlap.
       Safe under the chain rule (the dependent reads nothing this kernel writes before its own wait). Prediction,
-      together with kda_conv_gate_step v2: attention half b1 -3 to -4 us.
+      together with kda_conv_gate_step v2: attention half b1 -3 to -4 us. Measured: -3.1 us (39.6 -> 36.5,
+      records-001a431-s8.json; kda_conv_gate_step v2 has the timeline).
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -128,7 +131,7 @@ NORM_WARPS = 16
 FUSED_WARPS = 16
 FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
-FUSED_BULK_L2 = False   # v4 (opt-in until measured): the fused kernel's weight prefetch as bulk L2 requests
+FUSED_BULK_L2 = False   # v4 (opt-in; measured slower): the fused kernel's weight prefetch as bulk L2 requests
 BULK_L2_BYTES = 36 << 20   # v4: weight bytes the grid asks for ahead of use (the L2 holds 60 MB)
 
 

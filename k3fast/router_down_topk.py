@@ -97,7 +97,11 @@ Version log
       wait, before warp 0's top-k, and stores them after (the CPU test checks the order). Prediction:
       TopkFromLogits in the layer (flushed timeline, records-c90da94-kdaall.json: 8.4-8.8 us) -> ~5-6 us, i.e.
       the MoE half at b8 / b64 -3 us.
-  v2.6 (2026-11-29, session 6; CPU-compiled only, opt-in: FMA_BULK_L2 / l2_bulk=True / impl "fast-frontpf") On
+      Measured (records-001a431-s8.json, kernels-001a431.json): TopkFromLogits alone 13.1 -> 10.5 us flushed,
+      10.4 -> 9.4 warm; in the layer 8.4 / 8.8 -> 7.4 / 8.0 us at b8 / b64; MoE half b8 115.6 -> 115.1, b64 390.0 ->
+      389.2 (predicted -3: about a third of it). What is left at ~9 us warm for one CTA per token is the 28
+      divisions' slow-path branches in series and the 16 selection rounds; not analysed further yet.
+  v2.6 (2026-11-29, session 6; opt-in: FMA_BULK_L2 / l2_bulk=True / impl "fast-frontpf") On
       the FMA path (M <= 4), lane 0 of each warp requests its whole weight row (14 KB) into L2 with one
       cp.async.bulk.prefetch before the PDL wait. The register loads keep PRE + U vectors per lane in flight, and
       the kernel streams at ~1.9 TB/s (bench b1 33.6 us for 64 MB). The bulk request keeps the HBM busy
@@ -105,6 +109,8 @@ Version log
       (GPU test test_bulk_l2_matches_default_bitwise). Prediction: the GEMV part of the b1 front (v2.5 bench minus
       its ~4 us top-k) 30 -> ~20-22 us, i.e. the bench row router_down_topk@pf ~6-9 us below router_down_topk.
       Also measured by fast-frontpf and fast-pf, the layer A/B.
+      Measured (kernels-1214f05.json, records-1214f05-s7perf.json): slower. Bench b1 29.3 against 23.6 us; MoE
+      half b1 75.8 against 69.9. Stays opt-in.
       Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
       identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
@@ -164,7 +170,7 @@ FMA_MIN_BLOCKS: dict = {}
 # v2.4 (opt-in; measured no faster, see the version log): the top-k's 16 selection rounds as a loop, not unrolled
 # code; the compile key carries it. k3fast.fast's router_rolled / impl "fast-rolled" flip it.
 TOPK_ROLLED = False
-# v2.6 (opt-in until measured; FastImpl front_l2_bulk / impl "fast-frontpf"): the FMA path's bulk L2 row prefetch
+# v2.6 (opt-in; measured slower; FastImpl front_l2_bulk / impl "fast-frontpf"): the FMA path's bulk L2 row prefetch
 FMA_BULK_L2 = False
 FMA_MIN_BLOCKS_TRIED = {1: 9, 2: 7}
 
