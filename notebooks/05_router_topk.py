@@ -88,12 +88,12 @@ print(nbtools.ab_table("traces/h200/records-cd4a730-s5perf.json", "moe",
                        ["stock", "fast", "fast-front0", "fast-front4", "fast-shapart"]))
 
 # %% [markdown]
-# ## 7. Code size is time here
-# `TopkFromLogits` took ~16 µs at every batch in that run, against a few µs of arithmetic. Look at the size of
-# each kernel's machine code. With the 16 selection rounds unrolled, the top-k is most of the router kernels'
-# SASS. One warp runs it once per token, fetching it cold: the replays flush the L2, and in a real decode step 60
-# other layers' kernels run in between. Rolling the rounds into a loop (v2.4, opt-in until the H200 measures it:
-# `rolled=True`, impl `fast-rolled`) cuts the code by more than half. The keys stay in registers.
+# ## 7. A hypothesis that failed: code size
+# `TopkFromLogits` took ~16 µs at every batch in that run, against a few µs of arithmetic. The first suspect was
+# the size of its machine code. With the 16 selection rounds unrolled, the top-k is most of the router kernels'
+# SASS, and one warp runs it once per token, so it would be fetched cold. Rolling the rounds into a loop (v2.4,
+# opt-in: `rolled=True`, impl `fast-rolled`) cut the code by more than half. The H200 said no (next section):
+# rolled and unrolled took the same time, and the same with the L2 warm or flushed.
 
 # %%
 src, sizes = nbtools.recorded_code_sizes()
@@ -101,6 +101,60 @@ print(f"SASS per kernel ({src}):")
 for r in sizes:
     print(f"  {r['kernel']:36s} {r['config']:32s} {r['sass_instructions']:5d} instructions = {r['code_kb']:5.1f} KB, "
           f"{r['registers']} registers")
+
+# %% [markdown]
+# ## 8. What the machine code showed: 28 loads, one round trip each
+# Each lane of warp 0 reads 28 logits (896 / 32) and 28 biases. In v2.4 each logit went straight into its
+# sigmoid, `1 / (1 + exp(-l))`. An IEEE division (`div.rn.f32`) becomes, in SASS, a reciprocal, a range check and
+# a branch to a slow-path subroutine. ptxas does not move a load above a branch, so each of the 28 loads waited
+# for the previous logit's division, which waited for its load: 28 L2 round trips of ~0.5 µs in series, ~14 µs.
+# The SASS read `LDG, LDG, MUFU, branch, ..., LDG, LDG, MUFU, branch, ...`.
+#
+# v2.5 issues all 56 loads first, then the arithmetic. The results are bit-identical, since only the order
+# changed. The CPU test `test_topk_loads_issue_before_the_first_sigmoid` keeps it that way. The same pattern
+# then turned up in the z copy: a store waits for its load, and the next load is not hoisted above a store to
+# memory ptxas cannot prove disjoint. Below, the PTX of today's kernel as a string of operations (L = global
+# load, e = ex2, r = IEEE reciprocal `rcp.rn`, the division of the sigmoid; S = global store), compiled here on the
+# CPU:
+
+# %%
+from k3fast._dsl import dsl_available  # noqa: E402
+
+if dsl_available():
+    from k3fast import router_down_topk as rdt
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    old, rdt.TVM_FFI = rdt.TVM_FFI, TVM_FFI + " --keep-ptx"
+    try:
+        ptx = compiled_ptx(lambda: rdt._build(0, 896, 3584, 7168, 16, rdt.UNROLL, shared=384))
+    finally:
+        rdt.TVM_FFI = old
+    code = {"ld.global": "L", "ex2": "e", "rcp.rn": "r", "st.global": "S"}
+    seq = "".join(next((c for op, c in code.items() if ln.strip().startswith(op)), "") for ln in ptx.splitlines())
+    print(seq[:140], "...")
+    assert seq.index("e") > seq.rindex("L", 0, seq.index("e")) and seq[:seq.index("e")].count("L") >= 56
+else:
+    print("CuTe DSL not installed: PTX not shown")
+
+# %% [markdown]
+# Measured on the H200: the kernel alone, flushed and warm, across the three commits (v2.4, v2.5, then the
+# batched z copy), and the MoE half's A/B from the run that measured v2.5. The same run has the bulk-L2-prefetch
+# opt-ins, which were slower.
+
+# %%
+import json  # noqa: E402
+import os  # noqa: E402
+
+print(f"{'kernel bench, rank16, µs (flushed / warm)':48s}{'b1':14s}b8")
+for commit, what in (("31884ea", "v2.4"), ("1214f05", "v2.5"), ("001a431", "v2.5 + batched z")):
+    with open(os.path.join(nbtools.ROOT, "traces", "h200", f"kernels-{commit}.json")) as f:
+        rec = {(r["kernel"], r["batch"]): r["fast_us_median"] for r in json.load(f)["records"]}
+    cells = [f"{rec[('topk_from_logits', b)]:5.1f} / {rec[('topk_from_logits~warm', b)]:5.1f}" for b in (1, 8)]
+    print(f"  {'TopkFromLogits at ' + commit + ' (' + what + ')':46s}" + "   ".join(cells))
+print(nbtools.bench_table(nbtools.recorded_kernel_bench("router_down_topk")))
+print(nbtools.ab_table("traces/h200/records-31884ea-s6perf.json", "moe", ["stock", "fast", "fast-rolled"]))
+print(nbtools.ab_table("traces/h200/records-1214f05-s7perf.json", "moe",
+                       ["stock", "fast", "fast-rolled", "fast-tailpf", "fast-frontpf", "fast-pf"]))
 
 # %%
 assert torch.allclose(ws.sum(-1), torch.ones(4, dtype=torch.float64))
