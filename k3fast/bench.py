@@ -210,6 +210,9 @@ def _cases(cfg, batch: int):
                   lambda: F.linear(x, gu_stock), gu.numel() * 2 + M * d * 2))
     cases.append(("moe_tail@pf", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo, l2_prefetch=True),
                   stock_tail, (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
+    # v3 (opt-in): the same rows as per-line prefetch.global.L2 from every thread
+    cases.append(("moe_tail@pfl", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo, l2_prefetch="line"),
+                  stock_tail, (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
     return cases, io
 
 

@@ -66,7 +66,7 @@ class FastImpl:
                  tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto",
                  gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
-                 shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | None = None,
+                 shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | str | None = None,
                  gemv_l2_bulk: bool | None = None, front_l2_bulk: bool | None = None,
                  attn_early_trigger: bool = True):
         from . import kda_conv_gate_step as kda_mod
@@ -128,8 +128,8 @@ class FastImpl:
         # during the experts.
         self.shared_late = shared_late
         self.gemv_groups = gemv_groups       # None: rms_gemv.FUSED_GROUPS (2 = the fused in_proj's v3, opt-in)
-        # None: moe_tail.L2_PREFETCH. True: the shared gate/up and the tail bulk-prefetch their weight rows into L2
-        # before their PDL wait (moe_tail v2, "fast-tailpf")
+        # None: moe_tail.L2_PREFETCH. True / "bulk": the shared gate/up and the tail bulk-prefetch their weight rows
+        # into L2 before their PDL wait (moe_tail v2, "fast-tailpf"); "line": per-line prefetches (v3, "fast-tailpfl")
         self.tail_l2_prefetch = tail_l2_prefetch
         self.gemv_l2_bulk = gemv_l2_bulk
         self.front_l2_bulk = front_l2_bulk
@@ -156,7 +156,7 @@ class FastImpl:
                         + ("" if attn_early_trigger else ", attention PDL triggers at the kernels' ends")
                         + ("" if front_l2_bulk is None else f", router front bulk L2 {'on' if front_l2_bulk else 'off'}")
                         + ("" if gemv_l2_bulk is None else f", fused in_proj bulk L2 {'on' if gemv_l2_bulk else 'off'}")
-                        + ("" if tail_l2_prefetch is None else f", tail L2 prefetch {'on' if tail_l2_prefetch else 'off'}")
+                        + ("" if tail_l2_prefetch is None else f", tail L2 prefetch {tail_l2_prefetch!r}")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
 

@@ -452,6 +452,7 @@ FAST_VARIANTS = {
     "fast-shlate": {"shared_late": True},       # the shared gate/up after the experts at M <= 4 (opt-in)
     "fast-tailpf": {"tail_l2_prefetch": True},  # moe_tail v2: gate/up and tail bulk-prefetch weights to L2 (opt-in)
     "fast-shlatepf": {"shared_late": True, "tail_l2_prefetch": True},
+    "fast-tailpfl": {"tail_l2_prefetch": "line"},  # moe_tail v3: the same rows as per-line L2 prefetches (opt-in)
     # Until 11595c4 "fast" overlapped the shared experts on a side stream and "fast-serial" did not; since then
     # "fast" is serial.
     "fast-overlap": {"overlap_shared": True},

@@ -35,6 +35,18 @@ v2  (2026-11-29, session 6; opt-in: L2_PREFETCH / l2_prefetch=True / impl "fast-
     Measured (records-1214f05-s7perf.json, kernels-1214f05.json): slower. MoE half b1 74.0 against 69.9 us, b8
     121.7 against 115.7. The tail alone (bench) is 28.6 against 21.2 us at b1, 30.2 against 22.5 at b8, but 70.0
     against 80.4 at b64, where it is issue-bound (and on cuBLAS in the layer). Stays opt-in.
+    The b1 timeline says more than the totals: with the prefetch, the experts took 25.7 us instead of 22.8, and the
+    tail still ended 20.3 us after them instead of 16.6. So the ~34 MB requested during the experts did not wait
+    in L2 for the tail. Either the requests were still queued in the TMA units when the tail's loads came, or the
+    lines were evicted. Both are inference: nothing measured the L2 hit rate.
+v3  (2026-11-29, session 6; CPU-compiled only, opt-in: l2_prefetch="line" / impl "fast-tailpfl") The same rows,
+    prefetched with one prefetch.global.L2 per 128-byte line by every thread of the CTA (~4 per thread at b1):
+    ordinary L2 fill requests, as rms_gemv's fused kernel issues for its next row group. If v2 lost because the
+    TMA units queued the bulk requests, v3's lines arrive during the experts and the tail reads ~60 % of W_up from
+    L2. Prediction: tail after the experts at b1 16.6 -> ~10-12 us, experts +1-2 us, MoE half b1 -3 to -5 us. If
+    v3 also loses, eviction is the better explanation. The test after that is a prefetch of the rows that the
+    tail's second wave reads first. Bench rows moe_tail@pfl; layer A/B fast-tailpfl; GPU test
+    test_l2_prefetch_is_bit_identical[line].
 
 What it replaces (k3-spec.md section 11, section 9 for SiTU, section 13 for the per-rank shapes)
 ---------------------------------------------------------------------------------------------
@@ -111,9 +123,10 @@ LATENT = 3584          # dL = routed_expert_hidden_size
 CHUNK = 32             # k per chunk: 4 lanes x 8 bf16
 MAX_M = 64
 SHARED_INTERMEDIATE = {"k3_rank16": 384, "k3_rank8": 768, "k3": 6144}
-# v2 (opt-in; measured slower at M <= 8; FastImpl tail_l2_prefetch / impl "fast-tailpf"): each CTA bulk-prefetches its weight
-# rows into L2 before griddepcontrol_wait (SwapAbGemv's l2_prefetch says why). Part of the compile key.
-L2_PREFETCH = False
+# Weight rows prefetched into L2 before griddepcontrol_wait (SwapAbGemv's l2_prefetch says why; part of the compile
+# key): "" off; "bulk" v2 (cp.async.bulk.prefetch, measured slower at M <= 8, impl "fast-tailpf"); "line" v3
+# (prefetch.global.L2 per line, opt-in until measured, impl "fast-tailpfl").
+L2_PREFETCH = ""
 
 
 # ----------------------------------------------------------------------------------------------- configuration
@@ -165,13 +178,16 @@ def _kernel_class():
         """mode "tail": out = bf16(bf16(rstd * (w_norm*r) W1^T) + bf16(h W2^T)); mode "gate_up": h = SiTU(x Wp^T)."""
 
         def __init__(self, mode: str, nt: int, wr: int, wk: int, u: int, n_rows: int, k1: int, k2: int,
-                     early_trigger: bool = False, l2_prefetch: bool = False):
+                     early_trigger: bool = False, l2_prefetch: str = ""):
             assert mode in ("tail", "gate_up")
             # l2_prefetch (v2, opt-in): before griddepcontrol_wait every CTA asks the TMA unit to pull its whole
             # weight slice (its 16 * wr rows of W1, and of W2 in the tail) into L2 with one cp.async.bulk.prefetch
             # per row. A CTA that is resident while its predecessor runs (the tail beside the routed experts) then
             # streams from L2 after the wait, and the HBM reads overlap the predecessor, which at b1 leaves the
             # HBM mostly idle (the experts read ~23 MB in ~22 us). No registers: the prefetch has no destination.
+            # v3 (opt-in, l2_prefetch="line"): the same rows, but as one prefetch.global.L2 per 128-byte line issued by
+            # every thread (~4 per thread at b1): ordinary L2 fills, not TMA requests.
+            assert l2_prefetch in ("", "bulk", "line")
             self.l2_prefetch = l2_prefetch
             # early_trigger: launch the dependents (the tail) as soon as every CTA has its first weights in flight,
             # not after the main loop. For the shared gate/up launched after the routed experts (FastImpl
@@ -196,6 +212,14 @@ def _kernel_class():
             grid_x = self.n_rows // (16 * self.wr)
             self.kernel(mX1, mW1, mWn, mX2, mW2, mOut, eps).launch(
                 grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, stream=stream, use_pdl=True)
+
+        @cute.jit
+        def prefetch_lines(self, gW: cute.Tensor, row0, k: cutlass.Constexpr, tidx):
+            """prefetch.global.L2 of rows [row0, row0 + 16 wr) x k bf16, one per 128-byte line (8 16-byte vectors)."""
+            lpr = k * 2 // 128
+            for idx in cutlass.range(tidx, 16 * self.wr * lpr, self.threads):
+                rr = idx // lpr
+                cute.arch.prefetch(gW[0, None, row0 + rr, 8 * (idx - rr * lpr)].iterator.llvm_ptr, cache_level="L2")
 
         # -- one register stage of weight fragments: U chunks x rows (g, g+8), 16 B each
         @cute.jit
@@ -305,7 +329,12 @@ def _kernel_class():
 
             # weights do not depend on the previous kernel: first stage in flight before the PDL wait
             self.load_w(gW1, rW, 0, Int32(0), wk, row_g, t, self.nch[0])
-            if const_expr(self.l2_prefetch):
+            if const_expr(self.l2_prefetch == "line"):
+                row0 = cute.arch.block_idx()[0] * (16 * self.wr)
+                self.prefetch_lines(gW1, row0, self.k1, tidx)
+                if const_expr(self.mode == "tail"):
+                    self.prefetch_lines(cute.flat_divide(mW2, (1, 8)), row0, self.k2, tidx)
+            if const_expr(self.l2_prefetch == "bulk"):
                 if wk == 0:
                     # lanes 0-15: the tile's 16 rows of W1; lanes 16-31 (tail): the same rows of W2. Rows are
                     # contiguous, 16-byte aligned and k * 2 bytes long (a multiple of 16: CHUNK divides k).
@@ -380,7 +409,7 @@ def _sym_m():
     return cute.sym_int()
 
 
-def _build_tail(nt: int, inter: int, l2_prefetch: bool = False):
+def _build_tail(nt: int, inter: int, l2_prefetch: str = ""):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32
     wr, wk, u = _tail_cfg(nt)
@@ -392,7 +421,7 @@ def _build_tail(nt: int, inter: int, l2_prefetch: bool = False):
     return cute.compile(obj, *fakes, Float32(1e-5), fake_stream(), options=TVM_FFI)
 
 
-def _build_gate_up(nt: int, inter: int, early_trigger: bool = False, l2_prefetch: bool = False):
+def _build_gate_up(nt: int, inter: int, early_trigger: bool = False, l2_prefetch: str = ""):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32
     wr, wk, u = _gate_up_cfg(nt, inter)
@@ -411,15 +440,25 @@ def compile_keys(inter: int, batches: Iterable[int]) -> list[tuple]:
     return [(op, nt, inter) for op in ("moe_tail", "shared_gate_up") for nt in nts]
 
 
-def _get(key: tuple, l2_prefetch: bool | None = None):
+def _pf_mode(v) -> str:
+    """l2_prefetch argument -> "" (off), "bulk" (v2) or "line" (v3); True means "bulk", None the L2_PREFETCH default."""
+    v = L2_PREFETCH if v is None else v
+    mode = {False: "", True: "bulk"}.get(v, v) if isinstance(v, bool) else v
+    if mode not in ("", "bulk", "line"):
+        raise ValueError(f"l2_prefetch must be None, False, True, 'bulk' or 'line', got {v!r}")
+    return mode
+
+
+def _get(key: tuple, l2_prefetch: bool | str | None = None):
     op, nt, inter = key
-    pf = L2_PREFETCH if l2_prefetch is None else bool(l2_prefetch)
+    pf = _pf_mode(l2_prefetch)
     if op == "moe_tail":
         build = lambda: _build_tail(nt, inter, l2_prefetch=pf)                   # noqa: E731
     else:
         build = lambda: _build_gate_up(nt, inter, early_trigger=(op == "shared_gate_up_early"),  # noqa: E731
                                        l2_prefetch=pf)
-    return compile_cached(("k3fast.moe_tail",) + key + (("l2_prefetch",) if pf else ()), build)
+    return compile_cached(("k3fast.moe_tail",) + key + ({"": (), "bulk": ("l2_prefetch",),
+                                                          "line": ("l2_prefetch_line",)}[pf]), build)
 
 
 def warmup(inter: int, batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64)) -> list[tuple]:

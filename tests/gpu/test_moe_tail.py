@@ -105,8 +105,9 @@ def test_moe_tail(m, inter):
     assert rel_rmse(out2, ref2) <= TOL
 
 
+@pytest.mark.parametrize("mode", ["bulk", "line"])
 @pytest.mark.parametrize("m,inter", [(1, 384), (3, 768), (8, 384), (16, 384)])
-def test_l2_prefetch_is_bit_identical(m, inter):
+def test_l2_prefetch_is_bit_identical(m, inter, mode):
     """moe_tail v2's bulk L2 prefetch changes where the weights come from, not the arithmetic: outputs equal the
     default build's bit for bit, in a CUDA graph too (poisoned outputs, fresh inputs per replay)."""
     w = weights(inter)
@@ -117,8 +118,8 @@ def test_l2_prefetch_is_bit_identical(m, inter):
     got = torch.full_like(want, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        mt.shared_expert_gate_up(x, w["packed"], out=got_h, l2_prefetch=True)
-        mt.moe_tail(r, w["w_norm"], w["w_up"], h, w["w_sd"], out=got, l2_prefetch=True)
+        mt.shared_expert_gate_up(x, w["packed"], out=got_h, l2_prefetch=mode)
+        mt.moe_tail(r, w["w_norm"], w["w_up"], h, w["w_sd"], out=got, l2_prefetch=mode)
     for seed in (0, 1):
         if seed:
             x2, r2, h2 = acts(m, inter, seed=400 + m)
