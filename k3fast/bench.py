@@ -104,6 +104,11 @@ def _cases(cfg, batch: int):
     cases.append(("oproj_attnres", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2, w.post_attention_layernorm,
                                                          out_x=xo, out_partial=po),
                   lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
+    # v1.2 (opt-in): w_post loaded before the PDL wait
+    cases.append(("oproj_attnres@wpost", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
+                                                               w.post_attention_layernorm, out_x=xo, out_partial=po,
+                                                               preload_wpost=True),
+                  lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
     # 4. router + latent down + top-k
     front = prepare_front_weight(m.gate, m.down)
     bias = m.e_score_correction_bias.float().contiguous()

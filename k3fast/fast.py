@@ -68,7 +68,7 @@ class FastImpl:
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
                  shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | str | None = None,
                  gemv_l2_bulk: bool | None = None, front_l2_bulk: bool | None = None,
-                 attn_early_trigger: bool = True):
+                 attn_early_trigger: bool = True, oproj_preload: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -137,7 +137,8 @@ class FastImpl:
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
         # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
         # "fast-endtrig" keeps the triggers at the kernels' ends
-        self.attn_early_trigger = attn_early_trigger   # None: router_down_topk.FMA_BULK_L2 (True: v2.6, "fast-frontpf")     # None: rms_gemv.FUSED_BULK_L2 (True: the fused in_proj's v4, "fast-gemvpf")
+        self.attn_early_trigger = attn_early_trigger
+        self.oproj_preload = oproj_preload   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")   # None: router_down_topk.FMA_BULK_L2 (True: v2.6, "fast-frontpf")     # None: rms_gemv.FUSED_BULK_L2 (True: the fused in_proj's v4, "fast-gemvpf")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
@@ -153,6 +154,7 @@ class FastImpl:
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
+                        + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
                         + ("" if attn_early_trigger else ", attention PDL triggers at the kernels' ends")
                         + ("" if front_l2_bulk is None else f", router front bulk L2 {'on' if front_l2_bulk else 'off'}")
                         + ("" if gemv_l2_bulk is None else f", fused in_proj bulk L2 {'on' if gemv_l2_bulk else 'off'}")
@@ -195,7 +197,7 @@ class FastImpl:
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                               w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
-                              out_x=io.x_mlp, out_partial=io.partial)
+                              out_x=io.x_mlp, out_partial=io.partial, preload_wpost=self.oproj_preload)
             else:
                 # above GEMV_DSL_MAX_M: a = bf16(y W_o^T) on cuBLAS (oproj_attnres's GEMV is 1.5-2x cuBLAS there,
                 # kernels-11595c4.json), then the same AttnRes #2 + RMSNorm as in_proj's prologue with p' =

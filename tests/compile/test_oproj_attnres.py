@@ -105,3 +105,24 @@ def test_module_imports_without_cutlass_symbols():
     src = open(oa.__file__).read()
     head = src.split("def _build")[0]
     assert "import cutlass" not in head
+
+
+@needs_dsl
+@pytest.mark.parametrize("nb", [1, 8])
+def test_preload_wpost_moves_the_last_loads(nb):
+    """v1.2 (preload_wpost): after the epilogue's last CTA reduction only stores of x remain (w_post was loaded
+    before the PDL wait); by default each store of x follows a load of w_post."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    old = oa.TVM_FFI
+    oa.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        tails = {}
+        for pre in (False, True):
+            lines = [ln.strip() for ln in compiled_ptx(lambda: oa._compile(768, nb, 1, pre)).splitlines()]
+            last_bar = max(i for i, ln in enumerate(lines) if ln.startswith("bar.sync"))
+            tails[pre] = [ln.split()[0] for ln in lines[last_bar:] if ln.startswith(("ld.global", "st.global"))]
+    finally:
+        oa.TVM_FFI = old
+    assert any(op.startswith("ld.global") for op in tails[False])
+    assert tails[True] and all(op.startswith("st.global") for op in tails[True])

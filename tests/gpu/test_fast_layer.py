@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl", "fast-gemv0", "fast-gemv8", "fast-gemvg2",
-                                  "fast-gemvpf", "fast-endtrig"])
+                                  "fast-gemvpf", "fast-endtrig", "fast-wpost"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -22,8 +22,8 @@ def test_fast_attention_half(tp, batch, impl):
         pytest.skip("M <= GEMV_DSL_MAX_M: fast runs the same kernels")
     if impl == "fast-gemv0" and batch > GEMV_DSL_MAX_M:
         pytest.skip("M > GEMV_DSL_MAX_M: fast runs the same kernels")
-    if impl == "fast-endtrig" and batch > 4:
-        pytest.skip("fast-endtrig differs from fast only in the fused chain (M <= GEMV_DSL_MAX_M)")
+    if impl in ("fast-endtrig", "fast-wpost") and batch > 4:
+        pytest.skip(f"{impl} differs from fast only in the fused chain (M <= GEMV_DSL_MAX_M)")
     if impl in ("fast-gemvg2", "fast-gemvpf") and batch > 2:
         pytest.skip(f"{impl} differs from fast only where the fused in_proj runs (M <= 2)")
     if impl == "fast-gemv8" and not GEMV_DSL_MAX_M < batch <= 8:

@@ -215,3 +215,20 @@ def test_deterministic():
     x2, p2 = oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post)
     torch.cuda.synchronize()
     assert torch.equal(x1, x2) and torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize("m,kp,nb,boundary", [(1, 768, 1, False), (2, 768, 8, False), (4, 1536, 3, True),
+                                              (8, 768, 8, False), (64, 12288, 8, False)])
+def test_preload_wpost_is_bit_identical(m, kp, nb, boundary):
+    """v1.2 (preload_wpost) moves the w_post loads before the PDL wait; x and p' must equal the default's bit for
+    bit (poisoned outputs), and the result must still pass the reference check."""
+    y, w_o, blocks, partial, u, w_post = make_inputs(m, kp, nb, seed=40 + m)
+    x1, p1 = oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, boundary=boundary,
+                              preload_wpost=False)
+    x2 = torch.full((m, D), float("nan"), dtype=BF, device="cuda")
+    p2 = torch.full((m, D), float("nan"), dtype=BF, device="cuda")
+    oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, boundary=boundary, out_x=x2, out_partial=p2,
+                     preload_wpost=True)
+    torch.cuda.synchronize()
+    assert torch.equal(x1, x2) and torch.equal(p1, p2)
+    check(x2, p2, y, w_o, blocks, nb, partial, u, w_post, boundary)
