@@ -7,6 +7,9 @@ copy of a register with a load in flight waits for that load, so a "ring" of dep
 full memory round trip every D steps. ``moe_mxfp4_experts`` v3 had 40-80 per loop; v4 has none (its version log).
 
 Use: ``loop_copies_of_loads(compiled_ptx(lambda: build(options="--enable-tvm-ffi --keep-ptx")))``.
+
+``serial_loads(sass)``: global loads placed behind a conditional branch or a global store in the SASS, the two
+patterns that serialised the router's top-k (session 6). ``code_sizes`` records it for every decode kernel.
 """
 from __future__ import annotations
 
@@ -182,6 +185,32 @@ def sass_loop_opcodes(ptx: str, tools: tuple[str, str], arch: str = "sm_90a", mi
     return out
 
 
+def serial_loads(sass: str) -> dict:
+    """Global loads that, in program order, come after a conditional branch or after a global store with no other
+    global load in between. ptxas issues a load neither above a branch nor above a store to memory it cannot prove
+    disjoint, so in straight-line code each such load waits for what precedes it: one more round trip. Session 6
+    found two of these chains by reading the SASS: the router top-k's 28 logit loads, each behind the previous
+    sigmoid's division branch (~14 us), and the z copy's load / store / load pairs. A static count: inside a loop
+    the same pattern costs one round trip per iteration, and a branch that only guards the last iteration's
+    remainder costs little. Read it as a list of places to look, not as time."""
+    behind_branch = behind_store = 0
+    saw_branch = saw_store = False
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if not m:
+            continue
+        ins = m.group(1)
+        if re.search(r"@!?U?P\w*\s+BRA\b", ins):
+            saw_branch = True
+        elif re.search(r"\bSTG\b", ins):
+            saw_store = True
+        elif re.search(r"\bLDG\b", ins):
+            behind_branch += saw_branch
+            behind_store += saw_store and not saw_branch
+            saw_branch = saw_store = False
+    return {"loads_behind_branch": behind_branch, "loads_behind_store": behind_store}
+
+
 def sass_size(ptx: str, tools: tuple[str, str], arch: str = "sm_90a") -> dict:
     """SASS instructions (16 B each), registers and local-memory instructions of the PTX's kernel. Straight-line code
     that one warp runs once is fetched from a cold instruction cache (the replays' L2 flush evicts it too), so the
@@ -191,7 +220,8 @@ def sass_size(ptx: str, tools: tuple[str, str], arch: str = "sm_90a") -> dict:
     regs = re.search(r"Used (\d+) registers", err)
     return {"sass_instructions": len(ins), "code_kb": round(len(ins) * 16 / 1024, 1),
             "registers": int(regs.group(1)) if regs else None,
-            "local_memory_instructions": sum(1 for line in ins if "LDL" in line or "STL" in line)}
+            "local_memory_instructions": sum(1 for line in ins if "LDL" in line or "STL" in line),
+            "global_loads": sum(1 for line in ins if re.search(r"\bLDG\b", line)), **serial_loads(sass)}
 
 
 _ISSUE = (("ld.global", "L"), ("fma", "f"), ("mma", "m"), ("bra", "|"), ("@", "|"))
@@ -229,6 +259,7 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
         builds += [
             ("kda_conv_gate_step", "M=1 T=1", lambda: compiled_ptx(lambda: kda._compile(kkey))),
             ("oproj_attnres", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg))),
+            ("oproj_attnres v1.2 (w_post preloaded)", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg, True))),
             ("shared_expert_gate_up", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_gate_up(moe_tail.n_tiles(1), inter))),
             ("moe_mxfp4_experts", "M=1", lambda: compiled_ptx(lambda: mx._compile(mx.compile_key(896, 3584, 256, 1),
                                                                               options=TVM_FFI + " --keep-ptx"))),

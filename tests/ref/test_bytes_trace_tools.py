@@ -218,3 +218,14 @@ def test_graph_events_keep_only_the_replays_kernels():
     assert s["kernels"] == 2 and s["copies"] == 0 and s["kernel_us_sum"] == 14.0
     assert replay_timeline(g, 3)["span_us"] == 16.0
     assert graph_events([e for e in ev if e["name"] != "cudaGraphLaunch"]) == []
+
+
+def test_serial_loads_counts_loads_behind_branches_and_stores():
+    from k3fast.ptxcheck import serial_loads
+    sass = "\n".join(f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate([
+        "LDG.E R0, desc[UR6][R2.64]", "LDG.E R1, desc[UR6][R2.64+0x4]",          # two in a row: not counted
+        "MUFU.RCP R4, R0", "@P0 BRA `(.L_x_1)", "LDG.E R5, desc[UR6][R2.64+0x8]",  # behind a branch
+        "STG.E desc[UR6][R8.64], R5", "LDG.E R6, desc[UR6][R2.64+0xc]",           # behind a store
+        "BRA `(.L_x_2)", "LDG.E.128 R8, desc[UR6][R2.64+0x10]",                  # unconditional: not counted
+        "STG.E desc[UR6][R8.64], R6", "@!P1 BRA `(.L_x_3)", "LDG.E R9, desc[UR6][R2.64]"]))
+    assert serial_loads(sass) == {"loads_behind_branch": 2, "loads_behind_store": 1}
