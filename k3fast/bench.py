@@ -65,6 +65,13 @@ def _cases(cfg, batch: int):
                                                                       w.input_layernorm, w_in, partial_out=p_out,
                                                                       fused_groups=2),
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+    if M <= 4:      # rms_gemv v6 (opt-in): each batch of weight loads tied together (fused at M <= 2, plain above)
+        cases.append(("attnres_rms_gemv@pin", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
+                                                                       w.input_layernorm, w_in, partial_out=p_out,
+                                                                       pin_loads=True),
+                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+        cases.append(("gemv_in_proj_plain@pin", lambda: gemv(x, w_in, pin_loads=True), lambda: F.linear(x, w_in),
+                      w_in.numel() * 2 + M * d * 2))
     if M <= 2:      # rms_gemv v4 (opt-in): the fused kernel's weight prefetch as bulk L2 requests
         cases.append(("attnres_rms_gemv@pf", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
                                                                       w.input_layernorm, w_in, partial_out=p_out,

@@ -441,6 +441,7 @@ FAST_VARIANTS = {
     "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
     "fast-gemvpf": {"gemv_l2_bulk": True},      # the fused in_proj's v4: bulk L2 prefetch of its weights (opt-in)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
+    "fast-gemvpin": {"gemv_pin": True},        # rms_gemv v6: the FMA loop's weight loads tied together (opt-in)
     "fast-wpost": {"oproj_preload": True},     # oproj_attnres v1.2: w_post loaded before the PDL wait (opt-in)
     "fast-endtrig": {"attn_early_trigger": False},  # in_proj / KDA trigger their dependents at their ends (before)
     "fast-frontpf": {"front_l2_bulk": True},    # router v2.6: the FMA front's bulk L2 row prefetch (opt-in)

@@ -75,6 +75,19 @@ Version log
       Safe under the chain rule (the dependent reads nothing this kernel writes before its own wait). Prediction,
       together with kda_conv_gate_step v2: attention half b1 -3 to -4 us. Measured: -3.1 us (39.6 -> 36.5,
       records-001a431-s8.json; kda_conv_gate_step v2 has the timeline).
+  v6 (2026-11-29, session 6; CPU-compiled only, opt-in: pin_loads=True / PIN_LOADS / impl "fast-gemvpin") Each
+      batch's U weight loads are tied together. Why, from the SASS (ptxas 12.9) of the fused in_proj at rank16 M = 1:
+      the PTX issues 7 loads then the FMAs, but ptxas issues 4 loads, then the FMAs of the first (which wait for its
+      data), then the other 3 into registers the first ones freed. That is 2-3 round trips per row group instead
+      of one. It explains why v3 (14 loads per lane in the PTX) changed nothing, and why the kernel sits at 82
+      registers. The tie: every weight scale gets + 0 * (the sum of the batch's first weights). That is exactly
+      0 for finite weights, so outputs are bit-identical; a NaN weight poisons only its own row's dot product,
+      which it poisons anyway. ptxas then issues all 7 loads first (CPU test
+      test_pinned_loads_issue_together_in_sass, run where ptxas / nvdisasm are found). Cost: 128 registers (the
+      cap at 512 threads), so an in_proj CTA fills its SM's register file, and the early-triggered KDA CTAs (v5)
+      fit only on the ~17 SMs without one. Prediction: fused in_proj at b1 (flushed timeline) 20.3 -> ~16-17 us;
+      attention half b1 36.5 -> ~33-35 us, where the KDA step's lost overlap (+1-2 us) is the uncertain part.
+      Bench rows attnres_rms_gemv@pin and gemv_in_proj_plain@pin; GPU test test_pinned_loads_bitwise.
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -131,6 +144,7 @@ NORM_WARPS = 16
 FUSED_WARPS = 16
 FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
+PIN_LOADS = False   # v6 (opt-in until measured): tie each batch of the FMA loop's weight loads together
 FUSED_BULK_L2 = False   # v4 (opt-in; measured slower): the fused kernel's weight prefetch as bulk L2 requests
 BULK_L2_BYTES = 36 << 20   # v4: weight bytes the grid asks for ahead of use (the L2 holds 60 MB)
 
@@ -339,12 +353,15 @@ def _build_kernels():
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
         def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
-                     bulk=False, early_trigger=False):
+                     bulk=False, early_trigger=False, pin=False):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
             # v5 (opt-in, fused only): launch the PDL dependents (the KDA step) right after the wait, so their
             # pre-wait state and weight loads overlap this kernel's weight stream instead of following it
             self.early_trigger = early_trigger
             assert not (early_trigger and not fused)
+            # v6 (opt-in; G = 1 loop): tie each batch's U weight loads together so ptxas cannot sink some of them
+            # below the FMAs of the others (the version log has the SASS)
+            self.pin = pin
             # v4 (opt-in, fused G = 1 only): bulk L2 prefetch. Before the PDL wait, warp 0 asks the TMA unit for the
             # CTA's next `win` row groups, one cp.async.bulk.prefetch per weight row (no registers, no per-line
             # instructions); each loop iteration then asks for the group `win` ahead. win = BULK_L2_BYTES over the
@@ -476,10 +493,21 @@ def _build_kernels():
                         for u in cutlass.range_constexpr(self.U):
                             kvc = cutlass.min(kvb + 32 * u, kv1 - 1)
                             cute.copy(w_atom, gW[0, None, row, kvc], rWs[u])
+                        # v6 (pin): every FMA's weight scale also depends on all U loaded vectors, as 0 * (their sum):
+                        # exactly 0 for finite weights (the scale and the outputs are unchanged), and a NaN weight
+                        # poisons only this lane's slice of its own row, whose dot product it poisons anyway
+                        pin = Float32(0.0)
+                        if const_expr(self.pin):
+                            for u in cutlass.range_constexpr(self.U):
+                                pin = pin + rWs[u][0].to(Float32)
+                            pin = pin * Float32(0.0)
                         for u in cutlass.range_constexpr(self.U):
                             kv = kvb + 32 * u
                             kvc = cutlass.min(kv, kv1 - 1)
-                            wv = rWs[u].load().to(Float32) * cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
+                            scale = cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
+                            if const_expr(self.pin):
+                                scale = scale + pin
+                            wv = rWs[u].load().to(Float32) * scale
                             for m in cutlass.range_constexpr(self.MB):
                                 cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
                                 acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
@@ -702,7 +730,7 @@ def _dt(name):
     return {"bf16": cutlass.BFloat16, "fp32": cutlass.Float32}[name]
 
 
-def _compile_fma(MB, rpc, ks):
+def _compile_fma(MB, rpc, ks, pin=False):
     def build():
         cutlass, cute, Fma, _, _ = _kernels()
         BF = cutlass.BFloat16
@@ -710,9 +738,9 @@ def _compile_fma(MB, rpc, ks):
         x = fake_tensor(BF, (MB, K))
         w = fake_tensor(BF, (N, K))
         y = fake_tensor(BF, (MB, N), align=2)
-        return cute.compile(Fma(MB, rpc, ks, FMA_WARPS), x, w, y, None, None, None, None, None, None,
+        return cute.compile(Fma(MB, rpc, ks, FMA_WARPS, pin=pin), x, w, y, None, None, None, None, None, None,
                             cutlass.Int32(1), fake_stream(), options=TVM_FFI)
-    return compile_cached(("rms_gemv.fma", MB, rpc, ks), build)
+    return compile_cached(("rms_gemv.fma", MB, rpc, ks) + (("pin",) if pin else ()), build)
 
 
 def _compile_mma(MB, rtw, rt, ks):
@@ -749,7 +777,8 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
     return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps), build)
 
 
-def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, bulk=False, early_trigger=False):
+def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, bulk=False, early_trigger=False,
+                 pin=False):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
@@ -757,26 +786,26 @@ def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
     obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G, bulk=bulk,
-              early_trigger=early_trigger)
+              early_trigger=early_trigger, pin=pin)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
-def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, bulk=False, early_trigger=False):
+def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, bulk=False, early_trigger=False, pin=False):
     key = (("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
-           + (("bulk",) if bulk else ()) + (("early_trigger",) if early_trigger else ()))
+           + (("bulk",) if bulk else ()) + (("early_trigger",) if early_trigger else ()) + (("pin",) if pin else ()))
     return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G, bulk=bulk,
-                                                    early_trigger=early_trigger))
+                                                    early_trigger=early_trigger, pin=pin))
 
 
 def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, bulk: bool = False,
-              early_trigger: bool = False) -> str:
+              early_trigger: bool = False, pin: bool = False) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
                                              options=TVM_FFI + " --keep-ptx", G=G, bulk=bulk,
-                                             early_trigger=early_trigger))
+                                             early_trigger=early_trigger, pin=pin))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -786,13 +815,13 @@ def _check_2d(name, t, M, K, dev):
     check_tensor(name, t, dtype=torch.bfloat16, shape=(M, K), device=dev)
 
 
-def gemv(x, w, out=None, *, mma: str = "v2"):
+def gemv(x, w, out=None, *, mma: str = "v2", pin_loads=None):
     """y[M, N] = x[M, K] @ w[N, K]^T (bf16 in/out, fp32 accumulate), M = 1..64, N and K multiples of 16.
 
     mma: the kernel for M > 4: "v2" (`_MmaGemv`, K split among a CTA's warps), "splitk" (k3fast.gemv_splitk:
     x staged in shared memory, K split across CTAs; opt-in, slower at b64 in its first H200 run (its version
     log); used only where gemv_splitk.applicable says so) or "cublas" (torch.mm: where both of ours lose, see
-    k3fast.fast.GEMV_DSL_MAX_M)."""
+    k3fast.fast.GEMV_DSL_MAX_M). pin_loads: the FMA path's v6 (None = PIN_LOADS)."""
     M, N, K, out = gemv_operands(x, w, out)
     if mma not in ("v2", "splitk", "cublas"):
         raise ValueError(f"mma must be 'v2', 'splitk' or 'cublas', got {mma!r}")
@@ -802,7 +831,8 @@ def gemv(x, w, out=None, *, mma: str = "v2"):
         return torch.mm(x, w.t(), out=out)
     if MB <= 4:
         rpc, ks = _fma_config(N, K)
-        _compile_fma(MB, rpc, ks)(x, w, out, None, None, None, None, None, None, N // rpc)
+        pin = PIN_LOADS if pin_loads is None else bool(pin_loads)
+        _compile_fma(MB, rpc, ks, pin)(x, w, out, None, None, None, None, None, None, N // rpc)
     elif mma == "splitk" and _splitk().applicable(N, K, M):
         _splitk().gemv_splitk(x, w, out=out)
     else:
@@ -877,13 +907,14 @@ def _check_groups(G) -> int:
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     l2_bulk=None, early_trigger=False):
+                     l2_bulk=None, early_trigger=False, pin_loads=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
     l2_bulk: the fused kernel's weight prefetch as bulk L2 requests (None = FUSED_BULK_L2; v4, opt-in; G = 1 only).
     early_trigger: the fused kernel launches its PDL dependents right after its wait (v5, opt-in), for a dependent
     whose pre-wait reads do not include this call's outputs (the KDA step).
+    pin_loads: tie each batch of weight loads together (v6, opt-in; None = PIN_LOADS; fused kernel, G = 1).
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
@@ -913,13 +944,14 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         bulk = FUSED_BULK_L2 if l2_bulk is None else bool(l2_bulk)
         if bulk and G != 1:
             raise ValueError("l2_bulk needs fused_groups = 1 (v4 and v3 are separate opt-ins)")
+        pin = (PIN_LOADS if pin_loads is None else bool(pin_loads)) and G == 1
         fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G, bulk,
-                            bool(early_trigger))
+                            bool(early_trigger), pin)
         fn(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
                                      block_write=block_write, partial_out=partial_out)
-    gemv(x, w, out=out, mma=mma)
+    gemv(x, w, out=out, mma=mma, pin_loads=pin_loads)
     return out, partial_out
 
 

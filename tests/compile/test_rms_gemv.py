@@ -206,3 +206,34 @@ def test_fused_trigger_placement(early):
     stores = [i for i, ln in enumerate(lines) if ln.strip().startswith("st.global")]
     assert len(trig) == 1 and len(wait) == 1 and stores and trig[0] > wait[0]
     assert (trig[0] < min(stores)) == early and (trig[0] > max(stores)) == (not early)
+
+
+@needs_dsl
+@pytest.mark.parametrize("M", [1, 2])
+def test_pinned_loads_issue_together_in_sass(M):
+    """v6 (pin): ptxas keeps each batch's weight loads together in the fused kernel's loop (v2's SASS issues 4, then
+    FMAs that wait for the first, then the other 3). SASS needs ptxas and nvdisasm (k3fast.ptxcheck.find_sass_tools);
+    without them only the compile is checked."""
+    from k3fast.ptxcheck import _assemble, find_sass_tools
+    ptx = {pin: R.fused_ptx(3216, M=M, pin=pin) for pin in (False, True)}
+    tools = find_sass_tools()
+    if tools is None:
+        pytest.skip("no ptxas / nvdisasm here: compiled only")
+    import re
+
+    def loop_issue(sass):
+        ops = "".join("L" if "LDG.E.NA" in ln else "f" if "FFMA" in ln else ""
+                      for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln))
+        return re.search(r"L[Lf]*", ops).group(0)
+    seq = {pin: loop_issue(_assemble(ptx[pin], tools[0], "sm_90a", tools[1], ("-c",))[1]) for pin in ptx}
+    per_lane = R._vectors_per_lane(7168, R._fused_config(3216, 7168)[1])
+    assert seq[True][:per_lane] == "L" * per_lane, seq[True][:40]
+    assert seq[False][:per_lane] != "L" * per_lane, seq[False][:40]
+
+
+@needs_dsl
+@pytest.mark.parametrize("M", [1, 3, 4])
+def test_plain_gemv_pinned_compiles(M):
+    """v6 on the plain FMA GEMV (the in_proj at M = 3-4 after attnres_rmsnorm): its own compile key."""
+    rpc, ks = R._fma_config(3216, 7168)
+    assert R._compile_fma(R.bucket_m(M), rpc, ks, True) is not R._compile_fma(R.bucket_m(M), rpc, ks, False)

@@ -138,6 +138,20 @@ def test_fused_two_groups_bitwise(R, seed, M, N):
 
 
 @pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+def test_pinned_loads_bitwise(R, seed, M, N):
+    """v6 (pin_loads) adds 0 * (sum of the batch's first weights) to each weight scale: for finite weights the
+    outputs equal v2's bit for bit, fused (M <= 2) and unfused (M = 3, 4: attnres_rmsnorm + the plain FMA GEMV)."""
+    blocks, p, delta, u, w_ln = make_inputs(M, 5, True)
+    w = make_w(N)
+    y1, p1 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, pin_loads=False)
+    y2 = torch.full_like(y1, float("nan"))
+    _, p2 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, pin_loads=True, out=y2)
+    torch.cuda.synchronize()
+    assert torch.equal(y1, y2) and torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
 @pytest.mark.parametrize("M", [1, 2])
 def test_fused_bulk_l2_bitwise(R, seed, M, N):
     """v4 (l2_bulk=True) changes only where the weights are prefetched from: outputs bit-identical to v2, including
