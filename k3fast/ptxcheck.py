@@ -192,9 +192,15 @@ def serial_loads(sass: str) -> dict:
     found two of these chains by reading the SASS: the router top-k's 28 logit loads, each behind the previous
     sigmoid's division branch (~14 us), and the z copy's load / store / load pairs. A static count: inside a loop
     the same pattern costs one round trip per iteration, and a branch that only guards the last iteration's
-    remainder costs little. Read it as a list of places to look, not as time."""
-    behind_branch = behind_store = 0
-    saw_branch = saw_store = False
+    remainder costs little. Read it as a list of places to look, not as time.
+
+    ``loads_behind_use``: loads that come after an instruction reading an earlier load's destination register,
+    with no branch or store between. The reading instruction waits for that load's data, so the later load is
+    issued a round trip late. This is how ptxas scheduled rms_gemv's FMA loop before its v6: 4 loads, the first
+    vector's FMAs, then 3 more loads."""
+    behind_branch = behind_store = behind_use = 0
+    saw_branch = saw_store = saw_use = False
+    pending: set[int] = set()          # registers written by global loads not yet read
     for line in sass.splitlines():
         m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
         if not m:
@@ -204,11 +210,19 @@ def serial_loads(sass: str) -> dict:
             saw_branch = True
         elif re.search(r"\bSTG\b", ins):
             saw_store = True
-        elif re.search(r"\bLDG\b", ins):
+        ld = re.match(r"(?:@!?P\w+\s+)?LDG\S*\s+R(\d+),\s*(.*)", ins)
+        srcs = {int(r) for r in re.findall(r"\bR(\d+)\b", ld.group(2) if ld else ins.split(",", 1)[-1] if "," in ins else "")}
+        if pending & srcs:
+            saw_use = True
+            pending -= srcs
+        if ld:
             behind_branch += saw_branch
             behind_store += saw_store and not saw_branch
-            saw_branch = saw_store = False
-    return {"loads_behind_branch": behind_branch, "loads_behind_store": behind_store}
+            behind_use += saw_use and not (saw_branch or saw_store)
+            saw_branch = saw_store = saw_use = False
+            width = {"64": 2, "128": 4}.get(re.search(r"LDG\S*?(?:\.(64|128))?\s", ins).group(1), 1)
+            pending |= set(range(int(ld.group(1)), int(ld.group(1)) + width))
+    return {"loads_behind_branch": behind_branch, "loads_behind_store": behind_store, "loads_behind_use": behind_use}
 
 
 def sass_size(ptx: str, tools: tuple[str, str], arch: str = "sm_90a") -> dict:
@@ -251,7 +265,9 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
 
     builds = [("attnres_rms_gemv (fused in_proj)", "M=1", lambda: rms_gemv.fused_ptx(3216)),
               ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=1", lambda: rms_gemv.fused_ptx(3216, G=2)),
-              ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, G=2))]
+              ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, G=2)),
+              ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=1", lambda: rms_gemv.fused_ptx(3216, pin=True)),
+              ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, pin=True))]
     with keep_ptx(kda, oa, moe_tail, rdt):
         kkey = kda.compile_key(cfg.kda_heads, 1, kda.choose_nsplit(1, cfg.kda_heads))
         _, kp, nb, tg = oa.compile_key(768, 1, 1)

@@ -228,4 +228,9 @@ def test_serial_loads_counts_loads_behind_branches_and_stores():
         "STG.E desc[UR6][R8.64], R5", "LDG.E R6, desc[UR6][R2.64+0xc]",           # behind a store
         "BRA `(.L_x_2)", "LDG.E.128 R8, desc[UR6][R2.64+0x10]",                  # unconditional: not counted
         "STG.E desc[UR6][R8.64], R6", "@!P1 BRA `(.L_x_3)", "LDG.E R9, desc[UR6][R2.64]"]))
-    assert serial_loads(sass) == {"loads_behind_branch": 2, "loads_behind_store": 1}
+    assert serial_loads(sass) == {"loads_behind_branch": 2, "loads_behind_store": 1, "loads_behind_use": 0}
+    sunk = "\n".join(f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate([
+        "LDG.E.NA.128 R32, desc[UR6][R32.64]", "LDG.E.NA.128 R24, desc[UR6][R24.64]",
+        "PRMT R11, R33, 0x7632, R11", "FFMA R8, R11, R10, R8",                     # reads the first load's R33
+        "LDG.E.NA.128 R32, desc[UR6][R40.64]", "FFMA R7, R26, R10, R7", "LDG.E.NA.128 R16, desc[UR6][R42.64]"]))
+    assert serial_loads(sunk) == {"loads_behind_branch": 0, "loads_behind_store": 0, "loads_behind_use": 2}
