@@ -197,7 +197,9 @@ def serial_loads(sass: str) -> dict:
     ``loads_behind_use``: loads that come after an instruction reading an earlier load's destination register,
     with no branch or store between. The reading instruction waits for that load's data, so the later load is
     issued a round trip late. This is how ptxas scheduled rms_gemv's FMA loop before its v6: 4 loads, the first
-    vector's FMAs, then 3 more loads."""
+    vector's FMAs, then 3 more loads. In a software-pipelined loop that consumes one register stage while the
+    next is in flight (moe_tail's SwapAbGemv), every load counts here by design: the count flags, it does not
+    judge."""
     behind_branch = behind_store = behind_use = 0
     saw_branch = saw_store = saw_use = False
     pending: set[int] = set()          # registers written by global loads not yet read
