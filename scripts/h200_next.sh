@@ -109,9 +109,19 @@ case "${1:-}" in
           topk_from_logits~warm" K3_BENCH_TIMEOUT=50 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
           --impls stock fast fast-trig --budget-s 90 || rc=1
       exit $rc ;;
+  # session 7: the opt-ins written after session 6's last run (o_proj w_post preload, the pinned in_proj loads,
+  # the tail's per-line L2 prefetch); their GPU tests, then the rank16 A/B and bench rows
+  s9tests) K3_TEST_TIMEOUT=400 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py tests/gpu/test_rms_gemv.py \
+          tests/gpu/test_oproj_attnres.py tests/gpu/test_moe_tail.py -k "wpost or gemvpin or tailpfl or pinned \
+          or preload or prefetch or graph_replay or -fast]" ;;
+  s9perf) K3_SWEEP_TIMEOUT=300 K3_BENCH="--shapes k3_rank16 --batches 1 2 4 8 --kernels attnres_rms_gemv \
+          attnres_rms_gemv@pin gemv_in_proj_plain gemv_in_proj_plain@pin oproj_attnres oproj_attnres@wpost moe_tail \
+          moe_tail@pf moe_tail@pfl" K3_BENCH_TIMEOUT=150 \
+          bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-wpost fast-gemvpin \
+          fast-tailpfl fast-endtrig --budget-s 240 ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf"; exit 2 ;;
 esac
