@@ -47,7 +47,7 @@ Version log
       run 7 row groups, and each group is one batch of 7 loads followed by a warp reduction, a CTA barrier and the
       store: 7 serial round trips to L2 (the next group is L2-prefetched) per CTA. Per group, the FMAs, reduction
       and store are the same operations in the same order, so the outputs are bit-identical to v2
-      (tests/gpu test_fused_two_groups_bitwise). The v2 path's PTX is unchanged. ptxas 12.9 (traces/cpu/ptxcheck-07cd715093d7.json): M = 1 98 registers
+      (tests/gpu test_opt_in_builds_are_bitwise, fused_groups). The v2 path's PTX is unchanged. ptxas 12.9 (traces/cpu/ptxcheck-07cd715093d7.json): M = 1 98 registers
       (v2 82), M = 2 104 (82), no local memory; SASS 31.5 / 45.8 KB (23.0 / 34.8).
       Prediction: in_proj at b1 17.2 -> ~13-14 us in the layer, so the attention half 39.6 -> ~36 us (1.8x stock
       is 35.8 us). If it does not move, the round trips are not the cost, and the 46 MB read itself is: cuBLAS
@@ -62,7 +62,7 @@ Version log
       round trips are not the cost, and the kernel streams at ~2 TB/s (bench b1 23.7 us for 46 MB). The weights
       need not wait for the AttnRes prologue (n_blocks + 1 source rows from L2, three CTA reductions) nor for the
       register loads, which cap what each SM keeps in flight. The TMA unit can keep the HBM busy on its own.
-      Arithmetic unchanged: bit-identical to v2 (GPU test test_fused_bulk_l2_bitwise). Prediction: bench b1 23.7 ->
+      Arithmetic unchanged: bit-identical to v2 (GPU test test_opt_in_builds_are_bitwise, l2_bulk). Prediction: bench b1 23.7 ->
       ~14-16 us; in_proj in the layer (flushed timeline) ~ -6 us, so the attention half b1 39.8 -> ~33-35 us
       (1.8x stock is 35.6). At rank8 (90 MB > L2) the window keeps ~36 MB ahead of use; expect a smaller gain.
       Risk: the prologue's own L2 reads queue behind the bulk stream.
@@ -87,7 +87,7 @@ Version log
       cap at 512 threads), so an in_proj CTA fills its SM's register file, and the early-triggered KDA CTAs (v5)
       fit only on the ~17 SMs without one. Prediction: fused in_proj at b1 (flushed timeline) 20.3 -> ~16-17 us;
       attention half b1 36.5 -> ~33-35 us, where the KDA step's lost overlap (+1-2 us) is the uncertain part.
-      Bench rows attnres_rms_gemv@pin and gemv_in_proj_plain@pin; GPU test test_pinned_loads_bitwise.
+      Bench rows attnres_rms_gemv@pin and gemv_in_proj_plain@pin; GPU test test_opt_in_builds_are_bitwise (pin_loads).
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax

@@ -112,7 +112,7 @@ case "${1:-}" in
   # session 7: the opt-ins written after session 6's last run (o_proj w_post preload, the pinned in_proj loads,
   # the tail's per-line L2 prefetch); their GPU tests, then the rank16 A/B and bench rows
   s9tests) K3_TEST_TIMEOUT=400 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py tests/gpu/test_rms_gemv.py \
-          tests/gpu/test_oproj_attnres.py tests/gpu/test_moe_tail.py -k "wpost or gemvpin or tailpfl or pinned \
+          tests/gpu/test_oproj_attnres.py tests/gpu/test_moe_tail.py -k "wpost or gemvpin or tailpfl or opt_in_builds \
           or preload or prefetch or graph_replay or -fast]" ;;
   s9perf) K3_SWEEP_TIMEOUT=300 K3_BENCH="--shapes k3_rank16 --batches 1 2 4 8 --kernels attnres_rms_gemv \
           attnres_rms_gemv@pin gemv_in_proj_plain gemv_in_proj_plain@pin oproj_attnres oproj_attnres@wpost moe_tail \

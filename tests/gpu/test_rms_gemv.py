@@ -124,43 +124,24 @@ def test_fused_vs_unfused(R, seed, M):
     assert rel_rmse(y1, F.linear(x_ref, w.float())) <= 1e-2
 
 
-@pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
-@pytest.mark.parametrize("M", [1, 2])
-def test_fused_two_groups_bitwise(R, seed, M, N):
-    """v3 (fused_groups=2) does the same operations per row group as v2: outputs bit-identical."""
-    blocks, p, delta, u, w_ln = make_inputs(M, 5, True)
-    w = make_w(N)
-    y1, p1 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, fused_groups=1)
-    y2 = torch.full_like(y1, float("nan"))
-    _, p2 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, fused_groups=2, out=y2)
-    torch.cuda.synchronize()
-    assert torch.equal(y1, y2) and torch.equal(p1, p2)
+# Opt-in builds that must not change a bit of the output: (keyword, default value, opt-in value, batches).
+#   fused_groups=2 (v3): the same operations per row group, two groups per loop iteration.
+#   pin_loads=True (v6): + 0 * (sum of the batch's first weights) in each weight scale, fused (M <= 2) and through
+#                        attnres_rmsnorm + the plain FMA GEMV (M = 3, 4).
+#   l2_bulk=True (v4): only where the weights are prefetched from; at full width the 708 MB is far more than the
+#                      bulk window (BULK_L2_BYTES).
+BITWISE_OPTIONS = [("fused_groups", 1, 2, (1, 2)), ("pin_loads", False, True, (1, 2, 3, 4)),
+                   ("l2_bulk", False, True, (1, 2))]
 
 
 @pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
-def test_pinned_loads_bitwise(R, seed, M, N):
-    """v6 (pin_loads) adds 0 * (sum of the batch's first weights) to each weight scale: for finite weights the
-    outputs equal v2's bit for bit, fused (M <= 2) and unfused (M = 3, 4: attnres_rmsnorm + the plain FMA GEMV)."""
+@pytest.mark.parametrize("option,off,on,M", [(o, a, b, m) for o, a, b, ms in BITWISE_OPTIONS for m in ms])
+def test_opt_in_builds_are_bitwise(R, seed, option, off, on, M, N):
     blocks, p, delta, u, w_ln = make_inputs(M, 5, True)
     w = make_w(N)
-    y1, p1 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, pin_loads=False)
+    y1, p1 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, **{option: off})
     y2 = torch.full_like(y1, float("nan"))
-    _, p2 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, pin_loads=True, out=y2)
-    torch.cuda.synchronize()
-    assert torch.equal(y1, y2) and torch.equal(p1, p2)
-
-
-@pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
-@pytest.mark.parametrize("M", [1, 2])
-def test_fused_bulk_l2_bitwise(R, seed, M, N):
-    """v4 (l2_bulk=True) changes only where the weights are prefetched from: outputs bit-identical to v2, including
-    the full-width in_proj whose 708 MB is far more than the bulk window (BULK_L2_BYTES)."""
-    blocks, p, delta, u, w_ln = make_inputs(M, 5, True)
-    w = make_w(N)
-    y1, p1 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, l2_bulk=False)
-    y2 = torch.full_like(y1, float("nan"))
-    _, p2 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, l2_bulk=True, out=y2)
+    _, p2 = R.attnres_rms_gemv(blocks, 5, p, delta, u, w_ln, w, out=y2, **{option: on})
     torch.cuda.synchronize()
     assert torch.equal(y1, y2) and torch.equal(p1, p2)
 
