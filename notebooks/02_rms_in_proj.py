@@ -160,7 +160,51 @@ from k3fast import fast as fast_mod
 print("in_proj / o_proj GEMV on CuTe up to M =", fast_mod.GEMV_DSL_MAX_M, "| router front up to M =",
       fast_mod.FRONT_DSL_MAX_M, "| MoE tail up to M =", fast_mod.TAIL_DSL_MAX_M)
 
+# %% [markdown]
+# ## 8. The PTX order is not the issue order
+# At batch 1 this kernel streams its 46 MB at ~2.2 TB/s: 20.3 µs in the layer against an 11.1 µs floor
+# (records-c90da94-kdaall.json, flushed timeline). Each warp loads its slice of a row group as one batch of 7
+# 16-byte vectors per lane, then does the FMAs, and the PTX says exactly that. v3 put two groups, 14 loads, in
+# each batch and measured no gain, so the loads must be issued differently. The SASS, which ptxas writes, shows
+# how: 4 loads, then the FMAs of the first vector (these wait for its data), then the other 3 loads, into the
+# registers the first ones freed. That is two to three round trips per group instead of one.
+#
+# v6 (`pin_loads=True`, impl `fast-gemvpin`, opt-in until the H200 measures it) ties the batch together. Each
+# weight scale gets `+ 0 * (w_0 + ... + w_6)` (the first weight of each vector): exactly 0 for finite weights, so
+# the output is bit-identical, but now every FMA depends on all 7 loads. ptxas then issues them together, at 128
+# registers instead of 82. `k3fast.ptxcheck` counts such "loads behind a use" for every kernel. Below, its record
+# for this kernel, then (where a ptxas and nvdisasm are found) the loop's issue order compiled here:
+# L = global load, f = FFMA.
+
+# %%
+import glob  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+
+from k3fast import ptxcheck  # noqa: E402
+
+recs, newest = [], ""
+for path in glob.glob(os.path.join(nbtools.ROOT, "traces", "cpu", "ptxcheck-*.json")):
+    with open(path) as f:
+        doc = json.load(f)
+    rows = [r for r in doc["records"] if "loads_behind_use" in r and "in_proj" in r["kernel"]]
+    if rows and doc["environment"].get("date", "") >= newest:
+        recs, newest = [(os.path.basename(path), r) for r in rows], doc["environment"].get("date", "")
+for src, r in recs:
+    print(f"{src}: {r['kernel']:44s} {r['config'][10:]:5s} {r['registers']:3d} registers, "
+          f"{r['global_loads']} loads, {r['loads_behind_use']} behind a use")
+tools = ptxcheck.find_sass_tools()
+if tools is not None and dsl_available():
+    for pin in (False, True):
+        _, sass = ptxcheck._assemble(rms_gemv.fused_ptx(3216, pin=pin), tools[0], "sm_90a", tools[1], ("-c",))
+        ops = "".join("L" if "LDG.E.NA" in ln else "f" if "FFMA" in ln else "" for ln in sass.splitlines())
+        print(f"pin={pin!s:5s} loop: {re.search(r'L[Lf]*', ops).group(0)[:48]}")
+else:
+    print("no ptxas / nvdisasm here (k3fast.ptxcheck.find_sass_tools): the recorded counts above are the evidence")
+
 # %%
 assert err < 1e-12
 assert rec["source"] is None or rec["failed"] == 0
+assert recs, "traces/cpu has no ptxcheck record with serial-load counts"
 print("ok")
