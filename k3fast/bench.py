@@ -104,6 +104,14 @@ def _cases(cfg, batch: int):
                                          proj[:, 4 * Pw + D:4 * Pw + D + H], st.conv, st.recurrent, io.slots, kw, head_dim=D,
                                          null_slot=st.num_slots - 1),
                   state_bytes + a.f_b_proj.numel() * 2 + M * (proj.shape[1] + Pw) * 2))
+    # kda_conv_gate_step v3 (opt-in): the proj loads right after the wait (T = 1, nsplit 8)
+    cases.append(("kda_conv_gate_step@pre",
+                  lambda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm, st.conv, st.recurrent,
+                                             io.slots, heads=H, preload=True),
+                  lambda: stock_kda_core(proj[:, :Pw], proj[:, Pw:2 * Pw], proj[:, 2 * Pw:3 * Pw], proj[:, 3 * Pw:4 * Pw], f,
+                                         proj[:, 4 * Pw + D:4 * Pw + D + H], st.conv, st.recurrent, io.slots, kw, head_dim=D,
+                                         null_slot=st.num_slots - 1),
+                  state_bytes + a.f_b_proj.numel() * 2 + M * (proj.shape[1] + Pw) * 2))
     # 3. o_proj + AttnRes #2
     y = rnd(M, Pw)
     u2 = attn_res_u(w.mlp_res, P).float().contiguous()

@@ -68,7 +68,8 @@ class FastImpl:
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
                  shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | str | None = None,
                  gemv_l2_bulk: bool | None = None, front_l2_bulk: bool | None = None,
-                 attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None):
+                 attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
+                 kda_preload: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -139,7 +140,8 @@ class FastImpl:
         # "fast-endtrig" keeps the triggers at the kernels' ends
         self.attn_early_trigger = attn_early_trigger
         self.oproj_preload = oproj_preload
-        self.gemv_pin = gemv_pin             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")   # None: router_down_topk.FMA_BULK_L2 (True: v2.6, "fast-frontpf")     # None: rms_gemv.FUSED_BULK_L2 (True: the fused in_proj's v4, "fast-gemvpf")
+        self.gemv_pin = gemv_pin
+        self.kda_preload = kda_preload       # None: kda_conv_gate_step.PRELOAD (True: its v3, "fast-kdapre")             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")   # None: router_down_topk.FMA_BULK_L2 (True: v2.6, "fast-frontpf")     # None: rms_gemv.FUSED_BULK_L2 (True: the fused in_proj's v4, "fast-gemvpf")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
@@ -155,6 +157,7 @@ class FastImpl:
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
+                        + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
                         + ("" if attn_early_trigger else ", attention PDL triggers at the kernels' ends")
@@ -194,7 +197,7 @@ class FastImpl:
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
-                                   early_trigger=self.attn_early_trigger)
+                                   early_trigger=self.attn_early_trigger, preload=self.kda_preload)
         with stage("k3.o_proj"):
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,

@@ -442,6 +442,7 @@ FAST_VARIANTS = {
     "fast-gemvpf": {"gemv_l2_bulk": True},      # the fused in_proj's v4: bulk L2 prefetch of its weights (opt-in)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     "fast-gemvpin": {"gemv_pin": True},        # rms_gemv v6: the FMA loop's weight loads tied together (opt-in)
+    "fast-kdapre": {"kda_preload": True},      # kda_conv_gate_step v3: proj loads right after the wait (opt-in)
     "fast-wpost": {"oproj_preload": True},     # oproj_attnres v1.2: w_post loaded before the PDL wait (opt-in)
     "fast-endtrig": {"attn_early_trigger": False},  # in_proj / KDA trigger their dependents at their ends (before)
     "fast-frontpf": {"front_l2_bulk": True},    # router v2.6: the FMA front's bulk L2 row prefetch (opt-in)

@@ -77,6 +77,13 @@ Version log
       21.4 instead of 26.2; o_proj ends 6.8 us after the KDA step instead of 9.6. b8 / b64 unchanged (o_proj is
       on cuBLAS there). GPU-tested: test_fast_attention_half at b1-4, tp16 and tp8, and test_back_to_back_steps
       (default trigger).
+  v3 (2026-11-29, session 6; CPU-compiled only, opt-in: preload=True / PRELOAD / impl "fast-kdapre") At T = 1 and
+      nsplit 8, every value a thread reads from proj is loaded right after the wait: the q/k/v conv inputs, the
+      beta logit, the f_a vector and the output gate. In v2's SASS the beta and f_a loads sat behind the conv
+      sigmoids' division branches, and the gate load came after the last cluster barrier (k3fast.ptxcheck: 6
+      loads behind a branch, 3 with the preload). Results are bit-identical. ptxas 12.9: 64 -> 71 registers at
+      nsplit 8, no spills; nsplit 4 would spill 8 bytes, so it keeps v2. Prediction: the KDA step at b1 -1 to
+      -1.5 us (2-3 L2 round trips), most of it on the attention half's critical path.
 """
 from __future__ import annotations
 
@@ -86,6 +93,9 @@ from ._dsl import check_tensor, compile_cached, fake_stream, fake_tensor, import
 
 HEAD_DIM = 128
 MAX_T = 8
+# v3 (opt-in until measured; FastImpl kda_preload / impl "fast-kdapre"): at T = 1 the proj loads are issued
+# together right after the PDL wait (the version log says why)
+PRELOAD = False
 WARPS = 4
 
 
@@ -128,7 +138,8 @@ def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_b
 
 # ---------------------------------------------------------------------------- device code
 
-def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float, early_trigger: bool = False):
+def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float, early_trigger: bool = False,
+           preload: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass.cutlass_dsl import dsl_user_op
@@ -136,6 +147,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
 
     H, D, NS = heads, head_dim, nsplit
     P = H * D
+    assert not (preload and T != 1), "preload is a T = 1 build"
     R = D // NS                 # value rows (and f channels) per CTA
     RW = R // WARPS             # value rows per warp
     NTH = 32 * WARPS
@@ -252,11 +264,26 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
 
             # ---------------- phase A: conv, beta, f -> alpha for all T tokens (state-independent)
             rFa = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
+            if const_expr(preload):
+                # v3 (opt-in, T = 1): everything this thread reads from proj, issued together right after the wait.
+                # In v2's SASS the beta logit and the f_a vector load sat behind the conv sigmoids' division
+                # branches, and the output gate's load came after the last cluster barrier: 3 more round trips.
+                p_xq = mProj[b, cq]
+                p_xk = mProj[b, ck]
+                p_xv = mProj[b, cv_c]
+                p_beta = mProj[b, 4 * P + D + h]
+                cute.autovec_copy(cute.local_tile(mProj[b, None], (8,), (4 * P // 8 + jv,)), rFa)
+                p_gate = mProj[b, 3 * P + h * D + split * R + tid % R]
             for t in cutlass.range_constexpr(T):
                 row = b * T + t
-                xq = mProj[row, cq].to(Float32)
-                xk = mProj[row, ck].to(Float32)
-                xv = mProj[row, cv_c].to(Float32)
+                if const_expr(preload):
+                    xq = p_xq.to(Float32)
+                    xk = p_xk.to(Float32)
+                    xv = p_xv.to(Float32)
+                else:
+                    xq = mProj[row, cq].to(Float32)
+                    xk = mProj[row, ck].to(Float32)
+                    xv = mProj[row, cv_c].to(Float32)
                 uq = cw[0, 0] * win[0, 0] + cw[0, 1] * win[0, 1] + cw[0, 2] * win[0, 2] + cw[0, 3] * xq
                 uk = cw[1, 0] * win[1, 0] + cw[1, 1] * win[1, 1] + cw[1, 2] * win[1, 2] + cw[1, 3] * xk
                 uv = cw[2, 0] * win[2, 0] + cw[2, 1] * win[2, 1] + cw[2, 2] * win[2, 2] + cw[2, 3] * xv
@@ -274,9 +301,13 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                 win[2, 1] = win[2, 2]
                 win[2, 2] = xv
                 if tid == 0:
-                    sBeta[t] = sigmoid(mProj[row, 4 * P + D + h].to(Float32))
+                    if const_expr(preload):
+                        sBeta[t] = sigmoid(p_beta.to(Float32))
+                    else:
+                        sBeta[t] = sigmoid(mProj[row, 4 * P + D + h].to(Float32))
                 # f[i] = bf16(sum_j f_a[j] W_fb[hD+i, j]); 16 lanes (one W_fb row) per reduction
-                cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
+                if const_expr(not preload):
+                    cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
                 fa = rFa.load().to(Float32)
                 for m in cutlass.range_constexpr(FROWS):
                     part = (fa * rW[m, None].load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
@@ -356,7 +387,10 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                         tot = tot + sRed[t, p]
                     rstd = cute.math.rsqrt(tot * Float32(1.0 / D) + Float32(eps))
                     col = h * D + split * R + r
-                    gate = mProj[b * T + t, 3 * P + col].to(Float32)
+                    if const_expr(preload):
+                        gate = p_gate.to(Float32)          # T = 1: idx = tid < R, so col = 3P + hD + sR + tid
+                    else:
+                        gate = mProj[b * T + t, 3 * P + col].to(Float32)
                     yv = onorm * sO[t, r] * rstd * sigmoid(gate)
                     if is_pad:
                         yv = Float32(0.0)
@@ -374,7 +408,8 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
 
 def _compile(key):
     _, heads, head_dim, T, nsplit, lower_bound, eps = key[:7]
-    early = key[7:] == ("early_trigger",)
+    early = "early_trigger" in key[7:]
+    preload = "preload" in key[7:]
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
@@ -382,7 +417,7 @@ def _compile(key):
     M = cute.sym_int()          # B*T rows
     B = cute.sym_int()          # requests
     S = cute.sym_int()          # state slots
-    obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early)
+    obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload)
     fakes = (
         fake_tensor(BFloat16, (M, proj_width(heads, head_dim))),
         fake_tensor(BFloat16, (P, head_dim)),
@@ -405,13 +440,17 @@ def _get_compiled(key):
 # ---------------------------------------------------------------------------- host entry point
 
 def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
-                       head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None, early_trigger=False):
+                       head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None, early_trigger=False,
+                       preload=None):
     """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
     for the valid slots and returns y [B*T, H*D] bf16. See the module docstring for the contracts.
 
     early_trigger (v2, opt-in): launch the PDL dependents right after the wait instead of at the end. Only for a
     dependent that reads no KDA state before its own wait (o_proj in the layer chain), never for a second KDA step
-    launched directly behind this one."""
+    launched directly behind this one.
+
+    preload (v3, opt-in; None = PRELOAD): at T = 1, every proj value is loaded right after the wait (bit-identical).
+    Ignored for T > 1, where the per-token loads would cost T times the registers, and for nsplit 4 (it spills)."""
     import torch
 
     if head_dim != HEAD_DIM:
@@ -456,6 +495,9 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     ns = choose_nsplit(B, H) if nsplit is None else int(nsplit)
     if ns not in (4, 8):
         raise ValueError(f"nsplit must be 4 or 8, got {nsplit}")
-    fn = _get_compiled(compile_key(H, T, ns, lower_bound, eps, D) + (("early_trigger",) if early_trigger else ()))
+    # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
+    pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and ns == 8
+    fn = _get_compiled(compile_key(H, T, ns, lower_bound, eps, D) + (("early_trigger",) if early_trigger else ())
+                       + (("preload",) if pre else ()))
     fn(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, out)
     return out

@@ -112,13 +112,13 @@ case "${1:-}" in
   # session 7: the opt-ins written after session 6's last run (o_proj w_post preload, the pinned in_proj loads,
   # the tail's per-line L2 prefetch); their GPU tests, then the rank16 A/B and bench rows
   s9tests) K3_TEST_TIMEOUT=400 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py tests/gpu/test_rms_gemv.py \
-          tests/gpu/test_oproj_attnres.py tests/gpu/test_moe_tail.py -k "wpost or gemvpin or tailpfl or opt_in_builds \
+          tests/gpu/test_oproj_attnres.py tests/gpu/test_moe_tail.py tests/gpu/test_kda_conv_gate_step.py -k "wpost or gemvpin or tailpfl or kdapre or opt_in_builds \
           or preload or prefetch or graph_replay or -fast]" ;;
   s9perf) K3_SWEEP_TIMEOUT=300 K3_BENCH="--shapes k3_rank16 --batches 1 2 4 8 --kernels attnres_rms_gemv \
           attnres_rms_gemv@pin gemv_in_proj_plain gemv_in_proj_plain@pin oproj_attnres oproj_attnres@wpost moe_tail \
-          moe_tail@pf moe_tail@pfl" K3_BENCH_TIMEOUT=150 \
+          moe_tail@pf moe_tail@pfl kda_conv_gate_step kda_conv_gate_step@pre" K3_BENCH_TIMEOUT=150 \
           bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-wpost fast-gemvpin \
-          fast-tailpfl fast-endtrig --budget-s 240 ;;
+          fast-kdapre fast-tailpfl fast-endtrig --budget-s 240 ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)

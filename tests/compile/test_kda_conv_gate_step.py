@@ -148,3 +148,26 @@ def test_trigger_placement(early):
     stores = [i for i, ln in enumerate(lines) if ln.strip().startswith("st.global")]
     assert len(trig) == 1 and len(wait) == 1 and stores
     assert (trig[0] < min(stores)) == early and (trig[0] > max(stores)) == (not early) and trig[0] > wait[0]
+
+
+@needs_dsl
+@pytest.mark.parametrize("heads", [6, 96])
+def test_preload_issues_proj_loads_before_the_first_sigmoid(heads):
+    """v3 (preload, T = 1): after the PDL wait, every global load (the proj values: q/k/v conv inputs, the beta
+    logit, the f_a vector, the output gate) comes before the first ex2; v2 has loads after it."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    base = kmod.compile_key(heads, 1, kmod.choose_nsplit(1, heads)) + ("early_trigger",)
+    old = kmod.TVM_FFI
+    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
+    late = {}
+    try:
+        for pre in (False, True):
+            lines = [ln.strip() for ln in compiled_ptx(lambda: kmod._compile(base + (("preload",) if pre else ())))
+                     .splitlines()]
+            wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+            first_ex2 = next(i for i, ln in enumerate(lines) if i > wait and ln.startswith("ex2."))
+            late[pre] = sum(1 for ln in lines[first_ex2:] if ln.startswith("ld.global"))
+    finally:
+        kmod.TVM_FFI = old
+    assert late[True] == 0 and late[False] >= 3, late

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl", "fast-gemv0", "fast-gemv8", "fast-gemvg2",
                                   "fast-gemvpf", "fast-endtrig", "fast-wpost",
-                                  "fast-gemvpin"])
+                                  "fast-gemvpin", "fast-kdapre"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -23,7 +23,7 @@ def test_fast_attention_half(tp, batch, impl):
         pytest.skip("M <= GEMV_DSL_MAX_M: fast runs the same kernels")
     if impl == "fast-gemv0" and batch > GEMV_DSL_MAX_M:
         pytest.skip("M > GEMV_DSL_MAX_M: fast runs the same kernels")
-    if impl in ("fast-endtrig", "fast-wpost", "fast-gemvpin") and batch > 4:
+    if impl in ("fast-endtrig", "fast-wpost", "fast-gemvpin", "fast-kdapre") and batch > 4:
         pytest.skip(f"{impl} differs from fast only in the fused chain (M <= GEMV_DSL_MAX_M)")
     if impl in ("fast-gemvg2", "fast-gemvpf") and batch > 2:
         pytest.skip(f"{impl} differs from fast only where the fused in_proj runs (M <= 2)")

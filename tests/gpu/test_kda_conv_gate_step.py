@@ -294,3 +294,30 @@ def test_timing_report(H, B, T):
         print(f"\nkda_conv_gate_step H={H} B={B} T={T} nsplit={ns}{pick}: {us:.2f} us, "
               f"{nbytes / 1e6:.2f} MB -> {nbytes / us / 1e6:.2f} TB/s (floor {nbytes / 4.3e6:.2f} us)")
         assert math.isfinite(us) and us > 0
+
+
+@pytest.mark.parametrize("H,B", [(6, 1), (6, 3), (12, 8), (96, 1)])
+def test_preload_is_bit_identical(H, B):
+    """v3 (preload, T = 1, nsplit 8) only moves the proj loads: y and both states equal v2's bit for bit, with a
+    padded slot in the batch when B > 1, and spare slots untouched."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(50 + B)
+    prm = make_params(H, gen, dev)
+    S = B + 3
+    conv0, rec0 = make_states(S, H, gen, dev)
+    slots = torch.arange(B, dtype=torch.int32, device=dev) + 1
+    if B > 1:
+        slots[1] = -1
+    proj = make_proj(B, 1, H, gen, dev)
+    res = {}
+    for pre in (False, True):
+        conv, rec = conv0.clone(), rec0.clone()
+        y = torch.full((B, H * D), float("nan"), dtype=torch.bfloat16, device=dev)
+        kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv,
+                                rec, slots, heads=H, T=1, out=y, nsplit=8, early_trigger=True, preload=pre)
+        torch.cuda.synchronize()
+        res[pre] = (y, conv, rec)
+    for a, b in zip(res[False], res[True]):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
+    assert torch.equal(res[True][2][0], rec0[0]) and torch.equal(res[True][1][0], conv0[0])   # slot 0: no request
