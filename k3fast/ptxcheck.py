@@ -237,6 +237,7 @@ def sass_size(ptx: str, tools: tuple[str, str], arch: str = "sm_90a") -> dict:
     return {"sass_instructions": len(ins), "code_kb": round(len(ins) * 16 / 1024, 1),
             "registers": int(regs.group(1)) if regs else None,
             "local_memory_instructions": sum(1 for line in ins if "LDL" in line or "STL" in line),
+            "spill_store_bytes": int(m.group(1)) if (m := re.search(r"(\d+) bytes spill stores", err)) else 0,
             "global_loads": sum(1 for line in ins if re.search(r"\bLDG\b", line)), **serial_loads(sass)}
 
 
@@ -276,8 +277,15 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
         inter = 384
         builds += [
             ("kda_conv_gate_step", "M=1 T=1", lambda: compiled_ptx(lambda: kda._compile(kkey))),
+            ("kda_conv_gate_step v3 (proj preloaded)", "M=1 T=1",
+             lambda: compiled_ptx(lambda: kda._compile(kkey + ("early_trigger", "preload")))),
+            ("kda_conv_gate_step v3 (proj preloaded; nsplit 4, not used)", "M=64 T=1",
+             lambda: compiled_ptx(lambda: kda._compile(kda.compile_key(cfg.kda_heads, 1, 4) + ("early_trigger", "preload")))),
             ("oproj_attnres", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg))),
             ("oproj_attnres v1.2 (w_post preloaded)", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg, True))),
+            ("oproj_attnres", "M=1 n_blocks=8", lambda: compiled_ptx(lambda: oa._compile(kp, 8, tg))),
+            ("oproj_attnres v1.2 (w_post preloaded)", "M=1 n_blocks=8",
+             lambda: compiled_ptx(lambda: oa._compile(kp, 8, tg, True))),
             ("shared_expert_gate_up", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_gate_up(moe_tail.n_tiles(1), inter))),
             ("moe_mxfp4_experts", "M=1", lambda: compiled_ptx(lambda: mx._compile(mx.compile_key(896, 3584, 256, 1),
                                                                               options=TVM_FFI + " --keep-ptx"))),
