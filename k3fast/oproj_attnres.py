@@ -26,7 +26,7 @@ v1.2 (2026-11-29, session 6; CPU-compiled only, opt-in: preload_wpost=True / PRE
     not hoist the next load above a store to memory it cannot prove disjoint, so the loop costs VPT = 4 serial
     round trips on the attention half's critical path. w_post is a weight, so the contracts already allow reading
     it before the wait. ptxas 12.9: 128 registers unchanged at n_blocks = 1; 174 -> 194 at n_blocks = 8 (still one
-    CTA per SM); no spills. Outputs bit-identical (GPU test test_preload_wpost_is_bit_identical). Prediction:
+    CTA per SM); no spills; loads behind a store 3 -> 0 (traces/cpu/ptxcheck-cb84e2ba91f3.json). Outputs bit-identical (GPU test test_preload_wpost_is_bit_identical). Prediction:
     attention half b1-4 -1 to -1.5 us (rank16 b1 36.5 -> ~35-35.5 us, 1.84-1.87x stock).
 
 What it replaces (k3-spec.md sections 4.2 steps 3-5, 4.3 "attn_res #2", 5, 6, 13.2 item 1)

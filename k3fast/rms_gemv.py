@@ -83,7 +83,8 @@ Version log
       registers. The tie: every weight scale gets + 0 * (the sum of the batch's first weights). That is exactly
       0 for finite weights, so outputs are bit-identical; a NaN weight poisons only its own row's dot product,
       which it poisons anyway. ptxas then issues all 7 loads first (CPU test
-      test_pinned_loads_issue_together_in_sass, run where ptxas / nvdisasm are found). Cost: 128 registers (the
+      test_pinned_loads_issue_together_in_sass, run where ptxas / nvdisasm are found; loads behind a use 3 -> 0 in
+      traces/cpu/ptxcheck-cb84e2ba91f3.json). Cost: 128 registers (the
       cap at 512 threads), so an in_proj CTA fills its SM's register file, and the early-triggered KDA CTAs (v5)
       fit only on the ~17 SMs without one. Prediction: fused in_proj at b1 (flushed timeline) 20.3 -> ~16-17 us;
       attention half b1 36.5 -> ~33-35 us, where the KDA step's lost overlap (+1-2 us) is the uncertain part.
