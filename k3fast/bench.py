@@ -72,11 +72,6 @@ def _cases(cfg, batch: int):
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
         cases.append(("gemv_in_proj_plain@pin", lambda: gemv(x, w_in, pin_loads=True), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
-    if M <= 2:      # rms_gemv v4 (opt-in): the fused kernel's weight prefetch as bulk L2 requests
-        cases.append(("attnres_rms_gemv@pf", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
-                                                                      w.input_layernorm, w_in, partial_out=p_out,
-                                                                      l2_bulk=True),
-                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 2:
         def unfused():
             xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
@@ -152,9 +147,6 @@ def _cases(cfg, batch: int):
     # router v2.4 (opt-in): the top-k selection rounds as a loop (57 -> 25 KB of SASS), in both fronts
     cases.append(("router_down_topk@rolled", lambda: router_down_topk(x, front, bias, rolled=True), stock_front,
                   front.numel() * 2 + M * d * 2))
-    if M <= 4:      # router v2.6 (opt-in): the FMA path's bulk L2 prefetch of each weight row
-        cases.append(("router_down_topk@pf", lambda: router_down_topk(x, front, bias, l2_bulk=True), stock_front,
-                      front.numel() * 2 + M * d * 2))
     cases.append(("router_down_topk_cublas+shared@rolled",
                   lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0], rolled=True),
                   lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))

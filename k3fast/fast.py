@@ -67,7 +67,6 @@ class FastImpl:
                  gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
                  shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | str | None = None,
-                 gemv_l2_bulk: bool | None = None, front_l2_bulk: bool | None = None,
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  kda_preload: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
@@ -132,16 +131,14 @@ class FastImpl:
         # None: moe_tail.L2_PREFETCH. True / "bulk": the shared gate/up and the tail bulk-prefetch their weight rows
         # into L2 before their PDL wait (moe_tail v2, "fast-tailpf"); "line": per-line prefetches (v3, "fast-tailpfl")
         self.tail_l2_prefetch = tail_l2_prefetch
-        self.gemv_l2_bulk = gemv_l2_bulk
-        self.front_l2_bulk = front_l2_bulk
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
         # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
         # "fast-endtrig" keeps the triggers at the kernels' ends
         self.attn_early_trigger = attn_early_trigger
-        self.oproj_preload = oproj_preload
-        self.gemv_pin = gemv_pin
-        self.kda_preload = kda_preload       # None: kda_conv_gate_step.PRELOAD (True: its v3, "fast-kdapre")             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")   # None: router_down_topk.FMA_BULK_L2 (True: v2.6, "fast-frontpf")     # None: rms_gemv.FUSED_BULK_L2 (True: the fused in_proj's v4, "fast-gemvpf")
+        self.oproj_preload = oproj_preload   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")
+        self.gemv_pin = gemv_pin             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")
+        self.kda_preload = kda_preload       # None: kda_conv_gate_step.PRELOAD (True: its v3, "fast-kdapre")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
@@ -161,8 +158,6 @@ class FastImpl:
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
                         + ("" if attn_early_trigger else ", attention PDL triggers at the kernels' ends")
-                        + ("" if front_l2_bulk is None else f", router front bulk L2 {'on' if front_l2_bulk else 'off'}")
-                        + ("" if gemv_l2_bulk is None else f", fused in_proj bulk L2 {'on' if gemv_l2_bulk else 'off'}")
                         + ("" if tail_l2_prefetch is None else f", tail L2 prefetch {tail_l2_prefetch!r}")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
@@ -191,7 +186,7 @@ class FastImpl:
                                        eps=cfg.rms_norm_eps, block_write=(l // cfg.attn_res_block_size) if boundary else -1,
                                        partial_out=p1,
                                        mma=self.gemv_mma if io.partial.shape[0] <= self.gemv_dsl_max_m else "cublas",
-                                       fused_groups=self.gemv_groups, l2_bulk=self.gemv_l2_bulk,
+                                       fused_groups=self.gemv_groups,
                                        early_trigger=self.attn_early_trigger, pin_loads=self.gemv_pin)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
@@ -232,7 +227,7 @@ class FastImpl:
             kw = dict(n_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor,
                       rolled=self.router_rolled)
             if x.shape[0] <= self.front_dsl_max_m:
-                z, ids, ws = router_down_topk(x, self.front, self.e_bias, l2_bulk=self.front_l2_bulk, **kw)
+                z, ids, ws = router_down_topk(x, self.front, self.e_bias, **kw)
             elif self.front_sh is not None and side is None:       # the shared gate/up in the same GEMM (k3.router covers both)
                 z, ids, ws, h = router_down_topk_cublas(x, self.front_sh, self.e_bias,
                                                         shared=self.shared_gu.shape[0] // 2, **kw)

@@ -439,14 +439,13 @@ FAST_VARIANTS = {
     "fast-gemv8": {"gemv_dsl_max_m": 8},        # ... above M = 8 (the threshold before session 5)
     "fast-splitk": {"gemv_mma": "splitk", "gemv_dsl_max_m": 64},  # in_proj at M > 4 on gemv_splitk (opt-in)
     "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
-    "fast-gemvpf": {"gemv_l2_bulk": True},      # the fused in_proj's v4: bulk L2 prefetch of its weights (opt-in)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     "fast-gemvpin": {"gemv_pin": True},        # rms_gemv v6: the FMA loop's weight loads tied together (opt-in)
     "fast-kdapre": {"kda_preload": True},      # kda_conv_gate_step v3: proj loads right after the wait (opt-in)
     "fast-wpost": {"oproj_preload": True},     # oproj_attnres v1.2: w_post loaded before the PDL wait (opt-in)
     "fast-endtrig": {"attn_early_trigger": False},  # in_proj / KDA trigger their dependents at their ends (before)
-    "fast-frontpf": {"front_l2_bulk": True},    # router v2.6: the FMA front's bulk L2 row prefetch (opt-in)
-    "fast-pf": {"gemv_l2_bulk": True, "tail_l2_prefetch": True, "front_l2_bulk": True},   # every bulk-prefetch opt-in
+    # (fast-gemvpf, fast-frontpf and fast-pf, the bulk L2 prefetch of the fused in_proj and of the router front,
+    # were measured slower at 1214f05 and removed; fast-tailpf keeps the tail's bulk mode for its v3 A/B)
     "fast-front0": {"front_dsl_max_m": 0},      # the cuBLAS front + TopkFromLogits at every batch
     "fast-front16": {"front_dsl_max_m": 16},    # ... above M = 16 (the threshold before session 5)
     "fast-rolled": {"router_rolled": True},     # router v2.4: the top-k rounds as a loop (opt-in)

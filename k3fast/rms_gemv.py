@@ -54,7 +54,7 @@ Version log
       takes 19.2 us in the same bench, where the copy-bandwidth floor is 11.2 us. Bench row attnres_rms_gemv@G2.
       Measured (kernels-31884ea.json, records-31884ea-s6perf.json): no gain. Bench b1 24.2 us against v2's 23.7;
       attention half b1 39.4 against 39.8 us. The round trips are not the cost. Stays opt-in.
-  v4 (2026-11-29, session 6; opt-in: l2_bulk=True / FUSED_BULK_L2 / impl "fast-gemvpf") The
+  v4 (2026-11-29, session 6; measured slower, then removed: the record below is what ran at 1214f05) The
       fused kernel's weight prefetch becomes bulk L2 requests: before the PDL wait, warp 0 of each CTA issues one
       cp.async.bulk.prefetch.L2 per weight row of its first `win` row groups (win = BULK_L2_BYTES = 36 MB over one
       round of the grid's groups: 5 of the 7 at rank16), and each loop iteration requests the group `win` ahead.
@@ -62,12 +62,13 @@ Version log
       round trips are not the cost, and the kernel streams at ~2 TB/s (bench b1 23.7 us for 46 MB). The weights
       need not wait for the AttnRes prologue (n_blocks + 1 source rows from L2, three CTA reductions) nor for the
       register loads, which cap what each SM keeps in flight. The TMA unit can keep the HBM busy on its own.
-      Arithmetic unchanged: bit-identical to v2 (GPU test test_opt_in_builds_are_bitwise, l2_bulk). Prediction: bench b1 23.7 ->
+      Arithmetic unchanged: bit-identical to v2 (GPU test, removed with it). Prediction: bench b1 23.7 ->
       ~14-16 us; in_proj in the layer (flushed timeline) ~ -6 us, so the attention half b1 39.8 -> ~33-35 us
       (1.8x stock is 35.6). At rank8 (90 MB > L2) the window keeps ~36 MB ahead of use; expect a smaller gain.
       Risk: the prologue's own L2 reads queue behind the bulk stream.
       Measured (kernels-1214f05.json, records-1214f05-s7perf.json): slower. Bench b1 26.9 against 24.8 us; the
-      attention half b1 41.9 against 39.5. Stays opt-in; LOG.md (session 6) has the likely mechanism.
+      attention half b1 41.9 against 39.5. LOG.md (session 6) has the likely mechanism. Removed after the
+      session's review (no further use; moe_tail keeps its bulk mode for the queueing-against-eviction A/B).
   v5 (2026-11-29, session 6; early_trigger=True, FastImpl attn_early_trigger, the default since 001a431) The fused
       kernel launches its PDL dependents right after its wait instead of after its last row group. In the rank16
       b1 chain (records-c90da94-kdaall.json, flushed) the KDA step starts at 20.8 us, after this kernel ends at
@@ -146,8 +147,6 @@ FUSED_WARPS = 16
 FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
 PIN_LOADS = False   # v6 (opt-in until measured): tie each batch of the FMA loop's weight loads together
-FUSED_BULK_L2 = False   # v4 (opt-in; measured slower): the fused kernel's weight prefetch as bulk L2 requests
-BULK_L2_BYTES = 36 << 20   # v4: weight bytes the grid asks for ahead of use (the L2 holds 60 MB)
 
 
 def _vectors_per_lane(K: int, ks: int) -> int:
@@ -226,7 +225,6 @@ def k3_gemv_shapes(cfg) -> dict[str, tuple[int, int]]:
 def _build_kernels():
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, const_expr
-    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch as bulk_prefetch_l2
 
     ADD = cute.ReductionOp.ADD
 
@@ -354,7 +352,7 @@ def _build_kernels():
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
         def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
-                     bulk=False, early_trigger=False, pin=False):
+                     early_trigger=False, pin=False):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
             # v5 (opt-in, fused only): launch the PDL dependents (the KDA step) right after the wait, so their
             # pre-wait state and weight loads overlap this kernel's weight stream instead of following it
@@ -363,12 +361,6 @@ def _build_kernels():
             # v6 (opt-in; G = 1 loop): tie each batch's U weight loads together so ptxas cannot sink some of them
             # below the FMAs of the others (the version log has the SASS)
             self.pin = pin
-            # v4 (opt-in, fused G = 1 only): bulk L2 prefetch. Before the PDL wait, warp 0 asks the TMA unit for the
-            # CTA's next `win` row groups, one cp.async.bulk.prefetch per weight row (no registers, no per-line
-            # instructions); each loop iteration then asks for the group `win` ahead. win = BULK_L2_BYTES over the
-            # bytes of one round of groups of the whole grid, so at most ~BULK_L2_BYTES are requested ahead of use.
-            self.bulk = bulk
-            assert not (bulk and (G != 1 or not fused))
             # v3 (opt-in, fused only): G row groups per loop iteration, all their weight loads issued together (G x U
             # vectors per lane in flight, one round trip per G groups instead of one per group). v2 at rank16 b1
             # runs 7 groups per CTA, each a single batch of 7 loads followed by its reduction: 7 serial round trips.
@@ -419,16 +411,7 @@ def _build_kernels():
             sRed = smem.allocate_tensor(Float32, cute.make_layout((2, self.nwarps, self.MB),
                                                                   stride=(self.nwarps * self.MB, self.MB, 1)), 16)
             # weights do not depend on the producer: start their HBM stream before the PDL wait
-            win = Int32(1)
-            if const_expr(self.bulk):
-                win = cutlass.max(Int32(1), Int32(BULK_L2_BYTES) // (nblk * self.rpc * K * 2))
-                if warp == 0:
-                    for idx in cutlass.range(lane, win * self.rpc, 32):
-                        gi = idx // self.rpc
-                        grp0 = bid + gi * nblk
-                        if grp0 < n_groups:
-                            bulk_prefetch_l2(gW[0, None, grp0 * self.rpc + idx - gi * self.rpc, 0].iterator, K * 2)
-            elif bid < n_groups:
+            if bid < n_groups:
                 _prefetch_rows(gW, bid * self.rpc + r, 1, kv0, kv1, lane)
             if const_expr(self.fused):
                 sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, self.K), stride=(self.K, 1)), 16)
@@ -476,13 +459,7 @@ def _build_kernels():
             else:
                 for grp in cutlass.range(bid, n_groups, nblk):
                     row = grp * self.rpc + r
-                    if const_expr(self.bulk):
-                        nxt = grp + win * nblk
-                        if warp == 0:
-                            if lane < self.rpc:
-                                if nxt < n_groups:
-                                    bulk_prefetch_l2(gW[0, None, nxt * self.rpc + lane, 0].iterator, K * 2)
-                    elif const_expr(self.fused):
+                    if const_expr(self.fused):
                         nxt = grp + nblk
                         if nxt < n_groups:
                             _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
@@ -778,34 +755,33 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
     return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps), build)
 
 
-def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, bulk=False, early_trigger=False,
-                 pin=False):
+def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
     blocks, p, d, po, u, wl = _attn_fakes(cute, BF, MB, K, has_delta, wln)
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
-    obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G, bulk=bulk,
+    obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G,
               early_trigger=early_trigger, pin=pin)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
-def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, bulk=False, early_trigger=False, pin=False):
+def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigger=False, pin=False):
     key = (("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
-           + (("bulk",) if bulk else ()) + (("early_trigger",) if early_trigger else ()) + (("pin",) if pin else ()))
-    return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G, bulk=bulk,
+           + (("early_trigger",) if early_trigger else ()) + (("pin",) if pin else ()))
+    return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G,
                                                     early_trigger=early_trigger, pin=pin))
 
 
-def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, bulk: bool = False,
-              early_trigger: bool = False, pin: bool = False) -> str:
+def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, early_trigger: bool = False,
+              pin: bool = False) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
-                                             options=TVM_FFI + " --keep-ptx", G=G, bulk=bulk,
+                                             options=TVM_FFI + " --keep-ptx", G=G,
                                              early_trigger=early_trigger, pin=pin))
 
 
@@ -908,11 +884,10 @@ def _check_groups(G) -> int:
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     l2_bulk=None, early_trigger=False, pin_loads=None):
+                     early_trigger=False, pin_loads=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
-    l2_bulk: the fused kernel's weight prefetch as bulk L2 requests (None = FUSED_BULK_L2; v4, opt-in; G = 1 only).
     early_trigger: the fused kernel launches its PDL dependents right after its wait (v5, opt-in), for a dependent
     whose pre-wait reads do not include this call's outputs (the KDA step).
     pin_loads: tie each batch of weight loads together (v6, opt-in; None = PIN_LOADS; fused kernel, G = 1).
@@ -942,11 +917,8 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         G = _check_groups(FUSED_GROUPS if fused_groups is None else fused_groups)
         if G == 2 and _vectors_per_lane(K, ks) > 8:
             G = 1                           # a slice of more than 8 vectors per lane: no one-batch groups to pair
-        bulk = FUSED_BULK_L2 if l2_bulk is None else bool(l2_bulk)
-        if bulk and G != 1:
-            raise ValueError("l2_bulk needs fused_groups = 1 (v4 and v3 are separate opt-ins)")
         pin = (PIN_LOADS if pin_loads is None else bool(pin_loads)) and G == 1
-        fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G, bulk,
+        fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G,
                             bool(early_trigger), pin)
         fn(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out

@@ -101,7 +101,7 @@ Version log
       10.4 -> 9.4 warm; in the layer 8.4 / 8.8 -> 7.4 / 8.0 us at b8 / b64; MoE half b8 115.6 -> 115.1, b64 390.0 ->
       389.2 (predicted -3: about a third of it). What is left at ~9 us warm for one CTA per token is the 28
       divisions' slow-path branches in series and the 16 selection rounds; not analysed further yet.
-  v2.6 (2026-11-29, session 6; opt-in: FMA_BULK_L2 / l2_bulk=True / impl "fast-frontpf") On
+  v2.6 (2026-11-29, session 6; measured slower, then removed: the record below is what ran at 1214f05) On
       the FMA path (M <= 4), lane 0 of each warp requests its whole weight row (14 KB) into L2 with one
       cp.async.bulk.prefetch before the PDL wait. The register loads keep PRE + U vectors per lane in flight, and
       the kernel streams at ~1.9 TB/s (bench b1 33.6 us for 64 MB). The bulk request keeps the HBM busy
@@ -110,7 +110,7 @@ Version log
       its ~4 us top-k) 30 -> ~20-22 us, i.e. the bench row router_down_topk@pf ~6-9 us below router_down_topk.
       Also measured by fast-frontpf and fast-pf, the layer A/B.
       Measured (kernels-1214f05.json, records-1214f05-s7perf.json): slower. Bench b1 29.3 against 23.6 us; MoE
-      half b1 75.8 against 69.9. Stays opt-in.
+      half b1 75.8 against 69.9. Removed after the session's review.
       Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
       identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
@@ -170,8 +170,6 @@ FMA_MIN_BLOCKS: dict = {}
 # v2.4 (opt-in; measured no faster, see the version log): the top-k's 16 selection rounds as a loop, not unrolled
 # code; the compile key carries it. k3fast.fast's router_rolled / impl "fast-rolled" flip it.
 TOPK_ROLLED = False
-# v2.6 (opt-in; measured slower; FastImpl front_l2_bulk / impl "fast-frontpf"): the FMA path's bulk L2 row prefetch
-FMA_BULK_L2 = False
 FMA_MIN_BLOCKS_TRIED = {1: 9, 2: 7}
 
 
@@ -240,11 +238,10 @@ def _occupancy_hint(min_blocks: int) -> dict:
 
 
 def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll: int, min_blocks: int = 0,
-           shared: int = 0, rolled: bool = False, bulk: bool = False):
+           shared: int = 0, rolled: bool = False):
     """Trace and compile one M bucket (called through compile_cached)."""
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
-    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch as bulk_prefetch_l2
 
     NE, NL, K, TOPK = n_experts, latent, hidden, top_k
     N = NE + NL
@@ -258,8 +255,6 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
     IS = shared                      # shared experts' intermediate width folded into TopkFromLogits' GEMM (mb = 0)
     NZ = -(-(NL // 4) // (32 * WARPS))   # TopkFromLogits: z vectors per thread
     ROLLED = rolled                  # v2.4 opt-in: the top-k selection rounds as a loop (see topk)
-    BULK = bulk                      # v2.6 opt-in (FMA path): bulk L2 prefetch of each warp's weight row
-    assert not (BULK and (mb == 0 or mb in MMA_CONFIG))
     assert (ITERS - PRE) % U == 0, f"unroll {U} must divide the {ITERS - PRE} vectors per lane after the prologue"
     assert T <= R
     if mb in MMA_CONFIG:
@@ -351,11 +346,6 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
             # Weights do not depend on the previous kernel: start streaming them before the PDL wait.
             for i in cutlass.range_constexpr(PRE):
                 cute.copy(w_atom, gW[0, None, n, lane + 32 * i], rW[i, None])
-            if const_expr(BULK):
-                # v2.6: the whole row (K * 2 bytes) as one bulk L2 request, so the HBM stream does not wait for
-                # the register loads' round trips; the loop's loads then hit L2 (or join the request in flight)
-                if lane == 0:
-                    bulk_prefetch_l2(gW[0, None, n, 0].iterator, K * 2)
             cute.arch.griddepcontrol_wait()
 
             for i in cutlass.range_constexpr(PRE):
@@ -652,17 +642,16 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
 
 
 def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K, unroll=None, min_blocks=None,
-               rolled=None, bulk=None):
+               rolled=None):
     _check_shapes(n_experts, latent, hidden, top_k, mb)
     rolled = TOPK_ROLLED if rolled is None else bool(rolled)
     unroll = fma_unroll(mb) if unroll is None else unroll      # _check_shapes: hidden % 1024, so 4 | rest
     min_blocks = fma_min_blocks(mb) if min_blocks is None else min_blocks
     if mb in MMA_CONFIG:
         min_blocks = 0
-    bulk = (FMA_BULK_L2 if bulk is None else bool(bulk)) and mb not in MMA_CONFIG
-    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll, min_blocks, rolled) + (("bulk",) * bulk)
+    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll, min_blocks, rolled)
     return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k, unroll, min_blocks,
-                                              rolled=rolled, bulk=bulk))
+                                              rolled=rolled))
 
 
 def get_topk_kernel(n_experts=N_EXPERTS, latent=LATENT, top_k=TOP_K, shared=0, rolled=None):
@@ -728,11 +717,10 @@ def _front_outputs(M, latent, top_k, dev, out_z, out_ids, out_w, *, z_align):
 
 def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0,
                      out_z=None, out_ids=None, out_w=None, workspace=None, fma_unroll=None, fma_min_blocks=None,
-                     rolled=None, l2_bulk=None):
+                     rolled=None):
     """z = bf16(x W_down^T), topk_ids [M, top_k] int32, topk_w [M, top_k] fp32 (k3-spec.md sections 10, 11).
 
     rolled: the top-k selection rounds as a loop (v2.4, opt-in; None = TOPK_ROLLED).
-    l2_bulk: the FMA path (M <= 4) requests each weight row into L2 at once (v2.6, opt-in; None = FMA_BULK_L2).
 
     fma_unroll: benchmarks only (k3fast.bench's @U4 row): the FMA path's vectors in flight per lane.
 
@@ -763,7 +751,7 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
     if not math.isfinite(float(scaling)):
         raise ValueError(f"scaling must be finite, got {scaling}")
     fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k, fma_unroll, fma_min_blocks,  # M > 4: tensor cores
-                    rolled, l2_bulk)
+                    rolled)
     fn(x, w_packed, e_bias, out_z, out_ids, out_w, ws, cnt, float(scaling))
     return out_z, out_ids, out_w
 

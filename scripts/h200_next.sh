@@ -92,6 +92,7 @@ case "${1:-}" in
           bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-rolled fast-shlate \
           fast-gemvg2 fast-v6 fast-front0 fast-front0r fast-front16 fast-gemv8 --budget-s 240 ;;
   # session 6, second run: router v2.5 (default) and the bulk L2 prefetch opt-ins; tests, then the A/B
+  # (as run at 1214f05: fast-gemvpf / fast-frontpf / fast-pf and their @pf bench rows were removed afterwards)
   s7tests) K3_TEST_TIMEOUT=400 bash scripts/h200_tests.sh tests/gpu/test_router_down_topk.py tests/gpu/test_fast_layer.py \
           tests/gpu/test_moe_tail.py tests/gpu/test_rms_gemv.py -k "router or pf or prefetch or bulk or graph_replay \
           or -fast]" ;;

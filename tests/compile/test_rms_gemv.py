@@ -178,24 +178,6 @@ def test_fused_two_groups_rejects_multi_batch_slices():
 
 
 @needs_dsl
-@pytest.mark.parametrize("M", [1, 2])
-def test_fused_bulk_l2_prefetch_before_the_wait(M):
-    """v4 (bulk=True): the first window of bulk L2 prefetches is issued before griddepcontrol.wait and replaces the
-    per-line prefetch.global.L2 of v2 (one more bulk prefetch sits in the loop, for the group `win` ahead)."""
-    lines = R.fused_ptx(3216, M=M, bulk=True).splitlines()
-    pre = [i for i, ln in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in ln]
-    wait = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
-    assert len(wait) == 1 and pre and min(pre) < wait[0] and max(pre) > wait[0]
-    assert not any("prefetch.global.L2" in ln and "bulk" not in ln for ln in lines)
-    with pytest.raises(ValueError, match="l2_bulk needs fused_groups = 1"):
-        import torch
-        t = torch.zeros(1, 7168, dtype=torch.bfloat16)
-        R.attnres_rms_gemv(torch.zeros(1, 8, 7168, dtype=torch.bfloat16), 1, t, t, torch.zeros(7168),
-                           torch.zeros(7168, dtype=torch.bfloat16), torch.zeros(3216, 7168, dtype=torch.bfloat16),
-                           fused_groups=2, l2_bulk=True)
-
-
-@needs_dsl
 @pytest.mark.parametrize("early", [False, True])
 def test_fused_trigger_placement(early):
     """v5 (early_trigger): the fused kernel launches its dependents right after its wait, before the AttnRes

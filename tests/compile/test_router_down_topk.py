@@ -243,22 +243,3 @@ def test_route_from_logits_is_k3ref_route():
     for row in sel:
         if 2 in row and 5 in row:
             assert row.index(2) < row.index(5)
-
-
-@pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
-@pytest.mark.parametrize("mb", [1, 4])
-def test_bulk_l2_prefetch_before_the_wait(mb):
-    """v2.6 (bulk): one cp.async.bulk.prefetch.L2 per warp row, issued before griddepcontrol.wait; none by default."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
-    old = rdt.TVM_FFI
-    rdt.TVM_FFI = TVM_FFI + " --keep-ptx"
-    try:
-        ptx = {b: compiled_ptx(lambda b=b: rdt._build(mb, 896, 3584, 7168, 16, rdt.fma_unroll(mb), 0, bulk=b)).splitlines()
-               for b in (False, True)}
-    finally:
-        rdt.TVM_FFI = old
-    assert not any("cp.async.bulk.prefetch" in ln for ln in ptx[False])
-    pre = [i for i, ln in enumerate(ptx[True]) if "cp.async.bulk.prefetch.L2.global" in ln]
-    wait = [i for i, ln in enumerate(ptx[True]) if "griddepcontrol.wait" in ln]
-    assert len(pre) == 1 and len(wait) == 1 and pre[0] < wait[0]

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl", "fast-gemv0", "fast-gemv8", "fast-gemvg2",
-                                  "fast-gemvpf", "fast-endtrig", "fast-wpost",
+                                  "fast-endtrig", "fast-wpost",
                                   "fast-gemvpin", "fast-kdapre"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
@@ -25,7 +25,7 @@ def test_fast_attention_half(tp, batch, impl):
         pytest.skip("M > GEMV_DSL_MAX_M: fast runs the same kernels")
     if impl in ("fast-endtrig", "fast-wpost", "fast-gemvpin", "fast-kdapre") and batch > 4:
         pytest.skip(f"{impl} differs from fast only in the fused chain (M <= GEMV_DSL_MAX_M)")
-    if impl in ("fast-gemvg2", "fast-gemvpf") and batch > 2:
+    if impl == "fast-gemvg2" and batch > 2:
         pytest.skip(f"{impl} differs from fast only where the fused in_proj runs (M <= 2)")
     if impl == "fast-gemv8" and not GEMV_DSL_MAX_M < batch <= 8:
         pytest.skip("fast-gemv8 differs from fast only for GEMV_DSL_MAX_M < M <= 8")
@@ -94,7 +94,7 @@ def test_fast_layer_full_width_b1(shape):
 @pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl",
                                   "fast-w8", "fast-front0", "fast-front16", "fast-shapart", "fast-overlap",
                                   "fast-rolled", "fast-front0r", "fast-shlate", "fast-v6", "fast-tailpf",
-                                  "fast-shlatepf", "fast-frontpf", "fast-pf", "fast-tailpfl"])
+                                  "fast-shlatepf", "fast-tailpfl"])
 @pytest.mark.parametrize("batch", [1, 8, 17, 64])
 def test_fast_moe_half_same_input(batch, impl):
     cfg = k3_rank(16)

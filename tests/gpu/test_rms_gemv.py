@@ -128,10 +128,7 @@ def test_fused_vs_unfused(R, seed, M):
 #   fused_groups=2 (v3): the same operations per row group, two groups per loop iteration.
 #   pin_loads=True (v6): + 0 * (sum of the batch's first weights) in each weight scale, fused (M <= 2) and through
 #                        attnres_rmsnorm + the plain FMA GEMV (M = 3, 4).
-#   l2_bulk=True (v4): only where the weights are prefetched from; at full width the 708 MB is far more than the
-#                      bulk window (BULK_L2_BYTES).
-BITWISE_OPTIONS = [("fused_groups", 1, 2, (1, 2)), ("pin_loads", False, True, (1, 2, 3, 4)),
-                   ("l2_bulk", False, True, (1, 2))]
+BITWISE_OPTIONS = [("fused_groups", 1, 2, (1, 2)), ("pin_loads", False, True, (1, 2, 3, 4))]
 
 
 @pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
