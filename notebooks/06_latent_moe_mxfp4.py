@@ -116,7 +116,7 @@ else:
 # others: the time doubles. Clusters of 2 are TPC pairs, and all 66 fit. The `probe` rows replace decode and MMA
 # with an XOR of the loaded words: the load pipeline alone. Since this run the default is v4 with C = 2 (C = 4 at
 # M <= 2); since e384fbf it is also the rot layout (section 8) with 16 warps per CTA. The rows below come from the
-newest recorded run.
+# newest recorded run.
 
 # %%
 src, table = nbtools.recorded_experts_probe("k3_rank16")
