@@ -144,6 +144,10 @@ def _cases(cfg, batch: int):
     cases.append(("router_down_topk_cublas+shared",
                   lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0]),
                   lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
+    if M <= 4:      # router v2.7: the fused FMA front with the shared gate/up rows in its pass (FastImpl at M <= 4)
+        cases.append(("router_down_topk+shared",
+                      lambda: router_down_topk(x, front_sh, bias, shared=m.shared_gate.shape[0]),
+                      lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
     # router v2.4 (opt-in): the top-k selection rounds as a loop (57 -> 25 KB of SASS), in both fronts
     cases.append(("router_down_topk@rolled", lambda: router_down_topk(x, front, bias, rolled=True), stock_front,
                   front.numel() * 2 + M * d * 2))

@@ -7,11 +7,11 @@ Attention half of a KDA layer (3 launches at batch <= 4):
     kda_conv_gate_step    conv + SiLU, f_b + decay gate, beta, L2 norms, delta rule, gated norm
     oproj_attnres         o_proj + partial-sum update + AttnRes #2 + post-attention RMSNorm
                           (above GEMV_DSL_MAX_M: o_proj on cuBLAS + rms_gemv.attnres_rmsnorm)
-MoE half:
-    router_down_topk      router logits + latent down-projection + top-16 + renormalised weights
-                          (M <= FRONT_DSL_MAX_M; above it one cuBLAS GEMM over [router; down; shared gate/up]
-                          + router_down_topk.TopkFromLogits: top-16, z, and the shared experts' SiTU)
-    shared_expert_gate_up shared experts' gate/up + SiTU (independent of the routing; optionally on a side stream)
+MoE half (3 launches at batch <= 4):
+    router_down_topk      router logits + latent down-projection + top-16 + renormalised weights + the shared
+                          experts' gate/up + SiTU, one pass over x (M <= FRONT_DSL_MAX_M; above it one cuBLAS GEMM
+                          over [router; down; shared gate/up] + router_down_topk.TopkFromLogits: top-16, z, and h)
+    shared_expert_gate_up shared experts' gate/up + SiTU on its own (the A/B variants, the side stream)
     moe_mxfp4_experts     routed experts, MXFP4 dequantised in registers, SiTU, w2, weighted combine
     moe_tail              routed_expert_norm + latent up-projection + shared down-projection + add
                           (M <= TAIL_DSL_MAX_M; above it RMSNorm + two cuBLAS GEMMs + add, see below)
@@ -68,7 +68,7 @@ class FastImpl:
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
                  shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | str | None = None,
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
-                 kda_preload: bool | None = None):
+                 kda_preload: bool | None = None, shared_in_fma_front: bool = True):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -90,19 +90,26 @@ class FastImpl:
             self.stock_attn = StockImpl(cfg, w, max_batch=max_batch)
         m = w.mlp
         if isinstance(m, MoEWeights):
-            self.front = prepare_front_weight(m.gate, m.down)
             # versions 2-3 (the fast-prev A/B) decode the nibble layout only; otherwise the layout is "auto"
             layout = "nibble" if experts_layout == "nibble" or (experts_version or 4) < 4 else "auto"
             self.experts = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed,
                                                  m.w2_scale, layout=layout)
             self.shared_gu = prepare_shared_gate_up(m.shared_gate, m.shared_up)
             self.e_bias = m.e_score_correction_bias.float().contiguous()
-            # Where the cuBLAS front serves (M > front_dsl_max_m), the shared experts' gate/up rows ride in its GEMM
-            # and TopkFromLogits forms h: one launch fewer, and at b64 the separate gate/up kernel was 20 us on the
-            # critical path (records-50b6243-rotperf.json). Not with the side-stream overlap, which runs it apart.
+            # The shared experts' gate/up rows ride in the front's pass over x: in the cuBLAS front's GEMM (M >
+            # front_dsl_max_m; TopkFromLogits forms h), where the separate gate/up kernel was 20 us on the critical
+            # path at b64 (records-50b6243-rotperf.json), and since session 7 in the fused FMA front's last CTAs
+            # (router v2.7, M <= 4; shared_in_fma_front=False / "fast-s9front" keeps the separate kernel there): in
+            # the b1 timeline that kernel ended 7.7 us after the router and the experts started only then
+            # (records-001a431-s8.json). Not with the side-stream overlap, which runs it apart. [W_r; W_down] is
+            # the packed weight's first rows, so the front without the fold reads a view of the same memory.
             self.front_sh = None
-            if shared_in_front and not overlap_shared and front_dsl_max_m < max_batch:
+            if shared_in_front and not overlap_shared:
                 self.front_sh = prepare_front_shared_weight(m.gate, m.down, m.shared_gate, m.shared_up)
+                self.front = self.front_sh[:m.gate.shape[0] + m.down.shape[0]]
+            else:
+                self.front = prepare_front_weight(m.gate, m.down)
+            self.shared_in_fma_front = shared_in_fma_front and self.front_sh is not None
         self._ws = None
         self._bufs: dict[str, torch.Tensor] = {}
         # The shared experts' gate/up depends on x alone, so it may run on a second stream (forked and joined
@@ -150,7 +157,8 @@ class FastImpl:
                         + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", in_proj GEMV up to M={gemv_dsl_max_m}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
-                        + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from the cuBLAS front")
+                        + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
+                        + ("" if shared_in_fma_front or not shared_in_front else ", shared gate/up apart from the fused front")
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
@@ -161,6 +169,12 @@ class FastImpl:
                         + ("" if tail_l2_prefetch is None else f", tail L2 prefetch {tail_l2_prefetch!r}")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
+
+    def _fma_front_shared(self, M: int, side) -> bool:
+        """Router v2.7: the shared gate/up folded into the fused front (its FMA buckets only; not with the side
+        stream, nor with fast-shlate, which moves the gate/up after the experts)."""
+        from .router_down_topk import kernel_path
+        return self.shared_in_fma_front and side is None and not self.shared_late and kernel_path(M) == "fma"
 
     def _experts_cluster(self, M: int):
         if self.experts_cluster is None:
@@ -227,7 +241,11 @@ class FastImpl:
             kw = dict(n_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor,
                       rolled=self.router_rolled)
             if x.shape[0] <= self.front_dsl_max_m:
-                z, ids, ws = router_down_topk(x, self.front, self.e_bias, **kw)
+                if self._fma_front_shared(x.shape[0], side):
+                    z, ids, ws, h = router_down_topk(x, self.front_sh, self.e_bias, shared=self.shared_gu.shape[0] // 2,
+                                                     **kw)
+                else:
+                    z, ids, ws = router_down_topk(x, self.front, self.e_bias, **kw)
             elif self.front_sh is not None and side is None:       # the shared gate/up in the same GEMM (k3.router covers both)
                 z, ids, ws, h = router_down_topk_cublas(x, self.front_sh, self.e_bias,
                                                         shared=self.shared_gu.shape[0] // 2, **kw)

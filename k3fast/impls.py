@@ -440,9 +440,12 @@ FAST_VARIANTS = {
     "fast-splitk": {"gemv_mma": "splitk", "gemv_dsl_max_m": 64},  # in_proj at M > 4 on gemv_splitk (opt-in)
     "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
-    "fast-gemvpin": {"gemv_pin": True},        # rms_gemv v6: the FMA loop's weight loads tied together (opt-in)
-    "fast-kdapre": {"kda_preload": True},      # kda_conv_gate_step v3: proj loads right after the wait (opt-in)
-    "fast-wpost": {"oproj_preload": True},     # oproj_attnres v1.2: w_post loaded before the PDL wait (opt-in)
+    # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
+    # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7
+    "fast-gemvpin": {"gemv_pin": True},
+    "fast-kdapre": {"kda_preload": True},
+    "fast-wpost": {"oproj_preload": True},
+    "fast-s8": {"gemv_pin": False, "kda_preload": False, "oproj_preload": False},  # the defaults before them
     "fast-endtrig": {"attn_early_trigger": False},  # in_proj / KDA trigger their dependents at their ends (before)
     # (fast-gemvpf, fast-frontpf and fast-pf, the bulk L2 prefetch of the fused in_proj and of the router front,
     # were measured slower at 1214f05 and removed; fast-tailpf keeps the tail's bulk mode for its v3 A/B)
@@ -450,7 +453,8 @@ FAST_VARIANTS = {
     "fast-front16": {"front_dsl_max_m": 16},    # ... above M = 16 (the threshold before session 5)
     "fast-rolled": {"router_rolled": True},     # router v2.4: the top-k rounds as a loop (opt-in)
     "fast-front0r": {"router_rolled": True, "front_dsl_max_m": 0},
-    "fast-shapart": {"shared_in_front": False},  # the shared gate/up kernel apart from the cuBLAS front
+    "fast-shapart": {"shared_in_front": False},  # the shared gate/up kernel apart from both fronts
+    "fast-s9front": {"shared_in_fma_front": False},  # ... apart from the fused front only (M <= 4; before router v2.7)
     "fast-shlate": {"shared_late": True},       # the shared gate/up after the experts at M <= 4 (opt-in)
     "fast-tailpf": {"tail_l2_prefetch": True},  # moe_tail v2: gate/up and tail bulk-prefetch weights to L2 (opt-in)
     "fast-shlatepf": {"shared_late": True, "tail_l2_prefetch": True},

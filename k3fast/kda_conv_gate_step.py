@@ -84,6 +84,10 @@ Version log
       loads behind a branch, 3 with the preload). Results are bit-identical. ptxas 12.9: 64 -> 71 registers at
       nsplit 8, no spills; nsplit 4 would spill 8 bytes, so it keeps v2 (traces/cpu/ptxcheck-cb84e2ba91f3.json). Prediction: the KDA step at b1 -1 to
       -1.5 us (2-3 L2 round trips), most of it on the attention half's critical path.
+      Measured (kernels-84291ed.json, records-84291ed-s9perf.json, one run; GPU tests passed,
+      logs/gpu-junit-84291ed-s9tests.xml): kernel bench b1 / b2 / b4 / b8 8.9 -> 8.4, 9.3 -> 8.5, 9.8 -> 9.1,
+      11.0 -> 10.2 us; attention half b1 36.7 -> 36.1 us (fast-kdapre). Met at the kernel (-0.5 to -0.8 us), the
+      low end in the layer. The default from 84291ed's successor on (PRELOAD = True; "fast-s8" keeps v2).
 """
 from __future__ import annotations
 
@@ -93,9 +97,9 @@ from ._dsl import check_tensor, compile_cached, fake_stream, fake_tensor, import
 
 HEAD_DIM = 128
 MAX_T = 8
-# v3 (opt-in until measured; FastImpl kda_preload / impl "fast-kdapre"): at T = 1 the proj loads are issued
-# together right after the PDL wait (the version log says why)
-PRELOAD = False
+# v3 (the default since session 7; "fast-s8" is the A/B without it): at T = 1 the proj loads are issued together
+# right after the PDL wait (the version log says why)
+PRELOAD = True
 WARPS = 4
 
 

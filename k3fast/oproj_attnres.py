@@ -28,6 +28,9 @@ v1.2 (2026-11-29, session 6; CPU-compiled only, opt-in: preload_wpost=True / PRE
     it before the wait. ptxas 12.9: 128 registers unchanged at n_blocks = 1; 174 -> 194 at n_blocks = 8 (still one
     CTA per SM); no spills; loads behind a store 3 -> 0 (traces/cpu/ptxcheck-cb84e2ba91f3.json). Outputs bit-identical (GPU test test_preload_wpost_is_bit_identical). Prediction:
     attention half b1-4 -1 to -1.5 us (rank16 b1 36.5 -> ~35-35.5 us, 1.84-1.87x stock).
+    Measured (kernels-84291ed.json, records-84291ed-s9perf.json, one run; GPU tests passed): kernel bench b1 / b2 /
+    b4 / b8 12.8 -> 11.4, 12.9 -> 11.6, 12.8 -> 11.6, 13.2 -> 12.1 us; attention half b1 36.7 -> 35.4 us
+    (fast-wpost; stock 65.7 in the same run: 1.86x). Met. The default since session 7 ("fast-s8" keeps v1.1).
 
 What it replaces (k3-spec.md sections 4.2 steps 3-5, 4.3 "attn_res #2", 5, 6, 13.2 item 1)
 -----------------------------------------------------------------------------------------
@@ -123,9 +126,9 @@ MAX_M = 64
 KP_SUPPORTED = (768, 1536, 12288)
 
 
-# v1.2 (opt-in until measured; FastImpl oproj_preload / impl "fast-wpost"): the epilogue loads w_post into registers
+# v1.2 (the default since session 7; "fast-s8" is the A/B without it): the epilogue loads w_post into registers
 # before griddepcontrol_wait (the version log says why)
-PRELOAD_WPOST = False
+PRELOAD_WPOST = True
 
 
 def _tg_bucket(m: int) -> int:

@@ -90,6 +90,12 @@ Version log
       fit only on the ~17 SMs without one. Prediction: fused in_proj at b1 (flushed timeline) 20.3 -> ~16-17 us;
       attention half b1 36.5 -> ~33-35 us, where the KDA step's lost overlap (+1-2 us) is the uncertain part.
       Bench rows attnres_rms_gemv@pin and gemv_in_proj_plain@pin; GPU test test_opt_in_builds_are_bitwise (pin_loads).
+      Measured (kernels-84291ed.json, records-84291ed-s9perf.json, one run; bit-identical in the GPU tests): fused
+      in_proj bench b1 23.9 -> 23.1 us, b2 28.9 -> 27.6; plain GEMV b1 23.1 -> 22.3, b2 24.1 -> 24.4, b4 37.7 ->
+      37.8; attention half b1 36.7 -> 35.7 us (fast-gemvpin). Missed at the kernel (-0.8 us, not -3 to -4): the
+      loads now issue together, so the round trips per group were only part of the cost; the rest is the ~2 TB/s
+      per-SM streaming rate that v3 and v4 did not move either. Kept as the default for the -1 us in the layer
+      (PIN_LOADS = True since session 7; "fast-s8" keeps v5).
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -146,7 +152,7 @@ NORM_WARPS = 16
 FUSED_WARPS = 16
 FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
-PIN_LOADS = False   # v6 (opt-in until measured): tie each batch of the FMA loop's weight loads together
+PIN_LOADS = True    # v6 (the default since session 7): tie each batch of the FMA loop's weight loads together
 
 
 def _vectors_per_lane(K: int, ks: int) -> int:

@@ -111,6 +111,18 @@ Version log
       Also measured by fast-frontpf and fast-pf, the layer A/B.
       Measured (kernels-1214f05.json, records-1214f05-s7perf.json): slower. Bench b1 29.3 against 23.6 us; MoE
       half b1 75.8 against 69.9. Removed after the session's review.
+  v2.7 (2026-11-29, session 7; the default in FastImpl at M <= 4, A/B "fast-s9front") The FMA front also computes
+      the shared experts' gate/up + SiTU in the same pass over x (shared=Is, router_down_topk returns h as a fourth
+      output). Its grid grows by 2 Is / 4 CTAs after the latent ones; shared CTA c reads gate and up rows of h
+      columns 2c and 2c + 1 from the cuBLAS front's packing [W_r; W_down; W_sg; W_su] (so FastImpl keeps one packed
+      weight and the front without the fold reads its first rows), and the pairs meet in shared memory. Why: in the
+      rank16 b1 timeline (records-001a431-s8.json) the separate gate/up kernel ended 7.7 us after the router and the
+      experts, which wait for it, started only then; its 11 MB streamed at ~1 TB/s. The router and latent rows run
+      unchanged code (bit-identical to v2.5: GPU test test_fused_front_with_shared_matches); h rounds a and c to
+      bf16 as the separate kernel does, from a different fp32 sum order. ptxas 12.9: 80 / 80 / 118 registers at
+      M 1 / 2 / 4 with and without the fold, no spills. Prediction: the front's bench row at b1 23.6 -> ~25-27 us
+      (router_down_topk+shared; +11 MB); MoE half b1 70.3 -> ~66-68 us in 3 launches instead of 4 (the experts
+      start ~2-4 us earlier), and the same at b2-4; b8 / b64 unchanged (the cuBLAS front already folds it).
       Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
       identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
@@ -252,11 +264,16 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
     T = (max(mb, 1) + WARPS - 1) // WARPS    # top-k CTAs (the last T router arrivers)
     U = unroll
     MINB = min_blocks
-    IS = shared                      # shared experts' intermediate width folded into TopkFromLogits' GEMM (mb = 0)
+    # shared experts' intermediate width folded into the same pass over x: TopkFromLogits' GEMM columns (mb = 0), or
+    # the FMA front's last 2 IS / WARPS CTAs (v2.7, mb <= 4)
+    IS = shared
+    S0 = N // WARPS                  # FMA front: the first shared gate/up CTA
     NZ = -(-(NL // 4) // (32 * WARPS))   # TopkFromLogits: z vectors per thread
     ROLLED = rolled                  # v2.4 opt-in: the top-k selection rounds as a loop (see topk)
     assert (ITERS - PRE) % U == 0, f"unroll {U} must divide the {ITERS - PRE} vectors per lane after the prologue"
     assert T <= R
+    assert not (IS and mb in MMA_CONFIG), "the shared gate/up fold is built for TopkFromLogits and the FMA front"
+    assert IS % 2 == 0
     if mb in MMA_CONFIG:
         RTW, KS, UM = MMA_CONFIG[mb]
         NT = mb // 8                       # 8-token N tiles
@@ -315,25 +332,32 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
         ws_stride = NE                               # fp32 elements between two tokens' logits in mWs
 
         @cute.jit
-        def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, stream):
+        def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, mH, scaling: Float32, stream):
             w_atom = weight_load_atom(BFloat16)
-            self.kernel(mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling, w_atom).launch(
-                grid=[N // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True,
+            self.kernel(mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, mH, scaling, w_atom).launch(
+                grid=[(N + 2 * IS) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True,
                 **_occupancy_hint(MINB))
 
         @cute.kernel
-        def kernel(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, w_atom: cute.CopyAtom):
+        def kernel(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, mH, scaling: Float32, w_atom: cute.CopyAtom):
             tid = cute.arch.thread_idx()[0]
             lane = cute.arch.lane_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             bid = cute.arch.block_idx()[0]
             n = bid * WARPS + warp
+            if const_expr(IS > 0):
+                # v2.7: shared CTA c computes h columns 2c and 2c + 1. Its warps 2p and 2p + 1 take the gate and the
+                # up row of column 2c + p, so the SiTU pairs meet in this CTA's shared memory. The rows are read
+                # from [W_r; W_down; W_sg; W_su] (prepare_front_shared_weight, the cuBLAS front's packing).
+                n = Int32(cutlass.select_(bid >= S0, N + (warp % 2) * IS + 2 * (bid - S0) + warp // 2, n))
             M = cute.size(mX, mode=[0])
 
             smem = cutlass.memory.SmemAllocator()
             sArr = smem.allocate_tensor(Int32, cute.make_layout((2,)), 16)
             # sigmoid scores of the top-k CTA's tokens (keeps 28 fp32 per lane out of the register file)
             sS = smem.allocate_tensor(Float32, cute.make_layout((NE, WARPS)), 16)
+            if const_expr(IS > 0):
+                sG = smem.allocate_tensor(Float32, cute.make_layout((WARPS, mb), stride=(mb, 1)), 16)
 
             gW = cute.flat_divide(mW, (1, 8))           # (1, 8, N, KV)
             gX = cute.flat_divide(mX, (1, 8))           # (1, 8, M, KV)
@@ -373,11 +397,36 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
                         if is_router:
                             mWs[m, n] = tot
                         else:
-                            mZ[m, n - NE] = tot.to(BFloat16)
+                            if const_expr(IS > 0):
+                                if bid >= S0:
+                                    sG[warp, m] = tot
+                                else:
+                                    mZ[m, n - NE] = tot.to(BFloat16)
+                            else:
+                                mZ[m, n - NE] = tot.to(BFloat16)
 
             if is_router:
                 self.arrive_then_topk(tid, warp, lane, M, mCnt, sArr, mBias, mIds, mWt, mWs, sS, scaling)
+            if const_expr(IS > 0):
+                if bid >= S0:
+                    self.shared_situ(tid, bid, M, sG, mH)
             cute.arch.griddepcontrol_launch_dependents()
+
+        @cute.jit
+        def shared_situ(self, tid, bid, M, sG, mH):
+            """v2.7, shared CTAs: h = bf16(SiTU-GLU(bf16(a), bf16(c))) for the CTA's two columns and every token, the
+            expression of TopkFromLogits and moe_tail's gate/up kernel (a and c rounded as a bf16 Linear would)."""
+            cute.arch.sync_threads()                    # sG is written by lane 0 of each warp
+            if tid < 2 * mb:
+                p = tid // mb
+                m = tid - p * mb
+                if m < M:
+                    a = sG[2 * p, m].to(BFloat16).to(Float32)
+                    c = sG[2 * p + 1, m].to(BFloat16).to(Float32)
+                    sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-a))
+                    hv = (Float32(4.0) * cute.math.tanh(a * Float32(0.25)) * sig
+                          * (Float32(25.0) * cute.math.tanh(c * Float32(0.04))))
+                    mH[m, 2 * (bid - S0) + p] = hv.to(BFloat16)
 
         @cute.jit
         def arrive_then_topk(self, tid, warp, lane, M, mCnt, sArr, mBias, mIds, mWt, mWs, sS, scaling: Float32):
@@ -471,7 +520,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
         n_arrive, n_topk, per_cta = (RM, TM, KS) if mb in MMA_CONFIG else (R, T, WARPS)
 
         @cute.jit
-        def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling: Float32, stream):
+        def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, mH, scaling: Float32, stream):
             w_atom = weight_load_atom(BFloat16)
             self.kernel(mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, scaling, w_atom).launch(
                 grid=[N // (16 * RTW), 1, 1], block=[32 * KS, 1, 1], stream=stream, use_pdl=True)
@@ -630,36 +679,48 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
         return cute.compile(TopkFromLogits(), y, bias, z, ids, wt, h, Float32(1.0), Int32(1), fake_stream(),
                             options=TVM_FFI)
     x = fake_tensor(BFloat16, (sym_m, K))
-    w = fake_tensor(BFloat16, (N, K))
+    w = fake_tensor(BFloat16, (N + 2 * IS, K))
     bias = fake_tensor(Float32, (NE,))
     z = fake_tensor(BFloat16, (sym_m, NL))
     ids = fake_tensor(Int32, (sym_m, TOPK), align=4)
     wt = fake_tensor(Float32, (sym_m, TOPK), align=4)
     ws = fake_tensor(Float32, (M_MAX, NE))
     cnt = fake_tensor(Int32, (4,))
+    h = fake_tensor(BFloat16, (sym_m, IS if IS else NL))     # IS = 0: z stands in, never written
     obj = FrontMma() if mb in MMA_CONFIG else FrontFma()
-    return cute.compile(obj, x, w, bias, z, ids, wt, ws, cnt, Float32(1.0), fake_stream(), options=TVM_FFI)
+    return cute.compile(obj, x, w, bias, z, ids, wt, ws, cnt, h, Float32(1.0), fake_stream(), options=TVM_FFI)
 
 
 def get_kernel(mb: int, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K, unroll=None, min_blocks=None,
-               rolled=None):
+               rolled=None, shared=0):
+    """``shared`` (v2.7, FMA buckets only): the shared experts' intermediate width whose gate/up rows follow the
+    latent block in the packed weight (0: none)."""
     _check_shapes(n_experts, latent, hidden, top_k, mb)
+    _check_shared(shared, mb)
     rolled = TOPK_ROLLED if rolled is None else bool(rolled)
     unroll = fma_unroll(mb) if unroll is None else unroll      # _check_shapes: hidden % 1024, so 4 | rest
     min_blocks = fma_min_blocks(mb) if min_blocks is None else min_blocks
     if mb in MMA_CONFIG:
         min_blocks = 0
-    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll, min_blocks, rolled)
+    key = ("router_down_topk", mb, n_experts, latent, hidden, top_k, unroll, min_blocks, rolled) \
+        + ((("shared", shared),) if shared else ())
     return compile_cached(key, lambda: _build(mb, n_experts, latent, hidden, top_k, unroll, min_blocks,
-                                              rolled=rolled))
+                                              shared=shared, rolled=rolled))
+
+
+def _check_shared(shared, mb=None):
+    if not isinstance(shared, int) or shared < 0 or shared % 4:
+        raise ValueError(f"shared intermediate width must be a non-negative multiple of 4, got {shared!r}")
+    if shared and mb in MMA_CONFIG:
+        raise ValueError(f"the shared gate/up fold runs on the FMA front (M <= 4); M bucket {mb} is the tensor-core "
+                         "path: use router_down_topk_cublas(..., shared=...) there")
 
 
 def get_topk_kernel(n_experts=N_EXPERTS, latent=LATENT, top_k=TOP_K, shared=0, rolled=None):
     """The compiled TopkFromLogits kernel (any M: one CTA per token); its key does not depend on M or on K.
     ``shared``: the shared experts' intermediate width whose gate/up columns follow the latent block (0: none)."""
     _check_shapes(n_experts, latent, HIDDEN, top_k)
-    if shared < 0 or shared % 4:
-        raise ValueError(f"shared intermediate width must be a non-negative multiple of 4, got {shared}")
+    _check_shared(shared)
     rolled = TOPK_ROLLED if rolled is None else bool(rolled)
     key = ("router_topk_from_logits", n_experts, latent, top_k, shared, rolled)
     return compile_cached(key, lambda: _build(0, n_experts, latent, HIDDEN, top_k, UNROLL, shared=shared,
@@ -717,10 +778,14 @@ def _front_outputs(M, latent, top_k, dev, out_z, out_ids, out_w, *, z_align):
 
 def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0,
                      out_z=None, out_ids=None, out_w=None, workspace=None, fma_unroll=None, fma_min_blocks=None,
-                     rolled=None):
+                     rolled=None, shared=0, out_h=None):
     """z = bf16(x W_down^T), topk_ids [M, top_k] int32, topk_w [M, top_k] fp32 (k3-spec.md sections 10, 11).
 
     rolled: the top-k selection rounds as a loop (v2.4, opt-in; None = TOPK_ROLLED).
+
+    shared = Is > 0 (v2.7, M <= 4): w_packed is prepare_front_shared_weight's [W_r; W_down; W_sg; W_su], and a
+    fourth output h [M, Is] bf16 = the shared experts' SiTU-GLU (shared_expert_gate_up's contract) comes back, from
+    the same pass over x.
 
     fma_unroll: benchmarks only (k3fast.bench's @U4 row): the FMA path's vectors in flight per lane.
 
@@ -737,12 +802,18 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
         raise ValueError(f"x: batch M must lie in [1, {M_MAX}], got {M}")
     check_tensor("w_packed", w_packed, dtype=torch.bfloat16, shape=(None, K), device=dev)
     N = w_packed.shape[0]
-    latent = N - n_experts
+    _check_shared(shared, bucket_m(M))
+    latent = N - n_experts - 2 * shared
     if latent <= 0:
-        raise ValueError(f"w_packed: {N} rows cannot hold {n_experts} router rows and a latent block")
+        raise ValueError(f"w_packed: {N} rows cannot hold {n_experts} router rows, a latent block and 2 x {shared} "
+                         "shared gate/up rows")
     _check_shapes(n_experts, latent, K, top_k)
     check_tensor("e_bias", e_bias, dtype=torch.float32, shape=(n_experts,), device=dev)
     out_z, out_ids, out_w = _front_outputs(M, latent, top_k, dev, out_z, out_ids, out_w, z_align=16)
+    if shared:
+        if out_h is None:
+            out_h = torch.empty(M, shared, dtype=torch.bfloat16, device=dev)
+        check_tensor("out_h", out_h, dtype=torch.bfloat16, shape=(M, shared), device=dev)
     if workspace is None:
         workspace = get_workspace(dev, n_experts)
     ws, cnt = workspace
@@ -751,9 +822,9 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
     if not math.isfinite(float(scaling)):
         raise ValueError(f"scaling must be finite, got {scaling}")
     fn = get_kernel(bucket_m(M), n_experts, latent, K, top_k, fma_unroll, fma_min_blocks,  # M > 4: tensor cores
-                    rolled)
-    fn(x, w_packed, e_bias, out_z, out_ids, out_w, ws, cnt, float(scaling))
-    return out_z, out_ids, out_w
+                    rolled, shared)
+    fn(x, w_packed, e_bias, out_z, out_ids, out_w, ws, cnt, out_h if shared else out_z, float(scaling))
+    return (out_z, out_ids, out_w, out_h) if shared else (out_z, out_ids, out_w)
 
 
 def route_from_logits(logits, e_bias, *, top_k=TOP_K, scaling=1.0):

@@ -120,9 +120,16 @@ case "${1:-}" in
           moe_tail@pf moe_tail@pfl kda_conv_gate_step kda_conv_gate_step@pre" K3_BENCH_TIMEOUT=150 \
           bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --impls stock fast fast-wpost fast-gemvpin \
           fast-kdapre fast-tailpfl fast-endtrig --budget-s 240 ;;
+  # session 7: router v2.7 (shared gate/up in the fused front) and the new attention defaults (s8 = the old ones)
+  s10tests) K3_TEST_TIMEOUT=400 bash scripts/h200_tests.sh tests/gpu/test_router_down_topk.py tests/gpu/test_fast_layer.py \
+          -k "shared or rolled_matches or exact_ties or graph_replay or s9front or s8 or -fast]" ;;
+  s10perf) K3_SWEEP_TIMEOUT=240 K3_BENCH="--shapes k3_rank16 --batches 1 2 4 --kernels router_down_topk \
+          router_down_topk+shared shared_expert_gate_up router_down_topk_cublas+shared" K3_BENCH_TIMEOUT=90 \
+          bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --batches 1 4 8 64 --impls stock fast fast-s8 fast-s9front \
+          --budget-s 200 ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf"; exit 2 ;;
 esac

@@ -151,18 +151,47 @@ _PTX: dict = {}
 
 
 def _topk_ptx(mb, rolled):
-    """PTX of the front (mb >= 1) or of TopkFromLogits (mb 0, shared gate/up folded in), compiled once per test run."""
+    """PTX of the front (mb >= 1; "1s": bucket 1 with the shared gate/up folded in, v2.7) or of TopkFromLogits (mb 0,
+    shared gate/up folded in), compiled once per test run."""
     if (mb, rolled) not in _PTX:
         from k3fast._dsl import TVM_FFI
         from k3fast.ptxcheck import compiled_ptx
+        b, shared = (1, 384) if mb == "1s" else (mb, 384 * (mb == 0))
         old = rdt.TVM_FFI
         rdt.TVM_FFI = TVM_FFI + " --keep-ptx"
         try:
-            _PTX[mb, rolled] = compiled_ptx(lambda: rdt._build(mb, 896, 3584, 7168, 16, rdt.fma_unroll(max(mb, 1)), 0,
-                                                               shared=384 * (mb == 0), rolled=rolled))
+            _PTX[mb, rolled] = compiled_ptx(lambda: rdt._build(b, 896, 3584, 7168, 16, rdt.fma_unroll(max(b, 1)), 0,
+                                                               shared=shared, rolled=rolled))
         finally:
             rdt.TVM_FFI = old
     return _PTX[mb, rolled]
+
+
+@pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("mb", [1, 2, 4])
+def test_fused_front_with_shared_compiles(mb):
+    """v2.7: the FMA buckets compile with the shared gate/up rows folded in, under their own key; the grid grows by
+    2 Is / 4 CTAs (the rows' count, k3_rank(16): Is = 384)."""
+    fn = rdt.get_kernel(mb, shared=384)
+    assert fn is not None and fn is rdt.get_kernel(mb, shared=384) and fn is not rdt.get_kernel(mb)
+
+
+def test_fused_front_with_shared_rejects_bad_keys():
+    with pytest.raises(ValueError, match="FMA front"):
+        rdt.get_kernel(8, shared=384)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        rdt.get_kernel(1, shared=6)
+
+
+@pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
+def test_fused_front_with_shared_writes_h_from_shared_memory():
+    """v2.7: the SiTU pairs meet in shared memory (each warp's lane 0 stores its row's sum; one barrier), and h is
+    stored as bf16; the front without the fold has neither the extra barrier nor a 16-bit global store."""
+    plain, fold = _topk_ptx(1, False), _topk_ptx("1s", False)
+    n_bar = [sum(1 for ln in p.splitlines() if ln.strip().startswith("bar.sync")) for p in (plain, fold)]
+    assert n_bar[1] == n_bar[0] + 1, n_bar
+    n_b16 = [len(re.findall(r"st\.global\.b16\b", p)) for p in (plain, fold)]    # z (plain), z and h (fold)
+    assert n_b16[1] == n_b16[0] + 1, n_b16
 
 
 @pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
@@ -176,7 +205,7 @@ def test_rolled_topk_compiles_smaller(mb):
 
 
 @pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
-@pytest.mark.parametrize("mb", [0, 1, 8, 64])
+@pytest.mark.parametrize("mb", [0, 1, "1s", 8, 64])
 @pytest.mark.parametrize("rolled", [False, True])
 def test_topk_loads_issue_before_the_first_sigmoid(mb, rolled):
     """v2.5: the top-k reads its 28 logits (ld.global.cg: written by other CTAs or by the GEMM) and 28 biases before

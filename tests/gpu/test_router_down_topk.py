@@ -38,6 +38,15 @@ def shared_weights():
     return tuple((torch.randn(IS, D, device=DEV, generator=g) * 0.02).to(torch.bfloat16) for _ in range(2))
 
 
+def assert_h_matches(x, wg, wu, h):
+    """h = bf16(SiTU-GLU(bf16(x Wg^T), bf16(x Wu^T))) (k3-spec.md section 12) against fp64 dot products: a and c
+    may round to a neighbouring bf16 where the kernel's fp32 sum order differs, hence the relative RMSE bound."""
+    a = F.linear(x.double(), wg.double()).to(torch.bfloat16).double()
+    c = F.linear(x.double(), wu.double()).to(torch.bfloat16).double()
+    h_ref = (4.0 * torch.tanh(a / 4.0) * torch.sigmoid(a) * (25.0 * torch.tanh(c / 25.0))).to(torch.bfloat16)
+    assert rel_rmse(h.float(), h_ref.float()) <= 1e-2
+
+
 def rel_rmse(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
@@ -68,8 +77,11 @@ def test_rolled_matches_unrolled_bitwise(weights, M):
     wp = rdt.prepare_front_weight(wr, wd)
     wps = rdt.prepare_front_shared_weight(wr, wd, *shared_weights())
     x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
-    for fn in (lambda r: rdt.router_down_topk(x, wp, bias, scaling=2.5, rolled=r),
-               lambda r: rdt.router_down_topk_cublas(x, wps, bias, scaling=2.5, shared=IS, rolled=r)):
+    fns = [lambda r: rdt.router_down_topk(x, wp, bias, scaling=2.5, rolled=r),
+           lambda r: rdt.router_down_topk_cublas(x, wps, bias, scaling=2.5, shared=IS, rolled=r)]
+    if M <= 4:
+        fns.append(lambda r: rdt.router_down_topk(x, wps, bias, scaling=2.5, shared=IS, rolled=r))
+    for fn in fns:
         a = [t.clone() for t in fn(False)]
         b = [t.clone() for t in fn(True)]
         for ta, tb in zip(a, b):
@@ -110,14 +122,30 @@ def run_checked(x, wr, wd, wp, bias, scaling=1.0, front="kernel"):
         h = torch.full((M, IS), float("nan"), dtype=torch.bfloat16, device=DEV)
         rdt.topk_from_logits(y, bias, scaling=scaling, shared=IS, out_z=z, out_ids=ids, out_w=w, out_h=h)
         torch.cuda.synchronize()
-        a = F.linear(x.float(), wg.float()).to(torch.bfloat16).float()
-        c = F.linear(x.float(), wu.float()).to(torch.bfloat16).float()
-        h_ref = (4.0 * torch.tanh(a / 4.0) * torch.sigmoid(a) * (25.0 * torch.tanh(c / 25.0))).to(torch.bfloat16)
         assert torch.isfinite(h.float()).all(), "h has unwritten (NaN) elements"
-        assert rel_rmse(h.float(), h_ref.float()) <= 1e-2
+        assert_h_matches(x, wg, wu, h)
         # the fourth output of the host wrapper is the same h
         z2, ids2, w2, h2 = rdt.router_down_topk_cublas(x, wps, bias, scaling=scaling, shared=IS)
         assert torch.equal(h2, h) and torch.equal(ids2, ids) and torch.equal(z2, z)
+    elif front == "kernel-shared":  # v2.7: the fused FMA front with the shared gate/up rows in its pass (M <= 4)
+        wg, wu = shared_weights()
+        wps = rdt.prepare_front_shared_weight(wr, wd, wg, wu)
+        z = torch.full((M, DL), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ids = torch.full((M, K), -7, dtype=torch.int32, device=DEV)
+        w = torch.full((M, K), float("nan"), dtype=torch.float32, device=DEV)
+        h = torch.full((M, IS), float("nan"), dtype=torch.bfloat16, device=DEV)
+        out = rdt.router_down_topk(x, wps, bias, scaling=scaling, shared=IS, out_z=z, out_ids=ids, out_w=w, out_h=h)
+        assert out[0] is z and out[1] is ids and out[2] is w and out[3] is h
+        torch.cuda.synchronize()
+        assert torch.isfinite(h.float()).all(), "h has unwritten (NaN) elements"
+        assert_h_matches(x, wg, wu, h)
+        # the router and latent rows run the same code as the front without the fold: bit-identical
+        z0, ids0, w0 = rdt.router_down_topk(x, wp, bias, scaling=scaling)
+        assert torch.equal(z0, z) and torch.equal(ids0, ids) and torch.equal(w0, w)
+        # and h is the separate gate/up kernel's (FastImpl's other paths), within the roundings of two fp32 orders
+        from k3fast.moe_tail import prepare_shared_gate_up, shared_expert_gate_up
+        h_sep = shared_expert_gate_up(x, prepare_shared_gate_up(wg, wu))
+        assert rel_rmse(h.float(), h_sep.float()) <= 1e-2
     else:
         z = torch.full((M, DL), float("nan"), dtype=torch.bfloat16, device=DEV)
         ids = torch.full((M, K), -7, dtype=torch.int32, device=DEV)
@@ -158,9 +186,29 @@ def test_cublas_front_matches(weights, M, front):
     run_checked(torch.randn(M, D, device=DEV).to(torch.bfloat16), wr, wd, wp, bias, scaling=2.5, front=front)
 
 
-@pytest.mark.parametrize("front", ["kernel", "cublas", "cublas-shared"])
+@pytest.mark.parametrize("M", (1, 2, 3, 4))
+def test_fused_front_with_shared_matches(weights, M):
+    """v2.7: the FMA front with the shared experts' gate/up folded in (FastImpl at M <= 4); two calls, so the second
+    sees the counter the first reset."""
+    wr, wd, bias = weights
+    wp = rdt.prepare_front_weight(wr, wd)
+    for scaling in (1.0, 2.5):
+        run_checked(torch.randn(M, D, device=DEV).to(torch.bfloat16), wr, wd, wp, bias, scaling=scaling,
+                    front="kernel-shared")
+
+
+def test_fused_front_with_shared_rejects_the_mma_buckets(weights):
+    wr, wd, bias = weights
+    wps = rdt.prepare_front_shared_weight(wr, wd, *shared_weights())
+    with pytest.raises(ValueError, match="FMA front"):
+        rdt.router_down_topk(torch.randn(8, D, device=DEV).to(torch.bfloat16), wps, bias, shared=IS)
+
+
+@pytest.mark.parametrize("front", ["kernel", "kernel-shared", "cublas", "cublas-shared"])
 @pytest.mark.parametrize("M", (1, 3, 8, 16, 32, 64))
 def test_exact_ties(weights, M, front):
+    if front == "kernel-shared" and M > 4:
+        pytest.skip("the fold is an FMA-front (M <= 4) build")
     wr, wd, _ = weights
     wr = wr.clone()
     bias = torch.zeros(NE, device=DEV)
