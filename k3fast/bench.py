@@ -65,12 +65,13 @@ def _cases(cfg, batch: int):
                                                                       w.input_layernorm, w_in, partial_out=p_out,
                                                                       fused_groups=2),
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    if M <= 4:      # rms_gemv v6 (opt-in): each batch of weight loads tied together (fused at M <= 2, plain above)
-        cases.append(("attnres_rms_gemv@pin", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
-                                                                       w.input_layernorm, w_in, partial_out=p_out,
-                                                                       pin_loads=True),
+    if M <= 4:      # rms_gemv v5, before v6 (the default since session 7: each batch of weight loads tied together;
+        # fused at M <= 2, plain above; measured as the "@pin" rows of kernels-84291ed.json)
+        cases.append(("attnres_rms_gemv@v5", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
+                                                                      w.input_layernorm, w_in, partial_out=p_out,
+                                                                      pin_loads=False),
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-        cases.append(("gemv_in_proj_plain@pin", lambda: gemv(x, w_in, pin_loads=True), lambda: F.linear(x, w_in),
+        cases.append(("gemv_in_proj_plain@v5", lambda: gemv(x, w_in, pin_loads=False), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
     if M <= 2:
         def unfused():
@@ -92,21 +93,20 @@ def _cases(cfg, batch: int):
     f = rnd(M, Pw)
     st = io.state
     state_bytes = 2 * (st.recurrent[0].numel() * 4 + st.conv[0].numel() * 2) * M
-    cases.append(("kda_conv_gate_step",
-                  lambda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm, st.conv, st.recurrent,
-                                             io.slots, heads=H),
-                  lambda: stock_kda_core(proj[:, :Pw], proj[:, Pw:2 * Pw], proj[:, 2 * Pw:3 * Pw], proj[:, 3 * Pw:4 * Pw], f,
-                                         proj[:, 4 * Pw + D:4 * Pw + D + H], st.conv, st.recurrent, io.slots, kw, head_dim=D,
-                                         null_slot=st.num_slots - 1),
-                  state_bytes + a.f_b_proj.numel() * 2 + M * (proj.shape[1] + Pw) * 2))
-    # kda_conv_gate_step v3 (opt-in): the proj loads right after the wait (T = 1, nsplit 8)
-    cases.append(("kda_conv_gate_step@pre",
-                  lambda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm, st.conv, st.recurrent,
-                                             io.slots, heads=H, preload=True),
-                  lambda: stock_kda_core(proj[:, :Pw], proj[:, Pw:2 * Pw], proj[:, 2 * Pw:3 * Pw], proj[:, 3 * Pw:4 * Pw], f,
-                                         proj[:, 4 * Pw + D:4 * Pw + D + H], st.conv, st.recurrent, io.slots, kw, head_dim=D,
-                                         null_slot=st.num_slots - 1),
-                  state_bytes + a.f_b_proj.numel() * 2 + M * (proj.shape[1] + Pw) * 2))
+    def stock_core():
+        return stock_kda_core(proj[:, :Pw], proj[:, Pw:2 * Pw], proj[:, 2 * Pw:3 * Pw], proj[:, 3 * Pw:4 * Pw], f,
+                              proj[:, 4 * Pw + D:4 * Pw + D + H], st.conv, st.recurrent, io.slots, kw, head_dim=D,
+                              null_slot=st.num_slots - 1)
+    kda_bytes = state_bytes + a.f_b_proj.numel() * 2 + M * (proj.shape[1] + Pw) * 2
+    from .kda_conv_gate_step import choose_nsplit
+    ns_alt = 12 - choose_nsplit(M, H)
+    # the default; v2 without the proj preload (T = 1, nsplit 8; v3 is the default since session 7); and the other
+    # value-row split than choose_nsplit's (8 <-> 4), the A/B of "fast-kdans8"
+    for tag, kw_kda in (("", {}), ("@v2", {"preload": False}), (f"@ns{ns_alt}", {"nsplit": ns_alt})):
+        cases.append((f"kda_conv_gate_step{tag}",
+                      lambda kw_kda=kw_kda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm,
+                                                               st.conv, st.recurrent, io.slots, heads=H, **kw_kda),
+                      stock_core, kda_bytes))
     # 3. o_proj + AttnRes #2
     y = rnd(M, Pw)
     u2 = attn_res_u(w.mlp_res, P).float().contiguous()
@@ -114,10 +114,11 @@ def _cases(cfg, batch: int):
     cases.append(("oproj_attnres", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2, w.post_attention_layernorm,
                                                          out_x=xo, out_partial=po),
                   lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
-    # v1.2 (opt-in): w_post loaded before the PDL wait
-    cases.append(("oproj_attnres@wpost", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
-                                                               w.post_attention_layernorm, out_x=xo, out_partial=po,
-                                                               preload_wpost=True),
+    # v1.1, before v1.2 (the default since session 7: w_post loaded before the PDL wait; the "@wpost" row of
+    # kernels-84291ed.json)
+    cases.append(("oproj_attnres@v1.1", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
+                                                              w.post_attention_layernorm, out_x=xo, out_partial=po,
+                                                              preload_wpost=False),
                   lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
     # 4. router + latent down + top-k
     front = prepare_front_weight(m.gate, m.down)

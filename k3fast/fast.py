@@ -47,6 +47,12 @@ TAIL_DSL_MAX_M = 16
 # attention half took 41.9 us against 46.7 for ours (stock 77.2), so the threshold went 8 -> 4; at b1 ours stays
 # (39.6 against 40.2). M = 2..4 were not measured: they keep the FMA path, which is where the b1 figure comes from.
 GEMV_DSL_MAX_M = 4      # the same threshold serves o_proj (oproj_attnres: 23.6 us at rank16 b64, cuBLAS 8.6)
+# Session 7: the in_proj GEMV has its own, lower threshold. At M = 3-4 the AttnRes prologue no longer fuses (rms_gemv
+# FUSE_MAX_M = 2), and the FMA GEMV behind it took 37.7 us at rank16 b4 against cuBLAS's 19.7 (kernels-84291ed.json,
+# gemv_in_proj_plain); in the layer the b4 attention half was 51.5 us, 30.5 of them that GEMV
+# (records-9ac30a0-s10perf.json). o_proj keeps GEMV_DSL_MAX_M: its fused kernel beats cuBLAS + a separate AttnRes
+# there. "fast-s10" is the A/B with the FMA GEMV up to M = 4.
+INPROJ_DSL_MAX_M = 2
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + the TopkFromLogits kernel (router_down_topk_cublas): at rank16 b64 the fused kernel
 # took 63.2 us in the layer against the stock router + down at 35.5 us (records-e384fbf-rot.json); at b8 36.5
@@ -68,7 +74,8 @@ class FastImpl:
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
                  shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | str | None = None,
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
-                 kda_preload: bool | None = None, shared_in_fma_front: bool = True):
+                 kda_preload: bool | None = None, shared_in_fma_front: bool = True,
+                 inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -125,6 +132,10 @@ class FastImpl:
         self.gemv_mma = gemv_mma      # rms_gemv.gemv's kernel for M > 4: "v2" or the opt-in "splitk"
         self.tail_dsl_max_m = tail_dsl_max_m
         self.gemv_dsl_max_m = gemv_dsl_max_m
+        self.inproj_dsl_max_m = min(inproj_dsl_max_m, gemv_dsl_max_m)
+        # the KDA step's value-row split (None: kda_conv_gate_step.choose_nsplit, 4 above 64 request-heads; "fast-kdans8"
+        # runs 8 at every batch, the alternative its version log names for large batches, never measured before)
+        self.kda_nsplit = kda_nsplit
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
         # Where the fused front serves (M <= front_dsl_max_m), launch the shared gate/up after the routed experts
@@ -155,6 +166,8 @@ class FastImpl:
                         + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}")
                         + ("" if tail_dsl_max_m == TAIL_DSL_MAX_M else f", moe_tail up to M={tail_dsl_max_m}")
                         + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", in_proj GEMV up to M={gemv_dsl_max_m}")
+                        + ("" if inproj_dsl_max_m == INPROJ_DSL_MAX_M else f", in_proj DSL GEMV up to M={inproj_dsl_max_m}")
+                        + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
@@ -199,14 +212,14 @@ class FastImpl:
             proj, _ = attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm, self.in_proj,
                                        eps=cfg.rms_norm_eps, block_write=(l // cfg.attn_res_block_size) if boundary else -1,
                                        partial_out=p1,
-                                       mma=self.gemv_mma if io.partial.shape[0] <= self.gemv_dsl_max_m else "cublas",
+                                       mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                        fused_groups=self.gemv_groups,
                                        early_trigger=self.attn_early_trigger, pin_loads=self.gemv_pin)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
-                                   early_trigger=self.attn_early_trigger, preload=self.kda_preload)
+                                   early_trigger=self.attn_early_trigger, preload=self.kda_preload, nsplit=self.kda_nsplit)
         with stage("k3.o_proj"):
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,

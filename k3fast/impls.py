@@ -433,11 +433,14 @@ FAST_VARIANTS = {
     "fast-v6": {"experts_version": 6},          # experts v6: each expert over two clusters at buckets <= 2 (opt-in)
     "fast-nibble": {"experts_layout": "nibble"},  # experts in the nibble layout (the default before 2026-11-29)
     "fast-w8": {"experts_warps": 8},            # experts at 8 warps per CTA (the default before 16)
-    "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "front_dsl_max_m": 64},  # no cuBLAS dispatch
+    "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch
+                    "front_dsl_max_m": 64},
     "fast-taildsl": {"tail_dsl_max_m": 64},     # k3fast.moe_tail at every batch (before 2026-11-29)
     "fast-gemv0": {"gemv_dsl_max_m": 0},        # in_proj / o_proj GEMMs on cuBLAS at every batch
-    "fast-gemv8": {"gemv_dsl_max_m": 8},        # ... above M = 8 (the threshold before session 5)
-    "fast-splitk": {"gemv_mma": "splitk", "gemv_dsl_max_m": 64},  # in_proj at M > 4 on gemv_splitk (opt-in)
+    "fast-gemv8": {"gemv_dsl_max_m": 8, "inproj_dsl_max_m": 8},  # ... above M = 8 (the threshold before session 5)
+    "fast-splitk": {"gemv_mma": "splitk", "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64},  # in_proj at M > 4 on gemv_splitk
+    "fast-s10": {"inproj_dsl_max_m": 4},        # the in_proj's FMA GEMV at M = 3-4 (before session 7's threshold)
+    "fast-kdans8": {"kda_nsplit": 8},           # the KDA step split 8 ways at every batch (4 above 64 request-heads)
     "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and

@@ -89,7 +89,8 @@ Version log
       cap at 512 threads), so an in_proj CTA fills its SM's register file, and the early-triggered KDA CTAs (v5)
       fit only on the ~17 SMs without one. Prediction: fused in_proj at b1 (flushed timeline) 20.3 -> ~16-17 us;
       attention half b1 36.5 -> ~33-35 us, where the KDA step's lost overlap (+1-2 us) is the uncertain part.
-      Bench rows attnres_rms_gemv@pin and gemv_in_proj_plain@pin; GPU test test_opt_in_builds_are_bitwise (pin_loads).
+      Bench rows attnres_rms_gemv@pin and gemv_in_proj_plain@pin (@v5 since it is the default); GPU test
+      test_opt_in_builds_are_bitwise (pin_loads).
       Measured (kernels-84291ed.json, records-84291ed-s9perf.json, one run; bit-identical in the GPU tests): fused
       in_proj bench b1 23.9 -> 23.1 us, b2 28.9 -> 27.6; plain GEMV b1 23.1 -> 22.3, b2 24.1 -> 24.4, b4 37.7 ->
       37.8; attention half b1 36.7 -> 35.7 us (fast-gemvpin). Missed at the kernel (-0.8 us, not -3 to -4): the
@@ -803,13 +804,13 @@ def gemv(x, w, out=None, *, mma: str = "v2", pin_loads=None):
 
     mma: the kernel for M > 4: "v2" (`_MmaGemv`, K split among a CTA's warps), "splitk" (k3fast.gemv_splitk:
     x staged in shared memory, K split across CTAs; opt-in, slower at b64 in its first H200 run (its version
-    log); used only where gemv_splitk.applicable says so) or "cublas" (torch.mm: where both of ours lose, see
-    k3fast.fast.GEMV_DSL_MAX_M). pin_loads: the FMA path's v6 (None = PIN_LOADS)."""
+    log); used only where gemv_splitk.applicable says so) or "cublas" (torch.mm at every M: where ours lose, see
+    k3fast.fast.GEMV_DSL_MAX_M and INPROJ_DSL_MAX_M). pin_loads: the FMA path's v6 (None = PIN_LOADS)."""
     M, N, K, out = gemv_operands(x, w, out)
     if mma not in ("v2", "splitk", "cublas"):
         raise ValueError(f"mma must be 'v2', 'splitk' or 'cublas', got {mma!r}")
     MB = bucket_m(M)
-    if mma == "cublas" and MB > 4:
+    if mma == "cublas":
         import torch
         return torch.mm(x, w.t(), out=out)
     if MB <= 4:

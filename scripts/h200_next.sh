@@ -127,9 +127,17 @@ case "${1:-}" in
           router_down_topk+shared shared_expert_gate_up router_down_topk_cublas+shared" K3_BENCH_TIMEOUT=90 \
           bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --batches 1 4 8 64 --impls stock fast fast-s8 fast-s9front \
           --budget-s 200 ;;
+  # session 7, the last call after a staging (~8.5 min): the tests of the in_proj threshold (M = 3-4 on cuBLAS) and of
+  # the KDA split A/B, then the layer A/B at rank16 and rank8 with the kernel rows they predict
+  s11)    K3_TEST_TIMEOUT=170 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py \
+            -k "fast_attention_half and (s10 or kdans8 or -fast])"
+          K3_SWEEP_TIMEOUT=250 K3_BENCH="--shapes k3_rank16 --batches 4 64 --kernels kda_conv_gate_step \
+            kda_conv_gate_step@ns8 kda_conv_gate_step@ns4 gemv_in_proj_plain" K3_BENCH_TIMEOUT=60 \
+            bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 4 8 64 \
+            --impls stock fast fast-s10 fast-kdans8 --budget-s 200 ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11"; exit 2 ;;
 esac
