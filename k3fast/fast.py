@@ -51,7 +51,8 @@ GEMV_DSL_MAX_M = 4      # the same threshold serves o_proj (oproj_attnres: 23.6 
 # FUSE_MAX_M = 2), and the FMA GEMV behind it took 37.7 us at rank16 b4 against cuBLAS's 19.7 (kernels-84291ed.json,
 # gemv_in_proj_plain); in the layer the b4 attention half was 51.5 us, 30.5 of them that GEMV
 # (records-9ac30a0-s10perf.json). o_proj keeps GEMV_DSL_MAX_M: its fused kernel beats cuBLAS + a separate AttnRes
-# there. "fast-s10" is the A/B with the FMA GEMV up to M = 4.
+# there. "fast-s10" is the A/B with the FMA GEMV up to M = 4. Measured (records-0bc90c0-s11.json, one run): attention
+# half b4 51.1 -> 37.6 us at rank16 (stock 74.4: 1.98x), 72.5 -> 51.0 at rank8 (predicted ~40-43 at rank16).
 INPROJ_DSL_MAX_M = 2
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + the TopkFromLogits kernel (router_down_topk_cublas): at rank16 b64 the fused kernel
@@ -133,8 +134,9 @@ class FastImpl:
         self.tail_dsl_max_m = tail_dsl_max_m
         self.gemv_dsl_max_m = gemv_dsl_max_m
         self.inproj_dsl_max_m = min(inproj_dsl_max_m, gemv_dsl_max_m)
-        # the KDA step's value-row split (None: kda_conv_gate_step.choose_nsplit, 4 above 64 request-heads; "fast-kdans8"
-        # runs 8 at every batch, the alternative its version log names for large batches, never measured before)
+        # the KDA step's value-row split (None: kda_conv_gate_step.choose_nsplit, 4 above 64 request-heads). "fast-kdans8"
+        # runs 8 at every batch, the alternative its v1 log named for large batches; measured slower at b64
+        # (records-0bc90c0-s11.json: attention 68.3 against 65.2 us at rank16, 111.3 against 101.6 at rank8)
         self.kda_nsplit = kda_nsplit
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import time
 import xml.etree.ElementTree as ET
 
@@ -161,3 +162,25 @@ def recorded_code_sizes() -> tuple[str, list[dict]]:
         if rows and (best is None or date > best[0]):
             best = (date, path, rows)
     return (os.path.relpath(best[1], ROOT), best[2]) if best else ("", [])
+
+
+def replay_timeline(records_file: str, part: str, impl: str, batch: int = 1, shape: str = "k3_rank16",
+                    kind: str = "kda_moe") -> str:
+    """One recorded replay of one half (k3fast.trace's replay_timeline: start and end of each kernel, µs from the
+    first kernel's start, under the L2 condition the record names), one kernel per line."""
+    with open(os.path.join(ROOT, records_file)) as f:
+        doc = json.load(f)
+    rec = next((r for r in doc["records"] if (r["part"], r["impl"], r["batch"], r["shape"], r["layer_kind"])
+                == (part, impl, batch, shape, kind)), None)
+    if rec is None or not rec.get("replay_timeline"):
+        return f"{records_file}: no {part} timeline for {impl} at {shape} b{batch}"
+    tl = rec["replay_timeline"]
+    lines = [f"{impl}, {part} half, {shape} b{batch} ({records_file}; {tl.get('l2', 'L2 condition not recorded')}):"]
+    for name, start, dur in tl["kernels"]:
+        short = name.split("(")[0][:44]
+        if name.startswith("kernel_cutlass_kernel_k3fast"):      # a k3fast kernel: module (class)
+            mod = name[len("kernel_cutlass_kernel_k3fast"):].split("_build")[0].split("_kernel_class")[0]
+            cls = re.search(r"locals([A-Za-z0-9]+?)_obj", name)
+            short = f"{mod} ({cls.group(1)})" if cls else mod
+        lines.append(f"  {short:44s} {start:7.1f} -> {start + dur:7.1f} µs")
+    return "\n".join(lines)

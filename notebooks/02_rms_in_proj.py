@@ -203,6 +203,24 @@ if tools is not None and dsl_available():
 else:
     print("no ptxas / nvdisasm here (k3fast.ptxcheck.find_sass_tools): the recorded counts above are the evidence")
 
+# %% [markdown]
+# Measured (session 7, one run): the pinned loads are bit-identical, and they took the fused kernel from 23.9 to
+# 23.1 µs at b1 in the bench, and the attention half from 36.7 to 35.7 µs (`fast-gemvpin` below, since made the
+# default). That is less than predicted: once the loads issue together, the ~2 TB/s that each SM streams is
+# what remains, and neither 14 loads in flight (v3) nor a bulk L2 prefetch (v4) moved it.
+#
+# ## 9. Where the FMA GEMV stops: M = 3-4 goes to cuBLAS
+# The fused prologue serves M <= 2 (`FUSE_MAX_M`, section 6). At M = 3-4 the AttnRes + RMSNorm kernel runs on its
+# own, and the GEMV behind it needs no fusion, so the only question is which GEMV is fastest. At b4 the FMA kernel
+# took 37.7 µs in the bench, against cuBLAS's 19.7 (why the FMA kernel slows from 23 µs at b1 to 38 at b4 is not
+# analysed yet). So `k3fast.fast.INPROJ_DSL_MAX_M = 2`, and `fast-s10` is the A/B with the FMA kernel at M = 3-4. o_proj keeps its fused kernel to M = 4: there the fusion saves a launch and an AttnRes pass.
+
+# %%
+print(nbtools.ab_table("traces/h200/records-84291ed-s9perf.json", "attn", ["stock", "fast", "fast-gemvpin"]))
+print(nbtools.ab_table("traces/h200/records-0bc90c0-s11.json", "attn", ["stock", "fast", "fast-s10"]))
+print(nbtools.replay_timeline("traces/h200/records-0bc90c0-s11.json", "attn", "fast-s10", 4))
+print(nbtools.replay_timeline("traces/h200/records-0bc90c0-s11.json", "attn", "fast", 4))
+
 # %%
 assert err < 1e-12
 assert rec["source"] is None or rec["failed"] == 0

@@ -88,6 +88,22 @@ rec = nbtools.recorded_gpu_tests("test_kda_conv_gate_step")
 print(f"recorded H200 parity tests: {rec['passed']} passed, {rec['failed']} failed ({rec['source']})")
 print(nbtools.bench_table(nbtools.recorded_kernel_bench("kda_conv_gate_step")))
 
+# %% [markdown]
+# ## 6. Two measured changes, one kept
+# * **v3, the proj loads right after the wait (kept).** At T = 1 the beta logit and the f_a vector were loaded
+#   behind the conv sigmoids' division branches, and the output gate after the last cluster barrier. Loading them
+#   all right after the PDL wait is bit-identical, and took the step 0.5-0.8 µs shorter at b1-8 (bench), and the
+#   attention half at b1 36.7 -> 36.1 µs (`fast-kdapre`, the default since).
+# * **nsplit 8 at large batch (not kept).** v1's log named splitting each head's value rows 8 ways at b64 too (twice
+#   the CTAs, 64 registers) as the alternative to try. Measured, it is slower: the step took 34.0 against 30.9 µs in
+#   the bench at rank16 b64, and the attention half 68.3 against 65.2 µs (`fast-kdans8`). The q/k/W_fb re-reads,
+#   which double with the split, cost more than the extra CTAs hide. So `choose_nsplit` stays as it was.
+
+# %%
+print(nbtools.ab_table("traces/h200/records-84291ed-s9perf.json", "attn", ["stock", "fast", "fast-kdapre"]))
+print(nbtools.bench_table(nbtools.recorded_kernel_bench("kda_conv_gate_step@ns8")))
+print(nbtools.ab_table("traces/h200/records-0bc90c0-s11.json", "attn", ["stock", "fast", "fast-kdans8"]))
+
 # %%
 assert loop_vs_chunk < 1e-10
 assert bool((y[1] == 0).all())

@@ -156,6 +156,23 @@ print(nbtools.ab_table("traces/h200/records-31884ea-s6perf.json", "moe", ["stock
 print(nbtools.ab_table("traces/h200/records-1214f05-s7perf.json", "moe",
                        ["stock", "fast", "fast-rolled", "fast-tailpf", "fast-frontpf", "fast-pf"]))
 
+# %% [markdown]
+# ## 9. The shared experts in the same pass (v2.7)
+# The shared experts' gate/up (k3-spec.md section 12) reads the same x as the router and the latent
+# down-projection, and does not depend on the routing. Until session 7 it was its own kernel between the router
+# and the routed experts at M <= 4, and the experts, which wait for the kernel before them, waited for it too. The
+# timelines below are one flushed replay each, from the run that measured the change. The fused front now streams
+# the gate and up rows in its last CTAs. Each CTA owns two h columns: its warps 2p and 2p + 1 take the gate and
+# the up row of column 2c + p, so the SiTU pairs meet in shared memory. The front still ends at ~20 µs, because
+# the extra 11 MB stream while the last router CTA runs the top-k. The experts now start 7 µs earlier, and the
+# MoE half needs one launch fewer (`fast-s9front` is the layout before).
+
+# %%
+print(nbtools.bench_table(nbtools.recorded_kernel_bench("router_down_topk+shared")))
+print(nbtools.replay_timeline("traces/h200/records-9ac30a0-s10perf.json", "moe", "fast-s9front"))
+print(nbtools.replay_timeline("traces/h200/records-9ac30a0-s10perf.json", "moe", "fast"))
+print(nbtools.ab_table("traces/h200/records-9ac30a0-s10perf.json", "moe", ["stock", "fast", "fast-s9front"]))
+
 # %%
 assert torch.allclose(ws.sum(-1), torch.ones(4, dtype=torch.float64))
 assert torch.equal(ws, s.gather(1, ids) / s.gather(1, ids).sum(-1, keepdim=True))
