@@ -135,9 +135,14 @@ case "${1:-}" in
             kda_conv_gate_step@ns8 kda_conv_gate_step@ns4 gemv_in_proj_plain" K3_BENCH_TIMEOUT=60 \
             bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 4 8 64 \
             --impls stock fast fast-s10 fast-kdans8 --budget-s 200 ;;
+  # the experts kernel at rank8 b64, where the MoE half lost to stock (records-9ac30a0-kdaall2.json): is it the load
+  # structure (probe), the cluster size (C4) or the warps (W8)? Fits the ~2 minutes left after a staging.
+  rank8x) mkdir -p "${OUT:-out}"; timeout 130 env PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a python3 -m k3fast.bench_experts \
+            --shapes k3_rank8 --batches 64 --variants default probe C4 W8 --replays 20 --out "${OUT:-out}" \
+            --tag "$K3_COMMIT" > "${OUT:-out}/experts.log" 2>&1; grep -v Warn "${OUT:-out}/experts.log" | tail -20 ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x"; exit 2 ;;
 esac
