@@ -59,7 +59,7 @@ def recorded_kernel_bench(kernel: str) -> list[dict]:
 def recorded_experts_probe(shape: str = "k3_rank16") -> tuple[str, dict]:
     """The newest traces/h200/experts-*.json (k3fast.bench_experts): (source, {variant: {batch: us_median}})."""
     from .report import latest_experts_probe
-    path, doc = latest_experts_probe()
+    path, doc = latest_experts_probe(shape=shape)
     if doc is None:
         return "", {}
     table: dict = {}

@@ -129,8 +129,9 @@ def kernel_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def latest_experts_probe(pattern: str | None = None):
-    """(path, document) of the newest uniform-routing k3fast.bench_experts file, or (None, None)."""
+def latest_experts_probe(pattern: str | None = None, shape: str | None = None):
+    """(path, document) of the newest uniform-routing k3fast.bench_experts file (with records of ``shape``, when
+    given), or (None, None)."""
     pattern = pattern or os.path.join(ROOT, "traces", "h200", "experts-*.json")
     best = None
     for path in glob.glob(pattern):
@@ -138,6 +139,8 @@ def latest_experts_probe(pattern: str | None = None):
             continue
         with open(path) as f:
             doc = json.load(f)
+        if shape is not None and not any(r["shape"] == shape for r in doc["records"]):
+            continue
         date = max((r.get("date") or "" for r in doc["records"]), default="")
         if best is None or date > best[0]:
             best = (date, path, doc)
@@ -145,22 +148,35 @@ def latest_experts_probe(pattern: str | None = None):
 
 
 def experts_probe_table(pattern: str | None = None) -> str:
-    """The newest uniform-routing k3fast.bench_experts file as variant x batch (µs and TB/s), Marlin included."""
-    path, doc = latest_experts_probe(pattern)
-    if doc is None:
+    """Per shape, the newest uniform-routing k3fast.bench_experts file with that shape, as variant x batch (µs and
+    TB/s), Marlin included: one table per file, so every row of a table comes from one run."""
+    pattern = pattern or os.path.join(ROOT, "traces", "h200", "experts-*.json")
+    shapes = set()
+    for path in glob.glob(pattern):
+        if not path.endswith("-skewed.json"):
+            with open(path) as f:
+                shapes |= {r["shape"] for r in json.load(f)["records"]}
+    picked = {}
+    for shape in sorted(shapes, key=lambda s: {"k3_rank16": 0, "k3_rank8": 1, "full": 2}.get(s, 9)):
+        path, doc = latest_experts_probe(pattern, shape)
+        picked.setdefault(path, (doc, []))[1].append(shape)
+    if not picked:
         return "_No experts probe recorded yet._"
-    rows = defaultdict(dict)
-    for r in doc["records"]:
-        if r.get("us_median") is not None:
-            rows[(r["shape"], r["variant"])][r["batch"]] = r
-    batches = sorted({b for c in rows.values() for b in c})
-    lines = [f"From `{os.path.relpath(path, ROOT)}` (copy {doc.get('copy_tbps', float('nan')):.2f} TB/s).",
-             "", "| shape | variant | " + " | ".join(f"b{b} µs (TB/s)" for b in batches) + " |",
-             "|" + "---|" * (2 + len(batches))]
-    for (shape, variant), c in rows.items():
-        vals = ["—" if b not in c else f"{c[b]['us_median']:.1f} ({c[b]['achieved_tbps']:.2f})" for b in batches]
-        lines.append(f"| {shape} | {variant} | " + " | ".join(vals) + " |")
-    return "\n".join(lines)
+    tables = []
+    for path, (doc, wanted) in picked.items():
+        rows = defaultdict(dict)
+        for r in doc["records"]:
+            if r.get("us_median") is not None and r["shape"] in wanted:
+                rows[(r["shape"], r["variant"])][r["batch"]] = r
+        batches = sorted({b for c in rows.values() for b in c})
+        lines = [f"From `{os.path.relpath(path, ROOT)}` (copy {doc.get('copy_tbps', float('nan')):.2f} TB/s).",
+                 "", "| shape | variant | " + " | ".join(f"b{b} µs (TB/s)" for b in batches) + " |",
+                 "|" + "---|" * (2 + len(batches))]
+        for (shape, variant), c in rows.items():
+            vals = ["—" if b not in c else f"{c[b]['us_median']:.1f} ({c[b]['achieved_tbps']:.2f})" for b in batches]
+            lines.append(f"| {shape} | {variant} | " + " | ".join(vals) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def readme_block(records: list[dict], kernel_rows: list[dict] | None = None, experts: str | None = None) -> str:

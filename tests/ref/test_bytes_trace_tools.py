@@ -169,6 +169,13 @@ def test_kernel_and_experts_tables_come_from_the_json(tmp_path):
     (tmp_path / "experts-b-skewed.json").write_text(json.dumps(skewed))
     text = experts_probe_table(str(tmp_path / "experts-*.json"))
     assert "| k3_rank16 | default | 90.0 (1.90) | 480.0 (1.85) |" in text and "5.0" not in text
+    # a newer run of another shape adds its own table; the older shape keeps its newest run
+    rank8 = {"copy_tbps": 4.2, "records": [dict(shape="k3_rank8", batch=64, variant="probe", us_median=405.0,
+                                                achieved_tbps=3.3, date="2026-11-30T11")]}
+    (tmp_path / "experts-c.json").write_text(json.dumps(rank8))
+    text = experts_probe_table(str(tmp_path / "experts-*.json"))
+    assert "| k3_rank16 | default | 90.0 (1.90) | 480.0 (1.85) |" in text and "| k3_rank8 | probe | 405.0 (3.30) |" in text
+    assert text.index("experts-a.json") < text.index("experts-c.json")
 
 
 def test_trace_cell_spec_parses_and_rejects_bad_cells():
