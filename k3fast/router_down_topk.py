@@ -119,10 +119,16 @@ Version log
       rank16 b1 timeline (records-001a431-s8.json) the separate gate/up kernel ended 7.7 us after the router and the
       experts, which wait for it, started only then; its 11 MB streamed at ~1 TB/s. The router and latent rows run
       unchanged code (bit-identical to v2.5: GPU test test_fused_front_with_shared_matches); h rounds a and c to
-      bf16 as the separate kernel does, from a different fp32 sum order. ptxas 12.9: 80 / 80 / 118 registers at
-      M 1 / 2 / 4 with and without the fold, no spills. Prediction: the front's bench row at b1 23.6 -> ~25-27 us
+      bf16 as the separate kernel does, from a different fp32 sum order. ptxas 12.9 at M 1: 80 registers with and
+      without the fold, no spills, 4088 SASS instructions against 3992 (traces/cpu/ptxcheck-c8b0b167e9a4.json).
+      Prediction: the front's bench row at b1 23.6 -> ~25-27 us
       (router_down_topk+shared; +11 MB); MoE half b1 70.3 -> ~66-68 us in 3 launches instead of 4 (the experts
       start ~2-4 us earlier), and the same at b2-4; b8 / b64 unchanged (the cuBLAS front already folds it).
+      Measured (records-9ac30a0-s10perf.json, kernels-9ac30a0.json, one run; GPU tests passed,
+      logs/gpu-junit-9ac30a0-s10tests.xml): MoE half b1 69.9 -> 63.6 us (fast-s9front -> fast), b4 93.3 -> 86.9, in
+      3 launches; b8 / b64 unchanged; the front's bench b1 23.1 -> 24.4 us (+shared). Beaten: the front still
+      ends at 20.3 us in the layer, because the shared rows stream while the last router CTA runs the top-k, and
+      the experts start at 19.4 instead of 26.3 us.
       Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
       identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
