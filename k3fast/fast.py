@@ -1,9 +1,9 @@
 """The fused decode step (``impl="fast"``): the CuTe DSL kernels chained with PDL, over the same static
 buffers as the other implementations (k3fast.impls.LayerIO).
 
-Attention half of a KDA layer (3 launches at batch <= 4):
-    attnres_rms_gemv      AttnRes #1 + input RMSNorm + packed in_proj [q|k|v|g|f_a|b]   (rms_gemv.py;
-                          the GEMV on cuBLAS above GEMV_DSL_MAX_M)
+Attention half of a KDA layer (3 launches at batch <= 2):
+    attnres_rms_gemv      AttnRes #1 + input RMSNorm + packed in_proj [q|k|v|g|f_a|b]   (rms_gemv.py; fused at
+                          M <= 2, then the AttnRes + RMSNorm kernel and the GEMV, on cuBLAS above INPROJ_DSL_MAX_M)
     kda_conv_gate_step    conv + SiLU, f_b + decay gate, beta, L2 norms, delta rule, gated norm
     oproj_attnres         o_proj + partial-sum update + AttnRes #2 + post-attention RMSNorm
                           (above GEMV_DSL_MAX_M: o_proj on cuBLAS + rms_gemv.attnres_rmsnorm)
