@@ -175,7 +175,8 @@ def replay_timeline(records_file: str, part: str, impl: str, batch: int = 1, sha
     if rec is None or not rec.get("replay_timeline"):
         return f"{records_file}: no {part} timeline for {impl} at {shape} b{batch}"
     tl = rec["replay_timeline"]
-    lines = [f"{impl}, {part} half, {shape} b{batch} ({records_file}; {tl.get('l2', 'L2 condition not recorded')}):"]
+    what = "whole layer" if part == "layer" else f"{part} half"
+    lines = [f"{impl}, {what}, {shape} b{batch} ({records_file}; {tl.get('l2', 'L2 condition not recorded')}):"]
     for name, start, dur in tl["kernels"]:
         short = name.split("(")[0][:44]
         if name.startswith("kernel_cutlass_kernel_k3fast"):      # a k3fast kernel: module (class)

@@ -33,6 +33,25 @@ def load_records(pattern: str | None = None) -> list[dict]:
     return list(cells.values())
 
 
+def perfetto_file(rec: dict) -> str | None:
+    """The Perfetto trace of a record loaded by load_records (its "source" names the records file), or None.
+
+    k3fast.trace writes a run's traces to perfetto-<tag>/ beside records-<tag>.json and records that relative path.
+    Where one commit had several runs, the files were kept as records-<commit>-<step>.json with their traces in
+    perfetto-<commit>-<step>/, so that folder is tried first. Records from before per-run folders (2026-11-28) name
+    a bare file in traces/h200/perfetto/, which a later run of the same cell may have replaced."""
+    if not rec.get("perfetto"):
+        return None
+    base = os.path.dirname(os.path.join(ROOT, rec["source"]))
+    stem = os.path.basename(rec["source"])[len("records-"):-len(".json")]
+    name = os.path.basename(rec["perfetto"])
+    for cand in (os.path.join(base, f"perfetto-{stem}", name), os.path.join(base, rec["perfetto"]),
+                 os.path.join(base, "perfetto", name)):
+        if os.path.exists(cand):
+            return os.path.relpath(cand, ROOT)
+    return None
+
+
 def _kind_label(r: dict) -> str:
     """The layer kind, marked when the MoE routing was forced onto a hot set (k3fast.trace --routing skewed)."""
     return r["layer_kind"] + (" skewed" if str(r.get("routing", "")).startswith("skewed") else "")

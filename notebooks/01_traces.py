@@ -59,6 +59,28 @@ if r:
         print(f"  {name:18s} {s['kernels']:4d} kernels {s['gpu_us']:9.1f} µs")
 
 # %% [markdown]
+# ## The fused step against stock, kernel by kernel
+# Each record also keeps one replay's kernels with their start and end (`replay_timeline`, measured after the same
+# L2 flush as the timed replays), and at batch 1 a Perfetto trace of the eager step with its NVTX ranges. Open the
+# `.json.gz` in https://ui.perfetto.dev, or compare the same cell in Nsight Systems (`nsys profile` on
+# `python -m k3fast.trace`). Below, the newest records of one cell.
+
+# %%
+from k3fast import nbtools  # noqa: E402
+from k3fast.report import perfetto_file  # noqa: E402
+
+for impl in ("stock", "fast"):
+    r = next((x for x in records if (x["layer_kind"], x["shape"], x["batch"], x["impl"], x["part"])
+              == ("kda_moe", "k3_rank16", 1, impl, "layer")), None)
+    if r is None:
+        print(f"no {impl} record for kda_moe k3_rank16 b1")
+        continue
+    print(f"{impl}: {r['kernels']:g} kernels, {r['replay_us_median']:.1f} µs replay (commit {r['commit']}), "
+          f"Perfetto trace: {perfetto_file(r)}")
+    if impl == "fast":
+        print(nbtools.replay_timeline(r["source"], "layer", "fast"))
+
+# %% [markdown]
 # ## A live trace (GPU only)
 
 # %%

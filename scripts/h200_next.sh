@@ -10,6 +10,7 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 : "${K3_COMMIT:?set K3_COMMIT to the commit the tree was sent at}"
 export K3_COMMIT
+export K3_TAG="${K3_TAG:-$K3_COMMIT-${1:-}}"      # records-<commit>-<step>.json and perfetto-<commit>-<step>/
 case "${1:-}" in
   tests)  K3_TEST_TIMEOUT=${K3_TEST_TIMEOUT:-540} bash scripts/h200_tests.sh ;;
   # the whole GPU tier in two calls (since 2026-11-29 it is ~9 min, past one call's limit with the start-up):

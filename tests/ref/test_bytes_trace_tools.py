@@ -1,5 +1,7 @@
 """The bytes model (hand-checked), the trace summariser and the record schema (CPU)."""
+import glob
 import json
+import os
 
 import pytest
 
@@ -241,3 +243,24 @@ def test_serial_loads_counts_loads_behind_branches_and_stores():
         "PRMT R11, R33, 0x7632, R11", "FFMA R8, R11, R10, R8",                     # reads the first load's R33
         "LDG.E.NA.128 R32, desc[UR6][R40.64]", "FFMA R7, R26, R10, R7", "LDG.E.NA.128 R16, desc[UR6][R42.64]"]))
     assert serial_loads(sunk) == {"loads_behind_branch": 0, "loads_behind_store": 0, "loads_behind_use": 2}
+
+
+# Records from before per-run Perfetto folders whose trace file a later run of the same cell replaced (the records
+# keep their figures; only the link is gone).
+PERFETTO_LINKS_LOST = {"records-5acc39b-a.json", "records-6316bd2-kda.json"}
+
+
+def test_every_recorded_perfetto_trace_is_found():
+    """Each record's Perfetto trace resolves to a file under traces/h200 (k3fast.report.perfetto_file), so the
+    traces a reader opens in Perfetto or Nsight Systems are the ones the figures came from."""
+    from k3fast.report import ROOT, perfetto_file
+    missing = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "traces", "h200", "records-*.json"))):
+        if os.path.basename(path) in PERFETTO_LINKS_LOST:
+            continue
+        with open(path) as f:
+            doc = json.load(f)
+        src = os.path.relpath(path, ROOT)
+        missing += [(src, r["perfetto"]) for r in doc["records"]
+                    if r.get("perfetto") and perfetto_file({**r, "source": src}) is None]
+    assert not missing, missing[:5]
