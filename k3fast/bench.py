@@ -155,17 +155,22 @@ def _cases(cfg, batch: int):
     cases.append(("router_down_topk_cublas+shared@rolled",
                   lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0], rolled=True),
                   lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
+    cases.append(("router_down_topk_cublas+shared@split",        # router v2.8 (opt-in)
+                  lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0], rolled=False,
+                                                  split=True),
+                  lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
     # TopkFromLogits alone on a precomputed y (~16 KB per token): unrolled / rolled top-k, with the L2 flushed and
     # (names ending "~warm") not flushed. If the unrolled kernel's ~16 us is cold instruction fetch (v2.4's
     # hypothesis), it drops a lot when warm and the rolled one flushed sits near the warm figure.
     from .router_down_topk import topk_from_logits
     y_front = torch.mm(x, front_sh.t(), out_dtype=torch.float32)
     h_front = torch.empty(M, m.shared_gate.shape[0], dtype=torch.bfloat16, device=dev)
-    for tag, r in (("", False), ("@rolled", True)):
+    # router v2.8 (opt-in, "@split"): the top-k over the CTA's 4 warps
+    for tag, r, sp in (("", False, False), ("@rolled", True, False), ("@split", False, True)):
         for warm in ("", "~warm"):
             cases.append((f"topk_from_logits{tag}{warm}",
-                          lambda r=r: topk_from_logits(y_front, bias, shared=m.shared_gate.shape[0], out_h=h_front,
-                                                       rolled=r),
+                          lambda r=r, sp=sp: topk_from_logits(y_front, bias, shared=m.shared_gate.shape[0],
+                                                              out_h=h_front, rolled=r, split=sp),
                           lambda: torch.topk(torch.sigmoid(y_front[:, :m.gate.shape[0]]) + bias, 16),
                           y_front.numel() * 4))
     if M <= 2:      # a deeper FMA unroll (8 vectors per lane in flight; measured slower at e44cd14, LOG.md)

@@ -76,7 +76,8 @@ class FastImpl:
                  shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | str | None = None,
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  kda_preload: bool | None = None, shared_in_fma_front: bool = True,
-                 inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None):
+                 inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
+                 topk_split: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -140,6 +141,7 @@ class FastImpl:
         self.kda_nsplit = kda_nsplit
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
+        self.topk_split = topk_split         # None: router_down_topk.TOPK_SPLIT (TopkFromLogits over 4 warps, v2.8)
         # Where the fused front serves (M <= front_dsl_max_m), launch the shared gate/up after the routed experts
         # instead of between the router and the experts (opt-in, "fast-shlate"). At b1 the experts kernel fills 64
         # SMs, so the gate/up CTAs wait beside it with their weights loaded and finish a few us after it, where in
@@ -170,6 +172,7 @@ class FastImpl:
                         + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", in_proj GEMV up to M={gemv_dsl_max_m}")
                         + ("" if inproj_dsl_max_m == INPROJ_DSL_MAX_M else f", in_proj DSL GEMV up to M={inproj_dsl_max_m}")
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
+                        + ("" if topk_split is None else f", TopkFromLogits split {'on' if topk_split else 'off'}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
@@ -263,9 +266,9 @@ class FastImpl:
                     z, ids, ws = router_down_topk(x, self.front, self.e_bias, **kw)
             elif self.front_sh is not None and side is None:       # the shared gate/up in the same GEMM (k3.router covers both)
                 z, ids, ws, h = router_down_topk_cublas(x, self.front_sh, self.e_bias,
-                                                        shared=self.shared_gu.shape[0] // 2, **kw)
+                                                        shared=self.shared_gu.shape[0] // 2, split=self.topk_split, **kw)
             else:
-                z, ids, ws = router_down_topk_cublas(x, self.front, self.e_bias, **kw)
+                z, ids, ws = router_down_topk_cublas(x, self.front, self.e_bias, split=self.topk_split, **kw)
         late = self.shared_late and side is None and h is None
         if side is None and h is None and not late:
             with stage("k3.moe.shared"):

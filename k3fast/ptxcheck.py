@@ -307,6 +307,9 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
                  lambda r=rolled: compiled_ptx(lambda: rdt._build(0, 896, 3584, 7168, 16, rdt.UNROLL, shared=384,
                                                                   rolled=r))),
             ]
+        builds.append(("TopkFromLogits v2.8 (top-k split over 4 warps)", "any M, shared 384",
+                       lambda: compiled_ptx(lambda: rdt._build(0, 896, 3584, 7168, 16, rdt.UNROLL, shared=384,
+                                                               split=True))))
         rows = []
         for name, cfgs, fn in builds:
             rows.append({"kernel": name, "config": f"k3_rank16 {cfgs}", "code_size": True, **sass_size(fn(), tools)})

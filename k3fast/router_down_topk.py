@@ -129,6 +129,23 @@ Version log
       3 launches; b8 / b64 unchanged; the front's bench b1 23.1 -> 24.4 us (+shared). Beaten: the front still
       ends at 20.3 us in the layer, because the shared rows stream while the last router CTA runs the top-k, and
       the experts start at 19.4 instead of 26.3 us.
+  v2.8 (2026-11-29, session 7; CPU-compiled only, opt-in: TOPK_SPLIT / split=True / impl "fast-topk4")
+      TopkFromLogits' top-k over the CTA's 4 warps (topk_split). Why: one warp ran the 16 selection rounds over 28
+      keys per lane while the other 3 warps only copied z. TopkFromLogits alone still took 10.5 us flushed and 9.4
+      warm at b1 (kernels-001a431.json), and 7.4-8.0 us in the layer at b8 / b64 (records-001a431-s8.json), after
+      v2.5 removed the serial loads. Each round is a dependent chain: a 28-key compare tree, two warp reductions and
+      28 selects, ~150 instructions, so 16 rounds are ~2400. Now each warp ranks its 224 experts (7 keys per lane)
+      and keeps its top-16 in shared memory, and warp 0 merges the 64 candidates (2 per lane). That is 16 rounds of
+      ~40 and 16 of ~20 instructions, and 7 sigmoids per thread instead of 28. The global top-16 is inside the
+      union of the per-warp top-16s under the same order (larger key, then lower expert), and the merge keeps that
+      order: slot 0 of a lane holds the lower experts, and the max / umin reductions are as before. So the outputs
+      are bit-identical to v2.5 (GPU test test_split_topk_matches_bitwise, random logits and exact ties across
+      warps). ptxas 12.9: 76 registers against 96, 1680 SASS instructions against 3952, no spills
+      (traces/cpu/ptxcheck record of this commit). Only TopkFromLogits, i.e. M > 4. The fused front's top-k runs in
+      its last CTAs and is hidden behind the down/shared streaming at b1 (the front ends at 20.3 us either way).
+      Prediction: TopkFromLogits alone at b1 10.5 -> ~5-6 us flushed (9.4 -> ~4 warm); in the layer 7.4 / 8.0 ->
+      ~4 us at b8 / b64, so the MoE half b8 113.8 -> ~110-111 us and b64 389.6 -> ~386. Bench rows
+      topk_from_logits@split (and ~warm), router_down_topk_cublas+shared@split; layer A/B fast-topk4.
       Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
       identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
@@ -188,6 +205,9 @@ FMA_MIN_BLOCKS: dict = {}
 # v2.4 (opt-in; measured no faster, see the version log): the top-k's 16 selection rounds as a loop, not unrolled
 # code; the compile key carries it. k3fast.fast's router_rolled / impl "fast-rolled" flip it.
 TOPK_ROLLED = False
+# v2.8 (opt-in until measured; impl "fast-topk4"): TopkFromLogits' top-k over its 4 warps (a top-16 of each warp's
+# 224 experts, then warp 0 merges the 64 candidates); the version log says why. The compile key carries it.
+TOPK_SPLIT = False
 FMA_MIN_BLOCKS_TRIED = {1: 9, 2: 7}
 
 
@@ -256,7 +276,7 @@ def _occupancy_hint(min_blocks: int) -> dict:
 
 
 def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll: int, min_blocks: int = 0,
-           shared: int = 0, rolled: bool = False):
+           shared: int = 0, rolled: bool = False, split: bool = False):
     """Trace and compile one M bucket (called through compile_cached)."""
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
@@ -276,6 +296,9 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
     S0 = N // WARPS                  # FMA front: the first shared gate/up CTA
     NZ = -(-(NL // 4) // (32 * WARPS))   # TopkFromLogits: z vectors per thread
     ROLLED = rolled                  # v2.4 opt-in: the top-k selection rounds as a loop (see topk)
+    SPLIT = split                    # v2.8 opt-in, TopkFromLogits only: the top-k over its 4 warps (topk_split)
+    assert not (SPLIT and (mb != 0 or ROLLED)), "the split top-k is a TopkFromLogits (mb 0), unrolled build"
+    assert not SPLIT or NE % (32 * WARPS) == 0
     assert (ITERS - PRE) % U == 0, f"unroll {U} must divide the {ITERS - PRE} vectors per lane after the prologue"
     assert T <= R
     assert not (IS and mb in MMA_CONFIG), "the shared gate/up fold is built for TopkFromLogits and the FMA front"
@@ -653,8 +676,13 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
             for i in cutlass.range_constexpr(NZ):
                 vc = cutlass.min(tid + i * 32 * WARPS, NL // 4 - 1)   # past the end: re-read, never stored
                 cute.autovec_copy(gY[0, None, tok, NE // 4 + vc], rYz[None, i])
-            if warp == 0:
-                self.topk(tok, warp, lane, mBias, mIds, mWt, mY, sS, scaling)
+            if const_expr(SPLIT):
+                sK = smem.allocate_tensor(Uint32, cute.make_layout((WARPS * TOPK,)), 16)
+                sI = smem.allocate_tensor(Uint32, cute.make_layout((WARPS * TOPK,)), 16)
+                self.topk_split(tok, warp, lane, mBias, mIds, mWt, mY, sS, sK, sI, scaling)
+            else:
+                if warp == 0:
+                    self.topk(tok, warp, lane, mBias, mIds, mWt, mY, sS, scaling)
             for i in cutlass.range_constexpr(NZ):
                 v = tid + i * 32 * WARPS
                 if v < NL // 4:
@@ -673,6 +701,66 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
                                  * (Float32(25.0) * cute.math.tanh(c * Float32(0.04)))).to(BFloat16)
                     cute.autovec_copy(rZ, gH[0, None, tok, v])
             cute.arch.griddepcontrol_launch_dependents()
+
+        @cute.jit
+        def topk_split(self, tok, warp, lane, mBias, mIds, mWt, mWs, sS, sK, sI, scaling: Float32):
+            """v2.8: the same top-16 as topk, over all WARPS warps of the CTA. Warp w ranks its NE / WARPS experts
+            (w * NE / WARPS + lane + 32 j) and keeps its top-16 (key, expert) pairs in shared memory; warp 0 then
+            selects the top-16 of those WARPS * 16 candidates. The global top-16 lies in the union of the per-warp
+            top-16s under the same total order (larger key first, then the lower expert), so ids, scores and weights
+            are bit-identical to topk's. Each warp's 16 rounds scan 7 keys per lane instead of 28, and the merge 2."""
+            JW = J // WARPS
+            base = warp * (NE // WARPS)
+            lgs = [cute.arch.load(mWs.iterator + (tok * self.ws_stride + base + lane + 32 * j), Float32, cop="cg")
+                   for j in range(JW)]
+            bs = [mBias[base + lane + 32 * j] for j in range(JW)]
+            keys = []
+            for j in cutlass.range_constexpr(JW):
+                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lgs[j]))
+                sS[base + lane + 32 * j, 0] = s
+                keys.append(orderable(s + bs[j]))
+            lane_u = Uint32(lane)
+            gbase = Uint32(base) + lane_u
+            my_k = Uint32(0)
+            my_i = Uint32(0)
+            for r in cutlass.range_constexpr(TOPK):
+                bk, bj = local_best(keys)
+                gmax = cute.arch.warp_redux_sync(bk, "umax")
+                cand = usel(bk == gmax, gbase + Uint32(32) * bj, Uint32(0xFFFFFFFF))
+                gidx = cute.arch.warp_redux_sync(cand, "umin")       # lowest expert among this warp's max keys
+                for j in cutlass.range_constexpr(JW):
+                    keys[j] = usel(gidx == gbase + Uint32(32 * j), Uint32(0), keys[j])
+                mine = lane == r
+                my_k = usel(mine, gmax, my_k)
+                my_i = usel(mine, gidx, my_i)
+            if lane < TOPK:
+                sK[warp * TOPK + lane] = my_k
+                sI[warp * TOPK + lane] = my_i
+            cute.arch.sync_threads()             # the candidates and every warp's sS scores
+            if warp == 0:
+                # lane l holds candidates l and 32 + l: those of warps 0-1 and 2-3, so slot 0 always holds the lower
+                # expert, and ">" below keeps it on equal keys, as local_best does
+                k2 = [sK[lane], sK[32 + lane]]
+                i2 = [sI[lane], sI[32 + lane]]
+                my_id = Uint32(0)
+                my_s = Float32(0.0)
+                for r in cutlass.range_constexpr(TOPK):
+                    take_b = k2[1] > k2[0]
+                    bk = usel(take_b, k2[1], k2[0])
+                    bi = usel(take_b, i2[1], i2[0])
+                    gmax = cute.arch.warp_redux_sync(bk, "umax")
+                    gidx = cute.arch.warp_redux_sync(usel(bk == gmax, bi, Uint32(0xFFFFFFFF)), "umin")
+                    for q in cutlass.range_constexpr(2):
+                        k2[q] = usel(i2[q] == gidx, Uint32(0), k2[q])
+                    s_sel = sS[Int32(gidx), 0]
+                    mine = lane == r
+                    my_id = usel(mine, gidx, my_id)
+                    my_s = fsel(mine, s_sel, my_s)
+                part = fsel(lane < TOPK, my_s, Float32(0.0))
+                tot = cute.arch.warp_reduction_sum(part)
+                if lane < TOPK:
+                    mIds[tok, lane] = Int32(my_id)
+                    mWt[tok, lane] = my_s / (tot + Float32(1e-20)) * scaling
 
     sym_m = cute.sym_int()
     if mb == 0:             # the top-k of a library GEMM's logits (any M): TopkFromLogits
@@ -722,15 +810,21 @@ def _check_shared(shared, mb=None):
                          "path: use router_down_topk_cublas(..., shared=...) there")
 
 
-def get_topk_kernel(n_experts=N_EXPERTS, latent=LATENT, top_k=TOP_K, shared=0, rolled=None):
+def get_topk_kernel(n_experts=N_EXPERTS, latent=LATENT, top_k=TOP_K, shared=0, rolled=None, split=None):
     """The compiled TopkFromLogits kernel (any M: one CTA per token); its key does not depend on M or on K.
-    ``shared``: the shared experts' intermediate width whose gate/up columns follow the latent block (0: none)."""
+    ``shared``: the shared experts' intermediate width whose gate/up columns follow the latent block (0: none).
+    ``split``: the top-k over the CTA's 4 warps (v2.8, opt-in; None = TOPK_SPLIT; not with ``rolled``)."""
     _check_shapes(n_experts, latent, HIDDEN, top_k)
     _check_shared(shared)
     rolled = TOPK_ROLLED if rolled is None else bool(rolled)
-    key = ("router_topk_from_logits", n_experts, latent, top_k, shared, rolled)
+    split = TOPK_SPLIT if split is None else bool(split)
+    if split and rolled:
+        raise ValueError("the split top-k (v2.8) is built unrolled: pass rolled=False with split=True")
+    if split and n_experts % (32 * WARPS):
+        raise ValueError(f"the split top-k needs n_experts to be a multiple of {32 * WARPS}, got {n_experts}")
+    key = ("router_topk_from_logits", n_experts, latent, top_k, shared, rolled) + (("split",) if split else ())
     return compile_cached(key, lambda: _build(0, n_experts, latent, HIDDEN, top_k, UNROLL, shared=shared,
-                                              rolled=rolled))
+                                              rolled=rolled, split=split))
 
 
 def warmup(batches=(1, 2, 3, 4, 7, 8, 16, 64), *, n_experts=N_EXPERTS, latent=LATENT, hidden=HIDDEN, top_k=TOP_K,
@@ -858,13 +952,14 @@ def prepare_front_shared_weight(w_router, w_down, w_shared_gate, w_shared_up):
 
 
 def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0, shared=0,
-                            rolled=None):
+                            rolled=None, split=None):
     """router_down_topk's outputs from one cuBLAS GEMM over the packed front weight (fp32 out: the router logits
     unrounded, z rounded once to bf16) and the TopkFromLogits kernel. For the larger batches, where the fused kernel
     is slower than these library kernels (k3fast.fast.FRONT_DSL_MAX_M says by how much).
 
     shared = Is > 0: w_packed is prepare_front_shared_weight's [W_r; W_down; W_sg; W_su], and a fourth output h
-    [M, Is] bf16 = SiTU-GLU of the shared experts (shared_expert_gate_up's contract) comes back."""
+    [M, Is] bf16 = SiTU-GLU of the shared experts (shared_expert_gate_up's contract) comes back.
+    split: TopkFromLogits' top-k over its 4 warps (v2.8, opt-in; None = TOPK_SPLIT)."""
     import torch
     if shared and w_packed.shape[0] <= 2 * shared:
         raise ValueError(f"w_packed: {w_packed.shape[0]} rows cannot hold 2 x {shared} shared gate/up rows")
@@ -879,12 +974,12 @@ def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=T
         return router_down_topk(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
     h = torch.empty(x.shape[0], shared, dtype=torch.bfloat16, device=x.device) if shared else None
     z, ids, w = topk_from_logits(y, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling, shared=shared,
-                                 out_h=h, rolled=rolled)
+                                 out_h=h, rolled=rolled, split=split)
     return (z, ids, w, h) if shared else (z, ids, w)
 
 
 def topk_from_logits(y, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0, out_z=None, out_ids=None,
-                     out_w=None, shared=0, out_h=None, rolled=None):
+                     out_w=None, shared=0, out_h=None, rolled=None, split=None):
     """(z, ids, w) from the packed front GEMM's fp32 output y = x [W_r; W_down]^T ([M, n_experts + latent]): the
     fused kernel's top-k stage on y[:, :n_experts] and z = bf16(y[:, n_experts:]), in one launch (one CTA per
     token). It replaces route_from_logits' ~12 torch kernels (a stable radix sort among them: 50 us at rank16
@@ -911,6 +1006,6 @@ def topk_from_logits(y, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, scaling=1.0
         raise ValueError(f"scaling must be finite, got {scaling}")
     dev = y.device
     out_z, out_ids, out_w = _front_outputs(M, latent, top_k, dev, out_z, out_ids, out_w, z_align=8)
-    get_topk_kernel(n_experts, latent, top_k, shared, rolled)(y, e_bias, out_z, out_ids, out_w, out_h if shared else out_z,
-                                                      float(scaling), M)
+    get_topk_kernel(n_experts, latent, top_k, shared, rolled, split)(y, e_bias, out_z, out_ids, out_w,
+                                                                    out_h if shared else out_z, float(scaling), M)
     return out_z, out_ids, out_w

@@ -141,9 +141,18 @@ case "${1:-}" in
   rank8x) mkdir -p "${OUT:-out}"; timeout 130 env PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a python3 -m k3fast.bench_experts \
             --shapes k3_rank8 --batches 64 --variants default probe C4 W8 --replays 20 --out "${OUT:-out}" \
             --tag "$K3_COMMIT" > "${OUT:-out}/experts.log" 2>&1; grep -v Warn "${OUT:-out}/experts.log" | tail -20 ;;
+  # next session, first call after the staging: router v2.8 (TopkFromLogits split over 4 warps) and the new default
+  # chain at every batch, then its A/B with the kernel rows of its prediction
+  s12)    K3_TEST_TIMEOUT=240 bash scripts/h200_tests.sh tests/gpu/test_router_down_topk.py tests/gpu/test_fast_layer.py \
+            -k "split or topk4 or exact_ties or -fast]"
+          K3_SWEEP_TIMEOUT=200 K3_BENCH="--shapes k3_rank16 --batches 1 8 64 --kernels topk_from_logits \
+            topk_from_logits~warm topk_from_logits@split topk_from_logits@split~warm router_down_topk_cublas+shared \
+            router_down_topk_cublas+shared@split" K3_BENCH_TIMEOUT=80 \
+            bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --batches 1 8 64 \
+            --impls stock fast fast-topk4 --budget-s 150 ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12"; exit 2 ;;
 esac

@@ -152,19 +152,43 @@ _PTX: dict = {}
 
 def _topk_ptx(mb, rolled):
     """PTX of the front (mb >= 1; "1s": bucket 1 with the shared gate/up folded in, v2.7) or of TopkFromLogits (mb 0,
-    shared gate/up folded in), compiled once per test run."""
+    shared gate/up folded in; "0s": with the top-k split over the 4 warps, v2.8), compiled once per test run."""
     if (mb, rolled) not in _PTX:
         from k3fast._dsl import TVM_FFI
         from k3fast.ptxcheck import compiled_ptx
-        b, shared = (1, 384) if mb == "1s" else (mb, 384 * (mb == 0))
+        b, shared = {"1s": (1, 384), "0s": (0, 384)}.get(mb, (mb, 384 * (mb == 0)))
         old = rdt.TVM_FFI
         rdt.TVM_FFI = TVM_FFI + " --keep-ptx"
         try:
             _PTX[mb, rolled] = compiled_ptx(lambda: rdt._build(b, 896, 3584, 7168, 16, rdt.fma_unroll(max(b, 1)), 0,
-                                                               shared=shared, rolled=rolled))
+                                                               shared=shared, rolled=rolled, split=mb == "0s"))
         finally:
             rdt.TVM_FFI = old
     return _PTX[mb, rolled]
+
+
+@pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
+def test_split_topk_compiles_under_its_own_key():
+    """v2.8: TopkFromLogits with the top-k over its 4 warps compiles (with and without the shared fold), under a key
+    of its own; it is an unrolled build, and the expert count must split into 4 warps of whole lanes."""
+    for shared in (0, 384):
+        fn = rdt.get_topk_kernel(shared=shared, split=True, rolled=False)
+        assert fn is not None and fn is not rdt.get_topk_kernel(shared=shared, split=False, rolled=False)
+    with pytest.raises(ValueError, match="unrolled"):
+        rdt.get_topk_kernel(split=True, rolled=True)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        rdt.get_topk_kernel(n_experts=928, split=True, rolled=False)
+
+
+@pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
+def test_split_topk_compiles_smaller():
+    """v2.8: the per-warp rounds and the merge are warp max / min reductions over unsigned keys and expert indices
+    (redux.sync), and the kernel is well under the unsplit one's size (7 keys per lane per round instead of 28).
+    Its results are checked bit for bit against the unsplit kernel on the GPU (test_split_topk_matches_bitwise)."""
+    split, unsplit = _topk_ptx("0s", False), _topk_ptx(0, False)
+    assert "redux.sync.max.u32" in split and "redux.sync.min.u32" in split
+    n = [sum(1 for ln in p.splitlines() if ln.strip().endswith(";")) for p in (split, unsplit)]
+    assert n[0] < 0.6 * n[1], n
 
 
 @pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
@@ -205,20 +229,24 @@ def test_rolled_topk_compiles_smaller(mb):
 
 
 @pytest.mark.skipif(not _have_dsl(), reason="cutlass DSL / tvm-ffi not importable")
-@pytest.mark.parametrize("mb", [0, 1, "1s", 8, 64])
+@pytest.mark.parametrize("mb", [0, "0s", 1, "1s", 8, 64])
 @pytest.mark.parametrize("rolled", [False, True])
 def test_topk_loads_issue_before_the_first_sigmoid(mb, rolled):
     """v2.5: the top-k reads its 28 logits (ld.global.cg: written by other CTAs or by the GEMM) and 28 biases before
-    the first sigmoid's ex2. Interleaved, every load sat behind the previous division's slow-path branch and
-    ptxas issued them one L2 round trip at a time (~14 us of TopkFromLogits with the L2 warm)."""
+    the first sigmoid's ex2 (7 of each per thread in v2.8's split top-k). Interleaved, every load sat behind the
+    previous division's slow-path branch and ptxas issued them one L2 round trip at a time (~14 us of
+    TopkFromLogits with the L2 warm)."""
+    if mb == "0s" and rolled:
+        pytest.skip("the split top-k is built unrolled")
+    per_thread = 896 // 32 // (4 if mb == "0s" else 1)
     lines = [ln.strip() for ln in _topk_ptx(mb, rolled).splitlines()]
     first_ex2 = next(i for i, ln in enumerate(lines) if ln.startswith("ex2."))
     logits = [i for i, ln in enumerate(lines) if ln.startswith("ld.global.cg.")]
-    assert len(logits) == 896 // 32, len(logits)
+    assert len(logits) == per_thread, len(logits)
     assert max(logits) < first_ex2, (max(logits), first_ex2)
     plain = [i for i, ln in enumerate(lines[:first_ex2]) if re.match(r"ld\.global\.(b32|f32)\b", ln)]
-    assert len(plain) >= 896 // 32, f"only {len(plain)} bias loads before the first ex2"
-    if mb == 0:
+    assert len(plain) >= per_thread, f"only {len(plain)} bias loads before the first ex2"
+    if mb in (0, "0s"):
         # TopkFromLogits' z = bf16(y[:, NE:]): a thread's 7 vector loads all come before its first store
         first_st = next(i for i, ln in enumerate(lines) if ln.startswith("st.global"))
         vec = [i for i, ln in enumerate(lines) if ln.startswith("ld.global.v4")]

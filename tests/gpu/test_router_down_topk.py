@@ -186,6 +186,45 @@ def test_cublas_front_matches(weights, M, front):
     run_checked(torch.randn(M, D, device=DEV).to(torch.bfloat16), wr, wd, wp, bias, scaling=2.5, front=front)
 
 
+@pytest.mark.parametrize("M", (1, 8, 64))
+@pytest.mark.parametrize("case", ["random", "ties"])
+def test_split_topk_matches_bitwise(weights, M, case, topk_rolled):
+    """v2.8 (TopkFromLogits' top-k over its 4 warps) must give the unsplit kernel's z, ids, w and h bit for bit: on
+    random logits, and on logits with exact ties inside the selection, across warps and at the 16th place."""
+    if topk_rolled:
+        pytest.skip("the split top-k is an unrolled build; compared with the unrolled one")
+    wr, wd, bias = weights
+    wr, bias = wr.clone(), bias.clone()
+    if case == "ties":
+        wr[600] = wr[10]               # equal logits in different warps (experts 0-223 and 448-671)
+        wr[230] = wr[10]
+        wr[895] = wr[3]
+        bias[[10, 600, 230, 3, 895]] = 3.0
+        wr[300] = wr[200]              # an exact tie at the 16th / 17th place, across warps 0 and 1
+        bias[[200, 300]] = 1.0
+        bias[[5, 6, 7, 300 + 1, 500, 501, 700, 701, 880, 881]] = 2.0
+    wps = rdt.prepare_front_shared_weight(wr, wd, *shared_weights())
+    x = torch.randn(M, D, device=DEV).to(torch.bfloat16)
+    y = torch.mm(x, wps.t(), out_dtype=torch.float32)
+    outs = []
+    for split in (False, True):
+        z = torch.full((M, DL), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ids = torch.full((M, K), -7, dtype=torch.int32, device=DEV)
+        w = torch.full((M, K), float("nan"), dtype=torch.float32, device=DEV)
+        h = torch.full((M, IS), float("nan"), dtype=torch.bfloat16, device=DEV)
+        rdt.topk_from_logits(y, bias, scaling=2.5, shared=IS, out_z=z, out_ids=ids, out_w=w, out_h=h, rolled=False,
+                             split=split)
+        outs.append((z, ids, w, h))
+    torch.cuda.synchronize()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    if case == "ties":
+        row = outs[1][1][0].tolist()
+        assert row.index(10) < row.index(230) < row.index(600) and row.index(3) < row.index(895)
+    _, idr, _, logits = reference(x, wr, wd, bias, scaling=2.5)
+    assert_same_routing(outs[1][1], idr, torch.sigmoid(logits) + bias)
+
+
 @pytest.mark.parametrize("M", (1, 2, 3, 4))
 def test_fused_front_with_shared_matches(weights, M):
     """v2.7: the FMA front with the shared experts' gate/up folded in (FastImpl at M <= 4); two calls, so the second
