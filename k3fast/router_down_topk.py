@@ -141,7 +141,7 @@ Version log
       order: slot 0 of a lane holds the lower experts, and the max / umin reductions are as before. So the outputs
       are bit-identical to v2.5 (GPU test test_split_topk_matches_bitwise, random logits and exact ties across
       warps). ptxas 12.9: 76 registers against 96, 1680 SASS instructions against 3952, no spills
-      (traces/cpu/ptxcheck record of this commit). Only TopkFromLogits, i.e. M > 4. The fused front's top-k runs in
+      (traces/cpu/ptxcheck-d0088ed0d49f.json). Only TopkFromLogits, i.e. M > 4. The fused front's top-k runs in
       its last CTAs and is hidden behind the down/shared streaming at b1 (the front ends at 20.3 us either way).
       Prediction: TopkFromLogits alone at b1 10.5 -> ~5-6 us flushed (9.4 -> ~4 warm); in the layer 7.4 / 8.0 ->
       ~4 us at b8 / b64, so the MoE half b8 113.8 -> ~110-111 us and b64 389.6 -> ~386. Bench rows
