@@ -76,6 +76,22 @@ def weight_load_atom(dtype):
                                l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
 
 
+def sigmoid(x):
+    """1 / (1 + exp(-x)) in fp32, traced inside a kernel: the one form every k3fast kernel uses (an IEEE division,
+    so the result does not depend on which kernel computes it)."""
+    from cutlass import Float32
+    _, cute = import_cute()
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+
+
+def situ_glu(a, c):
+    """SiTU-GLU of k3-spec.md section 9 in fp32, traced inside a kernel: [4 tanh(a/4) sigmoid(a)] * [25 tanh(c/25)],
+    with K3's betas (4 and 25). a and c are the gate and up values, already rounded as the bf16 Linear would."""
+    from cutlass import Float32
+    _, cute = import_cute()
+    return Float32(4.0) * cute.math.tanh(a * Float32(0.25)) * sigmoid(a) * (Float32(25.0) * cute.math.tanh(c * Float32(0.04)))
+
+
 def swapab_a_fragment(fa, rA, h, t):
     """Fill the 8 bf16 A registers of one m16n8k16 (swap-AB GEMV: weight rows g and g+8 of tile t) from the two
     16-byte row loads rA[:, 2t] (row g) and rA[:, 2t+1] (row g+8), for the h-th k16 half of a 32-wide chunk.

@@ -93,7 +93,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ._dsl import check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, TVM_FFI
+from ._dsl import check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, sigmoid, TVM_FFI
 
 HEAD_DIM = 128
 MAX_T = 8
@@ -174,9 +174,6 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
              Int32(rank).ir_value(loc=loc, ip=ip)],
             "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $0, $2;\n\tst.shared::cluster.f32 [ra], $1;\n\t}",
             "r,f,r,~{memory}", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-    def sigmoid(x):
-        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
 
     class KdaConvGateStep:
         @cute.jit

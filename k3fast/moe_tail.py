@@ -116,7 +116,7 @@ Performance notes / what limits it
 import math
 from typing import Iterable
 
-from ._dsl import check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, TVM_FFI
+from ._dsl import check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, situ_glu, TVM_FFI
 
 HIDDEN = 7168          # d
 LATENT = 3584          # dL = routed_expert_hidden_size
@@ -393,9 +393,7 @@ def _kernel_class():
                         else:
                             a = acc[4 * j + q].to(BFloat16).to(Float32)           # gate row (tile rows 0..7)
                             c = acc[4 * j + 2 + q].to(BFloat16).to(Float32)       # up row   (tile rows 8..15)
-                            sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-a))
-                            hv = Float32(4.0) * cute.math.tanh(a * Float32(0.25)) * sig \
-                                * (Float32(25.0) * cute.math.tanh(c * Float32(0.04)))
+                            hv = situ_glu(a, c)
                             if tok < m_tokens:
                                 mOut[tok, tile * 8 + g] = hv.to(BFloat16)
 

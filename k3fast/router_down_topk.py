@@ -183,8 +183,8 @@ Contracts
 
 import math
 
-from k3fast._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, swapab_a_fragment,
-                         swapab_c_fragment_to, weight_load_atom)
+from k3fast._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, sigmoid, situ_glu,
+                         swapab_a_fragment, swapab_c_fragment_to, weight_load_atom)
 
 HIDDEN = 7168
 N_EXPERTS = 896
@@ -339,18 +339,38 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
             cur = nxt
         return cur[0]
 
-    def remove(keys, gidx, lane_u):
-        # the owner lane of expert gidx drops its key (0 is below every real key)
+    def remove(keys, gidx, first):
+        # the owner lane of expert gidx drops its key (0 is below every real key); the lane's key j belongs to
+        # expert first + 32 j
         for j in range(len(keys)):
-            keys[j] = usel(gidx == lane_u + Uint32(32 * j), Uint32(0), keys[j])
+            keys[j] = usel(gidx == first + Uint32(32 * j), Uint32(0), keys[j])
+
+    def warp_best(bk, expert):
+        """(largest key of the warp, the lowest expert index among the lanes holding it), from each lane's best key
+        and its expert."""
+        gmax = cute.arch.warp_redux_sync(bk, "umax")
+        return gmax, cute.arch.warp_redux_sync(usel(bk == gmax, expert, Uint32(0xFFFFFFFF)), "umin")
+
+    def biased_keys(mWs, mBias, row, first, n, sS, col):
+        """The n keys orderable(s + e_bias) of this lane's experts first + 32 j, from the fp32 logits at mWs[row + e];
+        s = sigmoid(logit) goes to sS[e, col]. v2.5: every logit and bias is loaded before the first sigmoid.
+        Interleaved (v2.4 and earlier), each IEEE division's slow-path branch kept ptxas from hoisting the next load
+        above it, so the 28 loads ran as 28 serial L2 round trips (~14 us with the L2 warm, kernels-31884ea.json);
+        a CPU test checks the order in the PTX."""
+        lgs = [cute.arch.load(mWs.iterator + (row + first + 32 * j), Float32, cop="cg") for j in range(n)]
+        bs = [mBias[first + 32 * j] for j in range(n)]
+        keys = []
+        for j in range(n):
+            s = sigmoid(lgs[j])
+            sS[first + 32 * j, col] = s
+            keys.append(orderable(s + bs[j]))
+        return keys
 
     def select_round(keys, r, lane, lane_u, sS, warp, my_id, my_s):
         """One of the top-k's TOPK rounds: the warp's best remaining key (largest; the lowest expert index among
         equal keys), removed from its owner lane's keys (in place); lane r keeps its expert id and unbiased score."""
         bk, bj = local_best(keys)
-        gmax = cute.arch.warp_redux_sync(bk, "umax")
-        cand = usel(bk == gmax, lane_u + Uint32(32) * bj, Uint32(0xFFFFFFFF))
-        gidx = cute.arch.warp_redux_sync(cand, "umin")     # lowest expert index among the max keys
+        _, gidx = warp_best(bk, lane_u + Uint32(32) * bj)
         remove(keys, gidx, lane_u)
         s_sel = sS[Int32(gidx), warp]          # written by the owner lane of this warp
         mine = lane == r
@@ -452,10 +472,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
                 if m < M:
                     a = sG[2 * p, m].to(BFloat16).to(Float32)
                     c = sG[2 * p + 1, m].to(BFloat16).to(Float32)
-                    sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-a))
-                    hv = (Float32(4.0) * cute.math.tanh(a * Float32(0.25)) * sig
-                          * (Float32(25.0) * cute.math.tanh(c * Float32(0.04))))
-                    mH[m, 2 * (bid - S0) + p] = hv.to(BFloat16)
+                    mH[m, 2 * (bid - S0) + p] = situ_glu(a, c).to(BFloat16)
 
         @cute.jit
         def arrive_then_topk(self, tid, warp, lane, M, mCnt, sArr, mBias, mIds, mWt, mWs, sS, scaling: Float32):
@@ -491,18 +508,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
 
         @cute.jit
         def topk(self, tok, warp, lane, mBias, mIds, mWt, mWs, sS, scaling: Float32):
-            # v2.5: all J logits and biases are loaded before the first sigmoid. Interleaved (v2.4 and earlier), each
-            # IEEE division's slow-path branch kept ptxas from hoisting the next load above it, so the J = 28 loads
-            # ran as 28 serial L2 round trips (~14 us with the L2 warm, kernels-31884ea.json); a CPU test checks
-            # the order in the PTX.
-            lgs = [cute.arch.load(mWs.iterator + (tok * self.ws_stride + lane + 32 * j), Float32, cop="cg")
-                   for j in range(J)]
-            bs = [mBias[lane + 32 * j] for j in range(J)]
-            keys = []
-            for j in cutlass.range_constexpr(J):
-                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lgs[j]))
-                sS[lane + 32 * j, warp] = s
-                keys.append(orderable(s + bs[j]))
+            keys = biased_keys(mWs, mBias, tok * self.ws_stride, lane, J, sS, warp)
             cute.arch.sync_warp()          # sS is read below by other lanes of this warp
             lane_u = Uint32(lane)
             if const_expr(ROLLED):
@@ -696,9 +702,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
                     for i in cutlass.range_constexpr(4):
                         a = rY[i].to(BFloat16).to(Float32)
                         c = rC[i].to(BFloat16).to(Float32)
-                        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-a))
-                        rZ[i] = (Float32(4.0) * cute.math.tanh(a * Float32(0.25)) * sig
-                                 * (Float32(25.0) * cute.math.tanh(c * Float32(0.04)))).to(BFloat16)
+                        rZ[i] = situ_glu(a, c).to(BFloat16)
                     cute.autovec_copy(rZ, gH[0, None, tok, v])
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -709,27 +713,15 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
             selects the top-16 of those WARPS * 16 candidates. The global top-16 lies in the union of the per-warp
             top-16s under the same total order (larger key first, then the lower expert), so ids, scores and weights
             are bit-identical to topk's. Each warp's 16 rounds scan 7 keys per lane instead of 28, and the merge 2."""
-            JW = J // WARPS
-            base = warp * (NE // WARPS)
-            lgs = [cute.arch.load(mWs.iterator + (tok * self.ws_stride + base + lane + 32 * j), Float32, cop="cg")
-                   for j in range(JW)]
-            bs = [mBias[base + lane + 32 * j] for j in range(JW)]
-            keys = []
-            for j in cutlass.range_constexpr(JW):
-                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lgs[j]))
-                sS[base + lane + 32 * j, 0] = s
-                keys.append(orderable(s + bs[j]))
-            lane_u = Uint32(lane)
-            gbase = Uint32(base) + lane_u
+            first = warp * (NE // WARPS) + lane
+            keys = biased_keys(mWs, mBias, tok * self.ws_stride, first, J // WARPS, sS, 0)
+            first_u = Uint32(first)
             my_k = Uint32(0)
             my_i = Uint32(0)
             for r in cutlass.range_constexpr(TOPK):
                 bk, bj = local_best(keys)
-                gmax = cute.arch.warp_redux_sync(bk, "umax")
-                cand = usel(bk == gmax, gbase + Uint32(32) * bj, Uint32(0xFFFFFFFF))
-                gidx = cute.arch.warp_redux_sync(cand, "umin")       # lowest expert among this warp's max keys
-                for j in cutlass.range_constexpr(JW):
-                    keys[j] = usel(gidx == gbase + Uint32(32 * j), Uint32(0), keys[j])
+                gmax, gidx = warp_best(bk, first_u + Uint32(32) * bj)
+                remove(keys, gidx, first_u)
                 mine = lane == r
                 my_k = usel(mine, gmax, my_k)
                 my_i = usel(mine, gidx, my_i)
@@ -746,10 +738,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, unroll
                 my_s = Float32(0.0)
                 for r in cutlass.range_constexpr(TOPK):
                     take_b = k2[1] > k2[0]
-                    bk = usel(take_b, k2[1], k2[0])
-                    bi = usel(take_b, i2[1], i2[0])
-                    gmax = cute.arch.warp_redux_sync(bk, "umax")
-                    gidx = cute.arch.warp_redux_sync(usel(bk == gmax, bi, Uint32(0xFFFFFFFF)), "umin")
+                    _, gidx = warp_best(usel(take_b, k2[1], k2[0]), usel(take_b, i2[1], i2[0]))
                     for q in cutlass.range_constexpr(2):
                         k2[q] = usel(i2[q] == gidx, Uint32(0), k2[q])
                     s_sel = sS[Int32(gidx), 0]
