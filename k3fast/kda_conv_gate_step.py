@@ -77,7 +77,7 @@ Version log
       21.4 instead of 26.2; o_proj ends 6.8 us after the KDA step instead of 9.6. b8 / b64 unchanged (o_proj is
       on cuBLAS there). GPU-tested: test_fast_attention_half at b1-4, tp16 and tp8, and test_back_to_back_steps
       (default trigger).
-  v3 (2026-11-29, session 6; CPU-compiled only, opt-in: preload=True / PRELOAD / impl "fast-kdapre") At T = 1 and
+  v3 (2026-11-29, session 6; PRELOAD, the default since session 7; "fast-s8" is the A/B without it) At T = 1 and
       nsplit 8, every value a thread reads from proj is loaded right after the wait: the q/k/v conv inputs, the
       beta logit, the f_a vector and the output gate. In v2's SASS the beta and f_a loads sat behind the conv
       sigmoids' division branches, and the gate load came after the last cluster barrier (k3fast.ptxcheck: 6
@@ -268,7 +268,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             # ---------------- phase A: conv, beta, f -> alpha for all T tokens (state-independent)
             rFa = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
             if const_expr(preload):
-                # v3 (opt-in, T = 1): everything this thread reads from proj, issued together right after the wait.
+                # v3 (the default, T = 1): everything this thread reads from proj, issued together right after the wait.
                 # In v2's SASS the beta logit and the f_a vector load sat behind the conv sigmoids' division
                 # branches, and the output gate's load came after the last cluster barrier: 3 more round trips.
                 p_xq = mProj[b, cq]
@@ -452,7 +452,7 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     dependent that reads no KDA state before its own wait (o_proj in the layer chain), never for a second KDA step
     launched directly behind this one.
 
-    preload (v3, opt-in; None = PRELOAD): at T = 1, every proj value is loaded right after the wait (bit-identical).
+    preload (v3; None = PRELOAD, on by default): at T = 1, every proj value is loaded right after the wait (bit-identical).
     Ignored for T > 1, where the per-token loads would cost T times the registers, and for nsplit 4 (it spills)."""
     import torch
 

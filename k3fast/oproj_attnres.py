@@ -20,7 +20,7 @@ v1.1 Kernel unchanged. H200 run e5c7220: 51 pass / 43 fail, every failure the GP
     ulp of a; a CPU replay of the exact test inputs predicts 190 such elements vs 156 seen, growing
     with M * Kp as observed. The kernel rounds a to bf16 once before the fp32 add, as specified. The
     test now brackets p' between its values at v -/+ 2^-17 * sum|y w| (monotone roundings).
-v1.2 (2026-11-29, session 6; CPU-compiled only, opt-in: preload_wpost=True / PRELOAD_WPOST / impl "fast-wpost")
+v1.2 (2026-11-29, session 6; PRELOAD_WPOST, the default since session 7; "fast-s8" is the A/B without it)
     The epilogue loads its w_post vectors into registers before griddepcontrol_wait. Why: the SASS of the last
     loop (x = bf16(w_post * m * rstd)) reads LDG, STG, LDG, STG, ...: each store waits for its load, and ptxas does
     not hoist the next load above a store to memory it cannot prove disjoint, so the loop costs VPT = 4 serial
@@ -344,7 +344,7 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False):
                                     cute.autovec_copy(r8, sBlk[i * NVEC + jv, None])
                     self.block_sum(stats, 2 * NB, sSum, warp, lane)
 
-                # v1.2 (opt-in): w_post into registers now, so the last loop's loads do not queue behind its stores
+                # v1.2 (the default): w_post into registers now, so the last loop's loads do not queue behind its stores
                 rWp = cute.make_rmem_tensor(cute.make_layout((VPT, VEC), stride=(VEC, 1)), BFloat16)
                 if const_expr(preload_wpost):
                     for rr in cutlass.range_constexpr(VPT):

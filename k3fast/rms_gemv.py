@@ -76,7 +76,7 @@ Version log
       Safe under the chain rule (the dependent reads nothing this kernel writes before its own wait). Prediction,
       together with kda_conv_gate_step v2: attention half b1 -3 to -4 us. Measured: -3.1 us (39.6 -> 36.5,
       records-001a431-s8.json; kda_conv_gate_step v2 has the timeline).
-  v6 (2026-11-29, session 6; CPU-compiled only, opt-in: pin_loads=True / PIN_LOADS / impl "fast-gemvpin") Each
+  v6 (2026-11-29, session 6; PIN_LOADS, the default since session 7; "fast-s8" is the A/B without it) Each
       batch's U weight loads are tied together. Why, from the SASS (ptxas 12.9) of the fused in_proj at rank16 M = 1:
       the PTX issues 7 loads then the FMAs, but ptxas issues 4 loads, then the FMAs of the first (which wait for its
       data), then the other 3 into registers the first ones freed. That is 2-3 round trips per row group instead
@@ -365,7 +365,7 @@ def _build_kernels():
             # pre-wait state and weight loads overlap this kernel's weight stream instead of following it
             self.early_trigger = early_trigger
             assert not (early_trigger and not fused)
-            # v6 (opt-in; G = 1 loop): tie each batch's U weight loads together so ptxas cannot sink some of them
+            # v6 (the default; G = 1 loop): tie each batch's U weight loads together so ptxas cannot sink some of them
             # below the FMAs of the others (the version log has the SASS)
             self.pin = pin
             # v3 (opt-in, fused only): G row groups per loop iteration, all their weight loads issued together (G x U
@@ -897,7 +897,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
     early_trigger: the fused kernel launches its PDL dependents right after its wait (v5, opt-in), for a dependent
     whose pre-wait reads do not include this call's outputs (the KDA step).
-    pin_loads: tie each batch of weight loads together (v6, opt-in; None = PIN_LOADS; fused kernel, G = 1).
+    pin_loads: tie each batch of weight loads together (v6; None = PIN_LOADS, on by default; fused kernel, G = 1).
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
