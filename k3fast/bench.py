@@ -226,15 +226,6 @@ def _cases(cfg, batch: int):
         return F.linear(rn, m.up) + F.linear(h, m.shared_down)
     cases.append(("moe_tail", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo), stock_tail,
                   (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
-    # moe_tail v2 (opt-in): bulk L2 prefetch of each CTA's weight rows before the PDL wait. Alone in a graph there
-    # is no predecessor to hide it behind, so these rows show only the cost or gain of the request pattern itself
-    cases.append(("shared_expert_gate_up@pf", lambda: shared_expert_gate_up(x, gu, l2_prefetch=True),
-                  lambda: F.linear(x, gu_stock), gu.numel() * 2 + M * d * 2))
-    cases.append(("moe_tail@pf", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo, l2_prefetch=True),
-                  stock_tail, (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
-    # v3 (opt-in): the same rows as per-line prefetch.global.L2 from every thread
-    cases.append(("moe_tail@pfl", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo, l2_prefetch="line"),
-                  stock_tail, (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
     return cases, io
 
 

@@ -73,7 +73,7 @@ class FastImpl:
                  tail_dsl_max_m: int = TAIL_DSL_MAX_M, experts_layout: str = "auto",
                  gemv_dsl_max_m: int = GEMV_DSL_MAX_M, front_dsl_max_m: int = FRONT_DSL_MAX_M,
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
-                 shared_late: bool = False, gemv_groups: int | None = None, tail_l2_prefetch: bool | str | None = None,
+                 shared_late: bool = False, gemv_groups: int | None = None,
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  kda_preload: bool | None = None, shared_in_fma_front: bool = True,
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
@@ -150,9 +150,6 @@ class FastImpl:
         # during the experts.
         self.shared_late = shared_late
         self.gemv_groups = gemv_groups       # None: rms_gemv.FUSED_GROUPS (2 = the fused in_proj's v3, opt-in)
-        # None: moe_tail.L2_PREFETCH. True / "bulk": the shared gate/up and the tail bulk-prefetch their weight rows
-        # into L2 before their PDL wait (moe_tail v2, "fast-tailpf"); "line": per-line prefetches (v3, "fast-tailpfl")
-        self.tail_l2_prefetch = tail_l2_prefetch
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
         # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
@@ -184,7 +181,6 @@ class FastImpl:
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
                         + ("" if attn_early_trigger else ", attention PDL triggers at the kernels' ends")
-                        + ("" if tail_l2_prefetch is None else f", tail L2 prefetch {tail_l2_prefetch!r}")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
 
@@ -254,7 +250,7 @@ class FastImpl:
             # allocation is made on, or freed across, the side stream
             h = self._buf("h", (x.shape[0], self.shared_gu.shape[0] // 2), x)
             with torch.cuda.stream(side), stage("k3.moe.shared"):
-                shared_expert_gate_up(x, self.shared_gu, out=h, l2_prefetch=self.tail_l2_prefetch)
+                shared_expert_gate_up(x, self.shared_gu, out=h)
         with stage("k3.router"):
             kw = dict(n_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor,
                       rolled=self.router_rolled)
@@ -272,7 +268,7 @@ class FastImpl:
         late = self.shared_late and side is None and h is None
         if side is None and h is None and not late:
             with stage("k3.moe.shared"):
-                h = shared_expert_gate_up(x, self.shared_gu, l2_prefetch=self.tail_l2_prefetch)
+                h = shared_expert_gate_up(x, self.shared_gu)
         with stage("k3.moe.experts"):
             r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
                                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x),
@@ -280,13 +276,12 @@ class FastImpl:
                                   warps=self.experts_warps)
         if late:
             with stage("k3.moe.shared"):
-                h = shared_expert_gate_up(x, self.shared_gu, early_trigger=True, l2_prefetch=self.tail_l2_prefetch)
+                h = shared_expert_gate_up(x, self.shared_gu, early_trigger=True)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         if x.shape[0] <= self.tail_dsl_max_m:
             with stage("k3.moe.up"):
-                moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out,
-                         l2_prefetch=self.tail_l2_prefetch)
+                moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out)
         else:
             # cuBLAS tail (TAIL_DSL_MAX_M says why); the same roundings as k3ref: bf16 r_hat, bf16 routed and
             # shared, their sum rounded once

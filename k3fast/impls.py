@@ -451,7 +451,8 @@ FAST_VARIANTS = {
     "fast-s8": {"gemv_pin": False, "kda_preload": False, "oproj_preload": False},  # the defaults before them
     "fast-endtrig": {"attn_early_trigger": False},  # in_proj / KDA trigger their dependents at their ends (before)
     # (fast-gemvpf, fast-frontpf and fast-pf, the bulk L2 prefetch of the fused in_proj and of the router front,
-    # were measured slower at 1214f05 and removed; fast-tailpf keeps the tail's bulk mode for its v3 A/B)
+    # were measured slower at 1214f05 and removed; so were the tail's, fast-tailpf / fast-shlatepf / fast-tailpfl,
+    # at 84291ed)
     "fast-front0": {"front_dsl_max_m": 0},      # the cuBLAS front + TopkFromLogits at every batch
     "fast-front16": {"front_dsl_max_m": 16},    # ... above M = 16 (the threshold before session 5)
     "fast-rolled": {"router_rolled": True},     # router v2.4: the top-k rounds as a loop (opt-in)
@@ -460,9 +461,6 @@ FAST_VARIANTS = {
     "fast-shapart": {"shared_in_front": False},  # the shared gate/up kernel apart from both fronts
     "fast-s9front": {"shared_in_fma_front": False},  # ... apart from the fused front only (M <= 4; before router v2.7)
     "fast-shlate": {"shared_late": True},       # the shared gate/up after the experts at M <= 4 (opt-in)
-    "fast-tailpf": {"tail_l2_prefetch": True},  # moe_tail v2: gate/up and tail bulk-prefetch weights to L2 (opt-in)
-    "fast-shlatepf": {"shared_late": True, "tail_l2_prefetch": True},
-    "fast-tailpfl": {"tail_l2_prefetch": "line"},  # moe_tail v3: the same rows as per-line L2 prefetches (opt-in)
     # Until 11595c4 "fast" overlapped the shared experts on a side stream and "fast-serial" did not; since then
     # "fast" is serial.
     "fast-overlap": {"overlap_shared": True},

@@ -21,7 +21,7 @@ v1  mma.sync m16n8k16 "swap-AB" GEMV for every batch M = 1..64: weight rows are 
     Expected (see "Performance" below): tail M<=8 ~1.1-1.2x floor, M=16 ~1.3x,
     M=64 ~2-2.5x (issue-bound on the per-warp B-operand prep, see below); gate_up at k3_rank(16) ~1.3-1.6x
     floor standalone (only 48 CTAs: it is meant to run beside the routed experts, see "Schedule").
-v2  (2026-11-29, session 6; opt-in: L2_PREFETCH / l2_prefetch=True / impl "fast-tailpf") Before its PDL wait each
+v2  (2026-11-29, session 6; measured slower and removed in session 7's review, with v3) Before its PDL wait each
     CTA issues one cp.async.bulk.prefetch.L2 per weight row of its tile (W_up and W_sd rows in the tail, the packed
     gate/up rows in gate_up). Why: in the rank16 b1 timeline (records-31884ea-s6perf.json) the tail starts beside
     the routed experts at 39.3 us but ends 16.1 us after them (60.3 -> 76.4): before the wait it has only one
@@ -39,7 +39,7 @@ v2  (2026-11-29, session 6; opt-in: L2_PREFETCH / l2_prefetch=True / impl "fast-
     tail still ended 20.3 us after them instead of 16.6. So the ~34 MB requested during the experts did not wait
     in L2 for the tail. Either the requests were still queued in the TMA units when the tail's loads came, or the
     lines were evicted. Both are inference: nothing measured the L2 hit rate.
-v3  (2026-11-29, session 6; CPU-compiled only, opt-in: l2_prefetch="line" / impl "fast-tailpfl") The same rows,
+v3  (2026-11-29, session 6; measured slower and removed in session 7's review) The same rows,
     prefetched with one prefetch.global.L2 per 128-byte line by every thread of the CTA (~4 per thread at b1):
     ordinary L2 fill requests, as rms_gemv's fused kernel issues for its next row group. If v2 lost because the
     TMA units queued the bulk requests, v3's lines arrive during the experts and the tail reads ~60 % of W_up from
@@ -47,6 +47,10 @@ v3  (2026-11-29, session 6; CPU-compiled only, opt-in: l2_prefetch="line" / impl
     v3 also loses, eviction is the better explanation. The test after that is a prefetch of the rows that the
     tail's second wave reads first. Bench rows moe_tail@pfl; layer A/B fast-tailpfl; GPU test
     test_l2_prefetch_is_bit_identical[line].
+    Measured (kernels-84291ed.json, records-84291ed-s9perf.json): slower too, less than v2. Tail bench b1 24.4
+    against 21.3 us (v2 28.8); MoE half b1 71.3 against 70.3 (fast-tailpfl). So the requests are not queueing in
+    the TMA units alone: every L2 prefetch tried beside this kernel's register loads at M <= 8 cost more than it
+    hid. v2 and v3 were removed in session 7's review (the code is at 84291ed; LOG.md has the record).
 
 What it replaces (k3-spec.md section 11, section 9 for SiTU, section 13 for the per-rank shapes)
 ---------------------------------------------------------------------------------------------
@@ -123,10 +127,6 @@ LATENT = 3584          # dL = routed_expert_hidden_size
 CHUNK = 32             # k per chunk: 4 lanes x 8 bf16
 MAX_M = 64
 SHARED_INTERMEDIATE = {"k3_rank16": 384, "k3_rank8": 768, "k3": 6144}
-# Weight rows prefetched into L2 before griddepcontrol_wait (SwapAbGemv's l2_prefetch says why; part of the compile
-# key): "" off; "bulk" v2 (cp.async.bulk.prefetch, measured slower at M <= 8, impl "fast-tailpf"); "line" v3
-# (prefetch.global.L2 per line, opt-in until measured, impl "fast-tailpfl").
-L2_PREFETCH = ""
 
 
 # ----------------------------------------------------------------------------------------------- configuration
@@ -172,23 +172,12 @@ def _kernel_class():
             write_only_types=[Float32, Float32, Float32, Float32],
             read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
 
-    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch as bulk_prefetch_l2
-
     class SwapAbGemv:
         """mode "tail": out = bf16(bf16(rstd * (w_norm*r) W1^T) + bf16(h W2^T)); mode "gate_up": h = SiTU(x Wp^T)."""
 
         def __init__(self, mode: str, nt: int, wr: int, wk: int, u: int, n_rows: int, k1: int, k2: int,
-                     early_trigger: bool = False, l2_prefetch: str = ""):
+                     early_trigger: bool = False):
             assert mode in ("tail", "gate_up")
-            # l2_prefetch (v2, opt-in): before griddepcontrol_wait every CTA asks the TMA unit to pull its whole
-            # weight slice (its 16 * wr rows of W1, and of W2 in the tail) into L2 with one cp.async.bulk.prefetch
-            # per row. A CTA that is resident while its predecessor runs (the tail beside the routed experts) then
-            # streams from L2 after the wait, and the HBM reads overlap the predecessor, which at b1 leaves the
-            # HBM mostly idle (the experts read ~23 MB in ~22 us). No registers: the prefetch has no destination.
-            # v3 (opt-in, l2_prefetch="line"): the same rows, but as one prefetch.global.L2 per 128-byte line issued by
-            # every thread (~4 per thread at b1): ordinary L2 fills, not TMA requests.
-            assert l2_prefetch in ("", "bulk", "line")
-            self.l2_prefetch = l2_prefetch
             # early_trigger: launch the dependents (the tail) as soon as every CTA has its first weights in flight,
             # not after the main loop. For the shared gate/up launched after the routed experts (FastImpl
             # shared_late): the tail then prefetches its weights during the experts, as it does when the experts
@@ -212,14 +201,6 @@ def _kernel_class():
             grid_x = self.n_rows // (16 * self.wr)
             self.kernel(mX1, mW1, mWn, mX2, mW2, mOut, eps).launch(
                 grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, stream=stream, use_pdl=True)
-
-        @cute.jit
-        def prefetch_lines(self, gW: cute.Tensor, row0, k: cutlass.Constexpr, tidx):
-            """prefetch.global.L2 of rows [row0, row0 + 16 wr) x k bf16, one per 128-byte line (8 16-byte vectors)."""
-            lpr = k * 2 // 128
-            for idx in cutlass.range(tidx, 16 * self.wr * lpr, self.threads):
-                rr = idx // lpr
-                cute.arch.prefetch(gW[0, None, row0 + rr, 8 * (idx - rr * lpr)].iterator.llvm_ptr, cache_level="L2")
 
         # -- one register stage of weight fragments: U chunks x rows (g, g+8), 16 B each
         @cute.jit
@@ -329,21 +310,6 @@ def _kernel_class():
 
             # weights do not depend on the previous kernel: first stage in flight before the PDL wait
             self.load_w(gW1, rW, 0, Int32(0), wk, row_g, t, self.nch[0])
-            if const_expr(self.l2_prefetch == "line"):
-                row0 = cute.arch.block_idx()[0] * (16 * self.wr)
-                self.prefetch_lines(gW1, row0, self.k1, tidx)
-                if const_expr(self.mode == "tail"):
-                    self.prefetch_lines(cute.flat_divide(mW2, (1, 8)), row0, self.k2, tidx)
-            if const_expr(self.l2_prefetch == "bulk"):
-                if wk == 0:
-                    # lanes 0-15: the tile's 16 rows of W1; lanes 16-31 (tail): the same rows of W2. Rows are
-                    # contiguous, 16-byte aligned and k * 2 bytes long (a multiple of 16: CHUNK divides k).
-                    r = tile * 16 + lane % 16
-                    if lane < 16:
-                        bulk_prefetch_l2(gW1[0, None, r, 0].iterator, self.k1 * 2)
-                    if const_expr(self.mode == "tail"):
-                        if lane >= 16:
-                            bulk_prefetch_l2(cute.flat_divide(mW2, (1, 8))[0, None, r, 0].iterator, self.k2 * 2)
             if const_expr(self.early_trigger):
                 cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
@@ -407,11 +373,11 @@ def _sym_m():
     return cute.sym_int()
 
 
-def _build_tail(nt: int, inter: int, l2_prefetch: str = ""):
+def _build_tail(nt: int, inter: int):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32
     wr, wk, u = _tail_cfg(nt)
-    obj = _kernel_class()("tail", nt, wr, wk, u, HIDDEN, LATENT, inter, l2_prefetch=l2_prefetch)
+    obj = _kernel_class()("tail", nt, wr, wk, u, HIDDEN, LATENT, inter)
     m = _sym_m()
     fakes = (fake_tensor(BFloat16, (m, LATENT)), fake_tensor(BFloat16, (HIDDEN, LATENT)),
              fake_tensor(BFloat16, (LATENT,)), fake_tensor(BFloat16, (m, inter)),
@@ -419,12 +385,11 @@ def _build_tail(nt: int, inter: int, l2_prefetch: str = ""):
     return cute.compile(obj, *fakes, Float32(1e-5), fake_stream(), options=TVM_FFI)
 
 
-def _build_gate_up(nt: int, inter: int, early_trigger: bool = False, l2_prefetch: str = ""):
+def _build_gate_up(nt: int, inter: int, early_trigger: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32
     wr, wk, u = _gate_up_cfg(nt, inter)
-    obj = _kernel_class()("gate_up", nt, wr, wk, u, 2 * inter, HIDDEN, 0, early_trigger=early_trigger,
-                          l2_prefetch=l2_prefetch)
+    obj = _kernel_class()("gate_up", nt, wr, wk, u, 2 * inter, HIDDEN, 0, early_trigger=early_trigger)
     m = _sym_m()
     fakes = (fake_tensor(BFloat16, (m, HIDDEN)), fake_tensor(BFloat16, (2 * inter, HIDDEN)),
              None, None, None, fake_tensor(BFloat16, (m, inter)))
@@ -438,25 +403,13 @@ def compile_keys(inter: int, batches: Iterable[int]) -> list[tuple]:
     return [(op, nt, inter) for op in ("moe_tail", "shared_gate_up") for nt in nts]
 
 
-def _pf_mode(v) -> str:
-    """l2_prefetch argument -> "" (off), "bulk" (v2) or "line" (v3); True means "bulk", None the L2_PREFETCH default."""
-    v = L2_PREFETCH if v is None else v
-    mode = {False: "", True: "bulk"}.get(v, v) if isinstance(v, bool) else v
-    if mode not in ("", "bulk", "line"):
-        raise ValueError(f"l2_prefetch must be None, False, True, 'bulk' or 'line', got {v!r}")
-    return mode
-
-
-def _get(key: tuple, l2_prefetch: bool | str | None = None):
+def _get(key: tuple):
     op, nt, inter = key
-    pf = _pf_mode(l2_prefetch)
     if op == "moe_tail":
-        build = lambda: _build_tail(nt, inter, l2_prefetch=pf)                   # noqa: E731
+        build = lambda: _build_tail(nt, inter)                                   # noqa: E731
     else:
-        build = lambda: _build_gate_up(nt, inter, early_trigger=(op == "shared_gate_up_early"),  # noqa: E731
-                                       l2_prefetch=pf)
-    return compile_cached(("k3fast.moe_tail",) + key + ({"": (), "bulk": ("l2_prefetch",),
-                                                          "line": ("l2_prefetch_line",)}[pf]), build)
+        build = lambda: _build_gate_up(nt, inter, early_trigger=(op == "shared_gate_up_early"))  # noqa: E731
+    return compile_cached(("k3fast.moe_tail",) + key, build)
 
 
 def warmup(inter: int, batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64)) -> list[tuple]:
@@ -492,11 +445,11 @@ def _check_m(name: str, t) -> int:
     return m
 
 
-def shared_expert_gate_up(x, packed, *, out=None, early_trigger=False, l2_prefetch=None):
+def shared_expert_gate_up(x, packed, *, out=None, early_trigger=False):
     """h [M, Is] = SiTU-GLU(x W_sg^T, x W_su^T), with ``packed`` from prepare_shared_gate_up. x [M, 7168] bf16.
 
     early_trigger: the PDL dependents launch when this kernel starts, not after its main loop (for a launch
-    after the routed experts, see SwapAbGemv; opt-in). l2_prefetch: see L2_PREFETCH (None: that default)."""
+    after the routed experts, see SwapAbGemv; opt-in)."""
     import torch
     check_tensor("x", x, dtype=torch.bfloat16, shape=(None, HIDDEN))
     m = _check_m("x", x)
@@ -511,13 +464,13 @@ def shared_expert_gate_up(x, packed, *, out=None, early_trigger=False, l2_prefet
         check_tensor("out", out, dtype=torch.bfloat16, shape=(m, inter), device=x.device)
     if not x.is_cuda:
         raise ValueError("shared_expert_gate_up: expected CUDA tensors")
-    fn = _get(("shared_gate_up_early" if early_trigger else "shared_gate_up", n_tiles(m), inter), l2_prefetch)
+    fn = _get(("shared_gate_up_early" if early_trigger else "shared_gate_up", n_tiles(m), inter))
     fn(x, packed, None, None, None, out, 0.0)
     return out
 
 
-def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None, l2_prefetch=None):
-    """f [M, 7168] = bf16(bf16(RMSNorm_{w_norm}(r) W_up^T) + bf16(h W_sd^T)). l2_prefetch: see L2_PREFETCH.
+def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None):
+    """f [M, 7168] = bf16(bf16(RMSNorm_{w_norm}(r) W_up^T) + bf16(h W_sd^T)).
 
     r [M, 3584] bf16 (combined routed-expert output), w_norm [3584] bf16, w_up [7168, 3584] bf16,
     h [M, Is] bf16 (SiTU output of the shared experts), w_sd [7168, Is] bf16."""
@@ -539,6 +492,6 @@ def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None, l2_prefet
         check_tensor("out", out, dtype=torch.bfloat16, shape=(m, HIDDEN), device=dev)
     if not r.is_cuda:
         raise ValueError("moe_tail: expected CUDA tensors")
-    fn = _get(("moe_tail", n_tiles(m), inter), l2_prefetch)
+    fn = _get(("moe_tail", n_tiles(m), inter))
     fn(r, w_up, w_norm, h, w_sd, out, float(eps))
     return out

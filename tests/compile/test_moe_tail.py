@@ -153,32 +153,3 @@ def test_gate_up_trigger_placement(early):
     wait = [i for i, line in enumerate(ptx.splitlines()) if "griddepcontrol.wait" in line]
     assert len(trig) == 1 and len(wait) == 1
     assert (trig[0] < wait[0]) == early
-
-
-@pytest.mark.parametrize("nt", [1, 2, 8])
-@pytest.mark.parametrize("kernel", ["tail", "gate_up"])
-def test_l2_prefetch_precedes_the_wait(kernel, nt):
-    """moe_tail v2 ("bulk": one cp.async.bulk.prefetch.L2 per weight row, W1 and in the tail W2) and v3 ("line":
-    prefetch.global.L2 per 128-byte line, in a loop over the CTA's lines) issue their prefetches before
-    griddepcontrol.wait, where they overlap the predecessor; the default build issues none."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
-    build = mt._build_tail if kernel == "tail" else mt._build_gate_up
-    old = mt.TVM_FFI
-    mt.TVM_FFI = TVM_FFI + " --keep-ptx"
-    try:
-        ptx = {pf: compiled_ptx(lambda pf=pf: build(nt, 384, l2_prefetch=pf)).splitlines() for pf in ("", "bulk", "line")}
-    finally:
-        mt.TVM_FFI = old
-    assert not any("prefetch" in line for line in ptx[""])
-    for pf, op, n in (("bulk", "cp.async.bulk.prefetch.L2.global", 2 if kernel == "tail" else 1),
-                      ("line", "prefetch.global.L2", 2 if kernel == "tail" else 1)):
-        pre = [i for i, line in enumerate(ptx[pf]) if op in line and ("bulk" in line) == (pf == "bulk")]
-        wait = [i for i, line in enumerate(ptx[pf]) if "griddepcontrol.wait" in line]
-        assert len(pre) == n and len(wait) == 1 and max(pre) < wait[0], (pf, pre, wait)
-
-
-def test_l2_prefetch_mode_is_checked():
-    with pytest.raises(ValueError, match="l2_prefetch must be"):
-        mt._pf_mode("lines")
-    assert mt._pf_mode(True) == "bulk" and mt._pf_mode(False) == "" and mt._pf_mode("line") == "line"
