@@ -456,7 +456,8 @@ FAST_VARIANTS = {
     "fast-front0": {"front_dsl_max_m": 0},      # the cuBLAS front + TopkFromLogits at every batch
     "fast-front16": {"front_dsl_max_m": 16},    # ... above M = 16 (the threshold before session 5)
     "fast-rolled": {"router_rolled": True},     # router v2.4: the top-k rounds as a loop (opt-in)
-    "fast-topk4": {"topk_split": True},         # router v2.8: TopkFromLogits' top-k over its 4 warps (opt-in)
+    "fast-topk4": {"topk_split": True},         # router v2.8: TopkFromLogits' top-k over its 4 warps (the default now)
+    "fast-s12": {"topk_split": False},          # TopkFromLogits' one-warp top-k (before session 8's default)
     "fast-front0r": {"router_rolled": True, "front_dsl_max_m": 0},
     "fast-shapart": {"shared_in_front": False},  # the shared gate/up kernel apart from both fronts
     "fast-s9front": {"shared_in_fma_front": False},  # ... apart from the fused front only (M <= 4; before router v2.7)

@@ -129,7 +129,7 @@ Version log
       3 launches; b8 / b64 unchanged; the front's bench b1 23.1 -> 24.4 us (+shared). Beaten: the front still
       ends at 20.3 us in the layer, because the shared rows stream while the last router CTA runs the top-k, and
       the experts start at 19.4 instead of 26.3 us.
-  v2.8 (2026-11-29, session 7; CPU-compiled only, opt-in: TOPK_SPLIT / split=True / impl "fast-topk4")
+  v2.8 (2026-11-29, session 7; TOPK_SPLIT, the default since session 8; "fast-s12" is the A/B without it)
       TopkFromLogits' top-k over the CTA's 4 warps (topk_split). Why: one warp ran the 16 selection rounds over 28
       keys per lane while the other 3 warps only copied z. TopkFromLogits alone still took 10.5 us flushed and 9.4
       warm at b1 (kernels-001a431.json), and 7.4-8.0 us in the layer at b8 / b64 (records-001a431-s8.json), after
@@ -146,7 +146,15 @@ Version log
       Prediction: TopkFromLogits alone at b1 10.5 -> ~5-6 us flushed (9.4 -> ~4 warm); in the layer 7.4 / 8.0 ->
       ~4 us at b8 / b64, so the MoE half b8 113.8 -> ~110-111 us and b64 389.6 -> ~386. Bench rows
       topk_from_logits@split (and ~warm), router_down_topk_cublas+shared@split; layer A/B fast-topk4.
-      Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
+      Measured (records-5d32223-s12.json, kernels-5d32223-s12.json, one run; GPU tests 80 passed, 0 failed,
+      logs/gpu-junit-5d32223-s12.xml, with the bitwise test against the unsplit kernel): TopkFromLogits alone
+      b1 11.0 -> 8.6 us flushed (9.6 -> 7.5 warm), b8 11.3 -> 8.8, b64 11.8 -> 9.3; the cuBLAS front + top-k
+      31.2 -> 29.6 us at b1, 31.6 -> 29.2 at b8, 34.7 -> 31.9 at b64. MoE half b8 114.5 -> 111.9 us, b64 388.0 ->
+      385.9 (fast -> fast-topk4, same run), b1 63.5 / 63.3 (the same kernels). The layer prediction (-3 to -4 us)
+      is nearly met (-2.6 / -2.1); the kernel one (5-6 us) is missed: the selection rounds were ~2.4 us of it.
+      The ~7.5 us warm that remain are not the top-k's arithmetic (1680 SASS instructions over 4 warps is
+      well under 1 us at 1.7 GHz); they are the launch and the serial dependency of the CTA's phases (logit load
+      -> rank -> merge -> z copy / h epilogue), not analysed further. The default since session 8.      Numerics: tensor-core fp32 accumulation within one m16n8k16 differs from cuBLAS/FMA order by ~1 ulp;
       identical weight rows still give bit-identical logits (same lanes/k order for every row).
 
 What it replaces (k3-spec.md sections 10 and 11):
@@ -205,9 +213,10 @@ FMA_MIN_BLOCKS: dict = {}
 # v2.4 (opt-in; measured no faster, see the version log): the top-k's 16 selection rounds as a loop, not unrolled
 # code; the compile key carries it. k3fast.fast's router_rolled / impl "fast-rolled" flip it.
 TOPK_ROLLED = False
-# v2.8 (opt-in until measured; impl "fast-topk4"): TopkFromLogits' top-k over its 4 warps (a top-16 of each warp's
-# 224 experts, then warp 0 merges the 64 candidates); the version log says why. The compile key carries it.
-TOPK_SPLIT = False
+# v2.8 (the default since session 8; impl "fast-s12" is the A/B without it): TopkFromLogits' top-k over its 4 warps
+# (a top-16 of each warp's 224 experts, then warp 0 merges the 64 candidates); the version log says why and what it
+# measured. The compile key carries it.
+TOPK_SPLIT = True
 FMA_MIN_BLOCKS_TRIED = {1: 9, 2: 7}
 
 
@@ -802,11 +811,15 @@ def _check_shared(shared, mb=None):
 def get_topk_kernel(n_experts=N_EXPERTS, latent=LATENT, top_k=TOP_K, shared=0, rolled=None, split=None):
     """The compiled TopkFromLogits kernel (any M: one CTA per token); its key does not depend on M or on K.
     ``shared``: the shared experts' intermediate width whose gate/up columns follow the latent block (0: none).
-    ``split``: the top-k over the CTA's 4 warps (v2.8, opt-in; None = TOPK_SPLIT; not with ``rolled``)."""
+    ``split``: the top-k over the CTA's 4 warps (v2.8, the default; None = TOPK_SPLIT; not with ``rolled``)."""
     _check_shapes(n_experts, latent, HIDDEN, top_k)
     _check_shared(shared)
     rolled = TOPK_ROLLED if rolled is None else bool(rolled)
-    split = TOPK_SPLIT if split is None else bool(split)
+    if split is None:
+        # The default follows TOPK_SPLIT where the split build exists (unrolled, experts a multiple of 128 so that
+        # each warp ranks whole 32-key lanes); an explicit split=True that cannot be built is an error below.
+        split = TOPK_SPLIT and not rolled and n_experts % (32 * WARPS) == 0
+    split = bool(split)
     if split and rolled:
         raise ValueError("the split top-k (v2.8) is built unrolled: pass rolled=False with split=True")
     if split and n_experts % (32 * WARPS):
@@ -948,7 +961,7 @@ def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=T
 
     shared = Is > 0: w_packed is prepare_front_shared_weight's [W_r; W_down; W_sg; W_su], and a fourth output h
     [M, Is] bf16 = SiTU-GLU of the shared experts (shared_expert_gate_up's contract) comes back.
-    split: TopkFromLogits' top-k over its 4 warps (v2.8, opt-in; None = TOPK_SPLIT)."""
+    split: TopkFromLogits' top-k over its 4 warps (v2.8, the default; None = TOPK_SPLIT)."""
     import torch
     if shared and w_packed.shape[0] <= 2 * shared:
         raise ValueError(f"w_packed: {w_packed.shape[0]} rows cannot hold 2 x {shared} shared gate/up rows")
