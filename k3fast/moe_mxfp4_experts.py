@@ -179,6 +179,27 @@ Version log
       Prediction: rank16 b1 experts 25.2 -> ~14-17 us in the kernel bench (bench_experts v6 / v6probe), MoE half
       b1 -6 to -9 us in the layer (fast-v6). b2 similar. If the probe halves but the kernel does not, the fixed
       costs per item (prologue sort, two cluster barriers, the combine) dominate at this size.
+  v7  (2026-11-30, session 8; opt-in, version=7, batch buckets <= 2; CPU-compiled, not yet run on a GPU) v6
+      generalised to NH parts of I per expert (default_parts: the most parts, each a multiple of 64 outputs, whose
+      items all get a cluster at once; rank16 b1 4, b2 2; rank8 b1 3) over clusters of C = 2 (V7_CLUSTER). Why:
+      at b1 the default keeps 64 SMs streaming (16 experts x C = 4); v6 put 32 clusters of 4 on 128 SMs and its
+      stream probe got slower (25.9 against 17.8 us), which fits a second wave of the clusters of 4 that do not fit
+      (a GPC with fewer than 16 free SMs holds 3): C = 4 grids above ~30 clusters are not all co-resident, while the
+      66 TPC pairs are. v7 at rank16 b1 is 64 clusters of 2 = 128 SMs, each CTA reading 1/8 of an expert (183 KB
+      instead of 365 KB). The combine changes too: in v6 the last of the 32 arrivals per (token, rank) read all 32
+      fp32 half rows of its rank (115 KB per CTA at C = 4); at NH = 4, C = 2 that would be 458 KB through one SM.
+      v7 adds a part reduction: the NH-th arrival per (pair, rank) (counters at PART_COUNTERS) adds the parts in
+      part order, rounds y_e to bf16 once and writes it to a bf16 y region behind the partials, then arrives for
+      the combine, which is v4's (16 bf16 rows per token). The reductions are spread over whichever CTAs finish a
+      pair last. NH fp32 chains over I / NH: close to v4, not bit-identical (GPU test at 2e-3 against v4 and the
+      table's tolerance against the reference; bit-identical run to run). CPU tier: the row arithmetic over every
+      part, rank, warp and step reads each w13 / w2 row once (test_v7_index_math_covers_every_weight_row_once).
+      ptxas 12.9: rank16 M1 128 registers, 72 B of spills, 27 local-memory instructions (v4: 24 B, 12), 2808 SASS
+      instructions (v4 2784); M2 0 spills.
+      Prediction: the probe at rank16 b1 17.8 -> ~10-12 us (half the bytes per SM, one more round trip for the
+      part reduction); the kernel 25.5 -> ~15-18 us (half the decode per SM); MoE half b1 -6 to -9 us (fast-v7).
+      b2 (2 parts, 64 clusters of 2): about v4's. If the probe does not drop, the v6 loss was not co-residency.
+      Bench rows: bench_experts v7 / v7probe / v7P2 (2 parts: the split's cost at 64 SMs).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -250,6 +271,9 @@ DEFAULT_WARPS = 16
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_M = 64
 TOPK = 16
+# v7's part-reduction counters (pair * C + rank) sit after the combine's (token * C + rank < 64 * 4) in the
+# workspace's MAX_M * 8 counters; v7 serves buckets <= 2, so pair * C + rank < 32 * 8 fits
+PART_COUNTERS = 256
 
 
 # ----------------------------------------------------------------------------------------------- host-side layout
@@ -508,21 +532,26 @@ class KernelCfg:
     #                                 6: v4 with each expert split over two clusters by I (MB <= 2)
     probe: str = ""   # diagnostics only: "stream" = weights loaded and XOR-folded, no decode / MMA (wrong output)
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
+    parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
 
     def __post_init__(self):
+        if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
+            raise ValueError(f"parts={self.parts}: version 7 splits I = {self.I} into parts of a multiple of 64 "
+                             f"(other versions take parts=1), version {self.version}")
         if self.dL % 64 or self.I % 64:
             raise ValueError("dL and I must be multiples of 64")
         if self.IH % (8 * self.C) or (self.dL // 16) % self.C or self.IH % 64:
             raise ValueError(f"cluster size {self.C} does not divide the tiles (I={self.I}, dL={self.dL}"
-                             + (", v6: I/2 per work item)" if self.version == 6 else ")"))
+                             + (f", v{self.version}: I/{self.NH} per work item)" if self.NH > 1 else ")"))
         if self.E > 1024 * 4:
             raise ValueError("E too large for the in-CTA routing sort")
         if self.NKB1 % self.S:
             raise ValueError("K split does not divide the FC1 K steps")
-        if self.version not in (2, 3, 4, 5, 6):
-            raise ValueError(f"version must be 2, 3, 4, 5 or 6, got {self.version}")
-        if self.version == 6 and self.MB > 2:
-            raise ValueError(f"version 6 (an expert split over two clusters) serves batch buckets <= 2, got {self.MB}")
+        if self.version not in (2, 3, 4, 5, 6, 7):
+            raise ValueError(f"version must be 2, 3, 4, 5, 6 or 7, got {self.version}")
+        if self.version in (6, 7) and self.MB > 2:
+            raise ValueError(f"version {self.version} (an expert split over several clusters) serves batch buckets "
+                             f"<= 2, got {self.MB}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.layout == "rot" and self.version < 4:
@@ -531,8 +560,12 @@ class KernelCfg:
             raise ValueError(f"probe must be '' or 'stream', got {self.probe!r}")
 
     @property
-    def IH(self):           # intermediate outputs per work item: I, or I / 2 in v6 (each half of an expert is an item)
-        return self.I // 2 if self.version == 6 else self.I
+    def NH(self):           # work items per expert: the parts of I (v6: two halves; v7: ``parts``)
+        return 2 if self.version == 6 else self.parts
+
+    @property
+    def IH(self):           # intermediate outputs per work item: I, or I / NH in v6 / v7 (each part is an item)
+        return self.I // self.NH
 
     @property
     def T1(self):           # FC1 tiles (16 rows = 8 outputs) per CTA
@@ -588,6 +621,9 @@ class KernelCfg:
             # two work items per expert; an even cluster count, because at C = 4 the 33rd cluster of a 132-SM
             # H200 is not co-resident (the version log, v4 measured)
             return max(1, min(2 * self.PMAX, self.nsm // self.C // 2 * 2))
+        if self.version == 7:
+            # NH work items per expert over every cluster that fits (at C = 2, the 66 TPC pairs are all co-resident)
+            return max(1, min(self.NH * self.PMAX, self.nsm // self.C))
         return max(1, min(self.PMAX, self.nsm // self.C))
 
     @property
@@ -804,14 +840,14 @@ def _build_kernel_class():
             self.smem_bytes = sum(-(-b // 16) * 16 for _, b in sizes) + 256
 
         @cute.jit
-        def __call__(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mCnt, mOut, stream):
+        def __call__(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut, stream):
             c = self.cfg
-            self.kernel(mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mCnt, mOut).launch(
+            self.kernel(mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut).launch(
                 grid=[c.Q * c.C, 1, 1], block=[c.threads, 1, 1], cluster=[c.C, 1, 1],
                 smem=self.smem_bytes, stream=stream, use_pdl=True)
 
         @cute.kernel
-        def kernel(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mCnt, mOut):
+        def kernel(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut):
             c = self.cfg
             W, D, GMAX, NT, C = c.W, c.D, c.GMAX, c.NT, c.C
             tid, _, _ = cute.arch.thread_idx()
@@ -852,6 +888,7 @@ def _build_kernel_class():
             zcp = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                                       Int32, num_bits_per_copy=128)
             gY = cute.flat_divide(mY, (1, 8))            # (1, 8, rows, dL/8)
+            gYb = cute.flat_divide(mYb, (1, 8))          # v7: the bf16 y_e rows the part reduction writes
             gO = cute.flat_divide(mOut, (1, 8))
             # y rows were written by other CTAs during this launch: read them from L2 (.cg), never from L1
             ycg = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
@@ -863,6 +900,7 @@ def _build_kernel_class():
             y4a = cute.make_rmem_tensor(cute.make_layout(4), Float32)
             y4b = cute.make_rmem_tensor(cute.make_layout(4), Float32)
             ARRIVALS = 2 * TOPK if c.version == 6 else TOPK    # arrivals per (token, row chunk) and launch
+            NH = c.NH
 
             stage_bf = cute.recast_tensor(stage_s, BFloat16)
             ringW = cute.make_rmem_tensor(cute.make_layout((D, 4), stride=(4, 1)), Int32)
@@ -971,14 +1009,14 @@ def _build_kernel_class():
             # passes (expert, <= NT pairs), so that a few experts shared by many tokens (skewed routing) spread their
             # passes over every cluster.  Each pass reads the expert's weights once either way.
             n_work = pass_off[n_active] if const_expr(c.version == 5) else n_active
-            if const_expr(c.version == 6):
-                n_work = 2 * n_active               # items (expert, half of I): wi = 2 u + hI
+            if const_expr(c.version in (6, 7)):
+                n_work = NH * n_active              # items (expert, part of I): wi = NH u + hI
             for wi in cutlass.range(qid, n_work, c.Q):
                 u = wi
                 hI = Int32(0)
-                if const_expr(c.version == 6):
-                    u = wi // 2
-                    hI = wi - 2 * u
+                if const_expr(c.version in (6, 7)):
+                    u = wi // NH
+                    hI = wi - NH * u
                 if const_expr(c.version == 5):
                     # the expert whose passes contain item wi: pass_off[lo] <= wi < pass_off[hi]
                     lo = Int32(0)
@@ -1035,8 +1073,8 @@ def _build_kernel_class():
                             cute.copy(zcp, gZ[0, None, tok, v_], gZs[0, None, n_, v_])
                         cute.arch.cp_async_commit_group()
                     t1_base = rank * c.T1
-                    if const_expr(c.version == 6):
-                        t1_base = hI * (c.I // 16) + rank * c.T1     # w13 tiles of half hI: [hI I/16, (hI+1) I/16)
+                    if const_expr(c.version in (6, 7)):
+                        t1_base = hI * (c.IH // 8) + rank * c.T1     # w13 tiles of part hI: [hI IH/8, (hI+1) IH/8)
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS1):
                             row_ = fc1_row(c, warp, t1_base, d)
@@ -1135,8 +1173,8 @@ def _build_kernel_class():
                     # ======================= FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I.
                     t2_base = rank * c.T2
                     koff = 0
-                    if const_expr(c.version == 6):
-                        koff = hI * c.NKB2H                          # the half's K steps of each w2 tile
+                    if const_expr(c.version in (6, 7)):
+                        koff = hI * c.NKB2H                          # the part's K steps of each w2 tile
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS2):
                             row_ = fc2_row(c, warp, t2_base, d, koff)
@@ -1178,11 +1216,12 @@ def _build_kernel_class():
                                             for q in cutlass.range_constexpr(2):
                                                 pr = ypair[gi * 2 + q]
                                                 if pr >= 0:
-                                                    if const_expr(c.version == 6):
-                                                        # the half's fp32 partial: y_e is rounded once, in the
-                                                        # combine, after the two halves are added
-                                                        mY[pr * 2 + hI, r0] = acc[gi * 4 + q]
-                                                        mY[pr * 2 + hI, r0 + 8] = acc[gi * 4 + 2 + q]
+                                                    if const_expr(c.version in (6, 7)):
+                                                        # the part's fp32 partial: y_e is rounded once, after the
+                                                        # NH parts are added (v6: in the combine; v7: by the part
+                                                        # reduction below)
+                                                        mY[pr * NH + hI, r0] = acc[gi * 4 + q]
+                                                        mY[pr * NH + hI, r0 + 8] = acc[gi * 4 + 2 + q]
                                                     else:
                                                         mY[pr, r0] = acc[gi * 4 + q].to(BFloat16)
                                                         mY[pr, r0 + 8] = acc[gi * 4 + 2 + q].to(BFloat16)
@@ -1191,18 +1230,51 @@ def _build_kernel_class():
                                     if s + D < NS2:
                                         ringS[d] = eW2s[row_ * 8 + g]
 
-                    # ======================= combine: the 16th arrival of (token, row chunk) sums the slots in order
                     cute.arch.fence_acq_rel_gpu()
                     cute.arch.barrier()
+                    if const_expr(c.version == 7):
+                        # ======================= v7 part reduction: the NH-th arrival of (pair, row chunk) adds the
+                        # parts' fp32 partials in part order and rounds y_e to bf16 once (the reference's rounding),
+                        # then arrives for the combine in its place. Spread over the CTAs that finish a pair last,
+                        # so no single CTA reads all NH x 16 partial rows of a token (v6's combine does that).
+                        if tid < npass:
+                            pr = sorted_s[off + pb + tid]
+                            oldp = cute.arch.atomic_add(mCnt.iterator + (PART_COUNTERS + pr * C + rank), Int32(1),
+                                                        sem="acq_rel", scope="gpu")
+                            lastp = Int32(-1)
+                            if oldp == NH - 1:
+                                mCnt[PART_COUNTERS + pr * C + rank] = Int32(0)     # self-reset, as below
+                                lastp = pr
+                            scr[41 + tid] = lastp
+                        cute.arch.barrier()
+                        for n in cutlass.range(0, npass):
+                            pr = scr[41 + n]
+                            if pr >= 0:
+                                for v in cutlass.range(tid, NV, c.threads):
+                                    vv = rank * NV + v
+                                    s8.fill(0.0)
+                                    for hp in cutlass.range_constexpr(NH):
+                                        for q in cutlass.range_constexpr(2):
+                                            cute.copy(ycg32, gY4[0, None, pr * NH + hp, 2 * vv + q], y4a)
+                                            for x in cutlass.range_constexpr(4):
+                                                s8[4 * q + x] = s8[4 * q + x] + y4a[x]
+                                    ro.store(s8.load().to(BFloat16))
+                                    cute.autovec_copy(ro, gYb[0, None, pr, vv])
+                        cute.arch.fence_acq_rel_gpu()
+                        cute.arch.barrier()
+                    # ======================= combine: the 16th arrival of (token, row chunk) sums the slots in order
                     if tid < npass:
                         pr = sorted_s[off + pb + tid]
-                        m = pr // TOPK
-                        old = cute.arch.atomic_add(mCnt.iterator + (m * C + rank), Int32(1),
-                                                   sem="acq_rel", scope="gpu")
+                        if const_expr(c.version == 7):
+                            pr = scr[41 + tid]              # only the pairs this CTA reduced arrive (-1: none)
                         last = Int32(-1)
-                        if old == ARRIVALS - 1:
-                            mCnt[m * C + rank] = Int32(0)      # self-reset for the next launch / graph replay
-                            last = m
+                        if pr >= 0:
+                            m = pr // TOPK
+                            old = cute.arch.atomic_add(mCnt.iterator + (m * C + rank), Int32(1),
+                                                       sem="acq_rel", scope="gpu")
+                            if old == ARRIVALS - 1:
+                                mCnt[m * C + rank] = Int32(0)      # self-reset for the next launch / graph replay
+                                last = m
                         scr[33 + tid] = last
                     cute.arch.barrier()
                     for n in cutlass.range(0, npass):
@@ -1221,6 +1293,11 @@ def _build_kernel_class():
                                             for x in cutlass.range_constexpr(4):
                                                 ye = (y4a[x] + y4b[x]).to(BFloat16).to(Float32)
                                                 s8[4 * q + x] = s8[4 * q + x] + ye * wj
+                                elif const_expr(c.version == 7):
+                                    for j in cutlass.range_constexpr(TOPK):
+                                        wj = mTw[m, j]
+                                        cute.copy(ycg, gYb[0, None, m * TOPK + j, vv], ry)
+                                        s8.store(s8.load() + ry.load().to(Float32) * wj)
                                 else:
                                     for j in cutlass.range_constexpr(TOPK):
                                         wj = mTw[m, j]
@@ -1250,7 +1327,7 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
     from cutlass import BFloat16, Float32, Int32
     obj = _kernel_class()(cfg)
     M = cute.sym_int()
-    R13, R2, S13, S2, RY = (cute.sym_int() for _ in range(5))
+    R13, R2, S13, S2, RY, RYB = (cute.sym_int() for _ in range(6))
     args = (
         fake_tensor(Int32, (M, cfg.dL // 2)),                  # z as bf16x2 words
         fake_tensor(Int32, (M, TOPK), align=4),                # topk_ids
@@ -1259,26 +1336,47 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
         fake_tensor(Int32, (S13,), align=4),                   # w13s words
         fake_tensor(Int32, (R2, 4)),
         fake_tensor(Int32, (S2,), align=4),
-        fake_tensor(Float32 if cfg.version == 6 else BFloat16, (RY, cfg.dL)),   # y workspace [>= M*16 (v6: 2 M*16), dL]
+        fake_tensor(Float32 if cfg.version in (6, 7) else BFloat16, (RY, cfg.dL)),  # y workspace [>= M*16 (v6 / v7: NH M*16), dL]
+        fake_tensor(BFloat16, (RYB, cfg.dL)),                  # v7: bf16 y_e rows [>= M*16, dL] (others: unused)
         fake_tensor(Int32, (MAX_M * 8,), align=4),             # combine counters
         fake_tensor(BFloat16, (M, cfg.dL)),                    # r
     )
     return cute.compile(obj, *args, fake_stream(), options=options)
 
 
+def default_parts(I: int, MB: int, C: int, nsm: int = 132) -> int:
+    """v7's parts of I per expert: the most parts (each a multiple of 64 outputs) whose work items, one per part of
+    each of the bucket's 16 MB experts, all get a cluster of C at once: rank16 (I = 256) b1 4 (64 clusters of 2 =
+    128 SMs), b2 2; rank8 (I = 384) b1 3."""
+    best = 1
+    for p in range(1, I // 64 + 1):
+        if I % (64 * p) == 0 and p * TOPK * MB * C <= nsm:
+            best = p
+    return best
+
+
+V7_CLUSTER = 2      # v7's clusters: TPC pairs, all 66 co-resident (C = 4 grids above 32 clusters are not)
+
+
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                version: int = DEFAULT_VERSION, layout: str | None = None, W: int | None = None) -> KernelCfg:
+                version: int = DEFAULT_VERSION, layout: str | None = None, W: int | None = None,
+                parts: int | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
-    versions >= 4 (measured, version log "rot layout"), 8 for 2-3."""
+    versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
+    parts None: default_parts for v7 (1 for the other versions)."""
     MB = m_bucket(M)
     if layout is None:
         layout = "rot" if version >= 4 else "nibble"
     if W is None:
         W = DEFAULT_WARPS if version >= 4 else 8
-    return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C or default_cluster(MB), D=D, W=W, nsm=nsm,
+    if C is None:
+        C = V7_CLUSTER if version == 7 else default_cluster(MB)
+    if parts is None:
+        parts = default_parts(I, MB, C, nsm) if version == 7 else 1
+    return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
-                     layout=layout)
+                     layout=layout, parts=parts)
 
 
 def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:
@@ -1384,8 +1482,8 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     check_tensor("workspace.counters", workspace.counters, dtype=torch.int32, shape=(MAX_M * 8,), device=z.device)
     if workspace.y.dim() != 2 or workspace.y.shape[1] != dL or workspace.y.shape[0] < M * TOPK:
         raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
-    if version == 6 and m_bucket(M) > 2:
-        version = DEFAULT_VERSION       # v6 splits each expert over two clusters where few experts leave SMs idle
+    if version in (6, 7) and m_bucket(M) > 2:
+        version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
@@ -1394,11 +1492,18 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
             raise ValueError(f"kernel_cfg {kernel_cfg} does not fit E={E}, dL={dL}, I={I}, M={M}")
         key = kernel_cfg
     fn = get_kernel(key)
-    y = workspace.y
-    if key.version == 6:
-        # the two halves' fp32 partials, rows 2 pair + half: 2 x M x 16 x dL x 4 B, inside the bf16 workspace's
-        # MAX_M x 16 x dL x 2 B (MB <= 2)
-        y = workspace.y.view(-1).view(torch.float32)[: 2 * M * TOPK * dL].view(2 * M * TOPK, dL)
+    y = yb = workspace.y
+    if key.version in (6, 7):
+        # the parts' fp32 partials, rows NH pair + part: NH x M x 16 x dL x 4 B, inside the bf16 workspace's
+        # MAX_M x 16 x dL x 2 B (MB <= 2, NH <= 8); v7's bf16 y_e rows follow them
+        n32 = key.NH * M * TOPK * dL
+        flat = workspace.y.view(-1)
+        y = flat.view(torch.float32)[:n32].view(key.NH * M * TOPK, dL)
+        if 2 * n32 + (M * TOPK * dL if key.version == 7 else 0) > flat.numel():
+            raise ValueError(f"version {key.version} with {key.NH} parts at M={M} needs more than the workspace's "
+                             f"{flat.numel()} y elements: use at most {flat.numel() // (2 * M * TOPK * dL) - 1} parts")
+        if key.version == 7:
+            yb = flat[2 * n32: 2 * n32 + M * TOPK * dL].view(M * TOPK, dL)
     fn(z.view(torch.int32), topk_ids, topk_w, prep.w13q.view(-1, 4), prep.w13s.view(-1), prep.w2q.view(-1, 4),
-       prep.w2s.view(-1), y, workspace.counters, out)
+       prep.w2s.view(-1), y, yb, workspace.counters, out)
     return out

@@ -14,8 +14,8 @@ def test_variants_are_valid_keys(cfg):
     for M in (1, 8, 64):
         base = mx.compile_key(cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate, M)
         for v in be.VARIANTS:
-            if v.startswith("v6") and M > 2:         # v6 serves batch buckets <= 2; the bench skips it above
-                with pytest.raises(ValueError, match="version 6"):
+            if v[:2] in ("v6", "v7") and M > 2:     # v6 / v7 serve batch buckets <= 2; the bench skips them above
+                with pytest.raises(ValueError, match=f"version {v[1]}"):
                     be.variant_cfg(v, base)
                 continue
             kc = be.variant_cfg(v, base)
@@ -28,6 +28,12 @@ def test_variants_are_valid_keys(cfg):
         assert be.variant_cfg("v3C8", base).C == 8 and be.variant_cfg("v3C8", base).version == 3
         assert be.variant_cfg("v3C8", base).W == 8 and be.variant_cfg("W8", base).W == 8 and base.W == 16
         assert be.variant_cfg("nibble", base).layout == "nibble" and base.layout == "rot"
+        if M == 1:
+            v7 = be.variant_cfg("v7", base)
+            assert v7.version == 7 and v7.C == mx.V7_CLUSTER and v7 == mx.compile_key(
+                cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate, M, version=7)
+            assert be.variant_cfg("v7P2", base).parts == 2 and be.variant_cfg("v7probe", base).probe == "stream"
+            assert be.variant_cfg("v4", v7).parts == 1
     with pytest.raises(ValueError):
         be.variant_cfg("X1", base)
     with pytest.raises(ValueError, match="probe"):

@@ -424,3 +424,60 @@ def test_v6_compiles(I):
         mx.get_kernel(mx.compile_key(896, 3584, I, M, version=6))
     with pytest.raises(ValueError, match="version 6"):
         mx.compile_key(896, 3584, I, 8, version=6)
+
+
+@pytest.mark.parametrize("I", [256, 384, 3072])
+@pytest.mark.parametrize("M", [1, 2])
+def test_v7_index_math_covers_every_weight_row_once(I, M):
+    """v7 (one expert = NH work items, one per part of I, clusters of 2): the kernel's FC1 and FC2 row arithmetic,
+    replayed on CPU over every part, CTA rank, warp and step, reads each 16-byte w13 and w2 row of an expert exactly
+    once; the grid's clusters all fit (Q * C <= 132) and every part has a cluster at b1."""
+    from collections import Counter
+    c = mx.compile_key(896, 3584, I, M, version=7)
+    NH = c.NH
+    assert c.C == mx.V7_CLUSTER and NH == mx.default_parts(I, c.MB, c.C) and c.Q * c.C <= 132
+    assert c.C * c.T1 * NH == I // 8 and c.NKB2H * NH == c.NKB2
+    if M == 1:
+        assert NH > 1 and c.Q >= NH * 16
+    fc1, fc2 = Counter(), Counter()
+    for hI in range(NH):
+        for rank in range(c.C):
+            t1_base = hI * (c.IH // 8) + rank * c.T1
+            t2_base = rank * c.T2
+            for warp in range(c.W):
+                for s in range(c.U1 * c.KS1):
+                    i = s // c.KS1
+                    uu = warp + c.W * i
+                    fc1[(t1_base + uu // c.S) * c.NKB1 + (uu % c.S) * c.KS1 + (s - i * c.KS1)] += 1
+                for s in range(c.U2 * c.NKB2H):
+                    i = s // c.NKB2H
+                    if warp + c.W * i < c.T2:
+                        fc2[(t2_base + warp + c.W * i) * c.NKB2 + hI * c.NKB2H + (s - i * c.NKB2H)] += 1
+    assert fc1 == Counter(range(I // 8 * c.NKB1))
+    assert fc2 == Counter(range(3584 // 16 * c.NKB2))
+
+
+def test_v7_parts_and_workspace_bounds():
+    """default_parts: the most parts whose items all get a cluster at once; counters and y views stay in bounds."""
+    assert [mx.default_parts(256, mb, 2) for mb in (1, 2)] == [4, 2]
+    assert [mx.default_parts(384, mb, 2) for mb in (1, 2)] == [3, 2]
+    assert mx.default_parts(3072, 1, 2) == 4
+    for I in (256, 384, 3072):
+        for M in (1, 2):
+            c = mx.compile_key(896, 3584, I, M, version=7)
+            assert mx.PART_COUNTERS + c.PMAX * c.C <= mx.MAX_M * 8            # part counters inside the workspace's
+            assert mx.PART_COUNTERS >= mx.MAX_M * 4                          # ... after every combine counter
+            assert 2 * c.NH * M * 16 + M * 16 <= mx.MAX_M * 16               # fp32 parts + bf16 y_e in workspace.y
+    with pytest.raises(ValueError, match="version 7"):
+        mx.compile_key(896, 3584, 256, 8, version=7)
+    with pytest.raises(ValueError, match="parts"):
+        mx.compile_key(896, 3584, 256, 1, version=4, parts=2)
+    with pytest.raises(ValueError, match="parts"):
+        mx.compile_key(896, 3584, 256, 1, version=7, parts=3)                 # 256 / 3 is not a multiple of 64
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("I", [256, 384, 3072])
+def test_v7_compiles(I):
+    for M in (1, 2):
+        mx.get_kernel(mx.compile_key(896, 3584, I, M, version=7))

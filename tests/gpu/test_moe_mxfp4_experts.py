@@ -302,3 +302,44 @@ def test_v6_falls_back_above_batch_2_and_replays():
     torch.cuda.synchronize()
     assert ws.counters.eq(0).all()
     assert rel_rmse(out, reference(z, ids, w, ck)) <= TOL
+
+
+V7_CASES = V6_CASES + [(2, 384, "uniform")]
+
+
+@pytest.mark.parametrize("M,I,kind", V7_CASES)
+def test_v7_matches_v4_and_reference(M, I, kind):
+    """v7 splits each expert into parts of I over clusters of 2 (rank16 b1: 4 parts, 128 SMs): NH fp32 chains over
+    I/NH each, added in part order by the pair's last part before y_e's single bf16 rounding, so close to v4 but not
+    bit-identical; both counter sets reset; the poisoned y workspace and output are rewritten."""
+    ck, prep, z, ids, w, ws = case(M, I, kind, 7100 * M + I + len(kind))
+    outs = run_variants(M, z, ids, w, prep, ws, v4=dict(version=4), v7=dict(version=7))
+    assert mx.compile_key(E, DL, I, M, version=7).NH > 1
+    assert rel_rmse(outs["v7"], outs["v4"]) <= 2e-3
+    assert rel_rmse(outs["v7"], reference(z, ids, w, ck)) <= TOL
+    outs2 = run_variants(M, z, ids, w, prep, ws, v7=dict(version=7))        # deterministic run to run
+    assert same_bits(outs2["v7"], outs["v7"])
+
+
+def test_v7_falls_back_above_batch_2_and_replays():
+    """Above bucket 2 version=7 runs the default version; in a CUDA graph, v7 replays with a new routing and
+    self-resets both counter sets."""
+    ck, prep, z, ids, w, ws = case(8, 256, "uniform", 71)
+    outs = run_variants(8, z, ids, w, prep, ws, dflt=dict(), v7=dict(version=7))
+    assert same_bits(outs["v7"], outs["dflt"])
+    ck, prep, z, ids, w, ws = case(1, 256, "uniform", 72)
+    out = torch.full((1, DL), float("nan"), dtype=BF, device=DEV)
+    mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=7)    # compile, eager
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=7)
+    gen = torch.Generator(device=DEV).manual_seed(73)
+    for _ in range(2):
+        ids2, w2 = routing(1, "uniform", gen)
+        ids.copy_(ids2)
+        w.copy_(w2)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert ws.counters.eq(0).all()
+        assert rel_rmse(out, reference(z, ids, w, ck)) <= TOL
