@@ -128,8 +128,8 @@ class FastImpl:
         self.overlap_shared = overlap_shared
         # k3fast.moe_mxfp4_experts version log. experts_cluster: None = default_cluster; a callable MB -> C selects
         # another rule (the "fast-prev" A/B runs the defaults before 2026-11-29: v3, C = 8 up to MB 8, else 4).
-        from .moe_mxfp4_experts import DEFAULT_VERSION
-        self.experts_version = DEFAULT_VERSION if experts_version is None else experts_version
+        # None: moe_mxfp4_experts.default_version per batch bucket (v7 at buckets <= 2 since session 8, else v4)
+        self.experts_version = experts_version
         self.experts_cluster = experts_cluster
         self.gemv_mma = gemv_mma      # rms_gemv.gemv's kernel for M > 4: "v2" or the opt-in "splitk"
         self.tail_dsl_max_m = tail_dsl_max_m
@@ -162,7 +162,7 @@ class FastImpl:
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
         self.experts_warps = experts_warps
-        self.variant = (("overlap-shared" if overlap_shared else "serial") + f", experts v{self.experts_version}"
+        self.variant = (("overlap-shared" if overlap_shared else "serial") + (f", experts v{self.experts_version}" if self.experts_version else ", experts v7 at b<=2 / v4")
                         + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")
                         + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}")
                         + ("" if tail_dsl_max_m == TAIL_DSL_MAX_M else f", moe_tail up to M={tail_dsl_max_m}")

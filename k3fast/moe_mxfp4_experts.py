@@ -179,7 +179,7 @@ Version log
       Prediction: rank16 b1 experts 25.2 -> ~14-17 us in the kernel bench (bench_experts v6 / v6probe), MoE half
       b1 -6 to -9 us in the layer (fast-v6). b2 similar. If the probe halves but the kernel does not, the fixed
       costs per item (prologue sort, two cluster barriers, the combine) dominate at this size.
-  v7  (2026-11-30, session 8; opt-in, version=7, batch buckets <= 2; CPU-compiled, not yet run on a GPU) v6
+  v7  (2026-11-30, session 8; the default at batch buckets <= 2 since its H200 run, below) v6
       generalised to NH parts of I per expert (default_parts: the most parts, each a multiple of 64 outputs, whose
       items all get a cluster at once; rank16 b1 4, b2 2; rank8 b1 3) over clusters of C = 2 (V7_CLUSTER). Why:
       at b1 the default keeps 64 SMs streaming (16 experts x C = 4); v6 put 32 clusters of 4 on 128 SMs and its
@@ -200,6 +200,22 @@ Version log
       part reduction); the kernel 25.5 -> ~15-18 us (half the decode per SM); MoE half b1 -6 to -9 us (fast-v7).
       b2 (2 parts, 64 clusters of 2): about v4's. If the probe does not drop, the v6 loss was not co-residency.
       Bench rows: bench_experts v7 / v7probe / v7P2 (2 parts: the split's cost at 64 SMs).
+      Measured (experts-ab2cffe-s13.json, records-ab2cffe-s13.json, one run, copy in the records; GPU tests 15
+      passed, 0 failed, logs/gpu-junit-ab2cffe-s13.xml):
+                        default (v4)   probe     v6     v6probe    v7     v7probe   v7P2    marlin   (us)
+        rank16 b1          25.3        17.6     33.6     25.8     20.9     17.7     26.3     36.4
+        rank16 b2          45.2        30.7     59.5     44.0     27.7     23.1     27.6     48.3
+        rank8  b1          38.0        23.6     49.1     32.4     27.0     21.0     39.5     41.5
+        rank8  b2          70.7        43.0     90.5     56.2     41.4     28.8     41.6     58.2
+      MoE half (fast -> fast-v7, same run): rank16 b1 63.1 -> 60.0 us (stock 102.8), b2 83.8 -> 65.8 (115.7);
+      rank8 b1 85.5 -> 74.8 (111.7), b2 119.7 -> 90.7 (129.8). The kernel prediction held at b1 (~15-18 predicted,
+      20.9 measured: near), the probe one did not: at rank16 b1 the v7 probe takes what v4's does (17.7 / 17.6)
+      with half the bytes per SM. So at b1 the load structure is a latency chain (wait, routing sort, two ring
+      fills, two cluster barriers, part reduction, combine), not per-SM bandwidth; v7 wins by halving each SM's
+      decode + MMA (v4's kernel - probe 7.7 us, v7's 3.2). The layer gained 3.1 us at rank16 b1, under the -6 to -9
+      predicted, and 18-29 us at b2 and rank8, where v4 ran 2 passes per cluster. v7P2 (64 SMs) matches v4 at b1:
+      the split and the part reduction cost nothing measurable. The default for buckets <= 2 from here
+      (default_version; "fast-s13" is the A/B with v4 everywhere).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -514,6 +530,15 @@ def cluster_before_20261129(MB: int) -> int:
 
 
 DEFAULT_VERSION = 4
+# v7 serves batch buckets <= 2 by default since its H200 run (experts-ab2cffe-s13.json: rank16 b1 / b2 25.3 / 45.2 ->
+# 20.9 / 27.7 us, rank8 38.0 / 70.7 -> 27.0 / 41.4; version log)
+SMALL_BATCH_VERSION = 7
+SMALL_BATCH_MAX_MB = 2
+
+
+def default_version(MB: int) -> int:
+    """The kernel version the layer runs at batch bucket MB: v7 up to SMALL_BATCH_MAX_MB, else DEFAULT_VERSION."""
+    return SMALL_BATCH_VERSION if MB <= SMALL_BATCH_MAX_MB else DEFAULT_VERSION
 
 
 @dataclass(frozen=True)
@@ -1360,12 +1385,14 @@ V7_CLUSTER = 2      # v7's clusters: TPC pairs, all 66 co-resident (C = 4 grids 
 
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                version: int = DEFAULT_VERSION, layout: str | None = None, W: int | None = None,
+                version: int | None = None, layout: str | None = None, W: int | None = None,
                 parts: int | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
-    parts None: default_parts for v7 (1 for the other versions)."""
+    parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB)."""
     MB = m_bucket(M)
+    if version is None:
+        version = default_version(MB)
     if layout is None:
         layout = "rot" if version >= 4 else "nibble"
     if W is None:
@@ -1449,7 +1476,7 @@ def _validate(z, topk_ids, topk_w, prep: PreparedExperts):
 
 def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
-                      version: int = DEFAULT_VERSION, cluster: int | None = None,
+                      version: int | None = None, cluster: int | None = None,
                       kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
@@ -1467,7 +1494,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
             raise ValueError(f"moe_mxfp4_experts with the four prepared tensors needs layout= one of {LAYOUTS} "
                              f"(PreparedExperts.layout), got {layout!r}")
         prep = PreparedExperts(w13_packed, w13_scale, w2_packed, w2_scale, layout=layout)
-    if prep.layout == "rot" and version < 4:
+    if prep.layout == "rot" and version is not None and version < 4:
         raise ValueError(f"experts prepared with layout 'rot' need kernel version >= 4, got {version}; prepare them "
                          f"with layout='nibble' for versions 2-3")
     E, I, dL, M = _validate(z, topk_ids, topk_w, prep)
@@ -1482,6 +1509,8 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     check_tensor("workspace.counters", workspace.counters, dtype=torch.int32, shape=(MAX_M * 8,), device=z.device)
     if workspace.y.dim() != 2 or workspace.y.shape[1] != dL or workspace.y.shape[0] < M * TOPK:
         raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
+    if version is None:
+        version = default_version(m_bucket(M))
     if version in (6, 7) and m_bucket(M) > 2:
         version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,

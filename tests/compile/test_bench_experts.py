@@ -18,17 +18,22 @@ def test_variants_are_valid_keys(cfg):
                 with pytest.raises(ValueError, match=f"version {v[1]}"):
                     be.variant_cfg(v, base)
                 continue
+            if v == "C8" and base.version == 7 and cfg.expert_intermediate == 256:
+                with pytest.raises(ValueError, match="K split"):   # 1 FC1 tile per CTA: 16 K parts of 56 steps
+                    be.variant_cfg(v, base)                        # (the bench prints it as skipped)
+                continue
             kc = be.variant_cfg(v, base)
             assert kc.Q * kc.C <= 132 and (kc.dL // 16) % kc.C == 0
         assert be.variant_cfg("probe", base).probe == "stream"
         assert be.variant_cfg("v2", base).version == 2
-        assert be.variant_cfg("default", base) == base and base.version == 4
+        assert be.variant_cfg("default", base) == base and base.version == mx.default_version(base.MB)
         dp = be.variant_cfg("Dprobe4", base)
-        assert dp.probe == "stream" and dp.D == 4 and dp.C == base.C
+        assert dp.probe == "stream" and dp.D == 4 and dp.C == base.C and dp.version == base.version
         assert be.variant_cfg("v3C8", base).C == 8 and be.variant_cfg("v3C8", base).version == 3
         assert be.variant_cfg("v3C8", base).W == 8 and be.variant_cfg("W8", base).W == 8 and base.W == 16
         assert be.variant_cfg("nibble", base).layout == "nibble" and base.layout == "rot"
         if M == 1:
+            assert base.version == 7
             v7 = be.variant_cfg("v7", base)
             assert v7.version == 7 and v7.C == mx.V7_CLUSTER and v7 == mx.compile_key(
                 cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate, M, version=7)

@@ -199,8 +199,9 @@ def test_compile_all_keys(cfg):
     keys = mx.compile_keys(cfg)
     assert {k.MB for k in keys} == set(mx.M_BUCKETS)
     for key in keys:
-        assert key.version == mx.DEFAULT_VERSION == 4 and key.layout == "rot" and key.W == mx.DEFAULT_WARPS == 16
-        assert key.C == mx.default_cluster(key.MB)
+        assert key.version == mx.default_version(key.MB) == (7 if key.MB <= 2 else 4)
+        assert key.layout == "rot" and key.W == mx.DEFAULT_WARPS == 16
+        assert key.C == (mx.V7_CLUSTER if key.version == 7 else mx.default_cluster(key.MB))
         assert mx.get_kernel(key) is not None
 
 
@@ -292,7 +293,7 @@ def test_v4_ring_carries_no_copies_of_inflight_loads(M):
     load); v4 consumes a slot before refilling it. Checked on the PTX of the main loops (>= 8 global loads)."""
     import dataclasses
     from k3fast.ptxcheck import compiled_ptx, loop_copies_of_loads
-    base = mx.compile_key(56, 3584, 256, M)
+    base = mx.compile_key(56, 3584, 256, M, version=4)
     stats = {}
     for v, layout in ((3, "nibble"), (4, "nibble"), (4, "rot")):
         ptx = compiled_ptx(lambda: mx._compile(dataclasses.replace(base, version=v, layout=layout),
