@@ -216,6 +216,16 @@ Version log
       predicted, and 18-29 us at b2 and rank8, where v4 ran 2 passes per cluster. v7P2 (64 SMs) matches v4 at b1:
       the split and the part reduction cost nothing measurable. The default for buckets <= 2 from here
       (default_version; "fast-s13" is the A/B with v4 everywhere).
+  xpf (2026-11-30, session 8; opt-in KernelCfg.xpf, any version >= 4; CPU-compiled, not yet run on a GPU) FC1's
+      last D steps refill their ring slots with FC2's first D weight rows (they do not depend on h), so those
+      loads are in flight during cluster barrier A, the K-split reduction, the h exchange and barrier B; the FC2
+      loop reads step j from slot (j + NS1 % D) % D. Without it, each pass's FC2 starts with an empty ring, one
+      loaded HBM round trip after barrier B. Same MMAs in the same order: bit-identical (GPU test
+      test_fc2_prefetch_is_bit_identical; CPU replay of the slot formulas, test_fc2_prefetch_ring_slots). The
+      PTX of every key without it is unchanged (instruction multisets compared). ptxas 12.9, 128 registers: rank16
+      M1 (v7) 68 B of spills (72 without), M8 16 (24), M64 36 (52); rank8 M1 8 (44).
+      Prediction: one round trip (~1-1.5 us) less per pass: rank16 b1 20.9 -> ~19.5-20 us, b8 66.8 -> ~64-65 (two
+      passes per cluster), b64 348 -> ~335-340 (~9). Bench rows X1 / X1probe (k3fast.bench_experts).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -558,6 +568,7 @@ class KernelCfg:
     probe: str = ""   # diagnostics only: "stream" = weights loaded and XOR-folded, no decode / MMA (wrong output)
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
     parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
+    xpf: bool = False  # FC2's first D weight loads issued by FC1's last D steps, before the cluster barriers
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -583,6 +594,9 @@ class KernelCfg:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in ("", "stream"):
             raise ValueError(f"probe must be '' or 'stream', got {self.probe!r}")
+        if self.xpf and (self.version < 4 or self.NS1 < self.D):
+            raise ValueError(f"xpf (FC2's loads issued by FC1's last steps) needs version >= 4 and at least D = {self.D} "
+                             f"FC1 steps per warp, got version {self.version} with {self.NS1}")
 
     @property
     def NH(self):           # work items per expert: the parts of I (v6: two halves; v7: ``parts``)
@@ -611,6 +625,10 @@ class KernelCfg:
     @property
     def KS1(self):
         return self.NKB1 // self.S
+
+    @property
+    def NS1(self):          # FC1 steps per warp
+        return self.U1 * self.KS1
 
     @property
     def T2(self):
@@ -1100,6 +1118,11 @@ def _build_kernel_class():
                     t1_base = rank * c.T1
                     if const_expr(c.version in (6, 7)):
                         t1_base = hI * (c.IH // 8) + rank * c.T1     # w13 tiles of part hI: [hI IH/8, (hI+1) IH/8)
+                    # FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I; v6 / v7: the part's K
+                    t2_base = rank * c.T2
+                    koff = 0
+                    if const_expr(c.version in (6, 7)):
+                        koff = hI * c.NKB2H                          # the part's K steps of each w2 tile
                     for d in cutlass.range_constexpr(D):
                         if const_expr(d < NS1):
                             row_ = fc1_row(c, warp, t1_base, d)
@@ -1133,6 +1156,15 @@ def _build_kernel_class():
                                 if s + D < NS1:
                                     load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d,
                                               scale=c.version < 4)
+                                row2 = Int32(0)
+                                if const_expr(c.xpf):
+                                    # the slot's next use is FC2 step s + D - NS1: its weights do not depend on
+                                    # h, so they load during the barriers and the h exchange
+                                    if s + D >= NS1:
+                                        if s + D - NS1 < NS2:
+                                            row2 = fc2_row(c, warp, t2_base, s + D - NS1, koff)
+                                            load_slot(c, wld, eW2q, eW2s, row2, lane, g, ringW, ringS, d,
+                                                      scale=False)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
                                 if const_expr(c.probe != "stream"):
                                     for gi in cutlass.range_constexpr(GMAX):
@@ -1147,6 +1179,10 @@ def _build_kernel_class():
                                     # v4: the scale word is refilled after its last use (the MMAs' scale factors)
                                     if s + D < NS1:
                                         ringS[d] = eW13s[row_ * 8 + g]
+                                    if const_expr(c.xpf):
+                                        if s + D >= NS1:
+                                            if s + D - NS1 < NS2:
+                                                ringS[d] = eW2s[row2 * 8 + g]
                                 if kk == c.KS1 - 1:
                                     if const_expr(c.S > 1):
                                         for x in cutlass.range_constexpr(GMAX * 4):
@@ -1196,20 +1232,21 @@ def _build_kernel_class():
                         cute.arch.cluster_wait()
 
                     # ======================= FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I.
-                    t2_base = rank * c.T2
-                    koff = 0
-                    if const_expr(c.version in (6, 7)):
-                        koff = hI * c.NKB2H                          # the part's K steps of each w2 tile
-                    for d in cutlass.range_constexpr(D):
-                        if const_expr(d < NS2):
-                            row_ = fc2_row(c, warp, t2_base, d, koff)
-                            load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
+                    # xpf: FC2 step s is in slot (NS1 + s) % D, already loaded for s < D by FC1's last D steps;
+                    # otherwise the ring restarts at slot 0 here, one loaded HBM round trip after barrier B
+                    ROT = NS1 % D if c.xpf else 0
+                    if const_expr(not c.xpf):
+                        for d in cutlass.range_constexpr(D):
+                            if const_expr(d < NS2):
+                                row_ = fc2_row(c, warp, t2_base, d, koff)
+                                load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
                     for s0 in cutlass.range(0, NS2_pad, D):
                         for d in cutlass.range_constexpr(D):
                             s = s0 + d
+                            dd = (d + ROT) % D
                             if s < NS2:
-                                wv = [ringW[d, j] for j in range(4)]
-                                sv = ringS[d]
+                                wv = [ringW[dd, j] for j in range(4)]
+                                sv = ringS[dd]
                                 if const_expr(c.layout == "rot"):
                                     i, kb = step_split(s0, d, c.NKB2H, D)
                                 else:
@@ -1225,7 +1262,7 @@ def _build_kernel_class():
                                 else:
                                     row_ = fc2_row(c, warp, t2_base, s + D, koff)     # the refill of this slot
                                 if s + D < NS2:
-                                    load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d,
+                                    load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, dd,
                                               scale=c.version < 4)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
                                 if tile < c.T2:
@@ -1253,7 +1290,7 @@ def _build_kernel_class():
                                 if const_expr(c.version >= 4):
                                     # v4: the scale word is refilled after its last use (the MMAs' scale factors)
                                     if s + D < NS2:
-                                        ringS[d] = eW2s[row_ * 8 + g]
+                                        ringS[dd] = eW2s[row_ * 8 + g]
 
                     cute.arch.fence_acq_rel_gpu()
                     cute.arch.barrier()

@@ -40,7 +40,7 @@ def test_variants_are_valid_keys(cfg):
             assert be.variant_cfg("v7P2", base).parts == 2 and be.variant_cfg("v7probe", base).probe == "stream"
             assert be.variant_cfg("v4", v7).parts == 1
     with pytest.raises(ValueError):
-        be.variant_cfg("X1", base)
+        be.variant_cfg("Y1", base)
     with pytest.raises(ValueError, match="probe"):
         mx.KernelCfg(E=896, dL=3584, I=256, MB=8, C=8, probe="nonsense")
 
