@@ -216,7 +216,7 @@ Version log
       predicted, and 18-29 us at b2 and rank8, where v4 ran 2 passes per cluster. v7P2 (64 SMs) matches v4 at b1:
       the split and the part reduction cost nothing measurable. The default for buckets <= 2 from here
       (default_version; "fast-s13" is the A/B with v4 everywhere).
-  xpf (2026-11-30, session 8; opt-in KernelCfg.xpf, any version >= 4; CPU-compiled, not yet run on a GPU) FC1's
+  xpf (2026-11-30, session 8; opt-in KernelCfg.xpf, any version >= 4; measured slower, below) FC1's
       last D steps refill their ring slots with FC2's first D weight rows (they do not depend on h), so those
       loads are in flight during cluster barrier A, the K-split reduction, the h exchange and barrier B; the FC2
       loop reads step j from slot (j + NS1 % D) % D. Without it, each pass's FC2 starts with an empty ring, one
@@ -226,6 +226,13 @@ Version log
       M1 (v7) 68 B of spills (72 without), M8 16 (24), M64 36 (52); rank8 M1 8 (44).
       Prediction: one round trip (~1-1.5 us) less per pass: rank16 b1 20.9 -> ~19.5-20 us, b8 66.8 -> ~64-65 (two
       passes per cluster), b64 348 -> ~335-340 (~9). Bench rows X1 / X1probe (k3fast.bench_experts).
+      Measured (experts-3960ffc-s14.json, one run, copy 4.205 TB/s; bit-identical, GPU tests passed,
+      logs/gpu-junit-3960ffc-s14.xml): rank16 b1 / b8 / b64 21.1 / 66.0 / 373.2 us against the default's 20.9 /
+      66.3 / 346.8; probes 18.2 / 52.4 / 249.8 against 17.9 / 52.6 / 236.0. MISSED: no gain at b1 / b8, 7.6 %
+      slower at b64, the probe too (+5.8 %). So the FC2 ring fill after barrier B was not a cost worth a round
+      trip: at b1 the v7 chain is elsewhere, and at b64 the probe already streams at 3.78 TB/s (90 % of copy)
+      and the extra per-step branches and the early FC2 lines only reorder a saturated stream. Stays opt-in, not
+      the default; the A/B is the bench row X1.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
