@@ -29,6 +29,8 @@ causes give different signatures, and one run of this module separates them:
              ``v7P2`` takes 2 parts (64 SMs at b1, as the default) to separate the split's cost from the SMs';
 * ``X1 X1probe`` FC2's first D weight loads issued by FC1's last D steps (KernelCfg.xpf), so that they land during
              the cluster barriers and the h exchange instead of after them (opt-in);
+* ``sortprobe fc1probe fc2probe`` (and ``v4...``): the stream probe stopped after the routing sort, after FC1 and
+             the h exchange, or after FC2 (no part reduction / combine): the stages of the b1 latency chain;
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
              C = 2 is bound by loads in flight (time moves with D) or by issue (the probe is much faster than
              the kernel at every D).
@@ -63,6 +65,9 @@ def variant_cfg(name: str, base):
         return dataclasses.replace(base, probe="stream")
     if name.endswith("nibble"):              # e.g. nibble, W16D8nibble: the same kernel on the nibble layout
         return dataclasses.replace(variant_cfg(name[:-len("nibble")] or "default", base), layout="nibble")
+    stage = re.fullmatch(r"(.*?)(sort|fc1|fc2)probe", name)
+    if stage:                                # e.g. fc1probe, v4sortprobe: the stream probe stopped after a stage
+        return dataclasses.replace(variant_cfg(stage.group(1) or "default", base), probe=stage.group(2))
     if name.endswith("probe") and name != "probe":
         return dataclasses.replace(variant_cfg(name[:-len("probe")], base), probe="stream")
     if name.startswith("Dprobe"):            # the stream probe at another ring depth, e.g. Dprobe4

@@ -303,6 +303,10 @@ DEFAULT_WARPS = 16
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_M = 64
+# diagnostic probes (KernelCfg.probe; wrong output): "stream" loads the weights and XOR-folds them instead of the
+# decode + MMA; "sort", "fc1" and "fc2" are the stream probe stopped after a stage, to time the b1 latency chain
+PROBES = ("", "stream", "sort", "fc1", "fc2")
+PROBES_WITH_COMBINE = ("", "stream")
 TOPK = 16
 # v7's part-reduction counters (pair * C + rank) sit after the combine's (token * C + rank < 64 * 4) in the
 # workspace's MAX_M * 8 counters; v7 serves buckets <= 2, so pair * C + rank < 32 * 8 fits
@@ -572,7 +576,9 @@ class KernelCfg:
     situ_linear_beta: float = 25.0
     version: int = DEFAULT_VERSION  # 2: z from global; 3: z staged in smem; 4: + copy-free ring; 5: + pass items;
     #                                 6: v4 with each expert split over two clusters by I (MB <= 2)
-    probe: str = ""   # diagnostics only: "stream" = weights loaded and XOR-folded, no decode / MMA (wrong output)
+    probe: str = ""   # diagnostics only (wrong output): "stream" = weights loaded and XOR-folded, no decode / MMA;
+    #                   the stage probes stop the stream probe early: "sort" after the routing sort, "fc1" after FC1
+    #                   and the h exchange (no FC2), "fc2" after FC2 (no part reduction, no combine)
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
     parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
     xpf: bool = False  # FC2's first D weight loads issued by FC1's last D steps, before the cluster barriers
@@ -599,8 +605,8 @@ class KernelCfg:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.layout == "rot" and self.version < 4:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
-        if self.probe not in ("", "stream"):
-            raise ValueError(f"probe must be '' or 'stream', got {self.probe!r}")
+        if self.probe not in PROBES:
+            raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
         if self.xpf and (self.version < 4 or self.NS1 < self.D):
             raise ValueError(f"xpf (FC2's loads issued by FC1's last steps) needs version >= 4 and at least D = {self.D} "
                              f"FC1 steps per warp, got version {self.version} with {self.NS1}")
@@ -816,7 +822,7 @@ def _build_kernel_class():
         is row g for even j, g + 8 for odd j), and no separate scale factors."""
         if const_expr(early != (c.version >= 4)):
             return a, sf
-        if const_expr(c.probe == "stream"):
+        if const_expr(c.probe != ""):
             stream_probe(wv, sv, acc)
             return [], []
         if const_expr(c.layout == "rot"):
@@ -1047,7 +1053,7 @@ def _build_kernel_class():
             hcols = c.IH // C
             NS1 = c.U1 * c.KS1
             NS1_pad = -(-NS1 // D) * D
-            NS2 = c.U2 * c.NKB2H
+            NS2 = c.U2 * c.NKB2H if c.probe != "fc1" else 0      # the "fc1" stage probe stops before FC2
             NS2_pad = -(-NS2 // D) * D
             NV = c.dL // 8 // C
             s8 = cute.make_rmem_tensor(cute.make_layout(8), Float32)
@@ -1061,6 +1067,8 @@ def _build_kernel_class():
             n_work = pass_off[n_active] if const_expr(c.version == 5) else n_active
             if const_expr(c.version in (6, 7)):
                 n_work = NH * n_active              # items (expert, part of I): wi = NH u + hI
+            if const_expr(c.probe == "sort"):
+                n_work = Int32(0)                   # the stage probe that stops after the routing sort
             for wi in cutlass.range(qid, n_work, c.Q):
                 u = wi
                 hI = Int32(0)
@@ -1173,7 +1181,7 @@ def _build_kernel_class():
                                             load_slot(c, wld, eW2q, eW2s, row2, lane, g, ringW, ringS, d,
                                                       scale=False)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
-                                if const_expr(c.probe != "stream"):
+                                if const_expr(c.probe == ""):
                                     for gi in cutlass.range_constexpr(GMAX):
                                         if gi * 8 < npass:
                                             for bb in cutlass.range_constexpr(2):
@@ -1273,7 +1281,7 @@ def _build_kernel_class():
                                               scale=c.version < 4)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
                                 if tile < c.T2:
-                                    if const_expr(c.probe != "stream"):
+                                    if const_expr(c.probe == ""):
                                         for gi in cutlass.range_constexpr(GMAX):
                                             if gi * 8 < npass:
                                                 for bb in cutlass.range_constexpr(2):
@@ -1299,81 +1307,83 @@ def _build_kernel_class():
                                     if s + D < NS2:
                                         ringS[dd] = eW2s[row_ * 8 + g]
 
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.barrier()
-                    if const_expr(c.version == 7):
-                        # ======================= v7 part reduction: the NH-th arrival of (pair, row chunk) adds the
-                        # parts' fp32 partials in part order and rounds y_e to bf16 once (the reference's rounding),
-                        # then arrives for the combine in its place. Spread over the CTAs that finish a pair last,
-                        # so no single CTA reads all NH x 16 partial rows of a token (v6's combine does that).
+                    if const_expr(c.probe in PROBES_WITH_COMBINE):
+                        # (the stage probes 'fc1' / 'fc2' stop before the part reduction and the combine)
+                        cute.arch.fence_acq_rel_gpu()
+                        cute.arch.barrier()
+                        if const_expr(c.version == 7):
+                            # ======================= v7 part reduction: the NH-th arrival of (pair, row chunk) adds the
+                            # parts' fp32 partials in part order and rounds y_e to bf16 once (the reference's rounding),
+                            # then arrives for the combine in its place. Spread over the CTAs that finish a pair last,
+                            # so no single CTA reads all NH x 16 partial rows of a token (v6's combine does that).
+                            if tid < npass:
+                                pr = sorted_s[off + pb + tid]
+                                oldp = cute.arch.atomic_add(mCnt.iterator + (PART_COUNTERS + pr * C + rank), Int32(1),
+                                                            sem="acq_rel", scope="gpu")
+                                lastp = Int32(-1)
+                                if oldp == NH - 1:
+                                    mCnt[PART_COUNTERS + pr * C + rank] = Int32(0)     # self-reset, as below
+                                    lastp = pr
+                                scr[41 + tid] = lastp
+                            cute.arch.barrier()
+                            for n in cutlass.range(0, npass):
+                                pr = scr[41 + n]
+                                if pr >= 0:
+                                    for v in cutlass.range(tid, NV, c.threads):
+                                        vv = rank * NV + v
+                                        s8.fill(0.0)
+                                        for hp in cutlass.range_constexpr(NH):
+                                            for q in cutlass.range_constexpr(2):
+                                                cute.copy(ycg32, gY4[0, None, pr * NH + hp, 2 * vv + q], y4a)
+                                                for x in cutlass.range_constexpr(4):
+                                                    s8[4 * q + x] = s8[4 * q + x] + y4a[x]
+                                        ro.store(s8.load().to(BFloat16))
+                                        cute.autovec_copy(ro, gYb[0, None, pr, vv])
+                            cute.arch.fence_acq_rel_gpu()
+                            cute.arch.barrier()
+                        # ======================= combine: the 16th arrival of (token, row chunk) sums the slots in order
                         if tid < npass:
                             pr = sorted_s[off + pb + tid]
-                            oldp = cute.arch.atomic_add(mCnt.iterator + (PART_COUNTERS + pr * C + rank), Int32(1),
-                                                        sem="acq_rel", scope="gpu")
-                            lastp = Int32(-1)
-                            if oldp == NH - 1:
-                                mCnt[PART_COUNTERS + pr * C + rank] = Int32(0)     # self-reset, as below
-                                lastp = pr
-                            scr[41 + tid] = lastp
+                            if const_expr(c.version == 7):
+                                pr = scr[41 + tid]              # only the pairs this CTA reduced arrive (-1: none)
+                            last = Int32(-1)
+                            if pr >= 0:
+                                m = pr // TOPK
+                                old = cute.arch.atomic_add(mCnt.iterator + (m * C + rank), Int32(1),
+                                                           sem="acq_rel", scope="gpu")
+                                if old == ARRIVALS - 1:
+                                    mCnt[m * C + rank] = Int32(0)      # self-reset for the next launch / graph replay
+                                    last = m
+                            scr[33 + tid] = last
                         cute.arch.barrier()
                         for n in cutlass.range(0, npass):
-                            pr = scr[41 + n]
-                            if pr >= 0:
+                            m = scr[33 + n]
+                            if m >= 0:
                                 for v in cutlass.range(tid, NV, c.threads):
                                     vv = rank * NV + v
                                     s8.fill(0.0)
-                                    for hp in cutlass.range_constexpr(NH):
-                                        for q in cutlass.range_constexpr(2):
-                                            cute.copy(ycg32, gY4[0, None, pr * NH + hp, 2 * vv + q], y4a)
-                                            for x in cutlass.range_constexpr(4):
-                                                s8[4 * q + x] = s8[4 * q + x] + y4a[x]
+                                    if const_expr(c.version == 6):
+                                        # y_e = bf16(y_half0 + y_half1): the reference's single rounding of y_e
+                                        for j in cutlass.range_constexpr(TOPK):
+                                            wj = mTw[m, j]
+                                            for q in cutlass.range_constexpr(2):
+                                                cute.copy(ycg32, gY4[0, None, (m * TOPK + j) * 2, 2 * vv + q], y4a)
+                                                cute.copy(ycg32, gY4[0, None, (m * TOPK + j) * 2 + 1, 2 * vv + q], y4b)
+                                                for x in cutlass.range_constexpr(4):
+                                                    ye = (y4a[x] + y4b[x]).to(BFloat16).to(Float32)
+                                                    s8[4 * q + x] = s8[4 * q + x] + ye * wj
+                                    elif const_expr(c.version == 7):
+                                        for j in cutlass.range_constexpr(TOPK):
+                                            wj = mTw[m, j]
+                                            cute.copy(ycg, gYb[0, None, m * TOPK + j, vv], ry)
+                                            s8.store(s8.load() + ry.load().to(Float32) * wj)
+                                    else:
+                                        for j in cutlass.range_constexpr(TOPK):
+                                            wj = mTw[m, j]
+                                            cute.copy(ycg, gY[0, None, m * TOPK + j, vv], ry)
+                                            s8.store(s8.load() + ry.load().to(Float32) * wj)
                                     ro.store(s8.load().to(BFloat16))
-                                    cute.autovec_copy(ro, gYb[0, None, pr, vv])
-                        cute.arch.fence_acq_rel_gpu()
-                        cute.arch.barrier()
-                    # ======================= combine: the 16th arrival of (token, row chunk) sums the slots in order
-                    if tid < npass:
-                        pr = sorted_s[off + pb + tid]
-                        if const_expr(c.version == 7):
-                            pr = scr[41 + tid]              # only the pairs this CTA reduced arrive (-1: none)
-                        last = Int32(-1)
-                        if pr >= 0:
-                            m = pr // TOPK
-                            old = cute.arch.atomic_add(mCnt.iterator + (m * C + rank), Int32(1),
-                                                       sem="acq_rel", scope="gpu")
-                            if old == ARRIVALS - 1:
-                                mCnt[m * C + rank] = Int32(0)      # self-reset for the next launch / graph replay
-                                last = m
-                        scr[33 + tid] = last
-                    cute.arch.barrier()
-                    for n in cutlass.range(0, npass):
-                        m = scr[33 + n]
-                        if m >= 0:
-                            for v in cutlass.range(tid, NV, c.threads):
-                                vv = rank * NV + v
-                                s8.fill(0.0)
-                                if const_expr(c.version == 6):
-                                    # y_e = bf16(y_half0 + y_half1): the reference's single rounding of y_e
-                                    for j in cutlass.range_constexpr(TOPK):
-                                        wj = mTw[m, j]
-                                        for q in cutlass.range_constexpr(2):
-                                            cute.copy(ycg32, gY4[0, None, (m * TOPK + j) * 2, 2 * vv + q], y4a)
-                                            cute.copy(ycg32, gY4[0, None, (m * TOPK + j) * 2 + 1, 2 * vv + q], y4b)
-                                            for x in cutlass.range_constexpr(4):
-                                                ye = (y4a[x] + y4b[x]).to(BFloat16).to(Float32)
-                                                s8[4 * q + x] = s8[4 * q + x] + ye * wj
-                                elif const_expr(c.version == 7):
-                                    for j in cutlass.range_constexpr(TOPK):
-                                        wj = mTw[m, j]
-                                        cute.copy(ycg, gYb[0, None, m * TOPK + j, vv], ry)
-                                        s8.store(s8.load() + ry.load().to(Float32) * wj)
-                                else:
-                                    for j in cutlass.range_constexpr(TOPK):
-                                        wj = mTw[m, j]
-                                        cute.copy(ycg, gY[0, None, m * TOPK + j, vv], ry)
-                                        s8.store(s8.load() + ry.load().to(Float32) * wj)
-                                ro.store(s8.load().to(BFloat16))
-                                cute.autovec_copy(ro, gO[0, None, m, vv])
+                                    cute.autovec_copy(ro, gO[0, None, m, vv])
                     cute.arch.barrier()
 
     return MoeMxfp4Experts

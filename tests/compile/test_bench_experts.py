@@ -39,6 +39,10 @@ def test_variants_are_valid_keys(cfg):
                 cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate, M, version=7)
             assert be.variant_cfg("v7P2", base).parts == 2 and be.variant_cfg("v7probe", base).probe == "stream"
             assert be.variant_cfg("v4", v7).parts == 1
+            for st in ("sort", "fc1", "fc2"):
+                assert be.variant_cfg(st + "probe", base) == __import__("dataclasses").replace(base, probe=st)
+                v4p = be.variant_cfg("v4" + st + "probe", base)
+                assert v4p.probe == st and v4p.version == 4 and v4p.parts == 1
     with pytest.raises(ValueError):
         be.variant_cfg("Y1", base)
     with pytest.raises(ValueError, match="probe"):

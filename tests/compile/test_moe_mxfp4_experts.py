@@ -513,3 +513,15 @@ def test_fc2_prefetch_ring_slots(I, M):
     assert sorted(loads) == list(range(NS2))
     with pytest.raises(ValueError, match="xpf"):
         dataclasses.replace(c, version=3, layout="nibble", W=8, parts=1)
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("probe", ["sort", "fc1", "fc2"])
+def test_stage_probes_compile(probe):
+    """The stage probes (diagnostics: the stream probe stopped after the sort, FC1 or FC2) build for v7 and v4."""
+    import dataclasses
+    for M, v in ((1, 7), (1, 4), (8, 4)):
+        key = dataclasses.replace(mx.compile_key(896, 3584, 256, M, version=v), probe=probe)
+        assert mx.get_kernel(key) is not None
+    with pytest.raises(ValueError, match="probe"):
+        dataclasses.replace(mx.compile_key(896, 3584, 256, 1), probe="fc3")
