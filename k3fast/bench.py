@@ -226,9 +226,6 @@ def _cases(cfg, batch: int):
         return F.linear(rn, m.up) + F.linear(h, m.shared_down)
     cases.append(("moe_tail", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo), stock_tail,
                   (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
-    # moe_tail v4 (opt-in): both weight stages before the PDL wait, W_sd's first stage during W_up's last
-    cases.append(("moe_tail@pre", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo, preload=True),
-                  stock_tail, (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
     return cases, io
 
 

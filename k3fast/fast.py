@@ -77,7 +77,7 @@ class FastImpl:
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  kda_preload: bool | None = None, shared_in_fma_front: bool = True,
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
-                 topk_split: bool | None = None, tail_preload: bool | None = None):
+                 topk_split: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -142,7 +142,6 @@ class FastImpl:
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
         self.topk_split = topk_split         # None: router_down_topk.TOPK_SPLIT (TopkFromLogits over 4 warps, v2.8)
-        self.tail_preload = tail_preload     # None: moe_tail.PRELOAD (both weight stages before the wait, v4)
         # Where the fused front serves (M <= front_dsl_max_m), launch the shared gate/up after the routed experts
         # instead of between the router and the experts (opt-in, "fast-shlate"). At b1 the experts kernel fills 64
         # SMs, so the gate/up CTAs wait beside it with their weights loaded and finish a few us after it, where in
@@ -171,7 +170,6 @@ class FastImpl:
                         + ("" if inproj_dsl_max_m == INPROJ_DSL_MAX_M else f", in_proj DSL GEMV up to M={inproj_dsl_max_m}")
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
                         + ("" if topk_split is None else f", TopkFromLogits split {'on' if topk_split else 'off'}")
-                        + ("" if tail_preload is None else f", moe_tail preload {'on' if tail_preload else 'off'}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
@@ -283,8 +281,7 @@ class FastImpl:
             torch.cuda.current_stream().wait_stream(side)
         if x.shape[0] <= self.tail_dsl_max_m:
             with stage("k3.moe.up"):
-                moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out,
-                         preload=self.tail_preload)
+                moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out)
         else:
             # cuBLAS tail (TAIL_DSL_MAX_M says why); the same roundings as k3ref: bf16 r_hat, bf16 routed and
             # shared, their sum rounded once

@@ -216,7 +216,7 @@ Version log
       predicted, and 18-29 us at b2 and rank8, where v4 ran 2 passes per cluster. v7P2 (64 SMs) matches v4 at b1:
       the split and the part reduction cost nothing measurable. The default for buckets <= 2 from here
       (default_version; "fast-s13" is the A/B with v4 everywhere).
-  xpf (2026-11-30, session 8; opt-in KernelCfg.xpf, any version >= 4; measured slower, below) FC1's
+  xpf (2026-11-30, session 8; measured slower and removed in the same session; the code is at 3960ffc) FC1's
       last D steps refill their ring slots with FC2's first D weight rows (they do not depend on h), so those
       loads are in flight during cluster barrier A, the K-split reduction, the h exchange and barrier B; the FC2
       loop reads step j from slot (j + NS1 % D) % D. Without it, each pass's FC2 starts with an empty ring, one
@@ -231,8 +231,8 @@ Version log
       66.3 / 346.8; probes 18.2 / 52.4 / 249.8 against 17.9 / 52.6 / 236.0. MISSED: no gain at b1 / b8, 7.6 %
       slower at b64, the probe too (+5.8 %). So the FC2 ring fill after barrier B was not a cost worth a round
       trip: at b1 the v7 chain is elsewhere, and at b64 the probe already streams at 3.78 TB/s (90 % of copy)
-      and the extra per-step branches and the early FC2 lines only reorder a saturated stream. Stays opt-in, not
-      the default; the A/B is the bench row X1.
+      and the extra per-step branches and the early FC2 lines only reorder a saturated stream. Removed with its
+      bench rows and tests.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -581,7 +581,6 @@ class KernelCfg:
     #                   and the h exchange (no FC2), "fc2" after FC2 (no part reduction, no combine)
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
     parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
-    xpf: bool = False  # FC2's first D weight loads issued by FC1's last D steps, before the cluster barriers
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -607,9 +606,6 @@ class KernelCfg:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
-        if self.xpf and (self.version < 4 or self.NS1 < self.D):
-            raise ValueError(f"xpf (FC2's loads issued by FC1's last steps) needs version >= 4 and at least D = {self.D} "
-                             f"FC1 steps per warp, got version {self.version} with {self.NS1}")
 
     @property
     def NH(self):           # work items per expert: the parts of I (v6: two halves; v7: ``parts``)
@@ -638,10 +634,6 @@ class KernelCfg:
     @property
     def KS1(self):
         return self.NKB1 // self.S
-
-    @property
-    def NS1(self):          # FC1 steps per warp
-        return self.U1 * self.KS1
 
     @property
     def T2(self):
@@ -1171,15 +1163,6 @@ def _build_kernel_class():
                                 if s + D < NS1:
                                     load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d,
                                               scale=c.version < 4)
-                                row2 = Int32(0)
-                                if const_expr(c.xpf):
-                                    # the slot's next use is FC2 step s + D - NS1: its weights do not depend on
-                                    # h, so they load during the barriers and the h exchange
-                                    if s + D >= NS1:
-                                        if s + D - NS1 < NS2:
-                                            row2 = fc2_row(c, warp, t2_base, s + D - NS1, koff)
-                                            load_slot(c, wld, eW2q, eW2s, row2, lane, g, ringW, ringS, d,
-                                                      scale=False)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
                                 if const_expr(c.probe == ""):
                                     for gi in cutlass.range_constexpr(GMAX):
@@ -1194,10 +1177,6 @@ def _build_kernel_class():
                                     # v4: the scale word is refilled after its last use (the MMAs' scale factors)
                                     if s + D < NS1:
                                         ringS[d] = eW13s[row_ * 8 + g]
-                                    if const_expr(c.xpf):
-                                        if s + D >= NS1:
-                                            if s + D - NS1 < NS2:
-                                                ringS[d] = eW2s[row2 * 8 + g]
                                 if kk == c.KS1 - 1:
                                     if const_expr(c.S > 1):
                                         for x in cutlass.range_constexpr(GMAX * 4):
@@ -1247,21 +1226,18 @@ def _build_kernel_class():
                         cute.arch.cluster_wait()
 
                     # ======================= FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I.
-                    # xpf: FC2 step s is in slot (NS1 + s) % D, already loaded for s < D by FC1's last D steps;
-                    # otherwise the ring restarts at slot 0 here, one loaded HBM round trip after barrier B
-                    ROT = NS1 % D if c.xpf else 0
-                    if const_expr(not c.xpf):
-                        for d in cutlass.range_constexpr(D):
-                            if const_expr(d < NS2):
-                                row_ = fc2_row(c, warp, t2_base, d, koff)
-                                load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
+                    # the ring restarts here, one loaded HBM round trip after barrier B (issuing these loads from
+                    # FC1's last steps instead was measured: no gain, slower at b64; version log, xpf)
+                    for d in cutlass.range_constexpr(D):
+                        if const_expr(d < NS2):
+                            row_ = fc2_row(c, warp, t2_base, d, koff)
+                            load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
                     for s0 in cutlass.range(0, NS2_pad, D):
                         for d in cutlass.range_constexpr(D):
                             s = s0 + d
-                            dd = (d + ROT) % D
                             if s < NS2:
-                                wv = [ringW[dd, j] for j in range(4)]
-                                sv = ringS[dd]
+                                wv = [ringW[d, j] for j in range(4)]
+                                sv = ringS[d]
                                 if const_expr(c.layout == "rot"):
                                     i, kb = step_split(s0, d, c.NKB2H, D)
                                 else:
@@ -1277,7 +1253,7 @@ def _build_kernel_class():
                                 else:
                                     row_ = fc2_row(c, warp, t2_base, s + D, koff)     # the refill of this slot
                                 if s + D < NS2:
-                                    load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, dd,
+                                    load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d,
                                               scale=c.version < 4)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
                                 if tile < c.T2:
@@ -1305,7 +1281,7 @@ def _build_kernel_class():
                                 if const_expr(c.version >= 4):
                                     # v4: the scale word is refilled after its last use (the MMAs' scale factors)
                                     if s + D < NS2:
-                                        ringS[dd] = eW2s[row_ * 8 + g]
+                                        ringS[d] = eW2s[row_ * 8 + g]
 
                     if const_expr(c.probe in PROBES_WITH_COMBINE):
                         # (the stage probes 'fc1' / 'fc2' stop before the part reduction and the combine)

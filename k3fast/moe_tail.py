@@ -51,19 +51,17 @@ v3  (2026-11-29, session 6; measured slower and removed in session 7's review) T
     against 21.3 us (v2 28.8); MoE half b1 71.3 against 70.3 (fast-tailpfl). So the requests are not queueing in
     the TMA units alone: every L2 prefetch tried beside this kernel's register loads at M <= 8 cost more than it
     hid. v2 and v3 were removed in session 7's review (the code is at 84291ed; LOG.md has the record).
-v4  (2026-11-30, session 8; opt-in, PRELOAD / moe_tail(preload=True) / impl "fast-tailpre"; CPU-compiled, not yet
-    run on a GPU) Deeper weight preload in the tail. (a) Both register stages of W_up are in flight before the PDL
-    wait (v1: one). (b) W_sd's first stage is issued during W_up's last stage, into the buffer that stage frees
-    (v1 loaded it after W_up's last MMAs: one loaded HBM round trip with nothing in flight, at the end of every
-    warp, and the whole grid is one wave, so every warp waits at once). Why: in the b1 layer timeline at 3960ffc
-    the tail runs 17.6 us after the experts for its 57 MB (3.2 TB/s, floor 13.6), and v7's 128 expert CTAs leave
-    no SM free for it to sit beside them, so its loads start when the experts end. The same MMAs in the same order:
-    bit-identical (GPU test test_preload_is_bit_identical). ptxas 12.9: at one n-tile the preload build asked
-    79 registers, i.e. 3 resident CTAs per SM and a second wave for 448 CTAs, so it asks for 4 CTAs per SM
-    (64 registers, 32 B of spills) at the rank shapes; 114 / 120 / 186 registers at 2 / 4 / 8 n-tiles (v1 90 /
-    128 / 162); the PTX without preload is unchanged (instruction multisets).
-    Prediction: the tail after the experts at b1 17.6 -> ~15.5-16.5 us (one round trip less at the segment
-    switch, a deeper start), MoE half b1 and b8 -1 to -2 us; bench row moe_tail@pre against moe_tail.
+v4  (2026-11-30, session 8; measured slower and removed in the same session; the code is at 6ec1427) Deeper weight
+    preload: both register stages of W_up in flight before the PDL wait (v1: one), and W_sd's first stage issued
+    during W_up's last stage instead of after it. Why: in the b1 layer timeline at 3960ffc the tail runs 17.6 us
+    after the experts for its 57 MB (3.2 TB/s, floor 13.6), and experts v7's 128 CTAs leave no SM for it to sit
+    beside them. Bit-identical (GPU test passed). At one n-tile the build asked 79 registers (3 CTAs per SM, a
+    second wave for 448 CTAs), so it asked ptxas for 4 CTAs per SM: 64 registers with 32 B of spills.
+    Predicted: tail after the experts at b1 17.6 -> ~15.5-16.5 us, MoE half b1 / b8 -1 to -2 us.
+    Measured (kernels-6ec1427-s15.json, records-6ec1427-s15.json, one run): tail bench b1 20.8 -> 22.0 us, b8
+    22.5 -> 23.4; MoE half b1 60.1 -> 60.9. MISSED, the other way. Not separated: the spills of the 64-register
+    cap, and whether the W_sd stage issued early delays the last W_up stage's data. The tail's 17.6 us after the
+    experts stays the item to move (LOG.md, next steps).
 
 What it replaces (k3-spec.md section 11, section 9 for SiTU, section 13 for the per-rank shapes)
 ---------------------------------------------------------------------------------------------
@@ -139,8 +137,6 @@ HIDDEN = 7168          # d
 LATENT = 3584          # dL = routed_expert_hidden_size
 CHUNK = 32             # k per chunk: 4 lanes x 8 bf16
 MAX_M = 64
-# v4 (opt-in until measured; impl "fast-tailpre", bench row moe_tail@pre): deeper weight preload, version log
-PRELOAD = False
 SHARED_INTERMEDIATE = {"k3_rank16": 384, "k3_rank8": 768, "k3": 6144}
 
 
@@ -191,7 +187,7 @@ def _kernel_class():
         """mode "tail": out = bf16(bf16(rstd * (w_norm*r) W1^T) + bf16(h W2^T)); mode "gate_up": h = SiTU(x Wp^T)."""
 
         def __init__(self, mode: str, nt: int, wr: int, wk: int, u: int, n_rows: int, k1: int, k2: int,
-                     early_trigger: bool = False, preload: bool = False):
+                     early_trigger: bool = False):
             assert mode in ("tail", "gate_up")
             # early_trigger: launch the dependents (the tail) as soon as every CTA has its first weights in flight,
             # not after the main loop. For the shared gate/up launched after the routed experts (FastImpl
@@ -199,9 +195,6 @@ def _kernel_class():
             # kernel is its direct predecessor. Safe: the tail still waits (griddepcontrol.wait) for this grid to
             # complete.
             self.early_trigger = early_trigger
-            # preload (v4, opt-in; tail only): both register stages in flight before the PDL wait, and the second
-            # segment's (W_sd's) first stage issued during the first segment's last stage instead of after it
-            self.preload = preload and mode == "tail"
             assert k1 % CHUNK == 0 and k2 % CHUNK == 0 and n_rows % (16 * wr) == 0
             self.mode, self.nt, self.wr, self.wk, self.u = mode, nt, wr, wk, u
             self.n_rows, self.k1, self.k2 = n_rows, k1, k2
@@ -217,13 +210,8 @@ def _kernel_class():
         def __call__(self, mX1: cute.Tensor, mW1: cute.Tensor, mWn, mX2, mW2, mOut: cute.Tensor,
                      eps: Float32, stream):
             grid_x = self.n_rows // (16 * self.wr)
-            # preload at one n-tile: keep v1's 4 resident CTAs per SM (64 registers; 448 CTAs in one wave)
-            # (rank shapes only: at full width, Is = 6144, the cap spills 264 B and v1 runs 3 per SM anyway)
-            hint = {"min_blocks_per_mp": 4, "preferred_smem_carveout": 100} \
-                if self.preload and self.nt == 1 and self.k2 <= 768 else {}
             self.kernel(mX1, mW1, mWn, mX2, mW2, mOut, eps).launch(
-                grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, stream=stream, use_pdl=True,
-                **hint)
+                grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, stream=stream, use_pdl=True)
 
         # -- one register stage of weight fragments: U chunks x rows (g, g+8), 16 B each
         @cute.jit
@@ -283,37 +271,19 @@ def _kernel_class():
 
         @cute.jit
         def segment(self, seg: cutlass.Constexpr, gX, gW, gWn, rW, wk, row_g, g, t, m_last, acc, ssq,
-                    prefetched: cutlass.Constexpr, b0: cutlass.Constexpr = 0, pre2: cutlass.Constexpr = False,
-                    gWnext=None):
-            """Stages alternate between register buffers b0 and 1 - b0 (stage i in buffer (b0 + i) % 2).
-            prefetched: stage 0 is already in flight; pre2: stage 1 too. gWnext (preload): the next segment's
-            stage 0 takes this segment's virtual stage nit, i.e. buffer (b0 + nit) % 2, while the last stage
-            computes."""
+                    prefetched: cutlass.Constexpr):
             nch = self.nch[seg]
             nit = self.nit[seg]
-            b1 = 1 - b0
             if const_expr(not prefetched):
-                self.load_w(gW, rW, b0, Int32(0), wk, row_g, t, nch)
+                self.load_w(gW, rW, 0, Int32(0), wk, row_g, t, nch)
             for p in cutlass.range(nit // 2):
                 it0 = 2 * p
-                if const_expr(pre2):
-                    if p > 0:
-                        self.load_w(gW, rW, b1, it0 + 1, wk, row_g, t, nch)
-                else:
-                    self.load_w(gW, rW, b1, it0 + 1, wk, row_g, t, nch)
-                self.compute(seg, gX, gWn, rW, b0, it0, wk, g, t, m_last, acc, ssq, nch)
-                if const_expr(gWnext is not None and nit % 2 == 0):
-                    if it0 + 2 < nit:
-                        self.load_w(gW, rW, b0, it0 + 2, wk, row_g, t, nch)
-                    else:
-                        self.load_w(gWnext, rW, b0, Int32(0), wk, row_g, t, self.nch[seg + 1])
-                else:
-                    self.load_w(gW, rW, b0, it0 + 2, wk, row_g, t, nch)
-                self.compute(seg, gX, gWn, rW, b1, it0 + 1, wk, g, t, m_last, acc, ssq, nch)
+                self.load_w(gW, rW, 1, it0 + 1, wk, row_g, t, nch)
+                self.compute(seg, gX, gWn, rW, 0, it0, wk, g, t, m_last, acc, ssq, nch)
+                self.load_w(gW, rW, 0, it0 + 2, wk, row_g, t, nch)
+                self.compute(seg, gX, gWn, rW, 1, it0 + 1, wk, g, t, m_last, acc, ssq, nch)
             if const_expr(nit % 2 == 1):
-                if const_expr(gWnext is not None):
-                    self.load_w(gWnext, rW, b1, Int32(0), wk, row_g, t, self.nch[seg + 1])
-                self.compute(seg, gX, gWn, rW, b0, Int32(nit - 1), wk, g, t, m_last, acc, ssq, nch)
+                self.compute(seg, gX, gWn, rW, 0, Int32(nit - 1), wk, g, t, m_last, acc, ssq, nch)
 
         @cute.kernel
         def kernel(self, mX1: cute.Tensor, mW1: cute.Tensor, mWn, mX2, mW2, mOut: cute.Tensor, eps: Float32):
@@ -349,27 +319,17 @@ def _kernel_class():
             ssq = cute.make_rmem_tensor((self.nt,), Float32)
             ssq.fill(0.0)
 
-            # weights do not depend on the previous kernel: first stage in flight before the PDL wait (preload:
-            # both stages, when the first segment has two)
+            # weights do not depend on the previous kernel: first stage in flight before the PDL wait
             self.load_w(gW1, rW, 0, Int32(0), wk, row_g, t, self.nch[0])
-            pre2 = self.preload and self.nit[0] >= 2
-            if const_expr(pre2):
-                self.load_w(gW1, rW, 1, Int32(1), wk, row_g, t, self.nch[0])
             if const_expr(self.early_trigger):
                 cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
 
-            if const_expr(self.preload):
+            self.segment(0, gX1, gW1, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, True)
+            if const_expr(self.mode == "tail"):
                 gW2 = cute.flat_divide(mW2, (1, 8))
                 gX2 = cute.flat_divide(mX2, (1, 8))
-                self.segment(0, gX1, gW1, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, True, 0, pre2, gW2)
-                self.segment(1, gX2, gW2, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, True, self.nit[0] % 2)
-            else:
-                self.segment(0, gX1, gW1, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, True)
-                if const_expr(self.mode == "tail"):
-                    gW2 = cute.flat_divide(mW2, (1, 8))
-                    gX2 = cute.flat_divide(mX2, (1, 8))
-                    self.segment(1, gX2, gW2, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, False)
+                self.segment(1, gX2, gW2, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, False)
 
             # the next kernel may start its own weight prefetch while we reduce and store
             if const_expr(not self.early_trigger):
@@ -424,11 +384,11 @@ def _sym_m():
     return cute.sym_int()
 
 
-def _build_tail(nt: int, inter: int, preload: bool = False):
+def _build_tail(nt: int, inter: int):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32
     wr, wk, u = _tail_cfg(nt)
-    obj = _kernel_class()("tail", nt, wr, wk, u, HIDDEN, LATENT, inter, preload=preload)
+    obj = _kernel_class()("tail", nt, wr, wk, u, HIDDEN, LATENT, inter)
     m = _sym_m()
     fakes = (fake_tensor(BFloat16, (m, LATENT)), fake_tensor(BFloat16, (HIDDEN, LATENT)),
              fake_tensor(BFloat16, (LATENT,)), fake_tensor(BFloat16, (m, inter)),
@@ -447,26 +407,25 @@ def _build_gate_up(nt: int, inter: int, early_trigger: bool = False):
     return cute.compile(obj, *fakes, Float32(0.0), fake_stream(), options=TVM_FFI)
 
 
-def compile_keys(inter: int, batches: Iterable[int], preload=None) -> list[tuple]:
+def compile_keys(inter: int, batches: Iterable[int]) -> list[tuple]:
     """Every compile key that running M in ``batches`` with shared intermediate ``inter`` needs."""
     _check_inter(inter)
     nts = sorted({n_tiles(m) for m in batches})
-    tail = "moe_tail_pre" if (PRELOAD if preload is None else preload) else "moe_tail"
-    return [(op, nt, inter) for op in (tail, "shared_gate_up") for nt in nts]
+    return [(op, nt, inter) for op in ("moe_tail", "shared_gate_up") for nt in nts]
 
 
 def _get(key: tuple):
     op, nt, inter = key
-    if op in ("moe_tail", "moe_tail_pre"):
-        build = lambda: _build_tail(nt, inter, preload=(op == "moe_tail_pre"))  # noqa: E731
+    if op == "moe_tail":
+        build = lambda: _build_tail(nt, inter)                                   # noqa: E731
     else:
         build = lambda: _build_gate_up(nt, inter, early_trigger=(op == "shared_gate_up_early"))  # noqa: E731
     return compile_cached(("k3fast.moe_tail",) + key, build)
 
 
-def warmup(inter: int, batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64), preload=None) -> list[tuple]:
+def warmup(inter: int, batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64)) -> list[tuple]:
     """Compile (once) every kernel the given shared width and batch sizes need; call before CUDA-graph capture."""
-    keys = compile_keys(inter, batches, preload)
+    keys = compile_keys(inter, batches)
     for k in keys:
         _get(k)
     return keys
@@ -521,11 +480,8 @@ def shared_expert_gate_up(x, packed, *, out=None, early_trigger=False):
     return out
 
 
-def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None, preload=None):
+def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None):
     """f [M, 7168] = bf16(bf16(RMSNorm_{w_norm}(r) W_up^T) + bf16(h W_sd^T)).
-
-    preload (v4; None = PRELOAD): both register stages of W_up in flight before the PDL wait, and W_sd's first
-    stage issued during W_up's last; bit-identical (the same MMAs in the same order).
 
     r [M, 3584] bf16 (combined routed-expert output), w_norm [3584] bf16, w_up [7168, 3584] bf16,
     h [M, Is] bf16 (SiTU output of the shared experts), w_sd [7168, Is] bf16."""
@@ -547,7 +503,6 @@ def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None, preload=N
         check_tensor("out", out, dtype=torch.bfloat16, shape=(m, HIDDEN), device=dev)
     if not r.is_cuda:
         raise ValueError("moe_tail: expected CUDA tensors")
-    preload = PRELOAD if preload is None else bool(preload)
-    fn = _get(("moe_tail_pre" if preload else "moe_tail", n_tiles(m), inter))
+    fn = _get(("moe_tail", n_tiles(m), inter))
     fn(r, w_up, w_norm, h, w_sd, out, float(eps))
     return out

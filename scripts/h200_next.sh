@@ -157,12 +157,14 @@ case "${1:-}" in
             K3_EXPERTS_TIMEOUT=150 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 2 \
             --impls stock fast fast-v7 --budget-s 120 ;;
   # the FC2 prefetch (xpf): GPU tests (bit-identity) + the MoE half's layer tests with v7 as default, experts probe
+  # (run at 3960ffc; xpf was measured slower and removed, so this step needs that commit)
   s14)    K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
             -k "prefetch or (moe_half and (-fast] or fast-s13] or fast-v7]))"
           K3_EXPERTS="--shapes k3_rank16 --batches 1 8 64 --variants default probe X1 X1probe v4" K3_EXPERTS_TIMEOUT=200 \
             K3_SWEEP_TIMEOUT=60 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --batches 1 --impls fast \
             --budget-s 40 ;;
   # moe_tail v4 (preload): bit-identity tests, kernel bench and the layer A/B; the experts' b1 stage probes
+  # (run at 6ec1427; moe_tail v4 was measured slower and removed, so this step needs that commit)
   s15)    K3_TEST_TIMEOUT=110 bash scripts/h200_tests.sh tests/gpu/test_moe_tail.py tests/gpu/test_fast_layer.py \
             -k "preload or fast-tailpre]"
           K3_SWEEP_TIMEOUT=100 K3_BENCH="--shapes k3_rank16 --batches 1 8 --kernels moe_tail moe_tail@pre" K3_BENCH_TIMEOUT=60 \

@@ -22,4 +22,9 @@ fi
 cp "$tmp"/records-*.json "$tmp"/kernels-*.json "$tmp"/experts-*.json "$OUT"/ 2>/dev/null
 ls -d "$tmp"/perfetto-* >/dev/null 2>&1 && tar czf "$OUT/perfetto.tgz" -C "$tmp" $(cd "$tmp" && ls -d perfetto-*)
 grep -E "^\s+(ref|stock|compiled|fast[-a-z0-9]*) |FAILED|budget" "$OUT/sweep.log" | cut -c1-160 | tail -60
+# The device returns at most 8 files from $OUT (at 6ec1427 a step with tests, sweep, bench and experts wrote 10 and
+# lost its records and sweep.log): past 8, the logs and gpu.txt travel as one logs.tgz.
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf logs.tgz $(ls *.log gpu.txt 2>/dev/null) && rm -f *.log gpu.txt)
+fi
 exit $rc

@@ -343,16 +343,3 @@ def test_v7_falls_back_above_batch_2_and_replays():
         torch.cuda.synchronize()
         assert ws.counters.eq(0).all()
         assert rel_rmse(out, reference(z, ids, w, ck)) <= TOL
-
-
-@pytest.mark.parametrize("M,I,kind", [(1, 256, "uniform"), (2, 256, "ties"), (8, 256, "shared"), (64, 256, "uniform"),
-                                      (1, 384, "uniform"), (64, 384, "shared")])
-def test_fc2_prefetch_is_bit_identical(M, I, kind):
-    """xpf only moves FC2's first weight loads before the cluster barriers (and rotates the ring's slots): the same
-    MMAs in the same order, so the output is bit-identical to the default kernel's."""
-    import dataclasses
-    ck, prep, z, ids, w, ws = case(M, I, kind, 8100 * M + I + len(kind))
-    key = mx.compile_key(E, DL, I, M)
-    outs = run_variants(M, z, ids, w, prep, ws, dflt=dict(), xpf=dict(kernel_cfg=dataclasses.replace(key, xpf=True)))
-    assert same_bits(outs["xpf"], outs["dflt"])
-    assert rel_rmse(outs["xpf"], reference(z, ids, w, ck)) <= TOL
