@@ -216,6 +216,9 @@ Version log
       predicted, and 18-29 us at b2 and rank8, where v4 ran 2 passes per cluster. v7P2 (64 SMs) matches v4 at b1:
       the split and the part reduction cost nothing measurable. The default for buckets <= 2 from here
       (default_version; "fast-s13" is the A/B with v4 everywhere).
+      Its b1 chain by stage (experts-6ec1427-s15.json; stream probes stopped after a stage, PROBES): the routing
+      sort 6.0 us (launch and PDL wait included), FC1 with the barriers and the h exchange +6.9, FC2 +1.6, the
+      part reduction and the combine +3.3, decode and MMA +2.9 (kernel 20.8).
   xpf (2026-11-30, session 8; measured slower and removed in the same session; the code is at 3960ffc) FC1's
       last D steps refill their ring slots with FC2's first D weight rows (they do not depend on h), so those
       loads are in flight during cluster barrier A, the K-split reduction, the h exchange and barrier B; the FC2
