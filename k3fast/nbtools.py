@@ -56,10 +56,11 @@ def recorded_kernel_bench(kernel: str) -> list[dict]:
     return [rows[k] for k in sorted(rows, key=lambda k: (order.get(k[0], 9), k[1]))]
 
 
-def recorded_experts_probe(shape: str = "k3_rank16") -> tuple[str, dict]:
-    """The newest traces/h200/experts-*.json (k3fast.bench_experts): (source, {variant: {batch: us_median}})."""
+def recorded_experts_probe(shape: str = "k3_rank16", file: str | None = None) -> tuple[str, dict]:
+    """The newest traces/h200/experts-*.json (k3fast.bench_experts), or ``file`` (a path under the repository):
+    (source, {variant: {batch: us_median}})."""
     from .report import latest_experts_probe
-    path, doc = latest_experts_probe(shape=shape)
+    path, doc = latest_experts_probe(pattern=os.path.join(ROOT, file) if file else None, shape=shape)
     if doc is None:
         return "", {}
     table: dict = {}

@@ -173,7 +173,35 @@ print(nbtools.replay_timeline("traces/h200/records-9ac30a0-s10perf.json", "moe",
 print(nbtools.replay_timeline("traces/h200/records-9ac30a0-s10perf.json", "moe", "fast"))
 print(nbtools.ab_table("traces/h200/records-9ac30a0-s10perf.json", "moe", ["stock", "fast", "fast-s9front"]))
 
+# %% [markdown]
+# ## 10. The top-k over four warps (v2.8)
+# Above M = 4 the front is a cuBLAS GEMM and `TopkFromLogits` (one CTA per token) does the selection. One warp ran
+# the 16 selection rounds over 28 keys per lane while the other three only copied z. v2.8 gives each warp 224
+# experts: a per-warp top-16 (7 keys per lane), then warp 0 merges the 64 candidates. The global top-16 lies in
+# the union of the per-warp top-16s under the same order (larger key, then lower expert), so the outputs are
+# bit-identical by construction; the H200 test compares them bit for bit, with exact ties across warps. Below,
+# the same argument on the CPU (split selection against one selection over all 896 keys), then the H200 run that
+# measured it (`fast-topk4` was the opt-in then, the default now; `fast-s12` keeps one warp).
+
 # %%
+g10 = torch.Generator().manual_seed(10)
+keys = torch.randint(0, 40, (3, 896), generator=g10).double()          # few distinct values: many exact ties
+order = lambda k, idx: sorted(idx, key=lambda e: (-k[e].item(), e))[:16]   # larger key, then lower expert
+split_equal = True
+for row in keys:
+    per_warp = [e for w in range(4) for e in order(row, list(range(224 * w, 224 * (w + 1))))]
+    split_equal &= order(row, per_warp) == order(row, list(range(896)))
+print("top-16 of the per-warp top-16s == top-16 of all 896 (with ties):", split_equal)
+with open(os.path.join(nbtools.ROOT, "traces", "h200", "kernels-5d32223-s12.json")) as f:
+    rec = {(r["kernel"], r["batch"]): r["fast_us_median"] for r in json.load(f)["records"]}
+for b in (1, 8, 64):
+    print(f"  TopkFromLogits b{b:<3d} one warp {rec[('topk_from_logits', b)]:5.1f} µs   four warps "
+          f"{rec[('topk_from_logits@split', b)]:5.1f} µs   (warm {rec[('topk_from_logits~warm', b)]:4.1f} / "
+          f"{rec[('topk_from_logits@split~warm', b)]:4.1f})")
+print(nbtools.ab_table("traces/h200/records-5d32223-s12.json", "moe", ["stock", "fast", "fast-topk4"]))
+
+# %%
+assert split_equal
 assert torch.allclose(ws.sum(-1), torch.ones(4, dtype=torch.float64))
 assert torch.equal(ws, s.gather(1, ids) / s.gather(1, ids).sum(-1, keepdim=True))
 print("ok")

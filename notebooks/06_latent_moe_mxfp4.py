@@ -97,7 +97,7 @@ import dataclasses
 from k3fast._dsl import dsl_available
 from k3fast.ptxcheck import compiled_ptx, loop_copies_of_loads
 if dsl_available():
-    key = mx.compile_key(56, 3584, 256, 1)
+    key = mx.compile_key(56, 3584, 256, 1, version=4)
     for v in (3, 4):
         ptx = compiled_ptx(lambda: mx._compile(dataclasses.replace(key, version=v, layout="nibble"),
                                                options="--enable-tvm-ffi --keep-ptx"))
@@ -116,10 +116,10 @@ else:
 # others: the time doubles. Clusters of 2 are TPC pairs, and all 66 fit. The `probe` rows replace decode and MMA
 # with an XOR of the loaded words: the load pipeline alone. Since this run the default is v4 with C = 2 (C = 4 at
 # M <= 2); since e384fbf it is also the rot layout (section 8) with 16 warps per CTA. The rows below come from the
-# newest recorded run.
+# 50b6243 run (section 9 has the runs after it).
 
 # %%
-src, table = nbtools.recorded_experts_probe("k3_rank16")
+src, table = nbtools.recorded_experts_probe("k3_rank16", "traces/h200/experts-50b6243.json")
 print(f"k3_rank16, median µs per launch ({src})")
 batches = sorted({b for row in table.values() for b in row})
 print(f"{'variant':10s}" + "".join(f"{'b' + str(b):>10s}" for b in batches))
@@ -151,14 +151,52 @@ rot_decode_exact = torch.equal(decoded.reshape(want.shape), want)
 print("rot decode exact on every code:", rot_decode_exact)
 
 # %%
-src, table = nbtools.recorded_experts_probe("k3_rank16")
+src, table = nbtools.recorded_experts_probe("k3_rank16", "traces/h200/experts-50b6243.json")
 if "nibble" in table:
     print(f"k3_rank16, median µs per launch ({src}): rot layout (default) against the nibble layout")
     for b in sorted(table["default"]):
         print(f"  b{b:<3d} rot {table['default'][b]:7.1f}   nibble {table['nibble'][b]:7.1f}   "
               f"ratio {table['nibble'][b] / table['default'][b]:.2f}x   marlin {table.get('marlin', {}).get(b, float('nan')):7.1f}")
 
+# %% [markdown]
+# ## 9. Batch 1 and 2: every SM on a few experts (v7)
+# At b1 the 16 routed experts kept 64 of the 132 SMs busy (clusters of 4, one expert each). v6 split each expert
+# over two clusters of 4 by I and got slower: a grid of 32 clusters of 4 does not all fit at once (section 7's
+# co-residency again). v7 splits each expert into NH parts of I over clusters of 2, which all fit (66 TPC pairs):
+# at rank16 b1, 4 parts x 16 experts = 64 clusters = 128 SMs, each CTA reading 1/8 of an expert. Each part
+# writes an fp32 partial of y_e; the last part of a pair to arrive adds the NH partials in part order and rounds
+# y_e to bf16 once (the reference's rounding), then arrives for the combine. Below: the index arithmetic checked
+# on the CPU (each weight row read once), the H200 run that measured it (`v7P2` is 2 parts on 64 SMs), the MoE
+# half's A/B in one run (`fast-s13` keeps v4), and the b1 chain by stage (stream probes stopped after a stage).
+
 # %%
+from collections import Counter
+c7 = mx.compile_key(896, 3584, 256, 1, version=7)
+fc1 = Counter()
+for hI in range(c7.NH):
+    for rank in range(c7.C):
+        for warp in range(c7.W):
+            for s_ in range(c7.U1 * c7.KS1):
+                i_ = s_ // c7.KS1
+                uu = warp + c7.W * i_
+                fc1[(hI * (c7.IH // 8) + rank * c7.T1 + uu // c7.S) * c7.NKB1 + (uu % c7.S) * c7.KS1 + s_ - i_ * c7.KS1] += 1
+v7_rows_once = fc1 == Counter(range(256 // 8 * c7.NKB1))
+print(f"v7 at rank16 b1: {c7.NH} parts, clusters of {c7.C}, {c7.Q} clusters = {c7.Q * c7.C} CTAs; "
+      f"every w13 row read exactly once: {v7_rows_once}")
+for shape in ("k3_rank16", "k3_rank8"):
+    src, table = nbtools.recorded_experts_probe(shape, "traces/h200/experts-ab2cffe-s13.json")
+    print(f"{shape}, median µs per launch ({src})")
+    for variant in ("marlin", "default", "probe", "v6", "v6probe", "v7", "v7probe", "v7P2"):
+        print(f"  {variant:9s}" + "".join(f"{table[variant].get(b, float('nan')):9.1f}" for b in (1, 2)))
+print(nbtools.ab_table("traces/h200/records-ab2cffe-s13.json", "moe", ["stock", "fast", "fast-v7"]))
+print(nbtools.replay_timeline("traces/h200/records-3960ffc-kdaall2.json", "moe", "fast"))
+src, table = nbtools.recorded_experts_probe("k3_rank16", "traces/h200/experts-6ec1427-s15.json")
+print(f"the b1 chain by stage, v7 ({src}):")
+for variant in ("sortprobe", "fc1probe", "fc2probe", "probe", "default"):
+    print(f"  {variant:10s}{table[variant][1]:7.1f} µs")
+
+# %%
+assert v7_rows_once
 assert rot_decode_exact
 assert vec_vs_loop < 1e-10
 assert torch.equal(W1.bfloat16().double(), W1)
