@@ -780,6 +780,16 @@ def _build_kernel_class():
             bits = (sw << (23 - 8 * j)) & 0x7F800000
         return bits.bitcast(Float32) if hasattr(bits, "bitcast") else Int32(bits).bitcast(Float32)
 
+    @cute.jit
+    def last_arrival(mCnt, idx, arrivals: cutlass.Constexpr):
+        """One acq_rel gpu-scope arrival on counter idx: True for the arrivals-th of this launch, which resets the
+        counter to 0 for the next launch / graph replay (no memset between replays)."""
+        old = cute.arch.atomic_add(mCnt.iterator + idx, Int32(1), sem="acq_rel", scope="gpu")
+        last = old == arrivals - 1
+        if last:
+            mCnt[idx] = Int32(0)
+        return last
+
     def stream_probe(wv, sv, acc):
         """Diagnostic (probe="stream"): consume the loaded words with one XOR fold instead of decode + MMA, so the
         time is that of the load pipeline, barriers and combine alone (the output is garbage)."""
@@ -1297,11 +1307,8 @@ def _build_kernel_class():
                             # so no single CTA reads all NH x 16 partial rows of a token (v6's combine does that).
                             if tid < npass:
                                 pr = sorted_s[off + pb + tid]
-                                oldp = cute.arch.atomic_add(mCnt.iterator + (PART_COUNTERS + pr * C + rank), Int32(1),
-                                                            sem="acq_rel", scope="gpu")
                                 lastp = Int32(-1)
-                                if oldp == NH - 1:
-                                    mCnt[PART_COUNTERS + pr * C + rank] = Int32(0)     # self-reset, as below
+                                if last_arrival(mCnt, PART_COUNTERS + pr * C + rank, NH):
                                     lastp = pr
                                 scr[41 + tid] = lastp
                             cute.arch.barrier()
@@ -1328,10 +1335,7 @@ def _build_kernel_class():
                             last = Int32(-1)
                             if pr >= 0:
                                 m = pr // TOPK
-                                old = cute.arch.atomic_add(mCnt.iterator + (m * C + rank), Int32(1),
-                                                           sem="acq_rel", scope="gpu")
-                                if old == ARRIVALS - 1:
-                                    mCnt[m * C + rank] = Int32(0)      # self-reset for the next launch / graph replay
+                                if last_arrival(mCnt, m * C + rank, ARRIVALS):
                                     last = m
                             scr[33 + tid] = last
                         cute.arch.barrier()

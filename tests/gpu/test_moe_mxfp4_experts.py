@@ -282,26 +282,29 @@ def test_v6_matches_v4_and_reference(M, I, kind):
     assert rel_rmse(outs["v6"], reference(z, ids, w, ck)) <= TOL
 
 
-def test_v6_falls_back_above_batch_2_and_replays():
-    """Above bucket 2 version=6 runs the default version; in a CUDA graph, v6 replays with a new routing."""
-    ck, prep, z, ids, w, ws = case(8, 256, "uniform", 61)
-    outs = run_variants(8, z, ids, w, prep, ws, dflt=dict(), v6=dict(version=6))
-    assert same_bits(outs["v6"], outs["dflt"])
-    ck, prep, z, ids, w, ws = case(1, 256, "uniform", 62)
+@pytest.mark.parametrize("version", [6, 7])
+def test_split_versions_fall_back_above_batch_2_and_replay(version):
+    """Above bucket 2 version=6 / 7 runs the default version; in a CUDA graph, v6 / v7 replay with new routings
+    and self-reset their counters (v7: both sets)."""
+    ck, prep, z, ids, w, ws = case(8, 256, "uniform", 61 + 10 * (version - 6))
+    outs = run_variants(8, z, ids, w, prep, ws, dflt=dict(), split=dict(version=version))
+    assert same_bits(outs["split"], outs["dflt"])
+    ck, prep, z, ids, w, ws = case(1, 256, "uniform", 62 + 10 * (version - 6))
     out = torch.full((1, DL), float("nan"), dtype=BF, device=DEV)
-    mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=6)    # compile, eager
+    mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=version)    # compile
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=6)
-    gen = torch.Generator(device=DEV).manual_seed(63)
-    ids2, w2 = routing(1, "uniform", gen)
-    ids.copy_(ids2)
-    w.copy_(w2)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert ws.counters.eq(0).all()
-    assert rel_rmse(out, reference(z, ids, w, ck)) <= TOL
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=version)
+    gen = torch.Generator(device=DEV).manual_seed(63 + 10 * (version - 6))
+    for _ in range(2):
+        ids2, w2 = routing(1, "uniform", gen)
+        ids.copy_(ids2)
+        w.copy_(w2)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert ws.counters.eq(0).all()
+        assert rel_rmse(out, reference(z, ids, w, ck)) <= TOL
 
 
 V7_CASES = V6_CASES + [(2, 384, "uniform")]
@@ -319,27 +322,3 @@ def test_v7_matches_v4_and_reference(M, I, kind):
     assert rel_rmse(outs["v7"], reference(z, ids, w, ck)) <= TOL
     outs2 = run_variants(M, z, ids, w, prep, ws, v7=dict(version=7))        # deterministic run to run
     assert same_bits(outs2["v7"], outs["v7"])
-
-
-def test_v7_falls_back_above_batch_2_and_replays():
-    """Above bucket 2 version=7 runs the default version; in a CUDA graph, v7 replays with a new routing and
-    self-resets both counter sets."""
-    ck, prep, z, ids, w, ws = case(8, 256, "uniform", 71)
-    outs = run_variants(8, z, ids, w, prep, ws, dflt=dict(), v7=dict(version=7))
-    assert same_bits(outs["v7"], outs["dflt"])
-    ck, prep, z, ids, w, ws = case(1, 256, "uniform", 72)
-    out = torch.full((1, DL), float("nan"), dtype=BF, device=DEV)
-    mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=7)    # compile, eager
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=7)
-    gen = torch.Generator(device=DEV).manual_seed(73)
-    for _ in range(2):
-        ids2, w2 = routing(1, "uniform", gen)
-        ids.copy_(ids2)
-        w.copy_(w2)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert ws.counters.eq(0).all()
-        assert rel_rmse(out, reference(z, ids, w, ck)) <= TOL
