@@ -287,8 +287,10 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
             ("oproj_attnres v1.2 (w_post preloaded)", "M=1 n_blocks=8",
              lambda: compiled_ptx(lambda: oa._compile(kp, 8, tg, True))),
             ("shared_expert_gate_up", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_gate_up(moe_tail.n_tiles(1), inter))),
-            ("moe_mxfp4_experts", "M=1", lambda: compiled_ptx(lambda: mx._compile(mx.compile_key(896, 3584, 256, 1),
-                                                                              options=TVM_FFI + " --keep-ptx"))),
+            ("moe_mxfp4_experts v7 (the default at M <= 2)", "M=1", lambda: compiled_ptx(lambda: mx._compile(
+                mx.compile_key(896, 3584, 256, 1), options=TVM_FFI + " --keep-ptx"))),
+            ("moe_mxfp4_experts v4", "M=1", lambda: compiled_ptx(lambda: mx._compile(
+                mx.compile_key(896, 3584, 256, 1, version=4), options=TVM_FFI + " --keep-ptx"))),
             ("moe_mxfp4_experts v6", "M=1", lambda: compiled_ptx(lambda: mx._compile(
                 mx.compile_key(896, 3584, 256, 1, version=6), options=TVM_FFI + " --keep-ptx"))),
             ("moe_tail", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter))),
@@ -347,7 +349,7 @@ def main(argv=None) -> int:
     rows = []
     for v, layout in ((3, "nibble"), (4, "nibble"), (4, "rot")):
         for M in (1, 64):
-            key = dataclasses.replace(mx.compile_key(896, 3584, 256, M), version=v, layout=layout)
+            key = dataclasses.replace(mx.compile_key(896, 3584, 256, M, version=4), version=v, layout=layout)
             ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
             for st in loop_copies_of_loads(ptx):
                 if st.global_loads >= 8:
