@@ -77,7 +77,7 @@ class FastImpl:
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  kda_preload: bool | None = None, shared_in_fma_front: bool = True,
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
-                 topk_split: bool | None = None):
+                 topk_split: bool | None = None, experts_gridcomb: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -142,6 +142,7 @@ class FastImpl:
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
         self.topk_split = topk_split         # None: router_down_topk.TOPK_SPLIT (TopkFromLogits over 4 warps, v2.8)
+        self.experts_gridcomb = experts_gridcomb   # None: moe_mxfp4_experts.GRIDCOMB (v7's one-arrival combine)
         # Where the fused front serves (M <= front_dsl_max_m), launch the shared gate/up after the routed experts
         # instead of between the router and the experts (opt-in, "fast-shlate"). At b1 the experts kernel fills 64
         # SMs, so the gate/up CTAs wait beside it with their weights loaded and finish a few us after it, where in
@@ -170,6 +171,7 @@ class FastImpl:
                         + ("" if inproj_dsl_max_m == INPROJ_DSL_MAX_M else f", in_proj DSL GEMV up to M={inproj_dsl_max_m}")
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
                         + ("" if topk_split is None else f", TopkFromLogits split {'on' if topk_split else 'off'}")
+                        + ("" if experts_gridcomb is None else f", experts grid combine {'on' if experts_gridcomb else 'off'}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
@@ -273,7 +275,7 @@ class FastImpl:
             r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
                                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x),
                                   version=self.experts_version, cluster=self._experts_cluster(x.shape[0]),
-                                  warps=self.experts_warps)
+                                  warps=self.experts_warps, gridcomb=self.experts_gridcomb)
         if late:
             with stage("k3.moe.shared"):
                 h = shared_expert_gate_up(x, self.shared_gu, early_trigger=True)

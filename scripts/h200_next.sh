@@ -171,9 +171,15 @@ case "${1:-}" in
             K3_EXPERTS="--shapes k3_rank16 --batches 1 --variants default probe sortprobe fc1probe fc2probe v4 v4probe v4fc1probe v4fc2probe" \
             K3_EXPERTS_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --batches 1 8 \
             --impls stock fast fast-tailpre --budget-s 80 ;;
+  # next session's first step: experts v7's grid combine (GPU tests, layer A/B) and v7's ring depth at b1 / b2
+  s16)    K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
+            -k "gridcomb or split_versions"
+          K3_EXPERTS="--shapes k3_rank16 k3_rank8 --batches 1 2 --variants default probe G1 G1probe D12 D16 W8D16 W8D28" \
+            K3_EXPERTS_TIMEOUT=200 K3_SWEEP_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
+            --batches 1 2 --impls stock fast fast-gridcomb --budget-s 100 ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16"; exit 2 ;;
 esac
