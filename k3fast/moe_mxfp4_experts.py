@@ -1504,7 +1504,8 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
                 parts: int | None = None, gridcomb: bool | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
-    parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB)."""
+    parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
+    gridcomb None: GRIDCOMB; kept only for v7 (the other versions have no grid-wide arrival)."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
