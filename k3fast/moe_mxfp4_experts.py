@@ -630,9 +630,12 @@ class KernelCfg:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
-        if self.gridcomb and (self.version != 7 or self.Q * self.C > self.nsm):
+        if self.gridcomb and (self.version != 7 or self.Q * self.C > self.nsm
+                              or self.Q * self.C * GRID_JOBS_PER_CTA < self.MB * self.dL // 8
+                              or GRID_JOBS_PER_CTA * TOPK != self.threads):
             raise ValueError(f"gridcomb (a grid-wide arrival) needs version 7 with every CTA resident at once "
-                             f"(Q * C <= {self.nsm}), got version {self.version}, {self.Q} x {self.C}")
+                             f"(Q * C <= {self.nsm}), enough CTAs for the M x dL / 8 combine jobs and 16 threads per "
+                             f"job, got version {self.version}, {self.Q} x {self.C} CTAs of {self.threads} threads")
 
     @property
     def NH(self):           # work items per expert: the parts of I (v6: two halves; v7: ``parts``)
