@@ -120,6 +120,21 @@ def run_variants(M, z, ids, w, prep, ws, **variants):
     return outs
 
 
+def replay_with_new_routings(g, out, z, ids, w, ws, ck, kind, seed, n=2):
+    """Replay a captured graph n times, each with a fresh routing of ``kind`` copied into the captured ids / w and a
+    poisoned output: the counters must be back at zero and the output must match the reference every time."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    for _ in range(n):
+        ids2, w2 = routing(ids.shape[0], kind, gen)
+        ids.copy_(ids2)
+        w.copy_(w2)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert ws.counters.eq(0).all()
+        assert rel_rmse(out, reference(z, ids, w, ck)) <= TOL
+
+
 def same_bits(a, b) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -295,16 +310,7 @@ def test_split_versions_fall_back_above_batch_2_and_replay(version):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=version)
-    gen = torch.Generator(device=DEV).manual_seed(63 + 10 * (version - 6))
-    for _ in range(2):
-        ids2, w2 = routing(1, "uniform", gen)
-        ids.copy_(ids2)
-        w.copy_(w2)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert ws.counters.eq(0).all()
-        assert rel_rmse(out, reference(z, ids, w, ck)) <= TOL
+    replay_with_new_routings(g, out, z, ids, w, ws, ck, "uniform", 63 + 10 * (version - 6))
 
 
 V7_CASES = V6_CASES + [(2, 384, "uniform")]
@@ -338,13 +344,4 @@ def test_gridcomb_matches_v7_bitwise_and_replays(M, I, kind):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=7, gridcomb=True)
-    gen = torch.Generator(device=DEV).manual_seed(9200 + M + I)
-    for _ in range(2):
-        ids2, w2 = routing(M, kind, gen)
-        ids.copy_(ids2)
-        w.copy_(w2)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert ws.counters.eq(0).all()
-        assert rel_rmse(out, reference(z, ids, w, ck)) <= TOL
+    replay_with_new_routings(g, out, z, ids, w, ws, ck, kind, 9200 + M + I)
