@@ -175,6 +175,149 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $0, $2;\n\tst.shared::cluster.f32 [ra], $1;\n\t}",
             "r,f,r,~{memory}", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
+    @cute.jit
+    def request_step(mProj, mConvState, mRecState, mY, b, slot_w, valid, is_pad, is_bad, rS, win, cw, rW, rDt,
+                     decay_rate, onorm, sUq, sUk, sAl, sUv, sO, sRed, sBeta, tid, lane, warp, split, h, cq, ck, cv_c,
+                     has_v, jv, fr, row0):
+        """Request b of this CTA's (head h, value rows [row0 of warp 0, +R)), after the PDL wait: the state rows are
+        in rS and the conv windows in win (both zero for a padded or bad slot). Phases A-C below, with the two
+        cluster barriers; writes the conv window, the state rows and y."""
+        # ---------------- phase A: conv, beta, f -> alpha for all T tokens (state-independent)
+        rFa = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
+        if const_expr(preload):
+            # v3 (the default, T = 1): everything this thread reads from proj, issued together right after the wait.
+            # In v2's SASS the beta logit and the f_a vector load sat behind the conv sigmoids' division
+            # branches, and the output gate's load came after the last cluster barrier: 3 more round trips.
+            p_xq = mProj[b, cq]
+            p_xk = mProj[b, ck]
+            p_xv = mProj[b, cv_c]
+            p_beta = mProj[b, 4 * P + D + h]
+            cute.autovec_copy(cute.local_tile(mProj[b, None], (8,), (4 * P // 8 + jv,)), rFa)
+            p_gate = mProj[b, 3 * P + h * D + split * R + tid % R]
+        for t in cutlass.range_constexpr(T):
+            row = b * T + t
+            if const_expr(preload):
+                xq = p_xq.to(Float32)
+                xk = p_xk.to(Float32)
+                xv = p_xv.to(Float32)
+            else:
+                xq = mProj[row, cq].to(Float32)
+                xk = mProj[row, ck].to(Float32)
+                xv = mProj[row, cv_c].to(Float32)
+            uq = cw[0, 0] * win[0, 0] + cw[0, 1] * win[0, 1] + cw[0, 2] * win[0, 2] + cw[0, 3] * xq
+            uk = cw[1, 0] * win[1, 0] + cw[1, 1] * win[1, 1] + cw[1, 2] * win[1, 2] + cw[1, 3] * xk
+            uv = cw[2, 0] * win[2, 0] + cw[2, 1] * win[2, 1] + cw[2, 2] * win[2, 2] + cw[2, 3] * xv
+            sUq[t, tid] = uq * sigmoid(uq)
+            sUk[t, tid] = uk * sigmoid(uk)
+            if has_v:
+                sUv[t, tid] = uv * sigmoid(uv)
+            win[0, 0] = win[0, 1]
+            win[0, 1] = win[0, 2]
+            win[0, 2] = xq
+            win[1, 0] = win[1, 1]
+            win[1, 1] = win[1, 2]
+            win[1, 2] = xk
+            win[2, 0] = win[2, 1]
+            win[2, 1] = win[2, 2]
+            win[2, 2] = xv
+            if tid == 0:
+                if const_expr(preload):
+                    sBeta[t] = sigmoid(p_beta.to(Float32))
+                else:
+                    sBeta[t] = sigmoid(mProj[row, 4 * P + D + h].to(Float32))
+            # f[i] = bf16(sum_j f_a[j] W_fb[hD+i, j]); 16 lanes (one W_fb row) per reduction
+            if const_expr(not preload):
+                cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
+            fa = rFa.load().to(Float32)
+            for m in cutlass.range_constexpr(FROWS):
+                part = (fa * rW[m, None].load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                f32 = cute.arch.warp_reduction_sum(part, threads_in_group=FV)
+                f = f32.to(BFloat16).to(Float32)
+                lam = Float32(lower_bound) * sigmoid(decay_rate * (f + rDt[m]))
+                alpha = cute.math.exp(lam)
+                ch = split * R + fr + (NTH // FV) * m
+                if jv < NS:
+                    st_cluster_f32(sAl.iterator + (t * D + ch), alpha, jv)
+
+        # cluster barrier 1: alpha of all channels is in every CTA's smem; every CTA has consumed
+        # its (old) q/k conv window, so split 0 may now overwrite it. Also orders sUq/sUk/sUv/sBeta.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+        if valid:
+            if split == 0:
+                for j in cutlass.range_constexpr(3):
+                    mConvState[slot_w, cq, j] = win[0, j].to(BFloat16)
+                    mConvState[slot_w, ck, j] = win[1, j].to(BFloat16)
+            if has_v:
+                for j in cutlass.range_constexpr(3):
+                    mConvState[slot_w, cv_c, j] = win[2, j].to(BFloat16)
+
+        # ---------------- phase B: T sequential delta-rule steps on the register-resident rows
+        rK = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+        rQ = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+        rA = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+        for t in cutlass.range(T, unroll=1):
+            cute.autovec_copy(cute.local_tile(sUk[t, None], (4,), (lane,)), rK)
+            cute.autovec_copy(cute.local_tile(sUq[t, None], (4,), (lane,)), rQ)
+            cute.autovec_copy(cute.local_tile(sAl[t, None], (4,), (lane,)), rA)
+            beta = sBeta[t]
+            kk = rK.load()
+            qq = rQ.load()
+            al = rA.load()
+            ksq = cute.arch.warp_reduction_sum((kk * kk).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+            qsq = cute.arch.warp_reduction_sum((qq * qq).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+            kn = kk * cute.math.rsqrt(ksq + Float32(1e-6))
+            qn = qq * (cute.math.rsqrt(qsq + Float32(1e-6)) * Float32(QSCALE))
+            for r in cutlass.range_constexpr(RW):
+                s = rS[r, None].load() * al
+                sk = cute.arch.warp_reduction_sum((s * kn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                e = sUv[t, warp * RW + r] - sk
+                s = s + kn * (beta * e)
+                rS[r, None].store(s)
+                o = cute.arch.warp_reduction_sum((s * qn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                if lane == 0:
+                    sO[t, warp * RW + r] = o
+
+        if valid:
+            for r in cutlass.range_constexpr(RW):
+                g_row = cute.local_tile(mRecState[slot_w, h, row0 + r, None], (4,), (lane,))
+                cute.autovec_copy(rS[r, None], g_row)
+
+        # ---------------- phase C: gated RMSNorm over the head's 128 rows (cluster reduction)
+        cute.arch.barrier()
+        for t in cutlass.range_constexpr(T):
+            if warp == t % WARPS:
+                ov = Float32(0.0)
+                if lane < R:
+                    ov = sO[t, lane]
+                ss = cute.arch.warp_reduction_sum(ov * ov)
+                if lane < NS:
+                    st_cluster_f32(sRed.iterator + (t * NS + split), ss, lane)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+        for it in cutlass.range_constexpr(OUT_IT):
+            idx = tid + NTH * it
+            if idx < T * R:
+                t = idx // R
+                r = idx % R
+                tot = Float32(0.0)
+                for p in cutlass.range_constexpr(NS):
+                    tot = tot + sRed[t, p]
+                rstd = cute.math.rsqrt(tot * Float32(1.0 / D) + Float32(eps))
+                col = h * D + split * R + r
+                if const_expr(preload):
+                    gate = p_gate.to(Float32)          # T = 1: idx = tid < R, so col = 3P + hD + sR + tid
+                else:
+                    gate = mProj[b * T + t, 3 * P + col].to(Float32)
+                yv = onorm * sO[t, r] * rstd * sigmoid(gate)
+                if is_pad:
+                    yv = Float32(0.0)
+                if is_bad:
+                    yv = Float32(float("nan"))
+                mY[b * T + t, col] = yv.to(BFloat16)
+
     class KdaConvGateStep:
         @cute.jit
         def __call__(self, mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
@@ -265,141 +408,9 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                 # v2 (opt-in, see the contracts): the dependent (o_proj + AttnRes #2) may start its weight stream now
                 cute.arch.griddepcontrol_launch_dependents()
 
-            # ---------------- phase A: conv, beta, f -> alpha for all T tokens (state-independent)
-            rFa = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
-            if const_expr(preload):
-                # v3 (the default, T = 1): everything this thread reads from proj, issued together right after the wait.
-                # In v2's SASS the beta logit and the f_a vector load sat behind the conv sigmoids' division
-                # branches, and the output gate's load came after the last cluster barrier: 3 more round trips.
-                p_xq = mProj[b, cq]
-                p_xk = mProj[b, ck]
-                p_xv = mProj[b, cv_c]
-                p_beta = mProj[b, 4 * P + D + h]
-                cute.autovec_copy(cute.local_tile(mProj[b, None], (8,), (4 * P // 8 + jv,)), rFa)
-                p_gate = mProj[b, 3 * P + h * D + split * R + tid % R]
-            for t in cutlass.range_constexpr(T):
-                row = b * T + t
-                if const_expr(preload):
-                    xq = p_xq.to(Float32)
-                    xk = p_xk.to(Float32)
-                    xv = p_xv.to(Float32)
-                else:
-                    xq = mProj[row, cq].to(Float32)
-                    xk = mProj[row, ck].to(Float32)
-                    xv = mProj[row, cv_c].to(Float32)
-                uq = cw[0, 0] * win[0, 0] + cw[0, 1] * win[0, 1] + cw[0, 2] * win[0, 2] + cw[0, 3] * xq
-                uk = cw[1, 0] * win[1, 0] + cw[1, 1] * win[1, 1] + cw[1, 2] * win[1, 2] + cw[1, 3] * xk
-                uv = cw[2, 0] * win[2, 0] + cw[2, 1] * win[2, 1] + cw[2, 2] * win[2, 2] + cw[2, 3] * xv
-                sUq[t, tid] = uq * sigmoid(uq)
-                sUk[t, tid] = uk * sigmoid(uk)
-                if has_v:
-                    sUv[t, tid] = uv * sigmoid(uv)
-                win[0, 0] = win[0, 1]
-                win[0, 1] = win[0, 2]
-                win[0, 2] = xq
-                win[1, 0] = win[1, 1]
-                win[1, 1] = win[1, 2]
-                win[1, 2] = xk
-                win[2, 0] = win[2, 1]
-                win[2, 1] = win[2, 2]
-                win[2, 2] = xv
-                if tid == 0:
-                    if const_expr(preload):
-                        sBeta[t] = sigmoid(p_beta.to(Float32))
-                    else:
-                        sBeta[t] = sigmoid(mProj[row, 4 * P + D + h].to(Float32))
-                # f[i] = bf16(sum_j f_a[j] W_fb[hD+i, j]); 16 lanes (one W_fb row) per reduction
-                if const_expr(not preload):
-                    cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
-                fa = rFa.load().to(Float32)
-                for m in cutlass.range_constexpr(FROWS):
-                    part = (fa * rW[m, None].load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    f32 = cute.arch.warp_reduction_sum(part, threads_in_group=FV)
-                    f = f32.to(BFloat16).to(Float32)
-                    lam = Float32(lower_bound) * sigmoid(decay_rate * (f + rDt[m]))
-                    alpha = cute.math.exp(lam)
-                    ch = split * R + fr + (NTH // FV) * m
-                    if jv < NS:
-                        st_cluster_f32(sAl.iterator + (t * D + ch), alpha, jv)
-
-            # cluster barrier 1: alpha of all channels is in every CTA's smem; every CTA has consumed
-            # its (old) q/k conv window, so split 0 may now overwrite it. Also orders sUq/sUk/sUv/sBeta.
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
-            if valid:
-                if split == 0:
-                    for j in cutlass.range_constexpr(3):
-                        mConvState[slot_w, cq, j] = win[0, j].to(BFloat16)
-                        mConvState[slot_w, ck, j] = win[1, j].to(BFloat16)
-                if has_v:
-                    for j in cutlass.range_constexpr(3):
-                        mConvState[slot_w, cv_c, j] = win[2, j].to(BFloat16)
-
-            # ---------------- phase B: T sequential delta-rule steps on the register-resident rows
-            rK = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
-            rQ = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
-            rA = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
-            for t in cutlass.range(T, unroll=1):
-                cute.autovec_copy(cute.local_tile(sUk[t, None], (4,), (lane,)), rK)
-                cute.autovec_copy(cute.local_tile(sUq[t, None], (4,), (lane,)), rQ)
-                cute.autovec_copy(cute.local_tile(sAl[t, None], (4,), (lane,)), rA)
-                beta = sBeta[t]
-                kk = rK.load()
-                qq = rQ.load()
-                al = rA.load()
-                ksq = cute.arch.warp_reduction_sum((kk * kk).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-                qsq = cute.arch.warp_reduction_sum((qq * qq).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-                kn = kk * cute.math.rsqrt(ksq + Float32(1e-6))
-                qn = qq * (cute.math.rsqrt(qsq + Float32(1e-6)) * Float32(QSCALE))
-                for r in cutlass.range_constexpr(RW):
-                    s = rS[r, None].load() * al
-                    sk = cute.arch.warp_reduction_sum((s * kn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-                    e = sUv[t, warp * RW + r] - sk
-                    s = s + kn * (beta * e)
-                    rS[r, None].store(s)
-                    o = cute.arch.warp_reduction_sum((s * qn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-                    if lane == 0:
-                        sO[t, warp * RW + r] = o
-
-            if valid:
-                for r in cutlass.range_constexpr(RW):
-                    g_row = cute.local_tile(mRecState[slot_w, h, row0 + r, None], (4,), (lane,))
-                    cute.autovec_copy(rS[r, None], g_row)
-
-            # ---------------- phase C: gated RMSNorm over the head's 128 rows (cluster reduction)
-            cute.arch.barrier()
-            for t in cutlass.range_constexpr(T):
-                if warp == t % WARPS:
-                    ov = Float32(0.0)
-                    if lane < R:
-                        ov = sO[t, lane]
-                    ss = cute.arch.warp_reduction_sum(ov * ov)
-                    if lane < NS:
-                        st_cluster_f32(sRed.iterator + (t * NS + split), ss, lane)
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
-            for it in cutlass.range_constexpr(OUT_IT):
-                idx = tid + NTH * it
-                if idx < T * R:
-                    t = idx // R
-                    r = idx % R
-                    tot = Float32(0.0)
-                    for p in cutlass.range_constexpr(NS):
-                        tot = tot + sRed[t, p]
-                    rstd = cute.math.rsqrt(tot * Float32(1.0 / D) + Float32(eps))
-                    col = h * D + split * R + r
-                    if const_expr(preload):
-                        gate = p_gate.to(Float32)          # T = 1: idx = tid < R, so col = 3P + hD + sR + tid
-                    else:
-                        gate = mProj[b * T + t, 3 * P + col].to(Float32)
-                    yv = onorm * sO[t, r] * rstd * sigmoid(gate)
-                    if is_pad:
-                        yv = Float32(0.0)
-                    if is_bad:
-                        yv = Float32(float("nan"))
-                    mY[b * T + t, col] = yv.to(BFloat16)
+            request_step(mProj, mConvState, mRecState, mY, b, slot_w, valid, is_pad, is_bad, rS, win, cw, rW, rDt,
+                         decay_rate, onorm, sUq, sUk, sAl, sUv, sO, sRed, sBeta, tid, lane, warp, split, h, cq, ck, cv_c,
+                         has_v, jv, fr, row0)
 
             # state writes must be visible before a dependent grid may start its pre-wait loads
             cute.arch.fence_acq_rel_gpu()
