@@ -11,7 +11,9 @@ causes give different signatures, and one run of this module separates them:
 * ``C2 C4 C8`` cluster size: if clusters of C CTAs cannot all be co-resident (GPCs of 16-18 SMs hold
              floor(n / C) clusters), the last clusters run as a second wave and the time doubles at some C;
 * ``D4 D12`` register ring depth: loads in flight per lane; a latency-bound loop scales with D (D12 spills
-             40-64 bytes, ptxas 4.8.1);
+             40-64 bytes, ptxas 4.8.1). At v7's b1 / b2 (experts-26465c5-s16.json, one run) D12 D16 W8D16 W8D28
+             were all slower than D = 8 (rank16 b1 22.3 / 21.8 / 22.1 / 23.2 against 21.2 us; only rank8 b2 D12
+             under it, 40.4 against 41.4);
 * ``W8`` 8 warps per CTA: the default until e384fbf (16 since);
 * ``W16D4 W16D8`` 16 warps per CTA (512 threads, so ptxas caps registers at 128; 12-60 bytes of spills): twice
              the warps per SM to hide the decode/MMA dependency chain;
@@ -27,8 +29,6 @@ causes give different signatures, and one run of this module separates them:
 * ``v7 v7probe v7P2`` (batch buckets <= 2) each expert split into NH parts of I over clusters of 2 (rank16 b1: 4
              parts, 64 clusters = 128 SMs, all co-resident), the parts' partials added by the pair's last part;
              ``v7P2`` takes 2 parts (64 SMs at b1, as the default) to separate the split's cost from the SMs';
-* ``G1 G1probe`` (batch buckets <= 2) v7's combine as one grid-wide arrival, every CTA combining a slice, instead
-             of the part reduction and the combine by the last arrivers (KernelCfg.gridcomb; opt-in);
 * ``sortprobe fc1probe fc2probe`` (and ``v4...``): the stream probe stopped after the routing sort, after FC1 and
              the h exchange, or after FC2 (no part reduction / combine): the stages of the b1 latency chain;
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
@@ -53,7 +53,7 @@ import torch
 from k3ref import preset
 from k3ref.weights import random_layer
 
-VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "G1", "G1probe", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
+VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
             "v3C8", "v3C4", "v2")
 
 
@@ -72,11 +72,9 @@ def variant_cfg(name: str, base):
         return dataclasses.replace(variant_cfg(name[:-len("probe")], base), probe="stream")
     if name.startswith("Dprobe"):            # the stream probe at another ring depth, e.g. Dprobe4
         return dataclasses.replace(base, probe="stream", D=int(name[len("Dprobe"):]))
-    parts = re.fullmatch(r"((?:[CDWvPG]\d+)+)", name)
-    if parts:                # e.g. C2, D4, W16D4, v4, v4W16D4, v7P2, G1: cluster, ring depth, warps, version, parts,
-        kw = {k: int(v) for k, v in re.findall(r"([CDWvPG])(\d+)", name)}     # the grid combine (v7)
-        if "G" in kw:
-            kw["gridcomb"] = bool(kw.pop("G"))
+    parts = re.fullmatch(r"((?:[CDWvP]\d+)+)", name)
+    if parts:                # e.g. C2, D4, W16D4, v4, v4W16D4, v7P2: cluster size, ring depth, warps, version, parts
+        kw = {k: int(v) for k, v in re.findall(r"([CDWvP])(\d+)", name)}
         if "v" in kw:
             kw["version"] = kw.pop("v")
             if kw["version"] < 4:            # versions 2-3: the nibble layout only, and 8 warps as they ran

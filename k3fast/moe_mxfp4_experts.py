@@ -219,20 +219,23 @@ Version log
       Its b1 chain by stage (experts-6ec1427-s15.json; stream probes stopped after a stage, PROBES): the routing
       sort 6.0 us (launch and PDL wait included), FC1 with the barriers and the h exchange +6.9, FC2 +1.6, the
       part reduction and the combine +3.3, decode and MMA +2.9 (kernel 20.8).
-  gridcomb (2026-11-30, session 8; opt-in KernelCfg.gridcomb / GRIDCOMB / impl "fast-gridcomb", v7 only;
-      CPU-compiled, not yet run on a GPU) v7's part reduction and combine as one grid-wide arrival. The stage
-      probes (experts-6ec1427-s15.json) put 3.3 us of the rank16 b1 chain in v7's two rounds of last-arriver work:
-      each round is a gpu-scope atomic, then one CTA per (pair, rank) or (token, rank) reads its rows and writes,
-      behind a fence. With gridcomb every CTA arrives once after its last pass (release add, then an acquire
-      spin until all Q * C have arrived: they are all resident, one per SM, which the key checks), and CTA b then
-      combines GRID_JOBS_PER_CTA (token, 8-column vector) jobs with 16 threads each: thread j adds slot j's NH
-      fp32 parts in part order and rounds y_j to bf16, and the job's first thread sums w_j y_j in slot order with
-      v7's expression. Same sums in the same order: bit-identical to v7 (GPU test
-      test_gridcomb_matches_v7_bitwise_and_replays). Two counters (arrival, departure) at the end of the workspace;
-      the last CTA to depart resets both, so replays need no memset. ptxas 12.9: rank16 M1 128 registers, 60 B of
-      spills (v7: 72), 2912 SASS instructions (2808); M2 32 B; rank8 M1 40 B.
-      Prediction: rank16 b1 kernel 20.8 -> ~19-19.5 us (one arrival round of ~1.5 us instead of two of ~1.7),
-      MoE half b1 -1 to -1.5 us; b2 and rank8 b1 similar. Bench rows G1 / G1probe; layer A/B fast-gridcomb.
+  gridcomb (2026-11-30, session 8; measured slower on the H200 (s16) and removed; the code is at 26465c5) v7's
+      part reduction and combine as one grid-wide arrival: every CTA arrived once after its last pass (release
+      add, then an acquire spin until all Q * C had arrived; all resident, one per SM, which the key checked),
+      then CTA b combined 32 (token, 8-column vector) jobs, 16 threads each, with v7's sums in v7's order
+      (bit-identical to v7). Two counters at the end of the workspace; the last CTA to depart reset both.
+      Prediction: the stage probes put 3.3 us of the rank16 b1 chain in v7's two rounds of last-arriver work; one
+      round instead: kernel 20.8 -> ~19-19.5 us, MoE half b1 -1 to -1.5 us. Bench rows G1 / G1probe; layer A/B
+      fast-gridcomb.
+      Measured (experts-26465c5-s16.json, one run, copy 4.194 TB/s; bit-identical, GPU tests passed,
+      logs/gpu-junit-26465c5-s16.xml): rank16 b1 / b2 kernel 21.2 / 27.8 us (v7) against 24.7 / 30.4 (G1); the
+      stream probe 18.0 against 21.5 at b1, so the grid-wide arrival itself costs ~3.5 us (128 CTAs arriving on
+      one counter, then every CTA waits for the slowest), where v7's per-pair arrivals let early pairs combine;
+      rank8 b1 27.2 against 30.2. MoE half (records-26465c5-s16.json, fast -> fast-gridcomb, one run, copy
+      4.197 TB/s) rank16 b1 60.2 -> 63.4 us, b2 66.1 -> 69.4. MISSED: +3.2 / +3.3 us instead of -1 to -1.5.
+      Removed with its bench rows, impl and tests. The same run's ring-depth rows (bench_experts D12 D16 W8D16
+      W8D28) were all slower than D = 8 at rank16 b1 / b2 and rank8 b1 (rank16 b1: D12 22.3, D16 21.8, W8D16
+      22.1, W8D28 23.2 against 21.2); only rank8 b2 D12 was under it (40.4 against 41.4, one run).
   xpf (2026-11-30, session 8; measured slower and removed in the same session; the code is at 3960ffc) FC1's
       last D steps refill their ring slots with FC2's first D weight rows (they do not depend on h), so those
       loads are in flight during cluster barrier A, the K-split reduction, the h exchange and barrier B; the FC2
@@ -328,10 +331,6 @@ TOPK = 16
 # v7's part-reduction counters (pair * C + rank) sit after the combine's (token * C + rank < 64 * 4) in the
 # workspace's MAX_M * 8 counters; v7 serves buckets <= 2, so pair * C + rank < 32 * 8 fits
 PART_COUNTERS = 256
-# gridcomb's arrival and departure counters: the workspace's last two (after every part counter, pair * C + rank)
-GRID_COUNTERS = MAX_M * 8 - 2
-# gridcomb: (token, 8-column vector) jobs per CTA, 16 threads each (one per slot)
-GRID_JOBS_PER_CTA = 32
 
 
 # ----------------------------------------------------------------------------------------------- host-side layout
@@ -576,8 +575,6 @@ DEFAULT_VERSION = 4
 # 20.9 / 27.7 us, rank8 38.0 / 70.7 -> 27.0 / 41.4; version log)
 SMALL_BATCH_VERSION = 7
 SMALL_BATCH_MAX_MB = 2
-# v7's combine as one grid-wide arrival (KernelCfg.gridcomb; opt-in until measured, impl "fast-gridcomb")
-GRIDCOMB = False
 
 
 def default_version(MB: int) -> int:
@@ -604,7 +601,6 @@ class KernelCfg:
     #                   and the h exchange (no FC2), "fc2" after FC2 (no part reduction, no combine)
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
     parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
-    gridcomb: bool = False  # v7: one grid-wide arrival, then every CTA combines a slice (instead of two rounds)
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -630,12 +626,6 @@ class KernelCfg:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
-        if self.gridcomb and (self.version != 7 or self.Q * self.C > self.nsm
-                              or self.Q * self.C * GRID_JOBS_PER_CTA < self.MB * self.dL // 8
-                              or GRID_JOBS_PER_CTA * TOPK != self.threads):
-            raise ValueError(f"gridcomb (a grid-wide arrival) needs version 7 with every CTA resident at once "
-                             f"(Q * C <= {self.nsm}), enough CTAs for the M x dL / 8 combine jobs and 16 threads per "
-                             f"job, got version {self.version}, {self.Q} x {self.C} CTAs of {self.threads} threads")
 
     @property
     def NH(self):           # work items per expert: the parts of I (v6: two halves; v7: ``parts``)
@@ -1323,7 +1313,7 @@ def _build_kernel_class():
                                     if s + D < NS2:
                                         ringS[d] = eW2s[row_ * 8 + g]
 
-                    if const_expr(c.probe in PROBES_WITH_COMBINE and not c.gridcomb):
+                    if const_expr(c.probe in PROBES_WITH_COMBINE):
                         # (the stage probes 'fc1' / 'fc2' stop before the part reduction and the combine)
                         cute.arch.fence_acq_rel_gpu()
                         cute.arch.barrier()
@@ -1396,60 +1386,6 @@ def _build_kernel_class():
                                     cute.autovec_copy(ro, gO[0, None, m, vv])
                     cute.arch.barrier()
 
-            if const_expr(c.gridcomb and c.probe in PROBES_WITH_COMBINE):
-                # ======================= gridcomb (v7, opt-in): one grid-wide arrival instead of v7's two rounds
-                # of last-arriver work (part reduction, then combine; 3.3 us at rank16 b1, experts-6ec1427-s15).
-                # Every CTA of the grid is resident at once (Q * C <= SMs, one CTA per SM; KernelCfg checks it),
-                # and the PDL dependents launch only once every CTA here has started, so the spin cannot wait on
-                # a CTA that has no SM. After it, CTA b takes GRID_JOBS_PER_CTA (token, 8-column vector) jobs, 16
-                # threads per job: thread j forms y_j = bf16(sum of the NH parts in part order) and the job's
-                # first thread sums w_j y_j in slot order with v7's expression, so the output is v7's, bit for bit.
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.barrier()
-                n_cta = c.Q * C
-                if tid == 0:
-                    cute.arch.atomic_add(mCnt.iterator + GRID_COUNTERS, Int32(1), sem="release", scope="gpu")
-                    arrived = cute.arch.load(mCnt.iterator + GRID_COUNTERS, Int32, sem="acquire", scope="gpu")
-                    while arrived < n_cta:
-                        arrived = cute.arch.load(mCnt.iterator + GRID_COUNTERS, Int32, sem="acquire", scope="gpu")
-                cute.arch.barrier()
-                cute.arch.fence_acq_rel_gpu()
-                # the h / z staging region is free after the last pass (16 KB of its >= 58 KB)
-                red = cute.make_tensor(cute.recast_tensor(hz_s, Float32).iterator,
-                                       cute.make_layout((GRID_JOBS_PER_CTA, TOPK, 8), stride=(TOPK * 8, 8, 1)))
-                NVT = c.dL // 8
-                gj = tid // TOPK
-                j = tid % TOPK
-                job = bid * GRID_JOBS_PER_CTA + gj
-                m = job // NVT
-                vv = job - m * NVT
-                if job < M * NVT:
-                    s8.fill(0.0)
-                    pr = m * TOPK + j
-                    for hp in cutlass.range_constexpr(NH):
-                        for q in cutlass.range_constexpr(2):
-                            cute.copy(ycg32, gY4[0, None, pr * NH + hp, 2 * vv + q], y4a)
-                            for x in cutlass.range_constexpr(4):
-                                s8[4 * q + x] = s8[4 * q + x] + y4a[x]
-                    for x in cutlass.range_constexpr(8):
-                        red[gj, j, x] = s8[x].to(BFloat16).to(Float32)
-                cute.arch.barrier()
-                if job < M * NVT:
-                    if j == 0:
-                        s8.fill(0.0)
-                        for jj in cutlass.range_constexpr(TOPK):
-                            wj = mTw[m, jj]
-                            for x in cutlass.range_constexpr(8):
-                                ry[x] = red[gj, jj, x].to(BFloat16)
-                            s8.store(s8.load() + ry.load().to(Float32) * wj)
-                        ro.store(s8.load().to(BFloat16))
-                        cute.autovec_copy(ro, gO[0, None, m, vv])
-                # departure: the last CTA to leave resets both counters for the next launch / graph replay (every
-                # CTA has passed the spin by then)
-                if tid == 0:
-                    if last_arrival(mCnt, GRID_COUNTERS + 1, n_cta):
-                        cute.arch.store(mCnt.iterator + GRID_COUNTERS, Int32(0), sem="relaxed", scope="gpu")
-
     return MoeMxfp4Experts
 
 
@@ -1504,11 +1440,10 @@ V7_CLUSTER = 2      # v7's clusters: TPC pairs, all 66 co-resident (C = 4 grids 
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
-                parts: int | None = None, gridcomb: bool | None = None) -> KernelCfg:
+                parts: int | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
-    parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
-    gridcomb None: GRIDCOMB; kept only for v7 (the other versions have no grid-wide arrival)."""
+    parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB)."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1520,10 +1455,9 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
         C = V7_CLUSTER if version == 7 else default_cluster(MB)
     if parts is None:
         parts = default_parts(I, MB, C, nsm) if version == 7 else 1
-    gridcomb = (GRIDCOMB if gridcomb is None else bool(gridcomb)) and version == 7
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
-                     layout=layout, parts=parts, gridcomb=gridcomb)
+                     layout=layout, parts=parts)
 
 
 def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:
@@ -1597,15 +1531,13 @@ def _validate(z, topk_ids, topk_w, prep: PreparedExperts):
 def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
                       version: int | None = None, cluster: int | None = None,
-                      kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
-                      gridcomb: bool | None = None):
+                      kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
     may also be passed as w13_packed with the other three None; the four tensors alone need ``layout``).  topk_ids
     values must lie in [0, E) (not checked:
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
-    gridcomb: v7's combine as one grid-wide arrival (None = GRIDCOMB; only where v7 runs, batch buckets <= 2).
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed
@@ -1636,8 +1568,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     if version in (6, 7) and m_bucket(M) > 2:
         version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
-                      situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
-                      gridcomb=gridcomb)
+                      situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:

@@ -171,12 +171,13 @@ case "${1:-}" in
             K3_EXPERTS="--shapes k3_rank16 --batches 1 --variants default probe sortprobe fc1probe fc2probe v4 v4probe v4fc1probe v4fc2probe" \
             K3_EXPERTS_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --batches 1 8 \
             --impls stock fast fast-tailpre --budget-s 80 ;;
-  # next session's first step: experts v7's grid combine (GPU tests, layer A/B) and v7's ring depth at b1 / b2
+  # experts v7's grid combine (GPU tests, layer A/B) and v7's ring depth at b1 / b2 (run at 26465c5 with the rows
+  # G1 G1probe and the impl fast-gridcomb; the grid combine was measured slower and removed, so they are dropped)
   s16)    K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
-            -k "gridcomb or split_versions"
-          K3_EXPERTS="--shapes k3_rank16 k3_rank8 --batches 1 2 --variants default probe G1 G1probe D12 D16 W8D16 W8D28" \
+            -k "split_versions"
+          K3_EXPERTS="--shapes k3_rank16 k3_rank8 --batches 1 2 --variants default probe D12 D16 W8D16 W8D28" \
             K3_EXPERTS_TIMEOUT=200 K3_SWEEP_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
-            --batches 1 2 --impls stock fast fast-gridcomb --budget-s 100 ;;
+            --batches 1 2 --impls stock fast --budget-s 100 ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)

@@ -495,26 +495,3 @@ def test_stage_probes_compile(probe):
         assert mx.get_kernel(key) is not None
     with pytest.raises(ValueError, match="probe"):
         dataclasses.replace(mx.compile_key(896, 3584, 256, 1), probe="fc3")
-
-
-def test_gridcomb_keys():
-    """gridcomb is a v7 option: the key keeps it only where v7 runs, every CTA of its grid fits at once, and its two
-    counters sit after every part counter in the workspace."""
-    import dataclasses
-    for I in (256, 384, 3072):
-        for M in (1, 2):
-            c = mx.compile_key(896, 3584, I, M, gridcomb=True)
-            assert c.gridcomb and c.version == 7 and c.Q * c.C <= 132
-            assert mx.PART_COUNTERS + c.PMAX * c.C <= mx.GRID_COUNTERS and mx.GRID_COUNTERS + 2 == mx.MAX_M * 8
-            assert mx.GRID_JOBS_PER_CTA * mx.TOPK == c.threads
-            assert mx.GRID_JOBS_PER_CTA * mx.TOPK * 8 <= mx._kernel_class()(c).n_hz     # its slice of smem
-    assert not mx.compile_key(896, 3584, 256, 8, gridcomb=True).gridcomb            # v4 there: no grid combine
-    with pytest.raises(ValueError, match="gridcomb"):
-        dataclasses.replace(mx.compile_key(896, 3584, 256, 8), gridcomb=True)
-
-
-@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
-@pytest.mark.parametrize("I", [256, 384])
-def test_gridcomb_compiles(I):
-    for M in (1, 2):
-        assert mx.get_kernel(mx.compile_key(896, 3584, I, M, gridcomb=True)) is not None
