@@ -77,7 +77,8 @@ class FastImpl:
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  kda_preload: bool | None = None, shared_in_fma_front: bool = True,
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
-                 topk_split: bool | None = None, experts_gridcomb: bool | None = None):
+                 kda_persist: bool | None = None,
+                 topk_split: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -139,10 +140,12 @@ class FastImpl:
         # runs 8 at every batch, the alternative its v1 log named for large batches; measured slower at b64
         # (records-0bc90c0-s11.json: attention 68.3 against 65.2 us at rank16, 111.3 against 101.6 at rank8)
         self.kda_nsplit = kda_nsplit
+        # None: kda_conv_gate_step.persist_groups (v4's request loop where the one-request grid needs a second wave,
+        # rank16 b >= 28, rank8 b >= 14, full b >= 2); "fast-s16kda" runs the one-request grid everywhere
+        self.kda_persist = kda_persist
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
         self.topk_split = topk_split         # None: router_down_topk.TOPK_SPLIT (TopkFromLogits over 4 warps, v2.8)
-        self.experts_gridcomb = experts_gridcomb   # None: moe_mxfp4_experts.GRIDCOMB (v7's one-arrival combine)
         # Where the fused front serves (M <= front_dsl_max_m), launch the shared gate/up after the routed experts
         # instead of between the router and the experts (opt-in, "fast-shlate"). At b1 the experts kernel fills 64
         # SMs, so the gate/up CTAs wait beside it with their weights loaded and finish a few us after it, where in
@@ -170,8 +173,8 @@ class FastImpl:
                         + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", in_proj GEMV up to M={gemv_dsl_max_m}")
                         + ("" if inproj_dsl_max_m == INPROJ_DSL_MAX_M else f", in_proj DSL GEMV up to M={inproj_dsl_max_m}")
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
+                        + ("" if kda_persist is None else f", KDA request loop {'on' if kda_persist else 'off'}")
                         + ("" if topk_split is None else f", TopkFromLogits split {'on' if topk_split else 'off'}")
-                        + ("" if experts_gridcomb is None else f", experts grid combine {'on' if experts_gridcomb else 'off'}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
@@ -222,7 +225,8 @@ class FastImpl:
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
-                                   early_trigger=self.attn_early_trigger, preload=self.kda_preload, nsplit=self.kda_nsplit)
+                                   early_trigger=self.attn_early_trigger, preload=self.kda_preload, nsplit=self.kda_nsplit,
+                                   persist=self.kda_persist)
         with stage("k3.o_proj"):
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
@@ -275,7 +279,7 @@ class FastImpl:
             r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
                                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x),
                                   version=self.experts_version, cluster=self._experts_cluster(x.shape[0]),
-                                  warps=self.experts_warps, gridcomb=self.experts_gridcomb)
+                                  warps=self.experts_warps)
         if late:
             with stage("k3.moe.shared"):
                 h = shared_expert_gate_up(x, self.shared_gu, early_trigger=True)

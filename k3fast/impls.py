@@ -432,7 +432,6 @@ FAST_VARIANTS = {
     "fast-v5": {"experts_version": 5},          # experts v5: single passes as work items (opt-in)
     "fast-v6": {"experts_version": 6},          # experts v6: each expert over two clusters at buckets <= 2 (opt-in)
     "fast-v7": {"experts_version": 7},          # experts v7: parts of I over clusters of 2 (<= 2; the default now)
-    "fast-gridcomb": {"experts_gridcomb": True},  # experts v7's combine as one grid-wide arrival (opt-in)
     "fast-s13": {"experts_version": 4},         # experts v4 at every bucket (before session 8's v7 at buckets <= 2)
     "fast-nibble": {"experts_layout": "nibble"},  # experts in the nibble layout (the default before 2026-11-29)
     "fast-w8": {"experts_warps": 8},            # experts at 8 warps per CTA (the default before 16)
@@ -444,6 +443,8 @@ FAST_VARIANTS = {
     "fast-splitk": {"gemv_mma": "splitk", "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64},  # in_proj at M > 4 on gemv_splitk
     "fast-s10": {"inproj_dsl_max_m": 4},        # the in_proj's FMA GEMV at M = 3-4 (before session 7's threshold)
     "fast-kdans8": {"kda_nsplit": 8},           # the KDA step split 8 ways at every batch (4 above 64 request-heads)
+    "fast-s16kda": {"kda_persist": False},      # the KDA step's one-request grid at every batch (before its v4 loop)
+    "fast-kdav4": {"kda_persist": True},        # the KDA step's v4 request loop wherever nsplit is 4 (b1 full width too)
     "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and

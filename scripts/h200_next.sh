@@ -178,9 +178,18 @@ case "${1:-}" in
           K3_EXPERTS="--shapes k3_rank16 k3_rank8 --batches 1 2 --variants default probe D12 D16 W8D16 W8D28" \
             K3_EXPERTS_TIMEOUT=200 K3_SWEEP_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
             --batches 1 2 --impls stock fast --budget-s 100 ;;
+  # kda_conv_gate_step v4 (the request loop where the one-request grid needs a second wave): its GPU tests (reference,
+  # bit-identity with the one-request grid, graph replay, back to back), the kernel bench at the three shapes and the
+  # attention-half A/B at b64 (fast-s16kda: the one-request grid everywhere)
+  s17)    K3_TEST_TIMEOUT=220 bash scripts/h200_tests.sh tests/gpu/test_kda_conv_gate_step.py tests/gpu/test_fast_layer.py \
+            -k "kda_conv or kdav4"
+          K3_SWEEP_TIMEOUT=170 K3_BENCH="--shapes k3_rank16 k3_rank8 full --batches 1 8 64 --kernels kda_conv_gate_step \
+            kda_conv_gate_step@one kda_conv_gate_step@v4 kda_conv_gate_step@v4half" K3_BENCH_TIMEOUT=120 \
+            bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 64 \
+            --impls stock fast fast-s16kda --budget-s 140 ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17"; exit 2 ;;
 esac

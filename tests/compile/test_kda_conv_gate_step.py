@@ -117,6 +117,7 @@ def test_bad_out():
 @pytest.mark.parametrize("opts,match", [
     (dict(T=0), "T must"), (dict(T=9), "T must"), (dict(head_dim=64), "head_dim"),
     (dict(heads=0), "heads"), (dict(lower_bound=-6.0), "lower_bound"), (dict(lower_bound=0.0), "lower_bound"),
+    (dict(groups=0), "groups"), (dict(groups=2.0), "groups"),
 ])
 def test_bad_options(opts, match):
     with pytest.raises(ValueError, match=match):
@@ -129,14 +130,53 @@ def test_T_changes_expected_rows():
         _call(kw, T=2)
 
 
+def test_persist_policy():
+    """v4 (the request loop) runs exactly where the one-request grid needs a second wave on 132 SMs: nsplit 4 and
+    B * H * 4 CTAs above 132 * 5 at T = 1 (96 registers) or 132 * 4 at T > 1; its groups fill 4 CTAs per SM."""
+    def groups(H, B, T=1, **kw):
+        key = kmod.kernel_key(H, T, B, **kw)
+        g = [x for x in key[7:] if x.startswith("groups")]
+        return int(g[0][6:]) if g else 0
+    assert [groups(6, b) for b in (1, 8, 16, 27, 28, 64)] == [0, 0, 0, 0, 22, 22]
+    assert [groups(12, b) for b in (1, 5, 13, 14, 64)] == [0, 0, 0, 11, 11]
+    assert [groups(96, b) for b in (1, 2, 64)] == [0, 1, 1]
+    assert [groups(6, b, T=2) for b in (22, 23)] == [0, 22]
+    assert groups(6, 64, persist=False) == 0 and groups(6, 1, persist=True) == 11      # nsplit 8: 132 * 4 // 48
+    assert groups(6, 64, groups=3) == 3 and groups(6, 64, nsm=114) == 19
+    # the v4 build never takes the preload (the one-wave nsplit 8 build's)
+    assert "preload" not in kmod.kernel_key(6, 1, 1, persist=True) and "preload" in kmod.kernel_key(6, 1, 1)
+
+
 @needs_dsl
-@pytest.mark.parametrize("early", [False, True])
-def test_trigger_placement(early):
+@pytest.mark.parametrize("heads", [6, 12, 96])
+def test_registers_match_the_occupancy_policy(heads):
+    """persist_groups assumes 5 resident CTAs for the one-request nsplit 4 build at T = 1 (<= 102 registers) and 4
+    for v4 (<= 128, no spills at T = 1). Needs ptxas (K3_PTXAS or on PATH); skipped without it."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx, find_sass_tools, ptxas_resources
+    tools = find_sass_tools()
+    if tools is None:
+        pytest.skip("no ptxas on this machine")
+    old = kmod.TVM_FFI
+    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        one = ptxas_resources(compiled_ptx(lambda: kmod._compile(kmod.compile_key(heads, 1, 4))), tools[0])
+        v4 = ptxas_resources(compiled_ptx(lambda: kmod._compile(kmod.kernel_key(heads, 1, 64))), tools[0])
+    finally:
+        kmod.TVM_FFI = old
+    assert one["registers"] * 128 * kmod.ONE_WAVE_CTAS_PER_SM[1] <= 65536, one
+    assert v4["registers"] * 128 * kmod.PERSIST_CTAS_PER_SM <= 65536 and v4["spill_store_bytes"] == 0, v4
+
+
+@needs_dsl
+@pytest.mark.parametrize("early,v4", [(False, False), (True, False), (False, True), (True, True)])
+def test_trigger_placement(early, v4):
     """v2 (early_trigger): the PDL dependents launch right after the wait, before any state store; by default
-    after the state writes and their fence (what test_back_to_back_steps relies on)."""
+    after the state writes and their fence (what test_back_to_back_steps relies on). The same in v4's loop."""
     from k3fast._dsl import TVM_FFI
     from k3fast.ptxcheck import compiled_ptx
-    key = kmod.compile_key(6, 1, kmod.choose_nsplit(1, 6)) + (("early_trigger",) if early else ())
+    key = kmod.kernel_key(6, 1, 64 if v4 else 1, nsplit=4, early_trigger=early)
+    assert any(x.startswith("groups") for x in key[7:]) == v4
     old = kmod.TVM_FFI
     kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
     try:
