@@ -88,6 +88,23 @@ Version log
       logs/gpu-junit-84291ed-s9tests.xml): kernel bench b1 / b2 / b4 / b8 8.9 -> 8.4, 9.3 -> 8.5, 9.8 -> 9.1,
       11.0 -> 10.2 us; attention half b1 36.7 -> 36.1 us (fast-kdapre). Met at the kernel (-0.5 to -0.8 us), the
       low end in the layer. The default from 84291ed's successor on (PRELOAD = True; "fast-s8" keeps v2).
+  v4 (2026-11-30, session 9; PERSIST, the default where it applies; "fast-s16kda" is the A/B without it, "fast-kdav4"
+      forces it) The request loop. Why: at rank16 b64 the step took 27.4 us in the layer for 52 MB (floor ~12;
+      records-3960ffc-kdaall2.json): 1536 CTAs on 660 slots (5 per SM at 96 registers) run in ~2.3 waves, and a CTA
+      holds its slot for its whole chain (state load, proj loads, conv, f_b, two cluster barriers, the recurrence,
+      the store), so each later wave's loads start only when an earlier CTA's chain ends; the HBM idles between.
+      v4 launches persist_groups(B, H) = 132 * 4 // (4 H) clusters per head (22 at rank16, 11 at rank8, 1 at full
+      width), all resident, and loops each over requests b, b + G, ...: the next request's state rows go to the
+      other of two shared-memory stages by cp.async (each thread reads back only its own 16-byte chunks, so
+      cp.async.wait_group orders them without a barrier) and its conv windows to registers, both in flight during
+      the current request's phases; the conv weights, W_fb rows, dt_bias, A_log and the norm weight are loaded once
+      per CTA. The phases are the same code (request_step), so the results are bit-identical to the one-request grid
+      (GPU test). ptxas: 152 registers uncapped, so it asks for 4 CTAs per SM: 122 registers at T = 1 without
+      spills, 128 with 92-108 B of spills at T = 2..8. Used where the one-request grid needs a second wave: rank16 b
+      >= 28, rank8 b >= 14, full b >= 2 (T = 1).
+      Prediction: kernel bench rank16 b64 ~30 -> ~15-18 us (3 requests per CTA at ~4 us of chain each, the state
+      stream hidden behind it), rank8 b64 -40 %, full b8 / b64 52 / 355 -> ~35 / ~230-260; attention half rank16
+      b64 65.3 -> ~53-56 us (1.41x -> ~1.65-1.75x stock).
 """
 from __future__ import annotations
 
