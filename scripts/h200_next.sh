@@ -187,9 +187,13 @@ case "${1:-}" in
             kda_conv_gate_step@one kda_conv_gate_step@v4 kda_conv_gate_step@v4half" K3_BENCH_TIMEOUT=120 \
             bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 64 \
             --impls stock fast fast-s16kda --budget-s 140 ;;
+  # Nsight Compute: the KDA step at rank16 b64 (one-request grid and v4) and b1, the experts at b1 / b64, the tail at b1
+  ncu1)   bash scripts/h200_ncu.sh "kda --shape k3_rank16 --batch 64 --persist 0" "kda --shape k3_rank16 --batch 64 --persist 1" \
+            "kda --shape k3_rank16 --batch 1" "experts --shape k3_rank16 --batch 1" "tail --shape k3_rank16 --batch 1" \
+            "experts --shape k3_rank16 --batch 64" ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1"; exit 2 ;;
 esac

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Nsight Compute on the H200 for the cases of scripts/ncu_cases.py (one profiled launch each, caches flushed by
+# ncu before every replay pass, clocks left alone as the device notes ask). Writes $OUT/ncu.tgz (one text report
+# per case) and prints the headline rows. Usage: bash scripts/h200_ncu.sh "<case args>" ["<case args>" ...]
+set -u
+: "${OUT:?}"
+tmp=$(mktemp -d)
+PD=""
+ncu --help 2>/dev/null | grep -q -- "--print-details" && PD="--print-details all"
+for c in "$@"; do
+  n=$(echo "$c" | tr -s ' ' '_' | tr -d -- '-')
+  timeout "${K3_NCU_TIMEOUT:-150}" ncu --clock-control none --nvtx --nvtx-include "profile/" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    --section SchedulerStats --section WarpStateStats $PD \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 scripts/ncu_cases.py $c > "$tmp/ncu-$n.txt" 2>&1
+  echo "== $c (rc $?)"
+  grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|No kernels|ERR|Error" \
+    "$tmp/ncu-$n.txt" | head -12
+  grep -E "issue_stalled" "$tmp/ncu-$n.txt" | sort -k3 -g -r | head -6
+done
+tar czf "$OUT/ncu.tgz" -C "$tmp" .
