@@ -101,13 +101,11 @@ def _cases(cfg, batch: int):
     from .kda_conv_gate_step import choose_nsplit
     ns_alt = 12 - choose_nsplit(M, H)
     # the default; v2 without the proj preload (T = 1, nsplit 8; v3 is the default since session 7); the other
-    # value-row split than choose_nsplit's (8 <-> 4), the A/B of "fast-kdans8"; the one-request grid against v4's
-    # request loop (the default where the one-request grid needs a second wave), and v4 at half its groups
-    from .kda_conv_gate_step import kernel_key
-    g_def = next((int(x[6:]) for x in kernel_key(H, 1, M)[7:] if x.startswith("groups")), 0)
+    # value-row split than choose_nsplit's (8 <-> 4), the A/B of "fast-kdans8"; v3's store order (v5, the late
+    # write-backs, is the default since session 9). Both with the early trigger, as in the layer ("@...trig")
     for tag, kw_kda in (("", {}), ("@v2", {"preload": False}), (f"@ns{ns_alt}", {"nsplit": ns_alt}),
-                        ("@one", {"persist": False}), ("@v4", {"persist": True}),
-                        ("@v4half", {"groups": max(1, g_def // 2)} if g_def else {"persist": True})):
+                        ("@v3", {"late_stores": False}), ("@trig", {"early_trigger": True}),
+                        ("@v3trig", {"late_stores": False, "early_trigger": True})):
         cases.append((f"kda_conv_gate_step{tag}",
                       lambda kw_kda=kw_kda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm,
                                                                st.conv, st.recurrent, io.slots, heads=H, **kw_kda),

@@ -77,7 +77,7 @@ class FastImpl:
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  kda_preload: bool | None = None, shared_in_fma_front: bool = True,
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
-                 kda_persist: bool | None = None,
+                 kda_late_stores: bool | None = None,
                  topk_split: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
@@ -140,9 +140,9 @@ class FastImpl:
         # runs 8 at every batch, the alternative its v1 log named for large batches; measured slower at b64
         # (records-0bc90c0-s11.json: attention 68.3 against 65.2 us at rank16, 111.3 against 101.6 at rank8)
         self.kda_nsplit = kda_nsplit
-        # None: kda_conv_gate_step.persist_groups (v4's request loop where the one-request grid needs a second wave,
-        # rank16 b >= 28, rank8 b >= 14, full b >= 2); "fast-s16kda" runs the one-request grid everywhere
-        self.kda_persist = kda_persist
+        # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
+        # the early trigger); "fast-s17kda" keeps v3's order
+        self.kda_late_stores = kda_late_stores
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
         self.topk_split = topk_split         # None: router_down_topk.TOPK_SPLIT (TopkFromLogits over 4 warps, v2.8)
@@ -173,7 +173,7 @@ class FastImpl:
                         + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", in_proj GEMV up to M={gemv_dsl_max_m}")
                         + ("" if inproj_dsl_max_m == INPROJ_DSL_MAX_M else f", in_proj DSL GEMV up to M={inproj_dsl_max_m}")
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
-                        + ("" if kda_persist is None else f", KDA request loop {'on' if kda_persist else 'off'}")
+                        + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if topk_split is None else f", TopkFromLogits split {'on' if topk_split else 'off'}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
@@ -226,7 +226,7 @@ class FastImpl:
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
                                    early_trigger=self.attn_early_trigger, preload=self.kda_preload, nsplit=self.kda_nsplit,
-                                   persist=self.kda_persist)
+                                   late_stores=self.kda_late_stores)
         with stage("k3.o_proj"):
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,

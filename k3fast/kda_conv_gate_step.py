@@ -88,23 +88,32 @@ Version log
       logs/gpu-junit-84291ed-s9tests.xml): kernel bench b1 / b2 / b4 / b8 8.9 -> 8.4, 9.3 -> 8.5, 9.8 -> 9.1,
       11.0 -> 10.2 us; attention half b1 36.7 -> 36.1 us (fast-kdapre). Met at the kernel (-0.5 to -0.8 us), the
       low end in the layer. The default from 84291ed's successor on (PRELOAD = True; "fast-s8" keeps v2).
-  v4 (2026-11-30, session 9; PERSIST, the default where it applies; "fast-s16kda" is the A/B without it, "fast-kdav4"
-      forces it) The request loop. Why: at rank16 b64 the step took 27.4 us in the layer for 52 MB (floor ~12;
-      records-3960ffc-kdaall2.json): 1536 CTAs on 660 slots (5 per SM at 96 registers) run in ~2.3 waves, and a CTA
-      holds its slot for its whole chain (state load, proj loads, conv, f_b, two cluster barriers, the recurrence,
-      the store), so each later wave's loads start only when an earlier CTA's chain ends; the HBM idles between.
-      v4 launches persist_groups(B, H) = 132 * 4 // (4 H) clusters per head (22 at rank16, 11 at rank8, 1 at full
-      width), all resident, and loops each over requests b, b + G, ...: the next request's state rows go to the
-      other of two shared-memory stages by cp.async (each thread reads back only its own 16-byte chunks, so
-      cp.async.wait_group orders them without a barrier) and its conv windows to registers, both in flight during
-      the current request's phases; the conv weights, W_fb rows, dt_bias, A_log and the norm weight are loaded once
-      per CTA. The phases are the same code (request_step), so the results are bit-identical to the one-request grid
-      (GPU test). ptxas: 152 registers uncapped, so it asks for 4 CTAs per SM: 122 registers at T = 1 without
-      spills, 128 with 92-108 B of spills at T = 2..8. Used where the one-request grid needs a second wave: rank16 b
-      >= 28, rank8 b >= 14, full b >= 2 (T = 1).
-      Prediction: kernel bench rank16 b64 ~30 -> ~15-18 us (3 requests per CTA at ~4 us of chain each, the state
-      stream hidden behind it), rank8 b64 -40 %, full b8 / b64 52 / 355 -> ~35 / ~230-260; attention half rank16
-      b64 65.3 -> ~53-56 us (1.41x -> ~1.65-1.75x stock).
+  v4 (2026-11-30, session 9; measured slower and removed in the same session; the code is at d875e46) The request
+      loop: where the one-request grid needs a second wave (nsplit 4, B*H*4 CTAs above 5 per SM), launch only the
+      clusters that fit at 4 CTAs per SM (a 128-register cap) and loop each over requests b, b + G, ..., with the next
+      request's state rows in flight (cp.async into the other of two smem stages) and its conv windows in registers.
+      Why: at rank16 b64 the 1536 CTAs run in ~2.3 waves, and a later wave's state loads start only when an earlier
+      CTA's whole chain ends. Predicted: kernel rank16 b64 ~30 -> ~15-18 us, attention half b64 65.3 -> ~53-56.
+      Measured (kernels-d875e46-s17.json, records-d875e46-s17.json, one run, copy 4.193 TB/s): kernel rank16 b64
+      30.9 -> 37.6 us (half the groups: 41.5), rank8 b64 53.7 -> 70.1, full b8 / b64 52.7 / 352.8 -> 61.4 / 427.3;
+      attention half rank16 b64 65.2 -> 70.3, rank8 117.5 against 102.4. MISSED, the other way. The GPU tests
+      against the reference passed, but the bit-identity test against the one-request grid did not (y differed; not
+      chased, the variant was removed). The per-item arithmetic explains the miss: per SM, a CTA-request cost ~2.7 us
+      in the one-request grid, 3.2 us in v4 and 3.6 us at half the groups, so the step is not bound by waves of
+      state loads but by each CTA's chain, which v4 ran with fewer CTAs per SM. ncu then showed what the chain waits
+      on (next entry).
+  v5 (2026-11-30, session 9; LATE_STORES, the default; "fast-s17kda" is the A/B without it) Nsight Compute at rank16
+      b64 (ncu1 at 5446d13, traces/h200/ncu-5446d13-ncu1/): 16.2 cycles per issued instruction, of which "membar"
+      3.45, the second cause after long-scoreboard (5.0); DRAM at 21 % of peak. In the SASS each cluster barrier's
+      arrive (release semantics) is MEMBAR.ALL.GPU + UCGABAR_ARV and each wait CCTL.IVALL, and the kernel ends with
+      another MEMBAR.ALL.GPU (the fence before the trigger). v3 issued the conv-window stores before phase B and the
+      16 KB of state rows per CTA before phase C's cluster barrier, so that barrier's MEMBAR waited for them to
+      complete GPU-wide, and the end fence waited again, even behind the early trigger, where it orders nothing for
+      the already-launched dependent. v5 issues every write-back after the last cluster barrier and, with the early
+      trigger (the layer's configuration), drops the end fence. Bit-identical by construction (GPU test). ptxas:
+      96 / 72 registers at nsplit 4 / 8 (v3: 96 / 71), no spills.
+      Prediction: kernel bench with the early trigger ("@trig" against "@v3trig") rank16 b64 -15 to -20 % (~30.9 ->
+      ~25-26 us), b1 -0.3 to -0.6 us; attention half rank16 b64 65.2 -> ~60-61 us, b1 -0.3 to -0.6 us.
 """
 from __future__ import annotations
 
@@ -118,13 +127,9 @@ MAX_T = 8
 # right after the PDL wait (the version log says why)
 PRELOAD = True
 WARPS = 4
-# v4 (persistent request loop): on by default where the one-request-per-cluster grid needs more than one wave
-PERSIST = True
-# Resident CTAs per SM (128 threads each). One-request builds (ptxas 12.9, sm_90a): nsplit 4 takes 96 registers at
-# T = 1 (5 CTAs) and 126-134 at T = 2..8 (4, or 3 above 128). v4 asks ptxas for 4 CTAs (min_blocks_per_mp, a
-# 128-register cap): 122 registers at T = 1 without spills (152 uncapped), 128 with 92-108 B of spills at T = 2..8.
-ONE_WAVE_CTAS_PER_SM = {1: 5}          # T -> CTAs of the one-request build; 4 for T > 1
-PERSIST_CTAS_PER_SM = 4
+# v5 (the default from session 9; "fast-s17kda" is the A/B without it): the conv-window and state write-backs after
+# the last cluster barrier, and no end fence behind the early trigger (the version log says why)
+LATE_STORES = True
 
 
 def proj_width(heads: int, head_dim: int = HEAD_DIM) -> int:
@@ -141,63 +146,29 @@ def choose_nsplit(batch: int, heads: int) -> int:
     return 8 if batch * heads <= 64 else 4
 
 
-def persist_groups(batch: int, heads: int, nsplit: int, T: int = 1, nsm: int = 132) -> int:
-    """v4's request groups per head (grid z), or 0 for the one-request-per-cluster grid.
-
-    The one-request grid has B * H clusters of nsplit CTAs; each CTA loads its state rows, runs the chain of phases
-    (proj loads, conv, f_b, two cluster barriers, the recurrence) and stores. When those CTAs need more than one wave,
-    every later wave waits for a whole chain before its loads start (rank16 b64: 1536 CTAs on 660 slots, 27.4 us
-    for 52 MB in the layer). v4 launches only the clusters that fit at once and loops each over requests
-    b, b + G, ..., with the next request's state in flight during the current one's phases."""
-    if not PERSIST or nsplit != 4:
-        return 0
-    one_wave = nsm * ONE_WAVE_CTAS_PER_SM.get(T, 4)
-    if batch * heads * nsplit <= one_wave:
-        return 0
-    return max(1, nsm * PERSIST_CTAS_PER_SM // (nsplit * heads))
-
-
 def compile_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: float = 1e-5,
                 head_dim: int = HEAD_DIM):
     return ("kda_conv_gate_step", int(heads), int(head_dim), int(T), int(nsplit), float(lower_bound), float(eps))
 
 
-def kernel_key(heads: int, T: int, batch: int, lower_bound: float = -5.0, eps: float = 1e-5,
-               head_dim: int = HEAD_DIM, *, nsplit: int | None = None, early_trigger: bool = False,
-               preload: bool | None = None, persist: bool | None = None, groups: int | None = None,
-               nsm: int = 132) -> tuple:
-    """The compiled kernel the host entry point runs for these options (compile_key plus the build flags)."""
-    ns = choose_nsplit(batch, heads) if nsplit is None else int(nsplit)
-    # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
-    pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and ns == 8
-    if groups is None:
-        g = persist_groups(batch, heads, ns, T, nsm) if persist is None or persist else 0
-        if persist and not g:
-            g = max(1, nsm * PERSIST_CTAS_PER_SM // (ns * heads))
-    else:
-        g = int(groups)
-    if g and pre:
-        pre = False                                   # v4 is the loop build; the preload belongs to the one-wave grid
-    return (compile_key(heads, T, ns, lower_bound, eps, head_dim) + (("early_trigger",) if early_trigger else ())
-            + (("preload",) if pre else ()) + ((f"groups{g}",) if g else ()))
-
-
 def compile_keys(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
-                 eps: float = 1e-5, early_trigger: bool = False, nsm: int = 132) -> list:
-    """The kernels the default options run for these batches and T (nsm: the device's SM count)."""
+                 eps: float = 1e-5, early_trigger: bool = False) -> list:
+    """The kernels kda_conv_gate_step runs with its default options (preload, late_stores) for these batches and T."""
     keys = []
     for T in Ts:
         for b in batches:
-            k = kernel_key(heads, T, b, lower_bound, eps, early_trigger=early_trigger, nsm=nsm)
+            ns = choose_nsplit(b, heads)
+            k = (compile_key(heads, T, ns, lower_bound, eps) + (("early_trigger",) if early_trigger else ())
+                 + (("preload",) if PRELOAD and T == 1 and ns == 8 else ()) + (("late_stores",) if LATE_STORES else ()))
             if k not in keys:
                 keys.append(k)
     return keys
 
 
 def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
-           eps: float = 1e-5, early_trigger: bool = False, nsm: int = 132) -> list:
+           eps: float = 1e-5, early_trigger: bool = False) -> list:
     """Compile every kernel a (heads, batch list, T list) config needs; call before graph capture."""
-    keys = compile_keys(heads, batches, Ts, lower_bound, eps, early_trigger, nsm)
+    keys = compile_keys(heads, batches, Ts, lower_bound, eps, early_trigger)
     for k in keys:
         _get_compiled(k)
     return keys
@@ -206,7 +177,7 @@ def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_b
 # ---------------------------------------------------------------------------- device code
 
 def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float, early_trigger: bool = False,
-           preload: bool = False, groups: int = 0):
+           preload: bool = False, late_stores: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass.cutlass_dsl import dsl_user_op
@@ -215,7 +186,6 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
     H, D, NS = heads, head_dim, nsplit
     P = H * D
     assert not (preload and T != 1), "preload is a T = 1 build"
-    assert not (preload and groups), "v4 (persistent) is the large-batch build; preload is for the one-wave nsplit 8"
     R = D // NS                 # value rows (and f channels) per CTA
     RW = R // WARPS             # value rows per warp
     NTH = 32 * WARPS
@@ -236,6 +206,25 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
              Int32(rank).ir_value(loc=loc, ip=ip)],
             "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $0, $2;\n\tst.shared::cluster.f32 [ra], $1;\n\t}",
             "r,f,r,~{memory}", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+    @cute.jit
+    def write_conv_window(mConvState, valid, split, has_v, slot_w, cq, ck, cv_c, win):
+        # split 0 writes the head's q/k windows (every CTA of the cluster reads them), CTA s its v channels
+        if valid:
+            if split == 0:
+                for j in cutlass.range_constexpr(3):
+                    mConvState[slot_w, cq, j] = win[0, j].to(BFloat16)
+                    mConvState[slot_w, ck, j] = win[1, j].to(BFloat16)
+            if has_v:
+                for j in cutlass.range_constexpr(3):
+                    mConvState[slot_w, cv_c, j] = win[2, j].to(BFloat16)
+
+    @cute.jit
+    def write_state_rows(mRecState, valid, slot_w, h, row0, lane, rS):
+        if valid:
+            for r in cutlass.range_constexpr(RW):
+                g_row = cute.local_tile(mRecState[slot_w, h, row0 + r, None], (4,), (lane,))
+                cute.autovec_copy(rS[r, None], g_row)
 
     @cute.jit
     def request_step(mProj, mConvState, mRecState, mY, b, slot_w, valid, is_pad, is_bad, rS, win, cw, rW, rDt,
@@ -306,14 +295,8 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
-        if valid:
-            if split == 0:
-                for j in cutlass.range_constexpr(3):
-                    mConvState[slot_w, cq, j] = win[0, j].to(BFloat16)
-                    mConvState[slot_w, ck, j] = win[1, j].to(BFloat16)
-            if has_v:
-                for j in cutlass.range_constexpr(3):
-                    mConvState[slot_w, cv_c, j] = win[2, j].to(BFloat16)
+        if const_expr(not late_stores):
+            write_conv_window(mConvState, valid, split, has_v, slot_w, cq, ck, cv_c, win)
 
         # ---------------- phase B: T sequential delta-rule steps on the register-resident rows
         rK = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
@@ -341,10 +324,8 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                 if lane == 0:
                     sO[t, warp * RW + r] = o
 
-        if valid:
-            for r in cutlass.range_constexpr(RW):
-                g_row = cute.local_tile(mRecState[slot_w, h, row0 + r, None], (4,), (lane,))
-                cute.autovec_copy(rS[r, None], g_row)
+        if const_expr(not late_stores):
+            write_state_rows(mRecState, valid, slot_w, h, row0, lane, rS)
 
         # ---------------- phase C: gated RMSNorm over the head's 128 rows (cluster reduction)
         cute.arch.barrier()
@@ -380,22 +361,21 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                     yv = Float32(float("nan"))
                 mY[b * T + t, col] = yv.to(BFloat16)
 
-    # v4: ask ptxas for PERSIST_CTAS_PER_SM resident CTAs (a register cap); the carveout is explicit because without it
-    # the DSL queries the driver at compile time, which the CPU compile cannot
-    occupancy = ({"min_blocks_per_mp": PERSIST_CTAS_PER_SM, "preferred_smem_carveout": 100}
-                 if groups > 0 and PERSIST_CTAS_PER_SM else {})
+        if const_expr(late_stores):
+            # v5: the write-backs after the last cluster barrier. A cluster barrier's arrive has release semantics,
+            # which sm_90 implements as MEMBAR.ALL.GPU: issued before it, these stores made every thread wait for
+            # their GPU-wide completion there (ncu at rank16 b64: "membar" 3.45 of 16.2 stall cycles per issue).
+            write_conv_window(mConvState, valid, split, has_v, slot_w, cq, ck, cv_c, win)
+            write_state_rows(mRecState, valid, slot_w, h, row0, lane, rS)
 
     class KdaConvGateStep:
         @cute.jit
         def __call__(self, mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
                      mY, stream):
             nb = cute.size(mSlots, mode=[0])
-            gz = nb
-            if const_expr(groups > 0):
-                gz = cutlass.min(nb, Int32(groups))     # v4: at most `groups` clusters per head, each loops over requests
             self.kernel(mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
-                        mY).launch(grid=[NS, H, gz], block=[NTH, 1, 1], cluster=[NS, 1, 1],
-                                   stream=stream, use_pdl=True, **occupancy)
+                        mY).launch(grid=[NS, H, nb], block=[NTH, 1, 1], cluster=[NS, 1, 1],
+                                   stream=stream, use_pdl=True)
 
         @cute.kernel
         def kernel(self, mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots, mY):
@@ -414,13 +394,6 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             sO = smem.allocate_tensor(Float32, cute.make_layout((T, R), stride=(R, 1)), 16)
             sRed = smem.allocate_tensor(Float32, cute.make_layout((T, NS), stride=(NS, 1)), 16)
             sBeta = smem.allocate_tensor(Float32, cute.make_layout((T,), stride=(1,)), 16)
-            if const_expr(groups > 0):
-                # v4: two stages of this CTA's R state rows; thread (warp, lane) copies and reads back only its own
-                # 16-byte chunks, so cp.async.wait_group orders them without a CTA barrier
-                sS = smem.allocate_tensor(Float32, cute.make_layout((2, R, D), stride=(R * D, D, 1)), 16)
-                scp = cute.make_copy_atom(
-                    cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), Float32,
-                    num_bits_per_copy=128)
 
             # DSMEM may only be written once every CTA of the cluster is running: arrive now, wait
             # just before the first remote store (the wait is normally already satisfied).
@@ -444,12 +417,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             if valid:
                 for r in cutlass.range_constexpr(RW):
                     g_row = cute.local_tile(mRecState[slot_w, h, row0 + r, None], (4,), (lane,))
-                    if const_expr(groups > 0):
-                        cute.copy(scp, g_row, cute.local_tile(sS[0, warp * RW + r, None], (4,), (lane,)))
-                    else:
-                        cute.autovec_copy(g_row, rS[r, None])
-            if const_expr(groups > 0):
-                cute.arch.cp_async_commit_group()
+                    cute.autovec_copy(g_row, rS[r, None])
 
             # conv taps: thread tid owns q channel hD+tid, k channel P+hD+tid, and (tid < R) the v
             # channel 2P+hD+sR+tid. win[c, j]: j = 0 oldest (t-3) ... 2 newest (t-1).
@@ -490,61 +458,15 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                 # v2 (opt-in, see the contracts): the dependent (o_proj + AttnRes #2) may start its weight stream now
                 cute.arch.griddepcontrol_launch_dependents()
 
-            if const_expr(groups > 0):
-                # v4: requests b, b + gz, ... of this head; the next one's state rows (cp.async into the other
-                # stage) and conv windows (registers) are in flight while this one runs its phases
-                _, _, gz = cute.arch.grid_dim()
-                nb = cute.size(mSlots, mode=[0])
-                win_n = cute.make_rmem_tensor(cute.make_layout((3, 3), stride=(3, 1)), Float32)
-                stage = Int32(0)
-                for bb in cutlass.range(b, nb, gz, unroll=1):
-                    bn = bb + gz
-                    slot_n = Int32(-1)
-                    if bn < nb:
-                        slot_n = mSlots[bn]
-                    is_pad_n = slot_n < 0
-                    is_bad_n = slot_n >= nslots
-                    valid_n = (slot_n >= 0) & (slot_n < nslots)
-                    slot_cn = slot_n
-                    if not valid_n:
-                        slot_cn = Int32(0)
-                    slot_wn = slot_cn.to(Int64)
-                    if valid_n:
-                        for r in cutlass.range_constexpr(RW):
-                            cute.copy(scp, cute.local_tile(mRecState[slot_wn, h, row0 + r, None], (4,), (lane,)),
-                                      cute.local_tile(sS[1 - stage, warp * RW + r, None], (4,), (lane,)))
-                    cute.arch.cp_async_commit_group()
-                    win_n.fill(0.0)
-                    if valid_n:
-                        for j in cutlass.range_constexpr(3):
-                            win_n[0, j] = mConvState[slot_wn, cq, j].to(Float32)
-                            win_n[1, j] = mConvState[slot_wn, ck, j].to(Float32)
-                            win_n[2, j] = mConvState[slot_wn, cv_c, j].to(Float32)
-                    # this request's stage (the group before the newest one) has landed
-                    cute.arch.cp_async_wait_group(1)
-                    rS.fill(0.0)
-                    if valid:
-                        for r in cutlass.range_constexpr(RW):
-                            cute.autovec_copy(cute.local_tile(sS[stage, warp * RW + r, None], (4,), (lane,)),
-                                              rS[r, None])
-                    request_step(mProj, mConvState, mRecState, mY, bb, slot_w, valid, is_pad, is_bad, rS, win, cw, rW,
-                                 rDt, decay_rate, onorm, sUq, sUk, sAl, sUv, sO, sRed, sBeta, tid, lane, warp, split, h,
-                                 cq, ck, cv_c, has_v, jv, fr, row0)
-                    for i in cutlass.range_constexpr(3):
-                        for j in cutlass.range_constexpr(3):
-                            win[i, j] = win_n[i, j]
-                    slot_w = slot_wn
-                    valid = valid_n
-                    is_pad = is_pad_n
-                    is_bad = is_bad_n
-                    stage = 1 - stage
-            else:
-                request_step(mProj, mConvState, mRecState, mY, b, slot_w, valid, is_pad, is_bad, rS, win, cw, rW, rDt,
-                             decay_rate, onorm, sUq, sUk, sAl, sUv, sO, sRed, sBeta, tid, lane, warp, split, h, cq, ck,
-                             cv_c, has_v, jv, fr, row0)
+            request_step(mProj, mConvState, mRecState, mY, b, slot_w, valid, is_pad, is_bad, rS, win, cw, rW, rDt,
+                         decay_rate, onorm, sUq, sUk, sAl, sUv, sO, sRed, sBeta, tid, lane, warp, split, h, cq, ck, cv_c,
+                         has_v, jv, fr, row0)
 
-            # state writes must be visible before a dependent grid may start its pre-wait loads
-            cute.arch.fence_acq_rel_gpu()
+            # state writes must be visible before a dependent grid may start its pre-wait loads. v5: with the early
+            # trigger the dependents were launched before these writes, so the fence would order nothing for them
+            # (later kernels see the writes through the grid's completion) and only wait for the stores to drain
+            if const_expr(not (late_stores and early_trigger)):
+                cute.arch.fence_acq_rel_gpu()
             if const_expr(not early_trigger):
                 cute.arch.griddepcontrol_launch_dependents()
 
@@ -555,7 +477,7 @@ def _compile(key):
     _, heads, head_dim, T, nsplit, lower_bound, eps = key[:7]
     early = "early_trigger" in key[7:]
     preload = "preload" in key[7:]
-    groups = next((int(x[len("groups"):]) for x in key[7:] if x.startswith("groups")), 0)
+    late = "late_stores" in key[7:]
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
@@ -563,7 +485,7 @@ def _compile(key):
     M = cute.sym_int()          # B*T rows
     B = cute.sym_int()          # requests
     S = cute.sym_int()          # state slots
-    obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload, groups=groups)
+    obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload, late_stores=late)
     fakes = (
         fake_tensor(BFloat16, (M, proj_width(heads, head_dim))),
         fake_tensor(BFloat16, (P, head_dim)),
@@ -585,20 +507,9 @@ def _get_compiled(key):
 
 # ---------------------------------------------------------------------------- host entry point
 
-_NSM: dict = {}
-
-
-def _num_sms(device) -> int:
-    import torch
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NSM:
-        _NSM[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NSM[idx]
-
-
 def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
                        head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None, early_trigger=False,
-                       preload=None, persist=None, groups=None):
+                       preload=None, late_stores=None):
     """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
     for the valid slots and returns y [B*T, H*D] bf16. See the module docstring for the contracts.
 
@@ -609,10 +520,8 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     preload (v3; None = PRELOAD, on by default): at T = 1, every proj value is loaded right after the wait (bit-identical).
     Ignored for T > 1, where the per-token loads would cost T times the registers, and for nsplit 4 (it spills).
 
-    persist (v4; None = persist_groups' policy: on at nsplit 4 where the one-request grid needs a second wave): launch
-    only the clusters that fit at once, each looping over requests with the next one's state in flight. True forces
-    it (with as many groups as fit), False turns it off. groups (diagnostics and tests): the number of request groups
-    per head, which forces v4 with that many (1 = every head's requests in one cluster, in order)."""
+    late_stores (v5; None = LATE_STORES, on by default): the conv-window and state write-backs come after the last
+    cluster barrier, and with early_trigger there is no fence at the end (bit-identical results)."""
     import torch
 
     if head_dim != HEAD_DIM:
@@ -623,8 +532,6 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
         raise ValueError(f"T must be an int in 1..{MAX_T}, got {T!r}")
     if not (-5.0 <= lower_bound < 0.0):
         raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}")
-    if groups is not None and (not isinstance(groups, int) or groups < 1):
-        raise ValueError(f"groups must be a positive int, got {groups!r}")
     D, H = head_dim, heads
     P = H * D
     # dtypes and shapes first (these run on CPU too), then one device for everything
@@ -659,7 +566,10 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     ns = choose_nsplit(B, H) if nsplit is None else int(nsplit)
     if ns not in (4, 8):
         raise ValueError(f"nsplit must be 4 or 8, got {nsplit}")
-    fn = _get_compiled(kernel_key(H, T, B, lower_bound, eps, D, nsplit=ns, early_trigger=early_trigger,
-                                  preload=preload, persist=persist, groups=groups, nsm=_num_sms(dev)))
+    # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
+    pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and ns == 8
+    late = LATE_STORES if late_stores is None else bool(late_stores)
+    fn = _get_compiled(compile_key(H, T, ns, lower_bound, eps, D) + (("early_trigger",) if early_trigger else ())
+                       + (("preload",) if pre else ()) + (("late_stores",) if late else ()))
     fn(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, out)
     return out

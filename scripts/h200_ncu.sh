@@ -19,4 +19,8 @@ for c in "$@"; do
     "$tmp/ncu-$n.txt" | head -12
   grep -E "issue_stalled" "$tmp/ncu-$n.txt" | sort -k3 -g -r | head -6
 done
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  ncu --version | tail -1
+  python3 -c "import torch, importlib.metadata as m; print('torch', torch.__version__, 'cutlass', m.version('nvidia-cutlass-dsl'))"
+  echo "commit ${K3_COMMIT:-unknown}; cases: $*"; } > "$tmp/meta.txt" 2>&1
 tar czf "$OUT/ncu.tgz" -C "$tmp" .

@@ -180,7 +180,8 @@ case "${1:-}" in
             --batches 1 2 --impls stock fast --budget-s 100 ;;
   # kda_conv_gate_step v4 (the request loop where the one-request grid needs a second wave): its GPU tests (reference,
   # bit-identity with the one-request grid, graph replay, back to back), the kernel bench at the three shapes and the
-  # attention-half A/B at b64 (fast-s16kda: the one-request grid everywhere)
+  # attention-half A/B at b64 (fast-s16kda: the one-request grid everywhere). Run at d875e46; v4 was measured slower
+  # and removed, so this step and ncu1's --persist cases need that commit (5446d13 for ncu1)
   s17)    K3_TEST_TIMEOUT=220 bash scripts/h200_tests.sh tests/gpu/test_kda_conv_gate_step.py tests/gpu/test_fast_layer.py \
             -k "kda_conv or kdav4"
           K3_SWEEP_TIMEOUT=170 K3_BENCH="--shapes k3_rank16 k3_rank8 full --batches 1 8 64 --kernels kda_conv_gate_step \
@@ -191,9 +192,20 @@ case "${1:-}" in
   ncu1)   bash scripts/h200_ncu.sh "kda --shape k3_rank16 --batch 64 --persist 0" "kda --shape k3_rank16 --batch 64 --persist 1" \
             "kda --shape k3_rank16 --batch 1" "experts --shape k3_rank16 --batch 1" "tail --shape k3_rank16 --batch 1" \
             "experts --shape k3_rank16 --batch 64" ;;
+  # kda_conv_gate_step v5 (write-backs after the last cluster barrier, no end fence behind the early trigger): GPU
+  # tests, kernel bench (the @trig rows are the layer's configuration), the attention-half A/B (fast-s17kda: v3's
+  # order) at every batch of rank16 / rank8, then ncu of v5 against v3 at rank16 b64 with the early trigger
+  s18)    K3_TEST_TIMEOUT=150 bash scripts/h200_tests.sh tests/gpu/test_kda_conv_gate_step.py tests/gpu/test_fast_layer.py \
+            -k "kda_conv or s17kda"
+          K3_SWEEP_TIMEOUT=170 K3_BENCH="--shapes k3_rank16 k3_rank8 full --batches 1 8 64 --kernels kda_conv_gate_step \
+            kda_conv_gate_step@v3 kda_conv_gate_step@trig kda_conv_gate_step@v3trig" K3_BENCH_TIMEOUT=110 \
+            bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 8 64 \
+            --impls stock fast fast-s17kda --budget-s 150
+          K3_NCU_TIMEOUT=60 bash scripts/h200_ncu.sh "kda --shape k3_rank16 --batch 64 --late 0 --trig 1" \
+            "kda --shape k3_rank16 --batch 64 --late 1 --trig 1" ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18"; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """Launch one fused kernel a few times on fresh random inputs, for Nsight Compute to profile (no timing here).
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --section WarpStateStats ... \
-        python3 scripts/ncu_cases.py kda --shape k3_rank16 --batch 64 [--persist 0|1]
+        python3 scripts/ncu_cases.py kda --shape k3_rank16 --batch 64 [--late 0|1] [--trig 0|1]
     ncu ... python3 scripts/ncu_cases.py experts --shape k3_rank16 --batch 1
     ncu ... python3 scripts/ncu_cases.py tail --shape k3_rank16 --batch 1
 
@@ -19,7 +19,7 @@ import sys
 import torch
 
 
-def kda_case(cfg, M: int, persist, dev: str = "cuda"):
+def kda_case(cfg, M: int, late_stores=None, early_trigger: bool = False, dev: str = "cuda"):
     from k3fast.kda_conv_gate_step import kda_conv_gate_step, proj_width
     H, D = cfg.kda_heads, cfg.kda_head_dim
     P = H * D
@@ -36,7 +36,7 @@ def kda_case(cfg, M: int, persist, dev: str = "cuda"):
     slots = torch.randperm(S, generator=g, device=dev)[:M].to(torch.int32)
     out = torch.empty(M, P, dtype=torch.bfloat16, device=dev)
     return lambda: kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv, rec, slots, heads=H,
-                                      out=out, persist=persist)
+                                      out=out, late_stores=late_stores, early_trigger=early_trigger)
 
 
 def experts_case(cfg, M: int):
@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("case", choices=("kda", "experts", "tail"))
     ap.add_argument("--shape", default="k3_rank16")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--persist", type=int, choices=(0, 1), default=None, help="kda: v4's request loop off / on")
+    ap.add_argument("--late", type=int, choices=(0, 1), default=None, help="kda: v5's late write-backs off / on")
+    ap.add_argument("--trig", type=int, choices=(0, 1), default=0, help="kda: the early PDL trigger (the layer's)")
     ap.add_argument("--launches", type=int, default=3)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     from k3fast.bench import preset
     cfg = preset(args.shape)
     if args.case == "kda":
-        fn = kda_case(cfg, args.batch, None if args.persist is None else bool(args.persist))
+        fn = kda_case(cfg, args.batch, None if args.late is None else bool(args.late), bool(args.trig))
     elif args.case == "experts":
         fn = experts_case(cfg, args.batch)
     else:

@@ -117,7 +117,6 @@ def test_bad_out():
 @pytest.mark.parametrize("opts,match", [
     (dict(T=0), "T must"), (dict(T=9), "T must"), (dict(head_dim=64), "head_dim"),
     (dict(heads=0), "heads"), (dict(lower_bound=-6.0), "lower_bound"), (dict(lower_bound=0.0), "lower_bound"),
-    (dict(groups=0), "groups"), (dict(groups=2.0), "groups"),
 ])
 def test_bad_options(opts, match):
     with pytest.raises(ValueError, match=match):
@@ -130,53 +129,14 @@ def test_T_changes_expected_rows():
         _call(kw, T=2)
 
 
-def test_persist_policy():
-    """v4 (the request loop) runs exactly where the one-request grid needs a second wave on 132 SMs: nsplit 4 and
-    B * H * 4 CTAs above 132 * 5 at T = 1 (96 registers) or 132 * 4 at T > 1; its groups fill 4 CTAs per SM."""
-    def groups(H, B, T=1, **kw):
-        key = kmod.kernel_key(H, T, B, **kw)
-        g = [x for x in key[7:] if x.startswith("groups")]
-        return int(g[0][6:]) if g else 0
-    assert [groups(6, b) for b in (1, 8, 16, 27, 28, 64)] == [0, 0, 0, 0, 22, 22]
-    assert [groups(12, b) for b in (1, 5, 13, 14, 64)] == [0, 0, 0, 11, 11]
-    assert [groups(96, b) for b in (1, 2, 64)] == [0, 1, 1]
-    assert [groups(6, b, T=2) for b in (22, 23)] == [0, 22]
-    assert groups(6, 64, persist=False) == 0 and groups(6, 1, persist=True) == 11      # nsplit 8: 132 * 4 // 48
-    assert groups(6, 64, groups=3) == 3 and groups(6, 64, nsm=114) == 19
-    # the v4 build never takes the preload (the one-wave nsplit 8 build's)
-    assert "preload" not in kmod.kernel_key(6, 1, 1, persist=True) and "preload" in kmod.kernel_key(6, 1, 1)
-
-
 @needs_dsl
-@pytest.mark.parametrize("heads", [6, 12, 96])
-def test_registers_match_the_occupancy_policy(heads):
-    """persist_groups assumes 5 resident CTAs for the one-request nsplit 4 build at T = 1 (<= 102 registers) and 4
-    for v4 (<= 128, no spills at T = 1). Needs ptxas (K3_PTXAS or on PATH); skipped without it."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx, find_sass_tools, ptxas_resources
-    tools = find_sass_tools()
-    if tools is None:
-        pytest.skip("no ptxas on this machine")
-    old = kmod.TVM_FFI
-    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
-    try:
-        one = ptxas_resources(compiled_ptx(lambda: kmod._compile(kmod.compile_key(heads, 1, 4))), tools[0])
-        v4 = ptxas_resources(compiled_ptx(lambda: kmod._compile(kmod.kernel_key(heads, 1, 64))), tools[0])
-    finally:
-        kmod.TVM_FFI = old
-    assert one["registers"] * 128 * kmod.ONE_WAVE_CTAS_PER_SM[1] <= 65536, one
-    assert v4["registers"] * 128 * kmod.PERSIST_CTAS_PER_SM <= 65536 and v4["spill_store_bytes"] == 0, v4
-
-
-@needs_dsl
-@pytest.mark.parametrize("early,v4", [(False, False), (True, False), (False, True), (True, True)])
-def test_trigger_placement(early, v4):
+@pytest.mark.parametrize("early", [False, True])
+def test_trigger_placement(early):
     """v2 (early_trigger): the PDL dependents launch right after the wait, before any state store; by default
-    after the state writes and their fence (what test_back_to_back_steps relies on). The same in v4's loop."""
+    after the state writes and their fence (what test_back_to_back_steps relies on)."""
     from k3fast._dsl import TVM_FFI
     from k3fast.ptxcheck import compiled_ptx
-    key = kmod.kernel_key(6, 1, 64 if v4 else 1, nsplit=4, early_trigger=early)
-    assert any(x.startswith("groups") for x in key[7:]) == v4
+    key = kmod.compile_key(6, 1, kmod.choose_nsplit(1, 6)) + (("early_trigger",) if early else ())
     old = kmod.TVM_FFI
     kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
     try:
@@ -211,3 +171,34 @@ def test_preload_issues_proj_loads_before_the_first_sigmoid(heads):
     finally:
         kmod.TVM_FFI = old
     assert late[True] == 0 and late[False] >= 3, late
+
+
+@needs_dsl
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("heads,batch", [(6, 1), (6, 64)])
+def test_late_stores_follow_the_last_cluster_barrier(early, heads, batch):
+    """v5 (late_stores): every global store (conv window, state rows, y) comes after the last cluster barrier's
+    arrive (a release, MEMBAR.ALL.GPU on sm_90, which would wait for them), and behind the early trigger there is
+    no gpu-scope fence; without the early trigger the fence stays between the last store and the trigger."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    ns = kmod.choose_nsplit(batch, heads)
+    key = (kmod.compile_key(heads, 1, ns) + (("early_trigger",) if early else ())
+           + (("preload",) if ns == 8 else ()) + ("late_stores",))
+    assert key in kmod.compile_keys(heads, [batch], [1], early_trigger=early)
+    old = kmod.TVM_FFI
+    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        lines = [ln.strip() for ln in compiled_ptx(lambda: kmod._compile(key)).splitlines()]
+    finally:
+        kmod.TVM_FFI = old
+    arrives = [i for i, ln in enumerate(lines) if ln.startswith("barrier.cluster.arrive")]
+    stores = [i for i, ln in enumerate(lines) if ln.startswith("st.global")]
+    fences = [i for i, ln in enumerate(lines) if ln.startswith("fence.acq_rel.gpu")]
+    trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+    assert len(arrives) >= 3 and stores and len(trig) == 1
+    assert min(stores) > max(arrives)
+    if early:
+        assert not fences and trig[0] < min(stores)
+    else:
+        assert len(fences) == 1 and max(stores) < fences[0] < trig[0]

@@ -105,7 +105,7 @@ def make_slots(B, S, gen, pad_every=3):
     return perm
 
 
-def check_step(B, T, H, seed=0, nsplit=None, slots=None, extra_slots=3, **kw):
+def check_step(B, T, H, seed=0, nsplit=None, slots=None, extra_slots=3):
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(seed * 1000 + B * 10 + T + H)
     S = B + extra_slots
@@ -120,7 +120,7 @@ def check_step(B, T, H, seed=0, nsplit=None, slots=None, extra_slots=3, **kw):
     conv0, rec0 = conv.clone(), rec.clone()
     out = torch.full((B * T, H * D), float("nan"), dtype=torch.bfloat16, device=dev)
     y = kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
-                                conv, rec, slots, heads=H, T=T, lower_bound=LB, eps=EPS, out=out, nsplit=nsplit, **kw)
+                                conv, rec, slots, heads=H, T=T, lower_bound=LB, eps=EPS, out=out, nsplit=nsplit)
     torch.cuda.synchronize()
     assert y is out
     sl = slots.long().cpu()
@@ -163,44 +163,6 @@ def test_both_splits(nsplit):
     check_step(3, 3, 12, nsplit=nsplit)
 
 
-@pytest.mark.parametrize("B,T,H,groups", [(7, 1, 6, 1), (7, 1, 6, 2), (9, 4, 12, 3), (5, 2, 6, None), (64, 1, 6, 5)])
-def test_persist_against_reference(B, T, H, groups):
-    """v4 (the request loop) against the float64 reference, with padded requests in every loop (make_slots pads
-    every third request), uneven loop lengths (B not a multiple of groups) and one group looping over all requests.
-    groups None forces v4 with the groups that fit (persist=True) at a batch the policy would run in one wave."""
-    kw = {"persist": True} if groups is None else {"groups": groups}
-    check_step(B, T, H, seed=3, **kw)
-
-
-@pytest.mark.parametrize("H,B,T,groups", [(6, 64, 1, None), (12, 16, 1, None), (6, 7, 4, 2), (96, 2, 1, 1)])
-def test_persist_is_bit_identical(H, B, T, groups):
-    """v4 runs the same per-request phases (request_step) on the same values: y and both states equal the
-    one-request grid's bit for bit, with a padded request, a bad slot (NaN rows) and spare slots in the batch."""
-    dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(60 + B + T)
-    prm = make_params(H, gen, dev)
-    S = B + 3
-    conv0, rec0 = make_states(S, H, gen, dev)
-    slots = torch.randperm(S, generator=gen)[:B].to(torch.int32).to(dev)
-    slots[1] = -1
-    if B > 2:
-        slots[2] = S + 4
-    proj = make_proj(B, T, H, gen, dev)
-    res = {}
-    for name, kw in (("one", {"persist": False}), ("v4", {"persist": True} if groups is None else {"groups": groups})):
-        conv, rec = conv0.clone(), rec0.clone()
-        y = torch.full((B * T, H * D), 7.0, dtype=torch.bfloat16, device=dev)
-        kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv,
-                                rec, slots, heads=H, T=T, out=y, **kw)
-        torch.cuda.synchronize()
-        res[name] = (y.view(torch.int16), conv.view(torch.int16), rec.view(torch.int32))
-    for a, b in zip(res["one"], res["v4"]):
-        assert torch.equal(a, b)
-    if B > 2:
-        assert torch.isnan(res["v4"][0].view(torch.bfloat16)[2 * T:3 * T].float()).all()
-    assert (res["v4"][0].view(torch.bfloat16)[T:2 * T] == 0).all()
-
-
 def test_all_padding_and_bad_slot():
     # all padding: nothing read or written, y all zero
     check_step(4, 2, 6, slots=torch.full((4,), -1, dtype=torch.int32))
@@ -213,19 +175,16 @@ def test_all_padding_and_bad_slot():
     conv, rec = make_states(S, H, gen, dev)
     conv0, rec0 = conv.clone(), rec.clone()
     slots = torch.tensor([S + 5, -1, S], dtype=torch.int32, device=dev)
-    for kw in ({}, {"groups": 1}):                      # groups 1: all three requests in one v4 loop
-        y = kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
-                                    conv, rec, slots, heads=H, T=T, **kw)
-        torch.cuda.synchronize()
-        assert torch.isnan(y[0].float()).all() and torch.isnan(y[2].float()).all() and (y[1] == 0).all()
-        assert torch.equal(conv, conv0) and torch.equal(rec.view(torch.int32), rec0.view(torch.int32))
+    y = kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
+                                conv, rec, slots, heads=H, T=T)
+    torch.cuda.synchronize()
+    assert torch.isnan(y[0].float()).all() and torch.isnan(y[2].float()).all() and (y[1] == 0).all()
+    assert torch.equal(conv, conv0) and torch.equal(rec.view(torch.int32), rec0.view(torch.int32))
 
 
-@pytest.mark.parametrize("groups", [None, 1])
-def test_back_to_back_steps(groups):
+def test_back_to_back_steps():
     """Two launches on the same slots with nothing in between (PDL pre-wait state loads of the second
-    must see the first's writes) equal two reference steps; groups 1: v4, whose first request's state is
-    the pre-wait load and the others' are loaded after the wait."""
+    must see the first's writes) equal two reference steps."""
     dev = torch.device("cuda")
     H, B, T = 6, 4, 1
     S = B + 2
@@ -245,7 +204,7 @@ def test_back_to_back_steps(groups):
     torch.cuda.synchronize()
     for p, o in zip(projs, outs):
         kmod.kda_conv_gate_step(p, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
-                                conv, rec, slots, heads=H, T=T, out=o, groups=groups)
+                                conv, rec, slots, heads=H, T=T, out=o)
     torch.cuda.synchronize()
     valid = torch.tensor([True, True, False, True], device=dev)
     for o, yr in zip(outs, refs):
@@ -362,3 +321,43 @@ def test_preload_is_bit_identical(H, B):
         assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
                            b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
     assert torch.equal(res[True][2][0], rec0[0]) and torch.equal(res[True][1][0], conv0[0])   # slot 0: no request
+
+
+@pytest.mark.parametrize("H,B,T", [(6, 1, 1), (6, 64, 1), (12, 8, 1), (6, 5, 4), (96, 2, 1)])
+@pytest.mark.parametrize("early", [False, True])
+def test_late_stores_are_bit_identical(H, B, T, early):
+    """v5 (late_stores) only moves the conv-window and state write-backs after the last cluster barrier (and drops
+    the end fence behind the early trigger): y and both states equal v3's order bit for bit, with a padded request,
+    a bad slot (NaN rows, nothing written) and spare slots in the batch."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(70 + B + T)
+    prm = make_params(H, gen, dev)
+    S = B + 3
+    conv0, rec0 = make_states(S, H, gen, dev)
+    slots = torch.randperm(S, generator=gen)[:B].to(torch.int32).to(dev)
+    if B > 1:
+        slots[1] = -1
+    if B > 2:
+        slots[2] = S + 4
+    proj = make_proj(B, T, H, gen, dev)
+    res = {}
+    for late in (False, True):
+        conv, rec = conv0.clone(), rec0.clone()
+        y = torch.full((B * T, H * D), 7.0, dtype=torch.bfloat16, device=dev)
+        kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv,
+                                rec, slots, heads=H, T=T, out=y, early_trigger=early, late_stores=late)
+        torch.cuda.synchronize()
+        res[late] = (y.view(torch.int16), conv.view(torch.int16), rec.view(torch.int32))
+    for a, b in zip(res[False], res[True]):
+        assert torch.equal(a, b)
+    y = res[True][0].view(torch.bfloat16).float()
+    assert torch.isfinite(y[:T]).all()
+    if B > 1:
+        assert (y[T:2 * T] == 0).all()
+    if B > 2:
+        assert torch.isnan(y[2 * T:3 * T]).all()
+    used = torch.zeros(S, dtype=torch.bool)
+    sl = slots.long().cpu()
+    used[sl[(sl >= 0) & (sl < S)]] = True
+    spare = (~used).nonzero().flatten().to(dev)
+    assert torch.equal(res[True][2][spare], rec0.view(torch.int32)[spare])
