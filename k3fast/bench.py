@@ -227,8 +227,11 @@ def _cases(cfg, batch: int):
     def stock_tail():
         rn = F.rms_norm(r.float(), (r.shape[-1],), m.norm.float(), cfg.rms_norm_eps).bfloat16()
         return F.linear(rn, m.up) + F.linear(h, m.shared_down)
-    cases.append(("moe_tail", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo), stock_tail,
-                  (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
+    # the default, and moe_tail v5's shared-memory weight ring at depths 2-4 (opt-in; M <= moe_tail.RING_MAX_M)
+    for tag, ring in (("", None), ("@ring2", 2), ("@ring3", 3), ("@ring4", 4)):
+        cases.append((f"moe_tail{tag}",
+                      lambda ring=ring: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo, ring=ring), stock_tail,
+                      (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
     return cases, io
 
 

@@ -77,7 +77,7 @@ class FastImpl:
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  kda_preload: bool | None = None, shared_in_fma_front: bool = True,
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
-                 kda_late_stores: bool | None = None,
+                 kda_late_stores: bool | None = None, tail_ring: int | None = None,
                  topk_split: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
@@ -143,6 +143,7 @@ class FastImpl:
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order
         self.kda_late_stores = kda_late_stores
+        self.tail_ring = tail_ring           # None: moe_tail.RING_DEPTH (0: off; "fast-tailring" = 3, opt-in)
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
         self.topk_split = topk_split         # None: router_down_topk.TOPK_SPLIT (TopkFromLogits over 4 warps, v2.8)
@@ -174,6 +175,7 @@ class FastImpl:
                         + ("" if inproj_dsl_max_m == INPROJ_DSL_MAX_M else f", in_proj DSL GEMV up to M={inproj_dsl_max_m}")
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
+                        + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
                         + ("" if topk_split is None else f", TopkFromLogits split {'on' if topk_split else 'off'}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
@@ -287,7 +289,7 @@ class FastImpl:
             torch.cuda.current_stream().wait_stream(side)
         if x.shape[0] <= self.tail_dsl_max_m:
             with stage("k3.moe.up"):
-                moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out)
+                moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out, ring=self.tail_ring)
         else:
             # cuBLAS tail (TAIL_DSL_MAX_M says why); the same roundings as k3ref: bf16 r_hat, bf16 routed and
             # shared, their sum rounded once

@@ -62,6 +62,21 @@ v4  (2026-11-30, session 8; measured slower and removed in the same session; the
     22.5 -> 23.4; MoE half b1 60.1 -> 60.9. MISSED, the other way. Not separated: the spills of the 64-register
     cap, and whether the W_sd stage issued early delays the last W_up stage's data. The tail's 17.6 us after the
     experts stays the item to move (LOG.md, next steps).
+v5  (2026-11-30, session 9; opt-in RING_DEPTH / "fast-tailring" = 3; CPU-compiled, measured by h200_next s19)
+    The weight stages go through a ring of D slots per warp in shared memory, filled by cp.async (16 B per thread
+    per row and chunk, the same fragments v1 loads), at M <= RING_MAX_M = 16 (one or two n-tiles). Stage it is copied
+    from slot it % D into the registers v1 would have loaded, multiplied, and the slot is refilled with stage it + D;
+    the first D stages are issued before the PDL wait. Each thread copies and reads back only its own 16-byte chunks,
+    so cp.async.wait_group orders them without a barrier. The MMAs see the same registers: bit-identical (GPU test).
+    Why: ncu at rank16 b1 (traces/h200/ncu-5446d13-ncu1/ncu-tail_*.txt): 38.8 cycles per issued instruction, 33.3 of
+    them long-scoreboard waits, 0.24 eligible warps per scheduler, DRAM 63 % busy, SMs active 83 % of the elapsed
+    cycles. A warp's 14 chunks of W_up are 7 register stages with one in flight ahead of the one being multiplied,
+    so each warp waits a memory round trip ~7 times in a row; more stages in registers spilled (v4). Shared memory
+    holds them without registers: D = 3 is 48 KB per CTA, which keeps the 4 CTAs per SM that 448 CTAs need for one
+    wave (launched with the largest carveout); D = 4 (64 KB) leaves 3 per SM and a second wave.
+    ptxas (sm_90a, 12.9): 46 registers at NT = 1 (v1: 64), 64 at NT = 2 (v1: 90, 2 CTAs per SM), no spills.
+    Prediction: tail bench rank16 b1 20.8 -> ~15.5-17 us at D = 3 (D = 2 between, D = 4 no better than v1); b8 22.5
+    -> ~17-19; MoE half b1 / b8 -2.5 to -3.5 us (the tail's 17.6 us after the experts -> ~14-15).
 
 What it replaces (k3-spec.md section 11, section 9 for SiTU, section 13 for the per-rank shapes)
 ---------------------------------------------------------------------------------------------
@@ -138,6 +153,12 @@ LATENT = 3584          # dL = routed_expert_hidden_size
 CHUNK = 32             # k per chunk: 4 lanes x 8 bf16
 MAX_M = 64
 SHARED_INTERMEDIATE = {"k3_rank16": 384, "k3_rank8": 768, "k3": 6144}
+# v5 (opt-in, "fast-tailring"; measured by the next H200 run): the tail's weight stages in a ring of RING_DEPTH slots
+# per warp in shared memory (cp.async) instead of two register stages, at M <= RING_MAX_M (one or two n-tiles).
+# 0 = off. ncu at rank16 b1 (traces/h200/ncu-5446d13-ncu1/): 33.3 of 38.8 stall cycles per issued instruction are
+# long-scoreboard waits, 0.24 eligible warps per scheduler, DRAM 63 % busy.
+RING_DEPTH = 0
+RING_MAX_M = 16
 
 
 # ----------------------------------------------------------------------------------------------- configuration
@@ -187,7 +208,7 @@ def _kernel_class():
         """mode "tail": out = bf16(bf16(rstd * (w_norm*r) W1^T) + bf16(h W2^T)); mode "gate_up": h = SiTU(x Wp^T)."""
 
         def __init__(self, mode: str, nt: int, wr: int, wk: int, u: int, n_rows: int, k1: int, k2: int,
-                     early_trigger: bool = False):
+                     early_trigger: bool = False, ring: int = 0):
             assert mode in ("tail", "gate_up")
             # early_trigger: launch the dependents (the tail) as soon as every CTA has its first weights in flight,
             # not after the main loop. For the shared gate/up launched after the routed experts (FastImpl
@@ -205,13 +226,25 @@ def _kernel_class():
             self.nacc = 4 * nt * self.sets
             self.red_slots = max(1, (wk - 1) * wr)
             self.smem_bytes = 4 * (self.red_slots * self.nacc * 32 + 8 * nt * wk) + 64
+            # v5 (opt-in): a ring of `ring` weight stages per warp in shared memory, filled by cp.async (see
+            # RING_DEPTH); the register stage is then only the one being multiplied
+            self.ring = ring
+            # v5: the ring's ~48 KB per CTA must not cost the 4 CTAs per SM that 448 CTAs need to run in one wave
+            # (the largest shared-memory carveout; given explicitly, since otherwise the DSL asks the driver at
+            # compile time, which the CPU compile cannot)
+            self.occupancy = {"preferred_smem_carveout": 100} if ring else {}
+            if ring:
+                assert mode == "tail" and ring >= 2
+                self.ring_bytes = 16 * 32 * 2 * u * ring * wr * wk
+                self.smem_bytes += self.ring_bytes + 128
 
         @cute.jit
         def __call__(self, mX1: cute.Tensor, mW1: cute.Tensor, mWn, mX2, mW2, mOut: cute.Tensor,
                      eps: Float32, stream):
             grid_x = self.n_rows // (16 * self.wr)
             self.kernel(mX1, mW1, mWn, mX2, mW2, mOut, eps).launch(
-                grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, stream=stream, use_pdl=True)
+                grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, stream=stream, use_pdl=True,
+                **self.occupancy)
 
         # -- one register stage of weight fragments: U chunks x rows (g, g+8), 16 B each
         @cute.jit
@@ -269,6 +302,45 @@ def _kernel_class():
                         for i in cutlass.range_constexpr(4):
                             acc[base + i] = d[i]
 
+        # -- v5: one stage of the same fragments into ring slot `slot` by cp.async (one commit group per stage,
+        #    empty past the end, so wait_group counts stay uniform). Each thread copies and later reads back only its
+        #    own 16-byte chunks, so cp.async.wait_group orders them without a barrier.
+        @cute.jit
+        def ring_load(self, gW: cute.Tensor, sW: cute.Tensor, slot, it, wk, warp, row_g, lane, t,
+                      nch: cutlass.Constexpr):
+            a_atom = cute.make_copy_atom(
+                cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                num_bits_per_copy=128)
+            for u in cutlass.range_constexpr(self.u):
+                c = (it * self.u + u) * self.wk + wk
+                if c < nch:
+                    cute.copy(a_atom, gW[0, None, row_g, 4 * c + t], sW[None, lane, 0, u, slot, warp])
+                    cute.copy(a_atom, gW[0, None, row_g + 8, 4 * c + t], sW[None, lane, 1, u, slot, warp])
+            cute.arch.cp_async_commit_group()
+
+        @cute.jit
+        def ring_segment(self, seg: cutlass.Constexpr, gX, gW, gWn, sW, rW, wk, warp, row_g, lane, g, t, m_last, acc,
+                         ssq, prefetched: cutlass.Constexpr):
+            """v5: stage it is multiplied from registers copied out of ring slot it % D, and slot it % D is then
+            refilled with stage it + D: D stages of this warp's loads stay in flight (v1: at most two, in
+            registers). The MMAs see the same registers as v1's, so the results are bit-identical."""
+            D = self.ring
+            nch = self.nch[seg]
+            nit = self.nit[seg]
+            if const_expr(not prefetched):
+                for d in cutlass.range_constexpr(D):
+                    self.ring_load(gW, sW, d, Int32(d), wk, warp, row_g, lane, t, nch)
+            for it in cutlass.range(nit, unroll=1):
+                slot = it % D
+                cute.arch.cp_async_wait_group(D - 1)
+                for u in cutlass.range_constexpr(self.u):
+                    for h in cutlass.range_constexpr(2):
+                        cute.autovec_copy(sW[None, lane, h, u, slot, warp], rW[None, h, u, 0])
+                self.compute(seg, gX, gWn, rW, 0, it, wk, g, t, m_last, acc, ssq, nch)
+                self.ring_load(gW, sW, slot, it + D, wk, warp, row_g, lane, t, nch)
+            # drain: the groups committed past the end are empty, but the next segment reuses the slots
+            cute.arch.cp_async_wait_group(0)
+
         @cute.jit
         def segment(self, seg: cutlass.Constexpr, gX, gW, gWn, rW, wk, row_g, g, t, m_last, acc, ssq,
                     prefetched: cutlass.Constexpr):
@@ -319,17 +391,36 @@ def _kernel_class():
             ssq = cute.make_rmem_tensor((self.nt,), Float32)
             ssq.fill(0.0)
 
-            # weights do not depend on the previous kernel: first stage in flight before the PDL wait
-            self.load_w(gW1, rW, 0, Int32(0), wk, row_g, t, self.nch[0])
+            sW = None
+            if const_expr(self.ring):
+                # (8 bf16 of a lane's 16-byte chunk, lane, row g / g+8, chunk u, ring slot, warp)
+                n_w = self.wr * self.wk
+                sW = smem.allocate_tensor(
+                    BFloat16, cute.make_layout((8, 32, 2, self.u, self.ring, n_w),
+                                               stride=(1, 8, 256, 512, 512 * self.u, 512 * self.u * self.ring)), 128)
+
+            # weights do not depend on the previous kernel: first stage in flight before the PDL wait (v5: the ring's
+            # D stages, which hold no registers)
+            if const_expr(self.ring):
+                for d in cutlass.range_constexpr(self.ring):
+                    self.ring_load(gW1, sW, d, Int32(d), wk, warp, row_g, lane, t, self.nch[0])
+            else:
+                self.load_w(gW1, rW, 0, Int32(0), wk, row_g, t, self.nch[0])
             if const_expr(self.early_trigger):
                 cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
 
-            self.segment(0, gX1, gW1, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, True)
+            if const_expr(self.ring):
+                self.ring_segment(0, gX1, gW1, gWn, sW, rW, wk, warp, row_g, lane, g, t, m_last, acc, ssq, True)
+            else:
+                self.segment(0, gX1, gW1, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, True)
             if const_expr(self.mode == "tail"):
                 gW2 = cute.flat_divide(mW2, (1, 8))
                 gX2 = cute.flat_divide(mX2, (1, 8))
-                self.segment(1, gX2, gW2, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, False)
+                if const_expr(self.ring):
+                    self.ring_segment(1, gX2, gW2, gWn, sW, rW, wk, warp, row_g, lane, g, t, m_last, acc, ssq, False)
+                else:
+                    self.segment(1, gX2, gW2, gWn, rW, wk, row_g, g, t, m_last, acc, ssq, False)
 
             # the next kernel may start its own weight prefetch while we reduce and store
             if const_expr(not self.early_trigger):
@@ -384,11 +475,11 @@ def _sym_m():
     return cute.sym_int()
 
 
-def _build_tail(nt: int, inter: int):
+def _build_tail(nt: int, inter: int, ring: int = 0):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32
     wr, wk, u = _tail_cfg(nt)
-    obj = _kernel_class()("tail", nt, wr, wk, u, HIDDEN, LATENT, inter)
+    obj = _kernel_class()("tail", nt, wr, wk, u, HIDDEN, LATENT, inter, ring=ring)
     m = _sym_m()
     fakes = (fake_tensor(BFloat16, (m, LATENT)), fake_tensor(BFloat16, (HIDDEN, LATENT)),
              fake_tensor(BFloat16, (LATENT,)), fake_tensor(BFloat16, (m, inter)),
@@ -415,9 +506,10 @@ def compile_keys(inter: int, batches: Iterable[int]) -> list[tuple]:
 
 
 def _get(key: tuple):
-    op, nt, inter = key
+    op, nt, inter = key[:3]
+    ring = key[3] if len(key) > 3 else 0
     if op == "moe_tail":
-        build = lambda: _build_tail(nt, inter)                                   # noqa: E731
+        build = lambda: _build_tail(nt, inter, ring)                             # noqa: E731
     else:
         build = lambda: _build_gate_up(nt, inter, early_trigger=(op == "shared_gate_up_early"))  # noqa: E731
     return compile_cached(("k3fast.moe_tail",) + key, build)
@@ -480,11 +572,14 @@ def shared_expert_gate_up(x, packed, *, out=None, early_trigger=False):
     return out
 
 
-def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None):
+def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None, ring: int | None = None):
     """f [M, 7168] = bf16(bf16(RMSNorm_{w_norm}(r) W_up^T) + bf16(h W_sd^T)).
 
     r [M, 3584] bf16 (combined routed-expert output), w_norm [3584] bf16, w_up [7168, 3584] bf16,
-    h [M, Is] bf16 (SiTU output of the shared experts), w_sd [7168, Is] bf16."""
+    h [M, Is] bf16 (SiTU output of the shared experts), w_sd [7168, Is] bf16.
+
+    ring (v5; None = RING_DEPTH, 0 = off): weight stages per warp in a shared-memory ring filled by cp.async, at
+    M <= RING_MAX_M (above it the v1 kernel runs whatever ring says). Bit-identical to v1."""
     import torch
     check_tensor("r", r, dtype=torch.bfloat16, shape=(None, LATENT))
     dev = r.device
@@ -501,8 +596,12 @@ def moe_tail(r, w_norm, w_up, h, w_sd, *, eps: float = 1e-5, out=None):
         out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device=dev)
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(m, HIDDEN), device=dev)
+    depth = RING_DEPTH if ring is None else ring
+    if not isinstance(depth, int) or depth < 0 or depth == 1 or depth > 4:
+        raise ValueError(f"ring must be 0 (off) or a depth in 2..4, got {ring!r}")
     if not r.is_cuda:
         raise ValueError("moe_tail: expected CUDA tensors")
-    fn = _get(("moe_tail", n_tiles(m), inter))
+    key = ("moe_tail", n_tiles(m), inter) + ((depth,) if depth and m <= RING_MAX_M else ())
+    fn = _get(key)
     fn(r, w_up, w_norm, h, w_sd, out, float(eps))
     return out

@@ -54,7 +54,7 @@ def experts_case(cfg, M: int):
                                      situ_linear_beta=cfg.situ_linear_beta)
 
 
-def tail_case(cfg, M: int, dev: str = "cuda"):
+def tail_case(cfg, M: int, ring=None, dev: str = "cuda"):
     from k3fast.moe_tail import moe_tail
     g = torch.Generator(device=dev).manual_seed(7)
     dL, Hd, Is = cfg.routed_expert_hidden_size, cfg.hidden_size, cfg.shared_intermediate
@@ -63,7 +63,7 @@ def tail_case(cfg, M: int, dev: str = "cuda"):
     w_up = (torch.randn(Hd, dL, generator=g, device=dev) * 0.02).bfloat16()
     h = torch.randn(M, Is, generator=g, device=dev).bfloat16()
     w_sd = (torch.randn(Hd, Is, generator=g, device=dev) * 0.02).bfloat16()
-    return lambda: moe_tail(r, w_norm, w_up, h, w_sd)
+    return lambda: moe_tail(r, w_norm, w_up, h, w_sd, ring=ring)
 
 
 def main(argv=None) -> int:
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--late", type=int, choices=(0, 1), default=None, help="kda: v5's late write-backs off / on")
     ap.add_argument("--trig", type=int, choices=(0, 1), default=0, help="kda: the early PDL trigger (the layer's)")
+    ap.add_argument("--ring", type=int, default=None, help="tail: moe_tail v5's ring depth (0 = v1)")
     ap.add_argument("--launches", type=int, default=3)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     elif args.case == "experts":
         fn = experts_case(cfg, args.batch)
     else:
-        fn = tail_case(cfg, args.batch)
+        fn = tail_case(cfg, args.batch, args.ring)
     for i in range(args.launches):
         if i == args.launches - 1:
             torch.cuda.nvtx.range_push("profile")   # ncu --nvtx --nvtx-include "profile/": only this launch

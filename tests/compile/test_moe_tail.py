@@ -153,3 +153,40 @@ def test_gate_up_trigger_placement(early):
     wait = [i for i, line in enumerate(ptx.splitlines()) if "griddepcontrol.wait" in line]
     assert len(trig) == 1 and len(wait) == 1
     assert (trig[0] < wait[0]) == early
+
+
+def test_tail_rejects_bad_ring():
+    a = _tail_args()
+    for ring in (1, 5, -1, 2.0):
+        with pytest.raises(ValueError, match="ring"):
+            _call_tail(a, ring=ring)
+
+
+@needs_dsl
+@pytest.mark.parametrize("nt,inter,depth", [(1, 384, 3), (2, 384, 3), (1, 768, 2), (1, 6144, 4)])
+def test_ring_streams_weights_through_shared_memory(nt, inter, depth):
+    """v5 (ring): the weight fragments arrive by cp.async (D stages in flight before the PDL wait, none by a register
+    load), the activations stay plain loads, and (with ptxas) the build fits 4 CTAs per SM in registers."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx, find_sass_tools, ptxas_resources
+    old = mt.TVM_FFI
+    mt.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        ptx = compiled_ptx(lambda: mt._build_tail(nt, inter, depth))
+    finally:
+        mt.TVM_FFI = old
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    cp_before = sum(1 for ln in lines[:wait] if ln.startswith("cp.async.cg.shared.global"))
+    commits_before = sum(1 for ln in lines[:wait] if ln.startswith("cp.async.commit_group"))
+    assert cp_before == 2 * mt._tail_cfg(nt)[2] * depth and commits_before == depth
+    # no 16-byte weight load into registers: the only v4 global loads left are the activations' (U chunks x NT
+    # n-tiles in each of the two segments) and w_norm's (U chunks, first segment)
+    wide = [ln for ln in lines if ln.startswith("ld.global") and ".v4" in ln]
+    assert len(wide) == mt._tail_cfg(nt)[2] * (1 + 2 * nt), wide
+    tools = find_sass_tools()
+    if tools is not None:
+        res = ptxas_resources(ptx, tools[0])
+        assert res["registers"] <= 64 and res["spill_store_bytes"] == 0, res
+    kern = mt._kernel_class()("tail", nt, *mt._tail_cfg(nt), mt.HIDDEN, mt.LATENT, inter, ring=depth)
+    assert kern.ring_bytes == 16 * 32 * 2 * mt._tail_cfg(nt)[2] * depth * mt._tail_cfg(nt)[0] * mt._tail_cfg(nt)[1]

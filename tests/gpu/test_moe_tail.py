@@ -161,3 +161,48 @@ def test_cuda_graph_two_streams(m, inter):
         assert torch.isfinite(out).all()
         # compare against the reference fed with the kernel's own h so the two errors do not compound
         assert rel_rmse(out, ref_tail(r2, w["w_norm"], w["w_up"], h, w["w_sd"])) <= TOL
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4])
+@pytest.mark.parametrize("m,inter", [(1, 384), (3, 384), (8, 768), (9, 384), (16, 768), (1, 6144), (17, 384)])
+def test_ring_is_bit_identical(m, inter, depth):
+    """v5 (ring) feeds the MMAs the same registers from a shared-memory ring: every output bit equals v1's, on a
+    NaN-poisoned out (every element written), against the reference too. m = 17 is above RING_MAX_M: v1 runs."""
+    w = weights(inter)
+    _, r, h = acts(m, inter, seed=300 + m)
+    outs = {}
+    for ring in (0, depth):
+        out = torch.full((m, D), float("nan"), dtype=BF, device=DEV)
+        mt.moe_tail(r, w["w_norm"], w["w_up"], h, w["w_sd"], out=out, ring=ring)
+        torch.cuda.synchronize()
+        outs[ring] = out
+    assert torch.isfinite(outs[depth]).all(), "unwritten (NaN-poisoned) or non-finite elements"
+    assert torch.equal(outs[0].view(torch.int16), outs[depth].view(torch.int16))
+    assert rel_rmse(outs[depth], ref_tail(r, w["w_norm"], w["w_up"], h, w["w_sd"])) <= TOL
+
+
+def test_ring_graph_replay_with_new_inputs():
+    """v5 inside a CUDA graph: replays with new r and h in the captured buffers match v1 run eagerly."""
+    m, inter = 4, 384
+    w = weights(inter)
+    _, r, h = acts(m, inter, seed=400)
+    out = torch.empty((m, D), dtype=BF, device=DEV)
+    call = lambda: mt.moe_tail(r, w["w_norm"], w["w_up"], h, w["w_sd"], out=out, ring=3)   # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for seed in (401, 402):
+        _, r2, h2 = acts(m, inter, seed=seed)
+        r.copy_(r2)
+        h.copy_(h2)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = mt.moe_tail(r2, w["w_norm"], w["w_up"], h2, w["w_sd"], ring=0)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
