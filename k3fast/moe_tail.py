@@ -324,6 +324,9 @@ def _kernel_class():
             """v5: stage it is multiplied from registers copied out of ring slot it % D, and slot it % D is then
             refilled with stage it + D: D stages of this warp's loads stay in flight (v1: at most two, in
             registers). The MMAs see the same registers as v1's, so the results are bit-identical."""
+            # A chunk past the end is skipped by ring_load, so its slot keeps an earlier stage's weights, which are
+            # finite (the first segment, W_up, fills every slot: dL / CHUNK = 112 chunks are 7 full stages), and
+            # compute() zeroes that chunk's B operand, as v1 does with its stale registers.
             D = self.ring
             nch = self.nch[seg]
             nit = self.nit[seg]
