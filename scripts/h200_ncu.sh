@@ -24,3 +24,9 @@ done
   python3 -c "import torch, importlib.metadata as m; print('torch', torch.__version__, 'cutlass', m.version('nvidia-cutlass-dsl'))"
   echo "commit ${K3_COMMIT:-unknown}; cases: $*"; } > "$tmp/meta.txt" 2>&1
 tar czf "$OUT/ncu.tgz" -C "$tmp" .
+# The device returns at most 8 files from $OUT: when this archive is one too many after a sweep (s18 lost its
+# sweep.log that way), the logs and gpu.txt travel as one logs.tgz (added to, if the sweep made one already).
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && if [ -f logs.tgz ]; then gunzip -c logs.tgz > logs.tar; else tar cf logs.tar --files-from /dev/null; fi \
+     && tar rf logs.tar $(ls *.log gpu.txt 2>/dev/null) && gzip -c logs.tar > logs.tgz && rm -f logs.tar *.log gpu.txt)
+fi
