@@ -186,3 +186,45 @@ def replay_timeline(records_file: str, part: str, impl: str, batch: int = 1, sha
             short = f"{mod} ({cls.group(1)})" if cls else mod
         lines.append(f"  {short:44s} {start:7.1f} -> {start + dur:7.1f} µs")
     return "\n".join(lines)
+
+
+_NCU_ROWS = {"Duration": "duration_us", "DRAM Throughput": "dram_pct", "Warp Cycles Per Issued Instruction":
+             "cycles_per_issue", "Achieved Occupancy": "occupancy_pct", "Registers Per Thread": "registers"}
+_NCU_STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio\s+\S+\s+([\d.]+)")
+
+
+def recorded_ncu(path: str, top: int = 4) -> dict:
+    """Headline rows of one Nsight Compute text report written by scripts/h200_ncu.sh (``path`` relative to the
+    repository): duration, DRAM busy %, cycles per issued instruction, occupancy, registers, and the ``top`` stall
+    reasons in cycles per issued instruction. Its meta.txt (GPU, driver, versions, commit) comes along as "meta"."""
+    full = os.path.join(ROOT, path)
+    with open(full) as f:
+        text = f.read()
+    out = {"source": path}
+    for line in text.splitlines():
+        parts = line.split()
+        for label, key in _NCU_ROWS.items():
+            if key not in out and line.strip().startswith(label + " ") and parts:
+                try:
+                    out[key] = float(parts[-1].replace(",", ""))
+                except ValueError:
+                    pass
+    stalls = sorted(((float(v), k) for k, v in _NCU_STALL.findall(text) if k != "selected"), reverse=True)
+    out["stalls"] = [(k, v) for v, k in stalls[:top]]
+    meta = os.path.join(os.path.dirname(full), "meta.txt")
+    if os.path.exists(meta):
+        with open(meta) as f:
+            out["meta"] = f.read().strip()
+    return out
+
+
+def ncu_table(paths: list[str]) -> str:
+    """One line per ncu report: the case (from the file name), duration, DRAM busy, cycles per issue and stalls."""
+    lines = []
+    for p in paths:
+        r = recorded_ncu(p)
+        case = os.path.basename(p)[len("ncu-"):-len(".txt")]
+        stalls = ", ".join(f"{k} {v:.2f}" for k, v in r["stalls"])
+        lines.append(f"{case:48s} {r.get('duration_us', float('nan')):7.2f} us  DRAM {r.get('dram_pct', float('nan')):5.1f} %"
+                     f"  {r.get('cycles_per_issue', float('nan')):5.2f} cyc/issue  [{stalls}]")
+    return "\n".join(lines)

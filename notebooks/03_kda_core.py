@@ -26,6 +26,8 @@
 
 # %%
 import copy
+import glob
+import os
 
 import torch
 
@@ -104,7 +106,35 @@ print(nbtools.ab_table("traces/h200/records-84291ed-s9perf.json", "attn", ["stoc
 print(nbtools.bench_table(nbtools.recorded_kernel_bench("kda_conv_gate_step@ns8")))
 print(nbtools.ab_table("traces/h200/records-0bc90c0-s11.json", "attn", ["stock", "fast", "fast-kdans8"]))
 
+# %% [markdown]
+# ## 7. Reading a stall breakdown: one change removed, one kept (session 9)
+# * **v4, a persistent request loop (removed).** At rank16 b64 the 1536 CTAs of the one-request grid run in ~2.3
+#   waves. v4 launched only the clusters that fit and looped each over requests, with the next request's state in
+#   flight in shared memory. It was slower everywhere (rank16 b64 30.9 -> 37.6 µs in the bench). Per SM, one
+#   CTA-request cost ~2.7 µs in the one-request grid and 3.2 µs in v4: the step is bound by each CTA's chain of
+#   dependent steps, not by waves of state loads.
+# * **What the chain waits on: Nsight Compute.** One profiled launch per case (`scripts/h200_ncu.sh`). Each row
+#   below gives the cycles a warp waits per issued instruction, split by reason. "membar" is a memory barrier. On
+#   sm_90 a cluster barrier's arrive (release semantics) compiles to `MEMBAR.ALL.GPU`, and the kernel ended with a
+#   gpu-scope fence before its PDL trigger, which waited for the 16 KB of state each CTA had just stored.
+# * **v5, the write-backs after the last cluster barrier and no end fence behind the early trigger (kept).** In the
+#   layer the trigger already fired right after the wait, so the fence ordered nothing for the dependent, and the
+#   grid's completion drains the stores anyway. The result is bit-identical. With the layer's early trigger the
+#   step is 9 % shorter at b64 (28.1 against 30.9 µs), and the attention half takes 62.1 against 64.7 µs
+#   (`fast-s17kda`). At b1 it is unchanged: there the dependent waits for the grid's completion, which drains the
+#   stores as the fence did.
+
 # %%
+ncu_files = sorted(os.path.relpath(p, nbtools.ROOT) for p in glob.glob(os.path.join(nbtools.ROOT, "traces", "h200", "ncu-*", "ncu-kda_*.txt")))
+print(nbtools.ncu_table(ncu_files))
+v3 = nbtools.recorded_ncu("traces/h200/ncu-ee5c807-s18/ncu-kda_shape_k3_rank16_batch_64_late_0_trig_1.txt")
+v5 = nbtools.recorded_ncu("traces/h200/ncu-ee5c807-s18/ncu-kda_shape_k3_rank16_batch_64_late_1_trig_1.txt")
+print(v5["meta"].splitlines()[0])
+print(nbtools.bench_table(nbtools.recorded_kernel_bench("kda_conv_gate_step@v3trig") + nbtools.recorded_kernel_bench("kda_conv_gate_step@trig")))
+print(nbtools.ab_table("traces/h200/records-ee5c807-s18.json", "attn", ["stock", "fast", "fast-s17kda"]))
+
+# %%
+assert dict(v3["stalls"])["membar"] > 2 * dict(v5["stalls"])["membar"] and v5["duration_us"] < v3["duration_us"]
 assert loop_vs_chunk < 1e-10
 assert bool((y[1] == 0).all())
 assert rec["source"] is None or rec["failed"] == 0

@@ -264,3 +264,26 @@ def test_every_recorded_perfetto_trace_is_found():
         missing += [(src, r["perfetto"]) for r in doc["records"]
                     if r.get("perfetto") and perfetto_file({**r, "source": src}) is None]
     assert not missing, missing[:5]
+
+
+def test_recorded_ncu_parses_headlines_and_orders_stalls(tmp_path):
+    from k3fast import nbtools
+    (tmp_path / "meta.txt").write_text("NVIDIA H200, 580.159.04\ncommit abc\n")
+    rep = tmp_path / "ncu-kda_case.txt"
+    rep.write_text(
+        "    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio      inst         0.96\n"
+        "    smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio inst     33.28\n"
+        "    smsp__average_warps_issue_stalled_selected_per_issue_active.ratio     inst         1.00\n"
+        "    smsp__average_warps_issue_stalled_wait_per_issue_active.ratio         inst         1.29\n"
+        "    DRAM Throughput                   %        62.90\n"
+        "    Duration                         us        19.62\n"
+        "    Warp Cycles Per Issued Instruction             cycle        38.77\n"
+        "    Registers Per Thread             register/thread              64\n"
+        "    Achieved Occupancy                             %           41.30\n"
+        "    Duration                         us        99.00\n")
+    r = nbtools.recorded_ncu(str(rep), top=2)
+    assert r["duration_us"] == 19.62 and r["dram_pct"] == 62.9 and r["cycles_per_issue"] == 38.77
+    assert r["registers"] == 64 and r["occupancy_pct"] == 41.3
+    assert r["stalls"] == [("long_scoreboard", 33.28), ("wait", 1.29)]      # "selected" is not a stall
+    assert r["meta"].startswith("NVIDIA H200")
+    assert "kda_case" in nbtools.ncu_table([str(rep)])
