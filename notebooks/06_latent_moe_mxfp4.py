@@ -195,7 +195,35 @@ print(f"the b1 chain by stage, v7 ({src}):")
 for variant in ("sortprobe", "fc1probe", "fc2probe", "probe", "default"):
     print(f"  {variant:10s}{table[variant][1]:7.1f} µs")
 
+# %% [markdown]
+# ## 10. Two rounds of arrivals or one? And what the kernels wait on (session 9)
+# The stage probes above put 3.3 µs of the b1 chain in v7's two rounds of gpu-scope arrivals (the part reduction,
+# then the combine). `gridcomb` (bench row G1, removed) made them one grid-wide arrival, after which every CTA
+# combined a slice. It was bit-identical, but slower: 24.7 against 21.2 µs at rank16 b1. The stream probes (G1probe
+# against probe) show the arrival itself costs ~3.5 µs: 128 CTAs arrive on one counter, then every CTA waits for
+# the slowest. v7's per-pair arrivals let the early pairs combine while the late ones still stream.
+#
+# Nsight Compute (one launch each, caches flushed) then shows what each kernel of the MoE half waits on, in
+# cycles per issued instruction. At b1 the experts wait on CTA barriers and loads, and the tail on loads alone
+# (33 of 39 cycles: each warp has one register stage in flight ahead of the one it multiplies). At b64 the
+# experts' stalls are short (`wait`, `not_selected`, `math_pipe_throttle`), so the issue rate is the limit, as the
+# stream probe said. `moe_tail`'s v5 (opt-in, measured next) moves the tail's weight stages into a shared-memory
+# ring filled by cp.async.
+
 # %%
+src, table = nbtools.recorded_experts_probe("k3_rank16", "traces/h200/experts-26465c5-s16.json")
+print(f"rank16, median µs per launch ({src})")
+for variant in ("default", "probe", "G1", "G1probe"):
+    print(f"  {variant:9s}" + "".join(f"{table[variant].get(b, float('nan')):9.1f}" for b in (1, 2)))
+print(nbtools.ab_table("traces/h200/records-26465c5-s16.json", "moe", ["stock", "fast", "fast-gridcomb"]))
+moe_ncu = [f"traces/h200/ncu-5446d13-ncu1/ncu-{c}.txt" for c in
+           ("experts_shape_k3_rank16_batch_1", "tail_shape_k3_rank16_batch_1", "experts_shape_k3_rank16_batch_64")]
+print(nbtools.ncu_table(moe_ncu))
+tail_b1 = nbtools.recorded_ncu(moe_ncu[1])
+
+# %%
+assert table["G1"][1] > table["default"][1] and table["G1probe"][1] > table["probe"][1]
+assert tail_b1["stalls"][0][0] == "long_scoreboard" and tail_b1["stalls"][0][1] > 0.8 * tail_b1["cycles_per_issue"]
 assert v7_rows_once
 assert rot_decode_exact
 assert vec_vs_loop < 1e-10
