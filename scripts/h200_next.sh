@@ -204,18 +204,20 @@ case "${1:-}" in
           K3_NCU_TIMEOUT=60 bash scripts/h200_ncu.sh "kda --shape k3_rank16 --batch 64 --late 0 --trig 1" \
             "kda --shape k3_rank16 --batch 64 --late 1 --trig 1" ;;
   # moe_tail v5 (a cp.async shared-memory ring of weight stages per warp, opt-in): bit-identity and graph tests, the
-  # layer's MoE half with it, the kernel bench at ring depths 2-4, the layer A/B, and ncu of the tail at b1 (v1 / ring 3)
+  # layer's MoE half with it, the kernel bench at ring depths 2-4 and the layer A/B
   s19)    K3_TEST_TIMEOUT=150 bash scripts/h200_tests.sh tests/gpu/test_moe_tail.py tests/gpu/test_fast_layer.py \
             -k "ring or tailring"
           K3_SWEEP_TIMEOUT=150 K3_BENCH="--shapes k3_rank16 k3_rank8 full --batches 1 8 16 --kernels moe_tail \
             moe_tail@ring2 moe_tail@ring3 moe_tail@ring4" K3_BENCH_TIMEOUT=100 \
             bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 8 \
-            --impls stock fast fast-tailring --budget-s 120
-          K3_NCU_TIMEOUT=60 bash scripts/h200_ncu.sh "tail --shape k3_rank16 --batch 1" \
-            "tail --shape k3_rank16 --batch 1 --ring 3" ;;
+            --impls stock fast fast-tailring --budget-s 120 ;;
+  # Nsight Compute: the tail at b1 (v1 / ring 3) and the other two b1 GEMVs (fused in_proj, fused router front)
+  ncu2)   K3_NCU_TIMEOUT=90 bash scripts/h200_ncu.sh "tail --shape k3_rank16 --batch 1" \
+            "tail --shape k3_rank16 --batch 1 --ring 3" "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" \
+            "bench --kernel router_down_topk+shared --shape k3_rank16 --batch 1" ;;
   # every KDA+MoE shape, fused vs stock only (fits what device time is left after a staging)
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2"; exit 2 ;;
 esac

@@ -4,6 +4,7 @@
         python3 scripts/ncu_cases.py kda --shape k3_rank16 --batch 64 [--late 0|1] [--trig 0|1]
     ncu ... python3 scripts/ncu_cases.py experts --shape k3_rank16 --batch 1
     ncu ... python3 scripts/ncu_cases.py tail --shape k3_rank16 --batch 1
+    ncu ... python3 scripts/ncu_cases.py bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1
 
 Each case makes its inputs once (random, never zeros) and launches the kernel --launches times with a device
 synchronize between launches; only the last launch runs inside the NVTX range "profile", so ncu's NVTX filter
@@ -66,9 +67,20 @@ def tail_case(cfg, M: int, ring=None, dev: str = "cuda"):
     return lambda: moe_tail(r, w_norm, w_up, h, w_sd, ring=ring)
 
 
+def bench_case(cfg, M: int, name: str):
+    """Any case of k3fast.bench (the per-kernel bench's inputs and call), e.g. attnres_rms_gemv, router_down_topk+shared."""
+    from k3fast.bench import _cases
+    cases, _ = _cases(cfg, M)
+    found = {c[0]: c[1] for c in cases}
+    if name not in found:
+        raise SystemExit(f"no k3fast.bench case {name!r} at this shape / batch; have: {sorted(found)}")
+    return found[name]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("case", choices=("kda", "experts", "tail"))
+    ap.add_argument("case", choices=("kda", "experts", "tail", "bench"))
+    ap.add_argument("--kernel", default=None, help="bench: the k3fast.bench case name")
     ap.add_argument("--shape", default="k3_rank16")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--late", type=int, choices=(0, 1), default=None, help="kda: v5's late write-backs off / on")
@@ -86,8 +98,10 @@ def main(argv=None) -> int:
         fn = kda_case(cfg, args.batch, None if args.late is None else bool(args.late), bool(args.trig))
     elif args.case == "experts":
         fn = experts_case(cfg, args.batch)
-    else:
+    elif args.case == "tail":
         fn = tail_case(cfg, args.batch, args.ring)
+    else:
+        fn = bench_case(cfg, args.batch, args.kernel)
     for i in range(args.launches):
         if i == args.launches - 1:
             torch.cuda.nvtx.range_push("profile")   # ncu --nvtx --nvtx-include "profile/": only this launch
