@@ -105,7 +105,8 @@ def _cases(cfg, batch: int):
     # write-backs, is the default since session 9). Both with the early trigger, as in the layer ("@...trig")
     for tag, kw_kda in (("", {}), ("@v2", {"preload": False}), (f"@ns{ns_alt}", {"nsplit": ns_alt}),
                         ("@v3", {"late_stores": False}), ("@trig", {"early_trigger": True}),
-                        ("@v3trig", {"late_stores": False, "early_trigger": True})):
+                        ("@v3trig", {"late_stores": False, "early_trigger": True}),
+                        ("@txtrig", {"dsmem_tx": True, "early_trigger": True})):
         cases.append((f"kda_conv_gate_step{tag}",
                       lambda kw_kda=kw_kda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm,
                                                                st.conv, st.recurrent, io.slots, heads=H, **kw_kda),

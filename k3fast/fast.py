@@ -77,7 +77,7 @@ class FastImpl:
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  kda_preload: bool | None = None, shared_in_fma_front: bool = True,
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
-                 kda_late_stores: bool | None = None, tail_ring: int | None = None,
+                 kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
@@ -143,6 +143,7 @@ class FastImpl:
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order
         self.kda_late_stores = kda_late_stores
+        self.kda_dsmem_tx = kda_dsmem_tx     # None: kda_conv_gate_step.DSMEM_TX (v6, opt-in "fast-kdatx")
         self.tail_ring = tail_ring           # None: moe_tail.RING_DEPTH (0: off; "fast-tailring" = 3, opt-in)
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
@@ -176,6 +177,7 @@ class FastImpl:
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
+                        + ("" if kda_dsmem_tx is None else f", KDA st.async exchange {'on' if kda_dsmem_tx else 'off'}")
                         + ("" if topk_split is None else f", TopkFromLogits split {'on' if topk_split else 'off'}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
@@ -228,7 +230,7 @@ class FastImpl:
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
                                    early_trigger=self.attn_early_trigger, preload=self.kda_preload, nsplit=self.kda_nsplit,
-                                   late_stores=self.kda_late_stores)
+                                   late_stores=self.kda_late_stores, dsmem_tx=self.kda_dsmem_tx)
         with stage("k3.o_proj"):
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,

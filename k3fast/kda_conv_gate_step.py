@@ -114,6 +114,30 @@ Version log
       96 / 72 registers at nsplit 4 / 8 (v3: 96 / 71), no spills.
       Prediction: kernel bench with the early trigger ("@trig" against "@v3trig") rank16 b64 -15 to -20 % (~30.9 ->
       ~25-26 us), b1 -0.3 to -0.6 us; attention half rank16 b64 65.2 -> ~60-61 us, b1 -0.3 to -0.6 us.
+      Measured (kernels-ee5c807-s18.json, records-ee5c807-s18.json, one run; GPU tests 90 passed, bit-identical):
+      kernel with the early trigger rank16 b64 30.9 -> 28.1 us (-9 %), rank8 52.8 -> 48.2, full b8 54.0 -> 48.4,
+      full b64 359.9 -> 330.1; b1 8.6 -> 8.1 (rank8 9.0 -> 8.6). Without the early trigger (fence kept) nothing
+      moved (30.5 against 30.4), so the gain is the end fence, not the barrier MEMBARs. Attention half (fast-s17kda
+      -> fast): rank16 b64 64.7 -> 62.1 us, rank8 102.2 -> 95.9; b1 / b8 unchanged (the dependent waits for the
+      grid's completion, which drains the stores as the fence did). ncu rank16 b64 (ncu-ee5c807-s18/): membar
+      stalls 3.25 -> 1.47 cycles per issue, duration 28.8 -> 26.5 us. Half the predicted kernel gain at b64, met
+      at b1 in the kernel, nearly met in the attention half at b64.
+  v6 (2026-11-30, session 9; opt-in DSMEM_TX / "fast-kdatx"; CPU-compiled, measured by h200_next s19) The two
+      cluster exchanges (alpha of every f channel; the per-CTA sums of o^2) become st.async stores into the peers'
+      shared memory, each completing 4 bytes of a transaction on the peer's mbarrier at the same offset. Each CTA
+      expects D x T and NS x T floats on two single-use mbarriers (thread 0's arrive.expect_tx, before the start's
+      cluster arrive, after fence.mbarrier_init), and waits on them where v5 had the cluster barriers; a CTA
+      barrier keeps ordering the CTA's own smem. No cluster barrier remains after the start (whose wait every CTA
+      passes before its first remote store), and no gpu-scope fence: in the SASS the two MEMBAR.ALL.GPU +
+      UCGABAR + CCTL.IVALL sequences of v5 become SYNCS.PHASECHK waits. The conv-window race stays closed: v6 needs
+      v5's late write-backs, and a peer's norm partial arrives only after it consumed its window. Every CTA waits
+      for all the bytes sent to it before it ends, so no st.async targets an exited CTA. Bit-identical to v5 (the
+      same values in the same smem slots; GPU test). ptxas: 72 / 96 registers at nsplit 8 / 4, T = 1 (v5 72 / 96),
+      135 at T = 4 (v5 128: 3 CTAs per SM at T > 1).
+      Why: ncu at b1 (ncu-5446d13-ncu1/): membar 2.2 of 11.9 stall cycles per issue, i.e. ~1.2 of the step's 6.8
+      us; the two MEMBAR.ALL.GPU sit on the chain after the in_proj.
+      Prediction: kernel bench with the early trigger rank16 b1 8.1 -> ~7.2-7.6 us, b64 28.1 -> ~26-27; attention
+      half b1 -0.5 to -1 us (34.0 -> ~33-33.5), b64 -1 to -2 us.
 """
 from __future__ import annotations
 
@@ -130,6 +154,9 @@ WARPS = 4
 # v5 (the default from session 9; "fast-s17kda" is the A/B without it): the conv-window and state write-backs after
 # the last cluster barrier, and no end fence behind the early trigger (the version log says why)
 LATE_STORES = True
+# v6 (opt-in, "fast-kdatx"; measured by the next H200 run): the two cluster exchanges as st.async + mbarrier
+# complete_tx instead of cluster barriers, whose release arrive is MEMBAR.ALL.GPU (the version log says why)
+DSMEM_TX = False
 
 
 def proj_width(heads: int, head_dim: int = HEAD_DIM) -> int:
@@ -159,7 +186,8 @@ def compile_keys(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), l
         for b in batches:
             ns = choose_nsplit(b, heads)
             k = (compile_key(heads, T, ns, lower_bound, eps) + (("early_trigger",) if early_trigger else ())
-                 + (("preload",) if PRELOAD and T == 1 and ns == 8 else ()) + (("late_stores",) if LATE_STORES else ()))
+                 + (("preload",) if PRELOAD and T == 1 and ns == 8 else ()) + (("late_stores",) if LATE_STORES else ())
+                 + (("dsmem_tx",) if DSMEM_TX and LATE_STORES else ()))
             if k not in keys:
                 keys.append(k)
     return keys
@@ -177,7 +205,7 @@ def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_b
 # ---------------------------------------------------------------------------- device code
 
 def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float, early_trigger: bool = False,
-           preload: bool = False, late_stores: bool = False):
+           preload: bool = False, late_stores: bool = False, dsmem_tx: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass.cutlass_dsl import dsl_user_op
@@ -186,6 +214,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
     H, D, NS = heads, head_dim, nsplit
     P = H * D
     assert not (preload and T != 1), "preload is a T = 1 build"
+    assert not (dsmem_tx and not late_stores), "v6 (mbarrier exchange) writes the conv windows after phase C"
     R = D // NS                 # value rows (and f channels) per CTA
     RW = R // WARPS             # value rows per warp
     NTH = 32 * WARPS
@@ -226,13 +255,28 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                 g_row = cute.local_tile(mRecState[slot_w, h, row0 + r, None], (4,), (lane,))
                 cute.autovec_copy(rS[r, None], g_row)
 
+    @dsl_user_op
+    def st_async_f32(smem_ptr, val, rank, mbar_ptr, *, loc=None, ip=None):
+        # v6: st.async into peer CTA `rank` at the same smem offset; the 4 bytes complete_tx on the peer's mbarrier
+        # at the same offset, so the receiver's mbarrier wait publishes them (no cluster barrier, no gpu fence)
+        addr = smem_ptr.toint(loc=loc, ip=ip)
+        bar = mbar_ptr.toint(loc=loc, ip=ip)
+        llvm.inline_asm(
+            None,
+            [Int32(addr).ir_value(loc=loc, ip=ip), Float32(val).ir_value(loc=loc, ip=ip),
+             Int32(rank).ir_value(loc=loc, ip=ip), Int32(bar).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b32 ra, rb;\n\tmapa.shared::cluster.u32 ra, $0, $2;\n\tmapa.shared::cluster.u32 rb, $3, $2;"
+            "\n\tst.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [ra], $1, [rb];\n\t}",
+            "r,f,r,r,~{memory}", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
     @cute.jit
     def request_step(mProj, mConvState, mRecState, mY, b, slot_w, valid, is_pad, is_bad, rS, win, cw, rW, rDt,
                      decay_rate, onorm, sUq, sUk, sAl, sUv, sO, sRed, sBeta, tid, lane, warp, split, h, cq, ck, cv_c,
-                     has_v, jv, fr, row0):
+                     has_v, jv, fr, row0, mbar=None):
         """Request b of this CTA's (head h, value rows [row0 of warp 0, +R)), after the PDL wait: the state rows are
         in rS and the conv windows in win (both zero for a padded or bad slot). Phases A-C below, with the two
-        cluster barriers; writes the conv window, the state rows and y."""
+        cluster exchanges (v6: through the mbarriers at mbar, mbar + 1); writes the conv window, the state rows
+        and y."""
         # ---------------- phase A: conv, beta, f -> alpha for all T tokens (state-independent)
         rFa = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
         if const_expr(preload):
@@ -288,12 +332,22 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                 alpha = cute.math.exp(lam)
                 ch = split * R + fr + (NTH // FV) * m
                 if jv < NS:
-                    st_cluster_f32(sAl.iterator + (t * D + ch), alpha, jv)
+                    if const_expr(dsmem_tx):
+                        st_async_f32(sAl.iterator + (t * D + ch), alpha, jv, mbar)
+                    else:
+                        st_cluster_f32(sAl.iterator + (t * D + ch), alpha, jv)
 
         # cluster barrier 1: alpha of all channels is in every CTA's smem; every CTA has consumed
         # its (old) q/k conv window, so split 0 may now overwrite it. Also orders sUq/sUk/sUv/sBeta.
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+        # v6: this CTA's mbarrier completes when the D x T alpha values have landed (complete_tx), which needs no
+        # gpu-scope fence; the CTA barrier orders sUq/sUk/sUv/sBeta. (Every peer has consumed its conv window
+        # before sending: v6 builds write the windows after phase C, late_stores.)
+        if const_expr(dsmem_tx):
+            cute.arch.mbarrier_wait(mbar, 0)
+            cute.arch.barrier()
+        else:
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
         if const_expr(not late_stores):
             write_conv_window(mConvState, valid, split, has_v, slot_w, cq, ck, cv_c, win)
@@ -336,9 +390,17 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                     ov = sO[t, lane]
                 ss = cute.arch.warp_reduction_sum(ov * ov)
                 if lane < NS:
-                    st_cluster_f32(sRed.iterator + (t * NS + split), ss, lane)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+                    if const_expr(dsmem_tx):
+                        st_async_f32(sRed.iterator + (t * NS + split), ss, lane, mbar + 1)
+                    else:
+                        st_cluster_f32(sRed.iterator + (t * NS + split), ss, lane)
+        if const_expr(dsmem_tx):
+            # every peer's partial has landed, so every peer has also finished reading its conv window and its
+            # phase B: the write-backs below are safe, and no peer writes into this CTA's smem any more
+            cute.arch.mbarrier_wait(mbar + 1, 0)
+        else:
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
         for it in cutlass.range_constexpr(OUT_IT):
             idx = tid + NTH * it
@@ -394,6 +456,19 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             sO = smem.allocate_tensor(Float32, cute.make_layout((T, R), stride=(R, 1)), 16)
             sRed = smem.allocate_tensor(Float32, cute.make_layout((T, NS), stride=(NS, 1)), 16)
             sBeta = smem.allocate_tensor(Float32, cute.make_layout((T,), stride=(1,)), 16)
+            mbar = None
+            if const_expr(dsmem_tx):
+                # v6: one single-use mbarrier per exchange; each expects the bytes its CTA receives (alpha: D x T
+                # floats, one per f channel; the norm: NS x T partials). One arrival (thread 0's expect_tx) plus
+                # the peers' complete_tx complete phase 0. Initialised before the cluster arrive below, which the
+                # peers wait on before their first st.async (fence.mbarrier_init orders the init for them).
+                mbar = smem.allocate_array(Int64, 2)
+                if tid == 0:
+                    cute.arch.mbarrier_init(mbar, 1)
+                    cute.arch.mbarrier_init(mbar + 1, 1)
+                    cute.arch.mbarrier_init_fence()
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, D * T * 4)
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + 1, NS * T * 4)
 
             # DSMEM may only be written once every CTA of the cluster is running: arrive now, wait
             # just before the first remote store (the wait is normally already satisfied).
@@ -460,7 +535,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
 
             request_step(mProj, mConvState, mRecState, mY, b, slot_w, valid, is_pad, is_bad, rS, win, cw, rW, rDt,
                          decay_rate, onorm, sUq, sUk, sAl, sUv, sO, sRed, sBeta, tid, lane, warp, split, h, cq, ck, cv_c,
-                         has_v, jv, fr, row0)
+                         has_v, jv, fr, row0, mbar)
 
             # state writes must be visible before a dependent grid may start its pre-wait loads. v5: with the early
             # trigger the dependents were launched before these writes, so the fence would order nothing for them
@@ -478,6 +553,7 @@ def _compile(key):
     early = "early_trigger" in key[7:]
     preload = "preload" in key[7:]
     late = "late_stores" in key[7:]
+    dsmem_tx = "dsmem_tx" in key[7:]
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
@@ -485,7 +561,8 @@ def _compile(key):
     M = cute.sym_int()          # B*T rows
     B = cute.sym_int()          # requests
     S = cute.sym_int()          # state slots
-    obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload, late_stores=late)
+    obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload, late_stores=late,
+                 dsmem_tx=dsmem_tx)
     fakes = (
         fake_tensor(BFloat16, (M, proj_width(heads, head_dim))),
         fake_tensor(BFloat16, (P, head_dim)),
@@ -509,7 +586,7 @@ def _get_compiled(key):
 
 def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
                        head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None, early_trigger=False,
-                       preload=None, late_stores=None):
+                       preload=None, late_stores=None, dsmem_tx=None):
     """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
     for the valid slots and returns y [B*T, H*D] bf16. See the module docstring for the contracts.
 
@@ -521,7 +598,10 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     Ignored for T > 1, where the per-token loads would cost T times the registers, and for nsplit 4 (it spills).
 
     late_stores (v5; None = LATE_STORES, on by default): the conv-window and state write-backs come after the last
-    cluster barrier, and with early_trigger there is no fence at the end (bit-identical results)."""
+    cluster barrier, and with early_trigger there is no fence at the end (bit-identical results).
+
+    dsmem_tx (v6; None = DSMEM_TX, off by default): the alpha and norm exchanges through st.async + mbarrier
+    complete_tx instead of cluster barriers (bit-identical results). Needs late_stores."""
     import torch
 
     if head_dim != HEAD_DIM:
@@ -532,6 +612,10 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
         raise ValueError(f"T must be an int in 1..{MAX_T}, got {T!r}")
     if not (-5.0 <= lower_bound < 0.0):
         raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}")
+    late = LATE_STORES if late_stores is None else bool(late_stores)
+    tx = DSMEM_TX if dsmem_tx is None else bool(dsmem_tx)
+    if tx and not late:
+        raise ValueError("dsmem_tx (v6) needs late_stores: it writes the conv windows after the last exchange")
     D, H = head_dim, heads
     P = H * D
     # dtypes and shapes first (these run on CPU too), then one device for everything
@@ -568,8 +652,7 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
         raise ValueError(f"nsplit must be 4 or 8, got {nsplit}")
     # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
     pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and ns == 8
-    late = LATE_STORES if late_stores is None else bool(late_stores)
     fn = _get_compiled(compile_key(H, T, ns, lower_bound, eps, D) + (("early_trigger",) if early_trigger else ())
-                       + (("preload",) if pre else ()) + (("late_stores",) if late else ()))
+                       + (("preload",) if pre else ()) + (("late_stores",) if late else ()) + (("dsmem_tx",) if tx else ()))
     fn(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, out)
     return out

@@ -203,14 +203,15 @@ case "${1:-}" in
             --impls stock fast fast-s17kda --budget-s 150
           K3_NCU_TIMEOUT=60 bash scripts/h200_ncu.sh "kda --shape k3_rank16 --batch 64 --late 0 --trig 1" \
             "kda --shape k3_rank16 --batch 64 --late 1 --trig 1" ;;
-  # moe_tail v5 (a cp.async shared-memory ring of weight stages per warp, opt-in): bit-identity and graph tests, the
-  # layer's MoE half with it, the kernel bench at ring depths 2-4 and the layer A/B
-  s19)    K3_TEST_TIMEOUT=150 bash scripts/h200_tests.sh tests/gpu/test_moe_tail.py tests/gpu/test_fast_layer.py \
-            -k "ring or tailring"
-          K3_SWEEP_TIMEOUT=150 K3_BENCH="--shapes k3_rank16 k3_rank8 full --batches 1 8 16 --kernels moe_tail \
-            moe_tail@ring2 moe_tail@ring3 moe_tail@ring4" K3_BENCH_TIMEOUT=100 \
-            bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 8 \
-            --impls stock fast fast-tailring --budget-s 120 ;;
+  # moe_tail v5 (a cp.async shared-memory ring of weight stages per warp, opt-in) and kda_conv_gate_step v6 (the
+  # cluster exchanges as st.async + mbarrier, opt-in): bit-identity / reference / graph tests, the layer halves
+  # with them, the kernel bench (tail ring depths 2-4; KDA @txtrig against @trig) and the layer A/B
+  s19)    K3_TEST_TIMEOUT=170 bash scripts/h200_tests.sh tests/gpu/test_moe_tail.py tests/gpu/test_kda_conv_gate_step.py \
+            tests/gpu/test_fast_layer.py -k "ring or tailring or dsmem or late_stores or kdatx"
+          K3_SWEEP_TIMEOUT=180 K3_BENCH="--shapes k3_rank16 k3_rank8 full --batches 1 8 16 64 --kernels moe_tail \
+            moe_tail@ring2 moe_tail@ring3 moe_tail@ring4 kda_conv_gate_step@trig kda_conv_gate_step@txtrig" \
+            K3_BENCH_TIMEOUT=110 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 \
+            --batches 1 8 64 --impls stock fast fast-tailring fast-kdatx --budget-s 160 ;;
   # Nsight Compute: the tail at b1 (v1 / ring 3) and the other two b1 GEMVs (fused in_proj, fused router front)
   ncu2)   K3_NCU_TIMEOUT=90 bash scripts/h200_ncu.sh "tail --shape k3_rank16 --batch 1" \
             "tail --shape k3_rank16 --batch 1 --ring 3" "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" \

@@ -202,3 +202,30 @@ def test_late_stores_follow_the_last_cluster_barrier(early, heads, batch):
         assert not fences and trig[0] < min(stores)
     else:
         assert len(fences) == 1 and max(stores) < fences[0] < trig[0]
+
+
+@needs_dsl
+@pytest.mark.parametrize("heads,batch,T", [(6, 1, 1), (6, 64, 1), (12, 8, 2)])
+def test_dsmem_tx_has_no_cluster_barrier_after_the_start(heads, batch, T):
+    """v6: after the start's relaxed arrive (and its wait), no barrier.cluster and no gpu-scope fence: the alpha
+    (D x T floats) and norm (NS x T) exchanges are st.async with complete_tx on two mbarriers that expect exactly
+    those bytes."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    ns = kmod.choose_nsplit(batch, heads)
+    key = (kmod.compile_key(heads, T, ns) + ("early_trigger",) + (("preload",) if ns == 8 and T == 1 else ())
+           + ("late_stores", "dsmem_tx"))
+    old = kmod.TVM_FFI
+    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        lines = [ln.strip() for ln in compiled_ptx(lambda: kmod._compile(key)).splitlines()]
+    finally:
+        kmod.TVM_FFI = old
+    arrives = [ln for ln in lines if ln.startswith("barrier.cluster.arrive")]
+    assert len(arrives) == 1 and ".relaxed" in arrives[0]
+    assert not any(ln.startswith("fence.acq_rel.gpu") for ln in lines)
+    assert sum(ln.startswith("st.async.shared::cluster.mbarrier::complete_tx::bytes") for ln in lines) >= 2
+    assert sum(ln.startswith("mbarrier.init") for ln in lines) == 2
+    assert any(ln.startswith("fence.mbarrier_init.release.cluster") for ln in lines)
+    with pytest.raises(ValueError, match="late_stores"):
+        _call(_inputs(), dsmem_tx=True, late_stores=False)

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl", "fast-gemv0", "fast-gemv8", "fast-gemvg2",
-                                  "fast-endtrig", "fast-s8", "fast-s10", "fast-kdans8", "fast-s17kda"])
+                                  "fast-endtrig", "fast-s8", "fast-s10", "fast-kdans8", "fast-s17kda", "fast-kdatx"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):

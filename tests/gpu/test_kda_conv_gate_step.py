@@ -327,8 +327,9 @@ def test_preload_is_bit_identical(H, B):
 @pytest.mark.parametrize("early", [False, True])
 def test_late_stores_are_bit_identical(H, B, T, early):
     """v5 (late_stores) only moves the conv-window and state write-backs after the last cluster barrier (and drops
-    the end fence behind the early trigger): y and both states equal v3's order bit for bit, with a padded request,
-    a bad slot (NaN rows, nothing written) and spare slots in the batch."""
+    the end fence behind the early trigger), and v6 (dsmem_tx) replaces the two cluster barriers by st.async +
+    mbarrier exchanges: y and both states equal v3's bit for bit, with a padded request, a bad slot (NaN rows,
+    nothing written) and spare slots in the batch."""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(70 + B + T)
     prm = make_params(H, gen, dev)
@@ -341,15 +342,17 @@ def test_late_stores_are_bit_identical(H, B, T, early):
         slots[2] = S + 4
     proj = make_proj(B, T, H, gen, dev)
     res = {}
-    for late in (False, True):
+    for name, kw in (("v3", {"late_stores": False}), (True, {"late_stores": True, "dsmem_tx": False}),
+                     ("v6", {"late_stores": True, "dsmem_tx": True})):
         conv, rec = conv0.clone(), rec0.clone()
         y = torch.full((B * T, H * D), 7.0, dtype=torch.bfloat16, device=dev)
         kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv,
-                                rec, slots, heads=H, T=T, out=y, early_trigger=early, late_stores=late)
+                                rec, slots, heads=H, T=T, out=y, early_trigger=early, **kw)
         torch.cuda.synchronize()
-        res[late] = (y.view(torch.int16), conv.view(torch.int16), rec.view(torch.int32))
-    for a, b in zip(res[False], res[True]):
-        assert torch.equal(a, b)
+        res[name] = (y.view(torch.int16), conv.view(torch.int16), rec.view(torch.int32))
+    for other in ("v3", "v6"):                  # v6 (dsmem_tx) moves the exchanges to st.async: the same bits
+        for a, b in zip(res[other], res[True]):
+            assert torch.equal(a, b), other
     y = res[True][0].view(torch.bfloat16).float()
     assert torch.isfinite(y[:T]).all()
     if B > 1:
@@ -361,3 +364,9 @@ def test_late_stores_are_bit_identical(H, B, T, early):
     used[sl[(sl >= 0) & (sl < S)]] = True
     spare = (~used).nonzero().flatten().to(dev)
     assert torch.equal(res[True][2][spare], rec0.view(torch.int32)[spare])
+
+
+@pytest.mark.parametrize("B,T,H", [(1, 1, 6), (7, 3, 6), (64, 1, 12), (2, 1, 96)])
+def test_dsmem_tx_against_reference(B, T, H):
+    """v6 (st.async + mbarrier exchanges) against the float64 reference, with padded requests and spare slots."""
+    check_step(B, T, H, seed=9, dsmem_tx=True)
