@@ -124,10 +124,11 @@ Version log
       at b1 in the kernel, nearly met in the attention half at b64.
   v6 (2026-11-30, session 9; opt-in DSMEM_TX / "fast-kdatx"; CPU-compiled, measured by h200_next s19) The two
       cluster exchanges (alpha of every f channel; the per-CTA sums of o^2) become st.async stores into the peers'
-      shared memory, each completing 4 bytes of a transaction on the peer's mbarrier at the same offset. Each CTA
-      expects D x T and NS x T floats on two single-use mbarriers (thread 0's arrive.expect_tx, before the start's
-      cluster arrive, after fence.mbarrier_init), and waits on them where v5 had the cluster barriers; a CTA
-      barrier keeps ordering the CTA's own smem. No cluster barrier remains after the start (whose wait every CTA
+      shared memory, each completing 4 bytes of a transaction on the peer's mbarrier at the same offset (a CTA's
+      own values are plain shared stores: st.async to the executing CTA is undefined). Each CTA expects its peers'
+      (D - R) x T and (NS - 1) x T floats on two single-use mbarriers (thread 0's arrive.expect_tx, before the
+      start's cluster arrive, after fence.mbarrier_init), and waits on them where v5 had the cluster barriers; a
+      CTA barrier after each wait orders the CTA's own stores. No cluster barrier remains after the start (whose wait every CTA
       passes before its first remote store), and no gpu-scope fence: in the SASS the two MEMBAR.ALL.GPU +
       UCGABAR + CCTL.IVALL sequences of v5 become SYNCS.PHASECHK waits. The conv-window race stays closed: v6 needs
       v5's late write-backs, and a peer's norm partial arrives only after it consumed its window. Every CTA waits
@@ -257,8 +258,9 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
 
     @dsl_user_op
     def st_async_f32(smem_ptr, val, rank, mbar_ptr, *, loc=None, ip=None):
-        # v6: st.async into peer CTA `rank` at the same smem offset; the 4 bytes complete_tx on the peer's mbarrier
-        # at the same offset, so the receiver's mbarrier wait publishes them (no cluster barrier, no gpu fence)
+        # v6: st.async into peer CTA `rank` (never the executing CTA: PTX leaves that undefined) at the same smem
+        # offset; the 4 bytes complete_tx on the peer's mbarrier at the same offset, so the receiver's mbarrier wait
+        # publishes them (no cluster barrier, no gpu fence)
         addr = smem_ptr.toint(loc=loc, ip=ip)
         bar = mbar_ptr.toint(loc=loc, ip=ip)
         llvm.inline_asm(
@@ -333,7 +335,12 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                 ch = split * R + fr + (NTH // FV) * m
                 if jv < NS:
                     if const_expr(dsmem_tx):
-                        st_async_f32(sAl.iterator + (t * D + ch), alpha, jv, mbar)
+                        # st.async must target another CTA of the cluster (PTX: undefined for the executing CTA):
+                        # this CTA's own channels are plain shared stores, ordered by the CTA barrier below
+                        if jv == split:
+                            sAl[t, ch] = alpha
+                        else:
+                            st_async_f32(sAl.iterator + (t * D + ch), alpha, jv, mbar)
                     else:
                         st_cluster_f32(sAl.iterator + (t * D + ch), alpha, jv)
 
@@ -391,13 +398,17 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                 ss = cute.arch.warp_reduction_sum(ov * ov)
                 if lane < NS:
                     if const_expr(dsmem_tx):
-                        st_async_f32(sRed.iterator + (t * NS + split), ss, lane, mbar + 1)
+                        if lane == split:
+                            sRed[t, split] = ss
+                        else:
+                            st_async_f32(sRed.iterator + (t * NS + split), ss, lane, mbar + 1)
                     else:
                         st_cluster_f32(sRed.iterator + (t * NS + split), ss, lane)
         if const_expr(dsmem_tx):
             # every peer's partial has landed, so every peer has also finished reading its conv window and its
             # phase B: the write-backs below are safe, and no peer writes into this CTA's smem any more
             cute.arch.mbarrier_wait(mbar + 1, 0)
+            cute.arch.barrier()                     # this CTA's own partial (a plain shared store)
         else:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
@@ -458,17 +469,17 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             sBeta = smem.allocate_tensor(Float32, cute.make_layout((T,), stride=(1,)), 16)
             mbar = None
             if const_expr(dsmem_tx):
-                # v6: one single-use mbarrier per exchange; each expects the bytes its CTA receives (alpha: D x T
-                # floats, one per f channel; the norm: NS x T partials). One arrival (thread 0's expect_tx) plus
-                # the peers' complete_tx complete phase 0. Initialised before the cluster arrive below, which the
+                # v6: one single-use mbarrier per exchange; each expects the bytes its CTA receives from its NS - 1
+                # peers (alpha: (D - R) x T floats, the other CTAs' f channels; the norm: (NS - 1) x T partials).
+                # One arrival (thread 0's expect_tx) plus the peers' complete_tx complete phase 0. Initialised before the cluster arrive below, which the
                 # peers wait on before their first st.async (fence.mbarrier_init orders the init for them).
                 mbar = smem.allocate_array(Int64, 2)
                 if tid == 0:
                     cute.arch.mbarrier_init(mbar, 1)
                     cute.arch.mbarrier_init(mbar + 1, 1)
                     cute.arch.mbarrier_init_fence()
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, D * T * 4)
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + 1, NS * T * 4)
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, (D - R) * T * 4)
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + 1, (NS - 1) * T * 4)
 
             # DSMEM may only be written once every CTA of the cluster is running: arrive now, wait
             # just before the first remote store (the wait is normally already satisfied).
