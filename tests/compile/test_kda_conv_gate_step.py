@@ -45,6 +45,18 @@ def test_compile_all_keys(shape):
     assert kmod.warmup(cfg.kda_heads, BATCHES, TS, cfg.gate_lower_bound, cfg.rms_norm_eps) == keys
 
 
+def _ptx_lines(key) -> list[str]:
+    """The stripped PTX lines of one compile key (compiled with --keep-ptx into a scratch directory)."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    old = kmod.TVM_FFI
+    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        return [ln.strip() for ln in compiled_ptx(lambda: kmod._compile(key)).splitlines()]
+    finally:
+        kmod.TVM_FFI = old
+
+
 # ----------------------------------------------------------------------------- host-side validation
 
 def _inputs(H=6, B=2, T=1, S=4):
@@ -134,15 +146,8 @@ def test_T_changes_expected_rows():
 def test_trigger_placement(early):
     """v2 (early_trigger): the PDL dependents launch right after the wait, before any state store; by default
     after the state writes and their fence (what test_back_to_back_steps relies on)."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
     key = kmod.compile_key(6, 1, kmod.choose_nsplit(1, 6)) + (("early_trigger",) if early else ())
-    old = kmod.TVM_FFI
-    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
-    try:
-        lines = compiled_ptx(lambda: kmod._compile(key)).splitlines()
-    finally:
-        kmod.TVM_FFI = old
+    lines = _ptx_lines(key)
     trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
     wait = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
     stores = [i for i, ln in enumerate(lines) if ln.strip().startswith("st.global")]
@@ -155,21 +160,13 @@ def test_trigger_placement(early):
 def test_preload_issues_proj_loads_before_the_first_sigmoid(heads):
     """v3 (preload, T = 1): after the PDL wait, every global load (the proj values: q/k/v conv inputs, the beta
     logit, the f_a vector, the output gate) comes before the first ex2; v2 has loads after it."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
     base = kmod.compile_key(heads, 1, kmod.choose_nsplit(1, heads)) + ("early_trigger",)
-    old = kmod.TVM_FFI
-    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
     late = {}
-    try:
-        for pre in (False, True):
-            lines = [ln.strip() for ln in compiled_ptx(lambda: kmod._compile(base + (("preload",) if pre else ())))
-                     .splitlines()]
-            wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
-            first_ex2 = next(i for i, ln in enumerate(lines) if i > wait and ln.startswith("ex2."))
-            late[pre] = sum(1 for ln in lines[first_ex2:] if ln.startswith("ld.global"))
-    finally:
-        kmod.TVM_FFI = old
+    for pre in (False, True):
+        lines = _ptx_lines(base + (("preload",) if pre else ()))
+        wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+        first_ex2 = next(i for i, ln in enumerate(lines) if i > wait and ln.startswith("ex2."))
+        late[pre] = sum(1 for ln in lines[first_ex2:] if ln.startswith("ld.global"))
     assert late[True] == 0 and late[False] >= 3, late
 
 
@@ -180,18 +177,11 @@ def test_late_stores_follow_the_last_cluster_barrier(early, heads, batch):
     """v5 (late_stores): every global store (conv window, state rows, y) comes after the last cluster barrier's
     arrive (a release, MEMBAR.ALL.GPU on sm_90, which would wait for them), and behind the early trigger there is
     no gpu-scope fence; without the early trigger the fence stays between the last store and the trigger."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
     ns = kmod.choose_nsplit(batch, heads)
     key = (kmod.compile_key(heads, 1, ns) + (("early_trigger",) if early else ())
            + (("preload",) if ns == 8 else ()) + ("late_stores",))
     assert key in kmod.compile_keys(heads, [batch], [1], early_trigger=early)
-    old = kmod.TVM_FFI
-    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
-    try:
-        lines = [ln.strip() for ln in compiled_ptx(lambda: kmod._compile(key)).splitlines()]
-    finally:
-        kmod.TVM_FFI = old
+    lines = _ptx_lines(key)
     arrives = [i for i, ln in enumerate(lines) if ln.startswith("barrier.cluster.arrive")]
     stores = [i for i, ln in enumerate(lines) if ln.startswith("st.global")]
     fences = [i for i, ln in enumerate(lines) if ln.startswith("fence.acq_rel.gpu")]
@@ -210,17 +200,10 @@ def test_dsmem_tx_has_no_cluster_barrier_after_the_start(heads, batch, T):
     """v6: after the start's relaxed arrive (and its wait), no barrier.cluster and no gpu-scope fence: the alpha
     (D x T floats) and norm (NS x T) exchanges are st.async with complete_tx on two mbarriers that expect exactly
     those bytes."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
     ns = kmod.choose_nsplit(batch, heads)
     key = (kmod.compile_key(heads, T, ns) + ("early_trigger",) + (("preload",) if ns == 8 and T == 1 else ())
            + ("late_stores", "dsmem_tx"))
-    old = kmod.TVM_FFI
-    kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
-    try:
-        lines = [ln.strip() for ln in compiled_ptx(lambda: kmod._compile(key)).splitlines()]
-    finally:
-        kmod.TVM_FFI = old
+    lines = _ptx_lines(key)
     arrives = [ln for ln in lines if ln.startswith("barrier.cluster.arrive")]
     assert len(arrives) == 1 and ".relaxed" in arrives[0]
     assert not any(ln.startswith("fence.acq_rel.gpu") for ln in lines)
