@@ -281,6 +281,12 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
              lambda: compiled_ptx(lambda: kda._compile(kkey + ("early_trigger", "preload")))),
             ("kda_conv_gate_step v3 (proj preloaded; nsplit 4, not used)", "M=64 T=1",
              lambda: compiled_ptx(lambda: kda._compile(kda.compile_key(cfg.kda_heads, 1, 4) + ("early_trigger", "preload")))),
+            ("kda_conv_gate_step v5 (the default: write-backs after the last cluster barrier)", "M=1 T=1",
+             lambda: compiled_ptx(lambda: kda._compile(kkey + ("early_trigger", "preload", "late_stores")))),
+            ("kda_conv_gate_step v5 (nsplit 4)", "M=64 T=1",
+             lambda: compiled_ptx(lambda: kda._compile(kda.compile_key(cfg.kda_heads, 1, 4) + ("early_trigger", "late_stores")))),
+            ("kda_conv_gate_step v6 (st.async exchanges, opt-in)", "M=1 T=1",
+             lambda: compiled_ptx(lambda: kda._compile(kkey + ("early_trigger", "preload", "late_stores", "dsmem_tx")))),
             ("oproj_attnres", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg))),
             ("oproj_attnres v1.2 (w_post preloaded)", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg, True))),
             ("oproj_attnres", "M=1 n_blocks=8", lambda: compiled_ptx(lambda: oa._compile(kp, 8, tg))),
@@ -294,6 +300,8 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
             ("moe_mxfp4_experts v6", "M=1", lambda: compiled_ptx(lambda: mx._compile(
                 mx.compile_key(896, 3584, 256, 1, version=6), options=TVM_FFI + " --keep-ptx"))),
             ("moe_tail", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter))),
+            ("moe_tail v5 (ring of 3, opt-in)", "M=1",
+             lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter, 3))),
         ]
         for rolled in (False, True):
             tag = "rolled" if rolled else "unrolled"
