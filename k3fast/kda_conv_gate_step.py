@@ -128,9 +128,10 @@ Version log
       own values are plain shared stores: st.async to the executing CTA is undefined). Each CTA expects its peers'
       (D - R) x T and (NS - 1) x T floats on two single-use mbarriers (thread 0's arrive.expect_tx, before the
       start's cluster arrive, after fence.mbarrier_init), and waits on them where v5 had the cluster barriers; a
-      CTA barrier after each wait orders the CTA's own stores. No cluster barrier remains after the start (whose wait every CTA
-      passes before its first remote store), and no gpu-scope fence: in the SASS the two MEMBAR.ALL.GPU +
-      UCGABAR + CCTL.IVALL sequences of v5 become SYNCS.PHASECHK waits. The conv-window race stays closed: v6 needs
+      CTA barrier after each wait orders the CTA's own stores. No cluster barrier remains after the start (whose
+      wait every CTA passes before its first remote store), and no gpu-scope fence: in the SASS the two
+      MEMBAR.ALL.GPU + UCGABAR + CCTL.IVALL sequences of v5 become SYNCS.PHASECHK waits
+      (traces/cpu/ptxcheck-2cd6d9c758fe.json has both builds' sizes). The conv-window race stays closed: v6 needs
       v5's late write-backs, and a peer's norm partial arrives only after it consumed its window. Every CTA waits
       for all the bytes sent to it before it ends, so no st.async targets an exited CTA. Bit-identical to v5 (the
       same values in the same smem slots; GPU test). ptxas: 72 / 96 registers at nsplit 8 / 4, T = 1 (v5 72 / 96),
@@ -471,8 +472,9 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             if const_expr(dsmem_tx):
                 # v6: one single-use mbarrier per exchange; each expects the bytes its CTA receives from its NS - 1
                 # peers (alpha: (D - R) x T floats, the other CTAs' f channels; the norm: (NS - 1) x T partials).
-                # One arrival (thread 0's expect_tx) plus the peers' complete_tx complete phase 0. Initialised before the cluster arrive below, which the
-                # peers wait on before their first st.async (fence.mbarrier_init orders the init for them).
+                # One arrival (thread 0's expect_tx) plus the peers' complete_tx complete phase 0. Initialised before
+                # the cluster arrive below, which the peers wait on before their first st.async (fence.mbarrier_init
+                # orders the init for them).
                 mbar = smem.allocate_array(Int64, 2)
                 if tid == 0:
                     cute.arch.mbarrier_init(mbar, 1)
@@ -664,6 +666,7 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
     pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and ns == 8
     fn = _get_compiled(compile_key(H, T, ns, lower_bound, eps, D) + (("early_trigger",) if early_trigger else ())
-                       + (("preload",) if pre else ()) + (("late_stores",) if late else ()) + (("dsmem_tx",) if tx else ()))
+                       + (("preload",) if pre else ()) + (("late_stores",) if late else ())
+                       + (("dsmem_tx",) if tx else ()))
     fn(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, out)
     return out

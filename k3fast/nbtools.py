@@ -225,6 +225,7 @@ def ncu_table(paths: list[str]) -> str:
         r = recorded_ncu(p)
         case = os.path.basename(p)[len("ncu-"):-len(".txt")]
         stalls = ", ".join(f"{k} {v:.2f}" for k, v in r["stalls"])
-        lines.append(f"{case:48s} {r.get('duration_us', float('nan')):7.2f} us  DRAM {r.get('dram_pct', float('nan')):5.1f} %"
-                     f"  {r.get('cycles_per_issue', float('nan')):5.2f} cyc/issue  [{stalls}]")
+        nan = float("nan")
+        lines.append(f"{case:48s} {r.get('duration_us', nan):7.2f} us  DRAM {r.get('dram_pct', nan):5.1f} %"
+                     f"  {r.get('cycles_per_issue', nan):5.2f} cyc/issue  [{stalls}]")
     return "\n".join(lines)

@@ -68,7 +68,8 @@ def tail_case(cfg, M: int, ring=None, dev: str = "cuda"):
 
 
 def bench_case(cfg, M: int, name: str):
-    """Any case of k3fast.bench (the per-kernel bench's inputs and call), e.g. attnres_rms_gemv, router_down_topk+shared."""
+    """Any case of k3fast.bench (the per-kernel bench's inputs and call), e.g. attnres_rms_gemv or
+    router_down_topk+shared."""
     from k3fast.bench import _cases
     cases, _ = _cases(cfg, M)
     found = {c[0]: c[1] for c in cases}
