@@ -130,7 +130,10 @@ print(nbtools.ncu_table(ncu_files))
 v3 = nbtools.recorded_ncu("traces/h200/ncu-ee5c807-s18/ncu-kda_shape_k3_rank16_batch_64_late_0_trig_1.txt")
 v5 = nbtools.recorded_ncu("traces/h200/ncu-ee5c807-s18/ncu-kda_shape_k3_rank16_batch_64_late_1_trig_1.txt")
 print(v5["meta"].splitlines()[0])
-print(nbtools.bench_table(nbtools.recorded_kernel_bench("kda_conv_gate_step@v3trig") + nbtools.recorded_kernel_bench("kda_conv_gate_step@trig")))
+for label, row in (("v3's store order, with the layer's early trigger", "kda_conv_gate_step@v3trig"),
+                   ("v5, with the layer's early trigger", "kda_conv_gate_step@trig")):
+    print(label)
+    print(nbtools.bench_table(nbtools.recorded_kernel_bench(row)))
 print(nbtools.ab_table("traces/h200/records-ee5c807-s18.json", "attn", ["stock", "fast", "fast-s17kda"]))
 
 # %%
