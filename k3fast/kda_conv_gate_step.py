@@ -180,16 +180,27 @@ def compile_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps:
     return ("kda_conv_gate_step", int(heads), int(head_dim), int(T), int(nsplit), float(lower_bound), float(eps))
 
 
+def kernel_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: float = 1e-5,
+               head_dim: int = HEAD_DIM, *, early_trigger: bool = False, preload=None, late_stores=None,
+               dsmem_tx=None) -> tuple:
+    """compile_key plus the build flags kda_conv_gate_step runs for these options (None: the module default)."""
+    # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
+    pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and nsplit == 8
+    late = LATE_STORES if late_stores is None else bool(late_stores)
+    tx = DSMEM_TX if dsmem_tx is None else bool(dsmem_tx)
+    if tx and not late:
+        raise ValueError("dsmem_tx (v6) needs late_stores: it writes the conv windows after the last exchange")
+    return (compile_key(heads, T, nsplit, lower_bound, eps, head_dim) + (("early_trigger",) if early_trigger else ())
+            + (("preload",) if pre else ()) + (("late_stores",) if late else ()) + (("dsmem_tx",) if tx else ()))
+
+
 def compile_keys(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
                  eps: float = 1e-5, early_trigger: bool = False) -> list:
-    """The kernels kda_conv_gate_step runs with its default options (preload, late_stores) for these batches and T."""
+    """The kernels kda_conv_gate_step runs with its default options for these batches and T."""
     keys = []
     for T in Ts:
         for b in batches:
-            ns = choose_nsplit(b, heads)
-            k = (compile_key(heads, T, ns, lower_bound, eps) + (("early_trigger",) if early_trigger else ())
-                 + (("preload",) if PRELOAD and T == 1 and ns == 8 else ()) + (("late_stores",) if LATE_STORES else ())
-                 + (("dsmem_tx",) if DSMEM_TX and LATE_STORES else ()))
+            k = kernel_key(heads, T, choose_nsplit(b, heads), lower_bound, eps, early_trigger=early_trigger)
             if k not in keys:
                 keys.append(k)
     return keys
@@ -625,10 +636,6 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
         raise ValueError(f"T must be an int in 1..{MAX_T}, got {T!r}")
     if not (-5.0 <= lower_bound < 0.0):
         raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}")
-    late = LATE_STORES if late_stores is None else bool(late_stores)
-    tx = DSMEM_TX if dsmem_tx is None else bool(dsmem_tx)
-    if tx and not late:
-        raise ValueError("dsmem_tx (v6) needs late_stores: it writes the conv windows after the last exchange")
     D, H = head_dim, heads
     P = H * D
     # dtypes and shapes first (these run on CPU too), then one device for everything
@@ -636,6 +643,11 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     if slots.dim() != 1:
         raise ValueError(f"slots: expected shape [B], got {list(slots.shape)}")
     B = slots.shape[0]
+    ns = choose_nsplit(B, H) if nsplit is None else int(nsplit)
+    if ns not in (4, 8):
+        raise ValueError(f"nsplit must be 4 or 8, got {nsplit}")
+    key = kernel_key(H, T, ns, lower_bound, eps, D, early_trigger=early_trigger, preload=preload,
+                     late_stores=late_stores, dsmem_tx=dsmem_tx)     # the options' errors come before the tensors'
     check_tensor("proj", proj, dtype=torch.bfloat16, shape=(B * T, proj_width(H, D)))
     check_tensor("w_fb", w_fb, dtype=torch.bfloat16, shape=(P, D))
     check_tensor("conv_w", conv_w, dtype=torch.float32, shape=(3 * P, 4))
@@ -660,13 +672,5 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
         out = torch.empty((B * T, P), dtype=torch.bfloat16, device=dev)
     if B == 0:
         return out
-    ns = choose_nsplit(B, H) if nsplit is None else int(nsplit)
-    if ns not in (4, 8):
-        raise ValueError(f"nsplit must be 4 or 8, got {nsplit}")
-    # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
-    pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and ns == 8
-    fn = _get_compiled(compile_key(H, T, ns, lower_bound, eps, D) + (("early_trigger",) if early_trigger else ())
-                       + (("preload",) if pre else ()) + (("late_stores",) if late else ())
-                       + (("dsmem_tx",) if tx else ()))
-    fn(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, out)
+    _get_compiled(key)(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, out)
     return out

@@ -154,9 +154,8 @@ CHUNK = 32             # k per chunk: 4 lanes x 8 bf16
 MAX_M = 64
 SHARED_INTERMEDIATE = {"k3_rank16": 384, "k3_rank8": 768, "k3": 6144}
 # v5 (opt-in, "fast-tailring"; measured by the next H200 run): the tail's weight stages in a ring of RING_DEPTH slots
-# per warp in shared memory (cp.async) instead of two register stages, at M <= RING_MAX_M (one or two n-tiles).
-# 0 = off. ncu at rank16 b1 (traces/h200/ncu-5446d13-ncu1/): 33.3 of 38.8 stall cycles per issued instruction are
-# long-scoreboard waits, 0.24 eligible warps per scheduler, DRAM 63 % busy.
+# per warp in shared memory (cp.async) instead of two register stages, at M <= RING_MAX_M (one or two n-tiles);
+# 0 = off. The version log says why.
 RING_DEPTH = 0
 RING_MAX_M = 16
 
