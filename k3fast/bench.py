@@ -102,11 +102,12 @@ def _cases(cfg, batch: int):
     ns_alt = 12 - choose_nsplit(M, H)
     # the default; v2 without the proj preload (T = 1, nsplit 8; v3 is the default since session 7); the other
     # value-row split than choose_nsplit's (8 <-> 4), the A/B of "fast-kdans8"; v3's store order (v5, the late
-    # write-backs, is the default since session 9). Both with the early trigger, as in the layer ("@...trig")
+    # write-backs, is the default since session 9); v5's cluster-barrier exchanges (v6 is the default since
+    # session 10). The @...trig rows run with the early trigger, as in the layer
     for tag, kw_kda in (("", {}), ("@v2", {"preload": False}), (f"@ns{ns_alt}", {"nsplit": ns_alt}),
                         ("@v3", {"late_stores": False}), ("@trig", {"early_trigger": True}),
                         ("@v3trig", {"late_stores": False, "early_trigger": True}),
-                        ("@txtrig", {"dsmem_tx": True, "early_trigger": True})):
+                        ("@v5trig", {"dsmem_tx": False, "early_trigger": True})):
         cases.append((f"kda_conv_gate_step{tag}",
                       lambda kw_kda=kw_kda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm,
                                                                st.conv, st.recurrent, io.slots, heads=H, **kw_kda),
@@ -228,8 +229,8 @@ def _cases(cfg, batch: int):
     def stock_tail():
         rn = F.rms_norm(r.float(), (r.shape[-1],), m.norm.float(), cfg.rms_norm_eps).bfloat16()
         return F.linear(rn, m.up) + F.linear(h, m.shared_down)
-    # the default, and moe_tail v5's shared-memory weight ring at depths 2-4 (opt-in; M <= moe_tail.RING_MAX_M)
-    for tag, ring in (("", None), ("@ring2", 2), ("@ring3", 3), ("@ring4", 4)):
+    # the default (v5's shared-memory weight ring at depth 2, M <= moe_tail.RING_MAX_M) and v1's register stages
+    for tag, ring in (("", None), ("@v1", 0)):
         cases.append((f"moe_tail{tag}",
                       lambda ring=ring: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo, ring=ring), stock_tail,
                       (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))

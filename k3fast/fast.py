@@ -106,6 +106,9 @@ class FastImpl:
                                                  m.w2_scale, layout=layout)
             self.shared_gu = prepare_shared_gate_up(m.shared_gate, m.shared_up)
             self.e_bias = m.e_score_correction_bias.float().contiguous()
+            # the cuBLAS tail's (M > tail_dsl_max_m) RMSNorm weight in fp32, cast once here: the cast per call was
+            # its own ~3 us kernel in the rank8 b64 timeline (records-2674eff-s19.json)
+            self.tail_norm_f32 = m.norm.float().contiguous()
             # The shared experts' gate/up rows ride in the front's pass over x: in the cuBLAS front's GEMM (M >
             # front_dsl_max_m; TopkFromLogits forms h), where the separate gate/up kernel was 20 us on the critical
             # path at b64 (records-50b6243-rotperf.json), and since session 7 in the fused FMA front's last CTAs
@@ -143,8 +146,8 @@ class FastImpl:
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order
         self.kda_late_stores = kda_late_stores
-        self.kda_dsmem_tx = kda_dsmem_tx     # None: kda_conv_gate_step.DSMEM_TX (v6, opt-in "fast-kdatx")
-        self.tail_ring = tail_ring           # None: moe_tail.RING_DEPTH (0: off; "fast-tailring" = 3, opt-in)
+        self.kda_dsmem_tx = kda_dsmem_tx     # None: kda_conv_gate_step.DSMEM_TX (v6, on; "fast-s19kda" is v5)
+        self.tail_ring = tail_ring           # None: moe_tail.RING_DEPTH (2; "fast-s19tail" = 0, v1's registers)
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
         self.topk_split = topk_split         # None: router_down_topk.TOPK_SPLIT (TopkFromLogits over 4 warps, v2.8)
@@ -293,13 +296,16 @@ class FastImpl:
             with stage("k3.moe.up"):
                 moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out, ring=self.tail_ring)
         else:
-            # cuBLAS tail (TAIL_DSL_MAX_M says why); the same roundings as k3ref: bf16 r_hat, bf16 routed and
-            # shared, their sum rounded once
+            # cuBLAS tail (TAIL_DSL_MAX_M says why): bf16 r_hat as in k3ref; the shared product is written to out
+            # in bf16, and the up GEMM adds onto it in place (beta = 1: fp32 sum, one rounding). k3ref also rounds
+            # the routed product before the add; the fused moe_tail rounds neither (one fp32 accumulator). Session
+            # 10: the separate add was one more ~2 us kernel at b64 (records-2674eff-s19.json); addmm with an out
+            # other than its input would copy the input there first, hence mm into out, then addmm_ on out
             with stage("k3.moe.shared"):
-                shared = F.linear(h, m.shared_down)
+                torch.mm(h, m.shared_down.t(), out=io.out)
             with stage("k3.moe.up"):
-                rn = F.rms_norm(r.float(), (r.shape[-1],), m.norm.float(), cfg.rms_norm_eps).bfloat16()
-                torch.add(F.linear(rn, m.up), shared, out=io.out)
+                rn = F.rms_norm(r.float(), (r.shape[-1],), self.tail_norm_f32, cfg.rms_norm_eps).bfloat16()
+                io.out.addmm_(rn, m.up.t())
 
     def layer(self, io) -> None:
         self.attn(io)

@@ -444,8 +444,8 @@ FAST_VARIANTS = {
     "fast-s10": {"inproj_dsl_max_m": 4},        # the in_proj's FMA GEMV at M = 3-4 (before session 7's threshold)
     "fast-kdans8": {"kda_nsplit": 8},           # the KDA step split 8 ways at every batch (4 above 64 request-heads)
     "fast-s17kda": {"kda_late_stores": False},  # the KDA step's write-backs before its last cluster barrier (v3 order)
-    "fast-kdatx": {"kda_dsmem_tx": True},       # kda_conv_gate_step v6: st.async + mbarrier exchanges (opt-in)
-    "fast-tailring": {"tail_ring": 3},          # moe_tail v5: 3 weight stages per warp in a cp.async smem ring (opt-in)
+    "fast-s19kda": {"kda_dsmem_tx": False},     # the KDA step's cluster-barrier exchanges (v5, before session 10's v6)
+    "fast-s19tail": {"tail_ring": 0},           # moe_tail v1's register stages (before session 10's cp.async ring)
     "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and

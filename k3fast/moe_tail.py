@@ -62,7 +62,7 @@ v4  (2026-11-30, session 8; measured slower and removed in the same session; the
     22.5 -> 23.4; MoE half b1 60.1 -> 60.9. MISSED, the other way. Not separated: the spills of the 64-register
     cap, and whether the W_sd stage issued early delays the last W_up stage's data. The tail's 17.6 us after the
     experts stays the item to move (LOG.md, next steps).
-v5  (2026-11-30, session 9; opt-in RING_DEPTH / "fast-tailring" = 3; CPU-compiled, measured by h200_next s19)
+v5  (2026-11-30, session 9; RING_DEPTH, the default at depth 2 since session 10; "fast-s19tail" is the A/B without it)
     The weight stages go through a ring of D slots per warp in shared memory, filled by cp.async (16 B per thread
     per row and chunk, the same fragments v1 loads), at M <= RING_MAX_M = 16 (one or two n-tiles). Stage it is copied
     from slot it % D into the registers v1 would have loaded, multiplied, and the slot is refilled with stage it + D;
@@ -77,6 +77,18 @@ v5  (2026-11-30, session 9; opt-in RING_DEPTH / "fast-tailring" = 3; CPU-compile
     ptxas (sm_90a, 12.9): 46 registers at NT = 1 (v1: 64), 64 at NT = 2 (v1: 90, 2 CTAs per SM), no spills.
     Prediction: tail bench rank16 b1 20.8 -> ~15.5-17 us at D = 3 (D = 2 between, D = 4 no better than v1); b8 22.5
     -> ~17-19; MoE half b1 / b8 -2.5 to -3.5 us (the tail's 17.6 us after the experts -> ~14-15).
+    Measured (kernels-2674eff-s19.json, records-2674eff-s19.json, one run, copy 4.065 TB/s; bit-identical and graph
+    replay GPU tests passed, logs/gpu-junit-2674eff-s19.xml). Tail bench, v1 / D = 2 / 3 / 4 (us):
+        rank16 b1   21.2 / 20.6 / 21.1 / 26.7      rank8 b1   29.6 / 21.9 / 22.1 / 28.0
+        rank16 b8   22.5 / 21.2 / 22.4 / 30.6      rank8 b8   31.1 / 23.9 / 24.3 / 32.2
+        rank16 b16  33.0 / 25.7 / 35.1 / 34.3      (b64 runs v1 at every depth: 80.8, and the layer uses cuBLAS there)
+    MoE half with D = 3 ("fast-tailring"): rank16 b1 60.4 -> 59.3 us, b8 112.8 -> 110.7; rank8 b1 75.1 -> 66.2,
+    b8 177.6 -> 168.0. MISSED at rank16 (-3 % in the kernel, -1.1 us in the layer, not -2.5 to -3.5); beaten at
+    rank8, where v1's NT = 1 tail ran at 2.1 TB/s. ncu at rank16 b1 (ncu-2674eff-ncu2/, D = 3 against v1): long-
+    scoreboard stalls 34.3 -> 18.1 cycles per issue, DRAM 62.6 -> 63.8 % busy, 19.7 -> 19.4 us: the warps wait
+    less, and the stream rate does not follow; at rank16 the tail's rate is set elsewhere (the 448-CTA grid's ramp
+    and the HBM's ~3 TB/s on 57 MB read by 1-2 warps per row tile). D = 4 needs 64 KB per CTA: 3 CTAs per SM, a
+    second wave. D = 3 at b16 (NT = 2, 96 KB per CTA) is likewise one CTA per SM short. D = 2 is the default.
 
 What it replaces (k3-spec.md section 11, section 9 for SiTU, section 13 for the per-rank shapes)
 ---------------------------------------------------------------------------------------------
@@ -153,10 +165,10 @@ LATENT = 3584          # dL = routed_expert_hidden_size
 CHUNK = 32             # k per chunk: 4 lanes x 8 bf16
 MAX_M = 64
 SHARED_INTERMEDIATE = {"k3_rank16": 384, "k3_rank8": 768, "k3": 6144}
-# v5 (opt-in, "fast-tailring"; measured by the next H200 run): the tail's weight stages in a ring of RING_DEPTH slots
-# per warp in shared memory (cp.async) instead of two register stages, at M <= RING_MAX_M (one or two n-tiles);
-# 0 = off. The version log says why.
-RING_DEPTH = 0
+# v5 (the default from session 10 at depth 2; "fast-s19tail" is the A/B without it): the tail's weight stages in a
+# ring of RING_DEPTH slots per warp in shared memory (cp.async) instead of two register stages, at M <= RING_MAX_M
+# (one or two n-tiles); 0 = off. The version log says why, and why 2 rather than 3.
+RING_DEPTH = 2
 RING_MAX_M = 16
 
 
@@ -504,7 +516,10 @@ def compile_keys(inter: int, batches: Iterable[int]) -> list[tuple]:
     """Every compile key that running M in ``batches`` with shared intermediate ``inter`` needs."""
     _check_inter(inter)
     nts = sorted({n_tiles(m) for m in batches})
-    return [(op, nt, inter) for op in ("moe_tail", "shared_gate_up") for nt in nts]
+    # the default ring serves M <= RING_MAX_M, i.e. the n-tile buckets 8 * nt <= RING_MAX_M (moe_tail's key below)
+    ring = lambda nt: (RING_DEPTH,) if RING_DEPTH and 8 * nt <= RING_MAX_M else ()     # noqa: E731
+    return ([("moe_tail", nt, inter) + ring(nt) for nt in nts]
+            + [("shared_gate_up", nt, inter) for nt in nts])
 
 
 def _get(key: tuple):

@@ -212,6 +212,16 @@ case "${1:-}" in
             moe_tail@ring2 moe_tail@ring3 moe_tail@ring4 kda_conv_gate_step@trig kda_conv_gate_step@txtrig" \
             K3_BENCH_TIMEOUT=110 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 \
             --batches 1 8 64 --impls stock fast fast-tailring fast-kdatx --budget-s 160 ;;
+  # session 10's defaults (moe_tail v5 ring at depth 2, KDA v6) and the cuBLAS tail's in-place add (M > 16): every
+  # moe_tail / KDA step test, the layer halves with fast and the s19 A/Bs; then (s20b) the kernel bench and the layer
+  # sweep with the A/Bs and the 8-warp experts (whose spare registers could hold tail CTAs during the experts)
+  s20)    K3_TEST_TIMEOUT=290 bash scripts/h200_tests.sh tests/gpu/test_moe_tail.py tests/gpu/test_kda_conv_gate_step.py \
+            tests/gpu/test_fast_layer.py -k "not timing_report and (ring or dsmem or late_stores or s19 or step or tail \
+            or gate_up or graph or padding or full_width or nan or (half and not fast-))" ;;
+  s20b)   K3_SWEEP_TIMEOUT=230 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 1 8 16 64 --kernels moe_tail moe_tail@v1 \
+            kda_conv_gate_step@trig kda_conv_gate_step@v5trig" K3_BENCH_TIMEOUT=100 bash scripts/h200_sweep.sh \
+            --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 8 64 --impls stock fast fast-s19tail fast-s19kda \
+            fast-w8 --budget-s 210 ;;
   # Nsight Compute: the tail at b1 (v1 / ring 3) and the other two b1 GEMVs (fused in_proj, fused router front)
   ncu2)   K3_NCU_TIMEOUT=90 bash scripts/h200_ncu.sh "tail --shape k3_rank16 --batch 1" \
             "tail --shape k3_rank16 --batch 1 --ring 3" "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" \
@@ -220,5 +230,5 @@ case "${1:-}" in
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b"; exit 2 ;;
 esac

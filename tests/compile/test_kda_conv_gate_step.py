@@ -180,7 +180,8 @@ def test_late_stores_follow_the_last_cluster_barrier(early, heads, batch):
     ns = kmod.choose_nsplit(batch, heads)
     key = (kmod.compile_key(heads, 1, ns) + (("early_trigger",) if early else ())
            + (("preload",) if ns == 8 else ()) + ("late_stores",))
-    assert key in kmod.compile_keys(heads, [batch], [1], early_trigger=early)
+    # v5's key; the default (v6 since session 10) adds dsmem_tx to it
+    assert key + (("dsmem_tx",) if kmod.DSMEM_TX else ()) in kmod.compile_keys(heads, [batch], [1], early_trigger=early)
     lines = _ptx_lines(key)
     arrives = [i for i, ln in enumerate(lines) if ln.startswith("barrier.cluster.arrive")]
     stores = [i for i, ln in enumerate(lines) if ln.startswith("st.global")]
@@ -203,6 +204,9 @@ def test_dsmem_tx_has_no_cluster_barrier_after_the_start(heads, batch, T):
     ns = kmod.choose_nsplit(batch, heads)
     key = (kmod.compile_key(heads, T, ns) + ("early_trigger",) + (("preload",) if ns == 8 and T == 1 else ())
            + ("late_stores", "dsmem_tx"))
+    assert kmod.kernel_key(heads, T, ns, early_trigger=True, dsmem_tx=True) == key
+    if kmod.DSMEM_TX:
+        assert key in kmod.compile_keys(heads, [batch], [T], early_trigger=True)
     lines = _ptx_lines(key)
     arrives = [ln for ln in lines if ln.startswith("barrier.cluster.arrive")]
     assert len(arrives) == 1 and ".relaxed" in arrives[0]

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("impl", ["fast", "fast-splitk", "fast-alldsl", "fast-gemv0", "fast-gemv8", "fast-gemvg2",
-                                  "fast-endtrig", "fast-s8", "fast-s10", "fast-kdans8", "fast-s17kda", "fast-kdatx"])
+                                  "fast-endtrig", "fast-s8", "fast-s10", "fast-kdans8", "fast-s17kda", "fast-s19kda"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -99,7 +99,7 @@ def test_fast_layer_full_width_b1(shape):
 @pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl",
                                   "fast-w8", "fast-front0", "fast-front16", "fast-shapart", "fast-overlap",
                                   "fast-rolled", "fast-front0r", "fast-shlate", "fast-v6", "fast-s9front",
-                                  "fast-s12", "fast-v7", "fast-s13", "fast-tailring"])
+                                  "fast-s12", "fast-v7", "fast-s13", "fast-s19tail"])
 @pytest.mark.parametrize("batch", [1, 3, 8, 17, 64])
 def test_fast_moe_half_same_input(batch, impl):
     if batch == 3 and impl not in ("fast", "fast-s9front", "fast-shapart", "fast-shlate"):

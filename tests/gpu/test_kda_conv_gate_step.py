@@ -105,7 +105,7 @@ def make_slots(B, S, gen, pad_every=3):
     return perm
 
 
-def check_step(B, T, H, seed=0, nsplit=None, slots=None, extra_slots=3):
+def check_step(B, T, H, seed=0, nsplit=None, slots=None, extra_slots=3, **opts):
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(seed * 1000 + B * 10 + T + H)
     S = B + extra_slots
@@ -120,7 +120,8 @@ def check_step(B, T, H, seed=0, nsplit=None, slots=None, extra_slots=3):
     conv0, rec0 = conv.clone(), rec.clone()
     out = torch.full((B * T, H * D), float("nan"), dtype=torch.bfloat16, device=dev)
     y = kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
-                                conv, rec, slots, heads=H, T=T, lower_bound=LB, eps=EPS, out=out, nsplit=nsplit)
+                                conv, rec, slots, heads=H, T=T, lower_bound=LB, eps=EPS, out=out, nsplit=nsplit,
+                                **opts)
     torch.cuda.synchronize()
     assert y is out
     sl = slots.long().cpu()
