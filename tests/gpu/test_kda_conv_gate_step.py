@@ -343,7 +343,7 @@ def test_late_stores_are_bit_identical(H, B, T, early):
         slots[2] = S + 4
     proj = make_proj(B, T, H, gen, dev)
     res = {}
-    for name, kw in (("v3", {"late_stores": False}), ("v5", {"late_stores": True, "dsmem_tx": False}),
+    for name, kw in (("v3", {"late_stores": False, "dsmem_tx": False}), ("v5", {"late_stores": True, "dsmem_tx": False}),
                      ("v6", {"late_stores": True, "dsmem_tx": True})):
         conv, rec = conv0.clone(), rec0.clone()
         y = torch.full((B * T, H * D), 7.0, dtype=torch.bfloat16, device=dev)
