@@ -196,7 +196,9 @@ def kernel_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: 
     # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
     pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and nsplit == 8
     late = LATE_STORES if late_stores is None else bool(late_stores)
-    tx = DSMEM_TX if dsmem_tx is None else bool(dsmem_tx)
+    # v6 needs v5's late write-backs: an explicit late_stores=False (v3's order, "fast-s17kda", bench @v3) runs the
+    # cluster-barrier exchanges unless dsmem_tx=True asks for both, which is an error
+    tx = (DSMEM_TX and late) if dsmem_tx is None else bool(dsmem_tx)
     if tx and not late:
         raise ValueError("dsmem_tx (v6) needs late_stores: it writes the conv windows after the last exchange")
     return (compile_key(heads, T, nsplit, lower_bound, eps, head_dim) + (("early_trigger",) if early_trigger else ())

@@ -216,3 +216,14 @@ def test_dsmem_tx_has_no_cluster_barrier_after_the_start(heads, batch, T):
     assert any(ln.startswith("fence.mbarrier_init.release.cluster") for ln in lines)
     with pytest.raises(ValueError, match="late_stores"):
         _call(_inputs(), dsmem_tx=True, late_stores=False)
+
+
+def test_v3_order_runs_the_barrier_exchanges():
+    """late_stores=False alone (v3's order: fast-s17kda, bench @v3) builds v5's barrier exchanges, not v6's, whatever
+    the module default; both together is the error above. (Session 10: with v6 the default, fast-s17kda raised in
+    every GPU test of the attention half until this rule.)"""
+    base = kmod.compile_key(6, 1, 8) + ("early_trigger", "preload")
+    assert kmod.kernel_key(6, 1, 8, early_trigger=True, late_stores=False) == base
+    assert kmod.kernel_key(6, 1, 8, early_trigger=True, late_stores=True, dsmem_tx=False) == base + ("late_stores",)
+    with pytest.raises(ValueError, match="late_stores"):
+        kmod.kernel_key(6, 1, 8, late_stores=False, dsmem_tx=True)
