@@ -23,6 +23,9 @@
 # tokens are read once per step (deduplicated), and the combine is summed in slot order (bit-reproducible).
 
 # %%
+import json
+import os
+
 import torch
 
 from k3ref import Precision, k3, k3_rank, random_layer, tiny
@@ -207,8 +210,8 @@ for variant in ("sortprobe", "fc1probe", "fc2probe", "probe", "default"):
 # cycles per issued instruction. At b1 the experts wait on CTA barriers and loads, and the tail on loads alone
 # (33 of 39 cycles: each warp has one register stage in flight ahead of the one it multiplies). At b64 the
 # experts' stalls are short (`wait`, `not_selected`, `math_pipe_throttle`), so the issue rate is the limit, as the
-# stream probe said. `moe_tail`'s v5 (opt-in, measured next) moves the tail's weight stages into a shared-memory
-# ring filled by cp.async.
+# stream probe said. `moe_tail`'s v5 (section 11) moves the tail's weight stages into a shared-memory ring filled
+# by cp.async.
 
 # %%
 src, table = nbtools.recorded_experts_probe("k3_rank16", "traces/h200/experts-26465c5-s16.json")
@@ -221,9 +224,37 @@ moe_ncu = [f"traces/h200/ncu-5446d13-ncu1/ncu-{c}.txt" for c in
 print(nbtools.ncu_table(moe_ncu))
 tail_b1 = nbtools.recorded_ncu(moe_ncu[1])
 
+# %% [markdown]
+# ## 11. The tail's weights through shared memory (moe_tail v5, session 10)
+# The ncu rows above show the tail waiting on loads. Each warp had one register stage in flight ahead of the one
+# it multiplied, and more register stages spilled. v5 streams the same 16-byte fragments through a ring of D
+# stages per warp in shared memory, filled by cp.async; the first D stages are issued before the PDL wait. Each
+# thread reads back only the chunks it copied, so `cp.async.wait_group` orders them without a CTA barrier. The MMAs
+# see the same registers, so the output is bit-identical (GPU test). Depth 2 is the default: D = 3 and 4 need more
+# shared memory per CTA, which costs CTAs per SM (a second wave at D = 4).
+#
+# The gain depends on the shape. At rank8 b1 the v1 tail ran at ~2.1 TB/s and v5 takes it from 29.3 to 21.8 µs.
+# At rank16 b1 the gain is only 21.1 -> 20.0. There ncu shows the long-scoreboard stalls halved (34.3 -> 18.1 cycles
+# per issue) with DRAM still ~63 % busy, so the waiting moved elsewhere. The MoE half follows the kernel: rank8 b1
+# 74.8 -> 66.9 µs, rank16 b1 60.3 -> 59.5 (`fast-s19tail` is v1).
+
+# %%
+with open(os.path.join(nbtools.ROOT, "traces/h200/kernels-226990a-s20b.json")) as f:
+    s20b = json.load(f)
+tail_rows = {(r["kernel"], r["shape"], r["batch"]): r["fast_us_median"] for r in s20b["records"]
+             if r["kernel"].startswith("moe_tail")}
+print(f"moe_tail kernel bench, one run (copy {s20b['records'][0]['copy_tbps']:.3f} TB/s): median µs, v1 -> v5 (D = 2)")
+for shape in ("k3_rank16", "k3_rank8"):
+    print("  " + shape + "".join(f"   b{b}: {tail_rows[('moe_tail@v1', shape, b)]:.1f} -> {tail_rows[('moe_tail', shape, b)]:.1f}"
+                                 for b in (1, 8, 16)))
+print(nbtools.ncu_table([f"traces/h200/ncu-2674eff-ncu2/ncu-tail_shape_k3_rank16_batch_1{s}.txt" for s in ("", "_ring_3")]))
+for shape in ("k3_rank16", "k3_rank8"):
+    print(nbtools.ab_table("traces/h200/records-226990a-s20b.json", "moe", ["stock", "fast", "fast-s19tail"], shape=shape))
+
 # %%
 assert table["G1"][1] > table["default"][1] and table["G1probe"][1] > table["probe"][1]
 assert tail_b1["stalls"][0][0] == "long_scoreboard" and tail_b1["stalls"][0][1] > 0.8 * tail_b1["cycles_per_issue"]
+assert all(tail_rows[("moe_tail", sh, b)] < tail_rows[("moe_tail@v1", sh, b)] for sh in ("k3_rank16", "k3_rank8") for b in (1, 8, 16))
 assert v7_rows_once
 assert rot_decode_exact
 assert vec_vs_loop < 1e-10
