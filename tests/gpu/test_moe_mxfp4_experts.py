@@ -145,9 +145,11 @@ V4_CASES = [(m, 256, r) for m in (1, 3, 8, 64) for r in ("uniform", "shared", "t
 
 @pytest.mark.parametrize("M,I,kind", V4_CASES)
 def test_v4_matches_v3_and_reference(M, I, kind):
-    """v4 (ring consumed before its refill) computes exactly what v3 computes: same MMAs in the same order."""
+    """v4 (ring consumed before its refill) computes exactly what v3 computes: same MMAs in the same order. Both at
+    8 warps, v3's configuration: with the 16-warp default (session 7) v3 failed this test at (64, 384) in session
+    10's partial suite run, where v4 at 16 warps matched the reference (test_matches_reference)."""
     ck, prep, z, ids, w, ws = case(M, I, kind, 2000 * M + I + len(kind), layout="nibble")
-    outs = run_variants(M, z, ids, w, prep, ws, v3=dict(version=3), v4=dict(version=4))
+    outs = run_variants(M, z, ids, w, prep, ws, v3=dict(version=3, warps=8), v4=dict(version=4, warps=8))
     assert same_bits(outs["v4"], outs["v3"]), "v4 differs from v3"
     assert rel_rmse(outs["v4"], reference(z, ids, w, ck)) <= TOL
 
@@ -206,12 +208,20 @@ def test_distinct_expert_bytes_counts_dedup():
 @pytest.mark.parametrize("M", [1, 8, 64])
 def test_every_cluster_size_matches_reference(M, C):
     """The default cluster size moved from 8/4 to 4/2 (version log): every size stays correct, and the output does
-    not depend on it where the FC1 K split does not change (S = 1 at C = 2 and 4 for I = 256)."""
+    not depend on it where the FC1 K split S does not change. S = W / gcd(T1, W) with T1 = I / (8 C) FC1 tiles per
+    CTA: at I = 256 and 8 warps S = 1 for C = 2 and 4; at the 16-warp default C = 4 has S = 2 and C = 2 S = 1, a
+    different fp32 sum order (the bit comparison failed at M = 8 / 64 in session 10 until it ran at 8 warps)."""
     ck, prep, z, ids, w, ws = case(M, 256, "uniform", 3000 * M + C)
-    outs = run_variants(M, z, ids, w, prep, ws, this=dict(cluster=C), c2=dict(cluster=2))
-    assert rel_rmse(outs["this"], reference(z, ids, w, ck)) <= TOL
+    outs = run_variants(M, z, ids, w, prep, ws, this=dict(cluster=C), this8=dict(cluster=C, warps=8),
+                        c2w8=dict(cluster=2, warps=8))
+    ref = reference(z, ids, w, ck)
+    for name in ("this", "this8"):
+        assert rel_rmse(outs[name], ref) <= TOL, name
     if C == 4:
-        assert same_bits(outs["this"], outs["c2"])
+        cfgs = [mx.KernelCfg(E=E, dL=DL, I=256, MB=8, C=c, W=8)
+                for c in (4, 2)]
+        assert cfgs[0].S == cfgs[1].S == 1
+        assert same_bits(outs["this8"], outs["c2w8"])
 
 
 V5_CASES = [(m, 256, r) for m in (1, 3, 8, 16, 64) for r in ("uniform", "shared", "skewed", "ties")] \
