@@ -65,6 +65,12 @@ def _cases(cfg, batch: int):
                                                                       w.input_layernorm, w_in, partial_out=p_out,
                                                                       fused_groups=2),
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+    if M <= 2:      # rms_gemv v7 (opt-in): 2 / 3 row groups of each CTA in L2 prefetch ahead, all before the PDL wait
+        for pf in (2, 3):
+            cases.append((f"attnres_rms_gemv@pf{pf}",
+                          lambda pf=pf: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm,
+                                                         w_in, partial_out=p_out, prefetch_groups=pf),
+                          lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 4:      # rms_gemv v5, before v6 (the default since session 7: each batch of weight loads tied together;
         # fused at M <= 2, plain above; measured as the "@pin" rows of kernels-84291ed.json)
         cases.append(("attnres_rms_gemv@v5", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,

@@ -447,6 +447,8 @@ FAST_VARIANTS = {
     "fast-s19kda": {"kda_dsmem_tx": False},     # the KDA step's cluster-barrier exchanges (v5, before session 10's v6)
     "fast-s19tail": {"tail_ring": 0},           # moe_tail v1's register stages (before session 10's cp.async ring)
     "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
+    "fast-inpf2": {"gemv_prefetch": 2},         # the fused in_proj's v7: 2 row groups in L2 prefetch ahead (opt-in)
+    "fast-inpf3": {"gemv_prefetch": 3},         # ... 3 row groups
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
     # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7

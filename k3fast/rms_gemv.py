@@ -97,6 +97,23 @@ Version log
       loads now issue together, so the round trips per group were only part of the cost; the rest is the ~2 TB/s
       per-SM streaming rate that v3 and v4 did not move either. Kept as the default for the -1 us in the layer
       (PIN_LOADS = True since session 7; "fast-s8" keeps v5).
+  v7 (2026-11-30, session 10; opt-in prefetch_groups / PREFETCH_GROUPS, impls "fast-inpf2" / "fast-inpf3";
+      CPU-compiled, measured by h200_next s21) Each CTA of the fused kernel issues the L2 prefetches of its first
+      pf row groups before the PDL wait (v2-v6: one group), and its loop prefetches the group pf ahead. Only
+      prefetches change, so the output is bit-identical (GPU test test_opt_in_builds_are_bitwise). The PTX after
+      the wait has the same loads and FMAs (CPU test test_fused_prefetch_depth).
+      Why: at rank16 b1 the fused in_proj takes 19.4 us in the layer for 46 MB, i.e. 2.4 TB/s
+      (records-226990a-s20b.json). The router front, an FMA GEMV of 75 MB with no prologue, streams at 3.5 TB/s in
+      the same replay. ncu (ncu-2674eff-ncu2/) shows 115 CTAs, DRAM 47.7 % busy and SMs active 74 % of the elapsed
+      cycles. Before its wait each CTA asks for one group: 57 KB at ks = 4, 6.6 MB over the grid, ~1.6 us of HBM
+      time. Its AttnRes prologue then runs for ~3 us (n_blocks + 1 source rows from L2, three CTA reductions). At
+      pf = 3 the pre-wait requests cover 20 MB.
+      Risk: v3 (two groups per iteration, prefetching 2-3 groups ahead) and v4 (bulk L2 prefetch, 36 MB) did not
+      gain. So the prologue's own L2 reads may queue behind the prefetch stream, or the per-SM rate may not depend
+      on prefetch depth at all.
+      Prediction: bench b1 -0.5 to -1.5 us at pf = 3; attention half b1 -0.5 to -1.5 us. If nothing moves, the
+      in_proj's remaining cost is the prologue's latency itself, and the next step is to stop recomputing x in
+      every CTA.
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -154,6 +171,7 @@ FUSED_WARPS = 16
 FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
 PIN_LOADS = True    # v6 (the default since session 7): tie each batch of the FMA loop's weight loads together
+PREFETCH_GROUPS = 1  # v7 (opt-in, "fast-inpf2" / "fast-inpf3"): row groups of the fused kernel in L2 prefetch ahead
 
 
 def _vectors_per_lane(K: int, ks: int) -> int:
@@ -359,8 +377,12 @@ def _build_kernels():
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
         def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
-                     early_trigger=False, pin=False):
+                     early_trigger=False, pin=False, pf=1):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
+            # v7 (opt-in, fused G = 1 only): pf row groups of L2 prefetches ahead instead of one; pf before the PDL
+            # wait, so the HBM streams during the AttnRes prologue (the version log says why)
+            self.pf = pf
+            assert pf == 1 or (fused and G == 1)
             # v5 (opt-in, fused only): launch the PDL dependents (the KDA step) right after the wait, so their
             # pre-wait state and weight loads overlap this kernel's weight stream instead of following it
             self.early_trigger = early_trigger
@@ -418,8 +440,9 @@ def _build_kernels():
             sRed = smem.allocate_tensor(Float32, cute.make_layout((2, self.nwarps, self.MB),
                                                                   stride=(self.nwarps * self.MB, self.MB, 1)), 16)
             # weights do not depend on the producer: start their HBM stream before the PDL wait
-            if bid < n_groups:
-                _prefetch_rows(gW, bid * self.rpc + r, 1, kv0, kv1, lane)
+            for ahead in cutlass.range_constexpr(self.pf):
+                if bid + ahead * nblk < n_groups:
+                    _prefetch_rows(gW, (bid + ahead * nblk) * self.rpc + r, 1, kv0, kv1, lane)
             if const_expr(self.fused):
                 sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, self.K), stride=(self.K, 1)), 16)
                 sRedA = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 2 * (self.nb + 1)),
@@ -467,7 +490,7 @@ def _build_kernels():
                 for grp in cutlass.range(bid, n_groups, nblk):
                     row = grp * self.rpc + r
                     if const_expr(self.fused):
-                        nxt = grp + nblk
+                        nxt = grp + self.pf * nblk
                         if nxt < n_groups:
                             _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
                     acc.fill(0.0)
@@ -762,7 +785,8 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
     return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps), build)
 
 
-def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False):
+def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False,
+                 pf=1):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
@@ -770,26 +794,27 @@ def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
     obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G,
-              early_trigger=early_trigger, pin=pin)
+              early_trigger=early_trigger, pin=pin, pf=pf)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
-def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigger=False, pin=False):
+def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigger=False, pin=False, pf=1):
     key = (("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
-           + (("early_trigger",) if early_trigger else ()) + (("pin",) if pin else ()))
+           + (("early_trigger",) if early_trigger else ()) + (("pin",) if pin else ())
+           + ((("pf", pf),) if pf != 1 else ()))
     return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G,
-                                                    early_trigger=early_trigger, pin=pin))
+                                                    early_trigger=early_trigger, pin=pin, pf=pf))
 
 
 def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, early_trigger: bool = False,
-              pin: bool = False) -> str:
+              pin: bool = False, pf: int = 1) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
                                              options=TVM_FFI + " --keep-ptx", G=G,
-                                             early_trigger=early_trigger, pin=pin))
+                                             early_trigger=early_trigger, pin=pin, pf=pf))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -889,19 +914,28 @@ def _check_groups(G) -> int:
     return G
 
 
+def _check_prefetch(pf) -> int:
+    if isinstance(pf, bool) or not isinstance(pf, int) or not 1 <= pf <= 4:
+        raise ValueError(f"prefetch_groups must be an int in 1..4 (row groups in L2 prefetch ahead), got {pf!r}")
+    return pf
+
+
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     early_trigger=False, pin_loads=None):
+                     early_trigger=False, pin_loads=None, prefetch_groups=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
     early_trigger: the fused kernel launches its PDL dependents right after its wait (v5, opt-in), for a dependent
     whose pre-wait reads do not include this call's outputs (the KDA step).
     pin_loads: tie each batch of weight loads together (v6; None = PIN_LOADS, on by default; fused kernel, G = 1).
+    prefetch_groups: row groups of each CTA in L2 prefetch ahead of its loads, all of them issued before the PDL
+    wait (v7; None = PREFETCH_GROUPS = 1; fused kernel, G = 1; 1..4). Bit-identical: prefetches change no value.
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
     import torch
+    pf = _check_prefetch(PREFETCH_GROUPS if prefetch_groups is None else prefetch_groups)
     fused = partial.dim() == 2 and partial.shape[0] <= min(fuse_max_m, 4)
     M, K, wln, partial_out = _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out,
                                             fused)
@@ -926,7 +960,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
             G = 1                           # a slice of more than 8 vectors per lane: no one-batch groups to pair
         pin = (PIN_LOADS if pin_loads is None else bool(pin_loads)) and G == 1
         fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G,
-                            bool(early_trigger), pin)
+                            bool(early_trigger), pin, pf if G == 1 else 1)
         fn(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,

@@ -219,3 +219,29 @@ def test_plain_gemv_pinned_compiles(M):
     """v6 on the plain FMA GEMV (the in_proj at M = 3-4 after attnres_rmsnorm): its own compile key."""
     rpc, ks = R._fma_config(3216, 7168)
     assert R._compile_fma(R.bucket_m(M), rpc, ks, True) is not R._compile_fma(R.bucket_m(M), rpc, ks, False)
+
+
+@needs_dsl
+@pytest.mark.parametrize("pf", [1, 2, 3])
+def test_fused_prefetch_depth(pf):
+    """v7 (prefetch_groups): pf row groups' L2 prefetches are issued before the PDL wait (pf times the lines of one
+    group per lane), and the loop still prefetches one group per iteration; the loop's loads and FMAs are v6's."""
+    import re
+    lines = [ln.strip() for ln in R.fused_ptx(3216, M=1, pin=True, early_trigger=True, pf=pf).splitlines()]
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    pre = sum(1 for ln in lines[:wait] if ln.startswith("prefetch.global.L2"))
+    post = sum(1 for ln in lines[wait:] if ln.startswith("prefetch.global.L2"))
+    base = [ln.strip() for ln in R.fused_ptx(3216, M=1, pin=True, early_trigger=True).splitlines()]
+    bwait = next(i for i, ln in enumerate(base) if "griddepcontrol.wait" in ln)
+    bpre = sum(1 for ln in base[:bwait] if ln.startswith("prefetch.global.L2"))
+    bpost = sum(1 for ln in base[bwait:] if ln.startswith("prefetch.global.L2"))
+    assert bpre > 0 and pre == pf * bpre and post == bpost
+    ops = lambda ls: sorted(re.split(r"\s", ln)[0] for ln in ls if re.match(r"(ld\.global|fma\.rn)", ln))   # noqa: E731
+    assert ops(lines[wait:]) == ops(base[bwait:])
+
+
+def test_prefetch_groups_is_checked():
+    for bad in (0, 5, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="prefetch_groups"):
+            R._check_prefetch(bad)
+    assert R._check_prefetch(3) == 3

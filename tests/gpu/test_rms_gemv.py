@@ -128,7 +128,9 @@ def test_fused_vs_unfused(R, seed, M):
 #   fused_groups=2 (v3): the same operations per row group, two groups per loop iteration.
 #   pin_loads=True (v6): + 0 * (sum of the batch's first weights) in each weight scale, fused (M <= 2) and through
 #                        attnres_rmsnorm + the plain FMA GEMV (M = 3, 4).
-BITWISE_OPTIONS = [("fused_groups", 1, 2, (1, 2)), ("pin_loads", False, True, (1, 2, 3, 4))]
+#   prefetch_groups=3 (v7): L2 prefetches only, 3 row groups ahead instead of 1 (fused, M <= 2).
+BITWISE_OPTIONS = [("fused_groups", 1, 2, (1, 2)), ("pin_loads", False, True, (1, 2, 3, 4)),
+                   ("prefetch_groups", 1, 3, (1, 2))]
 
 
 @pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
