@@ -45,11 +45,12 @@ def batch1_warmups():
     def rms():
         from . import kda_conv_gate_step as kmod, rms_gemv
         n = kmod.proj_width(c.kda_heads)
-        rms_gemv.warmup([(n, d)], [1], attnres_K=d, attnres_N=(n,), n_blocks=[1], block_write=(-1,), deltas=(True,))
+        rms_gemv.warmup([(n, d)], [1], attnres_K=d, attnres_N=(n,), n_blocks=[1], block_write=(-1,), deltas=(True,),
+                        early_trigger=True)     # as the layer calls its in_proj (FastImpl attn_early_trigger)
     return [
         ("rms_gemv", "AttnRes + RMSNorm + packed in_proj GEMV", rms),
         ("kda_conv_gate_step", "KDA core (conv, gates, delta rule, gated norm)",
-         lambda: __import__("k3fast.kda_conv_gate_step", fromlist=["x"]).warmup(c.kda_heads, [1])),
+         lambda: __import__("k3fast.kda_conv_gate_step", fromlist=["x"]).warmup(c.kda_heads, [1], early_trigger=True)),
         ("oproj_attnres", "o_proj + partial sum + AttnRes #2 + RMSNorm",
          lambda: __import__("k3fast.oproj_attnres", fromlist=["x"]).warmup([c.kda_proj], [2], [1])),
         ("router_down_topk", "router + latent down + top-16",

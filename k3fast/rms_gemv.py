@@ -920,6 +920,26 @@ def _check_prefetch(pf) -> int:
     return pf
 
 
+def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=None, fused_groups=None,
+                early_trigger=False, pin_loads=None, prefetch_groups=None):
+    """(the arguments of _compile_fused, grid) for the fused kernel these options run: one rule for the host entry
+    and compile_keys, so warmup compiles exactly the builds the calls use."""
+    rpc, ks, grid = _fused_config(N, K)
+    if fused_ks is not None:            # benchmarks of the k-split choice (k3fast.bench)
+        if fused_ks not in (1, 2, 4, 8) or (K // 8) // fused_ks < 64:
+            raise ValueError(f"fused_ks must be 1, 2, 4 or 8 with >= 64 vectors per slice, got {fused_ks}")
+        rpc, ks = FUSED_WARPS // fused_ks, fused_ks
+        groups = N // rpc
+        grid = -(-groups // -(-groups // NUM_SMS))
+    G = _check_groups(FUSED_GROUPS if fused_groups is None else fused_groups)
+    if G == 2 and _vectors_per_lane(K, ks) > 8:
+        G = 1                           # a slice of more than 8 vectors per lane: no one-batch groups to pair
+    pin = (PIN_LOADS if pin_loads is None else bool(pin_loads)) and G == 1
+    pf = _check_prefetch(PREFETCH_GROUPS if prefetch_groups is None else prefetch_groups) if G == 1 else 1
+    return (M, K, n_blocks, bool(has_delta), block_write, wln, float(eps), rpc, ks, G, bool(early_trigger), pin,
+            pf), grid
+
+
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
                      early_trigger=False, pin_loads=None, prefetch_groups=None):
@@ -935,7 +955,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
     import torch
-    pf = _check_prefetch(PREFETCH_GROUPS if prefetch_groups is None else prefetch_groups)
+    _check_prefetch(PREFETCH_GROUPS if prefetch_groups is None else prefetch_groups)
     fused = partial.dim() == 2 and partial.shape[0] <= min(fuse_max_m, 4)
     M, K, wln, partial_out = _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out,
                                             fused)
@@ -948,20 +968,9 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
     if fused and K % 16 == 0:
-        rpc, ks, grid = _fused_config(N, K)
-        if fused_ks is not None:            # benchmarks of the k-split choice (k3fast.bench)
-            if fused_ks not in (1, 2, 4, 8) or (K // 8) // fused_ks < 64:
-                raise ValueError(f"fused_ks must be 1, 2, 4 or 8 with >= 64 vectors per slice, got {fused_ks}")
-            rpc, ks = FUSED_WARPS // fused_ks, fused_ks
-            groups = N // rpc
-            grid = -(-groups // -(-groups // NUM_SMS))
-        G = _check_groups(FUSED_GROUPS if fused_groups is None else fused_groups)
-        if G == 2 and _vectors_per_lane(K, ks) > 8:
-            G = 1                           # a slice of more than 8 vectors per lane: no one-batch groups to pair
-        pin = (PIN_LOADS if pin_loads is None else bool(pin_loads)) and G == 1
-        fn = _compile_fused(M, K, n_blocks, delta is not None, block_write, wln, float(eps), rpc, ks, G,
-                            bool(early_trigger), pin, pf if G == 1 else 1)
-        fn(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
+        args, grid = _fused_args(M, K, N, n_blocks, delta is not None, block_write, wln, eps, fused_ks, fused_groups,
+                                 early_trigger, pin_loads, prefetch_groups)
+        _compile_fused(*args)(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
                                      block_write=block_write, partial_out=partial_out)
@@ -972,14 +981,18 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
 # ----------------------------------------------------------------------------- warm-up
 
 def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=range(NB_MAX + 1),
-                 block_write=(-1, "n"), deltas=(False, True), wln="bf16", eps=1e-5, fuse_max_m=FUSE_MAX_M):
-    """Every (kind, config) a set of GEMV shapes [(N, K)] and batch sizes needs; attnres_N lists the
-    projection widths that run fused after AttnRes (K = attnres_K). block_write "n" means = n_blocks."""
+                 block_write=(-1, "n"), deltas=(False, True), wln="bf16", eps=1e-5, fuse_max_m=FUSE_MAX_M,
+                 early_trigger=False):
+    """Every (kind, config) a set of GEMV shapes [(N, K)] and batch sizes needs with the module's default options
+    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS); attnres_N lists the projection widths that run fused after AttnRes
+    (K = attnres_K), with early_trigger as the caller passes it (the layer's in_proj: True). block_write "n" means
+    = n_blocks."""
     keys = set()
     for (N, K) in shapes:
         for M in batches:
             MB = bucket_m(M)
-            keys.add(("fma", MB) + _fma_config(N, K) if MB <= 4 else ("mma", MB) + _mma_config(N, K, MB))
+            keys.add(("fma", MB) + _fma_config(N, K) + (PIN_LOADS,) if MB <= 4
+                     else ("mma", MB) + _mma_config(N, K, MB))
     if attnres_K is not None:
         for nb in n_blocks:
             for bw in block_write:
@@ -991,8 +1004,8 @@ def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=rang
                     for N in attnres_N:
                         for M in batches:
                             if M <= min(fuse_max_m, 4):
-                                keys.add(("fused", M, attnres_K, nb, hd, b, wln, float(eps))
-                                         + _fused_config(N, attnres_K)[:2])
+                                keys.add(("fused",) + _fused_args(M, attnres_K, N, nb, hd, b, wln, eps,
+                                                                  early_trigger=early_trigger)[0])
     return sorted(keys, key=str)
 
 

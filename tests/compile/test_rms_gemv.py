@@ -89,6 +89,15 @@ def test_compile_keys_cover_fused_and_norm():
                           block_write=(-1,), deltas=(True,))
     kinds = sorted({k[0] for k in keys})
     assert kinds == ["fma", "fused", "mma", "norm"]
+    # the keys are the builds the calls run with the module defaults (until session 10 the fused and FMA keys
+    # lacked the pinned loads, so warmup compiled builds no default call used)
+    fused = {k for k in keys if k[0] == "fused"}
+    assert fused == {("fused",) + R._fused_args(m, 7168, 3216, 1, True, -1, "bf16", 1e-5)[0] for m in (1, 2)}
+    assert all(k[12] == R.PIN_LOADS and k[13] == R.PREFETCH_GROUPS and k[11] is False for k in fused)
+    assert {k[-1] for k in keys if k[0] == "fma"} == {R.PIN_LOADS}
+    early = R.compile_keys([(3216, 7168)], [1], attnres_K=7168, attnres_N=(3216,), n_blocks=(1,), block_write=(-1,),
+                           deltas=(True,), early_trigger=True)
+    assert all(k[11] is True for k in early if k[0] == "fused")
     n0 = len(COMPILE_LOG)
     R.warmup([(3216, 7168)], [1, 2, 8], attnres_K=7168, attnres_N=(3216,), n_blocks=(1,), block_write=(-1,),
              deltas=(True,))
