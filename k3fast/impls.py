@@ -435,6 +435,7 @@ FAST_VARIANTS = {
     "fast-s13": {"experts_version": 4},         # experts v4 at every bucket (before session 8's v7 at buckets <= 2)
     "fast-nibble": {"experts_layout": "nibble"},  # experts in the nibble layout (the default before 2026-11-29)
     "fast-w8": {"experts_warps": 8},            # experts at 8 warps per CTA (the default before 16)
+    "fast-route1": {"experts_route_direct": True},  # experts route1: at M = 1 no counting sort (opt-in)
     "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch
                     "front_dsl_max_m": 64},
     "fast-taildsl": {"tail_dsl_max_m": 64},     # k3fast.moe_tail at every batch (before 2026-11-29)

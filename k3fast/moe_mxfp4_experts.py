@@ -254,6 +254,23 @@ Version log
       and the extra per-step branches and the early FC2 lines only reorder a saturated stream. Removed with its
       bench rows and tests.
 
+  route1 (2026-11-30, session 10; opt-in route_direct / ROUTE_DIRECT, impl "fast-route1", bench_experts R1 /
+      R1probe / R1sortprobe; CPU-compiled, measured by h200_next s21b) At batch bucket 1 the routing needs no sort:
+      the one token's 16 (token, slot) pairs become 16 segments of one pair each, read straight from the ids
+      (act_e[p] = ids[0, p], act_off[p] = p, sorted_s[p] = p). A repeated expert becomes two segments instead of one
+      segment of two pairs. This replaces the counting sort that runs after the PDL wait: zeroing 896 counts,
+      shared atomics, the block scan, the re-rank and two more reads of the ids, with five CTA barriers between
+      them. In the PTX: no shared atomics, 8 CTA barriers instead of 13, 3681 lines instead of 4071 (rank16). The
+      other keys' PTX is unchanged (hashes compared).
+      Bit-identical by construction. A segment's weights, z row, K order and MMAs do not depend on which CTA
+      computes it. The part reduction adds parts in part order and the combine adds the 16 slots in slot order
+      (GPU test test_route1_is_bit_identical, also with a repeated expert).
+      Why: the stage probes (experts-6ec1427-s15.json) put 6.0 us of the 20.8 us b1 kernel before FC1 (launch,
+      wait and sort). In the layer the launch and the wait overlap the front, so the sort's chain is what remains
+      after the ids arrive.
+      Prediction: kernel rank16 b1 -0.7 to -1.5 us (R1 against default, R1sortprobe against sortprobe); MoE half
+      b1 the same (fast-route1).
+
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
   per expert: w13 2*I*dL/2 * (1 + 1/16), w2 dL*I/2 * (1 + 1/16)
@@ -575,6 +592,9 @@ DEFAULT_VERSION = 4
 # 20.9 / 27.7 us, rank8 38.0 / 70.7 -> 27.0 / 41.4; version log)
 SMALL_BATCH_VERSION = 7
 SMALL_BATCH_MAX_MB = 2
+# route1 (opt-in, "fast-route1"; measured by h200_next s21): at batch bucket 1 each of the token's 16 (token, slot)
+# pairs is its own expert segment, read straight from the ids, instead of the in-CTA counting sort (version log)
+ROUTE_DIRECT = False
 
 
 def default_version(MB: int) -> int:
@@ -601,6 +621,7 @@ class KernelCfg:
     #                   and the h exchange (no FC2), "fc2" after FC2 (no part reduction, no combine)
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
     parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
+    route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -626,6 +647,9 @@ class KernelCfg:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
+        if self.route_direct and self.MB != 1:
+            raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
+                             f"got MB={self.MB}")
 
     @property
     def NH(self):           # work items per expert: the parts of I (v6: two halves; v7: ``parts``)
@@ -991,83 +1015,97 @@ def _build_kernel_class():
             # ---------------------------------------------------------------- routing: counting sort by expert
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-            for e in cutlass.range(tid, c.E, c.threads):
-                cnt_s[e] = Int32(0)
-            cute.arch.barrier()
-            for p in cutlass.range(tid, P, c.threads):
-                ex = mIds[p // TOPK, p % TOPK]
-                slot_s[p] = cute.arch.atomic_add(cnt_s.iterator + ex, Int32(1), scope="cta")
-            cute.arch.barrier()
-            # block scan over experts: thread owns experts [tid*EPT, tid*EPT+EPT); packs (#active << 16 | #pairs),
-            # from v5 (#passes << 21 | #active << 11 | #pairs): pairs <= 1024 and passes <= 1024 take 11 bits each,
-            # active experts <= 896 take 10
-            loc = Int32(0)
-            for k in cutlass.range_constexpr(self.EPT):
-                e = tid * self.EPT + k
-                if e < c.E:
-                    n = cnt_s[e]
-                    if const_expr(c.version == 5):
-                        loc = loc + n + ((n > 0).to(Int32) << 11) + (((n + NT - 1) // NT) << 21)
-                    else:
-                        loc = loc + n + ((n > 0).to(Int32) << 16)
-            incl = loc
-            for sh in cutlass.range_constexpr(5):
-                o = cute.arch.shuffle_sync_up(incl, 1 << sh)
-                if lane >= (1 << sh):
-                    incl = incl + o
-            if lane == 31:
-                scr[warp] = incl
-            cute.arch.barrier()
-            base = Int32(0)
-            for w2 in cutlass.range_constexpr(W):
-                if w2 < warp:
-                    base = base + scr[w2]
-            excl = base + incl - loc
-            if const_expr(c.version == 5):
-                ua = (excl >> 11) & 0x3FF
-                pa = excl & 0x7FF
-                qa = (excl >> 21) & 0x7FF
+            if const_expr(c.route_direct):
+                # route1: one token, so pair p = slot p is segment p of expert ids[0, p] (a repeated expert is two
+                # segments of one pair each). The sort below would order the segments by expert id; which CTA
+                # computes a segment does not change its arithmetic, and the part reduction and the combine sum in
+                # part and slot order, so the output keeps every bit.
+                if tid < TOPK:
+                    act_e[tid] = mIds[0, tid]
+                    act_off[tid] = tid
+                    sorted_s[tid] = tid
+                if tid == TOPK:
+                    act_off[TOPK] = Int32(TOPK)
+                cute.arch.barrier()
+                n_active = Int32(TOPK)
             else:
-                ua = excl >> 16
-                pa = excl & 0xFFFF
-                qa = Int32(0)
-            for k in cutlass.range_constexpr(self.EPT):
-                e = tid * self.EPT + k
-                if e < c.E:
-                    n = cnt_s[e]
-                    if n > 0:
-                        act_e[ua] = e
-                        act_off[ua] = pa
-                        cnt_s[e] = pa + (n << 16)           # segment offset | length (both <= 1024)
+                for e in cutlass.range(tid, c.E, c.threads):
+                    cnt_s[e] = Int32(0)
+                cute.arch.barrier()
+                for p in cutlass.range(tid, P, c.threads):
+                    ex = mIds[p // TOPK, p % TOPK]
+                    slot_s[p] = cute.arch.atomic_add(cnt_s.iterator + ex, Int32(1), scope="cta")
+                cute.arch.barrier()
+                # block scan over experts: thread owns experts [tid*EPT, tid*EPT+EPT); packs (#active << 16 | #pairs),
+                # from v5 (#passes << 21 | #active << 11 | #pairs): pairs <= 1024 and passes <= 1024 take 11 bits each,
+                # active experts <= 896 take 10
+                loc = Int32(0)
+                for k in cutlass.range_constexpr(self.EPT):
+                    e = tid * self.EPT + k
+                    if e < c.E:
+                        n = cnt_s[e]
                         if const_expr(c.version == 5):
-                            pass_off[ua] = qa
-                            qa = qa + (n + NT - 1) // NT
-                        ua = ua + 1
-                        pa = pa + n
-            if tid == c.threads - 1:
-                scr[32] = ua
-                act_off[ua] = pa
+                            loc = loc + n + ((n > 0).to(Int32) << 11) + (((n + NT - 1) // NT) << 21)
+                        else:
+                            loc = loc + n + ((n > 0).to(Int32) << 16)
+                incl = loc
+                for sh in cutlass.range_constexpr(5):
+                    o = cute.arch.shuffle_sync_up(incl, 1 << sh)
+                    if lane >= (1 << sh):
+                        incl = incl + o
+                if lane == 31:
+                    scr[warp] = incl
+                cute.arch.barrier()
+                base = Int32(0)
+                for w2 in cutlass.range_constexpr(W):
+                    if w2 < warp:
+                        base = base + scr[w2]
+                excl = base + incl - loc
                 if const_expr(c.version == 5):
-                    pass_off[ua] = qa
-            cute.arch.barrier()
-            # The atomics above order an expert's pairs by arrival, which differs between the CTAs of a cluster
-            # once pairs of one expert come from different warps (P > 32).  Every CTA of a cluster must put the
-            # same pair in the same column (h columns are exchanged by position through DSMEM and y rows are
-            # written by position), so each segment is re-ranked by pair index: deterministic, CTA-independent.
-            for p in cutlass.range(tid, P, c.threads):
-                ex = mIds[p // TOPK, p % TOPK]
-                tmp_s[(cnt_s[ex] & 0xFFFF) + slot_s[p]] = p
-            cute.arch.barrier()
-            for p in cutlass.range(tid, P, c.threads):
-                ex = mIds[p // TOPK, p % TOPK]
-                seg = cnt_s[ex]
-                o = seg & 0xFFFF
-                rk = Int32(0)
-                for k in cutlass.range(o, o + (seg >> 16)):
-                    rk = rk + (tmp_s[k] < p).to(Int32)
-                sorted_s[o + rk] = p
-            n_active = scr[32]
-            cute.arch.barrier()
+                    ua = (excl >> 11) & 0x3FF
+                    pa = excl & 0x7FF
+                    qa = (excl >> 21) & 0x7FF
+                else:
+                    ua = excl >> 16
+                    pa = excl & 0xFFFF
+                    qa = Int32(0)
+                for k in cutlass.range_constexpr(self.EPT):
+                    e = tid * self.EPT + k
+                    if e < c.E:
+                        n = cnt_s[e]
+                        if n > 0:
+                            act_e[ua] = e
+                            act_off[ua] = pa
+                            cnt_s[e] = pa + (n << 16)           # segment offset | length (both <= 1024)
+                            if const_expr(c.version == 5):
+                                pass_off[ua] = qa
+                                qa = qa + (n + NT - 1) // NT
+                            ua = ua + 1
+                            pa = pa + n
+                if tid == c.threads - 1:
+                    scr[32] = ua
+                    act_off[ua] = pa
+                    if const_expr(c.version == 5):
+                        pass_off[ua] = qa
+                cute.arch.barrier()
+                # The atomics above order an expert's pairs by arrival, which differs between the CTAs of a cluster
+                # once pairs of one expert come from different warps (P > 32).  Every CTA of a cluster must put the
+                # same pair in the same column (h columns are exchanged by position through DSMEM and y rows are
+                # written by position), so each segment is re-ranked by pair index: deterministic, CTA-independent.
+                for p in cutlass.range(tid, P, c.threads):
+                    ex = mIds[p // TOPK, p % TOPK]
+                    tmp_s[(cnt_s[ex] & 0xFFFF) + slot_s[p]] = p
+                cute.arch.barrier()
+                for p in cutlass.range(tid, P, c.threads):
+                    ex = mIds[p // TOPK, p % TOPK]
+                    seg = cnt_s[ex]
+                    o = seg & 0xFFFF
+                    rk = Int32(0)
+                    for k in cutlass.range(o, o + (seg >> 16)):
+                        rk = rk + (tmp_s[k] < p).to(Int32)
+                    sorted_s[o + rk] = p
+                n_active = scr[32]
+                cute.arch.barrier()
 
             # ---------------------------------------------------------------- expert loop
             h_base = h_s.iterator.toint()
@@ -1440,10 +1478,11 @@ V7_CLUSTER = 2      # v7's clusters: TPC pairs, all 66 co-resident (C = 4 grids 
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
-                parts: int | None = None) -> KernelCfg:
+                parts: int | None = None, route_direct: bool | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
-    parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB)."""
+    parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
+    route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort)."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1455,9 +1494,10 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
         C = V7_CLUSTER if version == 7 else default_cluster(MB)
     if parts is None:
         parts = default_parts(I, MB, C, nsm) if version == 7 else 1
+    direct = (ROUTE_DIRECT if route_direct is None else bool(route_direct)) and MB == 1
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
-                     layout=layout, parts=parts)
+                     layout=layout, parts=parts, route_direct=direct)
 
 
 def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:
@@ -1531,13 +1571,15 @@ def _validate(z, topk_ids, topk_w, prep: PreparedExperts):
 def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
                       version: int | None = None, cluster: int | None = None,
-                      kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None):
+                      kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
+                      route_direct: bool | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
     may also be passed as w13_packed with the other three None; the four tensors alone need ``layout``).  topk_ids
     values must lie in [0, E) (not checked:
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
+    route_direct: at M = 1, the 16 pairs as segments without the counting sort (route1; None = ROUTE_DIRECT).
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed
@@ -1568,7 +1610,8 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     if version in (6, 7) and m_bucket(M) > 2:
         version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
-                      situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps)
+                      situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
+                      route_direct=route_direct)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:

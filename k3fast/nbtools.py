@@ -56,6 +56,22 @@ def recorded_kernel_bench(kernel: str) -> list[dict]:
     return [rows[k] for k in sorted(rows, key=lambda k: (order.get(k[0], 9), k[1]))]
 
 
+def kernel_ab(kernels_file: str, base: str, other: str, batches, shapes=("k3_rank16", "k3_rank8"),
+              digits: int = 1) -> tuple[dict, str]:
+    """Median µs of two rows of one kernel-bench run (``kernels_file``, a path under the repository), so the A/B is
+    measured in one run: ({(row, shape, batch): µs} for both rows, a printable table of ``other`` -> ``base``)."""
+    with open(os.path.join(ROOT, kernels_file)) as f:
+        doc = json.load(f)
+    rows = {(r["kernel"], r["shape"], r["batch"]): r["fast_us_median"] for r in doc["records"]
+            if r["kernel"] in (base, other)}
+    lines = [f"{kernels_file}, one run (copy {doc['records'][0]['copy_tbps']:.3f} TB/s): median µs, {other} -> {base}"]
+    for shape in shapes:
+        lines.append("  " + shape + "".join(f"   b{b}: {rows[(other, shape, b)]:.{digits}f} -> "
+                                            f"{rows[(base, shape, b)]:.{digits}f}" for b in batches
+                                            if (other, shape, b) in rows and (base, shape, b) in rows))
+    return rows, "\n".join(lines)
+
+
 def recorded_experts_probe(shape: str = "k3_rank16", file: str | None = None) -> tuple[str, dict]:
     """The newest traces/h200/experts-*.json (k3fast.bench_experts), or ``file`` (a path under the repository):
     (source, {variant: {batch: us_median}})."""

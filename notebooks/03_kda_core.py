@@ -27,7 +27,6 @@
 # %%
 import copy
 import glob
-import json
 import os
 
 import torch
@@ -158,14 +157,9 @@ print("ok")
 # nothing at b64. The predicted gain was 0.5-0.9 µs at b1, because ncu had counted ~1.2 µs of membar stalls there.
 
 # %%
-with open(os.path.join(nbtools.ROOT, "traces/h200/kernels-226990a-s20b.json")) as f:
-    s20b = json.load(f)
-kda_rows = {(r["kernel"], r["shape"], r["batch"]): r["fast_us_median"] for r in s20b["records"]
-            if r["kernel"].startswith("kda_conv_gate_step")}
-print(f"kernel bench, one run (copy {s20b['records'][0]['copy_tbps']:.3f} TB/s): median µs, v5 -> v6")
-for shape in ("k3_rank16", "k3_rank8"):
-    print("  " + shape + "".join(f"   b{b}: {kda_rows[('kda_conv_gate_step@v5trig', shape, b)]:.2f} -> "
-                                 f"{kda_rows[('kda_conv_gate_step@trig', shape, b)]:.2f}" for b in (1, 8, 16, 64)))
+kda_rows, kda_ab = nbtools.kernel_ab("traces/h200/kernels-226990a-s20b.json", "kda_conv_gate_step@trig",
+                                    "kda_conv_gate_step@v5trig", (1, 8, 16, 64), digits=2)
+print(kda_ab)
 print(nbtools.ab_table("traces/h200/records-226990a-s20b.json", "attn", ["stock", "fast", "fast-s19kda"]))
 
 # %%

@@ -23,9 +23,6 @@
 # tokens are read once per step (deduplicated), and the combine is summed in slot order (bit-reproducible).
 
 # %%
-import json
-import os
-
 import torch
 
 from k3ref import Precision, k3, k3_rank, random_layer, tiny
@@ -239,14 +236,8 @@ tail_b1 = nbtools.recorded_ncu(moe_ncu[1])
 # 74.8 -> 66.9 µs, rank16 b1 60.3 -> 59.5 (`fast-s19tail` is v1).
 
 # %%
-with open(os.path.join(nbtools.ROOT, "traces/h200/kernels-226990a-s20b.json")) as f:
-    s20b = json.load(f)
-tail_rows = {(r["kernel"], r["shape"], r["batch"]): r["fast_us_median"] for r in s20b["records"]
-             if r["kernel"].startswith("moe_tail")}
-print(f"moe_tail kernel bench, one run (copy {s20b['records'][0]['copy_tbps']:.3f} TB/s): median µs, v1 -> v5 (D = 2)")
-for shape in ("k3_rank16", "k3_rank8"):
-    print("  " + shape + "".join(f"   b{b}: {tail_rows[('moe_tail@v1', shape, b)]:.1f} -> {tail_rows[('moe_tail', shape, b)]:.1f}"
-                                 for b in (1, 8, 16)))
+tail_rows, tail_ab = nbtools.kernel_ab("traces/h200/kernels-226990a-s20b.json", "moe_tail", "moe_tail@v1", (1, 8, 16))
+print(tail_ab)
 print(nbtools.ncu_table([f"traces/h200/ncu-2674eff-ncu2/ncu-tail_shape_k3_rank16_batch_1{s}.txt" for s in ("", "_ring_3")]))
 for shape in ("k3_rank16", "k3_rank8"):
     print(nbtools.ab_table("traces/h200/records-226990a-s20b.json", "moe", ["stock", "fast", "fast-s19tail"], shape=shape))

@@ -227,12 +227,15 @@ case "${1:-}" in
             fast-w8 --budget-s 210 ;;
   # rms_gemv v7 (the fused in_proj's L2 prefetch depth, opt-in), the experts tests corrected to 8 warps for their
   # bit-identity claims, fast-s17kda again: tests, then the in_proj bench rows and the attention half A/B at b1 / b2
-  s21)    K3_TEST_TIMEOUT=300 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_rms_gemv.py \
-            tests/gpu/test_fast_layer.py -k "not timing_report and (experts or opt_in_builds or fused or inpf3 or s17kda)"
-          K3_SWEEP_TIMEOUT=150 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 1 2 --kernels attnres_rms_gemv \
-            attnres_rms_gemv@pf2 attnres_rms_gemv@pf3" K3_BENCH_TIMEOUT=90 bash scripts/h200_sweep.sh \
-            --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 2 --impls stock fast fast-inpf2 fast-inpf3 \
-            --budget-s 130 ;;
+  # and the experts' route1 (batch 1 without the counting sort, opt-in): s21 the tests, s21b the benches and the A/B
+  s21)    K3_TEST_TIMEOUT=420 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_rms_gemv.py \
+            tests/gpu/test_fast_layer.py -k "not timing_report and (experts or route1 or opt_in_builds or fused or inpf3 \
+            or s17kda)" ;;
+  s21b)   K3_SWEEP_TIMEOUT=200 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 1 2 --kernels attnres_rms_gemv \
+            attnres_rms_gemv@pf2 attnres_rms_gemv@pf3" K3_BENCH_TIMEOUT=90 \
+            K3_EXPERTS="--shapes k3_rank16 k3_rank8 --batches 1 --variants default R1 probe R1probe sortprobe \
+            R1sortprobe" K3_EXPERTS_TIMEOUT=120 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 \
+            --batches 1 2 --impls stock fast fast-inpf2 fast-inpf3 fast-route1 --budget-s 180 ;;
   # Nsight Compute: the tail at b1 (v1 / ring 3) and the other two b1 GEMVs (fused in_proj, fused router front)
   ncu2)   K3_NCU_TIMEOUT=90 bash scripts/h200_ncu.sh "tail --shape k3_rank16 --batch 1" \
             "tail --shape k3_rank16 --batch 1 --ring 3" "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" \
@@ -241,5 +244,5 @@ case "${1:-}" in
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b"; exit 2 ;;
 esac

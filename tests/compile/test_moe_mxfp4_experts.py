@@ -495,3 +495,24 @@ def test_stage_probes_compile(probe):
         assert mx.get_kernel(key) is not None
     with pytest.raises(ValueError, match="probe"):
         dataclasses.replace(mx.compile_key(896, 3584, 256, 1), probe="fc3")
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("I", [256, 384])
+def test_route1_compiles_without_the_sort(I):
+    """route1 (route_direct, batch bucket 1): the PTX has no shared-memory atomics (the counting sort's) and
+    fewer CTA barriers than the sorted kernel; compile_key applies it only at bucket 1."""
+    import dataclasses
+    from k3fast.ptxcheck import compiled_ptx
+    base = mx.compile_key(896, 3584, I, 1)
+    assert not base.route_direct and mx.compile_key(896, 3584, I, 1, route_direct=True).route_direct
+    assert not mx.compile_key(896, 3584, I, 2, route_direct=True).route_direct
+    ptx = {d: compiled_ptx(lambda d=d: mx._compile(dataclasses.replace(base, route_direct=d),
+                                                   options="--enable-tvm-ffi --keep-ptx")).splitlines()
+           for d in (False, True)}
+    atoms = {d: sum("atom.shared" in ln for ln in p) for d, p in ptx.items()}
+    bars = {d: sum(ln.strip().startswith(("bar.sync", "barrier.sync")) for ln in p) for d, p in ptx.items()}
+    assert atoms[False] >= 1 and atoms[True] == 0, atoms
+    assert bars[True] < bars[False], bars
+    with pytest.raises(ValueError, match="route_direct"):
+        mx.KernelCfg(E=896, dL=3584, I=I, MB=8, C=2, route_direct=True)

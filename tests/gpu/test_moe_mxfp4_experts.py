@@ -338,3 +338,33 @@ def test_v7_matches_v4_and_reference(M, I, kind):
     assert rel_rmse(outs["v7"], reference(z, ids, w, ck)) <= TOL
     outs2 = run_variants(M, z, ids, w, prep, ws, v7=dict(version=7))        # deterministic run to run
     assert same_bits(outs2["v7"], outs["v7"])
+
+
+@pytest.mark.parametrize("I", [256, 384])
+@pytest.mark.parametrize("kind", ["uniform", "ties"])
+def test_route1_is_bit_identical(I, kind):
+    """route1 (route_direct, M = 1): the token's 16 pairs are the segments, read from the ids without the counting
+    sort. Which CTA computes a segment changes; its arithmetic does not, and the part reduction and the combine sum
+    in part and slot order, so every output bit equals the sorted kernel's. "ties" repeats an expert inside the
+    token: two segments of one pair instead of one segment of two. Also against the reference, counters reset."""
+    ck, prep, z, ids, w, ws = case(1, I, kind, 5000 + I + len(kind))
+    outs = run_variants(1, z, ids, w, prep, ws, sorted=dict(route_direct=False), direct=dict(route_direct=True))
+    assert same_bits(outs["direct"], outs["sorted"])
+    assert rel_rmse(outs["direct"], reference(z, ids, w, ck)) <= TOL
+
+
+def test_route1_graph_replay_and_other_batches():
+    """route1 in a CUDA graph replays with new routings (ties included); at M > 1 route_direct=True is ignored (the
+    sort serves), and a KernelCfg asking for it there is refused."""
+    ck, prep, z, ids, w, ws = case(1, 256, "ties", 5101)
+    out = torch.full((1, DL), float("nan"), dtype=BF, device=DEV)
+    mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, route_direct=True)   # compile
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, route_direct=True)
+    replay_with_new_routings(g, out, z, ids, w, ws, ck, "ties", 5102, n=3)
+    ck, prep, z, ids, w, ws = case(2, 256, "uniform", 5103)
+    outs = run_variants(2, z, ids, w, prep, ws, dflt=dict(), direct=dict(route_direct=True))
+    assert same_bits(outs["direct"], outs["dflt"])
+    with pytest.raises(ValueError, match="route_direct"):
+        mx.KernelCfg(E=E, dL=DL, I=256, MB=2, C=2, route_direct=True)

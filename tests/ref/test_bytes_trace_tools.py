@@ -287,3 +287,17 @@ def test_recorded_ncu_parses_headlines_and_orders_stalls(tmp_path):
     assert r["stalls"] == [("long_scoreboard", 33.28), ("wait", 1.29)]      # "selected" is not a stall
     assert r["meta"].startswith("NVIDIA H200")
     assert "kda_case" in nbtools.ncu_table([str(rep)])
+
+
+def test_kernel_ab_reads_one_run(tmp_path, monkeypatch):
+    """nbtools.kernel_ab: both rows from one kernels-*.json, keyed by (row, shape, batch), printed other -> base."""
+    import json as _json
+    from k3fast import nbtools
+    recs = [{"kernel": k, "shape": "k3_rank16", "batch": b, "fast_us_median": us, "copy_tbps": 4.1}
+            for k, b, us in (("x", 1, 10.0), ("x@old", 1, 12.5), ("x", 8, 20.0), ("x@old", 8, 19.0), ("y", 1, 1.0))]
+    (tmp_path / "k.json").write_text(_json.dumps({"records": recs}))
+    monkeypatch.setattr(nbtools, "ROOT", str(tmp_path))
+    rows, table = nbtools.kernel_ab("k.json", "x", "x@old", (1, 8), shapes=("k3_rank16",))
+    assert rows == {("x", "k3_rank16", 1): 10.0, ("x@old", "k3_rank16", 1): 12.5, ("x", "k3_rank16", 8): 20.0,
+                    ("x@old", "k3_rank16", 8): 19.0}
+    assert "b1: 12.5 -> 10.0" in table and "b8: 19.0 -> 20.0" in table and "x@old -> x" in table
