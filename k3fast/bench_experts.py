@@ -31,6 +31,8 @@ causes give different signatures, and one run of this module separates them:
              ``v7P2`` takes 2 parts (64 SMs at b1, as the default) to separate the split's cost from the SMs';
 * ``R1 R1probe R1sortprobe`` (batch 1) route1: the token's 16 pairs as segments straight from the ids, no counting
              sort (opt-in); its stream probe, and the probe stopped after its routing;
+* ``L2 L2probe R1L2`` xl2: once a CTA knows its expert, its FC1 rows past the ring and its FC2 rows are
+             prefetched into L2 (opt-in); with route1;
 * ``sortprobe fc1probe fc2probe`` (and ``v4...``): the stream probe stopped after the routing sort, after FC1 and
              the h exchange, or after FC2 (no part reduction / combine): the stages of the b1 latency chain;
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
@@ -56,7 +58,7 @@ from k3ref import preset
 from k3ref.weights import random_layer
 
 VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
-            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe")
+            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "L2", "L2probe", "R1L2")
 
 
 def variant_cfg(name: str, base):
@@ -74,8 +76,9 @@ def variant_cfg(name: str, base):
         return dataclasses.replace(variant_cfg(name[:-len("probe")], base), probe="stream")
     if name.startswith("Dprobe"):            # the stream probe at another ring depth, e.g. Dprobe4
         return dataclasses.replace(base, probe="stream", D=int(name[len("Dprobe"):]))
-    if name == "R1":                         # route1: batch 1's pairs as segments, no counting sort
-        return dataclasses.replace(base, route_direct=True)
+    if name in ("R1", "L2", "R1L2"):         # route1 (batch 1's pairs as segments, no counting sort) / xl2 (the
+        return dataclasses.replace(base, route_direct="R1" in name or base.route_direct,   # remaining weight rows
+                                   l2_prefetch="L2" in name or base.l2_prefetch)           # into L2) / both
     parts = re.fullmatch(r"((?:[CDWvP]\d+)+)", name)
     if parts:                # e.g. C2, D4, W16D4, v4, v4W16D4, v7P2: cluster size, ring depth, warps, version, parts
         kw = {k: int(v) for k, v in re.findall(r"([CDWvP])(\d+)", name)}

@@ -436,6 +436,8 @@ FAST_VARIANTS = {
     "fast-nibble": {"experts_layout": "nibble"},  # experts in the nibble layout (the default before 2026-11-29)
     "fast-w8": {"experts_warps": 8},            # experts at 8 warps per CTA (the default before 16)
     "fast-route1": {"experts_route_direct": True},  # experts route1: at M = 1 no counting sort (opt-in)
+    "fast-xl2": {"experts_l2_prefetch": True},  # experts xl2: a work item's remaining weight rows into L2 (opt-in)
+    "fast-r1xl2": {"experts_route_direct": True, "experts_l2_prefetch": True},   # both
     "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch
                     "front_dsl_max_m": 64},
     "fast-taildsl": {"tail_dsl_max_m": 64},     # k3fast.moe_tail at every batch (before 2026-11-29)

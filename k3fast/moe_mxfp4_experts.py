@@ -270,6 +270,24 @@ Version log
       after the ids arrive.
       Prediction: kernel rank16 b1 -0.7 to -1.5 us (R1 against default, R1sortprobe against sortprobe); MoE half
       b1 the same (fast-route1).
+  xl2 (2026-11-30, session 10; opt-in l2_prefetch / L2_PREFETCH, impls "fast-xl2" / "fast-r1xl2", bench_experts
+      L2 / L2probe / R1L2; CPU-compiled, measured by h200_next s21b) Once a work item's expert is known, its CTA
+      prefetches into L2 every weight row it will read after the ring's first D loads: FC1 steps D..NS1 and all
+      FC2 steps, one prefetch.global.L2 per 128-byte line (lanes 0 / 8 / 16 / 24 of a 512-byte row) and one per
+      row's scale words. Bit-identical by construction: prefetches only (GPU test test_xl2_is_bit_identical; the
+      PTX keeps the default's global loads, MMAs and stores, CPU test test_xl2_adds_only_l2_prefetches). ptxas
+      12.9: 128 registers as before, spills 72 -> 64 B (rank16 M1), 44 -> 16 (rank8 M1).
+      Why: at rank16 b1 each warp's 14 FC1 steps run as two turns of the D = 8 register ring, each waiting a
+      loaded HBM round trip. FC2's ring starts only after cluster barrier B, one more HBM round trip. The expert is
+      known well before either. Deeper register rings spilled and were slower (D12 / D16, s16). xpf, FC2's first
+      loads issued from FC1's last steps, gained nothing at b1 (its loads still went to HBM after FC1's). Here the
+      whole item's remaining bytes (~120 KB per CTA at rank16 b1) are requested at once, and the later turns and
+      FC2's first loads should find them in L2.
+      Risk: four in-kernel L2 prefetch designs of other kernels were measured slower (bulk prefetches queued
+      behind or ahead of demand loads; ../shared/vllm-k3-decode.md's L2 row). This one uses per-line prefetches of
+      bytes the CTA reads within a few microseconds, and asks for none of them twice.
+      Prediction: kernel rank16 b1 -1 to -2 us (L2 against default; L2probe against probe), b8 / b64 within +-3 %
+      (the rings there are already saturated); MoE half b1 the same (fast-xl2; fast-r1xl2 with route1).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -595,6 +613,9 @@ SMALL_BATCH_MAX_MB = 2
 # route1 (opt-in, "fast-route1"; measured by h200_next s21): at batch bucket 1 each of the token's 16 (token, slot)
 # pairs is its own expert segment, read straight from the ids, instead of the in-CTA counting sort (version log)
 ROUTE_DIRECT = False
+# xl2 (opt-in, "fast-xl2"; measured by h200_next s21b): once a CTA knows its expert, it asks L2 for the rest of its
+# FC1 rows and all of its FC2 rows (prefetch.global.L2), so the ring's later turns and FC2's first loads hit L2
+L2_PREFETCH = False
 
 
 def default_version(MB: int) -> int:
@@ -622,6 +643,7 @@ class KernelCfg:
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
     parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
     route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
+    l2_prefetch: bool = False   # xl2 (versions >= 4): the work item's FC1 rows past the ring and FC2 rows into L2
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -647,6 +669,8 @@ class KernelCfg:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
+        if self.l2_prefetch and self.version < 4:
+            raise ValueError(f"l2_prefetch (xl2) is built on versions >= 4, got version {self.version}")
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
@@ -1162,6 +1186,29 @@ def _build_kernel_class():
                 eW2q = cute.make_tensor(expert_ptr(mW2q, ex, R2 * 32 * 4 * 4, 16),
                                         cute.make_layout((R2 * 32, 4), stride=(4, 1)))
                 eW2s = cute.make_tensor(expert_ptr(mW2s, ex, R2 * 8 * 4, 4), cute.make_layout(R2 * 8))
+                if const_expr(c.l2_prefetch):
+                    # xl2: the expert is known, so every weight row this CTA will read can be requested now. The
+                    # ring's first D loads are issued below as loads; FC1 steps D.. and all FC2 steps (which the
+                    # ring would start only after cluster barrier B) go to L2 here, one prefetch per 128-byte line
+                    # (lanes 0, 8, 16, 24 of each 512-byte row) and one per row's scale words (lane 1).
+                    t1p = rank * c.T1
+                    t2p = rank * c.T2
+                    kp = 0
+                    if const_expr(c.version in (6, 7)):
+                        t1p = hI * (c.IH // 8) + rank * c.T1
+                        kp = hI * c.NKB2H
+                    for s_ in cutlass.range(D, NS1):
+                        r_ = fc1_row(c, warp, t1p, s_)
+                        if lane % 8 == 0:
+                            cute.arch.prefetch(eW13q[r_ * 32 + lane, None].iterator.llvm_ptr, cache_level="L2")
+                        if lane == 1:
+                            cute.arch.prefetch((eW13s.iterator + r_ * 8).llvm_ptr, cache_level="L2")
+                    for s_ in cutlass.range(0, NS2):
+                        r_ = fc2_row(c, warp, t2p, s_, kp)
+                        if lane % 8 == 0:
+                            cute.arch.prefetch(eW2q[r_ * 32 + lane, None].iterator.llvm_ptr, cache_level="L2")
+                        if lane == 1:
+                            cute.arch.prefetch((eW2s.iterator + r_ * 8).llvm_ptr, cache_level="L2")
                 for pb in cutlass.range(pb0, pb1, NT):
                     npass = cutlass.min(n_e - pb, NT)
                     # this lane's B-operand rows (pair column g of each group) and y columns (2t, 2t+1)
@@ -1478,11 +1525,13 @@ V7_CLUSTER = 2      # v7's clusters: TPC pairs, all 66 co-resident (C = 4 grids 
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
-                parts: int | None = None, route_direct: bool | None = None) -> KernelCfg:
+                parts: int | None = None, route_direct: bool | None = None,
+                l2_prefetch: bool | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
-    route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort)."""
+    route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort). l2_prefetch None:
+    L2_PREFETCH for versions >= 4 (xl2)."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1495,9 +1544,10 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     if parts is None:
         parts = default_parts(I, MB, C, nsm) if version == 7 else 1
     direct = (ROUTE_DIRECT if route_direct is None else bool(route_direct)) and MB == 1
+    xl2 = (L2_PREFETCH if l2_prefetch is None else bool(l2_prefetch)) and version >= 4
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
-                     layout=layout, parts=parts, route_direct=direct)
+                     layout=layout, parts=parts, route_direct=direct, l2_prefetch=xl2)
 
 
 def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:
@@ -1572,7 +1622,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
                       version: int | None = None, cluster: int | None = None,
                       kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
-                      route_direct: bool | None = None):
+                      route_direct: bool | None = None, l2_prefetch: bool | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -1580,6 +1630,8 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     values must lie in [0, E) (not checked:
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
     route_direct: at M = 1, the 16 pairs as segments without the counting sort (route1; None = ROUTE_DIRECT).
+    l2_prefetch: each work item's FC1 rows past the ring and its FC2 rows prefetched into L2 once its expert is
+    known (xl2; None = L2_PREFETCH; versions >= 4).
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed
@@ -1611,7 +1663,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
-                      route_direct=route_direct)
+                      route_direct=route_direct, l2_prefetch=l2_prefetch)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:

@@ -18,6 +18,10 @@ def test_variants_are_valid_keys(cfg):
                 with pytest.raises(ValueError, match=f"version {v[1]}"):
                     be.variant_cfg(v, base)
                 continue
+            if v.startswith("R1") and M > 1:       # route1 serves batch bucket 1; the bench skips it above
+                with pytest.raises(ValueError, match="route_direct"):
+                    be.variant_cfg(v, base)
+                continue
             if v == "C8" and base.version == 7 and cfg.expert_intermediate == 256:
                 with pytest.raises(ValueError, match="K split"):   # 1 FC1 tile per CTA: 16 K parts of 56 steps
                     be.variant_cfg(v, base)                        # (the bench prints it as skipped)
@@ -32,7 +36,11 @@ def test_variants_are_valid_keys(cfg):
         assert be.variant_cfg("v3C8", base).C == 8 and be.variant_cfg("v3C8", base).version == 3
         assert be.variant_cfg("v3C8", base).W == 8 and be.variant_cfg("W8", base).W == 8 and base.W == 16
         assert be.variant_cfg("nibble", base).layout == "nibble" and base.layout == "rot"
+        assert be.variant_cfg("L2", base).l2_prefetch and not base.l2_prefetch
         if M == 1:
+            assert be.variant_cfg("R1", base).route_direct and not base.route_direct
+            assert be.variant_cfg("R1L2", base) == __import__("dataclasses").replace(base, route_direct=True,
+                                                                                   l2_prefetch=True)
             assert base.version == 7
             v7 = be.variant_cfg("v7", base)
             assert v7.version == 7 and v7.C == mx.V7_CLUSTER and v7 == mx.compile_key(

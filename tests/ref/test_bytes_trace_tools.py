@@ -301,3 +301,27 @@ def test_kernel_ab_reads_one_run(tmp_path, monkeypatch):
     assert rows == {("x", "k3_rank16", 1): 10.0, ("x@old", "k3_rank16", 1): 12.5, ("x", "k3_rank16", 8): 20.0,
                     ("x@old", "k3_rank16", 8): 19.0}
     assert "b1: 12.5 -> 10.0" in table and "b8: 19.0 -> 20.0" in table and "x@old -> x" in table
+
+
+def test_every_fast_variant_names_fastimpl_options():
+    """Each layer-level A/B (impls.FAST_VARIANTS) passes only keyword arguments FastImpl takes, so no variant in a
+    sweep's --impls fails at construction on the GPU machine (session 10: fast-s17kda ran into a new default)."""
+    import inspect
+    from k3fast.fast import FastImpl
+    from k3fast.impls import FAST_VARIANTS
+    params = set(inspect.signature(FastImpl.__init__).parameters)
+    for name, kw in FAST_VARIANTS.items():
+        assert name.startswith("fast") and set(kw) <= params, (name, set(kw) - params)
+
+
+def test_every_fast_variant_builds_valid_kda_keys():
+    """The KDA step's options of every variant make a valid kernel key (fast-s17kda's late_stores=False alone met
+    v6's dsmem_tx default and was refused in every GPU test of the attention half, session 10)."""
+    from k3fast import kda_conv_gate_step as kmod
+    from k3fast.impls import FAST_VARIANTS
+    for name, kw in FAST_VARIANTS.items():
+        for ns in (4, 8):
+            key = kmod.kernel_key(6, 1, ns, early_trigger=kw.get("attn_early_trigger", True),
+                                  preload=kw.get("kda_preload"), late_stores=kw.get("kda_late_stores"),
+                                  dsmem_tx=kw.get("kda_dsmem_tx"))
+            assert key[0] == "kda_conv_gate_step", name
