@@ -2,6 +2,8 @@
 # Nsight Compute on the H200 for the cases of scripts/ncu_cases.py (one profiled launch each, caches flushed by
 # ncu before every replay pass, clocks left alone as the device notes ask). Writes $OUT/ncu.tgz (one text report
 # per case) and prints the headline rows. Usage: bash scripts/h200_ncu.sh "<case args>" ["<case args>" ...]
+# InstructionStats (session 10) gives the executed instruction mix by opcode class, e.g. for the fused in_proj's
+# 7.1 M warp instructions at rank16 b1 (~79 per 512-byte warp load); K3_NCU_EXTRA adds ncu options.
 set -u
 : "${OUT:?}"
 tmp=$(mktemp -d)
@@ -11,7 +13,7 @@ for c in "$@"; do
   n=$(echo "$c" | tr -s ' ' '_' | tr -d -- '-')
   timeout "${K3_NCU_TIMEOUT:-150}" ncu --clock-control none --nvtx --nvtx-include "profile/" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-    --section SchedulerStats --section WarpStateStats $PD \
+    --section SchedulerStats --section WarpStateStats --section InstructionStats $PD ${K3_NCU_EXTRA:-} \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     python3 scripts/ncu_cases.py $c > "$tmp/ncu-$n.txt" 2>&1
   echo "== $c (rc $?)"

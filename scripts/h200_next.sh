@@ -237,6 +237,11 @@ case "${1:-}" in
             L2probe sortprobe R1sortprobe" K3_EXPERTS_TIMEOUT=150 bash scripts/h200_sweep.sh --kinds kda_moe \
             --shapes k3_rank16 k3_rank8 --batches 1 8 64 --impls stock fast fast-inpf3 fast-route1 fast-xl2 fast-r1xl2 \
             --budget-s 260 ;;
+  # Nsight Compute with the instruction mix: the fused in_proj at b1 (v6 and v7 at pf = 3) and the experts at b1
+  # (default, route1 + xl2), to see where the in_proj's ~79 instructions per warp load go
+  ncu3)   K3_NCU_TIMEOUT=90 bash scripts/h200_ncu.sh "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" \
+            "bench --kernel attnres_rms_gemv@pf3 --shape k3_rank16 --batch 1" \
+            "experts --shape k3_rank16 --batch 1" ;;
   # Nsight Compute: the tail at b1 (v1 / ring 3) and the other two b1 GEMVs (fused in_proj, fused router front)
   ncu2)   K3_NCU_TIMEOUT=90 bash scripts/h200_ncu.sh "tail --shape k3_rank16 --batch 1" \
             "tail --shape k3_rank16 --batch 1 --ring 3" "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" \
@@ -245,5 +250,5 @@ case "${1:-}" in
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3"; exit 2 ;;
 esac
