@@ -114,6 +114,28 @@ Version log
       Prediction: bench b1 -0.5 to -1.5 us at pf = 3; attention half b1 -0.5 to -1.5 us. If nothing moves, the
       in_proj's remaining cost is the prologue's latency itself, and the next step is to stop recomputing x in
       every CTA.
+  v8 (2026-11-30, session 10; opt-in x_fp32 / X_FP32, impl "fast-inxf", bench row attnres_rms_gemv@xf;
+      CPU-compiled, measured by h200_next s21b) The fused kernel's loop did two things per 16-byte weight vector
+      that it need not:
+      - it widened the same bf16 x vector to fp32 once per row group (8 cvt per vector, 7 times per CTA at rank16);
+      - it multiplied every weight by a mask scale. The scale is 1 + 0 * pin inside the slice and 0 past it, so
+        that past-the-end lanes, which re-read the slice's last vector, add zero.
+      v8 keeps x in shared memory as fp32 (the bf16-rounded x, widened exactly once in the prologue), with one zero
+      vector past its end. Past-the-end lanes multiply their re-read weights by that zero vector. The pin (v6)
+      joins each accumulator once per batch as acc + 0 instead of each weight's scale. That is enough to keep the
+      batch's loads issued together: each accumulator's first FMA of the batch depends on every load (CPU SASS
+      test).
+      SASS, ptxas 12.9, rank16 in_proj: the loop shrinks from 365 to 239 instructions per 7-vector batch at M = 1
+      (no FMUL, 59 SHF / PRMT instead of 126) and from 512 to 317 at M = 2. Registers 128 -> 110 at M = 1; no
+      spills (test_fp32_x_shrinks_the_loop).
+      Output: the same FMAs on the same values. acc + (+-0) leaves acc unchanged, and a past-the-end lane adds an
+      exact zero either way. So the output is bit-identical up to the sign of an exactly zero sum
+      (test_opt_in_builds_are_bitwise).
+      Why: ncu2 shows the fused in_proj issuing 7.1 M warp instructions, ~79 per 512-byte warp load of weights. It
+      issues at 0.43 per cycle per scheduler with 4 warps each, and long-scoreboard waits are only 3.3 of its 9.3
+      cycles per issue. So the loop's own instruction chain is a large part of each row group's time.
+      Prediction: in_proj bench b1 -1 to -3 us; attention half b1 -1 to -2.5 us (fast-inxf); b2 similar. If it does
+      not move, the chain is the loads' round trips after all, and v7's depth is the lever.
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -172,6 +194,7 @@ FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
 PIN_LOADS = True    # v6 (the default since session 7): tie each batch of the FMA loop's weight loads together
 PREFETCH_GROUPS = 1  # v7 (opt-in, "fast-inpf2" / "fast-inpf3"): row groups of the fused kernel in L2 prefetch ahead
+X_FP32 = False       # v8 (opt-in, "fast-inxf"): the fused kernel's x in fp32 smem, no per-weight mask multiply
 
 
 def _vectors_per_lane(K: int, ks: int) -> int:
@@ -264,7 +287,7 @@ def _build_kernels():
 
     @cute.jit
     def _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, dst, sV, sRedA, sRedB, tid, warp, lane,
-                       is_writer):
+                       is_writer, dst_f32=False):
         """AttnRes mix + RMSNorm of token m by the whole CTA; dst (flat-divided (1,8) view, row m) gets
         bf16(w_ln * m * rstd). Every thread ends with identical statistics (fixed reduction order).
 
@@ -369,7 +392,13 @@ def _build_kernels():
             if v < nvec:
                 cute.autovec_copy(gWl[None, v], rWt)
                 rO.store((rM[None, j].load() * rWt.load().to(Float32) * rstd).to(BFloat16))
-                cute.autovec_copy(rO, dst[0, None, m, v])
+                if const_expr(dst_f32):
+                    # v8: the bf16-rounded x, widened (exactly) once here instead of once per row group
+                    rOf = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), Float32)
+                    rOf.store(rO.load().to(Float32))
+                    cute.autovec_copy(rOf, dst[0, None, m, v])
+                else:
+                    cute.autovec_copy(rO, dst[0, None, m, v])
 
     # ------------------------------------------------------------------ FMA GEMV (M <= 4), optionally fused
     class _FmaGemv:
@@ -377,8 +406,12 @@ def _build_kernels():
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
         def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
-                     early_trigger=False, pin=False, pf=1):
+                     early_trigger=False, pin=False, pf=1, xf32=False):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
+            # v8 (opt-in, fused G = 1 only): x staged in fp32 with a zero vector past its end, so the loop neither
+            # widens x per row group nor multiplies each weight by its mask (the version log says why)
+            self.xf32 = xf32
+            assert not xf32 or (fused and G == 1)
             # v7 (opt-in, fused G = 1 only): pf row groups of L2 prefetches ahead instead of one; pf before the PDL
             # wait, so the HBM streams during the AttnRes prologue (the version log says why)
             self.pf = pf
@@ -444,7 +477,16 @@ def _build_kernels():
                 if bid + ahead * nblk < n_groups:
                     _prefetch_rows(gW, (bid + ahead * nblk) * self.rpc + r, 1, kv0, kv1, lane)
             if const_expr(self.fused):
-                sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, self.K), stride=(self.K, 1)), 16)
+                if const_expr(self.xf32):
+                    # v8: fp32 x rows with one zero vector past the end (index K / 8), which the past-the-end lanes
+                    # of the loop's last batch multiply instead of a masked weight
+                    sX = smem.allocate_tensor(Float32, cute.make_layout((self.MB, self.K + 8), stride=(self.K + 8, 1)),
+                                              16)
+                    for m in cutlass.range_constexpr(self.MB):
+                        if tid < 8:
+                            sX[m, self.K + tid] = Float32(0.0)
+                else:
+                    sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, self.K), stride=(self.K, 1)), 16)
                 sRedA = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 2 * (self.nb + 1)),
                                                                        stride=(2 * (self.nb + 1), 1)), 16)
                 sRedB = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 1), stride=(1, 1)), 16)
@@ -455,7 +497,7 @@ def _build_kernels():
                 gXs = cute.flat_divide(sX, (1, 8))
                 for m in cutlass.range_constexpr(self.MB):
                     _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, gXs, sV, sRedA, sRedB, tid, warp,
-                                   lane, bid == 0)
+                                   lane, bid == 0, dst_f32=self.xf32)
                 cute.arch.sync_threads()
                 gX = gXs
             else:
@@ -463,6 +505,7 @@ def _build_kernels():
                 gX = cute.flat_divide(mX, (1, 8))
 
             rX = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), BFloat16)
+            rXf = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), Float32)
             acc = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), Float32)
             rWs = [cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mW.element_type)
                    for _ in range(self.U)]
@@ -509,16 +552,30 @@ def _build_kernels():
                             for u in cutlass.range_constexpr(self.U):
                                 pin = pin + rWs[u][0].to(Float32)
                             pin = pin * Float32(0.0)
-                        for u in cutlass.range_constexpr(self.U):
-                            kv = kvb + 32 * u
-                            kvc = cutlass.min(kv, kv1 - 1)
-                            scale = cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
+                        if const_expr(self.xf32):
+                            # v8: the pin joins each accumulator once per batch (acc + 0: unchanged), and a lane
+                            # past the slice's end multiplies its re-read weight by the zero x vector at K / 8
                             if const_expr(self.pin):
-                                scale = scale + pin
-                            wv = rWs[u].load().to(Float32) * scale
-                            for m in cutlass.range_constexpr(self.MB):
-                                cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
-                                acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
+                                for m in cutlass.range_constexpr(self.MB):
+                                    acc[None, m].store(acc[None, m].load() + pin)
+                            for u in cutlass.range_constexpr(self.U):
+                                kv = kvb + 32 * u
+                                kvx = cutlass.select_(kv < kv1, kv, nvec)
+                                wv = rWs[u].load().to(Float32)
+                                for m in cutlass.range_constexpr(self.MB):
+                                    cute.autovec_copy(gX[0, None, m, kvx], rXf[None, m])
+                                    acc[None, m].store(acc[None, m].load() + rXf[None, m].load() * wv)
+                        else:
+                            for u in cutlass.range_constexpr(self.U):
+                                kv = kvb + 32 * u
+                                kvc = cutlass.min(kv, kv1 - 1)
+                                scale = cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
+                                if const_expr(self.pin):
+                                    scale = scale + pin
+                                wv = rWs[u].load().to(Float32) * scale
+                                for m in cutlass.range_constexpr(self.MB):
+                                    cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
+                                    acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
                     self.reduce_store(acc, sRed, buf, grp, mY, warp, lane, tid)
                     buf = 1 - buf
             if const_expr(not self.early_trigger):
@@ -786,7 +843,7 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
 
 
 def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False,
-                 pf=1):
+                 pf=1, xf32=False):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
@@ -794,27 +851,28 @@ def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
     obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G,
-              early_trigger=early_trigger, pin=pin, pf=pf)
+              early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
-def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigger=False, pin=False, pf=1):
+def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigger=False, pin=False, pf=1,
+                   xf32=False):
     key = (("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
            + (("early_trigger",) if early_trigger else ()) + (("pin",) if pin else ())
-           + ((("pf", pf),) if pf != 1 else ()))
+           + ((("pf", pf),) if pf != 1 else ()) + (("xf32",) if xf32 else ()))
     return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G,
-                                                    early_trigger=early_trigger, pin=pin, pf=pf))
+                                                    early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32))
 
 
 def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, early_trigger: bool = False,
-              pin: bool = False, pf: int = 1) -> str:
+              pin: bool = False, pf: int = 1, xf32: bool = False) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
                                              options=TVM_FFI + " --keep-ptx", G=G,
-                                             early_trigger=early_trigger, pin=pin, pf=pf))
+                                             early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -921,7 +979,7 @@ def _check_prefetch(pf) -> int:
 
 
 def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=None, fused_groups=None,
-                early_trigger=False, pin_loads=None, prefetch_groups=None):
+                early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None):
     """(the arguments of _compile_fused, grid) for the fused kernel these options run: one rule for the host entry
     and compile_keys, so warmup compiles exactly the builds the calls use."""
     rpc, ks, grid = _fused_config(N, K)
@@ -936,13 +994,14 @@ def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=No
         G = 1                           # a slice of more than 8 vectors per lane: no one-batch groups to pair
     pin = (PIN_LOADS if pin_loads is None else bool(pin_loads)) and G == 1
     pf = _check_prefetch(PREFETCH_GROUPS if prefetch_groups is None else prefetch_groups) if G == 1 else 1
+    xf = (X_FP32 if x_fp32 is None else bool(x_fp32)) and G == 1
     return (M, K, n_blocks, bool(has_delta), block_write, wln, float(eps), rpc, ks, G, bool(early_trigger), pin,
-            pf), grid
+            pf, xf), grid
 
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     early_trigger=False, pin_loads=None, prefetch_groups=None):
+                     early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
@@ -951,6 +1010,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     pin_loads: tie each batch of weight loads together (v6; None = PIN_LOADS, on by default; fused kernel, G = 1).
     prefetch_groups: row groups of each CTA in L2 prefetch ahead of its loads, all of them issued before the PDL
     wait (v7; None = PREFETCH_GROUPS = 1; fused kernel, G = 1; 1..4). Bit-identical: prefetches change no value.
+    x_fp32: x staged in fp32 with a zero vector past its end (v8; None = X_FP32, off; fused kernel, G = 1).
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
@@ -969,7 +1029,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
     if fused and K % 16 == 0:
         args, grid = _fused_args(M, K, N, n_blocks, delta is not None, block_write, wln, eps, fused_ks, fused_groups,
-                                 early_trigger, pin_loads, prefetch_groups)
+                                 early_trigger, pin_loads, prefetch_groups, x_fp32)
         _compile_fused(*args)(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,

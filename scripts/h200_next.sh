@@ -230,17 +230,17 @@ case "${1:-}" in
   # and the experts' route1 (batch 1 without the counting sort, opt-in): s21 the tests, s21b the benches and the A/B
   s21)    K3_TEST_TIMEOUT=480 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_rms_gemv.py \
             tests/gpu/test_fast_layer.py -k "not timing_report and (experts or route1 or xl2 or opt_in_builds or fused \
-            or inpf3 or s17kda)" ;;
+            or inpf3 or inxf or s17kda)" ;;
   s21b)   K3_SWEEP_TIMEOUT=280 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 1 2 --kernels attnres_rms_gemv \
-            attnres_rms_gemv@pf2 attnres_rms_gemv@pf3" K3_BENCH_TIMEOUT=90 \
+            attnres_rms_gemv@pf2 attnres_rms_gemv@pf3 attnres_rms_gemv@xf" K3_BENCH_TIMEOUT=90 \
             K3_EXPERTS="--shapes k3_rank16 k3_rank8 --batches 1 8 64 --variants default R1 L2 R1L2 probe R1probe \
             L2probe sortprobe R1sortprobe" K3_EXPERTS_TIMEOUT=150 bash scripts/h200_sweep.sh --kinds kda_moe \
-            --shapes k3_rank16 k3_rank8 --batches 1 8 64 --impls stock fast fast-inpf3 fast-route1 fast-xl2 fast-r1xl2 \
+            --shapes k3_rank16 k3_rank8 --batches 1 8 64 --impls stock fast fast-inpf3 fast-inxf fast-route1 fast-xl2 fast-r1xl2 \
             --budget-s 260 ;;
-  # Nsight Compute with the instruction mix: the fused in_proj at b1 (v6 and v7 at pf = 3) and the experts at b1
-  # (default, route1 + xl2), to see where the in_proj's ~79 instructions per warp load go
+  # Nsight Compute with the instruction mix: the fused in_proj at b1 (v6 and v8, x in fp32) and the experts at b1
+  # (default), to see where the in_proj's ~79 instructions per warp load go
   ncu3)   K3_NCU_TIMEOUT=90 bash scripts/h200_ncu.sh "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" \
-            "bench --kernel attnres_rms_gemv@pf3 --shape k3_rank16 --batch 1" \
+            "bench --kernel attnres_rms_gemv@xf --shape k3_rank16 --batch 1" \
             "experts --shape k3_rank16 --batch 1" ;;
   # Nsight Compute: the tail at b1 (v1 / ring 3) and the other two b1 GEMVs (fused in_proj, fused router front)
   ncu2)   K3_NCU_TIMEOUT=90 bash scripts/h200_ncu.sh "tail --shape k3_rank16 --batch 1" \

@@ -129,8 +129,11 @@ def test_fused_vs_unfused(R, seed, M):
 #   pin_loads=True (v6): + 0 * (sum of the batch's first weights) in each weight scale, fused (M <= 2) and through
 #                        attnres_rmsnorm + the plain FMA GEMV (M = 3, 4).
 #   prefetch_groups=3 (v7): L2 prefetches only, 3 row groups ahead instead of 1 (fused, M <= 2).
+#   x_fp32=True (v8): x widened once into fp32 smem; the pin joins each accumulator as + 0 once per batch, and the
+#                     past-the-end lanes multiply a zero x instead of a zeroed weight (an exact zero either way;
+#                     only the sign of an exactly zero sum could differ, which random inputs do not produce).
 BITWISE_OPTIONS = [("fused_groups", 1, 2, (1, 2)), ("pin_loads", False, True, (1, 2, 3, 4)),
-                   ("prefetch_groups", 1, 3, (1, 2))]
+                   ("prefetch_groups", 1, 3, (1, 2)), ("x_fp32", False, True, (1, 2))]
 
 
 @pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
