@@ -270,7 +270,11 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
               ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=1", lambda: rms_gemv.fused_ptx(3216, G=2)),
               ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, G=2)),
               ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=1", lambda: rms_gemv.fused_ptx(3216, pin=True)),
-              ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, pin=True))]
+              ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, pin=True)),
+              ("attnres_rms_gemv (fused in_proj, v8 x in fp32, opt-in)", "M=1",
+               lambda: rms_gemv.fused_ptx(3216, pin=True, early_trigger=True, xf32=True)),
+              ("attnres_rms_gemv (fused in_proj, v8 x in fp32, opt-in)", "M=2",
+               lambda: rms_gemv.fused_ptx(3216, M=2, pin=True, early_trigger=True, xf32=True))]
     with keep_ptx(kda, oa, moe_tail, rdt):
         kkey = kda.compile_key(cfg.kda_heads, 1, kda.choose_nsplit(1, cfg.kda_heads))
         _, kp, nb, tg = oa.compile_key(768, 1, 1)
@@ -285,7 +289,7 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
              lambda: compiled_ptx(lambda: kda._compile(kkey + ("early_trigger", "preload", "late_stores")))),
             ("kda_conv_gate_step v5 (nsplit 4)", "M=64 T=1",
              lambda: compiled_ptx(lambda: kda._compile(kda.compile_key(cfg.kda_heads, 1, 4) + ("early_trigger", "late_stores")))),
-            ("kda_conv_gate_step v6 (st.async exchanges, opt-in)", "M=1 T=1",
+            ("kda_conv_gate_step v6 (st.async exchanges, the default since session 10)", "M=1 T=1",
              lambda: compiled_ptx(lambda: kda._compile(kkey + ("early_trigger", "preload", "late_stores", "dsmem_tx")))),
             ("oproj_attnres", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg))),
             ("oproj_attnres v1.2 (w_post preloaded)", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg, True))),
@@ -299,8 +303,16 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
                 mx.compile_key(896, 3584, 256, 1, version=4), options=TVM_FFI + " --keep-ptx"))),
             ("moe_mxfp4_experts v6", "M=1", lambda: compiled_ptx(lambda: mx._compile(
                 mx.compile_key(896, 3584, 256, 1, version=6), options=TVM_FFI + " --keep-ptx"))),
-            ("moe_tail", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter))),
-            ("moe_tail v5 (ring of 3, opt-in)", "M=1",
+            ("moe_mxfp4_experts v7 route1 (no counting sort, opt-in)", "M=1", lambda: compiled_ptx(lambda: mx._compile(
+                mx.compile_key(896, 3584, 256, 1, route_direct=True), options=TVM_FFI + " --keep-ptx"))),
+            ("moe_mxfp4_experts v7 xl2 (L2 prefetch of the item's rows, opt-in)", "M=1",
+             lambda: compiled_ptx(lambda: mx._compile(mx.compile_key(896, 3584, 256, 1, l2_prefetch=True),
+                                                      options=TVM_FFI + " --keep-ptx"))),
+            ("moe_tail v1 (register stages)", "M=1",
+             lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter))),
+            ("moe_tail v5 (ring of 2, the default since session 10)", "M=1",
+             lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter, 2))),
+            ("moe_tail v5 (ring of 3)", "M=1",
              lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter, 3))),
         ]
         for rolled in (False, True):
@@ -401,6 +413,19 @@ def main(argv=None) -> int:
             rdt.TVM_FFI = old
     if tools is not None:        # code size per kernel (router_down_topk v2.4: the cold instruction fetch)
         rows += code_sizes(tools)
+    # the fused in_proj's weight loop in SASS: the default (v6, pinned loads, early trigger) and v8 (x in fp32 smem,
+    # no per-weight mask multiply), at M = 1 and 2
+    for M in (1, 2):
+        for name, xf in (("v6 pinned, the default", False), ("v8 x in fp32, opt-in", True)):
+            if tools is None:
+                break
+            ptx = rms_gemv.fused_ptx(3216, M=M, pin=True, early_trigger=True, xf32=xf)
+            loops = sass_loop_opcodes(ptx, tools, min_loads=4)
+            ver = loops.pop("ptxas")
+            for label, ops in loops.items():
+                rows.append({"kernel": f"attnres_rms_gemv (fused in_proj, {name})", "config": "k3_rank16 in_proj N=3216",
+                             "M": M, "label": label, "sass": True, "ptxas": ver, "instructions": sum(ops.values()),
+                             "opcodes": ops, **ptxas_resources(ptx, tools[0])})
     for label, seq in loop_issue_order(rms_gemv.fused_ptx(3216), min_loads=2):
         rows.append({"kernel": "attnres_rms_gemv (fused)", "config": "k3_rank16 in_proj N=3216", "M": 1,
                      "label": label, "issue_order": seq})
