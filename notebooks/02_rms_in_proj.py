@@ -221,8 +221,50 @@ print(nbtools.ab_table("traces/h200/records-0bc90c0-s11.json", "attn", ["stock",
 print(nbtools.replay_timeline("traces/h200/records-0bc90c0-s11.json", "attn", "fast-s10", 4))
 print(nbtools.replay_timeline("traces/h200/records-0bc90c0-s11.json", "attn", "fast", 4))
 
+# %% [markdown]
+# ## 10. Counting the loop's instructions (v8, session 10; opt-in, not yet measured on the H200)
+# Nsight Compute put the fused in_proj at 0.43 issued instructions per cycle per scheduler, with 4 warps each, and
+# only a third of its stall cycles waiting on loads (`traces/h200/ncu-2674eff-ncu2/`). So the loop's own chain
+# of instructions costs time too. The SASS of one batch (7 weight vectors of 16 bytes per lane) shows where it
+# goes. Each vector's 8 weights are widened (SHF / PRMT) and multiplied by a mask scale (FMUL): 1 inside the
+# slice, 0 for the lanes past its end, which re-read the last vector. The x vector from shared memory is widened
+# again for every row group, though it is the same x.
+#
+# v8 (`x_fp32=True`, impl `fast-inxf`) widens x once into fp32 shared memory, with one zero vector past its end,
+# and the past-the-end lanes read that zero vector instead of multiplying their weights by 0. v6's pin, which
+# keeps the 7 loads issued together, then joins each accumulator once per batch (`acc + 0`) instead of each
+# weight's scale. The table is from `python -m k3fast.ptxcheck` (ptxas 12.9, recorded under `traces/cpu/`).
+
+# %%
+sass_rows, sass_src, newest = [], "", ""
+for path in glob.glob(os.path.join(nbtools.ROOT, "traces", "cpu", "ptxcheck-*.json")):
+    with open(path) as f:
+        doc = json.load(f)
+    rows = [r for r in doc["records"] if r.get("sass") and "fused in_proj" in r["kernel"]]
+    if rows and doc["environment"].get("date", "") >= newest:
+        sass_rows, sass_src, newest = rows, os.path.basename(path), doc["environment"].get("date", "")
+loop = {}
+for r in sass_rows:          # per build, the innermost loop with weight loads: one batch of 7 vectors per lane
+    k = (r["kernel"], r["M"])
+    if r["opcodes"].get("LDG", 0) and (k not in loop or r["instructions"] < loop[k]["instructions"]):
+        loop[k] = r
+print(sass_src)
+for (kern, M), r in sorted(loop.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    top = ", ".join(f"{op} {n}" for op, n in list(r["opcodes"].items())[:8])
+    print(f"M={M} {kern[len('attnres_rms_gemv (fused in_proj, '):-1]:24s} {r['instructions']:4d} per batch, "
+          f"{r['registers']} registers: {top}")
+
+# %% [markdown]
+# The H200 run that measures v8 is `scripts/h200_next.sh s21b` (bench row `attnres_rms_gemv@xf`, layer A/B
+# `fast-inxf`). Until then the table says what the loop costs, not what the kernel gains.
+
 # %%
 assert err < 1e-12
 assert rec["source"] is None or rec["failed"] == 0
 assert recs, "traces/cpu has no ptxcheck record with serial-load counts"
 print("ok")
+v6 = {M: r for (k, M), r in loop.items() if "v6" in k}
+v8 = {M: r for (k, M), r in loop.items() if "v8" in k}
+assert v6 and all(v8[M]["instructions"] <= 0.75 * v6[M]["instructions"] for M in v6)
+assert all(v8[M]["opcodes"].get("FMUL", 0) == 0 < v6[M]["opcodes"]["FMUL"] for M in v6)
+print("ok (v8)")
