@@ -311,16 +311,15 @@ class FastImpl:
             with stage("k3.moe.up"):
                 moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out, ring=self.tail_ring)
         else:
-            # cuBLAS tail (TAIL_DSL_MAX_M says why): bf16 r_hat as in k3ref; the shared product is written to out
-            # in bf16, and the up GEMM adds onto it in place (beta = 1: fp32 sum, one rounding). k3ref also rounds
-            # the routed product before the add; the fused moe_tail rounds neither (one fp32 accumulator). Session
-            # 10: the separate add was one more ~2 us kernel at b64 (records-2674eff-s19.json); addmm with an out
-            # other than its input would copy the input there first, hence mm into out, then addmm_ on out
+            # cuBLAS tail (TAIL_DSL_MAX_M says why); the same roundings as k3ref and the fused moe_tail: bf16
+            # r_hat, bf16 routed and shared, their sum rounded once. (226990a folded the add into the up GEMM,
+            # addmm_ with beta = 1: one kernel less at b64, but the routed product was then not rounded before the
+            # add, unlike k3ref and moe_tail; reverted in the same session, LOG.md.)
             with stage("k3.moe.shared"):
-                torch.mm(h, m.shared_down.t(), out=io.out)
+                shared = F.linear(h, m.shared_down)
             with stage("k3.moe.up"):
                 rn = F.rms_norm(r.float(), (r.shape[-1],), self.tail_norm_f32, cfg.rms_norm_eps).bfloat16()
-                io.out.addmm_(rn, m.up.t())
+                torch.add(F.linear(rn, m.up), shared, out=io.out)
 
     def layer(self, io) -> None:
         self.attn(io)
