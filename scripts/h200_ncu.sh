@@ -3,7 +3,9 @@
 # ncu before every replay pass, clocks left alone as the device notes ask). Writes $OUT/ncu.tgz (one text report
 # per case) and prints the headline rows. Usage: bash scripts/h200_ncu.sh "<case args>" ["<case args>" ...]
 # InstructionStats (session 10) gives the executed instruction mix by opcode class, e.g. for the fused in_proj's
-# 7.1 M warp instructions at rank16 b1 (~79 per 512-byte warp load); K3_NCU_EXTRA adds ncu options.
+# 7.1 M warp instructions at rank16 b1 (~79 per 512-byte warp load); K3_NCU_EXTRA adds ncu options other than
+# --metrics (ncu 2025.3 refuses a second --metrics); K3_NCU_METRICS appends names to the one --metrics list, e.g.
+# K3_NCU_METRICS=sm__cycles_active.min,sm__cycles_active.max for the per-SM spread.
 set -u
 : "${OUT:?}"
 tmp=$(mktemp -d)
@@ -14,7 +16,7 @@ for c in "$@"; do
   timeout "${K3_NCU_TIMEOUT:-150}" ncu --clock-control none --nvtx --nvtx-include "profile/" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section InstructionStats $PD ${K3_NCU_EXTRA:-} \
-    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio${K3_NCU_METRICS:+,$K3_NCU_METRICS}" \
     python3 scripts/ncu_cases.py $c > "$tmp/ncu-$n.txt" 2>&1
   echo "== $c (rc $?)"
   grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|No kernels|ERR|Error" \

@@ -241,8 +241,9 @@ case "${1:-}" in
   # (default), to see where the in_proj's ~79 instructions per warp load go
   # (plus the per-SM spread of active cycles, min / max / avg, for the load-balance question of the tail and the
   # in_proj; K3_NCU_EXTRA is a second --metrics list: if this ncu refuses two, drop it and use the section instead)
-  ncu3)   K3_NCU_EXTRA="--metrics sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg" \
-          K3_NCU_TIMEOUT=90 bash scripts/h200_ncu.sh "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" \
+  # (ran at 5f1f620 without K3_NCU_EXTRA: this ncu refuses a second --metrics, "option '--metrics' cannot be
+  # specified more than once"; the per-SM spread needs those metrics in h200_ncu.sh's one list)
+  ncu3)   K3_NCU_TIMEOUT=90 bash scripts/h200_ncu.sh "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" \
             "bench --kernel attnres_rms_gemv@xf --shape k3_rank16 --batch 1" \
             "experts --shape k3_rank16 --batch 1" "tail --shape k3_rank16 --batch 1 --ring 2" ;;
   # Nsight Compute: the tail at b1 (v1 / ring 3) and the other two b1 GEMVs (fused in_proj, fused router front)
