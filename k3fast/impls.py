@@ -435,7 +435,8 @@ FAST_VARIANTS = {
     "fast-s13": {"experts_version": 4},         # experts v4 at every bucket (before session 8's v7 at buckets <= 2)
     "fast-nibble": {"experts_layout": "nibble"},  # experts in the nibble layout (the default before 2026-11-29)
     "fast-w8": {"experts_warps": 8},            # experts at 8 warps per CTA (the default before 16)
-    "fast-route1": {"experts_route_direct": True},  # experts route1: at M = 1 no counting sort (opt-in)
+    "fast-route1": {"experts_route_direct": True},  # experts route1: at M = 1 no counting sort (= fast since s11)
+    "fast-s21exp": {"experts_route_direct": False},  # the experts' counting sort at M = 1 (before session 11)
     "fast-xl2": {"experts_l2_prefetch": True},  # experts xl2: a work item's remaining weight rows into L2 (opt-in)
     "fast-r1xl2": {"experts_route_direct": True, "experts_l2_prefetch": True},   # both
     "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch
@@ -453,6 +454,7 @@ FAST_VARIANTS = {
     "fast-inpf2": {"gemv_prefetch": 2},         # the fused in_proj's v7: 2 row groups in L2 prefetch ahead (opt-in)
     "fast-inpf3": {"gemv_prefetch": 3},         # ... 3 row groups
     "fast-inxf": {"gemv_x_fp32": True},         # the fused in_proj's v8: x in fp32 smem, no per-weight mask (opt-in)
+    "fast-inxr": {"gemv_x_regs": True},         # the fused in_proj's v9 at b1: x in registers, loads + FMAs only (opt-in)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
     # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7

@@ -254,8 +254,9 @@ Version log
       and the extra per-step branches and the early FC2 lines only reorder a saturated stream. Removed with its
       bench rows and tests.
 
-  route1 (2026-11-30, session 10; opt-in route_direct / ROUTE_DIRECT, impl "fast-route1", bench_experts R1 /
-      R1probe / R1sortprobe; CPU-compiled, measured by h200_next s21b) At batch bucket 1 the routing needs no sort:
+  route1 (2026-11-30, session 10; route_direct / ROUTE_DIRECT, the default at batch bucket 1 since session 11;
+      impl "fast-s21exp" and bench_experts S1 / S1probe / S1sortprobe are the sorted kernel; measured by
+      h200_next s21b) At batch bucket 1 the routing needs no sort:
       the one token's 16 (token, slot) pairs become 16 segments of one pair each, read straight from the ids
       (act_e[p] = ids[0, p], act_off[p] = p, sorted_s[p] = p). A repeated expert becomes two segments instead of one
       segment of two pairs. This replaces the counting sort that runs after the PDL wait: zeroing 896 counts,
@@ -270,6 +271,11 @@ Version log
       after the ids arrive.
       Prediction: kernel rank16 b1 -0.7 to -1.5 us (R1 against default, R1sortprobe against sortprobe); MoE half
       b1 the same (fast-route1).
+      Measured (s21b at 5f1f620, experts-/records-5f1f620-s21b.json, one run): kernel rank16 b1 20.90 -> 19.94 us,
+      rank8 26.82 -> 25.76; stage probe (sortprobe -> R1sortprobe) 5.95 -> 5.22 / 5.73 -> 4.86; MoE half b1
+      59.6 -> 57.7 (rank16), 66.8 -> 65.6 (rank8). Met (rank16's MoE half -1.9, past the top of the range: the
+      layer's replay also lost the 0.6 us of sort that the bench's probe difference shows as 0.7). Bit-identical
+      (GPU tests at 5f1f620, logs/gpu-junit-5f1f620-s21.xml). The default at batch bucket 1 since session 11.
   xl2 (2026-11-30, session 10; opt-in l2_prefetch / L2_PREFETCH, impls "fast-xl2" / "fast-r1xl2", bench_experts
       L2 / L2probe / R1L2; CPU-compiled, measured by h200_next s21b) Once a work item's expert is known, its CTA
       prefetches into L2 every weight row it will read after the ring's first D loads: FC1 steps D..NS1 and all
@@ -288,6 +294,14 @@ Version log
       bytes the CTA reads within a few microseconds, and asks for none of them twice.
       Prediction: kernel rank16 b1 -1 to -2 us (L2 against default; L2probe against probe), b8 / b64 within +-3 %
       (the rings there are already saturated); MoE half b1 the same (fast-xl2; fast-r1xl2 with route1).
+      Measured (s21b at 5f1f620): MISSED, slower everywhere. Kernel rank16 b1 / b8 / b64 20.9 / 66.5 / 345.6 ->
+      22.2 / 81.7 / 411.9 us, rank8 26.8 / 118.1 / 630.9 -> 30.1 / 145.0 / 774.1; the stream probe too (rank16
+      17.7 / 52.8 / 236.9 -> 18.8 / 65.5 / 315.4). MoE half rank16 b1 / b8 / b64 59.6 / 110.4 / 384.1 -> 60.9 /
+      126.0 / 446.7. The fifth in-kernel L2 prefetch design measured slower: even per-line prefetches of bytes
+      the CTA reads within microseconds cost more than they hide. Each prefetch is an instruction per 128-byte
+      line from 16 warps (~1000 per CTA at b1) issued before the ring's first loads can retire, and at b8 / b64
+      each CTA's item count multiplies them while the rings are already saturated. It stays an opt-in for the
+      record (bit-identical, tested); not for use.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -610,9 +624,10 @@ DEFAULT_VERSION = 4
 # 20.9 / 27.7 us, rank8 38.0 / 70.7 -> 27.0 / 41.4; version log)
 SMALL_BATCH_VERSION = 7
 SMALL_BATCH_MAX_MB = 2
-# route1 (opt-in, "fast-route1"; measured by h200_next s21): at batch bucket 1 each of the token's 16 (token, slot)
-# pairs is its own expert segment, read straight from the ids, instead of the in-CTA counting sort (version log)
-ROUTE_DIRECT = False
+# route1 (the default since session 11; "fast-s21exp" is the A/B with the sort): at batch bucket 1 each of the
+# token's 16 (token, slot) pairs is its own expert segment, read straight from the ids, instead of the in-CTA
+# counting sort (version log; s21b: MoE half rank16 b1 59.6 -> 57.7 us, rank8 66.8 -> 65.6)
+ROUTE_DIRECT = True
 # xl2 (opt-in, "fast-xl2"; measured by h200_next s21b): once a CTA knows its expert, it asks L2 for the rest of its
 # FC1 rows and all of its FC2 rows (prefetch.global.L2), so the ring's later turns and FC2's first loads hit L2
 L2_PREFETCH = False

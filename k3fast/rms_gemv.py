@@ -136,6 +136,38 @@ Version log
       cycles per issue. So the loop's own instruction chain is a large part of each row group's time.
       Prediction: in_proj bench b1 -1 to -3 us; attention half b1 -1 to -2.5 us (fast-inxf); b2 similar. If it does
       not move, the chain is the loads' round trips after all, and v7's depth is the lever.
+      Measured (s21b at 5f1f620, kernels-/records-5f1f620-s21b.json, one run): MISSED, slower. Bench rank16 b1 /
+      b2 23.1 / 27.9 -> 24.5 / 32.8 us, rank8 33.2 / 38.6 -> 34.4 / 47.0; attention half rank16 b1 33.8 -> 34.5,
+      rank8 47.4 -> 48.1. ncu (ncu-5f1f620-ncu3/): 20.9 -> 22.0 us, short-scoreboard stalls 0.66 -> 2.60 and long
+      scoreboard 3.26 -> 4.69 cycles per issue. The fp32 x doubles the loop's shared-memory reads (14 LDS.128 per
+      batch instead of 7), and each of a CTA's four row warps of one k-slice reads the same x. v7 (pf = 2 / 3) was
+      slower too (bench rank16 b1 25.2 / 25.8 us; attention half 36.1 at pf = 3): deeper L2 prefetch queues
+      ahead of the demand loads, as v4's did.
+  v9 (2026-11-30, session 11; opt-in x_regs / X_REGS, impl "fast-inxr", bench row attnres_rms_gemv@xr; CPU-compiled,
+      measured by h200_next s22) At M = 1 with a one-batch slice (7 vectors per lane at K = 7168, ks = 4) a lane's
+      x vectors are the same for every row group. v9 reads them once, after the prologue, from v8's fp32 staging
+      into 56 registers (the zero vector past the end for past-the-end lanes). The row-group loop is then the 7
+      weight loads, v8's pin, 56 widenings of the weights and 56 FMAs. Its next-group L2 prefetch takes one line
+      per lane without the general helper's index division.
+      Reading the SASS of v6 showed where its 626 instructions per row group go (ptxas 12.9, rank16 in_proj, M =
+      1): 365 in the k-loop (7 LDS, 126 SHF / PRMT of x and w, 56 FMUL of the mask, 63 FFMA), ~200 in the
+      next-group prefetch, which divides by the runtime line count for each line, and the rest in the reduction.
+      A first v9 widened x from bf16 registers. ptxas then re-derived the widened, masked x inside the loop to
+      stay under 128 registers (48 FMUL + ~56 SHF / PRMT per group, 561 in all). Loading the fp32 values from
+      shared memory leaves nothing to re-derive.
+      SASS: 626 -> 309 instructions per row group, 7 LDG issued together, no FMUL, one LDS (the reduction's); 126
+      registers, no spills (CPU test test_x_regs_loop_is_loads_and_fmas).
+      Output: the same FMAs on the same values in the same order as v6 (x * (w * 1) there, x * w here); a
+      past-the-end lane adds an exact zero. Bit-identical up to the sign of an exactly zero sum, as v8 (GPU test
+      test_opt_in_builds_are_bitwise).
+      Why: ncu3 (ncu-5f1f620-ncu3/) puts the in_proj at 9.2 cycles per issued instruction with 4 warps per
+      scheduler: issue-active ~43 %, long scoreboard only 3.3 of the 9.2. With 7 groups per CTA, each group is a
+      round trip, then ~2.5 k issue cycles per scheduler of loop and prefetch before the next group's loads
+      leave. v8 cut the k-loop but added shared-memory reads and lost. v9 removes both the widening and the
+      reads, and the prefetch's division, which v8 kept.
+      Prediction: in_proj bench rank16 b1 23.1 -> ~19.5-21.5 us, rank8 33.2 -> ~29-31.5; attention half b1 -1.5
+      to -3 us at both ranks (fast-inxr). If it does not move, the in_proj is bound by per-SM load latency and
+      the 7 serial groups, not by issue, and the remaining lever is more bytes in flight per group.
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -195,6 +227,7 @@ FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteratio
 PIN_LOADS = True    # v6 (the default since session 7): tie each batch of the FMA loop's weight loads together
 PREFETCH_GROUPS = 1  # v7 (opt-in, "fast-inpf2" / "fast-inpf3"): row groups of the fused kernel in L2 prefetch ahead
 X_FP32 = False       # v8 (opt-in, "fast-inxf"): the fused kernel's x in fp32 smem, no per-weight mask multiply
+X_REGS = False       # v9 (opt-in, "fast-inxr"): at M = 1 each lane keeps its slice of x in fp32 registers
 
 
 def _vectors_per_lane(K: int, ks: int) -> int:
@@ -284,6 +317,13 @@ def _build_kernels():
             r = idx // lpr
             l = idx - r * lpr
             cute.arch.prefetch(gWv[0, None, row0 + r, kv0 + 8 * l].iterator.llvm_ptr, cache_level="L2")
+
+    @cute.jit
+    def _prefetch_row(gWv, row, kv0, kv1, lane):
+        # v9: one row's prefetch.global.L2 lines, lane l taking lines l, l + 32, ...: no index division (the
+        # general _prefetch_rows divides by the runtime line count, ~25 SASS instructions per line of each group)
+        for kv in cutlass.range(kv0 + 8 * lane, kv1, 256):
+            cute.arch.prefetch(gWv[0, None, row, kv].iterator.llvm_ptr, cache_level="L2")
 
     @cute.jit
     def _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, dst, sV, sRedA, sRedB, tid, warp, lane,
@@ -406,8 +446,15 @@ def _build_kernels():
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
         def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
-                     early_trigger=False, pin=False, pf=1, xf32=False):
+                     early_trigger=False, pin=False, pf=1, xf32=False, xregs=False):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
+            # v9 (opt-in, fused G = 1, M = 1, one-batch slices): each lane's x vectors are the same for every row
+            # group, so they are read once from v8's fp32 staging (zero vector past the end) into registers, and
+            # the loop is loads and FMAs only: no shared-memory read, no widening, no mask, and a division-free
+            # prefetch of the next group (the version log says why)
+            self.xregs = xregs
+            if xregs:
+                xf32 = True
             # v8 (opt-in, fused G = 1 only): x staged in fp32 with a zero vector past its end, so the loop neither
             # widens x per row group nor multiplies each weight by its mask (the version log says why)
             self.xf32 = xf32
@@ -444,6 +491,9 @@ def _build_kernels():
                     self.U = per_lane           # the whole slice in one batch
             if G != 1 and not (fused and G == 2 and self.U == per_lane):
                 raise ValueError(f"G = {G}: only the fused kernel with a one-batch slice takes G = 2 (U {self.U})")
+            if xregs and not (fused and G == 1 and MB == 1 and self.U == per_lane):
+                raise ValueError(f"xregs: only the fused kernel at M = 1 with G = 1 and a one-batch slice (<= 8 "
+                                 f"vectors per lane) keeps x in registers (MB {MB}, G {G}, U {self.U})")
 
         @cute.jit
         def __call__(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, grid_x: Int32, stream):
@@ -529,6 +579,35 @@ def _build_kernels():
                     self.group_out(rWa, kvb, kv1, gX, acc, rX, sRed, 0, grp, mY, warp, lane, tid)
                     if g2 < n_groups:
                         self.group_out(rWb, kvb, kv1, gX, acc, rX, sRed, 1, g2, mY, warp, lane, tid)
+            elif const_expr(self.xregs):
+                # v9: this lane's U x vectors from v8's fp32 staging, once: past the slice's end the zero vector at
+                # K / 8, so the lane's re-read weight adds an exact zero (as v6's zeroed weight scale did). Loaded,
+                # not widened here: ptxas re-derives a widened or masked value inside the loop to save registers
+                # (it did, from bf16 registers: 48 FMUL + 56 SHF / PRMT per group), but it does not reload these.
+                rXr = cute.make_rmem_tensor(cute.make_layout((8, self.U), stride=(1, 8)), Float32)
+                kvb = kv0 + lane
+                for u in cutlass.range_constexpr(self.U):
+                    kv = kvb + 32 * u
+                    cute.autovec_copy(gX[0, None, 0, cutlass.select_(kv < kv1, kv, nvec)], rXr[None, u])
+                for grp in cutlass.range(bid, n_groups, nblk):
+                    row = grp * self.rpc + r
+                    nxt = grp + self.pf * nblk
+                    if nxt < n_groups:
+                        _prefetch_row(gW, nxt * self.rpc + r, kv0, kv1, lane)
+                    acc.fill(0.0)
+                    for u in cutlass.range_constexpr(self.U):
+                        cute.copy(w_atom, gW[0, None, row, cutlass.min(kvb + 32 * u, kv1 - 1)], rWs[u])
+                    if const_expr(self.pin):
+                        # v6's pin as v8 joins it: once per batch into the accumulator (acc + 0), so every FMA
+                        # depends on all U loads and ptxas keeps them issued together
+                        pin = Float32(0.0)
+                        for u in cutlass.range_constexpr(self.U):
+                            pin = pin + rWs[u][0].to(Float32)
+                        acc[None, 0].store(acc[None, 0].load() + pin * Float32(0.0))
+                    for u in cutlass.range_constexpr(self.U):
+                        acc[None, 0].store(acc[None, 0].load() + rXr[None, u].load() * rWs[u].load().to(Float32))
+                    self.reduce_store(acc, sRed, buf, grp, mY, warp, lane, tid)
+                    buf = 1 - buf
             else:
                 for grp in cutlass.range(bid, n_groups, nblk):
                     row = grp * self.rpc + r
@@ -843,7 +922,7 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
 
 
 def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False,
-                 pf=1, xf32=False):
+                 pf=1, xf32=False, xregs=False):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
@@ -851,28 +930,29 @@ def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
     obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G,
-              early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32)
+              early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32, xregs=xregs)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
 def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigger=False, pin=False, pf=1,
-                   xf32=False):
+                   xf32=False, xregs=False):
     key = (("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
            + (("early_trigger",) if early_trigger else ()) + (("pin",) if pin else ())
-           + ((("pf", pf),) if pf != 1 else ()) + (("xf32",) if xf32 else ()))
+           + ((("pf", pf),) if pf != 1 else ()) + (("xf32",) if xf32 else ()) + (("xregs",) if xregs else ()))
     return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G,
-                                                    early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32))
+                                                    early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32,
+                                                    xregs=xregs))
 
 
 def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, early_trigger: bool = False,
-              pin: bool = False, pf: int = 1, xf32: bool = False) -> str:
+              pin: bool = False, pf: int = 1, xf32: bool = False, xregs: bool = False) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
                                              options=TVM_FFI + " --keep-ptx", G=G,
-                                             early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32))
+                                             early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32, xregs=xregs))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -979,7 +1059,7 @@ def _check_prefetch(pf) -> int:
 
 
 def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=None, fused_groups=None,
-                early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None):
+                early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None, x_regs=None):
     """(the arguments of _compile_fused, grid) for the fused kernel these options run: one rule for the host entry
     and compile_keys, so warmup compiles exactly the builds the calls use."""
     rpc, ks, grid = _fused_config(N, K)
@@ -995,13 +1075,17 @@ def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=No
     pin = (PIN_LOADS if pin_loads is None else bool(pin_loads)) and G == 1
     pf = _check_prefetch(PREFETCH_GROUPS if prefetch_groups is None else prefetch_groups) if G == 1 else 1
     xf = (X_FP32 if x_fp32 is None else bool(x_fp32)) and G == 1
+    # v9 serves M = 1 with one-batch slices (<= 8 vectors per lane); elsewhere the call runs the kernel without it.
+    # It stages x as v8 does, so its key says xregs alone.
+    xr = (X_REGS if x_regs is None else bool(x_regs)) and G == 1 and M == 1 and _vectors_per_lane(K, ks) <= 8
+    xf = xf and not xr
     return (M, K, n_blocks, bool(has_delta), block_write, wln, float(eps), rpc, ks, G, bool(early_trigger), pin,
-            pf, xf), grid
+            pf, xf, xr), grid
 
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None):
+                     early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None, x_regs=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
@@ -1011,6 +1095,8 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     prefetch_groups: row groups of each CTA in L2 prefetch ahead of its loads, all of them issued before the PDL
     wait (v7; None = PREFETCH_GROUPS = 1; fused kernel, G = 1; 1..4). Bit-identical: prefetches change no value.
     x_fp32: x staged in fp32 with a zero vector past its end (v8; None = X_FP32, off; fused kernel, G = 1).
+    x_regs: each lane's slice of x held in fp32 registers for all row groups (v9; None = X_REGS, off; fused kernel,
+    M = 1, G = 1, <= 8 vectors per lane, not with x_fp32: elsewhere it is ignored).
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
@@ -1029,7 +1115,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
     if fused and K % 16 == 0:
         args, grid = _fused_args(M, K, N, n_blocks, delta is not None, block_write, wln, eps, fused_ks, fused_groups,
-                                 early_trigger, pin_loads, prefetch_groups, x_fp32)
+                                 early_trigger, pin_loads, prefetch_groups, x_fp32, x_regs)
         _compile_fused(*args)(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
@@ -1044,8 +1130,8 @@ def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=rang
                  block_write=(-1, "n"), deltas=(False, True), wln="bf16", eps=1e-5, fuse_max_m=FUSE_MAX_M,
                  early_trigger=False):
     """Every (kind, config) a set of GEMV shapes [(N, K)] and batch sizes needs with the module's default options
-    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS); attnres_N lists the projection widths that run fused after AttnRes
-    (K = attnres_K), with early_trigger as the caller passes it (the layer's in_proj: True). block_write "n" means
+    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS, X_FP32, X_REGS); attnres_N lists the projection widths that run
+    fused after AttnRes (K = attnres_K), with early_trigger as the caller passes it (the layer's in_proj: True). block_write "n" means
     = n_blocks."""
     keys = set()
     for (N, K) in shapes:

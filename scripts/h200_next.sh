@@ -237,6 +237,17 @@ case "${1:-}" in
             L2probe sortprobe R1sortprobe" K3_EXPERTS_TIMEOUT=150 bash scripts/h200_sweep.sh --kinds kda_moe \
             --shapes k3_rank16 k3_rank8 --batches 1 8 64 --impls stock fast fast-inpf3 fast-inxf fast-route1 fast-xl2 fast-r1xl2 \
             --budget-s 260 ;;
+  # session 11: the fused in_proj's v9 (x in registers, fast-inxr) and route1 as the default (fast-s21exp is the
+  # sorted A/B): their GPU tests, the in_proj bench rows and the b1 layer A/B, then ncu of v9 if time is left
+  # (files: tests 3 + sweep 5 + ncu 1 > 8, so the logs travel as logs.tgz)
+  s22)    K3_TEST_TIMEOUT=170 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv.py tests/gpu/test_fast_layer.py \
+            -k "not timing_report and (x_regs or (inxr and (1-1 or 1-8 or 2-1 or 2-8)) or s21exp or graph_replay \
+            or (moe_half and [1-fast]))"
+          K3_SWEEP_TIMEOUT=200 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 1 --kernels attnres_rms_gemv \
+            attnres_rms_gemv@xr attnres_rms_gemv@xf" K3_BENCH_TIMEOUT=70 bash scripts/h200_sweep.sh --kinds kda_moe \
+            --shapes k3_rank16 k3_rank8 --batches 1 --impls stock fast fast-s21exp fast-inxr --budget-s 180
+          K3_NCU_TIMEOUT=60 bash scripts/h200_ncu.sh "bench --kernel attnres_rms_gemv@xr --shape k3_rank16 --batch 1"
+          cd "$OUT" && tar czf logs.tgz $(ls *.log gpu.txt 2>/dev/null) && rm -f *.log gpu.txt; ls ;;
   # Nsight Compute with the instruction mix: the fused in_proj at b1 (v6 and v8, x in fp32) and the experts at b1
   # (default), to see where the in_proj's ~79 instructions per warp load go
   # (plus the per-SM spread of active cycles, min / max / avg, for the load-balance question of the tail and the
@@ -254,5 +265,5 @@ case "${1:-}" in
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22"; exit 2 ;;
 esac

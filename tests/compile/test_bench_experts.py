@@ -18,7 +18,7 @@ def test_variants_are_valid_keys(cfg):
                 with pytest.raises(ValueError, match=f"version {v[1]}"):
                     be.variant_cfg(v, base)
                 continue
-            if v.startswith("R1") and M > 1:       # route1 serves batch bucket 1; the bench skips it above
+            if v.startswith(("R1", "S1")) and M > 1:   # route1 / its sorted A/B: batch bucket 1; skipped above
                 with pytest.raises(ValueError, match="route_direct"):
                     be.variant_cfg(v, base)
                 continue
@@ -38,7 +38,11 @@ def test_variants_are_valid_keys(cfg):
         assert be.variant_cfg("nibble", base).layout == "nibble" and base.layout == "rot"
         assert be.variant_cfg("L2", base).l2_prefetch and not base.l2_prefetch
         if M == 1:
-            assert be.variant_cfg("R1", base).route_direct and not base.route_direct
+            # route1 is the default at batch 1 since session 11; S1 is the sorted kernel of before
+            assert be.variant_cfg("R1", base) == base and base.route_direct == mx.ROUTE_DIRECT
+            assert not be.variant_cfg("S1", base).route_direct
+            assert be.variant_cfg("S1sortprobe", base) == __import__("dataclasses").replace(
+                base, route_direct=False, probe="sort")
             assert be.variant_cfg("R1L2", base) == __import__("dataclasses").replace(base, route_direct=True,
                                                                                    l2_prefetch=True)
             assert base.version == 7

@@ -504,8 +504,9 @@ def test_route1_compiles_without_the_sort(I):
     fewer CTA barriers than the sorted kernel; compile_key applies it only at bucket 1."""
     import dataclasses
     from k3fast.ptxcheck import compiled_ptx
-    base = mx.compile_key(896, 3584, I, 1)
+    base = mx.compile_key(896, 3584, I, 1, route_direct=False)
     assert not base.route_direct and mx.compile_key(896, 3584, I, 1, route_direct=True).route_direct
+    assert mx.compile_key(896, 3584, I, 1).route_direct == mx.ROUTE_DIRECT     # the default (on since session 11)
     assert not mx.compile_key(896, 3584, I, 2, route_direct=True).route_direct
     ptx = {d: compiled_ptx(lambda d=d: mx._compile(dataclasses.replace(base, route_direct=d),
                                                    options="--enable-tvm-ffi --keep-ptx")).splitlines()
