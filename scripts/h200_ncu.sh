@@ -26,7 +26,8 @@ done
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   ncu --version | tail -1
   python3 -c "import torch, importlib.metadata as m; print('torch', torch.__version__, 'cutlass', m.version('nvidia-cutlass-dsl'))"
-  echo "commit ${K3_COMMIT:-unknown}; cases: $*"; } > "$tmp/meta.txt" 2>&1
+  echo "commit ${K3_COMMIT:-unknown}; cases: $*"
+  echo "extra metrics: ${K3_NCU_METRICS:-none}; extra options: ${K3_NCU_EXTRA:-none}"; } > "$tmp/meta.txt" 2>&1
 tar czf "$OUT/ncu.tgz" -C "$tmp" .
 # The device returns at most 8 files from $OUT: when this archive is one too many after a sweep (s18 lost its
 # sweep.log that way), the logs and gpu.txt travel as one logs.tgz (added to, if the sweep made one already).

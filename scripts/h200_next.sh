@@ -247,7 +247,13 @@ case "${1:-}" in
             attnres_rms_gemv@xr attnres_rms_gemv@xf" K3_BENCH_TIMEOUT=70 bash scripts/h200_sweep.sh --kinds kda_moe \
             --shapes k3_rank16 k3_rank8 --batches 1 --impls stock fast fast-s21exp fast-inxr --budget-s 180
           K3_NCU_TIMEOUT=60 bash scripts/h200_ncu.sh "bench --kernel attnres_rms_gemv@xr --shape k3_rank16 --batch 1"
-          cd "$OUT" && tar czf logs.tgz $(ls *.log gpu.txt 2>/dev/null) && rm -f *.log gpu.txt; ls ;;
+          ls "$OUT" ;;      # (h200_sweep.sh / h200_ncu.sh already pack the logs into logs.tgz past 8 files)
+  # the per-SM spread of active cycles (min / max / avg over the 132 SMs) of the three b1 kernels whose load balance
+  # was in question: the ring tail (448 tiles over 132 SMs), the fused in_proj (115 CTAs) and the experts (ran at
+  # c1bb65a with the machine left from s22; meta.txt names the metrics since then)
+  ncu4)   K3_NCU_METRICS=sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_elapsed.max \
+          K3_NCU_TIMEOUT=80 bash scripts/h200_ncu.sh "tail --shape k3_rank16 --batch 1 --ring 2" \
+            "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" "experts --shape k3_rank16 --batch 1" ;;
   # Nsight Compute with the instruction mix: the fused in_proj at b1 (v6 and v8, x in fp32) and the experts at b1
   # (default), to see where the in_proj's ~79 instructions per warp load go
   # (plus the per-SM spread of active cycles, min / max / avg, for the load-balance question of the tail and the
@@ -265,5 +271,5 @@ case "${1:-}" in
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4"; exit 2 ;;
 esac
