@@ -80,7 +80,8 @@ class FastImpl:
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_l2_prefetch: bool | None = None,
-                 gemv_x_fp32: bool | None = None, gemv_x_regs: bool | None = None):
+                 gemv_x_fp32: bool | None = None, gemv_x_regs: bool | None = None,
+                 gemv_even_rows: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -164,6 +165,7 @@ class FastImpl:
         self.gemv_prefetch = gemv_prefetch   # None: rms_gemv.PREFETCH_GROUPS (1; 2 / 3: its v7, "fast-inpf2" / 3)
         self.gemv_x_fp32 = gemv_x_fp32       # None: rms_gemv.X_FP32 (True: the fused in_proj's v8, "fast-inxf")
         self.gemv_x_regs = gemv_x_regs       # None: rms_gemv.X_REGS (True: the fused in_proj's v9 at b1, "fast-inxr")
+        self.gemv_even_rows = gemv_even_rows  # None: rms_gemv.EVEN_ROWS (True: the fused in_proj's v10, "fast-inev")
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
         # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
@@ -205,6 +207,7 @@ class FastImpl:
                         + ("" if gemv_prefetch is None else f", fused in_proj {gemv_prefetch} row groups prefetched ahead")
                         + ("" if gemv_x_fp32 is None else f", fused in_proj x in fp32 {'on' if gemv_x_fp32 else 'off'}")
                         + ("" if gemv_x_regs is None else f", fused in_proj x in registers {'on' if gemv_x_regs else 'off'}")
+                        + ("" if gemv_even_rows is None else f", fused in_proj rows even over the SMs {'on' if gemv_even_rows else 'off'}")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
@@ -245,7 +248,7 @@ class FastImpl:
                                        fused_groups=self.gemv_groups,
                                        early_trigger=self.attn_early_trigger, pin_loads=self.gemv_pin,
                                        prefetch_groups=self.gemv_prefetch, x_fp32=self.gemv_x_fp32,
-                                       x_regs=self.gemv_x_regs)
+                                       x_regs=self.gemv_x_regs, even_rows=self.gemv_even_rows)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,

@@ -168,6 +168,34 @@ Version log
       Prediction: in_proj bench rank16 b1 23.1 -> ~19.5-21.5 us, rank8 33.2 -> ~29-31.5; attention half b1 -1.5
       to -3 us at both ranks (fast-inxr). If it does not move, the in_proj is bound by per-SM load latency and
       the 7 serial groups, not by issue, and the remaining lever is more bytes in flight per group.
+      Measured (s22 at c1bb65a, kernels-/records-c1bb65a-s22.json, ncu-c1bb65a-s22/): MISSED, no change. Bench
+      rank16 b1 23.14 -> 23.20 us, rank8 33.54 -> 34.05; attention half rank16 33.8 -> 33.4, rank8 47.5 -> 48.1.
+      ncu rank16 b1 20.90 -> 20.83 us with half the instructions: 14.1 cycles per issued instruction instead of
+      9.2, long scoreboard 3.3 -> 5.8, barrier 1.1 -> 2.4. Bit-identical (GPU test). So the in_proj is not bound
+      by issue (v8, v9), nor by round trips per group (v3), nor by L2 prefetch depth (v4, v7). What is left is
+      the per-SM streaming rate (~25 GB/s per SM in the loop, ~2.8 TB/s over 115 SMs, like the router front's
+      per-SM rate) and the work per SM: 7 groups of 4 rows on each of 115 SMs, 17 SMs idle, against 6.1 groups
+      on average over 132 (ncu4: busiest SM active 37.9 k cycles, mean of the 115 busy ones 35.9 k). v10 spreads
+      the rows.
+  v10 (2026-11-30, session 11; opt-in even_rows / EVEN_ROWS, impl "fast-inev", bench row attnres_rms_gemv@ev;
+      CPU-compiled, to be measured by h200_next s23) The persistent grid was sized so that no CTA runs more row
+      groups than another: at rank16, 804 groups of 4 rows take 7 rounds on 132 SMs, so 115 CTAs run 7 groups
+      each and 17 SMs stay idle. v10 launches one CTA per SM and gives CTA b the rows [b N / 132, (b + 1) N /
+      132), in groups of 4 whose last may be partial. A warp whose row is past its CTA's range loads nothing and
+      adds zeros to the k-slice reduction, and its row is not stored. At rank16 that is 24 or 25 rows per CTA:
+      6 full groups plus, on 48 CTAs, one group of a single row. The work on the busiest SM falls from 28 rows to
+      25. At rank8 (N = 6288: 47-48 rows, 12 groups, against 12 groups on 131 CTAs now) and at full width (374-375
+      rows, 94 groups either way) nothing changes, so the prediction is rank16 only.
+      Bit-identical by construction: a row's dot product, its k-slices and their reduction order do not depend on
+      which CTA or warp slot computes it (GPU test test_opt_in_builds_are_bitwise, every width ending some CTA on
+      a partial group). SASS: 128 registers, no spills, 639 instructions per group against v6's 626 (the row
+      bound and the guarded store; CPU test test_even_rows_compiles_without_spills).
+      The AttnRes prologue now runs in 132 CTAs instead of 115: 15 % more of its L2 reads, which overlap the
+      first group's prefetch as before.
+      Prediction: bench rank16 b1 23.1 -> ~21.5-22.5 us (the loop's ~16.5 us scaled by 25 / 28, less the single-
+      row group's latency); attention half rank16 b1 / b2 -0.8 to -1.8 us; rank8 within +-0.5 us. If rank16 does
+      not move, the loop's time is set by the wave of round trips per group rather than the bytes per SM, and the
+      single-row group costs as much as a full one.
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -228,6 +256,7 @@ PIN_LOADS = True    # v6 (the default since session 7): tie each batch of the FM
 PREFETCH_GROUPS = 1  # v7 (opt-in, "fast-inpf2" / "fast-inpf3"): row groups of the fused kernel in L2 prefetch ahead
 X_FP32 = False       # v8 (opt-in, "fast-inxf"): the fused kernel's x in fp32 smem, no per-weight mask multiply
 X_REGS = False       # v9 (opt-in, "fast-inxr"): at M = 1 each lane keeps its slice of x in fp32 registers
+EVEN_ROWS = False    # v10 (opt-in, "fast-inev"): the fused kernel's rows split evenly over all SMs, not in groups
 
 
 def _vectors_per_lane(K: int, ks: int) -> int:
@@ -446,8 +475,13 @@ def _build_kernels():
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
         def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
-                     early_trigger=False, pin=False, pf=1, xf32=False, xregs=False):
+                     early_trigger=False, pin=False, pf=1, xf32=False, xregs=False, even=False):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
+            # v10 (opt-in, fused G = 1 loop): CTA b owns rows [b N / grid, (b + 1) N / grid) of a 132-CTA grid, in
+            # groups of rpc rows whose last may be partial, instead of every grid-th group of rpc rows. At rank16
+            # (N = 3216, rpc = 4) that is 24-25 rows on each of 132 SMs instead of 28 on 115 (the version log)
+            self.even = even
+            assert not even or (fused and G == 1 and not xregs)
             # v9 (opt-in, fused G = 1, M = 1, one-batch slices): each lane's x vectors are the same for every row
             # group, so they are read once from v8's fp32 staging (zero vector past the end) into registers, and
             # the loop is loads and FMAs only: no shared-memory read, no widening, no mask, and a division-free
@@ -523,9 +557,16 @@ def _build_kernels():
             sRed = smem.allocate_tensor(Float32, cute.make_layout((2, self.nwarps, self.MB),
                                                                   stride=(self.nwarps * self.MB, self.MB, 1)), 16)
             # weights do not depend on the producer: start their HBM stream before the PDL wait
-            for ahead in cutlass.range_constexpr(self.pf):
-                if bid + ahead * nblk < n_groups:
-                    _prefetch_rows(gW, (bid + ahead * nblk) * self.rpc + r, 1, kv0, kv1, lane)
+            if const_expr(self.even):
+                rs = (bid * N) // nblk              # v10: this CTA's rows [rs, re)
+                re = ((bid + 1) * N) // nblk
+                for ahead in cutlass.range_constexpr(self.pf):
+                    if rs + ahead * self.rpc + r < re:
+                        _prefetch_rows(gW, rs + ahead * self.rpc + r, 1, kv0, kv1, lane)
+            else:
+                for ahead in cutlass.range_constexpr(self.pf):
+                    if bid + ahead * nblk < n_groups:
+                        _prefetch_rows(gW, (bid + ahead * nblk) * self.rpc + r, 1, kv0, kv1, lane)
             if const_expr(self.fused):
                 if const_expr(self.xf32):
                     # v8: fp32 x rows with one zero vector past the end (index K / 8), which the past-the-end lanes
@@ -576,9 +617,9 @@ def _build_kernels():
                         cute.copy(w_atom, gW[0, None, rowa, cutlass.min(kvb + 32 * u, kv1 - 1)], rWa[None, u])
                     for u in cutlass.range_constexpr(self.U):
                         cute.copy(w_atom, gW[0, None, rowb, cutlass.min(kvb + 32 * u, kv1 - 1)], rWb[None, u])
-                    self.group_out(rWa, kvb, kv1, gX, acc, rX, sRed, 0, grp, mY, warp, lane, tid)
+                    self.group_out(rWa, kvb, kv1, gX, acc, rX, sRed, 0, grp * self.rpc, mY, warp, lane, tid)
                     if g2 < n_groups:
-                        self.group_out(rWb, kvb, kv1, gX, acc, rX, sRed, 1, g2, mY, warp, lane, tid)
+                        self.group_out(rWb, kvb, kv1, gX, acc, rX, sRed, 1, g2 * self.rpc, mY, warp, lane, tid)
             elif const_expr(self.xregs):
                 # v9: this lane's U x vectors from v8's fp32 staging, once: past the slice's end the zero vector at
                 # K / 8, so the lane's re-read weight adds an exact zero (as v6's zeroed weight scale did). Loaded,
@@ -606,20 +647,37 @@ def _build_kernels():
                         acc[None, 0].store(acc[None, 0].load() + pin * Float32(0.0))
                     for u in cutlass.range_constexpr(self.U):
                         acc[None, 0].store(acc[None, 0].load() + rXr[None, u].load() * rWs[u].load().to(Float32))
-                    self.reduce_store(acc, sRed, buf, grp, mY, warp, lane, tid)
+                    self.reduce_store(acc, sRed, buf, grp * self.rpc, mY, warp, lane, tid)
                     buf = 1 - buf
             else:
-                for grp in cutlass.range(bid, n_groups, nblk):
-                    row = grp * self.rpc + r
+                if const_expr(self.even):
+                    g_first, g_end, g_step = Int32(0), (re - rs + self.rpc - 1) // self.rpc, 1
+                else:
+                    g_first, g_end, g_step = bid, n_groups, nblk
+                for grp in cutlass.range(g_first, g_end, g_step):
+                    if const_expr(self.even):
+                        base = rs + grp * self.rpc
+                    else:
+                        base = grp * self.rpc
+                    row = base + r
                     if const_expr(self.fused):
-                        nxt = grp + self.pf * nblk
-                        if nxt < n_groups:
-                            _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
+                        if const_expr(self.even):
+                            if base + self.pf * self.rpc + r < re:
+                                _prefetch_rows(gW, base + self.pf * self.rpc + r, 1, kv0, kv1, lane)
+                        else:
+                            nxt = grp + self.pf * nblk
+                            if nxt < n_groups:
+                                _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
                     acc.fill(0.0)
+                    kend = kv1
+                    if const_expr(self.even):
+                        # v10: a warp whose row is past the CTA's range (its last group may be partial) loads
+                        # nothing and adds zeros to the reduction; its row is not stored
+                        kend = cutlass.select_(row < re, kv1, kv0)
                     # batches of U vectors per lane: U loads issued together, then their FMAs. Predicated instead of a
                     # remainder loop (a runtime-trip-count remainder issues one load per round trip); past-the-end
                     # lanes re-read the slice's last vector (in bounds) and weight it 0.
-                    for kvb in cutlass.range(kv0 + lane, kv1, 32 * self.U):
+                    for kvb in cutlass.range(kv0 + lane, kend, 32 * self.U):
                         for u in cutlass.range_constexpr(self.U):
                             kvc = cutlass.min(kvb + 32 * u, kv1 - 1)
                             cute.copy(w_atom, gW[0, None, row, kvc], rWs[u])
@@ -655,13 +713,16 @@ def _build_kernels():
                                 for m in cutlass.range_constexpr(self.MB):
                                     cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
                                     acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
-                    self.reduce_store(acc, sRed, buf, grp, mY, warp, lane, tid)
+                    if const_expr(self.even):
+                        self.reduce_store(acc, sRed, buf, base, mY, warp, lane, tid, limit=re)
+                    else:
+                        self.reduce_store(acc, sRed, buf, base, mY, warp, lane, tid)
                     buf = 1 - buf
             if const_expr(not self.early_trigger):
                 cute.arch.griddepcontrol_launch_dependents()
 
         @cute.jit
-        def group_out(self, rW, kvb, kv1, gX, acc, rX, sRed, sbuf, grp, mY, warp, lane, tid):
+        def group_out(self, rW, kvb, kv1, gX, acc, rX, sRed, sbuf, row0, mY, warp, lane, tid):
             """v3 (G = 2): one row group's FMAs from the U loaded vectors rW[:, u], the k-slice reduction through
             sRed[sbuf] and the store: the same operations in the same order as the G = 1 loop body, so the results
             are bit-identical to it."""
@@ -673,11 +734,12 @@ def _build_kernels():
                 for m in cutlass.range_constexpr(self.MB):
                     cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
                     acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
-            self.reduce_store(acc, sRed, sbuf, grp, mY, warp, lane, tid)
+            self.reduce_store(acc, sRed, sbuf, row0, mY, warp, lane, tid)
 
         @cute.jit
-        def reduce_store(self, acc, sRed, sbuf, grp, mY, warp, lane, tid):
-            """A row group's warp sums -> sRed[sbuf] -> the k-slices added in a fixed order -> y (deterministic)."""
+        def reduce_store(self, acc, sRed, sbuf, row0, mY, warp, lane, tid, limit=None):
+            """A row group's warp sums -> sRed[sbuf] -> the k-slices added in a fixed order -> y[:, row0 + rr]
+            (deterministic); with limit (v10) only rows below it are stored."""
             for m in cutlass.range_constexpr(self.MB):
                 t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
                 if lane == 0:
@@ -689,7 +751,11 @@ def _build_kernels():
                 tot = Float32(0.0)
                 for q in cutlass.range_constexpr(self.ks):
                     tot = tot + sRed[sbuf, rr * self.ks + q, mm]
-                mY[mm, grp * self.rpc + rr] = tot.to(mY.element_type)
+                if const_expr(limit is None):
+                    mY[mm, row0 + rr] = tot.to(mY.element_type)
+                else:
+                    if row0 + rr < limit:
+                        mY[mm, row0 + rr] = tot.to(mY.element_type)
 
     # ------------------------------------------------------------------ tensor-core GEMV (M buckets 8..64)
     class _MmaGemv:
@@ -922,7 +988,7 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
 
 
 def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False,
-                 pf=1, xf32=False, xregs=False):
+                 pf=1, xf32=False, xregs=False, even=False):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
@@ -930,29 +996,31 @@ def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
     obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G,
-              early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32, xregs=xregs)
+              early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32, xregs=xregs, even=even)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
 def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigger=False, pin=False, pf=1,
-                   xf32=False, xregs=False):
+                   xf32=False, xregs=False, even=False):
     key = (("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
            + (("early_trigger",) if early_trigger else ()) + (("pin",) if pin else ())
-           + ((("pf", pf),) if pf != 1 else ()) + (("xf32",) if xf32 else ()) + (("xregs",) if xregs else ()))
+           + ((("pf", pf),) if pf != 1 else ()) + (("xf32",) if xf32 else ()) + (("xregs",) if xregs else ())
+           + (("even",) if even else ()))
     return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G,
                                                     early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32,
-                                                    xregs=xregs))
+                                                    xregs=xregs, even=even))
 
 
 def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, early_trigger: bool = False,
-              pin: bool = False, pf: int = 1, xf32: bool = False, xregs: bool = False) -> str:
+              pin: bool = False, pf: int = 1, xf32: bool = False, xregs: bool = False, even: bool = False) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
                                              options=TVM_FFI + " --keep-ptx", G=G,
-                                             early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32, xregs=xregs))
+                                             early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32, xregs=xregs,
+                                             even=even))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -1059,7 +1127,8 @@ def _check_prefetch(pf) -> int:
 
 
 def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=None, fused_groups=None,
-                early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None, x_regs=None):
+                early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None, x_regs=None,
+                even_rows=None):
     """(the arguments of _compile_fused, grid) for the fused kernel these options run: one rule for the host entry
     and compile_keys, so warmup compiles exactly the builds the calls use."""
     rpc, ks, grid = _fused_config(N, K)
@@ -1079,13 +1148,18 @@ def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=No
     # It stages x as v8 does, so its key says xregs alone.
     xr = (X_REGS if x_regs is None else bool(x_regs)) and G == 1 and M == 1 and _vectors_per_lane(K, ks) <= 8
     xf = xf and not xr
+    # v10 serves the G = 1 loop without v9; it launches one CTA per SM (at most one per row)
+    ev = (EVEN_ROWS if even_rows is None else bool(even_rows)) and G == 1 and not xr
+    if ev:
+        grid = min(NUM_SMS, N)
     return (M, K, n_blocks, bool(has_delta), block_write, wln, float(eps), rpc, ks, G, bool(early_trigger), pin,
-            pf, xf, xr), grid
+            pf, xf, xr, ev), grid
 
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None, x_regs=None):
+                     early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None, x_regs=None,
+                     even_rows=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
@@ -1096,7 +1170,9 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     wait (v7; None = PREFETCH_GROUPS = 1; fused kernel, G = 1; 1..4). Bit-identical: prefetches change no value.
     x_fp32: x staged in fp32 with a zero vector past its end (v8; None = X_FP32, off; fused kernel, G = 1).
     x_regs: each lane's slice of x held in fp32 registers for all row groups (v9; None = X_REGS, off; fused kernel,
-    M = 1, G = 1, <= 8 vectors per lane, not with x_fp32: elsewhere it is ignored).
+    M = 1, G = 1, <= 8 vectors per lane: elsewhere it is ignored; it stages x as x_fp32 does).
+    even_rows: the fused kernel's rows split evenly over one CTA per SM (v10; None = EVEN_ROWS, off; G = 1, not
+    with x_regs: elsewhere it is ignored). Bit-identical: a row's dot product does not depend on its CTA.
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
@@ -1115,7 +1191,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
     if fused and K % 16 == 0:
         args, grid = _fused_args(M, K, N, n_blocks, delta is not None, block_write, wln, eps, fused_ks, fused_groups,
-                                 early_trigger, pin_loads, prefetch_groups, x_fp32, x_regs)
+                                 early_trigger, pin_loads, prefetch_groups, x_fp32, x_regs, even_rows)
         _compile_fused(*args)(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
@@ -1130,7 +1206,7 @@ def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=rang
                  block_write=(-1, "n"), deltas=(False, True), wln="bf16", eps=1e-5, fuse_max_m=FUSE_MAX_M,
                  early_trigger=False):
     """Every (kind, config) a set of GEMV shapes [(N, K)] and batch sizes needs with the module's default options
-    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS, X_FP32, X_REGS); attnres_N lists the projection widths that run
+    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS, X_FP32, X_REGS, EVEN_ROWS); attnres_N lists the projection widths that run
     fused after AttnRes (K = attnres_K), with early_trigger as the caller passes it (the layer's in_proj: True). block_write "n" means
     = n_blocks."""
     keys = set()
