@@ -264,8 +264,9 @@ case "${1:-}" in
             --shapes k3_rank16 k3_rank8 --batches 1 2 --impls stock fast fast-inev --budget-s 220 ;;
   # the quick form of s23 that fit the ~2 device-minutes session 11 had left after staging: the rank16 b1 bench
   # rows first, then v10's bit-identity tests, then the rank16 b1 layer A/B without stock (its compile is ~50 s)
-  s23q)   K3_BENCH_TIMEOUT=60 K3_BENCH="--shapes k3_rank16 --batches 1 --kernels attnres_rms_gemv attnres_rms_gemv@ev" \
-          K3_SWEEP_TIMEOUT=1 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --batches 1 --impls fast
+  s23q)   mkdir -p "$OUT"; CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1 timeout 60 python3 -m k3fast.bench --out "$OUT" \
+            --tag "$K3_TAG" --shapes k3_rank16 --batches 1 --kernels attnres_rms_gemv attnres_rms_gemv@ev \
+            > "$OUT/bench.log" 2>&1; grep -o '"kernel[^,]*, .*"fast_us_median": [0-9.]*' "$OUT/bench.log" | cut -c1-60
           K3_TEST_TIMEOUT=50 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv.py -k "even_rows and (-1- or 3216)"
           K3_TAG=$K3_COMMIT-s23qab K3_SWEEP_TIMEOUT=60 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
             --batches 1 --impls fast fast-inev ;;
