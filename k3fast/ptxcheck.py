@@ -413,13 +413,16 @@ def main(argv=None) -> int:
             rdt.TVM_FFI = old
     if tools is not None:        # code size per kernel (router_down_topk v2.4: the cold instruction fetch)
         rows += code_sizes(tools)
-    # the fused in_proj's weight loop in SASS: the default (v6, pinned loads, early trigger) and v8 (x in fp32 smem,
-    # no per-weight mask multiply), at M = 1 and 2
+    # the fused in_proj's weight loop in SASS: the default (v6, pinned loads, early trigger), v8 (x in fp32 smem,
+    # no per-weight mask multiply), v9 (x in registers, M = 1 only) and v10 (rows even over the SMs), at M = 1 and 2;
+    # v6 / v8 / v10 have two loops (the k-batch loop inside the row-group loop), v9 one (the row-group loop)
+    builds = (("v6 pinned, the default", {}), ("v8 x in fp32, opt-in", {"xf32": True}),
+              ("v9 x in registers, opt-in", {"xregs": True}), ("v10 rows even, opt-in", {"even": True}))
     for M in (1, 2):
-        for name, xf in (("v6 pinned, the default", False), ("v8 x in fp32, opt-in", True)):
-            if tools is None:
-                break
-            ptx = rms_gemv.fused_ptx(3216, M=M, pin=True, early_trigger=True, xf32=xf)
+        for name, kw in builds:
+            if tools is None or (M > 1 and kw.get("xregs")):
+                continue
+            ptx = rms_gemv.fused_ptx(3216, M=M, pin=True, early_trigger=True, **kw)
             loops = sass_loop_opcodes(ptx, tools, min_loads=4)
             ver = loops.pop("ptxas")
             for label, ops in loops.items():

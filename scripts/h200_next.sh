@@ -262,14 +262,6 @@ case "${1:-}" in
           K3_SWEEP_TIMEOUT=240 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 1 2 --kernels attnres_rms_gemv \
             attnres_rms_gemv@ev" K3_BENCH_TIMEOUT=80 bash scripts/h200_sweep.sh --kinds kda_moe \
             --shapes k3_rank16 k3_rank8 --batches 1 2 --impls stock fast fast-inev --budget-s 220 ;;
-  # the quick form of s23 that fit the ~2 device-minutes session 11 had left after staging: the rank16 b1 bench
-  # rows first, then v10's bit-identity tests, then the rank16 b1 layer A/B without stock (its compile is ~50 s)
-  s23q)   mkdir -p "$OUT"; CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1 timeout 60 python3 -m k3fast.bench --out "$OUT" \
-            --tag "$K3_TAG" --shapes k3_rank16 --batches 1 --kernels attnres_rms_gemv attnres_rms_gemv@ev \
-            > "$OUT/bench.log" 2>&1; grep -o '"kernel[^,]*, .*"fast_us_median": [0-9.]*' "$OUT/bench.log" | cut -c1-60
-          K3_TEST_TIMEOUT=50 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv.py -k "even_rows and (-1- or 3216)"
-          K3_TAG=$K3_COMMIT-s23qab K3_SWEEP_TIMEOUT=60 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 \
-            --batches 1 --impls fast fast-inev ;;
   # Nsight Compute with the instruction mix: the fused in_proj at b1 (v6 and v8, x in fp32) and the experts at b1
   # (default), to see where the in_proj's ~79 instructions per warp load go
   # (plus the per-SM spread of active cycles, min / max / avg, for the load-balance question of the tail and the
@@ -287,5 +279,5 @@ case "${1:-}" in
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s23q"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23"; exit 2 ;;
 esac
