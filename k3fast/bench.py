@@ -77,10 +77,11 @@ def _cases(cfg, batch: int):
                                                                       x_fp32=True),
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 2:      # rms_gemv v10 (opt-in): rows split evenly over 132 CTAs (rank16: 24-25 rows each, not 28 on 115)
-        cases.append(("attnres_rms_gemv@ev", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
-                                                                      w.input_layernorm, w_in, partial_out=p_out,
-                                                                      even_rows=True),
-                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+        for name, ev in (("attnres_rms_gemv@ev", True), ("attnres_rms_gemv@ev126", 126)):
+            cases.append((name, lambda ev=ev: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
+                                                               w.input_layernorm, w_in, partial_out=p_out,
+                                                               even_rows=ev),
+                          lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M == 1:      # rms_gemv v9 (opt-in): x in registers, a loop of loads and FMAs (SASS 626 -> 309 per row group)
         cases.append(("attnres_rms_gemv@xr", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
                                                                       w.input_layernorm, w_in, partial_out=p_out,

@@ -81,7 +81,7 @@ class FastImpl:
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_l2_prefetch: bool | None = None,
                  gemv_x_fp32: bool | None = None, gemv_x_regs: bool | None = None,
-                 gemv_even_rows: bool | None = None):
+                 gemv_even_rows: bool | int | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -207,7 +207,8 @@ class FastImpl:
                         + ("" if gemv_prefetch is None else f", fused in_proj {gemv_prefetch} row groups prefetched ahead")
                         + ("" if gemv_x_fp32 is None else f", fused in_proj x in fp32 {'on' if gemv_x_fp32 else 'off'}")
                         + ("" if gemv_x_regs is None else f", fused in_proj x in registers {'on' if gemv_x_regs else 'off'}")
-                        + ("" if gemv_even_rows is None else f", fused in_proj rows even over the SMs {'on' if gemv_even_rows else 'off'}")
+                        + ("" if gemv_even_rows is None else f", fused in_proj rows even over "
+                           f"{'the SMs' if gemv_even_rows is True else gemv_even_rows if gemv_even_rows else '(off)'}")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")

@@ -456,6 +456,7 @@ FAST_VARIANTS = {
     "fast-inxf": {"gemv_x_fp32": True},         # the fused in_proj's v8: x in fp32 smem, no per-weight mask (opt-in)
     "fast-inxr": {"gemv_x_regs": True},         # the fused in_proj's v9 at b1: x in registers, loads + FMAs only (opt-in)
     "fast-inev": {"gemv_even_rows": True},      # the fused in_proj's v10: rows split evenly over 132 CTAs (opt-in)
+    "fast-inev126": {"gemv_even_rows": 126},    # ... over 126 CTAs, 6 SMs left for the KDA step's early CTAs
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
     # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7

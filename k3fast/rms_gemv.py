@@ -192,9 +192,15 @@ Version log
       bound and the guarded store; CPU test test_even_rows_compiles_without_spills).
       The AttnRes prologue now runs in 132 CTAs instead of 115: 15 % more of its L2 reads, which overlap the
       first group's prefetch as before.
+      Risk, in the layer: an in_proj CTA holds a whole SM's registers (512 threads x 128), so the KDA step's
+      early-triggered CTAs (48 at rank16 b1, 64 registers x 128 threads each) start their pre-wait state loads
+      only on SMs the in_proj leaves free: 17 today, none at 132 CTAs. even_rows also takes a CTA count: 126
+      leaves 6 SMs, enough for the 48 KDA CTAs at 8 per SM, at 25-26 rows per CTA (fast-inev126; at rank8,
+      whose 96 KDA CTAs would need 12 SMs, 126 CTAs cost rows: 49-50 against 48 today).
       Prediction: bench rank16 b1 23.1 -> ~21.5-22.5 us (the loop's ~16.5 us scaled by 25 / 28, less the single-
-      row group's latency); attention half rank16 b1 / b2 -0.8 to -1.8 us; rank8 within +-0.5 us. If rank16 does
-      not move, the loop's time is set by the wave of round trips per group rather than the bytes per SM, and the
+      row group's latency); attention half rank16 b1 / b2 -0.8 to -1.8 us at 126 CTAs, -0 to -1.5 at 132 (the
+      KDA overlap it gives up); rank8 within +-0.5 us at 132, +0.5 to +1.5 at 126. If rank16's bench does not
+      move, the loop's time is set by the wave of round trips per group rather than the bytes per SM, and the
       single-row group costs as much as a full one.
 
 Reference ops replaced (k3-spec.md):
@@ -1148,10 +1154,14 @@ def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=No
     # It stages x as v8 does, so its key says xregs alone.
     xr = (X_REGS if x_regs is None else bool(x_regs)) and G == 1 and M == 1 and _vectors_per_lane(K, ks) <= 8
     xf = xf and not xr
-    # v10 serves the G = 1 loop without v9; it launches one CTA per SM (at most one per row)
-    ev = (EVEN_ROWS if even_rows is None else bool(even_rows)) and G == 1 and not xr
+    # v10 serves the G = 1 loop without v9; it launches one CTA per SM (at most one per row), or even_rows CTAs
+    # when it is an int (the grid is a launch argument, not part of the build)
+    ev_arg = EVEN_ROWS if even_rows is None else even_rows
+    if not isinstance(ev_arg, bool) and (not isinstance(ev_arg, int) or not 1 <= ev_arg <= NUM_SMS):
+        raise ValueError(f"even_rows must be a bool or a CTA count in 1..{NUM_SMS}, got {ev_arg!r}")
+    ev = bool(ev_arg) and G == 1 and not xr
     if ev:
-        grid = min(NUM_SMS, N)
+        grid = min(NUM_SMS if ev_arg is True else ev_arg, N)
     return (M, K, n_blocks, bool(has_delta), block_write, wln, float(eps), rpc, ks, G, bool(early_trigger), pin,
             pf, xf, xr, ev), grid
 
@@ -1172,7 +1182,8 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     x_regs: each lane's slice of x held in fp32 registers for all row groups (v9; None = X_REGS, off; fused kernel,
     M = 1, G = 1, <= 8 vectors per lane: elsewhere it is ignored; it stages x as x_fp32 does).
     even_rows: the fused kernel's rows split evenly over one CTA per SM (v10; None = EVEN_ROWS, off; G = 1, not
-    with x_regs: elsewhere it is ignored). Bit-identical: a row's dot product does not depend on its CTA.
+    with x_regs: elsewhere it is ignored), or over that many CTAs when it is an int (fewer than the SMs leaves some
+    free for the early-triggered dependent's CTAs). Bit-identical: a row's dot product does not depend on its CTA.
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""

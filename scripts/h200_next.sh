@@ -259,9 +259,9 @@ case "${1:-}" in
   # for the record), then the whole GPU suite's experts file if time is left
   s23)    K3_TEST_TIMEOUT=170 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv.py tests/gpu/test_fast_layer.py \
             -k "not timing_report and (even_rows or (inev and (1-1 or 1-8 or 2-1 or 2-8)))"
-          K3_SWEEP_TIMEOUT=240 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 1 2 --kernels attnres_rms_gemv \
-            attnres_rms_gemv@ev" K3_BENCH_TIMEOUT=80 bash scripts/h200_sweep.sh --kinds kda_moe \
-            --shapes k3_rank16 k3_rank8 --batches 1 2 --impls stock fast fast-inev --budget-s 220 ;;
+          K3_SWEEP_TIMEOUT=260 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 1 2 --kernels attnres_rms_gemv \
+            attnres_rms_gemv@ev attnres_rms_gemv@ev126" K3_BENCH_TIMEOUT=90 bash scripts/h200_sweep.sh --kinds kda_moe \
+            --shapes k3_rank16 k3_rank8 --batches 1 2 --impls stock fast fast-inev fast-inev126 --budget-s 240 ;;
   # Nsight Compute with the instruction mix: the fused in_proj at b1 (v6 and v8, x in fp32) and the experts at b1
   # (default), to see where the in_proj's ~79 instructions per warp load go
   # (plus the per-SM spread of active cycles, min / max / avg, for the load-balance question of the tail and the

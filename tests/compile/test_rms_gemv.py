@@ -315,8 +315,13 @@ def test_even_rows_key_and_partition():
     assert fa(1, even_rows=True, x_regs=True)[0][-1] is False
     assert fa(1, even_rows=True, fused_groups=2)[0][-1] is False
     assert fa(1, N=64, even_rows=True)[1] == 64
-    for N in (3216, 6288, 49376, 64, 144):
-        g = fa(1, N=N, even_rows=True)[1]
+    a126, g126 = fa(1, even_rows=126)            # a CTA count: the same build, a smaller grid
+    assert g126 == 126 and a126 == args
+    for bad in (0, 133, 2.0, "132"):
+        with pytest.raises(ValueError, match="even_rows"):
+            fa(1, even_rows=bad)
+    for N, ev in [(n, e) for n in (3216, 6288, 49376, 64, 144) for e in (True, 126)]:
+        g = fa(1, N=N, even_rows=ev)[1]
         spans = [(b * N // g, (b + 1) * N // g) for b in range(g)]
         assert spans[0][0] == 0 and spans[-1][1] == N and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         sizes = {e - s for s, e in spans}

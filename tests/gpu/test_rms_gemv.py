@@ -138,7 +138,7 @@ def test_fused_vs_unfused(R, seed, M):
 #                     every width here ends some CTA on a partial group (rank16 25 rows, rank8 47, full 375).
 BITWISE_OPTIONS = [("fused_groups", 1, 2, (1, 2)), ("pin_loads", False, True, (1, 2, 3, 4)),
                    ("prefetch_groups", 1, 3, (1, 2)), ("x_fp32", False, True, (1, 2)), ("x_regs", False, True, (1, 2)),
-                   ("even_rows", False, True, (1, 2))]
+                   ("even_rows", False, True, (1, 2)), ("even_rows", False, 126, (1,))]
 
 
 @pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])
