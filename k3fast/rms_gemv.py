@@ -1217,9 +1217,9 @@ def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=rang
                  block_write=(-1, "n"), deltas=(False, True), wln="bf16", eps=1e-5, fuse_max_m=FUSE_MAX_M,
                  early_trigger=False):
     """Every (kind, config) a set of GEMV shapes [(N, K)] and batch sizes needs with the module's default options
-    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS, X_FP32, X_REGS, EVEN_ROWS); attnres_N lists the projection widths that run
-    fused after AttnRes (K = attnres_K), with early_trigger as the caller passes it (the layer's in_proj: True). block_write "n" means
-    = n_blocks."""
+    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS, X_FP32, X_REGS, EVEN_ROWS); attnres_N lists the projection widths
+    that run fused after AttnRes (K = attnres_K), with early_trigger as the caller passes it (the layer's in_proj:
+    True). block_write "n" means = n_blocks."""
     keys = set()
     for (N, K) in shapes:
         for M in batches:
