@@ -125,11 +125,13 @@ def _cases(cfg, batch: int):
     # the default; v2 without the proj preload (T = 1, nsplit 8; v3 is the default since session 7); the other
     # value-row split than choose_nsplit's (8 <-> 4), the A/B of "fast-kdans8"; v3's store order (v5, the late
     # write-backs, is the default since session 9); v5's cluster-barrier exchanges (v6 is the default since
-    # session 10). The @...trig rows run with the early trigger, as in the layer
+    # session 10); v7's occupancy hint (opt-in; it changes only the nsplit-4 build, i.e. large batches). The
+    # @...trig rows run with the early trigger, as in the layer
     for tag, kw_kda in (("", {}), ("@v2", {"preload": False}), (f"@ns{ns_alt}", {"nsplit": ns_alt}),
                         ("@v3", {"late_stores": False}), ("@trig", {"early_trigger": True}),
                         ("@v3trig", {"late_stores": False, "early_trigger": True}),
-                        ("@v5trig", {"dsmem_tx": False, "early_trigger": True})):
+                        ("@v5trig", {"dsmem_tx": False, "early_trigger": True}),
+                        ("@occ6trig", {"min_blocks": 6, "early_trigger": True})):
         cases.append((f"kda_conv_gate_step{tag}",
                       lambda kw_kda=kw_kda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm,
                                                                st.conv, st.recurrent, io.slots, heads=H, **kw_kda),

@@ -81,7 +81,7 @@ class FastImpl:
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_l2_prefetch: bool | None = None,
                  gemv_x_fp32: bool | None = None, gemv_x_regs: bool | None = None,
-                 gemv_even_rows: bool | int | None = None):
+                 gemv_even_rows: bool | int | None = None, kda_min_blocks: int | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -150,6 +150,7 @@ class FastImpl:
         # the early trigger); "fast-s17kda" keeps v3's order
         self.kda_late_stores = kda_late_stores
         self.kda_dsmem_tx = kda_dsmem_tx     # None: kda_conv_gate_step.DSMEM_TX (v6, on; "fast-s19kda" is v5)
+        self.kda_min_blocks = kda_min_blocks  # None: kda_conv_gate_step.MIN_BLOCKS (v7's hint at nsplit 4; 0, off)
         self.tail_ring = tail_ring           # None: moe_tail.RING_DEPTH (2; "fast-s19tail" = 0, v1's registers)
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
@@ -192,6 +193,7 @@ class FastImpl:
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
                         + ("" if kda_dsmem_tx is None else f", KDA st.async exchange {'on' if kda_dsmem_tx else 'off'}")
+                        + ("" if kda_min_blocks is None else f", KDA {kda_min_blocks} CTAs per SM asked at nsplit 4")
                         + ("" if topk_split is None else f", TopkFromLogits split {'on' if topk_split else 'off'}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
@@ -255,7 +257,8 @@ class FastImpl:
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
                                    early_trigger=self.attn_early_trigger, preload=self.kda_preload, nsplit=self.kda_nsplit,
-                                   late_stores=self.kda_late_stores, dsmem_tx=self.kda_dsmem_tx)
+                                   late_stores=self.kda_late_stores, dsmem_tx=self.kda_dsmem_tx,
+                                   min_blocks=self.kda_min_blocks)
         with stage("k3.o_proj"):
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,

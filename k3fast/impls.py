@@ -449,6 +449,7 @@ FAST_VARIANTS = {
     "fast-kdans8": {"kda_nsplit": 8},           # the KDA step split 8 ways at every batch (4 above 64 request-heads)
     "fast-s17kda": {"kda_late_stores": False},  # the KDA step's write-backs before its last cluster barrier (v3 order)
     "fast-s19kda": {"kda_dsmem_tx": False},     # the KDA step's cluster-barrier exchanges (v5, before session 10's v6)
+    "fast-kdaocc6": {"kda_min_blocks": 6},      # the KDA step's v7: 6 CTAs per SM asked at nsplit 4 (opt-in)
     "fast-s19tail": {"tail_ring": 0},           # moe_tail v1's register stages (before session 10's cp.async ring)
     "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
     "fast-inpf2": {"gemv_prefetch": 2},         # the fused in_proj's v7: 2 row groups in L2 prefetch ahead (opt-in)

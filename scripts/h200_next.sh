@@ -262,6 +262,14 @@ case "${1:-}" in
           K3_SWEEP_TIMEOUT=260 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 1 2 --kernels attnres_rms_gemv \
             attnres_rms_gemv@ev attnres_rms_gemv@ev126" K3_BENCH_TIMEOUT=90 bash scripts/h200_sweep.sh --kinds kda_moe \
             --shapes k3_rank16 k3_rank8 --batches 1 2 --impls stock fast fast-inev fast-inev126 --budget-s 240 ;;
+  # session 11, written for session 12: the KDA step's v7 occupancy hint (6 CTAs per SM at nsplit 4, fast-kdaocc6):
+  # its GPU tests, the KDA bench rows at b16 / b64 and the attention-half A/B at rank16 / rank8 b8 / b64 (b8 at
+  # rank16 runs nsplit 8, the control)
+  s24)    K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_kda_conv_gate_step.py tests/gpu/test_fast_layer.py \
+            -k "not timing_report and (min_blocks or (kdaocc6 and (16-16 or 64-16 or 16-8 or 64-8)))"
+          K3_SWEEP_TIMEOUT=240 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 16 64 --kernels kda_conv_gate_step@trig \
+            kda_conv_gate_step@occ6trig" K3_BENCH_TIMEOUT=80 bash scripts/h200_sweep.sh --kinds kda_moe \
+            --shapes k3_rank16 k3_rank8 --batches 8 64 --impls stock fast fast-kdaocc6 --budget-s 220 ;;
   # Nsight Compute with the instruction mix: the fused in_proj at b1 (v6 and v8, x in fp32) and the experts at b1
   # (default), to see where the in_proj's ~79 instructions per warp load go
   # (plus the per-SM spread of active cycles, min / max / avg, for the load-balance question of the tail and the
@@ -279,5 +287,5 @@ case "${1:-}" in
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24"; exit 2 ;;
 esac

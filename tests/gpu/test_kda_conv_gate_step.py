@@ -367,6 +367,40 @@ def test_late_stores_are_bit_identical(H, B, T, early):
     assert torch.equal(res["v5"][2][spare], rec0.view(torch.int32)[spare])
 
 
+@pytest.mark.parametrize("H,B", [(6, 64), (12, 64), (6, 17)])
+@pytest.mark.parametrize("early", [False, True])
+def test_min_blocks_is_bit_identical(H, B, early):
+    """v7 (min_blocks=6 at nsplit 4, T = 1): the same code under a register cap; y and both states equal the
+    default's bit for bit, with a padded request, a bad slot (NaN rows, nothing written) and spare slots."""
+    assert kmod.choose_nsplit(B, H) == 4
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(90 + B + H)
+    prm = make_params(H, gen, dev)
+    S = B + 3
+    conv0, rec0 = make_states(S, H, gen, dev)
+    slots = torch.randperm(S, generator=gen)[:B].to(torch.int32).to(dev)
+    slots[1] = -1
+    slots[2] = S + 4
+    proj = make_proj(B, 1, H, gen, dev)
+    res = {}
+    for mb in (0, 6):
+        conv, rec = conv0.clone(), rec0.clone()
+        y = torch.full((B, H * D), 7.0, dtype=torch.bfloat16, device=dev)
+        kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv,
+                                rec, slots, heads=H, out=y, early_trigger=early, min_blocks=mb)
+        torch.cuda.synchronize()
+        res[mb] = (y.view(torch.int16), conv.view(torch.int16), rec.view(torch.int32))
+    for a, b in zip(res[0], res[6]):
+        assert torch.equal(a, b)
+    y = res[6][0].view(torch.bfloat16).float()
+    assert torch.isfinite(y[:1]).all() and (y[1] == 0).all() and torch.isnan(y[2]).all()
+    used = torch.zeros(S, dtype=torch.bool)
+    sl = slots.long().cpu()
+    used[sl[(sl >= 0) & (sl < S)]] = True
+    spare = (~used).nonzero().flatten().to(dev)
+    assert torch.equal(res[6][2][spare], rec0.view(torch.int32)[spare])
+
+
 @pytest.mark.parametrize("B,T,H", [(1, 1, 6), (7, 3, 6), (64, 1, 12), (2, 1, 96)])
 def test_dsmem_tx_against_reference(B, T, H):
     """v6 (st.async + mbarrier exchanges) against the float64 reference, with padded requests and spare slots."""
