@@ -324,15 +324,12 @@ def test_preload_is_bit_identical(H, B):
     assert torch.equal(res[True][2][0], rec0[0]) and torch.equal(res[True][1][0], conv0[0])   # slot 0: no request
 
 
-@pytest.mark.parametrize("H,B,T", [(6, 1, 1), (6, 64, 1), (12, 8, 1), (6, 5, 4), (96, 2, 1)])
-@pytest.mark.parametrize("early", [False, True])
-def test_late_stores_are_bit_identical(H, B, T, early):
-    """v5 (late_stores) only moves the conv-window and state write-backs after the last cluster barrier (and drops
-    the end fence behind the early trigger), and v6 (dsmem_tx) replaces the two cluster barriers by st.async +
-    mbarrier exchanges: y and both states equal v3's bit for bit, with a padded request, a bad slot (NaN rows,
-    nothing written) and spare slots in the batch."""
+def run_builds_bitwise(H, B, T, early, seed, builds):
+    """Run each build (name -> kda_conv_gate_step options) on the same inputs and states: a padded request, a bad
+    slot (NaN rows, nothing written) and spare slots in the batch. Checks the first build's y rows and that the
+    spare slots' state is untouched; returns {name: (y, conv, rec)} as integer views for bitwise comparison."""
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(70 + B + T)
+    gen = torch.Generator().manual_seed(seed)
     prm = make_params(H, gen, dev)
     S = B + 3
     conv0, rec0 = make_states(S, H, gen, dev)
@@ -343,18 +340,15 @@ def test_late_stores_are_bit_identical(H, B, T, early):
         slots[2] = S + 4
     proj = make_proj(B, T, H, gen, dev)
     res = {}
-    for name, kw in (("v3", {"late_stores": False, "dsmem_tx": False}), ("v5", {"late_stores": True, "dsmem_tx": False}),
-                     ("v6", {"late_stores": True, "dsmem_tx": True})):
+    for name, kw in builds.items():
         conv, rec = conv0.clone(), rec0.clone()
         y = torch.full((B * T, H * D), 7.0, dtype=torch.bfloat16, device=dev)
         kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv,
                                 rec, slots, heads=H, T=T, out=y, early_trigger=early, **kw)
         torch.cuda.synchronize()
         res[name] = (y.view(torch.int16), conv.view(torch.int16), rec.view(torch.int32))
-    for other in ("v3", "v6"):                  # v6 (dsmem_tx) moves the exchanges to st.async: the same bits
-        for a, b in zip(res[other], res["v5"]):
-            assert torch.equal(a, b), other
-    y = res["v5"][0].view(torch.bfloat16).float()
+    first = res[next(iter(builds))]
+    y = first[0].view(torch.bfloat16).float()
     assert torch.isfinite(y[:T]).all()
     if B > 1:
         assert (y[T:2 * T] == 0).all()
@@ -364,41 +358,34 @@ def test_late_stores_are_bit_identical(H, B, T, early):
     sl = slots.long().cpu()
     used[sl[(sl >= 0) & (sl < S)]] = True
     spare = (~used).nonzero().flatten().to(dev)
-    assert torch.equal(res["v5"][2][spare], rec0.view(torch.int32)[spare])
+    assert torch.equal(first[2][spare], rec0.view(torch.int32)[spare])
+    return res
+
+
+@pytest.mark.parametrize("H,B,T", [(6, 1, 1), (6, 64, 1), (12, 8, 1), (6, 5, 4), (96, 2, 1)])
+@pytest.mark.parametrize("early", [False, True])
+def test_late_stores_are_bit_identical(H, B, T, early):
+    """v5 (late_stores) only moves the conv-window and state write-backs after the last cluster barrier (and drops
+    the end fence behind the early trigger), and v6 (dsmem_tx) replaces the two cluster barriers by st.async +
+    mbarrier exchanges: y and both states equal v3's bit for bit, with a padded request, a bad slot (NaN rows,
+    nothing written) and spare slots in the batch."""
+    res = run_builds_bitwise(H, B, T, early, 70 + B + T, {
+        "v5": {"late_stores": True, "dsmem_tx": False}, "v3": {"late_stores": False, "dsmem_tx": False},
+        "v6": {"late_stores": True, "dsmem_tx": True}})
+    for other in ("v3", "v6"):                  # v6 (dsmem_tx) moves the exchanges to st.async: the same bits
+        for a, b in zip(res[other], res["v5"]):
+            assert torch.equal(a, b), other
 
 
 @pytest.mark.parametrize("H,B", [(6, 64), (12, 64), (6, 17)])
 @pytest.mark.parametrize("early", [False, True])
 def test_min_blocks_is_bit_identical(H, B, early):
     """v7 (min_blocks=6 at nsplit 4, T = 1): the same code under a register cap; y and both states equal the
-    default's bit for bit, with a padded request, a bad slot (NaN rows, nothing written) and spare slots."""
+    default's bit for bit, with a padded request, a bad slot and spare slots."""
     assert kmod.choose_nsplit(B, H) == 4
-    dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(90 + B + H)
-    prm = make_params(H, gen, dev)
-    S = B + 3
-    conv0, rec0 = make_states(S, H, gen, dev)
-    slots = torch.randperm(S, generator=gen)[:B].to(torch.int32).to(dev)
-    slots[1] = -1
-    slots[2] = S + 4
-    proj = make_proj(B, 1, H, gen, dev)
-    res = {}
-    for mb in (0, 6):
-        conv, rec = conv0.clone(), rec0.clone()
-        y = torch.full((B, H * D), 7.0, dtype=torch.bfloat16, device=dev)
-        kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv,
-                                rec, slots, heads=H, out=y, early_trigger=early, min_blocks=mb)
-        torch.cuda.synchronize()
-        res[mb] = (y.view(torch.int16), conv.view(torch.int16), rec.view(torch.int32))
-    for a, b in zip(res[0], res[6]):
+    res = run_builds_bitwise(H, B, 1, early, 90 + B + H, {"occ6": {"min_blocks": 6}, "default": {"min_blocks": 0}})
+    for a, b in zip(res["occ6"], res["default"]):
         assert torch.equal(a, b)
-    y = res[6][0].view(torch.bfloat16).float()
-    assert torch.isfinite(y[:1]).all() and (y[1] == 0).all() and torch.isnan(y[2]).all()
-    used = torch.zeros(S, dtype=torch.bool)
-    sl = slots.long().cpu()
-    used[sl[(sl >= 0) & (sl < S)]] = True
-    spare = (~used).nonzero().flatten().to(dev)
-    assert torch.equal(res[6][2][spare], rec0.view(torch.int32)[spare])
 
 
 @pytest.mark.parametrize("B,T,H", [(1, 1, 6), (7, 3, 6), (64, 1, 12), (2, 1, 96)])
