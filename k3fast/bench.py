@@ -71,22 +71,12 @@ def _cases(cfg, batch: int):
                           lambda pf=pf: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm,
                                                          w_in, partial_out=p_out, prefetch_groups=pf),
                           lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-        # rms_gemv v8 (opt-in): x in fp32 smem with a zero vector past its end (a loop ~35 % shorter in SASS)
-        cases.append(("attnres_rms_gemv@xf", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
-                                                                      w.input_layernorm, w_in, partial_out=p_out,
-                                                                      x_fp32=True),
-                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 2:      # rms_gemv v10 (opt-in): rows split evenly over 132 CTAs (rank16: 24-25 rows each, not 28 on 115)
         for name, ev in (("attnres_rms_gemv@ev", True), ("attnres_rms_gemv@ev126", 126)):
             cases.append((name, lambda ev=ev: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
                                                                w.input_layernorm, w_in, partial_out=p_out,
                                                                even_rows=ev),
                           lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    if M == 1:      # rms_gemv v9 (opt-in): x in registers, a loop of loads and FMAs (SASS 626 -> 309 per row group)
-        cases.append(("attnres_rms_gemv@xr", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
-                                                                      w.input_layernorm, w_in, partial_out=p_out,
-                                                                      x_regs=True),
-                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 4:      # rms_gemv v5, before v6 (the default since session 7: each batch of weight loads tied together;
         # fused at M <= 2, plain above; measured as the "@pin" rows of kernels-84291ed.json)
         cases.append(("attnres_rms_gemv@v5", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,

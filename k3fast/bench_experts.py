@@ -32,8 +32,6 @@ causes give different signatures, and one run of this module separates them:
 * ``R1 R1probe R1sortprobe`` (batch 1) route1: the token's 16 pairs as segments straight from the ids, no counting
              sort (the default at batch 1 since session 11); its stream probe, and the probe stopped after its
              routing; ``S1 S1probe S1sortprobe`` the same with the counting sort (the default before);
-* ``L2 L2probe R1L2`` xl2: once a CTA knows its expert, its FC1 rows past the ring and its FC2 rows are
-             prefetched into L2 (opt-in); with route1;
 * ``sortprobe fc1probe fc2probe`` (and ``v4...``): the stream probe stopped after the routing sort, after FC1 and
              the h exchange, or after FC2 (no part reduction / combine): the stages of the b1 latency chain;
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
@@ -59,7 +57,7 @@ from k3ref import preset
 from k3ref.weights import random_layer
 
 VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
-            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "L2", "L2probe", "R1L2")
+            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe")
 
 
 def variant_cfg(name: str, base):
@@ -77,9 +75,8 @@ def variant_cfg(name: str, base):
         return dataclasses.replace(variant_cfg(name[:-len("probe")], base), probe="stream")
     if name.startswith("Dprobe"):            # the stream probe at another ring depth, e.g. Dprobe4
         return dataclasses.replace(base, probe="stream", D=int(name[len("Dprobe"):]))
-    if name in ("R1", "L2", "R1L2"):         # route1 (batch 1's pairs as segments, no counting sort) / xl2 (the
-        return dataclasses.replace(base, route_direct="R1" in name or base.route_direct,   # remaining weight rows
-                                   l2_prefetch="L2" in name or base.l2_prefetch)           # into L2) / both
+    if name == "R1":                         # route1 (batch 1's pairs as segments, no counting sort)
+        return dataclasses.replace(base, route_direct=True)
     if name == "S1":                         # the counting sort at batch 1 (route1 off; other buckets always sort)
         if base.MB != 1:
             raise ValueError(f"S1 (route_direct off) differs from the default at batch bucket 1 only, got MB={base.MB}")

@@ -79,8 +79,7 @@ class FastImpl:
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
-                 experts_route_direct: bool | None = None, experts_l2_prefetch: bool | None = None,
-                 gemv_x_fp32: bool | None = None, gemv_x_regs: bool | None = None,
+                 experts_route_direct: bool | None = None,
                  gemv_even_rows: bool | int | None = None, kda_min_blocks: int | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
@@ -164,8 +163,6 @@ class FastImpl:
         self.shared_late = shared_late
         self.gemv_groups = gemv_groups       # None: rms_gemv.FUSED_GROUPS (2 = the fused in_proj's v3, opt-in)
         self.gemv_prefetch = gemv_prefetch   # None: rms_gemv.PREFETCH_GROUPS (1; 2 / 3: its v7, "fast-inpf2" / 3)
-        self.gemv_x_fp32 = gemv_x_fp32       # None: rms_gemv.X_FP32 (True: the fused in_proj's v8, "fast-inxf")
-        self.gemv_x_regs = gemv_x_regs       # None: rms_gemv.X_REGS (True: the fused in_proj's v9 at b1, "fast-inxr")
         self.gemv_even_rows = gemv_even_rows  # None: rms_gemv.EVEN_ROWS (True: the fused in_proj's v10, "fast-inev")
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
@@ -182,7 +179,6 @@ class FastImpl:
         # None: moe_mxfp4_experts.ROUTE_DIRECT (route1 at M = 1: the pairs as segments, no counting sort; on since
         # session 11, "fast-s21exp" is the sorted A/B)
         self.experts_route_direct = experts_route_direct
-        self.experts_l2_prefetch = experts_l2_prefetch   # None: moe_mxfp4_experts.L2_PREFETCH (xl2, opt-in)
         self.variant = (("overlap-shared" if overlap_shared else "serial") + (f", experts v{self.experts_version}" if self.experts_version else ", experts default_version")
                         + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")
                         + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}")
@@ -199,16 +195,12 @@ class FastImpl:
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
                         + ("" if experts_route_direct is None
                            else f", experts routing at b1 {'direct' if experts_route_direct else 'sorted'}")
-                        + ("" if experts_l2_prefetch is None
-                           else f", experts L2 prefetch {'on' if experts_l2_prefetch else 'off'}")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
                         + ("" if shared_in_fma_front or not shared_in_front else ", shared gate/up apart from the fused front")
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
                         + ("" if gemv_prefetch is None else f", fused in_proj {gemv_prefetch} row groups prefetched ahead")
-                        + ("" if gemv_x_fp32 is None else f", fused in_proj x in fp32 {'on' if gemv_x_fp32 else 'off'}")
-                        + ("" if gemv_x_regs is None else f", fused in_proj x in registers {'on' if gemv_x_regs else 'off'}")
                         + ("" if gemv_even_rows is None else f", fused in_proj rows even over "
                            f"{'the SMs' if gemv_even_rows is True else gemv_even_rows if gemv_even_rows else '(off)'}")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
@@ -250,8 +242,7 @@ class FastImpl:
                                        mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                        fused_groups=self.gemv_groups,
                                        early_trigger=self.attn_early_trigger, pin_loads=self.gemv_pin,
-                                       prefetch_groups=self.gemv_prefetch, x_fp32=self.gemv_x_fp32,
-                                       x_regs=self.gemv_x_regs, even_rows=self.gemv_even_rows)
+                                       prefetch_groups=self.gemv_prefetch, even_rows=self.gemv_even_rows)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
@@ -311,8 +302,7 @@ class FastImpl:
             r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
                                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x),
                                   version=self.experts_version, cluster=self._experts_cluster(x.shape[0]),
-                                  warps=self.experts_warps, route_direct=self.experts_route_direct,
-                                  l2_prefetch=self.experts_l2_prefetch)
+                                  warps=self.experts_warps, route_direct=self.experts_route_direct)
         if late:
             with stage("k3.moe.shared"):
                 h = shared_expert_gate_up(x, self.shared_gu, early_trigger=True)

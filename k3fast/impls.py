@@ -437,8 +437,8 @@ FAST_VARIANTS = {
     "fast-w8": {"experts_warps": 8},            # experts at 8 warps per CTA (the default before 16)
     "fast-route1": {"experts_route_direct": True},  # experts route1: at M = 1 no counting sort (= fast since s11)
     "fast-s21exp": {"experts_route_direct": False},  # the experts' counting sort at M = 1 (before session 11)
-    "fast-xl2": {"experts_l2_prefetch": True},  # experts xl2: a work item's remaining weight rows into L2 (opt-in)
-    "fast-r1xl2": {"experts_route_direct": True, "experts_l2_prefetch": True},   # both
+    # (fast-xl2 / fast-r1xl2, the experts' per-line L2 prefetch of a work item's rows, were measured slower at
+    # 5f1f620 and removed)
     "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch
                     "front_dsl_max_m": 64},
     "fast-taildsl": {"tail_dsl_max_m": 64},     # k3fast.moe_tail at every batch (before 2026-11-29)
@@ -454,8 +454,8 @@ FAST_VARIANTS = {
     "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
     "fast-inpf2": {"gemv_prefetch": 2},         # the fused in_proj's v7: 2 row groups in L2 prefetch ahead (opt-in)
     "fast-inpf3": {"gemv_prefetch": 3},         # ... 3 row groups
-    "fast-inxf": {"gemv_x_fp32": True},         # the fused in_proj's v8: x in fp32 smem, no per-weight mask (opt-in)
-    "fast-inxr": {"gemv_x_regs": True},         # the fused in_proj's v9 at b1: x in registers, loads + FMAs only (opt-in)
+    # (fast-inxf / fast-inxr, the fused in_proj's x in fp32 shared memory / in registers, were measured at 5f1f620 /
+    # c1bb65a, slower and unchanged, and removed)
     "fast-inev": {"gemv_even_rows": True},      # the fused in_proj's v10: rows split evenly over 132 CTAs (opt-in)
     "fast-inev126": {"gemv_even_rows": 126},    # ... over 126 CTAs, 6 SMs left for the KDA step's early CTAs
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)

@@ -276,8 +276,8 @@ Version log
       59.6 -> 57.7 (rank16), 66.8 -> 65.6 (rank8). Met (rank16's MoE half -1.9, past the top of the range: the
       layer's replay also lost the 0.6 us of sort that the bench's probe difference shows as 0.7). Bit-identical
       (GPU tests at 5f1f620, logs/gpu-junit-5f1f620-s21.xml). The default at batch bucket 1 since session 11.
-  xl2 (2026-11-30, session 10; opt-in l2_prefetch / L2_PREFETCH, impls "fast-xl2" / "fast-r1xl2", bench_experts
-      L2 / L2probe / R1L2; CPU-compiled, measured by h200_next s21b) Once a work item's expert is known, its CTA
+  xl2 (2026-11-30, session 10; opt-in l2_prefetch, impls "fast-xl2" / "fast-r1xl2", bench_experts L2 / L2probe /
+      R1L2, all removed after their measurement by h200_next s21b) Once a work item's expert is known, its CTA
       prefetches into L2 every weight row it will read after the ring's first D loads: FC1 steps D..NS1 and all
       FC2 steps, one prefetch.global.L2 per 128-byte line (lanes 0 / 8 / 16 / 24 of a 512-byte row) and one per
       row's scale words. Bit-identical by construction: prefetches only (GPU test test_xl2_is_bit_identical; the
@@ -300,8 +300,8 @@ Version log
       126.0 / 446.7. The fifth in-kernel L2 prefetch design measured slower: even per-line prefetches of bytes
       the CTA reads within microseconds cost more than they hide. Each prefetch is an instruction per 128-byte
       line from 16 warps (~1000 per CTA at b1) issued before the ring's first loads can retire, and at b8 / b64
-      each CTA's item count multiplies them while the rings are already saturated. It stays an opt-in for the
-      record (bit-identical, tested); not for use.
+      each CTA's item count multiplies them while the rings are already saturated. Removed in session 11 (the
+      code is at 5f1f620).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -628,9 +628,6 @@ SMALL_BATCH_MAX_MB = 2
 # token's 16 (token, slot) pairs is its own expert segment, read straight from the ids, instead of the in-CTA
 # counting sort (version log; s21b: MoE half rank16 b1 59.6 -> 57.7 us, rank8 66.8 -> 65.6)
 ROUTE_DIRECT = True
-# xl2 (opt-in, "fast-xl2"; measured by h200_next s21b): once a CTA knows its expert, it asks L2 for the rest of its
-# FC1 rows and all of its FC2 rows (prefetch.global.L2), so the ring's later turns and FC2's first loads hit L2
-L2_PREFETCH = False
 
 
 def default_version(MB: int) -> int:
@@ -658,7 +655,6 @@ class KernelCfg:
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
     parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
     route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
-    l2_prefetch: bool = False   # xl2 (versions >= 4): the work item's FC1 rows past the ring and FC2 rows into L2
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -684,8 +680,6 @@ class KernelCfg:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
-        if self.l2_prefetch and self.version < 4:
-            raise ValueError(f"l2_prefetch (xl2) is built on versions >= 4, got version {self.version}")
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
@@ -1201,29 +1195,6 @@ def _build_kernel_class():
                 eW2q = cute.make_tensor(expert_ptr(mW2q, ex, R2 * 32 * 4 * 4, 16),
                                         cute.make_layout((R2 * 32, 4), stride=(4, 1)))
                 eW2s = cute.make_tensor(expert_ptr(mW2s, ex, R2 * 8 * 4, 4), cute.make_layout(R2 * 8))
-                if const_expr(c.l2_prefetch):
-                    # xl2: the expert is known, so every weight row this CTA will read can be requested now. The
-                    # ring's first D loads are issued below as loads; FC1 steps D.. and all FC2 steps (which the
-                    # ring would start only after cluster barrier B) go to L2 here, one prefetch per 128-byte line
-                    # (lanes 0, 8, 16, 24 of each 512-byte row) and one per row's scale words (lane 1).
-                    t1p = rank * c.T1
-                    t2p = rank * c.T2
-                    kp = 0
-                    if const_expr(c.version in (6, 7)):
-                        t1p = hI * (c.IH // 8) + rank * c.T1
-                        kp = hI * c.NKB2H
-                    for s_ in cutlass.range(D, NS1):
-                        r_ = fc1_row(c, warp, t1p, s_)
-                        if lane % 8 == 0:
-                            cute.arch.prefetch(eW13q[r_ * 32 + lane, None].iterator.llvm_ptr, cache_level="L2")
-                        if lane == 1:
-                            cute.arch.prefetch((eW13s.iterator + r_ * 8).llvm_ptr, cache_level="L2")
-                    for s_ in cutlass.range(0, NS2):
-                        r_ = fc2_row(c, warp, t2p, s_, kp)
-                        if lane % 8 == 0:
-                            cute.arch.prefetch(eW2q[r_ * 32 + lane, None].iterator.llvm_ptr, cache_level="L2")
-                        if lane == 1:
-                            cute.arch.prefetch((eW2s.iterator + r_ * 8).llvm_ptr, cache_level="L2")
                 for pb in cutlass.range(pb0, pb1, NT):
                     npass = cutlass.min(n_e - pb, NT)
                     # this lane's B-operand rows (pair column g of each group) and y columns (2t, 2t+1)
@@ -1540,13 +1511,11 @@ V7_CLUSTER = 2      # v7's clusters: TPC pairs, all 66 co-resident (C = 4 grids 
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
-                parts: int | None = None, route_direct: bool | None = None,
-                l2_prefetch: bool | None = None) -> KernelCfg:
+                parts: int | None = None, route_direct: bool | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
-    route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort). l2_prefetch None:
-    L2_PREFETCH for versions >= 4 (xl2)."""
+    route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort)."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1559,10 +1528,9 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     if parts is None:
         parts = default_parts(I, MB, C, nsm) if version == 7 else 1
     direct = (ROUTE_DIRECT if route_direct is None else bool(route_direct)) and MB == 1
-    xl2 = (L2_PREFETCH if l2_prefetch is None else bool(l2_prefetch)) and version >= 4
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
-                     layout=layout, parts=parts, route_direct=direct, l2_prefetch=xl2)
+                     layout=layout, parts=parts, route_direct=direct)
 
 
 def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:
@@ -1637,7 +1605,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
                       version: int | None = None, cluster: int | None = None,
                       kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
-                      route_direct: bool | None = None, l2_prefetch: bool | None = None):
+                      route_direct: bool | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -1645,8 +1613,6 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     values must lie in [0, E) (not checked:
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
     route_direct: at M = 1, the 16 pairs as segments without the counting sort (route1; None = ROUTE_DIRECT).
-    l2_prefetch: each work item's FC1 rows past the ring and its FC2 rows prefetched into L2 once its expert is
-    known (xl2; None = L2_PREFETCH; versions >= 4).
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed
@@ -1678,7 +1644,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
-                      route_direct=route_direct, l2_prefetch=l2_prefetch)
+                      route_direct=route_direct)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:

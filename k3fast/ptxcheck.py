@@ -270,11 +270,7 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
               ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=1", lambda: rms_gemv.fused_ptx(3216, G=2)),
               ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, G=2)),
               ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=1", lambda: rms_gemv.fused_ptx(3216, pin=True)),
-              ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, pin=True)),
-              ("attnres_rms_gemv (fused in_proj, v8 x in fp32, opt-in)", "M=1",
-               lambda: rms_gemv.fused_ptx(3216, pin=True, early_trigger=True, xf32=True)),
-              ("attnres_rms_gemv (fused in_proj, v8 x in fp32, opt-in)", "M=2",
-               lambda: rms_gemv.fused_ptx(3216, M=2, pin=True, early_trigger=True, xf32=True))]
+              ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, pin=True))]
     with keep_ptx(kda, oa, moe_tail, rdt):
         kkey = kda.compile_key(cfg.kda_heads, 1, kda.choose_nsplit(1, cfg.kda_heads))
         _, kp, nb, tg = oa.compile_key(768, 1, 1)
@@ -303,10 +299,8 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
                 mx.compile_key(896, 3584, 256, 1, version=4), options=TVM_FFI + " --keep-ptx"))),
             ("moe_mxfp4_experts v6", "M=1", lambda: compiled_ptx(lambda: mx._compile(
                 mx.compile_key(896, 3584, 256, 1, version=6), options=TVM_FFI + " --keep-ptx"))),
-            ("moe_mxfp4_experts v7 route1 (no counting sort, opt-in)", "M=1", lambda: compiled_ptx(lambda: mx._compile(
-                mx.compile_key(896, 3584, 256, 1, route_direct=True), options=TVM_FFI + " --keep-ptx"))),
-            ("moe_mxfp4_experts v7 xl2 (L2 prefetch of the item's rows, opt-in)", "M=1",
-             lambda: compiled_ptx(lambda: mx._compile(mx.compile_key(896, 3584, 256, 1, l2_prefetch=True),
+            ("moe_mxfp4_experts v7 with the counting sort (route1 off; the default until session 11)", "M=1",
+             lambda: compiled_ptx(lambda: mx._compile(mx.compile_key(896, 3584, 256, 1, route_direct=False),
                                                       options=TVM_FFI + " --keep-ptx"))),
             ("moe_tail v1 (register stages)", "M=1",
              lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter))),
@@ -413,14 +407,13 @@ def main(argv=None) -> int:
             rdt.TVM_FFI = old
     if tools is not None:        # code size per kernel (router_down_topk v2.4: the cold instruction fetch)
         rows += code_sizes(tools)
-    # the fused in_proj's weight loop in SASS: the default (v6, pinned loads, early trigger), v8 (x in fp32 smem,
-    # no per-weight mask multiply), v9 (x in registers, M = 1 only) and v10 (rows even over the SMs), at M = 1 and 2;
-    # v6 / v8 / v10 have two loops (the k-batch loop inside the row-group loop), v9 one (the row-group loop)
-    builds = (("v6 pinned, the default", {}), ("v8 x in fp32, opt-in", {"xf32": True}),
-              ("v9 x in registers, opt-in", {"xregs": True}), ("v10 rows even, opt-in", {"even": True}))
+    # the fused in_proj's weight loops in SASS (the k-batch loop inside the row-group loop): the default (v6, pinned
+    # loads, early trigger) and v10 (rows even over the SMs), at M = 1 and 2. (v8 and v9, removed in session 11,
+    # are in traces/cpu/ptxcheck-0702749562c3.json.)
+    builds = (("v6 pinned, the default", {}), ("v10 rows even, opt-in", {"even": True}))
     for M in (1, 2):
         for name, kw in builds:
-            if tools is None or (M > 1 and kw.get("xregs")):
+            if tools is None:
                 continue
             ptx = rms_gemv.fused_ptx(3216, M=M, pin=True, early_trigger=True, **kw)
             loops = sass_loop_opcodes(ptx, tools, min_loads=4)

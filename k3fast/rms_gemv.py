@@ -114,7 +114,8 @@ Version log
       Prediction: bench b1 -0.5 to -1.5 us at pf = 3; attention half b1 -0.5 to -1.5 us. If nothing moves, the
       in_proj's remaining cost is the prologue's latency itself, and the next step is to stop recomputing x in
       every CTA.
-  v8 (2026-11-30, session 10; opt-in x_fp32 / X_FP32, impl "fast-inxf", bench row attnres_rms_gemv@xf;
+  v8 (2026-11-30, session 10; opt-in x_fp32, impl "fast-inxf", bench row attnres_rms_gemv@xf; removed in session
+      11 after the measurement below, the code is at 5f1f620;
       CPU-compiled, measured by h200_next s21b) The fused kernel's loop did two things per 16-byte weight vector
       that it need not:
       - it widened the same bf16 x vector to fp32 once per row group (8 cvt per vector, 7 times per CTA at rank16);
@@ -143,7 +144,8 @@ Version log
       batch instead of 7), and each of a CTA's four row warps of one k-slice reads the same x. v7 (pf = 2 / 3) was
       slower too (bench rank16 b1 25.2 / 25.8 us; attention half 36.1 at pf = 3): deeper L2 prefetch queues
       ahead of the demand loads, as v4's did.
-  v9 (2026-11-30, session 11; opt-in x_regs / X_REGS, impl "fast-inxr", bench row attnres_rms_gemv@xr; CPU-compiled,
+  v9 (2026-11-30, session 11; opt-in x_regs, impl "fast-inxr", bench row attnres_rms_gemv@xr; removed after the
+      measurement below, the code is at c1bb65a; CPU-compiled,
       measured by h200_next s22) At M = 1 with a one-batch slice (7 vectors per lane at K = 7168, ks = 4) a lane's
       x vectors are the same for every row group. v9 reads them once, after the prologue, from v8's fp32 staging
       into 56 registers (the zero vector past the end for past-the-end lanes). The row-group loop is then the 7
@@ -260,8 +262,7 @@ FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
 PIN_LOADS = True    # v6 (the default since session 7): tie each batch of the FMA loop's weight loads together
 PREFETCH_GROUPS = 1  # v7 (opt-in, "fast-inpf2" / "fast-inpf3"): row groups of the fused kernel in L2 prefetch ahead
-X_FP32 = False       # v8 (opt-in, "fast-inxf"): the fused kernel's x in fp32 smem, no per-weight mask multiply
-X_REGS = False       # v9 (opt-in, "fast-inxr"): at M = 1 each lane keeps its slice of x in fp32 registers
+# (v8, x in fp32 shared memory, and v9, x in registers, were measured and removed in session 11: version log)
 EVEN_ROWS = False    # v10 (opt-in, "fast-inev"): the fused kernel's rows split evenly over all SMs, not in groups
 
 
@@ -353,16 +354,10 @@ def _build_kernels():
             l = idx - r * lpr
             cute.arch.prefetch(gWv[0, None, row0 + r, kv0 + 8 * l].iterator.llvm_ptr, cache_level="L2")
 
-    @cute.jit
-    def _prefetch_row(gWv, row, kv0, kv1, lane):
-        # v9: one row's prefetch.global.L2 lines, lane l taking lines l, l + 32, ...: no index division (the
-        # general _prefetch_rows divides by the runtime line count, ~25 SASS instructions per line of each group)
-        for kv in cutlass.range(kv0 + 8 * lane, kv1, 256):
-            cute.arch.prefetch(gWv[0, None, row, kv].iterator.llvm_ptr, cache_level="L2")
 
     @cute.jit
     def _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, dst, sV, sRedA, sRedB, tid, warp, lane,
-                       is_writer, dst_f32=False):
+                       is_writer):
         """AttnRes mix + RMSNorm of token m by the whole CTA; dst (flat-divided (1,8) view, row m) gets
         bf16(w_ln * m * rstd). Every thread ends with identical statistics (fixed reduction order).
 
@@ -467,13 +462,7 @@ def _build_kernels():
             if v < nvec:
                 cute.autovec_copy(gWl[None, v], rWt)
                 rO.store((rM[None, j].load() * rWt.load().to(Float32) * rstd).to(BFloat16))
-                if const_expr(dst_f32):
-                    # v8: the bf16-rounded x, widened (exactly) once here instead of once per row group
-                    rOf = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), Float32)
-                    rOf.store(rO.load().to(Float32))
-                    cute.autovec_copy(rOf, dst[0, None, m, v])
-                else:
-                    cute.autovec_copy(rO, dst[0, None, m, v])
+                cute.autovec_copy(rO, dst[0, None, m, v])
 
     # ------------------------------------------------------------------ FMA GEMV (M <= 4), optionally fused
     class _FmaGemv:
@@ -481,24 +470,13 @@ def _build_kernels():
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
         def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
-                     early_trigger=False, pin=False, pf=1, xf32=False, xregs=False, even=False):
+                     early_trigger=False, pin=False, pf=1, even=False):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
             # v10 (opt-in, fused G = 1 loop): CTA b owns rows [b N / grid, (b + 1) N / grid) of a 132-CTA grid, in
             # groups of rpc rows whose last may be partial, instead of every grid-th group of rpc rows. At rank16
             # (N = 3216, rpc = 4) that is 24-25 rows on each of 132 SMs instead of 28 on 115 (the version log)
             self.even = even
-            assert not even or (fused and G == 1 and not xregs)
-            # v9 (opt-in, fused G = 1, M = 1, one-batch slices): each lane's x vectors are the same for every row
-            # group, so they are read once from v8's fp32 staging (zero vector past the end) into registers, and
-            # the loop is loads and FMAs only: no shared-memory read, no widening, no mask, and a division-free
-            # prefetch of the next group (the version log says why)
-            self.xregs = xregs
-            if xregs:
-                xf32 = True
-            # v8 (opt-in, fused G = 1 only): x staged in fp32 with a zero vector past its end, so the loop neither
-            # widens x per row group nor multiplies each weight by its mask (the version log says why)
-            self.xf32 = xf32
-            assert not xf32 or (fused and G == 1)
+            assert not even or (fused and G == 1)
             # v7 (opt-in, fused G = 1 only): pf row groups of L2 prefetches ahead instead of one; pf before the PDL
             # wait, so the HBM streams during the AttnRes prologue (the version log says why)
             self.pf = pf
@@ -531,9 +509,6 @@ def _build_kernels():
                     self.U = per_lane           # the whole slice in one batch
             if G != 1 and not (fused and G == 2 and self.U == per_lane):
                 raise ValueError(f"G = {G}: only the fused kernel with a one-batch slice takes G = 2 (U {self.U})")
-            if xregs and not (fused and G == 1 and MB == 1 and self.U == per_lane):
-                raise ValueError(f"xregs: only the fused kernel at M = 1 with G = 1 and a one-batch slice (<= 8 "
-                                 f"vectors per lane) keeps x in registers (MB {MB}, G {G}, U {self.U})")
 
         @cute.jit
         def __call__(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, grid_x: Int32, stream):
@@ -574,16 +549,7 @@ def _build_kernels():
                     if bid + ahead * nblk < n_groups:
                         _prefetch_rows(gW, (bid + ahead * nblk) * self.rpc + r, 1, kv0, kv1, lane)
             if const_expr(self.fused):
-                if const_expr(self.xf32):
-                    # v8: fp32 x rows with one zero vector past the end (index K / 8), which the past-the-end lanes
-                    # of the loop's last batch multiply instead of a masked weight
-                    sX = smem.allocate_tensor(Float32, cute.make_layout((self.MB, self.K + 8), stride=(self.K + 8, 1)),
-                                              16)
-                    for m in cutlass.range_constexpr(self.MB):
-                        if tid < 8:
-                            sX[m, self.K + tid] = Float32(0.0)
-                else:
-                    sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, self.K), stride=(self.K, 1)), 16)
+                sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, self.K), stride=(self.K, 1)), 16)
                 sRedA = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 2 * (self.nb + 1)),
                                                                        stride=(2 * (self.nb + 1), 1)), 16)
                 sRedB = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 1), stride=(1, 1)), 16)
@@ -594,7 +560,7 @@ def _build_kernels():
                 gXs = cute.flat_divide(sX, (1, 8))
                 for m in cutlass.range_constexpr(self.MB):
                     _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, gXs, sV, sRedA, sRedB, tid, warp,
-                                   lane, bid == 0, dst_f32=self.xf32)
+                                   lane, bid == 0)
                 cute.arch.sync_threads()
                 gX = gXs
             else:
@@ -602,7 +568,6 @@ def _build_kernels():
                 gX = cute.flat_divide(mX, (1, 8))
 
             rX = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), BFloat16)
-            rXf = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), Float32)
             acc = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), Float32)
             rWs = [cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mW.element_type)
                    for _ in range(self.U)]
@@ -626,35 +591,6 @@ def _build_kernels():
                     self.group_out(rWa, kvb, kv1, gX, acc, rX, sRed, 0, grp * self.rpc, mY, warp, lane, tid)
                     if g2 < n_groups:
                         self.group_out(rWb, kvb, kv1, gX, acc, rX, sRed, 1, g2 * self.rpc, mY, warp, lane, tid)
-            elif const_expr(self.xregs):
-                # v9: this lane's U x vectors from v8's fp32 staging, once: past the slice's end the zero vector at
-                # K / 8, so the lane's re-read weight adds an exact zero (as v6's zeroed weight scale did). Loaded,
-                # not widened here: ptxas re-derives a widened or masked value inside the loop to save registers
-                # (it did, from bf16 registers: 48 FMUL + 56 SHF / PRMT per group), but it does not reload these.
-                rXr = cute.make_rmem_tensor(cute.make_layout((8, self.U), stride=(1, 8)), Float32)
-                kvb = kv0 + lane
-                for u in cutlass.range_constexpr(self.U):
-                    kv = kvb + 32 * u
-                    cute.autovec_copy(gX[0, None, 0, cutlass.select_(kv < kv1, kv, nvec)], rXr[None, u])
-                for grp in cutlass.range(bid, n_groups, nblk):
-                    row = grp * self.rpc + r
-                    nxt = grp + self.pf * nblk
-                    if nxt < n_groups:
-                        _prefetch_row(gW, nxt * self.rpc + r, kv0, kv1, lane)
-                    acc.fill(0.0)
-                    for u in cutlass.range_constexpr(self.U):
-                        cute.copy(w_atom, gW[0, None, row, cutlass.min(kvb + 32 * u, kv1 - 1)], rWs[u])
-                    if const_expr(self.pin):
-                        # v6's pin as v8 joins it: once per batch into the accumulator (acc + 0), so every FMA
-                        # depends on all U loads and ptxas keeps them issued together
-                        pin = Float32(0.0)
-                        for u in cutlass.range_constexpr(self.U):
-                            pin = pin + rWs[u][0].to(Float32)
-                        acc[None, 0].store(acc[None, 0].load() + pin * Float32(0.0))
-                    for u in cutlass.range_constexpr(self.U):
-                        acc[None, 0].store(acc[None, 0].load() + rXr[None, u].load() * rWs[u].load().to(Float32))
-                    self.reduce_store(acc, sRed, buf, grp * self.rpc, mY, warp, lane, tid)
-                    buf = 1 - buf
             else:
                 if const_expr(self.even):
                     g_first, g_end, g_step = Int32(0), (re - rs + self.rpc - 1) // self.rpc, 1
@@ -695,30 +631,16 @@ def _build_kernels():
                             for u in cutlass.range_constexpr(self.U):
                                 pin = pin + rWs[u][0].to(Float32)
                             pin = pin * Float32(0.0)
-                        if const_expr(self.xf32):
-                            # v8: the pin joins each accumulator once per batch (acc + 0: unchanged), and a lane
-                            # past the slice's end multiplies its re-read weight by the zero x vector at K / 8
+                        for u in cutlass.range_constexpr(self.U):
+                            kv = kvb + 32 * u
+                            kvc = cutlass.min(kv, kv1 - 1)
+                            scale = cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
                             if const_expr(self.pin):
-                                for m in cutlass.range_constexpr(self.MB):
-                                    acc[None, m].store(acc[None, m].load() + pin)
-                            for u in cutlass.range_constexpr(self.U):
-                                kv = kvb + 32 * u
-                                kvx = cutlass.select_(kv < kv1, kv, nvec)
-                                wv = rWs[u].load().to(Float32)
-                                for m in cutlass.range_constexpr(self.MB):
-                                    cute.autovec_copy(gX[0, None, m, kvx], rXf[None, m])
-                                    acc[None, m].store(acc[None, m].load() + rXf[None, m].load() * wv)
-                        else:
-                            for u in cutlass.range_constexpr(self.U):
-                                kv = kvb + 32 * u
-                                kvc = cutlass.min(kv, kv1 - 1)
-                                scale = cutlass.select_(kv < kv1, Float32(1.0), Float32(0.0))
-                                if const_expr(self.pin):
-                                    scale = scale + pin
-                                wv = rWs[u].load().to(Float32) * scale
-                                for m in cutlass.range_constexpr(self.MB):
-                                    cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
-                                    acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
+                                scale = scale + pin
+                            wv = rWs[u].load().to(Float32) * scale
+                            for m in cutlass.range_constexpr(self.MB):
+                                cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
+                                acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
                     if const_expr(self.even):
                         self.reduce_store(acc, sRed, buf, base, mY, warp, lane, tid, limit=re)
                     else:
@@ -994,7 +916,7 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
 
 
 def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False,
-                 pf=1, xf32=False, xregs=False, even=False):
+                 pf=1, even=False):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
@@ -1002,31 +924,28 @@ def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
     obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G,
-              early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32, xregs=xregs, even=even)
+              early_trigger=early_trigger, pin=pin, pf=pf, even=even)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
 def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigger=False, pin=False, pf=1,
-                   xf32=False, xregs=False, even=False):
+                   even=False):
     key = (("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
            + (("early_trigger",) if early_trigger else ()) + (("pin",) if pin else ())
-           + ((("pf", pf),) if pf != 1 else ()) + (("xf32",) if xf32 else ()) + (("xregs",) if xregs else ())
-           + (("even",) if even else ()))
+           + ((("pf", pf),) if pf != 1 else ()) + (("even",) if even else ()))
     return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G,
-                                                    early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32,
-                                                    xregs=xregs, even=even))
+                                                    early_trigger=early_trigger, pin=pin, pf=pf, even=even))
 
 
 def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, early_trigger: bool = False,
-              pin: bool = False, pf: int = 1, xf32: bool = False, xregs: bool = False, even: bool = False) -> str:
+              pin: bool = False, pf: int = 1, even: bool = False) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
                                              options=TVM_FFI + " --keep-ptx", G=G,
-                                             early_trigger=early_trigger, pin=pin, pf=pf, xf32=xf32, xregs=xregs,
-                                             even=even))
+                                             early_trigger=early_trigger, pin=pin, pf=pf, even=even))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -1133,8 +1052,7 @@ def _check_prefetch(pf) -> int:
 
 
 def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=None, fused_groups=None,
-                early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None, x_regs=None,
-                even_rows=None):
+                early_trigger=False, pin_loads=None, prefetch_groups=None, even_rows=None):
     """(the arguments of _compile_fused, grid) for the fused kernel these options run: one rule for the host entry
     and compile_keys, so warmup compiles exactly the builds the calls use."""
     rpc, ks, grid = _fused_config(N, K)
@@ -1149,27 +1067,21 @@ def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=No
         G = 1                           # a slice of more than 8 vectors per lane: no one-batch groups to pair
     pin = (PIN_LOADS if pin_loads is None else bool(pin_loads)) and G == 1
     pf = _check_prefetch(PREFETCH_GROUPS if prefetch_groups is None else prefetch_groups) if G == 1 else 1
-    xf = (X_FP32 if x_fp32 is None else bool(x_fp32)) and G == 1
-    # v9 serves M = 1 with one-batch slices (<= 8 vectors per lane); elsewhere the call runs the kernel without it.
-    # It stages x as v8 does, so its key says xregs alone.
-    xr = (X_REGS if x_regs is None else bool(x_regs)) and G == 1 and M == 1 and _vectors_per_lane(K, ks) <= 8
-    xf = xf and not xr
-    # v10 serves the G = 1 loop without v9; it launches one CTA per SM (at most one per row), or even_rows CTAs
+    # v10 serves the G = 1 loop; it launches one CTA per SM (at most one per row), or even_rows CTAs
     # when it is an int (the grid is a launch argument, not part of the build)
     ev_arg = EVEN_ROWS if even_rows is None else even_rows
     if not isinstance(ev_arg, bool) and (not isinstance(ev_arg, int) or not 1 <= ev_arg <= NUM_SMS):
         raise ValueError(f"even_rows must be a bool or a CTA count in 1..{NUM_SMS}, got {ev_arg!r}")
-    ev = bool(ev_arg) and G == 1 and not xr
+    ev = bool(ev_arg) and G == 1
     if ev:
         grid = min(NUM_SMS if ev_arg is True else ev_arg, N)
     return (M, K, n_blocks, bool(has_delta), block_write, wln, float(eps), rpc, ks, G, bool(early_trigger), pin,
-            pf, xf, xr, ev), grid
+            pf, ev), grid
 
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     early_trigger=False, pin_loads=None, prefetch_groups=None, x_fp32=None, x_regs=None,
-                     even_rows=None):
+                     early_trigger=False, pin_loads=None, prefetch_groups=None, even_rows=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
@@ -1178,11 +1090,8 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     pin_loads: tie each batch of weight loads together (v6; None = PIN_LOADS, on by default; fused kernel, G = 1).
     prefetch_groups: row groups of each CTA in L2 prefetch ahead of its loads, all of them issued before the PDL
     wait (v7; None = PREFETCH_GROUPS = 1; fused kernel, G = 1; 1..4). Bit-identical: prefetches change no value.
-    x_fp32: x staged in fp32 with a zero vector past its end (v8; None = X_FP32, off; fused kernel, G = 1).
-    x_regs: each lane's slice of x held in fp32 registers for all row groups (v9; None = X_REGS, off; fused kernel,
-    M = 1, G = 1, <= 8 vectors per lane: elsewhere it is ignored; it stages x as x_fp32 does).
-    even_rows: the fused kernel's rows split evenly over one CTA per SM (v10; None = EVEN_ROWS, off; G = 1, not
-    with x_regs: elsewhere it is ignored), or over that many CTAs when it is an int (fewer than the SMs leaves some
+    even_rows: the fused kernel's rows split evenly over one CTA per SM (v10; None = EVEN_ROWS, off; G = 1:
+    elsewhere it is ignored), or over that many CTAs when it is an int (fewer than the SMs leaves some
     free for the early-triggered dependent's CTAs). Bit-identical: a row's dot product does not depend on its CTA.
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
@@ -1202,7 +1111,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
     if fused and K % 16 == 0:
         args, grid = _fused_args(M, K, N, n_blocks, delta is not None, block_write, wln, eps, fused_ks, fused_groups,
-                                 early_trigger, pin_loads, prefetch_groups, x_fp32, x_regs, even_rows)
+                                 early_trigger, pin_loads, prefetch_groups, even_rows)
         _compile_fused(*args)(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
@@ -1217,7 +1126,7 @@ def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=rang
                  block_write=(-1, "n"), deltas=(False, True), wln="bf16", eps=1e-5, fuse_max_m=FUSE_MAX_M,
                  early_trigger=False):
     """Every (kind, config) a set of GEMV shapes [(N, K)] and batch sizes needs with the module's default options
-    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS, X_FP32, X_REGS, EVEN_ROWS); attnres_N lists the projection widths
+    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS, EVEN_ROWS); attnres_N lists the projection widths
     that run fused after AttnRes (K = attnres_K), with early_trigger as the caller passes it (the layer's in_proj:
     True). block_write "n" means = n_blocks."""
     keys = set()

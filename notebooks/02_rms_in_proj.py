@@ -312,6 +312,8 @@ print(nbtools.ncu_table(in_ncu))
 # about what the router front reaches per SM, and 17 of the 132 SMs are idle: 804 groups of 4 rows take 7 rounds
 # either way, so the grid is 115 CTAs of 7 groups. v10 (`even_rows`, impl `fast-inev`, not yet measured) gives
 # every SM 24-25 rows instead of 28 on 115, bit-identical by construction. `scripts/h200_next.sh s23` measures it.
+# v8 and v9 were removed from `k3fast/rms_gemv.py` after these runs (their code is at commits 5f1f620 and c1bb65a);
+# the records above keep what they measured.
 
 # %%
 nc = {os.path.basename(p).split("rms_gemv")[1].split("_shape")[0] or "default": nbtools.recorded_ncu(p)

@@ -228,6 +228,8 @@ case "${1:-}" in
   # rms_gemv v7 (the fused in_proj's L2 prefetch depth, opt-in), the experts tests corrected to 8 warps for their
   # bit-identity claims, fast-s17kda again: tests, then the in_proj bench rows and the attention half A/B at b1 / b2
   # and the experts' route1 (batch 1 without the counting sort, opt-in): s21 the tests, s21b the benches and the A/B
+  # (as run at 5f1f620 / c1bb65a: fast-inxf, fast-inxr, fast-xl2, fast-r1xl2 and their bench rows were removed
+  # afterwards, so s21, s21b, s22 and ncu3 reproduce only at those commits)
   s21)    K3_TEST_TIMEOUT=480 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_rms_gemv.py \
             tests/gpu/test_fast_layer.py -k "not timing_report and (experts or route1 or xl2 or opt_in_builds or fused \
             or inpf3 or inxf or s17kda)" ;;

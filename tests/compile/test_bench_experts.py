@@ -36,15 +36,12 @@ def test_variants_are_valid_keys(cfg):
         assert be.variant_cfg("v3C8", base).C == 8 and be.variant_cfg("v3C8", base).version == 3
         assert be.variant_cfg("v3C8", base).W == 8 and be.variant_cfg("W8", base).W == 8 and base.W == 16
         assert be.variant_cfg("nibble", base).layout == "nibble" and base.layout == "rot"
-        assert be.variant_cfg("L2", base).l2_prefetch and not base.l2_prefetch
         if M == 1:
             # route1 is the default at batch 1 since session 11; S1 is the sorted kernel of before
             assert be.variant_cfg("R1", base) == base and base.route_direct == mx.ROUTE_DIRECT
             assert not be.variant_cfg("S1", base).route_direct
             assert be.variant_cfg("S1sortprobe", base) == __import__("dataclasses").replace(
                 base, route_direct=False, probe="sort")
-            assert be.variant_cfg("R1L2", base) == __import__("dataclasses").replace(base, route_direct=True,
-                                                                                   l2_prefetch=True)
             assert base.version == 7
             v7 = be.variant_cfg("v7", base)
             assert v7.version == 7 and v7.C == mx.V7_CLUSTER and v7 == mx.compile_key(

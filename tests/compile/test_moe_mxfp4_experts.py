@@ -484,7 +484,6 @@ def test_v7_compiles(I):
         mx.get_kernel(mx.compile_key(896, 3584, I, M, version=7))
 
 
-
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
 @pytest.mark.parametrize("probe", ["sort", "fc1", "fc2"])
 def test_stage_probes_compile(probe):
@@ -517,22 +516,3 @@ def test_route1_compiles_without_the_sort(I):
     assert bars[True] < bars[False], bars
     with pytest.raises(ValueError, match="route_direct"):
         mx.KernelCfg(E=896, dL=3584, I=I, MB=8, C=2, route_direct=True)
-
-
-@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
-@pytest.mark.parametrize("M", [1, 64])
-def test_xl2_adds_only_l2_prefetches(M):
-    """xl2 (l2_prefetch): the PTX gains prefetch.global.L2 and keeps the default kernel's global loads and MMAs."""
-    import dataclasses
-    from k3fast.ptxcheck import compiled_ptx
-    base = mx.compile_key(896, 3584, 256, M)
-    assert not base.l2_prefetch and mx.compile_key(896, 3584, 256, M, l2_prefetch=True).l2_prefetch
-    ptx = {x: compiled_ptx(lambda x=x: mx._compile(dataclasses.replace(base, l2_prefetch=x),
-                                                   options="--enable-tvm-ffi --keep-ptx")).splitlines()
-           for x in (False, True)}
-    count = lambda lines, op: sum(ln.strip().startswith(op) for ln in lines)     # noqa: E731
-    assert count(ptx[False], "prefetch.global.L2") == 0 < count(ptx[True], "prefetch.global.L2")
-    for op in ("ld.global", "mma.sync", "st.global"):
-        assert count(ptx[True], op) == count(ptx[False], op), op
-    with pytest.raises(ValueError, match="l2_prefetch"):
-        mx.KernelCfg(E=896, dL=3584, I=256, MB=8, C=2, version=3, layout="nibble", l2_prefetch=True)

@@ -93,8 +93,8 @@ def test_compile_keys_cover_fused_and_norm():
     # lacked the pinned loads, so warmup compiled builds no default call used)
     fused = {k for k in keys if k[0] == "fused"}
     assert fused == {("fused",) + R._fused_args(m, 7168, 3216, 1, True, -1, "bf16", 1e-5)[0] for m in (1, 2)}
-    assert all(k[12] == R.PIN_LOADS and k[13] == R.PREFETCH_GROUPS and k[14] == R.X_FP32 and k[11] is False
-               and k[15] == (R.X_REGS and k[1] == 1) and k[16] == (R.EVEN_ROWS and not k[15]) for k in fused)
+    assert all(k[12] == R.PIN_LOADS and k[13] == R.PREFETCH_GROUPS and k[11] is False and k[14] == R.EVEN_ROWS
+               for k in fused)
     assert {k[-1] for k in keys if k[0] == "fma"} == {R.PIN_LOADS}
     early = R.compile_keys([(3216, 7168)], [1], attnres_K=7168, attnres_N=(3216,), n_blocks=(1,), block_write=(-1,),
                            deltas=(True,), early_trigger=True)
@@ -257,62 +257,14 @@ def test_prefetch_groups_is_checked():
     assert R._check_prefetch(3) == 3
 
 
-@needs_dsl
-@pytest.mark.parametrize("M", [1, 2])
-def test_fp32_x_shrinks_the_loop(M):
-    """v8 (x_fp32): the fused loop multiplies no weight by a mask and widens no x: in the PTX loop (rank16 in_proj,
-    7 vectors per lane) half the cvt and a quarter of the mul; in SASS, where ptxas and nvdisasm are found, the same
-    weight loads, still issued together (v6's pin), and a loop >= 25 % shorter (ptxas 12.9: 365 -> 239 at M = 1)."""
-    import re
-    from k3fast.ptxcheck import _assemble, find_sass_tools, loop_opcodes
-    ptx = {x: R.fused_ptx(3216, M=M, pin=True, early_trigger=True, xf32=x) for x in (False, True)}
-    ops = {x: next(iter(loop_opcodes(p, min_loads=4).values())) for x, p in ptx.items()}
-    per_lane = R._vectors_per_lane(7168, R._fused_config(3216, 7168)[1])
-    assert 2 * ops[True]["cvt"] <= ops[False]["cvt"] and 4 * ops[True]["mul"] <= ops[False]["mul"]
-    assert sum(ops[True].values()) < sum(ops[False].values())
-    tools = find_sass_tools()
-    if tools is None:
-        pytest.skip("no ptxas / nvdisasm here: PTX checked only")
-    seqs = {}
-    for x, p in ptx.items():
-        sass = _assemble(p, tools[0], "sm_90a", tools[1], ("-c",))[1]
-        body = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
-        seqs[x] = "".join("L" if "LDG.E.NA" in ln else "f" if "FFMA" in ln else "" for ln in body)
-    assert re.search(r"L[Lf]*", seqs[True]).group(0)[:per_lane] == "L" * per_lane
-    from k3fast.ptxcheck import sass_loop_opcodes
-    loops = {x: next(v for k, v in sass_loop_opcodes(p, tools).items() if k != "ptxas") for x, p in ptx.items()}
-    assert loops[True]["LDG"] == loops[False]["LDG"] == per_lane
-    assert sum(loops[True].values()) <= 0.75 * sum(loops[False].values()), loops
-
-
-def test_x_fp32_is_in_the_key():
-    # the key ends (..., xf32, xregs, even)
-    args, _ = R._fused_args(1, 7168, 3216, 1, True, -1, "bf16", 1e-5, x_fp32=True)
-    assert args[-3] is True and R._fused_args(1, 7168, 3216, 1, True, -1, "bf16", 1e-5)[0][-3] is R.X_FP32
-    # two groups per iteration keep v2's loop: no fp32 x there
-    assert R._fused_args(1, 7168, 3216, 1, True, -1, "bf16", 1e-5, fused_groups=2, x_fp32=True)[0][-3] is False
-
-
-def test_x_regs_is_in_the_key():
-    """v9 serves M = 1 with one-batch slices and G = 1; its key says xregs alone (it stages x as v8 does)."""
-    fa = lambda M, **kw: R._fused_args(M, 7168, 3216, 1, True, -1, "bf16", 1e-5, **kw)[0]
-    assert fa(1, x_regs=True)[-3:-1] == (False, True)
-    assert fa(1, x_regs=True, x_fp32=True)[-3:-1] == (False, True)
-    assert fa(1)[-2] is R.X_REGS
-    assert fa(2, x_regs=True)[-2] is False                   # 2 x 56 fp32 x registers would not fit beside the loads
-    assert fa(1, x_regs=True, fused_groups=2)[-2] is False
-    assert fa(1, x_regs=True, fused_ks=1)[-2] is False       # 28 vectors per lane: not one batch
-
-
 def test_even_rows_key_and_partition():
-    """v10: one CTA per SM (at most one per row), in the key; with v9 or G = 2 it is off. The row ranges
+    """v10: one CTA per SM (at most one per row), in the key; with G = 2 it is off. The row ranges
     [b N / grid, (b + 1) N / grid) cover every row once, with at most one row more on any CTA than on another
     (rank16: 24-25 rows, ceil(25 / 4) = 7 groups whose last holds one row, against 7 full groups on 115 CTAs)."""
     fa = lambda M, N=3216, **kw: R._fused_args(M, 7168, N, 1, True, -1, "bf16", 1e-5, **kw)
     args, grid = fa(1, even_rows=True)
     assert args[-1] is True and grid == R.NUM_SMS and fa(1)[1] == 115 and fa(1)[0][-1] is R.EVEN_ROWS
     assert fa(2, even_rows=True)[0][-1] is True
-    assert fa(1, even_rows=True, x_regs=True)[0][-1] is False
     assert fa(1, even_rows=True, fused_groups=2)[0][-1] is False
     assert fa(1, N=64, even_rows=True)[1] == 64
     a126, g126 = fa(1, even_rows=126)            # a CTA count: the same build, a smaller grid
@@ -344,29 +296,3 @@ def test_even_rows_compiles_without_spills():
         outer = {e: max(sum(v.values()) for k, v in sass_loop_opcodes(p, tools).items() if k != "ptxas")
                  for e, p in ptx.items()}
         assert outer[True] <= 1.05 * outer[False], outer
-
-
-@needs_dsl
-def test_x_regs_loop_is_loads_and_fmas():
-    """v9 (x_regs): the row-group loop of the rank16 in_proj at M = 1 keeps the 7 weight loads issued together, reads
-    no x from shared memory (one LDS left: the k-slice reduction) and is at most 60 % of v6's loop in SASS (ptxas
-    12.9: 626 -> 309). PTX only where ptxas / nvdisasm are not found."""
-    import re
-    from k3fast.ptxcheck import _assemble, find_sass_tools, loop_opcodes, sass_loop_opcodes
-    ptx = {x: R.fused_ptx(3216, M=1, pin=True, early_trigger=True, xregs=x) for x in (False, True)}
-    outer = {x: max(sum(v.values()) for v in loop_opcodes(p, min_loads=4).values()) for x, p in ptx.items()}
-    assert outer[True] < outer[False], outer
-    tools = find_sass_tools()
-    if tools is None:
-        pytest.skip("no ptxas / nvdisasm here: PTX checked only")
-    loops = {}
-    for x, p in ptx.items():
-        found = {k: v for k, v in sass_loop_opcodes(p, tools).items() if k != "ptxas"}
-        loops[x] = max(found.values(), key=lambda ops: sum(ops.values()))      # the row-group loop
-    per_lane = R._vectors_per_lane(7168, R._fused_config(3216, 7168)[1])
-    assert loops[True]["LDG"] == per_lane and loops[True].get("LDS", 0) <= 1 and "FMUL" not in loops[True], loops[True]
-    assert sum(loops[True].values()) <= 0.6 * sum(loops[False].values()), loops
-    sass = _assemble(ptx[True], tools[0], "sm_90a", tools[1], ("-c",))[1]
-    body = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
-    seq = "".join("L" if "LDG.E.NA" in ln else "f" if "FFMA" in ln else "" for ln in body)
-    assert re.search(r"L[Lf]*", seq).group(0)[:per_lane] == "L" * per_lane

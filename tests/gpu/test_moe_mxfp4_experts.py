@@ -368,17 +368,3 @@ def test_route1_graph_replay_and_other_batches():
     assert same_bits(outs["direct"], outs["dflt"])
     with pytest.raises(ValueError, match="route_direct"):
         mx.KernelCfg(E=E, dL=DL, I=256, MB=2, C=2, route_direct=True)
-
-
-@pytest.mark.parametrize("M,I", [(1, 256), (1, 384), (2, 256), (8, 256), (64, 256)])
-def test_xl2_is_bit_identical(M, I):
-    """xl2 (l2_prefetch): the work item's remaining weight rows are prefetched into L2; prefetches change no value,
-    so every output bit equals the default kernel's (with route1 too at M = 1)."""
-    ck, prep, z, ids, w, ws = case(M, I, "ties", 5200 + M + I)
-    kw = dict(dflt=dict(), xl2=dict(l2_prefetch=True))
-    if M == 1:
-        kw["both"] = dict(l2_prefetch=True, route_direct=True)
-    outs = run_variants(M, z, ids, w, prep, ws, **kw)
-    for name in outs:
-        assert same_bits(outs[name], outs["dflt"]), name
-    assert rel_rmse(outs["xl2"], reference(z, ids, w, ck)) <= TOL
