@@ -1057,8 +1057,12 @@ def _build_kernel_class():
                     act_e[tid] = mIds[0, tid]
                     act_off[tid] = tid
                     sorted_s[tid] = tid
+                    if const_expr(c.version == 5):
+                        pass_off[tid] = tid             # v5's work items are passes: one pair, one pass
                 if tid == TOPK:
                     act_off[TOPK] = Int32(TOPK)
+                    if const_expr(c.version == 5):
+                        pass_off[TOPK] = Int32(TOPK)
                 cute.arch.barrier()
                 n_active = Int32(TOPK)
             else:
