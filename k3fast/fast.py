@@ -65,6 +65,34 @@ INPROJ_DSL_MAX_M = 2
 FRONT_DSL_MAX_M = 4
 
 
+
+# The library halves of the batch dispatch above, shared by FastImpl and the torch ops (k3fast.ops), so that both
+# give the same bits at every batch.
+
+def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, boundary, zeros=None, out_x=None,
+                         out_partial=None):
+    """oproj_attnres's contract above GEMV_DSL_MAX_M: a = bf16(y W_o^T) on cuBLAS (oproj_attnres's GEMV is 1.5-2x
+    cuBLAS there, kernels-11595c4.json), then the same AttnRes #2 + RMSNorm as in_proj's prologue with p' =
+    bf16(p1 + a), or a itself at a block boundary (p' then starts the new block: p1 := 0). ``zeros``: a zero tensor
+    shaped like p1 for the boundary case (FastImpl passes one it owns, so nothing is allocated in a graph)."""
+    from .rms_gemv import attnres_rmsnorm
+    a = F.linear(y, w_o)
+    p = (zeros if zeros is not None else torch.zeros_like(p1)) if boundary else p1
+    return attnres_rmsnorm(blocks, n_blocks, p, a, u_mlp, w_post, eps=eps, out=out_x, partial_out=out_partial)
+
+
+def moe_tail_cublas(r, w_norm_f32, w_up, h, w_sd, *, eps, out=None):
+    """moe_tail's contract above TAIL_DSL_MAX_M (which says why): RMSNorm + two cuBLAS GEMMs + add, with the same
+    roundings as k3ref and the fused moe_tail: bf16 r_hat, bf16 routed and shared, their sum rounded once.
+    (226990a folded the add into the up GEMM, addmm_ with beta = 1: one kernel less at b64, but the routed product
+    was then not rounded before the add, unlike k3ref and moe_tail; reverted in the same session, LOG.md.)
+    w_norm_f32: the norm weight in fp32 (FastImpl casts it once; the cast per call was its own ~3 us kernel)."""
+    with stage("k3.moe.shared"):
+        shared = F.linear(h, w_sd)
+    with stage("k3.moe.up"):
+        rn = F.rms_norm(r.float(), (r.shape[-1],), w_norm_f32.float(), eps).bfloat16()
+        return torch.add(F.linear(rn, w_up), shared, out=out)
+
 class FastImpl:
     name = "fast"
 
@@ -256,14 +284,9 @@ class FastImpl:
                               w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
                               out_x=io.x_mlp, out_partial=io.partial, preload_wpost=self.oproj_preload)
             else:
-                # above GEMV_DSL_MAX_M: a = bf16(y W_o^T) on cuBLAS (oproj_attnres's GEMV is 1.5-2x cuBLAS there,
-                # kernels-11595c4.json), then the same AttnRes #2 + RMSNorm as in_proj's prologue with p' =
-                # bf16(p1 + a), or a itself at a block boundary (p' then starts the new block: p1 := 0)
-                from .rms_gemv import attnres_rmsnorm
-                a = F.linear(y, w.attn.o_proj)
-                attnres_rmsnorm(io.blocks, nb + int(boundary), self._zeros("p0", p1) if boundary else p1, a,
-                                self.u_mlp, w.post_attention_layernorm, eps=cfg.rms_norm_eps, out=io.x_mlp,
-                                partial_out=io.partial)
+                oproj_attnres_cublas(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
+                                     w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
+                                     zeros=self._zeros("p0", p1), out_x=io.x_mlp, out_partial=io.partial)
 
     def moe(self, io) -> None:
         from .moe_mxfp4_experts import moe_mxfp4_experts
@@ -312,15 +335,7 @@ class FastImpl:
             with stage("k3.moe.up"):
                 moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out, ring=self.tail_ring)
         else:
-            # cuBLAS tail (TAIL_DSL_MAX_M says why); the same roundings as k3ref and the fused moe_tail: bf16
-            # r_hat, bf16 routed and shared, their sum rounded once. (226990a folded the add into the up GEMM,
-            # addmm_ with beta = 1: one kernel less at b64, but the routed product was then not rounded before the
-            # add, unlike k3ref and moe_tail; reverted in the same session, LOG.md.)
-            with stage("k3.moe.shared"):
-                shared = F.linear(h, m.shared_down)
-            with stage("k3.moe.up"):
-                rn = F.rms_norm(r.float(), (r.shape[-1],), self.tail_norm_f32, cfg.rms_norm_eps).bfloat16()
-                torch.add(F.linear(rn, m.up), shared, out=io.out)
+            moe_tail_cublas(r, self.tail_norm_f32, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out)
 
     def layer(self, io) -> None:
         self.attn(io)

@@ -18,7 +18,8 @@ def test_every_op_is_registered_with_its_mutations():
                    if a.alias_info is not None and a.alias_info.is_write} for n in kops.OPS}
     assert written["attnres_rms_gemv"] == {"blocks", "partial_out"}
     assert written["kda_conv_gate_step"] == {"conv_state", "rec_state"}
-    for n in ("oproj_attnres", "router_down_topk", "shared_expert_gate_up", "moe_mxfp4_experts", "moe_tail"):
+    for n in ("oproj_attnres", "router_down_topk", "router_down_topk_shared", "shared_expert_gate_up",
+              "moe_mxfp4_experts", "moe_tail"):
         assert written[n] == set(), f"{n} must not write its inputs"
 
 
@@ -30,30 +31,36 @@ def _layer_inputs(M, n_slots=5, H=6, Pw=768, N_in=3216, Is=768, E=896, dL=3584, 
         w_ln=e(kops.HIDDEN), w_in=e(N_in, kops.HIDDEN), p1=e(M, kops.HIDDEN), w_fb=e(Pw, 128), conv_w=e(3 * Pw, 4, dtype=F32),
         a_log=e(H, dtype=F32), dt_bias=e(Pw, dtype=F32), o_norm=e(128), conv=e(n_slots, 3 * Pw, 3),
         rec=e(n_slots, H, 128, 128, dtype=F32), slots=e(M, dtype=I32), w_o=e(kops.HIDDEN, Pw), w_post=e(kops.HIDDEN),
-        front=e(E + dL, kops.HIDDEN), bias=e(E, dtype=F32), gu=e(2 * Is, kops.HIDDEN),
+        front=e(E + dL, kops.HIDDEN), front_sh=e(E + dL + 2 * Is, kops.HIDDEN), bias=e(E, dtype=F32),
+        gu=e(2 * Is, kops.HIDDEN),
         w13q=e(E, I // 8, dL // 64, 32, 4, dtype=I32), w13s=e(E, I // 8, dL // 64, 8, dtype=I32),
         w2q=e(E, dL // 16, I // 64, 32, 4, dtype=I32), w2s=e(E, dL // 16, I // 64, 8, dtype=I32),
         r_norm=e(dL), w_up=e(kops.HIDDEN, dL), w_sd=e(kops.HIDDEN, Is))
 
 
-def _layer(t, M):
-    """The fused decode step of a KDA+MoE layer written with the ops (FastImpl's chain)."""
+def _layer(t, M, folded=False):
+    """The fused decode step of a KDA+MoE layer written with the ops (FastImpl's chain; folded: the shared experts'
+    gate/up in the front's pass, FastImpl's default, else apart as in "fast-shapart")."""
     ops = torch.ops.k3fast
     proj = ops.attnres_rms_gemv(t["blocks"], 2, t["partial"], t["delta"], t["u"], t["w_ln"], t["w_in"], 1e-5, -1, t["p1"])
     y = ops.kda_conv_gate_step(proj, t["w_fb"], t["conv_w"], t["a_log"], t["dt_bias"], t["o_norm"], t["conv"], t["rec"],
                                t["slots"], 6, 1, -5.0, 1e-5)
     x, p = ops.oproj_attnres(y, t["w_o"], t["blocks"], 2, t["p1"], t["u"], t["w_post"], 1e-5, False)
-    z, ids, w = ops.router_down_topk(x, t["front"], t["bias"], 896, 16, 2.5)
-    h = ops.shared_expert_gate_up(x, t["gu"])
+    if folded:
+        z, ids, w, h = ops.router_down_topk_shared(x, t["front_sh"], t["bias"], 896, 16, 2.5, t["gu"].shape[0] // 2)
+    else:
+        z, ids, w = ops.router_down_topk(x, t["front"], t["bias"], 896, 16, 2.5)
+        h = ops.shared_expert_gate_up(x, t["gu"])
     r = ops.moe_mxfp4_experts(z, ids, w, t["w13q"], t["w13s"], t["w2q"], t["w2s"], 4.0, 25.0, "rot")
     return ops.moe_tail(r, t["r_norm"], t["w_up"], h, t["w_sd"], 1e-5), p, proj, y, z, ids, w, h, r
 
 
+@pytest.mark.parametrize("folded", [False, True], ids=["apart", "folded"])
 @pytest.mark.parametrize("M", [1, 8, 64])
-def test_fake_shapes_compose_into_a_layer(M):
+def test_fake_shapes_compose_into_a_layer(M, folded):
     with FakeTensorMode():
         t = _layer_inputs(M)
-        out, p, proj, y, z, ids, w, h, r = _layer(t, M)
+        out, p, proj, y, z, ids, w, h, r = _layer(t, M, folded)
     assert out.shape == (M, kops.HIDDEN) and out.dtype == BF and out.device.type == "cuda"
     assert p.shape == (M, kops.HIDDEN) and proj.shape == (M, 3216) and y.shape == (M, 768)
     assert z.shape == (M, 3584) and z.dtype == BF and ids.shape == (M, 16) and ids.dtype == I32 and w.dtype == F32
@@ -61,10 +68,77 @@ def test_fake_shapes_compose_into_a_layer(M):
 
 
 def test_ops_appear_as_single_nodes_in_a_traced_graph():
-    with FakeTensorMode():
-        t = _layer_inputs(2)
-        keys = list(t)
-        gm = make_fx(lambda *a: _layer(dict(zip(keys, a)), 2)[0], tracing_mode="fake")(*t.values())
-    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-    for name in kops.OPS:
-        assert sum(f"k3fast.{name}" in s for s in targets) == 1, (name, targets)
+    seen = set()
+    for folded in (False, True):
+        with FakeTensorMode():
+            t = _layer_inputs(2)
+            keys = list(t)
+            gm = make_fx(lambda *a: _layer(dict(zip(keys, a)), 2, folded)[0], tracing_mode="fake")(*t.values())
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        ours = [s for s in targets if s.startswith("k3fast.")]
+        names = [s.split(".")[1] for s in ours]
+        assert len(names) == len(set(names)) == (6 if folded else 7), ours
+        seen |= set(names)
+    assert seen == set(kops.OPS), seen ^ set(kops.OPS)
+
+
+# ---------------------------------------------------------------------------------------- the batch dispatch
+# The ops run FastImpl's host functions with FastImpl's thresholds (the GPU tier checks the bits at b1 / 3 / 8 / 64).
+# Here the host functions are replaced by recorders and the ops run on CPU tensors: which function serves which
+# batch, and with which arguments.
+
+def _recorders(monkeypatch):
+    import k3fast.fast as fast
+    import k3fast.moe_tail as mt
+    import k3fast.oproj_attnres as oa
+    import k3fast.rms_gemv as rg
+    import k3fast.router_down_topk as rt
+    calls = []
+
+    def rec(name, result):
+        def f(*a, **kw):
+            calls.append((name, kw))
+            return result(*a, **kw)
+        return f
+
+    bf = lambda m, n: torch.zeros(m, n, dtype=BF)
+    two = lambda y, w, *a, **kw: (bf(y.shape[0], w.shape[0]), bf(y.shape[0], w.shape[0]))
+    tail = lambda r, n, w_up, *a, **kw: bf(r.shape[0], w_up.shape[0])
+
+    def topk(x, w, b, n_experts, top_k, shared=0, **kw):
+        M = x.shape[0]
+        out = (bf(M, w.shape[0] - n_experts - 2 * shared), torch.zeros(M, top_k, dtype=I32),
+               torch.zeros(M, top_k, dtype=F32))
+        return out + ((bf(M, shared),) if shared else ())
+
+    monkeypatch.setattr(rg, "attnres_rms_gemv", rec("in_proj", lambda *a, **kw: (bf(a[2].shape[0], a[6].shape[0]),
+                                                                                   None)))
+    monkeypatch.setattr(oa, "oproj_attnres", rec("oproj", two))
+    monkeypatch.setattr(fast, "oproj_attnres_cublas", rec("oproj_cublas", two))
+    monkeypatch.setattr(rt, "router_down_topk", rec("front", topk))
+    monkeypatch.setattr(rt, "router_down_topk_cublas", rec("front_cublas", topk))
+    monkeypatch.setattr(mt, "moe_tail", rec("tail", tail))
+    monkeypatch.setattr(fast, "moe_tail_cublas", rec("tail_cublas", tail))
+    return calls
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 64])
+def test_ops_follow_fastimpls_batch_dispatch(M, monkeypatch):
+    from k3fast.fast import FRONT_DSL_MAX_M, GEMV_DSL_MAX_M, INPROJ_DSL_MAX_M, TAIL_DSL_MAX_M
+    from k3fast.router_down_topk import kernel_path
+    calls = _recorders(monkeypatch)
+    ops, H, E, dL, Is = torch.ops.k3fast, 64, 32, 48, 16
+    r = lambda *s, dtype=BF: torch.randn(*s).to(dtype)
+    x, blocks = r(M, H), r(M, 3, H)
+    ops.attnres_rms_gemv(blocks, 2, x, x, r(H, dtype=F32), r(H), r(40, H), 1e-5, -1, r(M, H))
+    ops.oproj_attnres(r(M, 24), r(H, 24), blocks, 2, x, r(H, dtype=F32), r(H), 1e-5, False)
+    ops.router_down_topk(x, r(E + dL, H), r(E, dtype=F32), E, 4, 2.5)
+    ops.router_down_topk_shared(x, r(E + dL + 2 * Is, H), r(E, dtype=F32), E, 4, 2.5, Is)
+    ops.moe_tail(r(M, dL), r(dL), r(H, dL), r(M, Is), r(H, Is), 1e-5)
+    names = [n for n, _ in calls]
+    fused_front = M <= FRONT_DSL_MAX_M and kernel_path(M) == "fma"
+    assert names == ["in_proj", "oproj" if M <= GEMV_DSL_MAX_M else "oproj_cublas",
+                     "front" if M <= FRONT_DSL_MAX_M else "front_cublas", "front" if fused_front else "front_cublas",
+                     "tail" if M <= TAIL_DSL_MAX_M else "tail_cublas"], names
+    assert calls[0][1]["mma"] == ("v2" if M <= INPROJ_DSL_MAX_M else "cublas") and calls[0][1]["early_trigger"]
+    assert calls[3][1]["shared"] == Is
