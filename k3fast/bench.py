@@ -71,12 +71,6 @@ def _cases(cfg, batch: int):
                           lambda pf=pf: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm,
                                                          w_in, partial_out=p_out, prefetch_groups=pf),
                           lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    if M <= 2:      # rms_gemv v10 (opt-in): rows split evenly over 132 CTAs (rank16: 24-25 rows each, not 28 on 115)
-        for name, ev in (("attnres_rms_gemv@ev", True), ("attnres_rms_gemv@ev126", 126)):
-            cases.append((name, lambda ev=ev: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
-                                                               w.input_layernorm, w_in, partial_out=p_out,
-                                                               even_rows=ev),
-                          lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 4:      # rms_gemv v5, before v6 (the default since session 7: each batch of weight loads tied together;
         # fused at M <= 2, plain above; measured as the "@pin" rows of kernels-84291ed.json)
         cases.append(("attnres_rms_gemv@v5", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
@@ -115,13 +109,12 @@ def _cases(cfg, batch: int):
     # the default; v2 without the proj preload (T = 1, nsplit 8; v3 is the default since session 7); the other
     # value-row split than choose_nsplit's (8 <-> 4), the A/B of "fast-kdans8"; v3's store order (v5, the late
     # write-backs, is the default since session 9); v5's cluster-barrier exchanges (v6 is the default since
-    # session 10); v7's occupancy hint (opt-in; it changes only the nsplit-4 build, i.e. large batches). The
-    # @...trig rows run with the early trigger, as in the layer
+    # session 10). The @...trig rows run with the early trigger, as in the layer (v7's occupancy hint, @occ6trig,
+    # was measured at 0e81145 and removed)
     for tag, kw_kda in (("", {}), ("@v2", {"preload": False}), (f"@ns{ns_alt}", {"nsplit": ns_alt}),
                         ("@v3", {"late_stores": False}), ("@trig", {"early_trigger": True}),
                         ("@v3trig", {"late_stores": False, "early_trigger": True}),
-                        ("@v5trig", {"dsmem_tx": False, "early_trigger": True}),
-                        ("@occ6trig", {"min_blocks": 6, "early_trigger": True})):
+                        ("@v5trig", {"dsmem_tx": False, "early_trigger": True})):
         cases.append((f"kda_conv_gate_step{tag}",
                       lambda kw_kda=kw_kda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm,
                                                                st.conv, st.recurrent, io.slots, heads=H, **kw_kda),

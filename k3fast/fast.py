@@ -107,8 +107,7 @@ class FastImpl:
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
-                 experts_route_direct: bool | None = None,
-                 gemv_even_rows: bool | int | None = None, kda_min_blocks: int | None = None):
+                 experts_route_direct: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -177,7 +176,6 @@ class FastImpl:
         # the early trigger); "fast-s17kda" keeps v3's order
         self.kda_late_stores = kda_late_stores
         self.kda_dsmem_tx = kda_dsmem_tx     # None: kda_conv_gate_step.DSMEM_TX (v6, on; "fast-s19kda" is v5)
-        self.kda_min_blocks = kda_min_blocks  # None: kda_conv_gate_step.MIN_BLOCKS (v7's hint at nsplit 4; 0, off)
         self.tail_ring = tail_ring           # None: moe_tail.RING_DEPTH (2; "fast-s19tail" = 0, v1's registers)
         self.front_dsl_max_m = front_dsl_max_m
         self.router_rolled = router_rolled   # None: router_down_topk.TOPK_ROLLED (the top-k rounds as a loop, v2.4)
@@ -191,7 +189,6 @@ class FastImpl:
         self.shared_late = shared_late
         self.gemv_groups = gemv_groups       # None: rms_gemv.FUSED_GROUPS (2 = the fused in_proj's v3, opt-in)
         self.gemv_prefetch = gemv_prefetch   # None: rms_gemv.PREFETCH_GROUPS (1; 2 / 3: its v7, "fast-inpf2" / 3)
-        self.gemv_even_rows = gemv_even_rows  # None: rms_gemv.EVEN_ROWS (True: the fused in_proj's v10, "fast-inev")
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
         # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
@@ -217,7 +214,6 @@ class FastImpl:
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
                         + ("" if kda_dsmem_tx is None else f", KDA st.async exchange {'on' if kda_dsmem_tx else 'off'}")
-                        + ("" if kda_min_blocks is None else f", KDA {kda_min_blocks} CTAs per SM asked at nsplit 4")
                         + ("" if topk_split is None else f", TopkFromLogits split {'on' if topk_split else 'off'}")
                         + ("" if front_dsl_max_m == FRONT_DSL_MAX_M else f", router front up to M={front_dsl_max_m}")
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
@@ -229,8 +225,6 @@ class FastImpl:
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
                         + ("" if gemv_prefetch is None else f", fused in_proj {gemv_prefetch} row groups prefetched ahead")
-                        + ("" if gemv_even_rows is None else f", fused in_proj rows even over "
-                           f"{'the SMs' if gemv_even_rows is True else gemv_even_rows if gemv_even_rows else '(off)'}")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
@@ -270,14 +264,13 @@ class FastImpl:
                                        mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                        fused_groups=self.gemv_groups,
                                        early_trigger=self.attn_early_trigger, pin_loads=self.gemv_pin,
-                                       prefetch_groups=self.gemv_prefetch, even_rows=self.gemv_even_rows)
+                                       prefetch_groups=self.gemv_prefetch)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
                                    early_trigger=self.attn_early_trigger, preload=self.kda_preload, nsplit=self.kda_nsplit,
-                                   late_stores=self.kda_late_stores, dsmem_tx=self.kda_dsmem_tx,
-                                   min_blocks=self.kda_min_blocks)
+                                   late_stores=self.kda_late_stores, dsmem_tx=self.kda_dsmem_tx)
         with stage("k3.o_proj"):
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,

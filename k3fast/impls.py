@@ -449,15 +449,16 @@ FAST_VARIANTS = {
     "fast-kdans8": {"kda_nsplit": 8},           # the KDA step split 8 ways at every batch (4 above 64 request-heads)
     "fast-s17kda": {"kda_late_stores": False},  # the KDA step's write-backs before its last cluster barrier (v3 order)
     "fast-s19kda": {"kda_dsmem_tx": False},     # the KDA step's cluster-barrier exchanges (v5, before session 10's v6)
-    "fast-kdaocc6": {"kda_min_blocks": 6},      # the KDA step's v7: 6 CTAs per SM asked at nsplit 4 (opt-in)
+    # (fast-kdaocc6, the KDA step's v7: 6 CTAs per SM asked at nsplit 4, was measured at 0e81145 (s24), no faster
+    # at rank16 b64 and slower at b16, and removed)
     "fast-s19tail": {"tail_ring": 0},           # moe_tail v1's register stages (before session 10's cp.async ring)
     "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
     "fast-inpf2": {"gemv_prefetch": 2},         # the fused in_proj's v7: 2 row groups in L2 prefetch ahead (opt-in)
     "fast-inpf3": {"gemv_prefetch": 3},         # ... 3 row groups
     # (fast-inxf / fast-inxr, the fused in_proj's x in fp32 shared memory / in registers, were measured at 5f1f620 /
     # c1bb65a, slower and unchanged, and removed)
-    "fast-inev": {"gemv_even_rows": True},      # the fused in_proj's v10: rows split evenly over 132 CTAs (opt-in)
-    "fast-inev126": {"gemv_even_rows": 126},    # ... over 126 CTAs, 6 SMs left for the KDA step's early CTAs
+    # (fast-inev / fast-inev126, the fused in_proj's v10: rows split evenly over 132 / 126 CTAs, were measured at
+    # 0e81145 (s23), no faster, and removed)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
     # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7

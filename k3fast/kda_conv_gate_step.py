@@ -149,10 +149,11 @@ Version log
       stalls were not what held the b1 chain; near at b64 (-4 %, predicted -4 to -7 %); the attention half moved
       by its predicted -0.5 to -1 us at b1 but not at rank8 b8 / b64. Kept as the default: it is never slower by
       more than run-to-run noise and removes the gpu-scope fences from the chain.
-  v7 (2026-11-30, session 11; opt-in min_blocks / MIN_BLOCKS, impl "fast-kdaocc6", bench row
-      kda_conv_gate_step@occ6trig; CPU-compiled, measured by h200_next s24) An occupancy hint for the large-batch
-      build (nsplit 4, T = 1): ptxas is asked for 6 resident CTAs per SM (nvvm.minctasm, a cap of 85 registers at
-      128 threads) instead of the 5 that its 96 registers allow.
+  v7 (2026-11-30, session 11; opt-in min_blocks, impl "fast-kdaocc6", bench row kda_conv_gate_step@occ6trig;
+      removed in session 12 after the measurement below, the code is at 0e81145; CPU-compiled, measured by
+      h200_next s24) An occupancy hint for the large-batch build (nsplit 4, T = 1): ptxas is asked for 6
+      resident CTAs per SM (nvvm.minctasm, a cap of 85 registers at 128 threads) instead of the 5 that its 96
+      registers allow.
       Why: ncu at rank16 b64 (ncu-ee5c807-s18/, v5) shows 1536 CTAs in 2.33 waves at 5 CTAs per SM, limited by
       registers ("Block Limit Registers 5"), with DRAM 22 % busy and 14.2 cycles per issued instruction, long
       scoreboard the largest stall. Each CTA loads its 16 KB of state and then runs a latency-bound chain (conv,
@@ -164,6 +165,14 @@ Version log
       Bit-identical: the same code with another register allocation (GPU test).
       Prediction: kernel with the early trigger rank16 b64 27.3 -> ~21-24 us, rank8 b64 (3072 CTAs: 5 rounds ->
       4) ~43 -> ~36-40; attention half rank16 b64 62.1 -> ~57-60 us; b1 / b8 unchanged (nsplit 8 there).
+      Measured (s24 at 0e81145, kernels-/records-0e81145-s24.json, one run): MISSED, rank16 b64 unchanged. Kernel
+      bench with the early trigger (@trig vs @occ6trig): rank16 b16 12.00 vs 12.61 us, b64 27.62 vs 27.62; rank8
+      b16 18.43 vs 18.62, b64 47.39 vs 45.79. Attention half (fast vs fast-kdaocc6): rank16 b8 40.7 vs 40.8, b64
+      62.0 vs 62.1; rank8 b8 55.7 vs 56.3, b64 95.5 vs 94.5. Only rank8 b64 moved (-3.4 % in the kernel, -1 % in
+      the attention half), within what one run can tell, and b16 got slower. If the hint gave the 6 resident CTAs
+      it asked for (ptxas on the CPU: 80 registers, 16 spill bytes; not checked in ncu), 2 rounds instead of 3
+      saved nothing at rank16 b64, and more CTAs in flight is the third way to concurrency (after v4's persistent
+      loop and nsplit 8) that did not pay. Removed in session 12 (the code is at 0e81145).
 """
 from __future__ import annotations
 
@@ -183,8 +192,8 @@ LATE_STORES = True
 # v6 (the default from session 10; "fast-s19kda" is the A/B without it): the two cluster exchanges as st.async +
 # mbarrier complete_tx instead of cluster barriers, whose release arrive is MEMBAR.ALL.GPU (the version log says why)
 DSMEM_TX = True
-# v7 (opt-in, "fast-kdaocc6"): resident CTAs per SM asked of ptxas for the nsplit-4, T = 1 build (0: no hint)
-MIN_BLOCKS = 0
+# (v7, an occupancy hint of 6 CTAs per SM for the nsplit-4, T = 1 build, was measured and removed in session 12:
+# version log)
 
 
 def proj_width(heads: int, head_dim: int = HEAD_DIM) -> int:
@@ -208,7 +217,7 @@ def compile_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps:
 
 def kernel_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: float = 1e-5,
                head_dim: int = HEAD_DIM, *, early_trigger: bool = False, preload=None, late_stores=None,
-               dsmem_tx=None, min_blocks=None) -> tuple:
+               dsmem_tx=None) -> tuple:
     """compile_key plus the build flags kda_conv_gate_step runs for these options (None: the module default)."""
     # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
     pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and nsplit == 8
@@ -218,14 +227,8 @@ def kernel_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: 
     tx = (DSMEM_TX and late) if dsmem_tx is None else bool(dsmem_tx)
     if tx and not late:
         raise ValueError("dsmem_tx (v6) needs late_stores: it writes the conv windows after the last exchange")
-    mb = MIN_BLOCKS if min_blocks is None else min_blocks
-    if isinstance(mb, bool) or not isinstance(mb, int) or not 0 <= mb <= 16:
-        raise ValueError(f"min_blocks must be an int in 0..16 (resident CTAs per SM asked of ptxas), got {mb!r}")
-    # v7 serves the nsplit-4, T = 1 build: nsplit 8 already runs at 64 registers, and T > 1 would spill
-    mb = mb if (nsplit == 4 and T == 1) else 0
     return (compile_key(heads, T, nsplit, lower_bound, eps, head_dim) + (("early_trigger",) if early_trigger else ())
-            + (("preload",) if pre else ()) + (("late_stores",) if late else ()) + (("dsmem_tx",) if tx else ())
-            + ((("min_blocks", mb),) if mb else ()))
+            + (("preload",) if pre else ()) + (("late_stores",) if late else ()) + (("dsmem_tx",) if tx else ()))
 
 
 def compile_keys(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
@@ -252,7 +255,7 @@ def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_b
 # ---------------------------------------------------------------------------- device code
 
 def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float, early_trigger: bool = False,
-           preload: bool = False, late_stores: bool = False, dsmem_tx: bool = False, min_blocks: int = 0):
+           preload: bool = False, late_stores: bool = False, dsmem_tx: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass.cutlass_dsl import dsl_user_op
@@ -487,10 +490,6 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             write_conv_window(mConvState, valid, split, has_v, slot_w, cq, ck, cv_c, win)
             write_state_rows(mRecState, valid, slot_w, h, row0, lane, rS)
 
-    # v7: the occupancy hint (and the largest shared-memory carveout, given explicitly: without it the DSL asks the
-    # driver for the SM's shared memory at compile time, which the CPU compile cannot)
-    occupancy = {"min_blocks_per_mp": min_blocks, "preferred_smem_carveout": 100} if min_blocks else {}
-
     class KdaConvGateStep:
         @cute.jit
         def __call__(self, mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
@@ -498,7 +497,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             nb = cute.size(mSlots, mode=[0])
             self.kernel(mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
                         mY).launch(grid=[NS, H, nb], block=[NTH, 1, 1], cluster=[NS, 1, 1],
-                                   stream=stream, use_pdl=True, **occupancy)
+                                   stream=stream, use_pdl=True)
 
         @cute.kernel
         def kernel(self, mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots, mY):
@@ -616,7 +615,6 @@ def _compile(key):
     preload = "preload" in key[7:]
     late = "late_stores" in key[7:]
     dsmem_tx = "dsmem_tx" in key[7:]
-    min_blocks = next((f[1] for f in key[7:] if isinstance(f, tuple) and f[0] == "min_blocks"), 0)
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
@@ -625,7 +623,7 @@ def _compile(key):
     B = cute.sym_int()          # requests
     S = cute.sym_int()          # state slots
     obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload, late_stores=late,
-                 dsmem_tx=dsmem_tx, min_blocks=min_blocks)
+                 dsmem_tx=dsmem_tx)
     fakes = (
         fake_tensor(BFloat16, (M, proj_width(heads, head_dim))),
         fake_tensor(BFloat16, (P, head_dim)),
@@ -649,7 +647,7 @@ def _get_compiled(key):
 
 def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
                        head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None, early_trigger=False,
-                       preload=None, late_stores=None, dsmem_tx=None, min_blocks=None):
+                       preload=None, late_stores=None, dsmem_tx=None):
     """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
     for the valid slots and returns y [B*T, H*D] bf16. See the module docstring for the contracts.
 
@@ -664,10 +662,7 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     cluster barrier, and with early_trigger there is no fence at the end (bit-identical results).
 
     dsmem_tx (v6; None = DSMEM_TX, off by default): the alpha and norm exchanges through st.async + mbarrier
-    complete_tx instead of cluster barriers (bit-identical results). Needs late_stores.
-
-    min_blocks (v7; None = MIN_BLOCKS, 0 = no hint): resident CTAs per SM asked of ptxas for the nsplit-4, T = 1
-    build (6: 80 registers instead of 96); ignored elsewhere. Bit-identical results."""
+    complete_tx instead of cluster barriers (bit-identical results). Needs late_stores."""
     import torch
 
     if head_dim != HEAD_DIM:
@@ -689,7 +684,7 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     if ns not in (4, 8):
         raise ValueError(f"nsplit must be 4 or 8, got {nsplit}")
     key = kernel_key(H, T, ns, lower_bound, eps, D, early_trigger=early_trigger, preload=preload,
-                     late_stores=late_stores, dsmem_tx=dsmem_tx, min_blocks=min_blocks)   # option errors first
+                     late_stores=late_stores, dsmem_tx=dsmem_tx)     # the options' errors come before the tensors'
     check_tensor("proj", proj, dtype=torch.bfloat16, shape=(B * T, proj_width(H, D)))
     check_tensor("w_fb", w_fb, dtype=torch.bfloat16, shape=(P, D))
     check_tensor("conv_w", conv_w, dtype=torch.float32, shape=(3 * P, 4))

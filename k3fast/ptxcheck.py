@@ -408,9 +408,9 @@ def main(argv=None) -> int:
     if tools is not None:        # code size per kernel (router_down_topk v2.4: the cold instruction fetch)
         rows += code_sizes(tools)
     # the fused in_proj's weight loops in SASS (the k-batch loop inside the row-group loop): the default (v6, pinned
-    # loads, early trigger) and v10 (rows even over the SMs), at M = 1 and 2. (v8 and v9, removed in session 11,
-    # are in traces/cpu/ptxcheck-0702749562c3.json.)
-    builds = (("v6 pinned, the default", {}), ("v10 rows even, opt-in", {"even": True}))
+    # loads, early trigger), at M = 1 and 2. (v8 and v9, removed in session 11, and v10, removed in session 12, are
+    # in traces/cpu/ptxcheck-0702749562c3.json.)
+    builds = (("v6 pinned, the default", {}),)
     for M in (1, 2):
         for name, kw in builds:
             if tools is None:

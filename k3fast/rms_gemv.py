@@ -179,8 +179,9 @@ Version log
       per-SM rate) and the work per SM: 7 groups of 4 rows on each of 115 SMs, 17 SMs idle, against 6.1 groups
       on average over 132 (ncu4: busiest SM active 37.9 k cycles, mean of the 115 busy ones 35.9 k). v10 spreads
       the rows.
-  v10 (2026-11-30, session 11; opt-in even_rows / EVEN_ROWS, impl "fast-inev", bench row attnres_rms_gemv@ev;
-      CPU-compiled, to be measured by h200_next s23) The persistent grid was sized so that no CTA runs more row
+  v10 (2026-11-30, session 11; opt-in even_rows, impls "fast-inev" / "fast-inev126", bench rows
+      attnres_rms_gemv@ev / @ev126; removed in session 12 after the measurement below, the code is at 0e81145;
+      CPU-compiled, measured by h200_next s23) The persistent grid was sized so that no CTA runs more row
       groups than another: at rank16, 804 groups of 4 rows take 7 rounds on 132 SMs, so 115 CTAs run 7 groups
       each and 17 SMs stay idle. v10 launches one CTA per SM and gives CTA b the rows [b N / 132, (b + 1) N /
       132), in groups of 4 whose last may be partial. A warp whose row is past its CTA's range loads nothing and
@@ -204,6 +205,15 @@ Version log
       KDA overlap it gives up); rank8 within +-0.5 us at 132, +0.5 to +1.5 at 126. If rank16's bench does not
       move, the loop's time is set by the wave of round trips per group rather than the bytes per SM, and the
       single-row group costs as much as a full one.
+      Measured (s23 at 0e81145, kernels-/records-0e81145-s23.json): MISSED, no gain beyond one run's noise
+      (<= 0.2 us) anywhere, and rank8 slower. Bench (default vs @ev at 132 CTAs / @ev126): rank16 b1 22.98 vs
+      23.39 / 23.23 us, b2 27.71 vs 27.55 / 27.62; rank8 b1 33.50 vs 33.92 / 34.24, b2 38.27 vs 38.75 / 39.52.
+      Attention half (fast vs fast-inev / fast-inev126): rank16 b1 33.2 vs 33.3 / 33.6 us, b2 37.5 vs 37.6 /
+      37.4; rank8 b1 47.3 vs 47.9 / 48.0, b2 52.7 vs 52.9 / 53.8.
+      Fewer rows on the busiest SM (25 against 28) did not shorten the kernel, nor did leaving 6 SMs free for the
+      KDA step's early CTAs (126). Read as the prediction's fallback says: the loop's time follows the rounds of
+      row groups (7 on the busiest CTAs either way at rank16, the last a single row) rather than the rows per SM.
+      Removed in session 12 (the code is at 0e81145).
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -262,8 +272,8 @@ FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
 PIN_LOADS = True    # v6 (the default since session 7): tie each batch of the FMA loop's weight loads together
 PREFETCH_GROUPS = 1  # v7 (opt-in, "fast-inpf2" / "fast-inpf3"): row groups of the fused kernel in L2 prefetch ahead
-# (v8, x in fp32 shared memory, and v9, x in registers, were measured and removed in session 11: version log)
-EVEN_ROWS = False    # v10 (opt-in, "fast-inev"): the fused kernel's rows split evenly over all SMs, not in groups
+# (v8, x in fp32 shared memory, and v9, x in registers, were measured and removed in session 11; v10, rows split
+# evenly over the SMs, in session 12: version log)
 
 
 def _vectors_per_lane(K: int, ks: int) -> int:
@@ -470,13 +480,8 @@ def _build_kernels():
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
         def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
-                     early_trigger=False, pin=False, pf=1, even=False):
+                     early_trigger=False, pin=False, pf=1):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
-            # v10 (opt-in, fused G = 1 loop): CTA b owns rows [b N / grid, (b + 1) N / grid) of a 132-CTA grid, in
-            # groups of rpc rows whose last may be partial, instead of every grid-th group of rpc rows. At rank16
-            # (N = 3216, rpc = 4) that is 24-25 rows on each of 132 SMs instead of 28 on 115 (the version log)
-            self.even = even
-            assert not even or (fused and G == 1)
             # v7 (opt-in, fused G = 1 only): pf row groups of L2 prefetches ahead instead of one; pf before the PDL
             # wait, so the HBM streams during the AttnRes prologue (the version log says why)
             self.pf = pf
@@ -538,16 +543,9 @@ def _build_kernels():
             sRed = smem.allocate_tensor(Float32, cute.make_layout((2, self.nwarps, self.MB),
                                                                   stride=(self.nwarps * self.MB, self.MB, 1)), 16)
             # weights do not depend on the producer: start their HBM stream before the PDL wait
-            if const_expr(self.even):
-                rs = (bid * N) // nblk              # v10: this CTA's rows [rs, re)
-                re = ((bid + 1) * N) // nblk
-                for ahead in cutlass.range_constexpr(self.pf):
-                    if rs + ahead * self.rpc + r < re:
-                        _prefetch_rows(gW, rs + ahead * self.rpc + r, 1, kv0, kv1, lane)
-            else:
-                for ahead in cutlass.range_constexpr(self.pf):
-                    if bid + ahead * nblk < n_groups:
-                        _prefetch_rows(gW, (bid + ahead * nblk) * self.rpc + r, 1, kv0, kv1, lane)
+            for ahead in cutlass.range_constexpr(self.pf):
+                if bid + ahead * nblk < n_groups:
+                    _prefetch_rows(gW, (bid + ahead * nblk) * self.rpc + r, 1, kv0, kv1, lane)
             if const_expr(self.fused):
                 sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, self.K), stride=(self.K, 1)), 16)
                 sRedA = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 2 * (self.nb + 1)),
@@ -592,34 +590,18 @@ def _build_kernels():
                     if g2 < n_groups:
                         self.group_out(rWb, kvb, kv1, gX, acc, rX, sRed, 1, g2 * self.rpc, mY, warp, lane, tid)
             else:
-                if const_expr(self.even):
-                    g_first, g_end, g_step = Int32(0), (re - rs + self.rpc - 1) // self.rpc, 1
-                else:
-                    g_first, g_end, g_step = bid, n_groups, nblk
-                for grp in cutlass.range(g_first, g_end, g_step):
-                    if const_expr(self.even):
-                        base = rs + grp * self.rpc
-                    else:
-                        base = grp * self.rpc
+                for grp in cutlass.range(bid, n_groups, nblk):
+                    base = grp * self.rpc
                     row = base + r
                     if const_expr(self.fused):
-                        if const_expr(self.even):
-                            if base + self.pf * self.rpc + r < re:
-                                _prefetch_rows(gW, base + self.pf * self.rpc + r, 1, kv0, kv1, lane)
-                        else:
-                            nxt = grp + self.pf * nblk
-                            if nxt < n_groups:
-                                _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
+                        nxt = grp + self.pf * nblk
+                        if nxt < n_groups:
+                            _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
                     acc.fill(0.0)
-                    kend = kv1
-                    if const_expr(self.even):
-                        # v10: a warp whose row is past the CTA's range (its last group may be partial) loads
-                        # nothing and adds zeros to the reduction; its row is not stored
-                        kend = cutlass.select_(row < re, kv1, kv0)
                     # batches of U vectors per lane: U loads issued together, then their FMAs. Predicated instead of a
                     # remainder loop (a runtime-trip-count remainder issues one load per round trip); past-the-end
                     # lanes re-read the slice's last vector (in bounds) and weight it 0.
-                    for kvb in cutlass.range(kv0 + lane, kend, 32 * self.U):
+                    for kvb in cutlass.range(kv0 + lane, kv1, 32 * self.U):
                         for u in cutlass.range_constexpr(self.U):
                             kvc = cutlass.min(kvb + 32 * u, kv1 - 1)
                             cute.copy(w_atom, gW[0, None, row, kvc], rWs[u])
@@ -641,10 +623,7 @@ def _build_kernels():
                             for m in cutlass.range_constexpr(self.MB):
                                 cute.autovec_copy(gX[0, None, m, kvc], rX[None, m])
                                 acc[None, m].store(acc[None, m].load() + rX[None, m].load().to(Float32) * wv)
-                    if const_expr(self.even):
-                        self.reduce_store(acc, sRed, buf, base, mY, warp, lane, tid, limit=re)
-                    else:
-                        self.reduce_store(acc, sRed, buf, base, mY, warp, lane, tid)
+                    self.reduce_store(acc, sRed, buf, base, mY, warp, lane, tid)
                     buf = 1 - buf
             if const_expr(not self.early_trigger):
                 cute.arch.griddepcontrol_launch_dependents()
@@ -665,9 +644,9 @@ def _build_kernels():
             self.reduce_store(acc, sRed, sbuf, row0, mY, warp, lane, tid)
 
         @cute.jit
-        def reduce_store(self, acc, sRed, sbuf, row0, mY, warp, lane, tid, limit=None):
+        def reduce_store(self, acc, sRed, sbuf, row0, mY, warp, lane, tid):
             """A row group's warp sums -> sRed[sbuf] -> the k-slices added in a fixed order -> y[:, row0 + rr]
-            (deterministic); with limit (v10) only rows below it are stored."""
+            (deterministic)."""
             for m in cutlass.range_constexpr(self.MB):
                 t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
                 if lane == 0:
@@ -679,11 +658,7 @@ def _build_kernels():
                 tot = Float32(0.0)
                 for q in cutlass.range_constexpr(self.ks):
                     tot = tot + sRed[sbuf, rr * self.ks + q, mm]
-                if const_expr(limit is None):
-                    mY[mm, row0 + rr] = tot.to(mY.element_type)
-                else:
-                    if row0 + rr < limit:
-                        mY[mm, row0 + rr] = tot.to(mY.element_type)
+                mY[mm, row0 + rr] = tot.to(mY.element_type)
 
     # ------------------------------------------------------------------ tensor-core GEMV (M buckets 8..64)
     class _MmaGemv:
@@ -916,7 +891,7 @@ def _compile_norm(K, nb, has_delta, bw, wln, eps):
 
 
 def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False,
-                 pf=1, even=False):
+                 pf=1):
     cutlass, cute, Fma, _, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
@@ -924,28 +899,27 @@ def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
     obj = Fma(MB, rpc, ks, FUSED_WARPS, fused=True, K=K, nb=nb, has_delta=has_delta, bw=bw, eps=eps, G=G,
-              early_trigger=early_trigger, pin=pin, pf=pf, even=even)
+              early_trigger=early_trigger, pin=pin, pf=pf)
     return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, cutlass.Int32(1), fake_stream(), options=options)
 
 
-def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigger=False, pin=False, pf=1,
-                   even=False):
+def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigger=False, pin=False, pf=1):
     key = (("rms_gemv.fused", MB, K, nb, has_delta, bw, wln, eps, rpc, ks) + ((G,) if G != 1 else ())
            + (("early_trigger",) if early_trigger else ()) + (("pin",) if pin else ())
-           + ((("pf", pf),) if pf != 1 else ()) + (("even",) if even else ()))
+           + ((("pf", pf),) if pf != 1 else ()))
     return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G,
-                                                    early_trigger=early_trigger, pin=pin, pf=pf, even=even))
+                                                    early_trigger=early_trigger, pin=pin, pf=pf))
 
 
 def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, early_trigger: bool = False,
-              pin: bool = False, pf: int = 1, even: bool = False) -> str:
+              pin: bool = False, pf: int = 1) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
     see k3fast.ptxcheck and notebook 02)."""
     from .ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
                                              options=TVM_FFI + " --keep-ptx", G=G,
-                                             early_trigger=early_trigger, pin=pin, pf=pf, even=even))
+                                             early_trigger=early_trigger, pin=pin, pf=pf))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -1052,7 +1026,7 @@ def _check_prefetch(pf) -> int:
 
 
 def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=None, fused_groups=None,
-                early_trigger=False, pin_loads=None, prefetch_groups=None, even_rows=None):
+                early_trigger=False, pin_loads=None, prefetch_groups=None):
     """(the arguments of _compile_fused, grid) for the fused kernel these options run: one rule for the host entry
     and compile_keys, so warmup compiles exactly the builds the calls use."""
     rpc, ks, grid = _fused_config(N, K)
@@ -1067,21 +1041,13 @@ def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=No
         G = 1                           # a slice of more than 8 vectors per lane: no one-batch groups to pair
     pin = (PIN_LOADS if pin_loads is None else bool(pin_loads)) and G == 1
     pf = _check_prefetch(PREFETCH_GROUPS if prefetch_groups is None else prefetch_groups) if G == 1 else 1
-    # v10 serves the G = 1 loop; it launches one CTA per SM (at most one per row), or even_rows CTAs
-    # when it is an int (the grid is a launch argument, not part of the build)
-    ev_arg = EVEN_ROWS if even_rows is None else even_rows
-    if not isinstance(ev_arg, bool) and (not isinstance(ev_arg, int) or not 1 <= ev_arg <= NUM_SMS):
-        raise ValueError(f"even_rows must be a bool or a CTA count in 1..{NUM_SMS}, got {ev_arg!r}")
-    ev = bool(ev_arg) and G == 1
-    if ev:
-        grid = min(NUM_SMS if ev_arg is True else ev_arg, N)
     return (M, K, n_blocks, bool(has_delta), block_write, wln, float(eps), rpc, ks, G, bool(early_trigger), pin,
-            pf, ev), grid
+            pf), grid
 
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     early_trigger=False, pin_loads=None, prefetch_groups=None, even_rows=None):
+                     early_trigger=False, pin_loads=None, prefetch_groups=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
@@ -1090,9 +1056,6 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     pin_loads: tie each batch of weight loads together (v6; None = PIN_LOADS, on by default; fused kernel, G = 1).
     prefetch_groups: row groups of each CTA in L2 prefetch ahead of its loads, all of them issued before the PDL
     wait (v7; None = PREFETCH_GROUPS = 1; fused kernel, G = 1; 1..4). Bit-identical: prefetches change no value.
-    even_rows: the fused kernel's rows split evenly over one CTA per SM (v10; None = EVEN_ROWS, off; G = 1:
-    elsewhere it is ignored), or over that many CTAs when it is an int (fewer than the SMs leaves some
-    free for the early-triggered dependent's CTAs). Bit-identical: a row's dot product does not depend on its CTA.
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
@@ -1111,7 +1074,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
     if fused and K % 16 == 0:
         args, grid = _fused_args(M, K, N, n_blocks, delta is not None, block_write, wln, eps, fused_ks, fused_groups,
-                                 early_trigger, pin_loads, prefetch_groups, even_rows)
+                                 early_trigger, pin_loads, prefetch_groups)
         _compile_fused(*args)(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
@@ -1126,7 +1089,7 @@ def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=rang
                  block_write=(-1, "n"), deltas=(False, True), wln="bf16", eps=1e-5, fuse_max_m=FUSE_MAX_M,
                  early_trigger=False):
     """Every (kind, config) a set of GEMV shapes [(N, K)] and batch sizes needs with the module's default options
-    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS, EVEN_ROWS); attnres_N lists the projection widths
+    (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS); attnres_N lists the projection widths
     that run fused after AttnRes (K = attnres_K), with early_trigger as the caller passes it (the layer's in_proj:
     True). block_write "n" means = n_blocks."""
     keys = set()

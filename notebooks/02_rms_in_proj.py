@@ -310,10 +310,15 @@ print(nbtools.ncu_table(in_ncu))
 # round trip, section 6's version log) and v4 / v7 (deeper L2 prefetch), this rules out issue, round trips and
 # prefetch depth as the limit. What is left is the bytes each SM streams. The kernel moves ~25 GB/s per busy SM,
 # about what the router front reaches per SM, and 17 of the 132 SMs are idle: 804 groups of 4 rows take 7 rounds
-# either way, so the grid is 115 CTAs of 7 groups. v10 (`even_rows`, impl `fast-inev`, not yet measured) gives
-# every SM 24-25 rows instead of 28 on 115, bit-identical by construction. `scripts/h200_next.sh s23` measures it.
-# v8 and v9 were removed from `k3fast/rms_gemv.py` after these runs (their code is at commits 5f1f620 and c1bb65a);
-# the records above keep what they measured.
+# either way, so the grid is 115 CTAs of 7 groups. v10 (`even_rows`, impls `fast-inev` / `fast-inev126`) gave
+# every SM 24-25 rows instead of 28 on 115, bit-identical by construction. `scripts/h200_next.sh s23` measured it
+# at 0e81145 (`kernels-0e81145-s23.json`, `records-0e81145-s23.json`): no gain. Bench rank16 b1 22.98 µs default
+# against 23.39 (132 CTAs) / 23.23 (126), rank8 b1 33.50 against 33.92 / 34.24; attention half rank16 b1 33.2
+# against 33.3 / 33.6 µs, rank8 b1 47.3 against 47.9 / 48.0. Fewer rows on the busiest SM did not shorten the
+# kernel. Its busiest CTAs still run 7 rounds of row groups (the last a single row), which suggests the rounds,
+# not the rows, set the time.
+# v8 and v9 were removed from `k3fast/rms_gemv.py` after these runs (their code is at commits 5f1f620 and c1bb65a),
+# and v10 after s23 (its code is at 0e81145); the records above keep what they measured.
 
 # %%
 nc = {os.path.basename(p).split("rms_gemv")[1].split("_shape")[0] or "default": nbtools.recorded_ncu(p)

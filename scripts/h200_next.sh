@@ -256,6 +256,9 @@ case "${1:-}" in
   ncu4)   K3_NCU_METRICS=sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_elapsed.max \
           K3_NCU_TIMEOUT=80 bash scripts/h200_ncu.sh "tail --shape k3_rank16 --batch 1 --ring 2" \
             "bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1" "experts --shape k3_rank16 --batch 1" ;;
+  # (as run at 0e81145 in session 12: rms_gemv v10 and kda_conv_gate_step v7 measured no faster, and fast-inev,
+  # fast-inev126, fast-kdaocc6, their bench rows and tests were removed afterwards, so s23 and s24 reproduce only
+  # at that commit)
   # session 11, written for session 12: the fused in_proj's v10 (rows even over 132 CTAs, fast-inev): its GPU tests,
   # the in_proj bench rows at b1 / b2 and the layer A/B at rank16 / rank8 b1 / b2 (with fast-inxr, the miss of s22,
   # for the record), then the whole GPU suite's experts file if time is left

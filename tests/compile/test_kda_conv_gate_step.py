@@ -233,32 +233,3 @@ def test_v3_order_runs_the_barrier_exchanges():
     with pytest.raises(ValueError, match="late_stores"):
         kmod.kernel_key(6, 1, 8, late_stores=False, dsmem_tx=True)
 
-
-def test_min_blocks_key():
-    """v7: the occupancy hint joins the key of the nsplit-4, T = 1 build only; bad values are refused."""
-    base = kmod.kernel_key(6, 1, 4, early_trigger=True, min_blocks=0)
-    assert kmod.kernel_key(6, 1, 4, early_trigger=True, min_blocks=6) == base + (("min_blocks", 6),)
-    assert kmod.kernel_key(6, 1, 4, early_trigger=True) == (base + ((("min_blocks", kmod.MIN_BLOCKS),)
-                                                                     if kmod.MIN_BLOCKS else ()))
-    assert kmod.kernel_key(6, 1, 8, early_trigger=True, min_blocks=6) == kmod.kernel_key(6, 1, 8, early_trigger=True,
-                                                                                         min_blocks=0)
-    assert kmod.kernel_key(6, 2, 4, min_blocks=6) == kmod.kernel_key(6, 2, 4, min_blocks=0)
-    for bad in (-1, 17, 2.0, True, "6"):
-        with pytest.raises(ValueError, match="min_blocks"):
-            kmod.kernel_key(6, 1, 4, min_blocks=bad)
-
-
-@needs_dsl
-def test_min_blocks_caps_the_registers():
-    """v7 at rank16 and rank8 (nsplit 4, T = 1): the hint of 6 CTAs per SM brings ptxas to <= 85 registers (65536 /
-    (6 x 128)); without it the build takes 96. ptxas 12.9: 80 registers, 16 spill bytes. PTX only where ptxas is
-    not found."""
-    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
-    ptx = {mb: _ptx_text(kmod.kernel_key(6, 1, 4, early_trigger=True, min_blocks=mb)) for mb in (0, 6)}
-    assert ".minnctapersm 6" in ptx[6] and ".minnctapersm" not in ptx[0]
-    tools = find_sass_tools()
-    if tools is None:
-        pytest.skip("no ptxas here: the PTX directive checked only")
-    res = {mb: ptxas_resources(p, tools[0]) for mb, p in ptx.items()}
-    assert res[6]["registers"] <= 85 < res[0]["registers"], res
-    assert res[6]["spill_store_bytes"] <= 32, res

@@ -93,7 +93,7 @@ def test_compile_keys_cover_fused_and_norm():
     # lacked the pinned loads, so warmup compiled builds no default call used)
     fused = {k for k in keys if k[0] == "fused"}
     assert fused == {("fused",) + R._fused_args(m, 7168, 3216, 1, True, -1, "bf16", 1e-5)[0] for m in (1, 2)}
-    assert all(k[12] == R.PIN_LOADS and k[13] == R.PREFETCH_GROUPS and k[11] is False and k[14] == R.EVEN_ROWS
+    assert all(k[12] == R.PIN_LOADS and k[13] == R.PREFETCH_GROUPS and k[11] is False and len(k) == 14
                for k in fused)
     assert {k[-1] for k in keys if k[0] == "fma"} == {R.PIN_LOADS}
     early = R.compile_keys([(3216, 7168)], [1], attnres_K=7168, attnres_N=(3216,), n_blocks=(1,), block_write=(-1,),
@@ -256,43 +256,3 @@ def test_prefetch_groups_is_checked():
             R._check_prefetch(bad)
     assert R._check_prefetch(3) == 3
 
-
-def test_even_rows_key_and_partition():
-    """v10: one CTA per SM (at most one per row), in the key; with G = 2 it is off. The row ranges
-    [b N / grid, (b + 1) N / grid) cover every row once, with at most one row more on any CTA than on another
-    (rank16: 24-25 rows, ceil(25 / 4) = 7 groups whose last holds one row, against 7 full groups on 115 CTAs)."""
-    fa = lambda M, N=3216, **kw: R._fused_args(M, 7168, N, 1, True, -1, "bf16", 1e-5, **kw)
-    args, grid = fa(1, even_rows=True)
-    assert args[-1] is True and grid == R.NUM_SMS and fa(1)[1] == 115 and fa(1)[0][-1] is R.EVEN_ROWS
-    assert fa(2, even_rows=True)[0][-1] is True
-    assert fa(1, even_rows=True, fused_groups=2)[0][-1] is False
-    assert fa(1, N=64, even_rows=True)[1] == 64
-    a126, g126 = fa(1, even_rows=126)            # a CTA count: the same build, a smaller grid
-    assert g126 == 126 and a126 == args
-    for bad in (0, 133, 2.0, "132"):
-        with pytest.raises(ValueError, match="even_rows"):
-            fa(1, even_rows=bad)
-    for N, ev in [(n, e) for n in (3216, 6288, 49376, 64, 144) for e in (True, 126)]:
-        g = fa(1, N=N, even_rows=ev)[1]
-        spans = [(b * N // g, (b + 1) * N // g) for b in range(g)]
-        assert spans[0][0] == 0 and spans[-1][1] == N and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-        sizes = {e - s for s, e in spans}
-        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
-
-
-@needs_dsl
-def test_even_rows_compiles_without_spills():
-    """v10 at M = 1 and 2 (rank16 in_proj): 0 spill bytes, and the default's loop unchanged by the refactor of its
-    row base (ptxas 12.9: 626 / 815 SASS instructions per row group at M = 1 / 2, v10 639 / 827)."""
-    from k3fast.ptxcheck import find_sass_tools, ptxas_resources, sass_loop_opcodes
-    ptxs = {M: {e: R.fused_ptx(3216, M=M, pin=True, early_trigger=True, even=e) for e in (False, True)}
-            for M in (1, 2)}
-    tools = find_sass_tools()
-    if tools is None:
-        pytest.skip("no ptxas / nvdisasm here: compiled to PTX only")
-    for M, ptx in ptxs.items():
-        for e, p in ptx.items():
-            assert ptxas_resources(p, tools[0])["spill_store_bytes"] == 0
-        outer = {e: max(sum(v.values()) for k, v in sass_loop_opcodes(p, tools).items() if k != "ptxas")
-                 for e, p in ptx.items()}
-        assert outer[True] <= 1.05 * outer[False], outer

@@ -377,17 +377,6 @@ def test_late_stores_are_bit_identical(H, B, T, early):
             assert torch.equal(a, b), other
 
 
-@pytest.mark.parametrize("H,B", [(6, 64), (12, 64), (6, 17)])
-@pytest.mark.parametrize("early", [False, True])
-def test_min_blocks_is_bit_identical(H, B, early):
-    """v7 (min_blocks=6 at nsplit 4, T = 1): the same code under a register cap; y and both states equal the
-    default's bit for bit, with a padded request, a bad slot and spare slots."""
-    assert kmod.choose_nsplit(B, H) == 4
-    res = run_builds_bitwise(H, B, 1, early, 90 + B + H, {"occ6": {"min_blocks": 6}, "default": {"min_blocks": 0}})
-    for a, b in zip(res["occ6"], res["default"]):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("B,T,H", [(1, 1, 6), (7, 3, 6), (64, 1, 12), (2, 1, 96)])
 def test_dsmem_tx_against_reference(B, T, H):
     """v6 (st.async + mbarrier exchanges) against the float64 reference, with padded requests and spare slots."""

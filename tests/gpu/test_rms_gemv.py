@@ -129,10 +129,8 @@ def test_fused_vs_unfused(R, seed, M):
 #   pin_loads=True (v6): + 0 * (sum of the batch's first weights) in each weight scale, fused (M <= 2) and through
 #                        attnres_rmsnorm + the plain FMA GEMV (M = 3, 4).
 #   prefetch_groups=3 (v7): L2 prefetches only, 3 row groups ahead instead of 1 (fused, M <= 2).
-#   even_rows=True (v10): the same rows computed by other CTAs (a row's dot product does not depend on its CTA);
-#                     every width here ends some CTA on a partial group (rank16 25 rows, rank8 47, full 375).
 BITWISE_OPTIONS = [("fused_groups", 1, 2, (1, 2)), ("pin_loads", False, True, (1, 2, 3, 4)),
-                   ("prefetch_groups", 1, 3, (1, 2)), ("even_rows", False, True, (1, 2)), ("even_rows", False, 126, (1,))]
+                   ("prefetch_groups", 1, 3, (1, 2))]
 
 
 @pytest.mark.parametrize("N", [N_RANK16, N_RANK8, N_FULL])

@@ -323,5 +323,5 @@ def test_every_fast_variant_builds_valid_kda_keys():
         for ns in (4, 8):
             key = kmod.kernel_key(6, 1, ns, early_trigger=kw.get("attn_early_trigger", True),
                                   preload=kw.get("kda_preload"), late_stores=kw.get("kda_late_stores"),
-                                  dsmem_tx=kw.get("kda_dsmem_tx"), min_blocks=kw.get("kda_min_blocks"))
+                                  dsmem_tx=kw.get("kda_dsmem_tx"))
             assert key[0] == "kda_conv_gate_step", name
