@@ -107,7 +107,7 @@ class FastImpl:
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
-                 experts_route_direct: bool | None = None):
+                 experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -204,6 +204,9 @@ class FastImpl:
         # None: moe_mxfp4_experts.ROUTE_DIRECT (route1 at M = 1: the pairs as segments, no counting sort; on since
         # session 11, "fast-s21exp" is the sorted A/B)
         self.experts_route_direct = experts_route_direct
+        # None: moe_mxfp4_experts.RING_FIT (off; "fast-ringfit": the experts' ring depths fitted to their K steps at
+        # batch buckets > 2, which changes rank8's loops only)
+        self.experts_ring_fit = experts_ring_fit
         self.variant = (("overlap-shared" if overlap_shared else "serial") + (f", experts v{self.experts_version}" if self.experts_version else ", experts default_version")
                         + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")
                         + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}")
@@ -219,6 +222,7 @@ class FastImpl:
                         + ("" if experts_warps is None else f", experts {experts_warps} warps")
                         + ("" if experts_route_direct is None
                            else f", experts routing at b1 {'direct' if experts_route_direct else 'sorted'}")
+                        + ("" if experts_ring_fit is None else f", experts ring fit {'on' if experts_ring_fit else 'off'}")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
                         + ("" if shared_in_fma_front or not shared_in_front else ", shared gate/up apart from the fused front")
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
@@ -318,7 +322,8 @@ class FastImpl:
             r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None,
                                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, workspace=self._workspace(x),
                                   version=self.experts_version, cluster=self._experts_cluster(x.shape[0]),
-                                  warps=self.experts_warps, route_direct=self.experts_route_direct)
+                                  warps=self.experts_warps, route_direct=self.experts_route_direct,
+                                  ring_fit=self.experts_ring_fit)
         if late:
             with stage("k3.moe.shared"):
                 h = shared_expert_gate_up(x, self.shared_gu, early_trigger=True)

@@ -302,6 +302,28 @@ Version log
       line from 16 warps (~1000 per CTA at b1) issued before the ring's first loads can retire, and at b8 / b64
       each CTA's item count multiplies them while the rings are already saturated. Removed in session 11 (the
       code is at 5f1f620).
+  ring_fit (2026-11-30, session 12; opt-in ring_fit / RING_FIT, impl "fast-ringfit", bench_experts RF / RFprobe;
+      versions 4 / 5 only, i.e. batch buckets > 2; CPU-compiled, to be measured by h200_next s26) Each weight
+      loop's register ring gets its own depth: the deepest d <= D for which step_split needs no per-step division
+      (K % d == 0 or d % K == 0), D1 for FC1 (K = KS1 steps per unit) and D2 for FC2 (K = NKB2H). At rank16 (KS1 =
+      56, NKB2H = 4) that is D = 8 for both and the PTX is the default's. At rank8 (I = 384, W = 16: S = 2, KS1 =
+      28, NKB2H = 6) it is 7 and 6, where D = 8 divides every step: unit and K step are recomputed per step, with
+      the signed-division fix-ups, for the step, its refill and the z / h reads.
+      Why: the session-11 SASS of the rank8 b64 kernel had 478 of the FC1 loop's 1063 instructions per 8 steps in
+      index work, and rank8's loops ran 121 / 116 (b8) and 133 / 147 (b64) SASS instructions per step in FC1 / FC2
+      against rank16's 90 / 85 and 117 / 112. The kernel is issue-bound there: 630.9 us against its stream probe's
+      399.4 at b64, 118.1 against 81.4 at b8 (experts-5f1f620-s21b.json), and Marlin took 564.7 at b64. The
+      session-11 attempts (a carried divmod, a shift for S) cut at most 8.5 % and added spills.
+      CPU (ptxas 12.9 from Triton's wheel, tests/compile test_ring_fit_cuts_the_index_work): SASS per step rank8 b64
+      FC1 133 -> 98.6 (690 per 7 steps), FC2 147 -> 102 (614 per 6 steps); b8 FC1 121 -> 85, FC2 116 -> ~75; 128
+      registers, no spills; PTX instructions per MMA in the two loops -29 to -35 %. Bit-identical by construction
+      (a step multiplies the same rows in the same K order; only when each row is loaded changes; GPU test
+      test_ring_fit_is_bit_identical).
+      Risk: 7 and 6 loads in flight per lane instead of 8 (-12.5 % / -25 % bytes in flight) where the loop is
+      latency-bound; RFprobe against probe measures that alone.
+      Prediction (bench_experts rank8, RF against default): b64 631 -> 560-600 us, b8 118 -> 105-113; RFprobe
+      within +-5 % of probe; rank16 unchanged (same PTX). MoE half rank8 (fast-ringfit against fast) b64 -30 to
+      -70 us, b8 -5 to -13.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -628,6 +650,8 @@ SMALL_BATCH_MAX_MB = 2
 # token's 16 (token, slot) pairs is its own expert segment, read straight from the ids, instead of the in-CTA
 # counting sort (version log; s21b: MoE half rank16 b1 59.6 -> 57.7 us, rank8 66.8 -> 65.6)
 ROUTE_DIRECT = True
+# ring_fit (opt-in, "fast-ringfit"): each loop's ring depth fitted to its K steps per unit (version log)
+RING_FIT = False
 
 
 def default_version(MB: int) -> int:
@@ -655,6 +679,7 @@ class KernelCfg:
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
     parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
     route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
+    ring_fit: bool = False      # each loop's ring depth fitted to its K steps per unit (D1, D2 <= D; opt-in)
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -683,6 +708,21 @@ class KernelCfg:
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
+
+    def _fit(self, K: int) -> int:
+        """The deepest ring <= D that step_split divides once per ring turn or never (K % d == 0 or d % K == 0),
+        with ring_fit; else D."""
+        if not self.ring_fit:
+            return self.D
+        return next(d for d in range(self.D, 0, -1) if K % d == 0 or d % K == 0)
+
+    @property
+    def D1(self):           # FC1's ring depth (K steps per unit: KS1)
+        return self._fit(self.KS1)
+
+    @property
+    def D2(self):           # FC2's ring depth (K steps per work item: NKB2H)
+        return self._fit(self.NKB2H)
 
     @property
     def NH(self):           # work items per expert: the parts of I (v6: two halves; v7: ``parts``)
@@ -1149,9 +1189,10 @@ def _build_kernel_class():
             h_flat = cute.make_tensor(h_s.iterator, cute.make_layout(NT * c.HW))
             hcols = c.IH // C
             NS1 = c.U1 * c.KS1
-            NS1_pad = -(-NS1 // D) * D
+            D1, D2 = c.D1, c.D2     # the loops' ring depths (<= D; below D only with ring_fit)
+            NS1_pad = -(-NS1 // D1) * D1
             NS2 = c.U2 * c.NKB2H if c.probe != "fc1" else 0      # the "fc1" stage probe stops before FC2
-            NS2_pad = -(-NS2 // D) * D
+            NS2_pad = -(-NS2 // D2) * D2
             NV = c.dL // 8 // C
             s8 = cute.make_rmem_tensor(cute.make_layout(8), Float32)
             ry = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
@@ -1235,21 +1276,21 @@ def _build_kernel_class():
                     koff = 0
                     if const_expr(c.version in (6, 7)):
                         koff = hI * c.NKB2H                          # the part's K steps of each w2 tile
-                    for d in cutlass.range_constexpr(D):
+                    for d in cutlass.range_constexpr(D1):
                         if const_expr(d < NS1):
                             row_ = fc1_row(c, warp, t1_base, d)
                             load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d)
                     if const_expr(c.version >= 3):
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.barrier()
-                    for s0 in cutlass.range(0, NS1_pad, D):
-                        for d in cutlass.range_constexpr(D):
+                    for s0 in cutlass.range(0, NS1_pad, D1):
+                        for d in cutlass.range_constexpr(D1):
                             s = s0 + d
                             if s < NS1:
                                 wv = [ringW[d, j] for j in range(4)]
                                 sv = ringS[d]
                                 if const_expr(c.layout == "rot"):
-                                    i, kk = step_split(s0, d, c.KS1, D)
+                                    i, kk = step_split(s0, d, c.KS1, D1)
                                 else:
                                     i = s // c.KS1
                                     kk = s - i * c.KS1
@@ -1260,12 +1301,12 @@ def _build_kernel_class():
                                     acc.fill(0.0)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, True)
                                 if const_expr(c.layout == "rot"):
-                                    i_, k_ = step_split(s0 + D, d, c.KS1, D)
+                                    i_, k_ = step_split(s0 + D1, d, c.KS1, D1)
                                     uu_ = warp + W * i_
                                     row_ = (t1_base + uu_ // c.S) * c.NKB1 + (uu_ % c.S) * c.KS1 + k_
                                 else:
-                                    row_ = fc1_row(c, warp, t1_base, s + D)     # the refill of this slot
-                                if s + D < NS1:
+                                    row_ = fc1_row(c, warp, t1_base, s + D1)     # the refill of this slot
+                                if s + D1 < NS1:
                                     load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d,
                                               scale=c.version < 4)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
@@ -1280,7 +1321,7 @@ def _build_kernel_class():
                                                 mma_block_any(c, a, bv, sf, bb, acc, gi)
                                 if const_expr(c.version >= 4):
                                     # v4: the scale word is refilled after its last use (the MMAs' scale factors)
-                                    if s + D < NS1:
+                                    if s + D1 < NS1:
                                         ringS[d] = eW13s[row_ * 8 + g]
                                 if kk == c.KS1 - 1:
                                     if const_expr(c.S > 1):
@@ -1333,18 +1374,18 @@ def _build_kernel_class():
                     # ======================= FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I.
                     # the ring restarts here, one loaded HBM round trip after barrier B (issuing these loads from
                     # FC1's last steps instead was measured: no gain, slower at b64; version log, xpf)
-                    for d in cutlass.range_constexpr(D):
+                    for d in cutlass.range_constexpr(D2):
                         if const_expr(d < NS2):
                             row_ = fc2_row(c, warp, t2_base, d, koff)
                             load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
-                    for s0 in cutlass.range(0, NS2_pad, D):
-                        for d in cutlass.range_constexpr(D):
+                    for s0 in cutlass.range(0, NS2_pad, D2):
+                        for d in cutlass.range_constexpr(D2):
                             s = s0 + d
                             if s < NS2:
                                 wv = [ringW[d, j] for j in range(4)]
                                 sv = ringS[d]
                                 if const_expr(c.layout == "rot"):
-                                    i, kb = step_split(s0, d, c.NKB2H, D)
+                                    i, kb = step_split(s0, d, c.NKB2H, D2)
                                 else:
                                     i = s // c.NKB2H
                                     kb = s - i * c.NKB2H
@@ -1353,11 +1394,11 @@ def _build_kernel_class():
                                     acc.fill(0.0)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, True)
                                 if const_expr(c.layout == "rot"):
-                                    i_, k_ = step_split(s0 + D, d, c.NKB2H, D)
+                                    i_, k_ = step_split(s0 + D2, d, c.NKB2H, D2)
                                     row_ = (t2_base + cutlass.min(warp + W * i_, c.T2 - 1)) * c.NKB2 + koff + k_
                                 else:
-                                    row_ = fc2_row(c, warp, t2_base, s + D, koff)     # the refill of this slot
-                                if s + D < NS2:
+                                    row_ = fc2_row(c, warp, t2_base, s + D2, koff)     # the refill of this slot
+                                if s + D2 < NS2:
                                     load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d,
                                               scale=c.version < 4)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
@@ -1385,7 +1426,7 @@ def _build_kernel_class():
                                                         mY[pr, r0 + 8] = acc[gi * 4 + 2 + q].to(BFloat16)
                                 if const_expr(c.version >= 4):
                                     # v4: the scale word is refilled after its last use (the MMAs' scale factors)
-                                    if s + D < NS2:
+                                    if s + D2 < NS2:
                                         ringS[d] = eW2s[row_ * 8 + g]
 
                     if const_expr(c.probe in PROBES_WITH_COMBINE):
@@ -1515,11 +1556,14 @@ V7_CLUSTER = 2      # v7's clusters: TPC pairs, all 66 co-resident (C = 4 grids 
 def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int = 8, nsm: int = 132,
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
-                parts: int | None = None, route_direct: bool | None = None) -> KernelCfg:
+                parts: int | None = None, route_direct: bool | None = None,
+                ring_fit: bool | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
-    route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort)."""
+    route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort).
+    ring_fit None: RING_FIT (the ring depth of each loop fitted to its K steps); versions 4 / 5 only (the batch
+    buckets > 2, where the loops are issue-bound; v7's b1 / b2 loops wait on loads and keep the full ring)."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1534,7 +1578,8 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     direct = (ROUTE_DIRECT if route_direct is None else bool(route_direct)) and MB == 1
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
-                     layout=layout, parts=parts, route_direct=direct)
+                     layout=layout, parts=parts, route_direct=direct,
+                     ring_fit=(RING_FIT if ring_fit is None else bool(ring_fit)) and version in (4, 5))
 
 
 def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:
@@ -1609,7 +1654,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
                       version: int | None = None, cluster: int | None = None,
                       kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
-                      route_direct: bool | None = None):
+                      route_direct: bool | None = None, ring_fit: bool | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -1617,6 +1662,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     values must lie in [0, E) (not checked:
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
     route_direct: at M = 1, the 16 pairs as segments without the counting sort (route1; None = ROUTE_DIRECT).
+    ring_fit: each loop's ring depth fitted to its K steps (opt-in; None = RING_FIT; version log "ring_fit").
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed
@@ -1648,7 +1694,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
-                      route_direct=route_direct)
+                      route_direct=route_direct, ring_fit=ring_fit)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:

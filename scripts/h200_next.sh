@@ -282,8 +282,14 @@ case "${1:-}" in
             -k "not test_moe_mxfp4_experts or v5" ;;
   # session 12, written for session 13: the torch ops with FastImpl's batch dispatch (test_ops at b1 / 3 / 8 / 64,
   # both fronts) and the layer tests over the cuBLAS o_proj / tail helpers FastImpl now shares with the ops
-  s26)    K3_TEST_TIMEOUT=400 bash scripts/h200_tests.sh tests/gpu/test_ops.py tests/gpu/test_fast_layer.py \
-            -k "test_ops or (not timing_report and (64 or 17 or 8-))" ;;
+  # (and the experts' ring_fit opt-in: its bit-identity at rank8, bench_experts RF / RFprobe at rank8 b8 / b64, the
+  # MoE-half A/B at rank8 / rank16 b8 / b64 with fast-ringfit; rank16 is the control, its PTX is the default's)
+  s26)    K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_ops.py tests/gpu/test_fast_layer.py \
+            tests/gpu/test_moe_mxfp4_experts.py -k "test_ops or ring_fit or (test_fast_layer and not timing_report \
+            and (64 or 17))"
+          K3_SWEEP_TIMEOUT=150 K3_EXPERTS_TIMEOUT=100 K3_EXPERTS="--shapes k3_rank8 --batches 8 64 --variants default RF probe RFprobe" \
+            bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 8 64 \
+            --impls stock fast fast-ringfit --budget-s 130 ;;
   # Nsight Compute with the instruction mix: the fused in_proj at b1 (v6 and v8, x in fp32) and the experts at b1
   # (default), to see where the in_proj's ~79 instructions per warp load go
   # (plus the per-SM spread of active cycles, min / max / avg, for the load-balance question of the tail and the

@@ -516,3 +516,44 @@ def test_route1_compiles_without_the_sort(I):
     assert bars[True] < bars[False], bars
     with pytest.raises(ValueError, match="route_direct"):
         mx.KernelCfg(E=896, dL=3584, I=I, MB=8, C=2, route_direct=True)
+
+
+def test_ring_fit_depths():
+    """ring_fit: each loop's ring depth is the deepest <= D that step_split needs no per-step division for; only
+    for versions 4 / 5 (batch buckets > 2). rank8 (I = 384): FC1 has 28 K steps per unit, FC2 6 per tile."""
+    r8 = mx.compile_key(896, 3584, 384, 64, ring_fit=True)
+    assert (r8.KS1, r8.NKB2H, r8.D1, r8.D2) == (28, 6, 7, 6)
+    r16 = mx.compile_key(896, 3584, 256, 64, ring_fit=True)
+    assert (r16.D1, r16.D2) == (8, 8) and r16.ring_fit
+    off = mx.compile_key(896, 3584, 384, 64)
+    assert not off.ring_fit and (off.D1, off.D2) == (8, 8)
+    assert not mx.compile_key(896, 3584, 384, 1, ring_fit=True).ring_fit      # v7 keeps its full ring
+    for K in range(1, 60):
+        k = mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, W=16, version=4, layout="rot", ring_fit=True)
+        d = k._fit(K)
+        assert 1 <= d <= k.D and (K % d == 0 or d % K == 0)
+        assert all(K % e and e % K for e in range(d + 1, k.D + 1))
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("M", [8, 64])
+def test_ring_fit_cuts_the_index_work(M):
+    """What ring_fit is for: at rank8 the weight loops' PTX instructions per MMA drop by over a fifth (the per-step
+    divisions by 28 and 6 are gone); at rank16, where 8 already divides, the PTX is the default's."""
+    import dataclasses
+    from k3fast.ptxcheck import compiled_ptx, loop_opcodes
+
+    def per_mma(key):
+        ptx = compiled_ptx(lambda: mx._compile(key, options="--enable-tvm-ffi --keep-ptx"))
+        # the two innermost loops with MMAs: FC1's and FC2's ring loops (the enclosing pass loops hold them both)
+        loops = sorted((o for o in loop_opcodes(ptx, min_loads=4).values() if o.get("mma", 0)),
+                       key=lambda o: sum(o.values()))[:2]
+        return ptx, [sum(o.values()) / o["mma"] for o in loops]
+
+    base = mx.compile_key(896, 3584, 384, M)
+    _, old = per_mma(base)
+    _, new = per_mma(dataclasses.replace(base, ring_fit=True))
+    for o, n in zip(old, new):
+        assert n < 0.8 * o, (old, new)
+    b16 = mx.compile_key(896, 3584, 256, M)
+    assert per_mma(b16)[0] == per_mma(dataclasses.replace(b16, ring_fit=True))[0]

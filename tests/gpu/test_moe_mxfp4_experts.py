@@ -368,3 +368,16 @@ def test_route1_graph_replay_and_other_batches():
     assert same_bits(outs["direct"], outs["dflt"])
     with pytest.raises(ValueError, match="route_direct"):
         mx.KernelCfg(E=E, dL=DL, I=256, MB=2, C=2, route_direct=True)
+
+
+@pytest.mark.parametrize("M", [3, 8, 17, 64])
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+def test_ring_fit_is_bit_identical(M, kind):
+    """ring_fit (rank8, I = 384: FC1's ring 7 deep, FC2's 6, instead of 8): only when each weight row is loaded
+    changes, not which rows a step multiplies or in which order a tile's K steps add, so every output bit equals
+    the default kernel's. Also against the reference."""
+    ck, prep, z, ids, w, ws = case(M, 384, kind, 5200 + M + len(kind))
+    assert mx.compile_key(E, DL, 384, M, ring_fit=True).D1 == 7
+    outs = run_variants(M, z, ids, w, prep, ws, dflt=dict(), fit=dict(ring_fit=True))
+    assert same_bits(outs["fit"], outs["dflt"])
+    assert rel_rmse(outs["fit"], reference(z, ids, w, ck)) <= TOL
