@@ -65,7 +65,6 @@ INPROJ_DSL_MAX_M = 2
 FRONT_DSL_MAX_M = 4
 
 
-
 # The library halves of the batch dispatch above, shared by FastImpl and the torch ops (k3fast.ops), so that both
 # give the same bits at every batch.
 
@@ -92,6 +91,7 @@ def moe_tail_cublas(r, w_norm_f32, w_up, h, w_sd, *, eps, out=None):
     with stage("k3.moe.up"):
         rn = F.rms_norm(r.float(), (r.shape[-1],), w_norm_f32.float(), eps).bfloat16()
         return torch.add(F.linear(rn, w_up), shared, out=out)
+
 
 class FastImpl:
     name = "fast"

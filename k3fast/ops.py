@@ -82,8 +82,7 @@ def oproj_attnres(y: torch.Tensor, w_o: torch.Tensor, blocks: torch.Tensor, n_bl
     from .fast import GEMV_DSL_MAX_M, oproj_attnres_cublas
     from .oproj_attnres import oproj_attnres as impl
     if y.shape[0] > GEMV_DSL_MAX_M:
-        x, p = oproj_attnres_cublas(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps=eps, boundary=boundary)
-        return x, p
+        return oproj_attnres_cublas(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps=eps, boundary=boundary)
     return impl(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps=eps, boundary=boundary)
 
 

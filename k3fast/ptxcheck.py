@@ -410,18 +410,14 @@ def main(argv=None) -> int:
     # the fused in_proj's weight loops in SASS (the k-batch loop inside the row-group loop): the default (v6, pinned
     # loads, early trigger), at M = 1 and 2. (v8 and v9, removed in session 11, and v10, removed in session 12, are
     # in traces/cpu/ptxcheck-0702749562c3.json.)
-    builds = (("v6 pinned, the default", {}),)
-    for M in (1, 2):
-        for name, kw in builds:
-            if tools is None:
-                continue
-            ptx = rms_gemv.fused_ptx(3216, M=M, pin=True, early_trigger=True, **kw)
-            loops = sass_loop_opcodes(ptx, tools, min_loads=4)
-            ver = loops.pop("ptxas")
-            for label, ops in loops.items():
-                rows.append({"kernel": f"attnres_rms_gemv (fused in_proj, {name})", "config": "k3_rank16 in_proj N=3216",
-                             "M": M, "label": label, "sass": True, "ptxas": ver, "instructions": sum(ops.values()),
-                             "opcodes": ops, **ptxas_resources(ptx, tools[0])})
+    for M in ((1, 2) if tools is not None else ()):
+        ptx = rms_gemv.fused_ptx(3216, M=M, pin=True, early_trigger=True)
+        loops = sass_loop_opcodes(ptx, tools, min_loads=4)
+        ver = loops.pop("ptxas")
+        for label, ops in loops.items():
+            rows.append({"kernel": "attnres_rms_gemv (fused in_proj, v6 pinned, the default)",
+                         "config": "k3_rank16 in_proj N=3216", "M": M, "label": label, "sass": True, "ptxas": ver,
+                         "instructions": sum(ops.values()), "opcodes": ops, **ptxas_resources(ptx, tools[0])})
     for label, seq in loop_issue_order(rms_gemv.fused_ptx(3216), min_loads=2):
         rows.append({"kernel": "attnres_rms_gemv (fused)", "config": "k3_rank16 in_proj N=3216", "M": 1,
                      "label": label, "issue_order": seq})

@@ -45,21 +45,16 @@ def test_compile_all_keys(shape):
     assert kmod.warmup(cfg.kda_heads, BATCHES, TS, cfg.gate_lower_bound, cfg.rms_norm_eps) == keys
 
 
-def _ptx_text(key) -> str:
-    """The PTX of one compile key (compiled with --keep-ptx into a scratch directory)."""
+def _ptx_lines(key) -> list[str]:
+    """The stripped PTX lines of one compile key (compiled with --keep-ptx into a scratch directory)."""
     from k3fast._dsl import TVM_FFI
     from k3fast.ptxcheck import compiled_ptx
     old = kmod.TVM_FFI
     kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
     try:
-        return compiled_ptx(lambda: kmod._compile(key))
+        return [ln.strip() for ln in compiled_ptx(lambda: kmod._compile(key)).splitlines()]
     finally:
         kmod.TVM_FFI = old
-
-
-def _ptx_lines(key) -> list[str]:
-    """The stripped PTX lines of one compile key."""
-    return [ln.strip() for ln in _ptx_text(key).splitlines()]
 
 
 # ----------------------------------------------------------------------------- host-side validation
@@ -232,4 +227,3 @@ def test_v3_order_runs_the_barrier_exchanges():
     assert kmod.kernel_key(6, 1, 8, early_trigger=True, late_stores=True, dsmem_tx=False) == base + ("late_stores",)
     with pytest.raises(ValueError, match="late_stores"):
         kmod.kernel_key(6, 1, 8, late_stores=False, dsmem_tx=True)
-

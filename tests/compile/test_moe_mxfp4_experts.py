@@ -528,8 +528,8 @@ def test_ring_fit_depths():
     off = mx.compile_key(896, 3584, 384, 64)
     assert not off.ring_fit and (off.D1, off.D2) == (8, 8)
     assert not mx.compile_key(896, 3584, 384, 1, ring_fit=True).ring_fit      # v7 keeps its full ring
+    k = mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, W=16, version=4, layout="rot", ring_fit=True)
     for K in range(1, 60):
-        k = mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, W=16, version=4, layout="rot", ring_fit=True)
         d = k._fit(K)
         assert 1 <= d <= k.D and (K % d == 0 or d % K == 0)
         assert all(K % e and e % K for e in range(d + 1, k.D + 1))
