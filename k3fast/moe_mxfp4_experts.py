@@ -314,9 +314,10 @@ Version log
       against rank16's 90 / 85 and 117 / 112. The kernel is issue-bound there: 630.9 us against its stream probe's
       399.4 at b64, 118.1 against 81.4 at b8 (experts-5f1f620-s21b.json), and Marlin took 564.7 at b64. The
       session-11 attempts (a carried divmod, a shift for S) cut at most 8.5 % and added spills.
-      CPU (ptxas 12.9 from Triton's wheel, tests/compile test_ring_fit_cuts_the_index_work): SASS per step rank8 b64
-      FC1 133 -> 98.6 (690 per 7 steps), FC2 147 -> 102 (614 per 6 steps); b8 FC1 121 -> 85, FC2 116 -> ~75; 128
-      registers, no spills; PTX instructions per MMA in the two loops -29 to -35 %. Bit-identical by construction
+      CPU (ptxas 12.9 from Triton's wheel; python -m k3fast.ptxcheck, traces/cpu/ptxcheck-*.json rows "ring_fit"):
+      SASS per step rank8 b64 FC1 133 -> 98.6 (690 per 7 steps), FC2 147 -> 102 (614 per 6 steps); b8 FC1 121 ->
+      85, FC2 116 -> 77 (460 per 6); 128 registers, spill stores 16 -> 0 bytes (b64), 36 -> 20 (b8). PTX
+      instructions per MMA in the two loops -29 to -35 % (tests/compile test_ring_fit_cuts_the_index_work). Bit-identical by construction
       (a step multiplies the same rows in the same K order; only when each row is loaded changes; GPU test
       test_ring_fit_is_bit_identical).
       Risk: 7 and 6 loads in flight per lane instead of 8 (-12.5 % / -25 % bytes in flight) where the loop is
