@@ -243,7 +243,8 @@ for path in glob.glob(os.path.join(nbtools.ROOT, "traces", "cpu", "ptxcheck-*.js
     rows = [r for r in doc["records"] if r.get("sass") and "fused in_proj" in r["kernel"]]
     # (section 11 reads v9 / v10 from the same record; v9 has no k-batch loop to set beside these)
     rows = [r for r in rows if "v6" in r["kernel"] or "v8" in r["kernel"]]
-    if rows and doc["environment"].get("date", "") >= newest:
+    # the newest record that has v8's loop (records after its removal in session 11 hold v6 only)
+    if any("v8" in r["kernel"] for r in rows) and doc["environment"].get("date", "") >= newest:
         sass_rows, sass_src, newest = rows, os.path.basename(path), doc["environment"].get("date", "")
 loop = {}
 for r in sass_rows:          # per build, the innermost loop with weight loads: one batch of 7 vectors per lane
