@@ -32,8 +32,9 @@ causes give different signatures, and one run of this module separates them:
 * ``R1 R1probe R1sortprobe`` (batch 1) route1: the token's 16 pairs as segments straight from the ids, no counting
              sort (the default at batch 1 since session 11); its stream probe, and the probe stopped after its
              routing; ``S1 S1probe S1sortprobe`` the same with the counting sort (the default before);
-* ``RF RFprobe`` (batch buckets > 2) ring_fit: FC1's and FC2's ring depths fitted to their K steps per unit
-             (rank8: 7 and 6 instead of 8, so that no step divides), and its stream probe (opt-in);
+* ``NRF NRFprobe`` (batch buckets > 2) ring_fit off: FC1's and FC2's rings at the full depth D = 8 (the default
+             before session 13; the default fits each ring to its K steps per unit, rank8: 7 and 6, so that no
+             step divides), and its stream probe;
 * ``sortprobe fc1probe fc2probe`` (and ``v4...``): the stream probe stopped after the routing sort, after FC1 and
              the h exchange, or after FC2 (no part reduction / combine): the stages of the b1 latency chain;
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
@@ -59,7 +60,7 @@ from k3ref import preset
 from k3ref.weights import random_layer
 
 VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
-            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "RF", "RFprobe")
+            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe")
 
 
 def variant_cfg(name: str, base):
@@ -79,10 +80,11 @@ def variant_cfg(name: str, base):
         return dataclasses.replace(base, probe="stream", D=int(name[len("Dprobe"):]))
     if name == "R1":                         # route1 (batch 1's pairs as segments, no counting sort)
         return dataclasses.replace(base, route_direct=True)
-    if name == "RF":                         # ring_fit: each loop's ring depth fitted to its K steps (v4 / v5)
+    if name == "NRF":                        # ring_fit off: both rings at the full depth D (v4 / v5)
         if base.version not in (4, 5):
-            raise ValueError(f"RF (ring_fit) serves versions 4 / 5 (batch buckets > 2), got v{base.version}")
-        return dataclasses.replace(base, ring_fit=True)
+            raise ValueError(f"NRF (ring_fit off) differs from the default at versions 4 / 5 only (batch buckets "
+                             f"> 2), got v{base.version}")
+        return dataclasses.replace(base, ring_fit=False)
     if name == "S1":                         # the counting sort at batch 1 (route1 off; other buckets always sort)
         if base.MB != 1:
             raise ValueError(f"S1 (route_direct off) differs from the default at batch bucket 1 only, got MB={base.MB}")
@@ -103,6 +105,8 @@ def variant_cfg(name: str, base):
             kw.setdefault("parts", default_parts(base.I, base.MB, kw["C"], base.nsm))
         elif "version" in kw:                # another version named: one part (only v7 splits)
             kw["parts"] = 1
+        if kw.get("version", base.version) not in (4, 5):   # ring_fit is versions 4 / 5's (compile_key's rule)
+            kw["ring_fit"] = False
         return dataclasses.replace(base, **kw)
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS} or letters C/D/W with numbers")
 

@@ -651,8 +651,9 @@ SMALL_BATCH_MAX_MB = 2
 # token's 16 (token, slot) pairs is its own expert segment, read straight from the ids, instead of the in-CTA
 # counting sort (version log; s21b: MoE half rank16 b1 59.6 -> 57.7 us, rank8 66.8 -> 65.6)
 ROUTE_DIRECT = True
-# ring_fit (opt-in, "fast-ringfit"): each loop's ring depth fitted to its K steps per unit (version log)
-RING_FIT = False
+# ring_fit (the default since session 13; "fast-noringfit" is the A/B at the full depth): each loop's ring depth
+# fitted to its K steps per unit (version log; s26: MoE half rank8 b64 643.8 -> 540.2 us, b8 167.6 -> 141.2)
+RING_FIT = True
 
 
 def default_version(MB: int) -> int:
@@ -680,7 +681,8 @@ class KernelCfg:
     layout: str = "nibble"  # the PreparedExperts layout it decodes; "rot" needs version >= 4
     parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
     route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
-    ring_fit: bool = False      # each loop's ring depth fitted to its K steps per unit (D1, D2 <= D; opt-in)
+    ring_fit: bool = False      # each loop's ring depth fitted to its K steps per unit (D1, D2 <= D; compile_key
+    #                             sets it from RING_FIT, on by default at versions 4 / 5)
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -706,6 +708,9 @@ class KernelCfg:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
+        if self.ring_fit and self.version not in (4, 5):
+            raise ValueError(f"ring_fit serves versions 4 / 5 (batch buckets > 2; v6 / v7 keep the full ring), got "
+                             f"version {self.version}")
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
@@ -1663,7 +1668,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     values must lie in [0, E) (not checked:
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
     route_direct: at M = 1, the 16 pairs as segments without the counting sort (route1; None = ROUTE_DIRECT).
-    ring_fit: each loop's ring depth fitted to its K steps (opt-in; None = RING_FIT; version log "ring_fit").
+    ring_fit: each loop's ring depth fitted to its K steps (None = RING_FIT, on; version log "ring_fit").
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed

@@ -284,6 +284,7 @@ case "${1:-}" in
   # both fronts) and the layer tests over the cuBLAS o_proj / tail helpers FastImpl now shares with the ops
   # (and the experts' ring_fit opt-in: its bit-identity at rank8, bench_experts RF / RFprobe at rank8 b8 / b64, the
   # MoE-half A/B at rank8 / rank16 b8 / b64 with fast-ringfit; rank16 is the control, its PTX is the default's)
+  # (as run at 2667c16; since session 13 ring_fit is the default and the A/B impl is fast-noringfit)
   s26)    K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_ops.py tests/gpu/test_fast_layer.py \
             tests/gpu/test_moe_mxfp4_experts.py -k "test_ops or ring_fit or (test_fast_layer and not timing_report \
             and (64 or 17))"
@@ -307,5 +308,13 @@ case "${1:-}" in
   kdaall2) K3_SWEEP_TIMEOUT=430 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast --budget-s 380 ;;
   # every KDA+MoE shape, fused vs stock, with the all-CuTe A/B (no cuBLAS dispatch above M = 8 / 16)
   kdaall) K3_SWEEP_TIMEOUT=540 bash scripts/h200_sweep.sh --kinds kda_moe --impls stock fast fast-alldsl --budget-s 470 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26"; exit 2 ;;
+  # session 13: ring_fit is the default (s26: MoE half rank8 b64 643.8 -> 540.2 us); the A/B against the full
+  # ring (fast-noringfit, bench_experts NRF / NRFprobe) with the stock path and Marlin beside it (vLLM staged)
+  s27)    K3_SWEEP_TIMEOUT=170 K3_EXPERTS_TIMEOUT=120 K3_EXPERTS="--shapes k3_rank8 k3_rank16 --batches 8 64 --variants default NRF probe NRFprobe" \
+            bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 8 64 \
+            --impls stock fast fast-noringfit --budget-s 150 ;;
+  # the GPU tests the default change reaches: the experts file whole, the layer and the ops
+  s27t)   K3_TEST_TIMEOUT=560 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
+            tests/gpu/test_ops.py ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t"; exit 2 ;;
 esac

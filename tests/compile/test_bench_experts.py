@@ -22,7 +22,7 @@ def test_variants_are_valid_keys(cfg):
                 with pytest.raises(ValueError, match="route_direct"):
                     be.variant_cfg(v, base)
                 continue
-            if v.startswith("RF") and M <= 2:      # ring_fit: versions 4 / 5 (buckets > 2); skipped below
+            if v.startswith("NRF") and M <= 2:     # ring_fit off: versions 4 / 5 (buckets > 2); skipped below
                 with pytest.raises(ValueError, match="ring_fit"):
                     be.variant_cfg(v, base)
                 continue
@@ -41,9 +41,10 @@ def test_variants_are_valid_keys(cfg):
         assert be.variant_cfg("v3C8", base).W == 8 and be.variant_cfg("W8", base).W == 8 and base.W == 16
         assert be.variant_cfg("nibble", base).layout == "nibble" and base.layout == "rot"
         if M > 2:
-            rf = be.variant_cfg("RF", base)
-            assert rf.ring_fit and not base.ring_fit and be.variant_cfg("RFprobe", base).probe == "stream"
-            assert rf.D1 <= rf.D and rf.D2 <= rf.D and (base.D1, base.D2) == (base.D, base.D)
+            nrf = be.variant_cfg("NRF", base)
+            assert base.ring_fit and not nrf.ring_fit and be.variant_cfg("NRFprobe", base).probe == "stream"
+            assert base.D1 <= base.D and base.D2 <= base.D and (nrf.D1, nrf.D2) == (nrf.D, nrf.D)
+            assert not be.variant_cfg("v3", base).ring_fit         # other versions keep the full ring
         if M == 1:
             # route1 is the default at batch 1 since session 11; S1 is the sorted kernel of before
             assert be.variant_cfg("R1", base) == base and base.route_direct == mx.ROUTE_DIRECT

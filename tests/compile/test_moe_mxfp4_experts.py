@@ -525,9 +525,12 @@ def test_ring_fit_depths():
     assert (r8.KS1, r8.NKB2H, r8.D1, r8.D2) == (28, 6, 7, 6)
     r16 = mx.compile_key(896, 3584, 256, 64, ring_fit=True)
     assert (r16.D1, r16.D2) == (8, 8) and r16.ring_fit
-    off = mx.compile_key(896, 3584, 384, 64)
+    off = mx.compile_key(896, 3584, 384, 64, ring_fit=False)
     assert not off.ring_fit and (off.D1, off.D2) == (8, 8)
+    assert mx.compile_key(896, 3584, 384, 64) == r8                          # the default since session 13
     assert not mx.compile_key(896, 3584, 384, 1, ring_fit=True).ring_fit      # v7 keeps its full ring
+    with pytest.raises(ValueError, match="ring_fit serves versions 4 / 5"):
+        mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, version=3, ring_fit=True)
     k = mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, W=16, version=4, layout="rot", ring_fit=True)
     for K in range(1, 60):
         d = k._fit(K)
@@ -550,10 +553,10 @@ def test_ring_fit_cuts_the_index_work(M):
                        key=lambda o: sum(o.values()))[:2]
         return ptx, [sum(o.values()) / o["mma"] for o in loops]
 
-    base = mx.compile_key(896, 3584, 384, M)
+    base = mx.compile_key(896, 3584, 384, M, ring_fit=False)
     _, old = per_mma(base)
     _, new = per_mma(dataclasses.replace(base, ring_fit=True))
     for o, n in zip(old, new):
         assert n < 0.8 * o, (old, new)
-    b16 = mx.compile_key(896, 3584, 256, M)
+    b16 = mx.compile_key(896, 3584, 256, M, ring_fit=False)
     assert per_mma(b16)[0] == per_mma(dataclasses.replace(b16, ring_fit=True))[0]
