@@ -302,8 +302,8 @@ Version log
       line from 16 warps (~1000 per CTA at b1) issued before the ring's first loads can retire, and at b8 / b64
       each CTA's item count multiplies them while the rings are already saturated. Removed in session 11 (the
       code is at 5f1f620).
-  ring_fit (2026-11-30, session 12; opt-in ring_fit / RING_FIT, impl "fast-ringfit", bench_experts RF / RFprobe;
-      versions 4 / 5 only, i.e. batch buckets > 2; CPU-compiled, to be measured by h200_next s26) Each weight
+  ring_fit (2026-11-30, session 12, written as the opt-in "fast-ringfit"; the default since session 13, A/B
+      "fast-noringfit" / bench_experts NRF / NRFprobe; versions 4 / 5 only, i.e. batch buckets > 2) Each weight
       loop's register ring gets its own depth: the deepest d <= D for which step_split needs no per-step division
       (K % d == 0 or d % K == 0), D1 for FC1 (K = KS1 steps per unit) and D2 for FC2 (K = NKB2H). At rank16 (KS1 =
       56, NKB2H = 4) that is D = 8 for both and the PTX is the default's. At rank8 (I = 384, W = 16: S = 2, KS1 =
@@ -325,6 +325,10 @@ Version log
       Prediction (bench_experts rank8, RF against default): b64 631 -> 560-600 us, b8 118 -> 105-113; RFprobe
       within +-5 % of probe; rank16 unchanged (same PTX). MoE half rank8 (fast-ringfit against fast) b64 -30 to
       -70 us, b8 -5 to -13.
+      Measured (s26 at 2667c16, s27 at 1f10ff5; experts-1f10ff5-s27.json): rank8 b8 118.9 -> 92.4 us, b64 633.3
+      -> 518.0 (Marlin 134.5 / 561.2); probe 82.4 -> 75.1, 396.0 -> 349.3 (the probe shares the ring addressing,
+      so it gained too: the +-5 % was wrong); rank16 66.1 / 346.5 either way. MoE half rank8 b8 168.5 -> 141.5,
+      b64 643.1 -> 541.1 (stock 210.0 / 599.6). Bit-identical on the GPU (s26). The default since session 13.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
