@@ -80,16 +80,22 @@ def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, bo
     return attnres_rmsnorm(blocks, n_blocks, p, a, u_mlp, w_post, eps=eps, out=out_x, partial_out=out_partial)
 
 
-def moe_tail_cublas(r, w_norm_f32, w_up, h, w_sd, *, eps, out=None):
+def moe_tail_cublas(r, w_norm, w_up, h, w_sd, *, eps, out=None, fused_norm: bool = True):
     """moe_tail's contract above TAIL_DSL_MAX_M (which says why): RMSNorm + two cuBLAS GEMMs + add, with the same
     roundings as k3ref and the fused moe_tail: bf16 r_hat, bf16 routed and shared, their sum rounded once.
     (226990a folded the add into the up GEMM, addmm_ with beta = 1: one kernel less at b64, but the routed product
     was then not rounded before the add, unlike k3ref and moe_tail; reverted in the same session, LOG.md.)
-    w_norm_f32: the norm weight in fp32 (FastImpl casts it once; the cast per call was its own ~3 us kernel)."""
+    w_norm: routed_expert_norm.weight (BF16 in the checkpoint, so its BF16 copy is exact).
+    fused_norm (the default since session 13): one torch RMSNorm kernel on the BF16 r, which up-casts, normalises
+    and multiplies in FP32 and rounds once, as k3ref does. False: the FP32 copy of r, the norm, and a BF16 copy,
+    three kernels (~9 us at b64 in records-1f10ff5-s27.json; "fast-s27tail" is the A/B)."""
     with stage("k3.moe.shared"):
         shared = F.linear(h, w_sd)
     with stage("k3.moe.up"):
-        rn = F.rms_norm(r.float(), (r.shape[-1],), w_norm_f32.float(), eps).bfloat16()
+        if fused_norm:
+            rn = F.rms_norm(r, (r.shape[-1],), w_norm.to(r.dtype), eps)
+        else:
+            rn = F.rms_norm(r.float(), (r.shape[-1],), w_norm.float(), eps).bfloat16()
         return torch.add(F.linear(rn, w_up), shared, out=out)
 
 
@@ -107,7 +113,8 @@ class FastImpl:
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
-                 experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None):
+                 experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
+                 tail_norm_fused: bool = True):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -135,9 +142,11 @@ class FastImpl:
                                                  m.w2_scale, layout=layout)
             self.shared_gu = prepare_shared_gate_up(m.shared_gate, m.shared_up)
             self.e_bias = m.e_score_correction_bias.float().contiguous()
-            # the cuBLAS tail's (M > tail_dsl_max_m) RMSNorm weight in fp32, cast once here: the cast per call was
-            # its own ~3 us kernel in the rank8 b64 timeline (records-2674eff-s19.json)
-            self.tail_norm_f32 = m.norm.float().contiguous()
+            # the cuBLAS tail's (M > tail_dsl_max_m) RMSNorm weight: BF16 for the fused norm; in fp32 for the
+            # three-kernel A/B, cast once here (the cast per call was its own ~3 us kernel in the rank8 b64
+            # timeline, records-2674eff-s19.json)
+            self.tail_norm = m.norm.contiguous() if tail_norm_fused else m.norm.float().contiguous()
+            self.tail_norm_fused = tail_norm_fused
             # The shared experts' gate/up rows ride in the front's pass over x: in the cuBLAS front's GEMM (M >
             # front_dsl_max_m; TopkFromLogits forms h), where the separate gate/up kernel was 20 us on the critical
             # path at b64 (records-50b6243-rotperf.json), and since session 7 in the fused FMA front's last CTAs
@@ -223,6 +232,7 @@ class FastImpl:
                         + ("" if experts_route_direct is None
                            else f", experts routing at b1 {'direct' if experts_route_direct else 'sorted'}")
                         + ("" if experts_ring_fit is None else f", experts ring fit {'on' if experts_ring_fit else 'off'}")
+                        + ("" if tail_norm_fused else ", cuBLAS tail norm in 3 kernels")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
                         + ("" if shared_in_fma_front or not shared_in_front else ", shared gate/up apart from the fused front")
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
@@ -333,7 +343,8 @@ class FastImpl:
             with stage("k3.moe.up"):
                 moe_tail(r, m.norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out, ring=self.tail_ring)
         else:
-            moe_tail_cublas(r, self.tail_norm_f32, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out)
+            moe_tail_cublas(r, self.tail_norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out,
+                            fused_norm=self.tail_norm_fused)
 
     def layer(self, io) -> None:
         self.attn(io)

@@ -443,6 +443,7 @@ FAST_VARIANTS = {
     "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch
                     "front_dsl_max_m": 64},
     "fast-taildsl": {"tail_dsl_max_m": 64},     # k3fast.moe_tail at every batch (before 2026-11-29)
+    "fast-s27tail": {"tail_norm_fused": False},  # the cuBLAS tail's norm as 3 kernels, fp32 copy (before session 13)
     "fast-gemv0": {"gemv_dsl_max_m": 0},        # in_proj / o_proj GEMMs on cuBLAS at every batch
     "fast-gemv8": {"gemv_dsl_max_m": 8, "inproj_dsl_max_m": 8},  # ... above M = 8 (the threshold before session 5)
     "fast-splitk": {"gemv_mma": "splitk", "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64},  # in_proj at M > 4 on gemv_splitk

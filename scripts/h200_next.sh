@@ -316,5 +316,13 @@ case "${1:-}" in
   # the GPU tests the default change reaches: the experts file whole, the layer and the ops
   s27t)   K3_TEST_TIMEOUT=560 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
             tests/gpu/test_ops.py ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t"; exit 2 ;;
+  # session 13: the cuBLAS tail's norm in one kernel (fast vs fast-s27tail at b32 / b64; no stock, so no vLLM to
+  # stage), then its tests and the tests1 files (not rerun since 0e81145)
+  s28)    K3_SWEEP_TIMEOUT=100 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 32 64 \
+            --impls fast fast-s27tail --budget-s 80
+          K3_TEST_TIMEOUT=300 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py::test_fast_moe_half_same_input \
+            tests/gpu/test_moe_tail.py tests/gpu/test_rms_gemv.py tests/gpu/test_gemv_splitk.py \
+            tests/gpu/test_oproj_attnres.py tests/gpu/test_kda_conv_gate_step.py tests/gpu/test_router_down_topk.py \
+            -k "not test_fast_moe_half_same_input or s27tail" ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28"; exit 2 ;;
 esac

@@ -142,3 +142,31 @@ def test_ops_follow_fastimpls_batch_dispatch(M, monkeypatch):
                      "tail" if M <= TAIL_DSL_MAX_M else "tail_cublas"], names
     assert calls[0][1]["mma"] == ("v2" if M <= INPROJ_DSL_MAX_M else "cublas") and calls[0][1]["early_trigger"]
     assert calls[3][1]["shared"] == Is
+
+
+@pytest.mark.parametrize("M", [17, 64])
+def test_moe_tail_above_the_dsl_bucket_runs_on_cpu(M):
+    """Above TAIL_DSL_MAX_M the moe_tail op is moe_tail_cublas, plain torch: on the CPU it runs for real. Its
+    default norm (one torch RMSNorm on the BF16 r, session 13) against the model's rounding points in fp64, and
+    against the three-kernel form it replaced (FP32 copy, norm, BF16 copy): r_hat within one BF16 ulp."""
+    import torch.nn.functional as F
+    from k3fast.fast import TAIL_DSL_MAX_M, moe_tail_cublas
+    assert M > TAIL_DSL_MAX_M
+    g = torch.Generator().manual_seed(4100 + M)
+    D, DL, Is, eps = 512, 256, 64, 1e-5
+    rn = lambda *s, std=1.0, mean=0.0: (torch.randn(*s, generator=g) * std + mean).to(BF)
+    r, h = rn(M, DL, std=0.05), rn(M, Is, std=0.5)
+    w_norm, w_up, w_sd = rn(DL, std=0.1, mean=1.0), rn(D, DL, std=DL ** -0.5), rn(D, Is, std=Is ** -0.5)
+    rd = r.double()
+    r_hat = (w_norm.double() * rd * torch.rsqrt(rd.pow(2).mean(-1, keepdim=True) + eps)).to(BF)
+    want = ((r_hat.double() @ w_up.double().t()).to(BF).double() + (h.double() @ w_sd.double().t()).to(BF).double())
+    out = torch.full((M, D), float("nan"), dtype=BF)
+    got = kops.moe_tail(r, w_norm, w_up, h, w_sd, eps)
+    moe_tail_cublas(r, w_norm, w_up, h, w_sd, eps=eps, out=out)
+    assert torch.equal(got, out) and torch.isfinite(out).all()
+    assert ((out.double() - want).norm() / want.norm()).item() < 1e-2
+    fused = F.rms_norm(r, (DL,), w_norm, eps)
+    three = F.rms_norm(r.float(), (DL,), w_norm.float(), eps).bfloat16()
+    ulp = (fused.view(torch.int16).int() - three.view(torch.int16).int()).abs()
+    assert fused.dtype == BF and ulp.max().item() <= 1 and (ulp > 0).float().mean().item() < 0.01
+    assert (fused.view(torch.int16).int() - r_hat.view(torch.int16).int()).abs().max().item() <= 1

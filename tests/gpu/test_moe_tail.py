@@ -206,3 +206,27 @@ def test_ring_graph_replay_with_new_inputs():
         want = mt.moe_tail(r2, w["w_norm"], w["w_up"], h2, w["w_sd"], ring=0)
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("m", [17, 33, 64])
+def test_cublas_tail_one_kernel_norm(m):
+    """FastImpl's tail above TAIL_DSL_MAX_M (moe_tail_cublas): the default norm, one torch RMSNorm kernel on the BF16
+    r (session 13), against the reference here and against the three-kernel form it replaced; out poisoned. On the
+    GPU the norm's r_hat may differ from the FP32 form's in its reduction order only: at most one BF16 ulp."""
+    import torch.nn.functional as F
+    from k3fast.fast import moe_tail_cublas
+    w = weights(384)
+    _, r, h = acts(m, 384, 4200 + m)
+    want = ref_tail(r, w["w_norm"], w["w_up"], h, w["w_sd"])
+    outs = {}
+    for fused in (True, False):
+        outs[fused] = torch.full((m, D), float("nan"), dtype=BF, device=DEV)
+        moe_tail_cublas(r, w["w_norm"], w["w_up"], h, w["w_sd"], eps=1e-5, out=outs[fused], fused_norm=fused)
+    torch.cuda.synchronize()
+    for fused, out in outs.items():
+        assert torch.isfinite(out).all(), f"fused_norm={fused}: unwritten (NaN) outputs"
+        assert rel_rmse(out, want) <= TOL, fused
+    one = F.rms_norm(r, (DL,), w["w_norm"], 1e-5)
+    three = F.rms_norm(r.float(), (DL,), w["w_norm"].float(), 1e-5).bfloat16()
+    ulp = (one.view(torch.int16).int() - three.view(torch.int16).int()).abs()
+    assert one.dtype == BF and ulp.max().item() <= 1 and (ulp > 0).float().mean().item() < 0.01
