@@ -712,17 +712,15 @@ class KernelCfg:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
-        if self.ring_fit and self.version not in (4, 5):
-            raise ValueError(f"ring_fit serves versions 4 / 5 (batch buckets > 2; v6 / v7 keep the full ring), got "
-                             f"version {self.version}")
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
 
     def _fit(self, K: int) -> int:
         """The deepest ring <= D that step_split divides once per ring turn or never (K % d == 0 or d % K == 0),
-        with ring_fit; else D."""
-        if not self.ring_fit:
+        with ring_fit at versions 4 / 5; else D (the other versions keep the full ring: a cfg derived from a
+        ring_fit key by another version, e.g. dataclasses.replace(key, version=3), builds the full-ring kernel)."""
+        if not self.ring_fit or self.version not in (4, 5):
             return self.D
         return next(d for d in range(self.D, 0, -1) if K % d == 0 or d % K == 0)
 

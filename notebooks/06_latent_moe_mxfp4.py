@@ -242,11 +242,70 @@ print(nbtools.ncu_table([f"traces/h200/ncu-2674eff-ncu2/ncu-tail_shape_k3_rank16
 for shape in ("k3_rank16", "k3_rank8"):
     print(nbtools.ab_table("traces/h200/records-226990a-s20b.json", "moe", ["stock", "fast", "fast-s19tail"], shape=shape))
 
+# %% [markdown]
+# ## 12. A ring as deep as the K steps allow (ring_fit, sessions 12-13)
+# At batch buckets above 2 the experts kernel is issue-bound (section 10: its stalls are short, and the stream
+# probe is much faster than the kernel). At rank8 (I = 384) it was worse than at rank16: a work unit of FC1 has 28
+# K steps and a tile of FC2 has 6, and a ring of D = 8 register stages divides neither. So each step recomputed its
+# unit and K index, for the step itself, its refill and the z / h reads, each with a division. `ring_fit` gives
+# each loop the deepest ring <= D that divides its steps or is divided by them: 7 and 6 at rank8. At rank16 (56
+# and 4 steps) that is 8 and 8, so the PTX does not change. The price is 7 / 6 loads in flight per lane instead of 8
+# where a loop waits on loads. Only when each row is loaded changes, so the outputs are bit-identical (GPU test).
+# The SASS counts below come from `k3fast.ptxcheck`'s CPU record (ptxas from Triton's wheel).
+
+# %%
+import glob  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+for name, I_ in (("k3_rank16", 256), ("k3_rank8", 384)):
+    k = mx.compile_key(896, 3584, I_, 64)
+    k0 = dataclasses.replace(k, ring_fit=False)
+    print(f"{name}: FC1 {k.KS1} K steps per unit, ring {k0.D1} -> {k.D1}; FC2 {k.NKB2H} per tile, ring {k0.D2} -> {k.D2}")
+per_mma = {}
+for path in sorted(glob.glob(os.path.join(nbtools.ROOT, "traces", "cpu", "ptxcheck-*.json"))):
+    with open(path) as f:
+        doc = json.load(f)
+    for r in doc["records"]:
+        if r.get("sass") and "ring_fit" in r["kernel"] and r.get("mma"):
+            per_mma.setdefault((r["kernel"], r["M"], os.path.basename(path)), []).append((r["instructions"], r["mma"]))
+for (kern, M, src), loops in sorted(per_mma.items()):
+    fc = sorted(loops)[:2]          # the two smallest loops with MMAs: FC1's and FC2's rings
+    print(f"{src}: rank8 b{M:<3d} {kern[len('moe_mxfp4_experts v4 '):]:26s} SASS per MMA "
+          + " / ".join(f"{n / m:.1f}" for n, m in fc))
+rf_src, rf = {}, {}
+for shape in ("k3_rank8", "k3_rank16"):
+    rf_src[shape], rf[shape] = nbtools.recorded_experts_probe(shape, "traces/h200/experts-1f10ff5-s27.json")
+    print(f"{shape}, median µs per launch ({rf_src[shape]})")
+    for variant in ("marlin", "default", "NRF", "probe", "NRFprobe"):
+        print(f"  {variant:9s}" + "".join(f"{rf[shape][variant].get(b, float('nan')):9.1f}" for b in (8, 64)))
+for shape in ("k3_rank8", "k3_rank16"):
+    print(nbtools.ab_table("traces/h200/records-1f10ff5-s27.json", "moe", ["stock", "fast", "fast-noringfit"], shape=shape))
+
+# %% [markdown]
+# Predicted: rank8 b64 631 -> 560-600 µs, b8 118 -> 105-113. Measured: 633 -> 518 and 119 -> 92, past the
+# optimistic end, and rank8 b64 now beats Marlin. The prediction also said that the stream probe would not move,
+# since it has no decode or MMA. It moved by 9-12 %: the probe runs the same ring addressing, so it paid the same
+# divisions. The MoE half at rank8 went from 0.93x to 1.11x stock at b64. ring_fit is the default since session 13
+# (`fast-noringfit` is the A/B).
+#
+# ## 13. The cuBLAS tail's norm in one kernel (session 13)
+# Above M = 16 the tail is torch: RMSNorm, two GEMMs, an add. Its norm took three kernels: an FP32 copy of r, the
+# norm, and a BF16 copy. One torch RMSNorm on the BF16 r does the same arithmetic in FP32 and rounds once, as k3ref
+# does; only its reduction order differs, within one BF16 ulp (CPU and GPU tests). There are two launches fewer
+# per replay (`fast-s27tail` is the three-kernel A/B; this run had no stock path).
+
+# %%
+for shape in ("k3_rank16", "k3_rank8"):
+    print(nbtools.ab_table("traces/h200/records-52f028f-s28.json", "moe", ["fast", "fast-s27tail"], shape=shape))
+
 # %%
 assert table["G1"][1] > table["default"][1] and table["G1probe"][1] > table["probe"][1]
 assert tail_b1["stalls"][0][0] == "long_scoreboard" and tail_b1["stalls"][0][1] > 0.8 * tail_b1["cycles_per_issue"]
 assert all(tail_rows[("moe_tail", sh, b)] < tail_rows[("moe_tail@v1", sh, b)] for sh in ("k3_rank16", "k3_rank8") for b in (1, 8, 16))
 assert v7_rows_once
+assert all(rf["k3_rank8"]["default"][b] < 0.9 * rf["k3_rank8"]["NRF"][b] for b in (8, 64))
+assert all(abs(rf["k3_rank16"]["default"][b] / rf["k3_rank16"]["NRF"][b] - 1) < 0.03 for b in (8, 64))
 assert rot_decode_exact
 assert vec_vs_loop < 1e-10
 assert torch.equal(W1.bfloat16().double(), W1)

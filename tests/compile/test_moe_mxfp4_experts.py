@@ -529,8 +529,8 @@ def test_ring_fit_depths():
     assert not off.ring_fit and (off.D1, off.D2) == (8, 8)
     assert mx.compile_key(896, 3584, 384, 64) == r8                          # the default since session 13
     assert not mx.compile_key(896, 3584, 384, 1, ring_fit=True).ring_fit      # v7 keeps its full ring
-    with pytest.raises(ValueError, match="ring_fit serves versions 4 / 5"):
-        mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, version=3, ring_fit=True)
+    v3 = mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, version=3, ring_fit=True)
+    assert (v3.D1, v3.D2) == (v3.D, v3.D)                                      # other versions: the full ring
     k = mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, W=16, version=4, layout="rot", ring_fit=True)
     for K in range(1, 60):
         d = k._fit(K)
