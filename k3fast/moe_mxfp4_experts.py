@@ -658,6 +658,10 @@ ROUTE_DIRECT = True
 # ring_fit (the default since session 13; "fast-noringfit" is the A/B at the full depth): each loop's ring depth
 # fitted to its K steps per unit (version log; s26: MoE half rank8 b64 643.8 -> 540.2 us, b8 167.6 -> 141.2)
 RING_FIT = True
+# ring_fit at batch buckets <= 2 too (v7; opt-in, "fast-ringfit7", bench_experts RF7 / RF7probe; version log
+# "ring_fit at v7")
+RING_FIT_V7 = False
+RING_FIT_VERSIONS = (4, 5, 7)      # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
 
 
 def default_version(MB: int) -> int:
@@ -718,9 +722,9 @@ class KernelCfg:
 
     def _fit(self, K: int) -> int:
         """The deepest ring <= D that step_split divides once per ring turn or never (K % d == 0 or d % K == 0),
-        with ring_fit at versions 4 / 5; else D (the other versions keep the full ring: a cfg derived from a
+        with ring_fit at RING_FIT_VERSIONS; else D (the other versions keep the full ring: a cfg derived from a
         ring_fit key by another version, e.g. dataclasses.replace(key, version=3), builds the full-ring kernel)."""
-        if not self.ring_fit or self.version not in (4, 5):
+        if not self.ring_fit or self.version not in RING_FIT_VERSIONS:
             return self.D
         return next(d for d in range(self.D, 0, -1) if K % d == 0 or d % K == 0)
 
@@ -1570,8 +1574,8 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
     route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort).
-    ring_fit None: RING_FIT (the ring depth of each loop fitted to its K steps); versions 4 / 5 only (the batch
-    buckets > 2, where the loops are issue-bound; v7's b1 / b2 loops wait on loads and keep the full ring)."""
+    ring_fit None: RING_FIT at versions 4 / 5 (the batch buckets > 2, where the loops are issue-bound), RING_FIT_V7
+    at version 7 (buckets <= 2, opt-in); True / False: the same at versions 4 / 5 / 7; other versions never."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1587,7 +1591,14 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
                      layout=layout, parts=parts, route_direct=direct,
-                     ring_fit=(RING_FIT if ring_fit is None else bool(ring_fit)) and version in (4, 5))
+                     ring_fit=_ring_fit(ring_fit, version))
+
+
+def _ring_fit(ring_fit: bool | None, version: int) -> bool:
+    """compile_key's ring_fit rule (its docstring)."""
+    if ring_fit is None:
+        return RING_FIT if version in (4, 5) else RING_FIT_V7 and version == 7
+    return bool(ring_fit) and version in RING_FIT_VERSIONS
 
 
 def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:

@@ -393,19 +393,22 @@ def main(argv=None) -> int:
                 rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({layout} layout, C={key.C}, D={key.D}, "
                                        f"W={key.W})", "config": "k3_rank16", "M": M, "label": label, "sass": True,
                              "ptxas": ver, "instructions": sum(ops.values()), "opcodes": ops})
-    # ring_fit (experts, opt-in since session 12): rank8's loops (I = 384: 28 FC1 steps per unit, 6 FC2 steps per
-    # tile) with the default ring of 8 and with the fitted rings (7 / 6); "instructions" is per loop turn of D1 / D2
-    # steps, so per step it is instructions / ring_depth
+    # ring_fit (experts; the default at versions 4 / 5 since session 13): rank8's loops (I = 384: 28 FC1 steps per
+    # unit, 6 FC2 steps per tile) with the full ring of 8 and with the fitted rings (7 / 6); "instructions" is per
+    # loop turn of D1 / D2 steps, so per step it is instructions / ring_depth. And v7 at batch buckets 1 / 2 (the
+    # opt-in RING_FIT_V7), at rank8 and rank16, where FC1 has 14 or 28 steps per unit
+    cells = [(384, "k3_rank8", 8), (384, "k3_rank8", 64), (384, "k3_rank8", 1), (384, "k3_rank8", 2),
+             (256, "k3_rank16", 1), (256, "k3_rank16", 2)]
     for rf in ((False, True) if tools is not None else ()):
-        for M in (8, 64):
-            key = mx.compile_key(896, 3584, 384, M, ring_fit=rf)
+        for I_, shape, M in cells:
+            key = mx.compile_key(896, 3584, I_, M, ring_fit=rf)
             ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
             loops = sass_loop_opcodes(ptx, tools)
             ver = loops.pop("ptxas")
             res = ptxas_resources(ptx, tools[0])
             for label, ops in loops.items():
                 rows.append({"kernel": f"moe_mxfp4_experts v{key.version} (ring_fit {'on' if rf else 'off'}, "
-                                       f"D1={key.D1}, D2={key.D2})", "config": "k3_rank8", "M": M, "label": label,
+                                       f"D1={key.D1}, D2={key.D2})", "config": shape, "M": M, "label": label,
                              "sass": True, "ptxas": ver, "instructions": sum(ops.values()),
                              "mma": ops.get("HMMA", 0), "opcodes": ops, **res})
     if tools is not None:        # router_down_topk v2.2: the FMA path's occupancy hint and what ptxas made of it

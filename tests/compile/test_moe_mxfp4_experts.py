@@ -528,7 +528,10 @@ def test_ring_fit_depths():
     off = mx.compile_key(896, 3584, 384, 64, ring_fit=False)
     assert not off.ring_fit and (off.D1, off.D2) == (8, 8)
     assert mx.compile_key(896, 3584, 384, 64) == r8                          # the default since session 13
-    assert not mx.compile_key(896, 3584, 384, 1, ring_fit=True).ring_fit      # v7 keeps its full ring
+    assert not mx.compile_key(896, 3584, 384, 1).ring_fit                     # v7: opt-in (RING_FIT_V7)
+    r7 = mx.compile_key(896, 3584, 256, 1, ring_fit=True)                     # rank16 b1: 14 FC1 steps per unit
+    assert r7.version == 7 and r7.ring_fit and (r7.KS1, r7.D1, r7.D2) == (14, 7, 8)
+    assert not mx.compile_key(896, 3584, 384, 1, version=6, ring_fit=True).ring_fit   # v6 keeps its full ring
     v3 = mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, version=3, ring_fit=True)
     assert (v3.D1, v3.D2) == (v3.D, v3.D)                                      # other versions: the full ring
     k = mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, W=16, version=4, layout="rot", ring_fit=True)
@@ -560,3 +563,23 @@ def test_ring_fit_cuts_the_index_work(M):
         assert n < 0.8 * o, (old, new)
     b16 = mx.compile_key(896, 3584, 256, M, ring_fit=False)
     assert per_mma(b16)[0] == per_mma(dataclasses.replace(b16, ring_fit=True))[0]
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+def test_ring_fit_at_v7_cuts_the_index_work():
+    """ring_fit at v7 (batch buckets <= 2, opt-in): at rank8 b2 (FC1 14 steps per unit, FC2 3 per tile) the two
+    weight loops' PTX instructions per MMA drop by over a fifth; at rank8 b1 (28 and 2) both still drop."""
+    import dataclasses
+    from k3fast.ptxcheck import compiled_ptx, loop_opcodes
+
+    def per_mma(key):
+        ptx = compiled_ptx(lambda: mx._compile(key, options="--enable-tvm-ffi --keep-ptx"))
+        loops = sorted((o for o in loop_opcodes(ptx, min_loads=4).values() if o.get("mma", 0)),
+                       key=lambda o: sum(o.values()))[:2]
+        return [sum(o.values()) / o["mma"] for o in loops]
+
+    for M, bound in ((2, 0.8), (1, 1.0)):
+        on = mx.compile_key(896, 3584, 384, M, ring_fit=True)
+        assert on.version == 7 and on.D1 == 7
+        old, new = per_mma(dataclasses.replace(on, ring_fit=False)), per_mma(on)
+        assert all(n < bound * o for o, n in zip(old, new)), (M, old, new)
