@@ -329,6 +329,20 @@ Version log
       -> 518.0 (Marlin 134.5 / 561.2); probe 82.4 -> 75.1, 396.0 -> 349.3 (the probe shares the ring addressing,
       so it gained too: the +-5 % was wrong); rank16 66.1 / 346.5 either way. MoE half rank8 b8 168.5 -> 141.5,
       b64 643.1 -> 541.1 (stock 210.0 / 599.6). Bit-identical on the GPU (s26). The default since session 13.
+  ring_fit at v7 (2026-11-30, session 13; opt-in RING_FIT_V7 / compile_key ring_fit=True at batch buckets <= 2,
+      impl "fast-ringfit7", bench_experts RF7 / RF7probe; CPU-compiled, to be measured by h200_next s29) The same
+      fitted rings for v7, whose loops the session-12 entry assumed to wait on loads rather than on issue. At b1 /
+      b2 FC1 has 14 or 28 K steps per unit (rank16 b1 14, b2 28; rank8 b1 28, b2 14), so D = 8 divides per step
+      there as well; FC2 has 1-3 (rank8 b2: 3, ring 6). SASS per step (ptxcheck-b4ca3b6f65a9.json, ptxas 12.9):
+      FC1 rank8 b1 93.0 -> 74.9, rank8 b2 126.4 -> 85.7, rank16 b2 92.5 -> 74.6; FC2 rank8 b2 128.0 -> 87.5;
+      rank16 b1 has no separate FC1 loop in SASS and its pass loop moves 2074 / 60 MMAs -> 1992 / 56 (no gain per
+      MMA). Spill stores rank8 b1 24 -> 44 B, b2 60 -> 36, rank16 b1 56 -> 48, b2 0 -> 0. The evidence that the b1
+      loops are not purely load-bound: the stream probe (loads and the same ring addressing, no decode / MMA) took
+      17.1 against the kernel's 19.9 us at rank16 b1 (experts-5f1f620-s21b.json, R1probe / R1).
+      Prediction (bench_experts, RF7 against default): rank8 b2 -8 to -15 %, rank8 b1 and rank16 b2 -3 to -8 %,
+      rank16 b1 within +-3 %; RF7probe below probe by a similar share (the probe shares the addressing, as s27
+      showed at v4). MoE half (fast-ringfit7 against fast): rank8 b2 -3 to -6 us (82.7), rank8 b1 -1 to -2 (65.8),
+      rank16 b1 within +-0.5 (57.9).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 

@@ -262,17 +262,21 @@ for name, I_ in (("k3_rank16", 256), ("k3_rank8", 384)):
     k = mx.compile_key(896, 3584, I_, 64)
     k0 = dataclasses.replace(k, ring_fit=False)
     print(f"{name}: FC1 {k.KS1} K steps per unit, ring {k0.D1} -> {k.D1}; FC2 {k.NKB2H} per tile, ring {k0.D2} -> {k.D2}")
-per_mma = {}
-for path in sorted(glob.glob(os.path.join(nbtools.ROOT, "traces", "cpu", "ptxcheck-*.json"))):
+per_mma, newest = {}, ""           # from the newest ptxcheck record that has ring_fit rows
+for path in glob.glob(os.path.join(nbtools.ROOT, "traces", "cpu", "ptxcheck-*.json")):
     with open(path) as f:
         doc = json.load(f)
-    for r in doc["records"]:
-        if r.get("sass") and "ring_fit" in r["kernel"] and r.get("mma"):
-            per_mma.setdefault((r["kernel"], r["M"], os.path.basename(path)), []).append((r["instructions"], r["mma"]))
-for (kern, M, src), loops in sorted(per_mma.items()):
-    fc = sorted(loops)[:2]          # the two smallest loops with MMAs: FC1's and FC2's rings
-    print(f"{src}: rank8 b{M:<3d} {kern[len('moe_mxfp4_experts v4 '):]:26s} SASS per MMA "
-          + " / ".join(f"{n / m:.1f}" for n, m in fc))
+    rows = [r for r in doc["records"] if r.get("sass") and "ring_fit" in r["kernel"] and r.get("mma")]
+    if rows and doc["environment"].get("date", "") >= newest:
+        per_mma, newest = {}, doc["environment"].get("date", "")
+        for r in rows:
+            per_mma.setdefault((r["config"], r["M"], r["kernel"], os.path.basename(path)), []).append(
+                (r["instructions"], r["mma"]))
+for (shape, M, kern, src), loops in sorted(per_mma.items()):
+    if M > 2:                       # versions 4 / 5 (the default); v7 at b1 / b2 is section 14's opt-in
+        fc = sorted(loops)[:2]      # the two smallest loops with MMAs: FC1's and FC2's rings
+        print(f"{src}: {shape} b{M:<3d} {kern.split(' ', 1)[1]:30s} SASS per MMA "
+              + " / ".join(f"{n / m:.1f}" for n, m in fc))
 rf_src, rf = {}, {}
 for shape in ("k3_rank8", "k3_rank16"):
     rf_src[shape], rf[shape] = nbtools.recorded_experts_probe(shape, "traces/h200/experts-1f10ff5-s27.json")

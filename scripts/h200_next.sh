@@ -324,5 +324,13 @@ case "${1:-}" in
             tests/gpu/test_moe_tail.py tests/gpu/test_rms_gemv.py tests/gpu/test_gemv_splitk.py \
             tests/gpu/test_oproj_attnres.py tests/gpu/test_kda_conv_gate_step.py tests/gpu/test_router_down_topk.py \
             -k "not test_fast_moe_half_same_input or s27tail" ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28"; exit 2 ;;
+  # session 13, written for session 14: ring_fit at v7 (opt-in fast-ringfit7 / bench_experts RF7) at b1 / b2 beside
+  # stock (vLLM staged), then the tests: its bit-identity and the whole layer file (the one-kernel tail norm's
+  # whole-layer cases at b17 / b64 have not run yet)
+  s29)    K3_SWEEP_TIMEOUT=200 K3_EXPERTS_TIMEOUT=120 K3_EXPERTS="--shapes k3_rank16 k3_rank8 --batches 1 2 --variants default RF7 probe RF7probe" \
+            bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 2 8 64 \
+            --impls stock fast fast-ringfit7 --budget-s 180 ;;
+  s29t)   K3_TEST_TIMEOUT=480 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
+            -k "at_v7 or test_fast_layer" ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t"; exit 2 ;;
 esac
