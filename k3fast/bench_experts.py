@@ -112,8 +112,8 @@ def variant_cfg(name: str, base):
         elif "version" in kw:                # another version named: one part (only v7 splits)
             kw["parts"] = 1
         if "version" in kw:                  # the named version's ring_fit default (compile_key's rule)
-            from .moe_mxfp4_experts import _ring_fit
-            kw["ring_fit"] = _ring_fit(None, kw["version"])
+            from .moe_mxfp4_experts import ring_fit_rule
+            kw["ring_fit"] = ring_fit_rule(None, kw["version"])
         return dataclasses.replace(base, **kw)
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS} or letters C/D/W with numbers")
 

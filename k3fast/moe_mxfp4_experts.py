@@ -1605,11 +1605,11 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
                      layout=layout, parts=parts, route_direct=direct,
-                     ring_fit=_ring_fit(ring_fit, version))
+                     ring_fit=ring_fit_rule(ring_fit, version))
 
 
-def _ring_fit(ring_fit: bool | None, version: int) -> bool:
-    """compile_key's ring_fit rule (its docstring)."""
+def ring_fit_rule(ring_fit: bool | None, version: int) -> bool:
+    """Whether a kernel of this version fits its rings, given compile_key's ring_fit argument (its docstring)."""
     if ring_fit is None:
         return RING_FIT if version in (4, 5) else RING_FIT_V7 and version == 7
     return bool(ring_fit) and version in RING_FIT_VERSIONS
