@@ -32,11 +32,11 @@ causes give different signatures, and one run of this module separates them:
 * ``R1 R1probe R1sortprobe`` (batch 1) route1: the token's 16 pairs as segments straight from the ids, no counting
              sort (the default at batch 1 since session 11); its stream probe, and the probe stopped after its
              routing; ``S1 S1probe S1sortprobe`` the same with the counting sort (the default before);
-* ``RF7 RF7probe`` (batch buckets <= 2) ring_fit at v7 (opt-in RING_FIT_V7): FC1's ring fitted to its 14 or 28
-             K steps per unit (7 instead of 8), FC2's to its 1-3; and its stream probe;
-* ``NRF NRFprobe`` (batch buckets > 2) ring_fit off: FC1's and FC2's rings at the full depth D = 8 (the default
-             before session 13; the default fits each ring to its K steps per unit, rank8: 7 and 6, so that no
-             step divides), and its stream probe;
+* ``NRF NRFprobe`` ring_fit off: FC1's and FC2's rings at the full depth D = 8 (the default before session 13 at
+             batch buckets > 2, before session 14 at <= 2; the default fits each ring to its K steps per unit,
+             rank8 b64: 7 and 6, rank16 b1: 7 and 8, so that no step divides), and its stream probe. Session 14's
+             s29 ran the v7 A/B the other way round as ``RF7 RF7probe`` (at fdcdffc, where v7's default was the
+             full ring);
 * ``sortprobe fc1probe fc2probe`` (and ``v4...``): the stream probe stopped after the routing sort, after FC1 and
              the h exchange, or after FC2 (no part reduction / combine): the stages of the b1 latency chain;
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
@@ -62,7 +62,7 @@ from k3ref import preset
 from k3ref.weights import random_layer
 
 VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
-            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe", "RF7", "RF7probe")
+            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe")
 
 
 def variant_cfg(name: str, base):
@@ -82,14 +82,11 @@ def variant_cfg(name: str, base):
         return dataclasses.replace(base, probe="stream", D=int(name[len("Dprobe"):]))
     if name == "R1":                         # route1 (batch 1's pairs as segments, no counting sort)
         return dataclasses.replace(base, route_direct=True)
-    if name == "RF7":                        # ring_fit at v7 (batch buckets <= 2; opt-in there)
-        if base.version != 7:
-            raise ValueError(f"RF7 (ring_fit at v7) serves version 7 (batch buckets <= 2), got v{base.version}")
-        return dataclasses.replace(base, ring_fit=True)
-    if name == "NRF":                        # ring_fit off: both rings at the full depth D (v4 / v5)
-        if base.version not in (4, 5):
-            raise ValueError(f"NRF (ring_fit off) differs from the default at versions 4 / 5 only (batch buckets "
-                             f"> 2), got v{base.version}")
+    if name == "NRF":                        # ring_fit off: both rings at the full depth D
+        from .moe_mxfp4_experts import RING_FIT_VERSIONS
+        if base.version not in RING_FIT_VERSIONS:
+            raise ValueError(f"NRF (ring_fit off) differs from the default at versions {RING_FIT_VERSIONS} only, "
+                             f"got v{base.version}")
         return dataclasses.replace(base, ring_fit=False)
     if name == "S1":                         # the counting sort at batch 1 (route1 off; other buckets always sort)
         if base.MB != 1:

@@ -214,7 +214,7 @@ class FastImpl:
         # session 11, "fast-s21exp" is the sorted A/B)
         self.experts_route_direct = experts_route_direct
         # None: moe_mxfp4_experts.RING_FIT (on since session 13: the experts' ring depths fitted to their K steps at
-        # batch buckets > 2, which changes rank8's loops only; "fast-noringfit" is the A/B at the full depth)
+        # batch buckets > 2, and since session 14 at <= 2 (v7); "fast-noringfit" is the A/B at the full depth)
         self.experts_ring_fit = experts_ring_fit
         self.variant = (("overlap-shared" if overlap_shared else "serial") + (f", experts v{self.experts_version}" if self.experts_version else ", experts default_version")
                         + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")

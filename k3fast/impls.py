@@ -437,8 +437,9 @@ FAST_VARIANTS = {
     "fast-w8": {"experts_warps": 8},            # experts at 8 warps per CTA (the default before 16)
     "fast-route1": {"experts_route_direct": True},  # experts route1: at M = 1 no counting sort (= fast since s11)
     "fast-s21exp": {"experts_route_direct": False},  # the experts' counting sort at M = 1 (before session 11)
-    "fast-noringfit": {"experts_ring_fit": False},   # experts rings at the full depth 8 (before session 13)
-    "fast-ringfit7": {"experts_ring_fit": True},     # ... and fitted at v7 too (batch buckets <= 2; opt-in)
+    "fast-noringfit": {"experts_ring_fit": False},   # experts rings at the full depth 8 (before session 13 at
+    #                                                  buckets > 2, before session 14 at <= 2; there s29 ran the
+    #                                                  A/B as "fast-ringfit7", ring_fit on, at fdcdffc)
     # (fast-xl2 / fast-r1xl2, the experts' per-line L2 prefetch of a work item's rows, were measured slower at
     # 5f1f620 and removed)
     "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch

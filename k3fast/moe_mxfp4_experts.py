@@ -329,8 +329,9 @@ Version log
       -> 518.0 (Marlin 134.5 / 561.2); probe 82.4 -> 75.1, 396.0 -> 349.3 (the probe shares the ring addressing,
       so it gained too: the +-5 % was wrong); rank16 66.1 / 346.5 either way. MoE half rank8 b8 168.5 -> 141.5,
       b64 643.1 -> 541.1 (stock 210.0 / 599.6). Bit-identical on the GPU (s26). The default since session 13.
-  ring_fit at v7 (2026-11-30, session 13; opt-in RING_FIT_V7 / compile_key ring_fit=True at batch buckets <= 2,
-      impl "fast-ringfit7", bench_experts RF7 / RF7probe; CPU-compiled, to be measured by h200_next s29) The same
+  ring_fit at v7 (2026-11-30, session 13; the default since session 14's H200 run, below: RING_FIT covers
+      RING_FIT_VERSIONS = 4 / 5 / 7; as run it was the opt-in RING_FIT_V7, impl "fast-ringfit7", bench_experts
+      RF7 / RF7probe at fdcdffc; the A/B is now fast-noringfit / NRF, which set the full ring at every version) The same
       fitted rings for v7, whose loops the session-12 entry assumed to wait on loads rather than on issue. At b1 /
       b2 FC1 has 14 or 28 K steps per unit (rank16 b1 14, b2 28; rank8 b1 28, b2 14), so D = 8 divides per step
       there as well; FC2 has 1-3 (rank8 b2: 3, ring 6). SASS per step (ptxcheck-b4ca3b6f65a9.json, ptxas 12.9):
@@ -343,6 +344,15 @@ Version log
       rank16 b1 within +-3 %; RF7probe below probe by a similar share (the probe shares the addressing, as s27
       showed at v4). MoE half (fast-ringfit7 against fast): rank8 b2 -3 to -6 us (82.7), rank8 b1 -1 to -2 (65.8),
       rank16 b1 within +-0.5 (57.9).
+      Measured (s29 at fdcdffc, one run; experts-fdcdffc-s29.json, copy 4.19 TB/s; records-fdcdffc-s29.json, copy
+      4.07): bench RF7 against default rank8 b2 41.4 -> 33.4 us (-19 %: beyond the -8 to -15 % predicted), rank8
+      b1 26.4 -> 24.8 (-6 %), rank16 b2 27.9 -> 26.7 (-4 %), rank16 b1 19.7 -> 19.9 (+0.6 %): each inside or past
+      its range. RF7probe against probe -6.7 / -2.7 / -2.6 / +1.3 % (same order). MoE half rank8 b2 82.6 -> 74.3
+      us (-8.3: past the -3 to -6 predicted; stock 129.8, 1.57x -> 1.75x), rank8 b1 65.8 -> 65.4 (-0.4: under the
+      -1 to -2 predicted; the kernel's 1.6 us gain is mostly hidden behind the front, which the experts overlap
+      by PDL), rank16 b1 58.0 -> 57.7, rank16 b2 65.2 -> 64.2. b8 / b64 (v4, unchanged) within +-0.6 us.
+      Bit-identical to the full ring on the GPU (s29t: test_ring_fit_at_v7_is_bit_identical, M 1 / 2, I 256 / 384,
+      uniform and skewed). The default since session 14.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -669,12 +679,10 @@ SMALL_BATCH_MAX_MB = 2
 # token's 16 (token, slot) pairs is its own expert segment, read straight from the ids, instead of the in-CTA
 # counting sort (version log; s21b: MoE half rank16 b1 59.6 -> 57.7 us, rank8 66.8 -> 65.6)
 ROUTE_DIRECT = True
-# ring_fit (the default since session 13; "fast-noringfit" is the A/B at the full depth): each loop's ring depth
-# fitted to its K steps per unit (version log; s26: MoE half rank8 b64 643.8 -> 540.2 us, b8 167.6 -> 141.2)
+# ring_fit (the default since session 13 at v4 / v5, since session 14 at v7 too; "fast-noringfit" is the A/B at
+# the full depth): each loop's ring depth fitted to its K steps per unit (version log; s26: MoE half rank8 b64
+# 643.8 -> 540.2 us, b8 167.6 -> 141.2; s29, v7: rank8 b2 82.6 -> 74.3)
 RING_FIT = True
-# ring_fit at batch buckets <= 2 too (v7; opt-in, "fast-ringfit7", bench_experts RF7 / RF7probe; version log
-# "ring_fit at v7")
-RING_FIT_V7 = False
 RING_FIT_VERSIONS = (4, 5, 7)      # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
 
 
@@ -704,7 +712,7 @@ class KernelCfg:
     parts: int = 1    # v7: work items per expert (parts of I); v6 is 2 by construction, other versions 1
     route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
     ring_fit: bool = False      # each loop's ring depth fitted to its K steps per unit (D1, D2 <= D; compile_key
-    #                             sets it from RING_FIT, on by default at versions 4 / 5)
+    #                             sets it from RING_FIT, on by default at versions 4 / 5 / 7)
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -1588,8 +1596,8 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
     route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort).
-    ring_fit None: RING_FIT at versions 4 / 5 (the batch buckets > 2, where the loops are issue-bound), RING_FIT_V7
-    at version 7 (buckets <= 2, opt-in); True / False: the same at versions 4 / 5 / 7; other versions never."""
+    ring_fit None: RING_FIT at RING_FIT_VERSIONS (4 / 5 / 7); True / False: the same explicitly; other versions
+    never."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1610,9 +1618,7 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
 
 def ring_fit_rule(ring_fit: bool | None, version: int) -> bool:
     """Whether a kernel of this version fits its rings, given compile_key's ring_fit argument (its docstring)."""
-    if ring_fit is None:
-        return RING_FIT if version in (4, 5) else RING_FIT_V7 and version == 7
-    return bool(ring_fit) and version in RING_FIT_VERSIONS
+    return (RING_FIT if ring_fit is None else bool(ring_fit)) and version in RING_FIT_VERSIONS
 
 
 def compile_keys(cfg_or_dims, batches=M_BUCKETS, *, nsm: int = 132) -> list[KernelCfg]:

@@ -273,7 +273,7 @@ for path in glob.glob(os.path.join(nbtools.ROOT, "traces", "cpu", "ptxcheck-*.js
             per_mma.setdefault((r["config"], r["M"], r["kernel"], os.path.basename(path)), []).append(
                 (r["instructions"], r["mma"]))
 for (shape, M, kern, src), loops in sorted(per_mma.items()):
-    if M > 2:                       # versions 4 / 5 (the default); v7 at b1 / b2 is section 14's opt-in
+    if M > 2:                       # versions 4 / 5; v7 at b1 / b2 is section 14
         fc = sorted(loops)[:2]      # the two smallest loops with MMAs: FC1's and FC2's rings
         print(f"{src}: {shape} b{M:<3d} {kern.split(' ', 1)[1]:30s} SASS per MMA "
               + " / ".join(f"{n / m:.1f}" for n, m in fc))
@@ -303,6 +303,35 @@ for shape in ("k3_rank8", "k3_rank16"):
 for shape in ("k3_rank16", "k3_rank8"):
     print(nbtools.ab_table("traces/h200/records-52f028f-s28.json", "moe", ["fast", "fast-s27tail"], shape=shape))
 
+# %% [markdown]
+# ## 14. The fitted rings at batch 1 and 2 too (v7, sessions 13-14)
+# At batch buckets <= 2 the layer runs experts v7 (section 9), whose FC1 units have 14 or 28 K steps: a ring of 8
+# divides them per step as well. Session 12 left v7 at the full ring, assuming that its loops wait on loads; the
+# SASS said otherwise (below: per MMA, full ring against fitted). The s29 run measured the fitted rings as an
+# opt-in (`RF7` in bench_experts, `fast-ringfit7` in the layer, both at fdcdffc) and they became the default; the
+# A/B is now `NRF` / `fast-noringfit`, which turns the fitted rings off at every version.
+
+# %%
+for (shape, M, kern, src), loops in sorted(per_mma.items()):
+    if M <= 2:
+        fc = sorted(loops)[:2]
+        print(f"{src}: {shape} b{M:<3d} {kern.split(' ', 1)[1]:30s} SASS per MMA "
+              + " / ".join(f"{n / m:.1f}" for n, m in fc))
+rf7_src, rf7 = {}, {}
+for shape in ("k3_rank8", "k3_rank16"):
+    rf7_src[shape], rf7[shape] = nbtools.recorded_experts_probe(shape, "traces/h200/experts-fdcdffc-s29.json")
+    print(f"{shape}, median µs per launch ({rf7_src[shape]}; RF7 = the fitted rings, today's default)")
+    for variant in ("marlin", "default", "RF7", "probe", "RF7probe"):
+        print(f"  {variant:9s}" + "".join(f"{rf7[shape][variant].get(b, float('nan')):9.1f}" for b in (1, 2)))
+for shape in ("k3_rank8", "k3_rank16"):
+    print(nbtools.ab_table("traces/h200/records-fdcdffc-s29.json", "moe", ["stock", "fast", "fast-ringfit7"], shape=shape))
+
+# %% [markdown]
+# Predicted (bench): rank8 b2 -8 to -15 %, rank8 b1 and rank16 b2 -3 to -8 %, rank16 b1 within +-3 %. Measured:
+# -19 %, -6 %, -4 %, +0.6 %. In the MoE half the kernel's gain shows in full only at rank8 b2 (82.6 -> 74.3 µs,
+# 1.57x -> 1.75x stock): at b1 the experts start under the front's PDL tail, so most of rank8 b1's 1.6 µs is hidden
+# (65.8 -> 65.4). Bit-identical to the full ring on the GPU (`test_ring_fit_at_v7_is_bit_identical`, s29t).
+
 # %%
 assert table["G1"][1] > table["default"][1] and table["G1probe"][1] > table["probe"][1]
 assert tail_b1["stalls"][0][0] == "long_scoreboard" and tail_b1["stalls"][0][1] > 0.8 * tail_b1["cycles_per_issue"]
@@ -310,6 +339,8 @@ assert all(tail_rows[("moe_tail", sh, b)] < tail_rows[("moe_tail@v1", sh, b)] fo
 assert v7_rows_once
 assert all(rf["k3_rank8"]["default"][b] < 0.9 * rf["k3_rank8"]["NRF"][b] for b in (8, 64))
 assert all(abs(rf["k3_rank16"]["default"][b] / rf["k3_rank16"]["NRF"][b] - 1) < 0.03 for b in (8, 64))
+assert rf7["k3_rank8"]["RF7"][2] < 0.85 * rf7["k3_rank8"]["default"][2]
+assert abs(rf7["k3_rank16"]["RF7"][1] / rf7["k3_rank16"]["default"][1] - 1) < 0.03
 assert rot_decode_exact
 assert vec_vs_loop < 1e-10
 assert torch.equal(W1.bfloat16().double(), W1)

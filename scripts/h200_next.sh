@@ -326,7 +326,8 @@ case "${1:-}" in
             -k "not test_fast_moe_half_same_input or s27tail" ;;
   # session 13, written for session 14: ring_fit at v7 (opt-in fast-ringfit7 / bench_experts RF7) at b1 / b2 beside
   # stock (vLLM staged), then the tests: its bit-identity and the whole layer file (the one-kernel tail norm's
-  # whole-layer cases at b17 / b64 have not run yet)
+  # whole-layer cases at b17 / b64 have not run yet). (As run at fdcdffc; since session 14 ring_fit at v7 is the
+  # default, fast-ringfit7 and RF7 / RF7probe are gone, and the A/B is fast-noringfit / NRF / NRFprobe)
   s29)    K3_SWEEP_TIMEOUT=200 K3_EXPERTS_TIMEOUT=120 K3_EXPERTS="--shapes k3_rank16 k3_rank8 --batches 1 2 --variants default RF7 probe RF7probe" \
             bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 2 8 64 \
             --impls stock fast fast-ringfit7 --budget-s 180 ;;

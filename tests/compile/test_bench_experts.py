@@ -22,14 +22,6 @@ def test_variants_are_valid_keys(cfg):
                 with pytest.raises(ValueError, match="route_direct"):
                     be.variant_cfg(v, base)
                 continue
-            if v.startswith("NRF") and M <= 2:     # ring_fit off: versions 4 / 5 (buckets > 2); skipped below
-                with pytest.raises(ValueError, match="ring_fit"):
-                    be.variant_cfg(v, base)
-                continue
-            if v.startswith("RF7") and M > 2:      # ring_fit at v7: buckets <= 2; skipped above
-                with pytest.raises(ValueError, match="ring_fit at v7"):
-                    be.variant_cfg(v, base)
-                continue
             if v == "C8" and base.version == 7 and cfg.expert_intermediate == 256:
                 with pytest.raises(ValueError, match="K split"):   # 1 FC1 tile per CTA: 16 K parts of 56 steps
                     be.variant_cfg(v, base)                        # (the bench prints it as skipped)
@@ -44,16 +36,17 @@ def test_variants_are_valid_keys(cfg):
         assert be.variant_cfg("v3C8", base).C == 8 and be.variant_cfg("v3C8", base).version == 3
         assert be.variant_cfg("v3C8", base).W == 8 and be.variant_cfg("W8", base).W == 8 and base.W == 16
         assert be.variant_cfg("nibble", base).layout == "nibble" and base.layout == "rot"
-        if M > 2:
-            nrf = be.variant_cfg("NRF", base)
-            assert base.ring_fit and not nrf.ring_fit and be.variant_cfg("NRFprobe", base).probe == "stream"
-            assert base.D1 <= base.D and base.D2 <= base.D and (nrf.D1, nrf.D2) == (nrf.D, nrf.D)
-            assert not be.variant_cfg("v3", base).ring_fit         # other versions keep the full ring
-        else:
-            rf7 = be.variant_cfg("RF7", base)
-            assert rf7.ring_fit and rf7.D1 == rf7._fit(rf7.KS1) and not base.ring_fit and base.D1 == base.D
-            assert be.variant_cfg("RF7probe", base).probe == "stream" and be.variant_cfg("RF7probe", base).ring_fit
+        nrf = be.variant_cfg("NRF", base)          # ring_fit off, at every default version (4 / 7)
+        assert base.ring_fit and not nrf.ring_fit and be.variant_cfg("NRFprobe", base).probe == "stream"
+        assert base.D1 == base._fit(base.KS1) and base.D1 <= base.D and base.D2 <= base.D
+        assert (nrf.D1, nrf.D2) == (nrf.D, nrf.D)
+        assert not be.variant_cfg("v3", base).ring_fit             # other versions keep the full ring
+        if M <= 2:
             assert be.variant_cfg("v4", base).ring_fit == mx.RING_FIT      # a named version: its own default
+            v6 = mx.compile_key(cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate, M,
+                                version=6)
+            with pytest.raises(ValueError, match="ring_fit"):        # v6 has no fitted ring to turn off
+                be.variant_cfg("NRF", v6)
         if M == 1:
             # route1 is the default at batch 1 since session 11; S1 is the sorted kernel of before
             assert be.variant_cfg("R1", base) == base and base.route_direct == mx.ROUTE_DIRECT

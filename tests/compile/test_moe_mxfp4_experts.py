@@ -520,7 +520,7 @@ def test_route1_compiles_without_the_sort(I):
 
 def test_ring_fit_depths():
     """ring_fit: each loop's ring depth is the deepest <= D that step_split needs no per-step division for; only
-    for versions 4 / 5 (batch buckets > 2). rank8 (I = 384): FC1 has 28 K steps per unit, FC2 6 per tile."""
+    for versions 4 / 5 / 7 (v6 and the nibble-layout versions keep the full ring). rank8 (I = 384): FC1 has 28 K steps per unit, FC2 6 per tile."""
     r8 = mx.compile_key(896, 3584, 384, 64, ring_fit=True)
     assert (r8.KS1, r8.NKB2H, r8.D1, r8.D2) == (28, 6, 7, 6)
     r16 = mx.compile_key(896, 3584, 256, 64, ring_fit=True)
@@ -528,9 +528,11 @@ def test_ring_fit_depths():
     off = mx.compile_key(896, 3584, 384, 64, ring_fit=False)
     assert not off.ring_fit and (off.D1, off.D2) == (8, 8)
     assert mx.compile_key(896, 3584, 384, 64) == r8                          # the default since session 13
-    assert not mx.compile_key(896, 3584, 384, 1).ring_fit                     # v7: opt-in (RING_FIT_V7)
     r7 = mx.compile_key(896, 3584, 256, 1, ring_fit=True)                     # rank16 b1: 14 FC1 steps per unit
     assert r7.version == 7 and r7.ring_fit and (r7.KS1, r7.D1, r7.D2) == (14, 7, 8)
+    assert mx.compile_key(896, 3584, 256, 1) == r7                            # v7: the default since session 14
+    o7 = mx.compile_key(896, 3584, 256, 1, ring_fit=False)
+    assert o7.version == 7 and not o7.ring_fit and (o7.D1, o7.D2) == (8, 8)
     assert not mx.compile_key(896, 3584, 384, 1, version=6, ring_fit=True).ring_fit   # v6 keeps its full ring
     v3 = mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, version=3, ring_fit=True)
     assert (v3.D1, v3.D2) == (v3.D, v3.D)                                      # other versions: the full ring

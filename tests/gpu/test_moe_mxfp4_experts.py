@@ -374,7 +374,7 @@ def test_route1_graph_replay_and_other_batches():
 @pytest.mark.parametrize("M", [1, 2])
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
 def test_ring_fit_at_v7_is_bit_identical(M, I, kind):
-    """ring_fit at v7 (batch buckets <= 2, opt-in RING_FIT_V7): FC1's ring 7 deep for its 14 / 28 steps per unit,
+    """ring_fit at v7 (batch buckets <= 2, the default since session 14): FC1's ring 7 deep for its 14 / 28 steps per unit,
     FC2's fitted to its 1-3. As at v4 / v5, only when each row is loaded changes: every output bit equals the full
     ring's, including route1's unsorted pairs at M = 1. Also against the reference."""
     ck, prep, z, ids, w, ws = case(M, I, kind, 5300 + 10 * M + I // 128 + len(kind))
