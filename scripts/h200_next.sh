@@ -333,5 +333,14 @@ case "${1:-}" in
             --impls stock fast fast-ringfit7 --budget-s 180 ;;
   s29t)   K3_TEST_TIMEOUT=480 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
             -k "at_v7 or test_fast_layer" ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t"; exit 2 ;;
+  # session 14: does a range stay in L2 until it is read (k3fast.l2probe: capacity, a few CTAs' prefetch beside a
+  # 23 MB stream, evict_last), then its GPU tests, the new default's A/B at the layer (fast-noringfit at every
+  # batch) and bench_experts' NRF at b1 / b2 (the full ring, now the A/B there)
+  s30)    o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          timeout 150 python3 -m k3fast.l2probe --out "$o" --tag "$K3_TAG" > "$o/l2probe.log" 2>&1; tail -2 "$o/l2probe.log"
+          timeout 120 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes k3_rank8 k3_rank16 \
+            --batches 1 2 --variants default NRF > "$o/experts.log" 2>&1; tail -2 "$o/experts.log"
+          K3_TEST_TIMEOUT=240 bash scripts/h200_tests.sh tests/gpu/test_l2probe.py tests/gpu/test_fast_layer.py \
+            -k "test_l2probe or noringfit" ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30"; exit 2 ;;
 esac
