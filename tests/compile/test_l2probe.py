@@ -41,3 +41,17 @@ def test_bad_buffers_are_refused_before_any_launch():
         l2probe.l2_prefetch(torch.zeros(l2probe.CHUNK // 4), 0)
     with pytest.raises(ValueError, match="whole 128-byte lines"):
         l2probe.l2_prefetch(torch.zeros(31), 4, mode="line")
+
+
+@needs_dsl
+def test_reader_compiles_to_vector_loads_and_no_unconditional_store():
+    ptx = compiled_ptx(lambda: l2probe._build_read(256, 4, options=TVM_FFI + " --keep-ptx"))
+    assert len(re.findall(r"ld\.global[^\n]*\.v4\.", ptx)) >= 4, "four 16-byte loads in flight per loop turn"
+    assert len(re.findall(r"st\.global", ptx)) == 1          # the one predicated store of the fold
+
+
+def test_reader_refuses_bad_buffers():
+    with pytest.raises(ValueError, match="whole 16-byte vectors"):
+        l2probe.read_once(torch.zeros(3), torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="1-element int32"):
+        l2probe.read_once(torch.zeros(4), torch.zeros(2, dtype=torch.int32))
