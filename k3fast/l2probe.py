@@ -184,6 +184,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes-mb", nargs="+", type=int, default=[8, 16, 24, 32, 40, 48])
     ap.add_argument("--stream-mb", type=int, default=23, help="Y: the concurrent / intervening stream")
     ap.add_argument("--ctas", nargs="+", type=int, default=[4, 132], help="prefetch grid sizes")
+    ap.add_argument("--reader-ctas", nargs="+", type=int, default=[528],
+                    help="read_once's grid (528 = 4 per SM: every 16-byte vector of 8 MB in flight in one turn; "
+                         "132 = one per SM: a quarter as many loads in flight, so latency shows)")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="traces/h200")
     ap.add_argument("--tag", default=None)
@@ -220,9 +223,9 @@ def main(argv=None) -> int:
         return run
 
     recs = []
-    for size in args.sizes_mb:
+    for size, rc in [(sz, rc) for sz in args.sizes_mb for rc in args.reader_ctas]:
         x = torch.randn(size * MB // 4, device="cuda")
-        read_x, read_y = (lambda: read_once(x, out)), (lambda: read_once(y, out))
+        read_x, read_y = (lambda: read_once(x, out, rc)), (lambda: read_once(y, out, rc))
         scen = {"cold": lambda: None, "warm": read_x,
                 "after_stream": lambda: (read_x(), read_y()),
                 "beside_stream": beside(read_x, read_y)}
@@ -235,7 +238,7 @@ def main(argv=None) -> int:
                     # the same after SETTLE_CYCLES of one spinning thread: the prefetch is asynchronous (its
                     # kernel ends when the requests are issued), so this tells late lines from missing ones
                     scen[name + "_settled"] = (lambda pf=pf: (pf(), torch.cuda._sleep(SETTLE_CYCLES)))
-                    scen[name + "_beside_stream"] = beside(pf, read_y, key=(size, name))
+                    scen[name + "_beside_stream"] = beside(pf, read_y, key=(size, rc, name))
         # compile and warm every piece outside the timed loops
         for fn in scen.values():
             fn()
@@ -252,14 +255,15 @@ def main(argv=None) -> int:
             share = (cold - t["us_median"]) / (cold - warm) if cold > warm else None
             rec = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
                    "x_mb": size, "stream_mb": args.stream_mb, "scenario": name, "reps": args.reps,
+                   "reader_ctas": rc,
                    "copy_tbps": round(bw, 4), "x_read": t, "l2_share": None if share is None else round(share, 3),
                    "x_floor_us": round(size * MB / (bw * 1e12) * 1e6, 3)}
-            evs = y_ev.get((size, name.replace("_beside_stream", "")))
+            evs = y_ev.get((size, rc, name.replace("_beside_stream", "")))
             if name.endswith("_beside_stream") and evs:
                 rec["y_beside"] = replay_stats([a.elapsed_time(b) * 1e3 for a, b in evs])
                 rec["y_alone"] = y_alone
             recs.append(rec)
-            print(json.dumps({k: rec.get(k) for k in ("x_mb", "scenario", "l2_share")}
+            print(json.dumps({k: rec.get(k) for k in ("x_mb", "reader_ctas", "scenario", "l2_share")}
                              | {"x_us": t["us_median"], "y_beside_us": rec.get("y_beside", {}).get("us_median"),
                                 "y_alone_us": y_alone["us_median"] if "y_beside" in rec else None}), flush=True)
         write_run(path, env, bw, recs)
