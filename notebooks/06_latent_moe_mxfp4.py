@@ -332,6 +332,54 @@ for shape in ("k3_rank8", "k3_rank16"):
 # 1.57x -> 1.75x stock): at b1 the experts start under the front's PDL tail, so most of rank8 b1's 1.6 µs is hidden
 # (65.8 -> 65.4). Bit-identical to the full ring on the GPU (`test_ring_fit_at_v7_is_bit_identical`, s29t).
 
+# %% [markdown]
+# ## 15. Would the tail's weights wait in L2? (`k3fast.l2probe`, session 14)
+# At rank16 b1 the tail streams 57 MB after the routed experts (15.7 µs, 1.13x its byte floor), while during the
+# experts the HBM moves only ~23 MB. Four designs tried to pull weights into L2 during another kernel, and all four
+# cost more than they hid. `k3fast.l2probe` asks the question on plain buffers. A range X is read once after one
+# of these: nothing (cold), X itself (warm), a prefetch by 4 or 132 CTAs (bulk `cp.async.bulk.prefetch.L2` or
+# per-line `prefetch.global.L2`, with or without `L2::evict_last`), that prefetch and then ~50 µs of waiting
+# (settled), or that prefetch beside a 23 MB stream Y. Two readers: 528 CTAs with 64 KB of loads in flight per SM
+# (bandwidth-bound, like the tail: 57 MB at 3.6 TB/s) and 132 CTAs with 16 KB (latency-bound).
+
+# %%
+l2 = {}
+with open(os.path.join(nbtools.ROOT, "traces", "h200", "l2probe-18b80c4-s32.json")) as f:
+    l2doc = json.load(f)
+for r in l2doc["records"]:
+    l2[(r["reader_ctas"], r["scenario"], r["x_mb"])] = r["x_read"]["us_median"]
+sizes = sorted({k[2] for k in l2})
+pf_rows = sorted({k[1] for k in l2 if k[1].startswith("pf_")})
+print(f"traces/h200/l2probe-18b80c4-s32.json, copy {l2doc['copy_tbps']:.2f} TB/s; median µs of the read of X")
+for rc in (528, 132):
+    best = {mb: min(l2[(rc, sc, mb)] for sc in pf_rows if "beside" not in sc) for mb in sizes}
+    best_beside = {mb: min(l2[(rc, sc, mb)] for sc in pf_rows if "beside" in sc) for mb in sizes}
+    print(f"reader {rc} CTAs   " + "".join(f"{mb:>7d} MB" for mb in sizes))
+    for name, row in (("cold", {mb: l2[(rc, "cold", mb)] for mb in sizes}),
+                      ("warm", {mb: l2[(rc, "warm", mb)] for mb in sizes}),
+                      ("best prefetch", best), ("best beside Y", best_beside)):
+        print(f"  {name:15s}" + "".join(f"{row[mb]:10.1f}" for mb in sizes))
+y_cost = {r["scenario"]: r["y_beside"]["us_median"] / r["y_alone"]["us_median"]
+          for r in l2doc["records"] if r.get("y_beside") and r["reader_ctas"] == 528 and r["x_mb"] == 24}
+print("Y (23 MB) beside a 24 MB prefetch, time against Y alone: "
+      + ", ".join(f"{k[3:-14]} {v:.2f}x" for k, v in sorted(y_cost.items())))
+
+# %% [markdown]
+# What the H200 said:
+# * For the bandwidth-bound reader, the best prefetch saved 7-10 % of the read at 16-48 MB, and that is with
+#   nothing else running. Beside the 23 MB stream, no prefetch row read faster than cold at >= 16 MB. The stream
+#   itself got slower beside every prefetch: 1.18-1.22x from 4 CTAs, 1.19-1.59x from 132, at 24 MB. About 1.1 µs
+#   of that is there at 2 MB too, so it is the cost of running beside another kernel at all, not of the bytes.
+# * The latency-bound reader gains more (up to a quarter at 48 MB), but the tail is not latency-bound: it streams
+#   at 3.6 TB/s.
+# * Read twice, a range of 16 MB or more is hardly faster the second time, so the usable L2 for a range that every
+#   SM reads is well below its 50 MB.
+#
+# So at b1 an L2 prefetch of the tail's weights could save about 10 % of 15.7 µs, and only if it cost the experts
+# nothing, which it does not. Issue 5's 2x needs 6.2 µs. The lead that remains keeps bytes on the chip, not in L2:
+# the experts' 23 MB in shared memory while the front's down-projection streams (LOG.md, "Where the remaining targets
+# stand").
+
 # %%
 assert table["G1"][1] > table["default"][1] and table["G1probe"][1] > table["probe"][1]
 assert tail_b1["stalls"][0][0] == "long_scoreboard" and tail_b1["stalls"][0][1] > 0.8 * tail_b1["cycles_per_issue"]
@@ -341,6 +389,10 @@ assert all(rf["k3_rank8"]["default"][b] < 0.9 * rf["k3_rank8"]["NRF"][b] for b i
 assert all(abs(rf["k3_rank16"]["default"][b] / rf["k3_rank16"]["NRF"][b] - 1) < 0.03 for b in (8, 64))
 assert rf7["k3_rank8"]["RF7"][2] < 0.85 * rf7["k3_rank8"]["default"][2]
 assert abs(rf7["k3_rank16"]["RF7"][1] / rf7["k3_rank16"]["default"][1] - 1) < 0.03
+assert all(l2[(528, sc, mb)] > 0.89 * l2[(528, "cold", mb)] for sc in pf_rows for mb in sizes if mb >= 16)
+assert all(l2[(528, sc, mb)] >= l2[(528, "cold", mb)] for sc in pf_rows if "beside" in sc for mb in sizes if mb >= 16)
+assert all(v > 1.05 for v in y_cost.values())
+assert all(l2[(528, "warm", mb)] > 0.9 * l2[(528, "cold", mb)] for mb in sizes if mb >= 16)
 assert rot_decode_exact
 assert vec_vs_loop < 1e-10
 assert torch.equal(W1.bfloat16().double(), W1)
