@@ -1,0 +1,189 @@
+"""Can the routed experts' weights land in shared memory while the front's down-projection streams? A measurement
+for a design that is not built yet, not a kernel of the layer.
+
+The design (k3fast/LOG.md, "Where the remaining targets stand (session 14 update)"): at rank16 b1 the MoE half is
+the front (~75 MB, of which the down-projection to the latent is ~51 MB), then the routed experts (23.4 MB for the
+token's 16 experts, latency-bound: ~17.7 us after the front), then the tail (57 MB). An L2 prefetch cannot carry
+bytes across kernels here (k3fast.l2probe, s30-s32), but shared memory can: 23.4 MB over 128 SMs is ~183 KB per
+SM, under the 227 KB an SM has. If the top-k ran first, the experts' CTAs could load their weights by expert id
+while the down-projection streams on the same SMs, and only the MMAs would remain after it.
+
+This probe asks the memory system alone, before anything of that is built: do the two streams add up?
+
+* ``fill``: ``ctas`` CTAs (one per SM, 512 threads) each copy their slice of a buffer into shared memory with
+  cp.async (16 bytes per thread per step, all steps in flight, one wait), then fold what landed into one XOR per
+  thread, written out so that a test can check every byte arrived;
+* ``stream``: k3fast.l2probe.read_once over a second buffer (528 CTAs, no shared memory, so its CTAs fit beside
+  the fill's);
+* both on two streams at once, timed from the fork to the join, against each alone and against one after the
+  other. The L2 is flushed (256 MB read) before each repetition.
+
+    python -m k3fast.overlap_probe --out traces/h200 --tag <commit>-<step>     (writes overlap-<tag>.json)
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+from ._dsl import TVM_FFI, compile_cached, fake_stream, fake_tensor, import_cute
+
+THREADS = 512
+VEC = 16                      # bytes per cp.async
+STEP_BYTES = THREADS * VEC    # 8 KB: one step of every thread of a CTA
+MAX_SMEM = 227 * 1024         # sm_90's largest dynamic shared memory per CTA
+MB = 1_000_000             # the repository's byte unit (k3-spec, moe_mxfp4_experts): 23.4 MB = 23.4e6 bytes
+
+
+def _build_fill(steps: int, options: str = TVM_FFI):
+    cutlass, cute = import_cute()
+    from cutlass import Int32
+
+    smem_bytes = steps * STEP_BYTES
+
+    class SmemFill:
+        """CTA c copies bytes [c * S, (c + 1) * S) of X (S = steps * 8 KB) into its shared memory: thread t's step
+        s is the 16-byte vector s * 512 + t of the slice, so each step is 8 KB of consecutive bytes per CTA. Every
+        copy is issued before the one wait (no ring: the whole slice fits); then each thread folds its own vectors
+        out of shared memory into out[c * 512 + t]."""
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mOut: cute.Tensor, stream):
+            gX = cute.flat_divide(mX, (4,))                       # (4 words, vector)
+            grid = cute.size(gX, mode=[1]) // (steps * THREADS)
+            self.kernel(gX, mOut).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], smem=smem_bytes + 128,
+                                         stream=stream, preferred_smem_carveout=100)
+
+        @cute.kernel
+        def kernel(self, gX: cute.Tensor, mOut: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            smem = cutlass.memory.SmemAllocator()
+            sX = smem.allocate_tensor(Int32, cute.make_layout((4, steps * THREADS), stride=(1, 4)), 128)
+            atom = cute.make_copy_atom(
+                cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), Int32,
+                num_bits_per_copy=128)
+            base = bidx * (steps * THREADS)
+            for s in cutlass.range_constexpr(steps):
+                cute.copy(atom, gX[None, base + s * THREADS + tidx], sX[None, s * THREADS + tidx])
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            acc = Int32(0)
+            for s in cutlass.range_constexpr(steps):
+                for w in cutlass.range_constexpr(4):
+                    acc = acc ^ sX[w, s * THREADS + tidx]
+            mOut[bidx * THREADS + tidx] = acc
+
+    n, m = cute.sym_int(), cute.sym_int()
+    return cute.compile(SmemFill(), fake_tensor(cutlass.Int32, (n,)), fake_tensor(cutlass.Int32, (m,)),
+                        fake_stream(), options=options)
+
+
+def slice_steps(total_bytes: int, ctas: int) -> int:
+    """The 8 KB steps per CTA that give ``ctas`` CTAs at least ``total_bytes`` together."""
+    steps = -(-total_bytes // (ctas * STEP_BYTES))
+    if steps * STEP_BYTES + 128 > MAX_SMEM:
+        raise ValueError(f"{total_bytes} bytes over {ctas} CTAs need {steps * STEP_BYTES} bytes of shared memory "
+                         f"per CTA; an H200 CTA has at most {MAX_SMEM}")
+    return steps
+
+
+def smem_fill(x: torch.Tensor, out: torch.Tensor, ctas: int) -> None:
+    """Copy the contiguous int32 CUDA tensor ``x`` into the shared memory of ``ctas`` CTAs (equal slices) on the
+    current stream; out[c * 512 + t] is the XOR of thread t's words of slice c."""
+    nbytes = x.numel() * x.element_size()
+    if x.dtype != torch.int32 or not x.is_contiguous() or x.data_ptr() % 16:
+        raise ValueError(f"smem_fill needs a contiguous, 16-byte aligned int32 tensor, got {x.dtype}, "
+                         f"contiguous={x.is_contiguous()}")
+    if ctas < 1 or nbytes % (ctas * STEP_BYTES):
+        raise ValueError(f"smem_fill splits x into {ctas} slices of whole {STEP_BYTES}-byte steps; {nbytes} bytes "
+                         f"do not split so")
+    steps = slice_steps(nbytes, ctas)
+    if out.dtype != torch.int32 or out.numel() != ctas * THREADS:
+        raise ValueError(f"out must be an int32 tensor of ctas * {THREADS} = {ctas * THREADS} elements, got "
+                         f"{out.dtype} x {out.numel()}")
+    fn = compile_cached(("overlap_probe.fill", steps), lambda: _build_fill(steps))
+    fn(x, out)
+
+
+def _timed(reps: int, fn, flush) -> list[float]:
+    s_ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    e_ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)             # keep the GPU behind the CPU: no launch gap inside a repetition
+    for i in range(reps):
+        flush()
+        s_ev[i].record()
+        fn()
+        e_ev[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in zip(s_ev, e_ev)]
+
+
+def main(argv=None) -> int:
+    from .l2probe import read_once
+    from .trace import flush_l2, replay_stats, start_run, write_run
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fill-mb", nargs="+", type=float, default=[23.4],
+                    help="the experts' bytes (rank16 b1: 23.4 MB for 16 distinct experts)")
+    ap.add_argument("--stream-mb", nargs="+", type=float, default=[51.4],
+                    help="the down-projection's bytes (7168 x 3584 bf16 = 51.4 MB)")
+    ap.add_argument("--fill-ctas", nargs="+", type=int, default=[128])
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--out", default="traces/h200")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("k3fast.overlap_probe needs a CUDA GPU", file=sys.stderr)
+        return 2
+    env, bw, tag = start_run(args.out, args.tag)
+    path = f"{args.out}/overlap-{tag}.json"
+    main_s, s1, s2 = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    recs = []
+    for fill_mb in args.fill_mb:
+        for ctas in args.fill_ctas:
+            steps = slice_steps(int(fill_mb * MB), ctas)
+            xf = torch.randint(-2**31, 2**31 - 1, (ctas * steps * STEP_BYTES // 4,), dtype=torch.int32,
+                               device="cuda")
+            out = torch.empty(ctas * THREADS, dtype=torch.int32, device="cuda")
+            for stream_mb in args.stream_mb:
+                xs = torch.randn(int(stream_mb * MB) // 16 * 4, device="cuda")
+                fill = (lambda: smem_fill(xf, out, ctas))
+                stream = (lambda: read_once(xs, sink))
+
+                def both():
+                    s1.wait_stream(main_s)
+                    s2.wait_stream(main_s)
+                    with torch.cuda.stream(s1):     # the fill first, so its CTAs take their SMs
+                        fill()
+                    with torch.cuda.stream(s2):
+                        stream()
+                    main_s.wait_stream(s1)
+                    main_s.wait_stream(s2)
+                cases = {"fill": fill, "stream": stream, "fill_then_stream": lambda: (fill(), stream()),
+                         "fill_beside_stream": both}
+                for fn in cases.values():           # compile and warm outside the timed loops
+                    fn()
+                torch.cuda.synchronize()
+                row = {name: replay_stats(_timed(args.reps, fn, flush_l2)) for name, fn in cases.items()}
+                fill_bytes = xf.numel() * 4
+                stream_bytes = xs.numel() * 4
+                rec = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
+                       "fill_bytes": fill_bytes, "fill_ctas": ctas, "fill_smem_per_cta": steps * STEP_BYTES,
+                       "stream_bytes": stream_bytes, "reps": args.reps, "copy_tbps": round(bw, 4),
+                       "floor_us_both": round((fill_bytes + stream_bytes) / (bw * 1e12) * 1e6, 3),
+                       "floor_us_fill": round(fill_bytes / (bw * 1e12) * 1e6, 3),
+                       "floor_us_stream": round(stream_bytes / (bw * 1e12) * 1e6, 3), **row}
+                recs.append(rec)
+                print(json.dumps({"fill_mb": fill_mb, "ctas": ctas, "stream_mb": stream_mb,
+                                  "floor_both": rec["floor_us_both"]}
+                                 | {k: v["us_median"] for k, v in row.items()}), flush=True)
+                write_run(path, env, bw, recs)
+                del xs
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
