@@ -129,6 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-mb", nargs="+", type=float, default=[51.4],
                     help="the down-projection's bytes (7168 x 3584 bf16 = 51.4 MB)")
     ap.add_argument("--fill-ctas", nargs="+", type=int, default=[128])
+    ap.add_argument("--stream-carveout", nargs="+", default=["none"],
+                    help="the stream kernel's preferred shared-memory carveout: 'none' (the driver's choice) or a "
+                         "percentage; the fill asks for 100")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="traces/h200")
     ap.add_argument("--tag", default=None)
@@ -147,10 +150,11 @@ def main(argv=None) -> int:
             xf = torch.randint(-2**31, 2**31 - 1, (ctas * steps * STEP_BYTES // 4,), dtype=torch.int32,
                                device="cuda")
             out = torch.empty(ctas * THREADS, dtype=torch.int32, device="cuda")
-            for stream_mb in args.stream_mb:
+            for stream_mb, cv in [(mb, cv) for mb in args.stream_mb for cv in args.stream_carveout]:
+                carve = None if cv == "none" else int(cv)
                 xs = torch.randn(int(stream_mb * MB) // 16 * 4, device="cuda")
                 fill = (lambda: smem_fill(xf, out, ctas))
-                stream = (lambda: read_once(xs, sink))
+                stream = (lambda: read_once(xs, sink, carveout=carve))
 
                 def both():
                     s1.wait_stream(main_s)
@@ -171,12 +175,13 @@ def main(argv=None) -> int:
                 stream_bytes = xs.numel() * 4
                 rec = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
                        "fill_bytes": fill_bytes, "fill_ctas": ctas, "fill_smem_per_cta": steps * STEP_BYTES,
-                       "stream_bytes": stream_bytes, "reps": args.reps, "copy_tbps": round(bw, 4),
+                       "stream_bytes": stream_bytes, "stream_carveout": carve, "reps": args.reps,
+                       "copy_tbps": round(bw, 4),
                        "floor_us_both": round((fill_bytes + stream_bytes) / (bw * 1e12) * 1e6, 3),
                        "floor_us_fill": round(fill_bytes / (bw * 1e12) * 1e6, 3),
                        "floor_us_stream": round(stream_bytes / (bw * 1e12) * 1e6, 3), **row}
                 recs.append(rec)
-                print(json.dumps({"fill_mb": fill_mb, "ctas": ctas, "stream_mb": stream_mb,
+                print(json.dumps({"fill_mb": fill_mb, "ctas": ctas, "stream_mb": stream_mb, "carveout": carve,
                                   "floor_both": rec["floor_us_both"]}
                                  | {k: v["us_median"] for k, v in row.items()}), flush=True)
                 write_run(path, env, bw, recs)
