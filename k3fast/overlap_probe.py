@@ -122,7 +122,7 @@ def _timed(reps: int, fn, flush) -> list[float]:
 
 def main(argv=None) -> int:
     from .l2probe import read_once
-    from .trace import flush_l2, replay_stats, start_run, write_run
+    from .trace import _profile, flush_l2, replay_stats, start_run, write_run
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fill-mb", nargs="+", type=float, default=[23.4],
                     help="the experts' bytes (rank16 b1: 23.4 MB for 16 distinct experts)")
@@ -171,6 +171,21 @@ def main(argv=None) -> int:
                     fn()
                 torch.cuda.synchronize()
                 row = {name: replay_stats(_timed(args.reps, fn, flush_l2)) for name, fn in cases.items()}
+                # who ran when, beside each other: CUPTI kernel spans of 3 repetitions (us from each one's first
+                # kernel after the flush), to tell "not concurrent" from "concurrent but sharing the HBM badly"
+                def three():
+                    for _ in range(3):
+                        flush_l2()
+                        both()
+                ev = sorted((e for e in _profile(three) if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+                timeline, t0 = [], None
+                for e in ev:
+                    name = "fill" if "SmemFill" in e["name"] else "stream" if "L2Read" in e["name"] else "flush"
+                    if name == "flush":
+                        t0 = None
+                        continue
+                    t0 = e["ts"] if t0 is None else t0
+                    timeline.append([name, round(e["ts"] - t0, 3), round(e["dur"], 3)])
                 fill_bytes = xf.numel() * 4
                 stream_bytes = xs.numel() * 4
                 rec = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
@@ -179,11 +194,12 @@ def main(argv=None) -> int:
                        "copy_tbps": round(bw, 4),
                        "floor_us_both": round((fill_bytes + stream_bytes) / (bw * 1e12) * 1e6, 3),
                        "floor_us_fill": round(fill_bytes / (bw * 1e12) * 1e6, 3),
-                       "floor_us_stream": round(stream_bytes / (bw * 1e12) * 1e6, 3), **row}
+                       "floor_us_stream": round(stream_bytes / (bw * 1e12) * 1e6, 3), **row,
+                       "beside_timeline": timeline}
                 recs.append(rec)
                 print(json.dumps({"fill_mb": fill_mb, "ctas": ctas, "stream_mb": stream_mb, "carveout": carve,
                                   "floor_both": rec["floor_us_both"]}
-                                 | {k: v["us_median"] for k, v in row.items()}), flush=True)
+                                 | {k: v["us_median"] for k, v in row.items()} | {"timeline": timeline}), flush=True)
                 write_run(path, env, bw, recs)
                 del xs
     print("wrote", path)
