@@ -361,7 +361,7 @@ case "${1:-}" in
             --stream-mb 51.4 --stream-carveout none 100 > "$o/overlap.log" 2>&1; tail -4 "$o/overlap.log" ;;
   # s34: no overlap at either carveout; the CUPTI spans of the pair say whether the two kernels ran at once
   s35)    o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
-          timeout 150 python3 -m k3fast.overlap_probe --out "$o" --tag "$K3_TAG" --fill-ctas 128 64 \
+          timeout 150 python3 -m k3fast.overlap_probe --out "$o" --tag "$K3_TAG" --fill-ctas 128 \
             --stream-mb 51.4 > "$o/overlap.log" 2>&1; tail -4 "$o/overlap.log" ;;
   *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35"; exit 2 ;;
 esac
