@@ -132,6 +132,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-carveout", nargs="+", default=["none"],
                     help="the stream kernel's preferred shared-memory carveout: 'none' (the driver's choice) or a "
                          "percentage; the fill asks for 100")
+    ap.add_argument("--stream-first", action="store_true",
+                    help="launch the stream before the fill (the design's order: the down-projection runs, the "
+                         "experts join it)")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="traces/h200")
     ap.add_argument("--tag", default=None)
@@ -159,10 +162,11 @@ def main(argv=None) -> int:
                 def both():
                     s1.wait_stream(main_s)
                     s2.wait_stream(main_s)
-                    with torch.cuda.stream(s1):     # the fill first, so its CTAs take their SMs
-                        fill()
+                    first, second = (stream, fill) if args.stream_first else (fill, stream)
+                    with torch.cuda.stream(s1):     # default: the fill first, so its CTAs take their SMs
+                        first()
                     with torch.cuda.stream(s2):
-                        stream()
+                        second()
                     main_s.wait_stream(s1)
                     main_s.wait_stream(s2)
                 cases = {"fill": fill, "stream": stream, "fill_then_stream": lambda: (fill(), stream()),
@@ -190,7 +194,8 @@ def main(argv=None) -> int:
                 stream_bytes = xs.numel() * 4
                 rec = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
                        "fill_bytes": fill_bytes, "fill_ctas": ctas, "fill_smem_per_cta": steps * STEP_BYTES,
-                       "stream_bytes": stream_bytes, "stream_carveout": carve, "reps": args.reps,
+                       "stream_bytes": stream_bytes, "stream_carveout": carve, "stream_first": args.stream_first,
+                       "reps": args.reps,
                        "copy_tbps": round(bw, 4),
                        "floor_us_both": round((fill_bytes + stream_bytes) / (bw * 1e12) * 1e6, 3),
                        "floor_us_fill": round(fill_bytes / (bw * 1e12) * 1e6, 3),
