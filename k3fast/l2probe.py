@@ -86,7 +86,7 @@ def _build(mode: str, hint: str, threads: int, options: str = TVM_FFI):
     return cute.compile(L2Prefetch(), fake_tensor(cutlass.Int32, (n,)), Int32(1), fake_stream(), options=options)
 
 
-def _build_read(threads: int, unroll: int, options: str = TVM_FFI, carveout: int | None = None):
+def _build_read(threads: int, unroll: int, options: str = TVM_FFI, carveout: int | None = None, smem: int = 0):
     cutlass, cute = import_cute()
     from cutlass import Int32
     from ._dsl import weight_load_atom
@@ -95,6 +95,8 @@ def _build_read(threads: int, unroll: int, options: str = TVM_FFI, carveout: int
     # choice). overlap_probe runs it beside a kernel that asks for 100 (its 184 KB per CTA), to see whether CTAs
     # of two kernels that ask for different splits share an SM.
     occupancy = {} if carveout is None else {"preferred_smem_carveout": carveout}
+    if smem:                      # unused dynamic shared memory, for the same reason (overlap_probe --stream-smem)
+        occupancy["smem"] = smem
 
     class L2Read:
         """Reads every 16-byte vector of X once (grid-stride, ``unroll`` loads in flight per thread) and folds
@@ -137,7 +139,7 @@ def _build_read(threads: int, unroll: int, options: str = TVM_FFI, carveout: int
 
 
 def read_once(x: torch.Tensor, out: torch.Tensor, ctas: int | None = None, threads: int = 256,
-              unroll: int = 4, carveout: int | None = None) -> None:
+              unroll: int = 4, carveout: int | None = None, smem: int = 0) -> None:
     """Read every byte of the contiguous CUDA tensor ``x`` once (L2Read), on the current stream; ``out`` is a
     1-element int32 tensor that is written only with probability ~2^-32."""
     nbytes = x.numel() * x.element_size()
@@ -148,8 +150,8 @@ def read_once(x: torch.Tensor, out: torch.Tensor, ctas: int | None = None, threa
         raise ValueError(f"out must be a 1-element int32 tensor, got {out.dtype} x {out.numel()}")
     if ctas is None:
         ctas = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
-    fn = compile_cached(("l2probe.read", threads, unroll, carveout),
-                        lambda: _build_read(threads, unroll, carveout=carveout))
+    fn = compile_cached(("l2probe.read", threads, unroll, carveout, smem),
+                        lambda: _build_read(threads, unroll, carveout=carveout, smem=smem))
     fn(x.view(torch.int32), out, ctas)
 
 

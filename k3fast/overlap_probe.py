@@ -132,6 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-carveout", nargs="+", default=["none"],
                     help="the stream kernel's preferred shared-memory carveout: 'none' (the driver's choice) or a "
                          "percentage; the fill asks for 100")
+    ap.add_argument("--stream-smem", type=int, default=0, help="unused dynamic shared memory per stream CTA")
     ap.add_argument("--stream-first", action="store_true",
                     help="launch the stream before the fill (the design's order: the down-projection runs, the "
                          "experts join it)")
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
                 carve = None if cv == "none" else int(cv)
                 xs = torch.randn(int(stream_mb * MB) // 16 * 4, device="cuda")
                 fill = (lambda: smem_fill(xf, out, ctas))
-                stream = (lambda: read_once(xs, sink, carveout=carve))
+                stream = (lambda: read_once(xs, sink, carveout=carve, smem=args.stream_smem))
 
                 def both():
                     s1.wait_stream(main_s)
@@ -194,7 +195,7 @@ def main(argv=None) -> int:
                 stream_bytes = xs.numel() * 4
                 rec = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
                        "fill_bytes": fill_bytes, "fill_ctas": ctas, "fill_smem_per_cta": steps * STEP_BYTES,
-                       "stream_bytes": stream_bytes, "stream_carveout": carve, "stream_first": args.stream_first,
+                       "stream_bytes": stream_bytes, "stream_carveout": carve, "stream_first": args.stream_first, "stream_smem": args.stream_smem,
                        "reps": args.reps,
                        "copy_tbps": round(bw, 4),
                        "floor_us_both": round((fill_bytes + stream_bytes) / (bw * 1e12) * 1e6, 3),
