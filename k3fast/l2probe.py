@@ -170,24 +170,8 @@ def l2_prefetch(x: torch.Tensor, ctas: int, mode: str = "bulk", hint: str = "", 
     fn(x.view(torch.int32), ctas)
 
 
-def _timed(reps: int, setup, measured, flush) -> list[float]:
-    """µs of ``measured`` (events around it only) after flush() and setup(), ``reps`` times."""
-    s_ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    e_ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)             # keep the GPU behind the CPU: no launch gap inside a repetition
-    for i in range(reps):
-        flush()
-        setup()
-        s_ev[i].record()
-        measured()
-        e_ev[i].record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1e3 for s, e in zip(s_ev, e_ev)]
-
-
 def main(argv=None) -> int:
-    from .trace import flush_l2, replay_stats, start_run, write_run
+    from .trace import replay_stats, start_run, time_eager, write_run
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes-mb", nargs="+", type=int, default=[8, 16, 24, 32, 40, 48])
     ap.add_argument("--stream-mb", type=int, default=23, help="Y: the concurrent / intervening stream")
@@ -255,9 +239,9 @@ def main(argv=None) -> int:
         y_ev.clear()
         rows = {}
         for name, setup in scen.items():
-            t = replay_stats(_timed(args.reps, setup, read_x, flush_l2))
+            t = replay_stats(time_eager(read_x, args.reps, setup=setup))
             rows[name] = t
-        y_alone = replay_stats(_timed(args.reps, lambda: None, read_y, flush_l2))
+        y_alone = replay_stats(time_eager(read_y, args.reps))
         cold, warm = rows["cold"]["us_median"], rows["warm"]["us_median"]
         for name, t in rows.items():
             share = (cold - t["us_median"]) / (cold - warm) if cold > warm else None

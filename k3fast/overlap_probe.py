@@ -106,23 +106,9 @@ def smem_fill(x: torch.Tensor, out: torch.Tensor, ctas: int) -> None:
     fn(x, out)
 
 
-def _timed(reps: int, fn, flush) -> list[float]:
-    s_ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    e_ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)             # keep the GPU behind the CPU: no launch gap inside a repetition
-    for i in range(reps):
-        flush()
-        s_ev[i].record()
-        fn()
-        e_ev[i].record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1e3 for s, e in zip(s_ev, e_ev)]
-
-
 def main(argv=None) -> int:
     from .l2probe import read_once
-    from .trace import _profile, flush_l2, replay_stats, start_run, write_run
+    from .trace import _profile, flush_l2, replay_stats, start_run, time_eager, write_run
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fill-mb", nargs="+", type=float, default=[23.4],
                     help="the experts' bytes (rank16 b1: 23.4 MB for 16 distinct experts)")
@@ -175,7 +161,7 @@ def main(argv=None) -> int:
                 for fn in cases.values():           # compile and warm outside the timed loops
                     fn()
                 torch.cuda.synchronize()
-                row = {name: replay_stats(_timed(args.reps, fn, flush_l2)) for name, fn in cases.items()}
+                row = {name: replay_stats(time_eager(fn, args.reps)) for name, fn in cases.items()}
                 # who ran when, beside each other: CUPTI kernel spans of 3 repetitions (us from each one's first
                 # kernel after the flush), to tell "not concurrent" from "concurrent but sharing the HBM badly"
                 def three():

@@ -163,6 +163,24 @@ def time_replays(g: torch.cuda.CUDAGraph, reset: Callable[[], None], n: int, *, 
     return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
 
 
+def time_eager(measured: Callable[[], None], n: int, *, setup: Callable[[], None] = lambda: None) -> list[float]:
+    """µs of each of ``n`` eager calls of ``measured`` (CUDA events around it only), each after an L2 flush and
+    ``setup()`` (neither timed): for the probes (k3fast.l2probe, k3fast.overlap_probe), whose setup runs on other
+    streams and so is no graph. The GPU is kept behind the CPU, so no launch gap falls inside a call."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    for i in range(n):
+        flush_l2()
+        setup()
+        starts[i].record()
+        measured()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+
 def start_run(out: str, tag: str | None) -> tuple[dict, float, str]:
     """The environment, the copy bandwidth measured now, and the run's tag (default: date-commit); prints them
     and creates ``out``. Every tool that writes records under traces/ starts with this."""

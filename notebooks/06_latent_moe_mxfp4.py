@@ -272,19 +272,27 @@ for path in glob.glob(os.path.join(nbtools.ROOT, "traces", "cpu", "ptxcheck-*.js
         for r in rows:
             per_mma.setdefault((r["config"], r["M"], r["kernel"], os.path.basename(path)), []).append(
                 (r["instructions"], r["mma"]))
-for (shape, M, kern, src), loops in sorted(per_mma.items()):
-    if M > 2:                       # versions 4 / 5; v7 at b1 / b2 is section 14
-        fc = sorted(loops)[:2]      # the two smallest loops with MMAs: FC1's and FC2's rings
-        print(f"{src}: {shape} b{M:<3d} {kern.split(' ', 1)[1]:30s} SASS per MMA "
-              + " / ".join(f"{n / m:.1f}" for n, m in fc))
-rf_src, rf = {}, {}
-for shape in ("k3_rank8", "k3_rank16"):
-    rf_src[shape], rf[shape] = nbtools.recorded_experts_probe(shape, "traces/h200/experts-1f10ff5-s27.json")
-    print(f"{shape}, median µs per launch ({rf_src[shape]})")
-    for variant in ("marlin", "default", "NRF", "probe", "NRFprobe"):
-        print(f"  {variant:9s}" + "".join(f"{rf[shape][variant].get(b, float('nan')):9.1f}" for b in (8, 64)))
-for shape in ("k3_rank8", "k3_rank16"):
-    print(nbtools.ab_table("traces/h200/records-1f10ff5-s27.json", "moe", ["stock", "fast", "fast-noringfit"], shape=shape))
+def ring_fit_tables(small: bool, record: str, variants: tuple, batches: tuple, ab: list) -> dict:
+    """SASS per MMA of FC1's and FC2's loops (the two smallest loops with MMAs) at batch buckets <= 2 (small, v7)
+    or above (v4 / v5), the bench_experts medians of ``variants`` from ``record``, and the layer A/B ``ab``."""
+    for (shape, M, kern, src), loops in sorted(per_mma.items()):
+        if (M <= 2) == small:
+            fc = sorted(loops)[:2]
+            print(f"{src}: {shape} b{M:<3d} {kern.split(' ', 1)[1]:30s} SASS per MMA "
+                  + " / ".join(f"{n / m:.1f}" for n, m in fc))
+    tables = {}
+    for shape in ("k3_rank8", "k3_rank16"):
+        src, tables[shape] = nbtools.recorded_experts_probe(shape, record)
+        print(f"{shape}, median µs per launch ({src})")
+        for variant in variants:
+            print(f"  {variant:9s}" + "".join(f"{tables[shape][variant].get(b, float('nan')):9.1f}" for b in batches))
+    for shape in ("k3_rank8", "k3_rank16"):
+        print(nbtools.ab_table(record.replace("experts-", "records-"), "moe", ab, shape=shape))
+    return tables
+
+
+rf = ring_fit_tables(False, "traces/h200/experts-1f10ff5-s27.json", ("marlin", "default", "NRF", "probe", "NRFprobe"),
+                     (8, 64), ["stock", "fast", "fast-noringfit"])
 
 # %% [markdown]
 # Predicted: rank8 b64 631 -> 560-600 µs, b8 118 -> 105-113. Measured: 633 -> 518 and 119 -> 92, past the
@@ -312,19 +320,9 @@ for shape in ("k3_rank16", "k3_rank8"):
 # A/B is now `NRF` / `fast-noringfit`, which turns the fitted rings off at every version.
 
 # %%
-for (shape, M, kern, src), loops in sorted(per_mma.items()):
-    if M <= 2:
-        fc = sorted(loops)[:2]
-        print(f"{src}: {shape} b{M:<3d} {kern.split(' ', 1)[1]:30s} SASS per MMA "
-              + " / ".join(f"{n / m:.1f}" for n, m in fc))
-rf7_src, rf7 = {}, {}
-for shape in ("k3_rank8", "k3_rank16"):
-    rf7_src[shape], rf7[shape] = nbtools.recorded_experts_probe(shape, "traces/h200/experts-fdcdffc-s29.json")
-    print(f"{shape}, median µs per launch ({rf7_src[shape]}; RF7 = the fitted rings, today's default)")
-    for variant in ("marlin", "default", "RF7", "probe", "RF7probe"):
-        print(f"  {variant:9s}" + "".join(f"{rf7[shape][variant].get(b, float('nan')):9.1f}" for b in (1, 2)))
-for shape in ("k3_rank8", "k3_rank16"):
-    print(nbtools.ab_table("traces/h200/records-fdcdffc-s29.json", "moe", ["stock", "fast", "fast-ringfit7"], shape=shape))
+# RF7 = the fitted rings (today's default); "default" here is the full ring, v7's default when s29 ran
+rf7 = ring_fit_tables(True, "traces/h200/experts-fdcdffc-s29.json", ("marlin", "default", "RF7", "probe", "RF7probe"),
+                      (1, 2), ["stock", "fast", "fast-ringfit7"])
 
 # %% [markdown]
 # Predicted (bench): rank8 b2 -8 to -15 %, rank8 b1 and rank16 b2 -3 to -8 %, rank16 b1 within +-3 %. Measured:
