@@ -385,6 +385,7 @@ stream at a time.  A token may list the same expert twice (both slots are comput
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -684,6 +685,12 @@ ROUTE_DIRECT = True
 # 643.8 -> 540.2 us, b8 167.6 -> 141.2; s29, v7: rank8 b2 82.6 -> 74.3)
 RING_FIT = True
 RING_FIT_VERSIONS = (4, 5, 7)      # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
+# stage_fc1 (opt-in, "fast-stagefc1", bench_experts SF1 / SF1probe; version log "stage_fc1"): at batch bucket 1,
+# v7's FC1 rows and scales of the work item are all copied into shared memory by cp.async right after the routing,
+# one commit group per step, instead of streaming through the register ring
+STAGE_FC1 = False
+STAGE_FC1_BASE_SMEM = 72 * 1024    # v7's own shared memory at rank16 b1 (71.0 KB: counts, h / z, partials)
+STAGE_FC1_MAX_SMEM = 227 * 1024    # sm_90's dynamic shared memory per CTA
 
 
 def default_version(MB: int) -> int:
@@ -713,6 +720,8 @@ class KernelCfg:
     route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
     ring_fit: bool = False      # each loop's ring depth fitted to its K steps per unit (D1, D2 <= D; compile_key
     #                             sets it from RING_FIT, on by default at versions 4 / 5 / 7)
+    stage_fc1: bool = False     # v7 at batch bucket 1 (opt-in STAGE_FC1): every FC1 weight row and scale word of
+    #                             the work item copied into shared memory by cp.async at once, instead of the ring
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -741,6 +750,13 @@ class KernelCfg:
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
+        if self.stage_fc1 and (self.version != 7 or self.MB != 1 or self.layout != "rot"):
+            raise ValueError(f"stage_fc1 serves version 7 at batch bucket 1 in the rot layout, got version "
+                             f"{self.version}, MB={self.MB}, layout {self.layout!r}")
+        if self.stage_fc1 and self.stage_fc1_bytes + STAGE_FC1_BASE_SMEM > STAGE_FC1_MAX_SMEM:
+            raise ValueError(f"stage_fc1: FC1's {self.NS1} steps x {self.threads} threads x 20 B = "
+                             f"{self.stage_fc1_bytes} B of shared memory, with v7's ~{STAGE_FC1_BASE_SMEM} B, are over "
+                             f"the {STAGE_FC1_MAX_SMEM} B a CTA can have (it fits at rank16 b1, I = 256 in 4 parts)")
 
     def _fit(self, K: int) -> int:
         """The deepest ring <= D that step_split divides once per ring turn or never (K % d == 0 or d % K == 0),
@@ -836,6 +852,14 @@ class KernelCfg:
     @property
     def threads(self):
         return 32 * self.W
+
+    @property
+    def NS1(self):          # FC1 steps per warp (each one 16-byte row per lane)
+        return self.U1 * self.KS1
+
+    @property
+    def stage_fc1_bytes(self):   # stage_fc1's shared memory: a 16-byte row and a 4-byte scale word per lane and step
+        return self.NS1 * self.threads * 20
 
 
 # ----------------------------------------------------------------------------------------------- the kernel
@@ -1045,8 +1069,12 @@ def _build_kernel_class():
                 ("pass_off", 4 * (c.PMAX + 4) if c.version == 5 else 0), ("slot", 4 * c.PMAX),
                 ("sorted", 4 * c.PMAX), ("tmp", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * self.n_hz),
                 ("stage", 4 * self.n_stage), ("part", 4 * self.n_part),
+                ("fc1_rows", 16 * c.NS1 * c.threads if c.stage_fc1 else 0),
+                ("fc1_scales", 4 * c.NS1 * c.threads if c.stage_fc1 else 0),
             ]
             self.smem_bytes = sum(-(-b // 16) * 16 for _, b in sizes) + 256
+            if self.smem_bytes > STAGE_FC1_MAX_SMEM:
+                raise ValueError(f"{cfg}: {self.smem_bytes} B of shared memory per CTA, over {STAGE_FC1_MAX_SMEM}")
 
         @cute.jit
         def __call__(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut, stream):
@@ -1085,6 +1113,13 @@ def _build_kernel_class():
             z_s = cute.make_tensor(hz_s.iterator, cute.make_layout((NT, c.ZW), stride=(c.ZW, 1)))
             stage_s = smem.allocate_tensor(Int32, cute.make_layout(self.n_stage), 16)
             part_s = smem.allocate_tensor(Float32, cute.make_layout(self.n_part), 16)
+            # stage_fc1: step s of thread tid at column s * threads + tid (consecutive lanes, consecutive 16 B:
+            # conflict-free ld.shared.v4); each thread copies and later reads back only its own columns, so its
+            # cp.async.wait_group orders them without a barrier (as moe_tail v5's ring)
+            sW1 = smem.allocate_tensor(Int32, cute.make_layout((4, c.NS1 * c.threads), stride=(1, 4)), 16) \
+                if const_expr(c.stage_fc1) else None
+            sS1 = smem.allocate_tensor(Int32, cute.make_layout((1, c.NS1 * c.threads)), 16) \
+                if const_expr(c.stage_fc1) else None
 
             lut = [Int32(_LUT_HI[0]), Int32(_LUT_HI[1]), Int32(-1065353216), Int32(-1065336832)]
             # (0xC0800000, 0xC0804000 as signed int32)
@@ -1096,6 +1131,7 @@ def _build_kernel_class():
             wld = weight_load_atom(Int32)
             zcp = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                                       Int32, num_bits_per_copy=128)
+            scp = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)   # stage_fc1
             gY = cute.flat_divide(mY, (1, 8))            # (1, 8, rows, dL/8)
             gYb = cute.flat_divide(mYb, (1, 8))          # v7: the bf16 y_e rows the part reduction writes
             gO = cute.flat_divide(mOut, (1, 8))
@@ -1310,61 +1346,105 @@ def _build_kernel_class():
                     koff = 0
                     if const_expr(c.version in (6, 7)):
                         koff = hI * c.NKB2H                          # the part's K steps of each w2 tile
-                    for d in cutlass.range_constexpr(D1):
+                    if const_expr(c.stage_fc1):
+                        # stage_fc1: the item's every FC1 row and scale word in flight at once (one commit group per
+                        # step, after z's), then step s waits for its own group only. No registers hold loads in
+                        # flight, so all ~115 KB per CTA can be (a register ring this deep spills: D12 / D16, s16).
+                        # The decode and MMAs see the same words in the same order as the ring's: bit-identical.
+                        gS13 = cute.flat_divide(eW13s, (1,))
+                        for s_ in cutlass.range_constexpr(NS1):
+                            row1 = fc1_row(c, warp, t1_base, s_)
+                            cute.copy(zcp, eW13q[row1 * 32 + lane, None], sW1[None, s_ * c.threads + tid])
+                            cute.copy(scp, gS13[None, row1 * 8 + g], sS1[None, s_ * c.threads + tid])
+                            cute.arch.cp_async_commit_group()
+                        cute.arch.cp_async_wait_group(NS1)           # z's group (all but the NS1 newest)
+                        cute.arch.barrier()
+                        for s_ in cutlass.range_constexpr(NS1):
+                            cute.arch.cp_async_wait_group(NS1 - 1 - s_)
+                            wv1 = [sW1[j, s_ * c.threads + tid] for j in range(4)]
+                            sv1 = sS1[0, s_ * c.threads + tid]
+                            i1, kk1 = s_ // c.KS1, s_ % c.KS1
+                            uu1 = warp + W * i1
+                            tile1 = uu1 // c.S
+                            kb1 = (uu1 - tile1 * c.S) * c.KS1 + kk1
+                            if kk1 == 0:
+                                acc.fill(0.0)
+                            a1, sf1 = consume_slot(c, lut, wv1, sv1, acc, True)
+                            a1, sf1 = consume_slot(c, lut, wv1, sv1, acc, False, a1, sf1)
+                            # (the ring loop's MMAs and h emission below, for this step's constant kk1)
+                            if const_expr(c.probe == ""):
+                                for gi in cutlass.range_constexpr(GMAX):
+                                    if gi * 8 < npass:
+                                        for bb in cutlass.range_constexpr(2):
+                                            if const_expr(c.version >= 3):
+                                                cute.autovec_copy(gZs[0, None, zrow[gi], kb1 * 8 + bb * 4 + t], bv)
+                                            else:
+                                                cute.autovec_copy(gZ[0, None, zrow[gi], kb1 * 8 + bb * 4 + t], bv)
+                                            mma_block_any(c, a1, bv, sf1, bb, acc, gi)
+                            if kk1 == c.KS1 - 1:
+                                if const_expr(c.S > 1):
+                                    for x in cutlass.range_constexpr(GMAX * 4):
+                                        part_s[(uu1 * GMAX * 32 + lane) * 4 + (x // 4) * 128 + x % 4] = acc[x]
+                                else:
+                                    for gi in cutlass.range_constexpr(GMAX):
+                                        emit_h(stage_bf, hcols, c, tile1, g, t, gi, acc[gi * 4 + 0],
+                                               acc[gi * 4 + 1], acc[gi * 4 + 2], acc[gi * 4 + 3])
+                    for d in cutlass.range_constexpr(0 if c.stage_fc1 else D1):
                         if const_expr(d < NS1):
                             row_ = fc1_row(c, warp, t1_base, d)
                             load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d)
-                    if const_expr(c.version >= 3):
+                    if const_expr(c.version >= 3 and not c.stage_fc1):
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.barrier()
-                    for s0 in cutlass.range(0, NS1_pad, D1):
-                        for d in cutlass.range_constexpr(D1):
-                            s = s0 + d
-                            if s < NS1:
-                                wv = [ringW[d, j] for j in range(4)]
-                                sv = ringS[d]
-                                if const_expr(c.layout == "rot"):
-                                    i, kk = step_split(s0, d, c.KS1, D1)
-                                else:
-                                    i = s // c.KS1
-                                    kk = s - i * c.KS1
-                                uu = warp + W * i
-                                tile = uu // c.S
-                                kb = (uu - tile * c.S) * c.KS1 + kk
-                                if kk == 0:
-                                    acc.fill(0.0)
-                                a, sf = consume_slot(c, lut, wv, sv, acc, True)
-                                if const_expr(c.layout == "rot"):
-                                    i_, k_ = step_split(s0 + D1, d, c.KS1, D1)
-                                    uu_ = warp + W * i_
-                                    row_ = (t1_base + uu_ // c.S) * c.NKB1 + (uu_ % c.S) * c.KS1 + k_
-                                else:
-                                    row_ = fc1_row(c, warp, t1_base, s + D1)     # the refill of this slot
-                                if s + D1 < NS1:
-                                    load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d,
-                                              scale=c.version < 4)
-                                a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
-                                if const_expr(c.probe == ""):
-                                    for gi in cutlass.range_constexpr(GMAX):
-                                        if gi * 8 < npass:
-                                            for bb in cutlass.range_constexpr(2):
-                                                if const_expr(c.version >= 3):
-                                                    cute.autovec_copy(gZs[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
-                                                else:
-                                                    cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
-                                                mma_block_any(c, a, bv, sf, bb, acc, gi)
-                                if const_expr(c.version >= 4):
-                                    # v4: the scale word is refilled after its last use (the MMAs' scale factors)
-                                    if s + D1 < NS1:
-                                        ringS[d] = eW13s[row_ * 8 + g]
-                                if kk == c.KS1 - 1:
-                                    if const_expr(c.S > 1):
-                                        for x in cutlass.range_constexpr(GMAX * 4):
-                                            part_s[(uu * GMAX * 32 + lane) * 4 + (x // 4) * 128 + x % 4] = acc[x]
+                    if const_expr(not c.stage_fc1):
+                        for s0 in cutlass.range(0, NS1_pad, D1):
+                            for d in cutlass.range_constexpr(D1):
+                                s = s0 + d
+                                if s < NS1:
+                                    wv = [ringW[d, j] for j in range(4)]
+                                    sv = ringS[d]
+                                    if const_expr(c.layout == "rot"):
+                                        i, kk = step_split(s0, d, c.KS1, D1)
                                     else:
+                                        i = s // c.KS1
+                                        kk = s - i * c.KS1
+                                    uu = warp + W * i
+                                    tile = uu // c.S
+                                    kb = (uu - tile * c.S) * c.KS1 + kk
+                                    if kk == 0:
+                                        acc.fill(0.0)
+                                    a, sf = consume_slot(c, lut, wv, sv, acc, True)
+                                    if const_expr(c.layout == "rot"):
+                                        i_, k_ = step_split(s0 + D1, d, c.KS1, D1)
+                                        uu_ = warp + W * i_
+                                        row_ = (t1_base + uu_ // c.S) * c.NKB1 + (uu_ % c.S) * c.KS1 + k_
+                                    else:
+                                        row_ = fc1_row(c, warp, t1_base, s + D1)     # the refill of this slot
+                                    if s + D1 < NS1:
+                                        load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d,
+                                                  scale=c.version < 4)
+                                    a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
+                                    if const_expr(c.probe == ""):
                                         for gi in cutlass.range_constexpr(GMAX):
-                                            emit_h(stage_bf, hcols, c, tile, g, t, gi, acc[gi * 4 + 0],
-                                                   acc[gi * 4 + 1], acc[gi * 4 + 2], acc[gi * 4 + 3])
+                                            if gi * 8 < npass:
+                                                for bb in cutlass.range_constexpr(2):
+                                                    if const_expr(c.version >= 3):
+                                                        cute.autovec_copy(gZs[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
+                                                    else:
+                                                        cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
+                                                    mma_block_any(c, a, bv, sf, bb, acc, gi)
+                                    if const_expr(c.version >= 4):
+                                        # v4: the scale word is refilled after its last use (the MMAs' scale factors)
+                                        if s + D1 < NS1:
+                                            ringS[d] = eW13s[row_ * 8 + g]
+                                    if kk == c.KS1 - 1:
+                                        if const_expr(c.S > 1):
+                                            for x in cutlass.range_constexpr(GMAX * 4):
+                                                part_s[(uu * GMAX * 32 + lane) * 4 + (x // 4) * 128 + x % 4] = acc[x]
+                                        else:
+                                            for gi in cutlass.range_constexpr(GMAX):
+                                                emit_h(stage_bf, hcols, c, tile, g, t, gi, acc[gi * 4 + 0],
+                                                       acc[gi * 4 + 1], acc[gi * 4 + 2], acc[gi * 4 + 3])
 
                     # cluster barrier A: every CTA of the cluster finished reading h_s of the previous pass
                     if const_expr(C == 1):
@@ -1591,13 +1671,15 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
                 parts: int | None = None, route_direct: bool | None = None,
-                ring_fit: bool | None = None) -> KernelCfg:
+                ring_fit: bool | None = None, stage_fc1: bool | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
     route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort).
     ring_fit None: RING_FIT at RING_FIT_VERSIONS (4 / 5 / 7); True / False: the same explicitly; other versions
-    never."""
+    never.  stage_fc1 None: STAGE_FC1; True / False: the same explicitly. It applies where it can (v7 at batch
+    bucket 1 in the rot layout, with the staged rows fitting the CTA's shared memory: rank16, not rank8) and is
+    off elsewhere, like ring_fit at other versions; a KernelCfg built by hand refuses it with the reason."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1610,10 +1692,19 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     if parts is None:
         parts = default_parts(I, MB, C, nsm) if version == 7 else 1
     direct = (ROUTE_DIRECT if route_direct is None else bool(route_direct)) and MB == 1
-    return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
-                     situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
-                     layout=layout, parts=parts, route_direct=direct,
-                     ring_fit=ring_fit_rule(ring_fit, version))
+    key = KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
+                    situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
+                    layout=layout, parts=parts, route_direct=direct,
+                    ring_fit=ring_fit_rule(ring_fit, version))
+    if (STAGE_FC1 if stage_fc1 is None else stage_fc1) and stage_fc1_applies(key):
+        key = dataclasses.replace(key, stage_fc1=True)
+    return key
+
+
+def stage_fc1_applies(key: KernelCfg) -> bool:
+    """Whether the kernel of ``key`` can stage its FC1 rows (KernelCfg's stage_fc1 checks, without raising)."""
+    return (key.version == 7 and key.MB == 1 and key.layout == "rot"
+            and key.NS1 * key.threads * 20 + STAGE_FC1_BASE_SMEM <= STAGE_FC1_MAX_SMEM)
 
 
 def ring_fit_rule(ring_fit: bool | None, version: int) -> bool:
@@ -1693,7 +1784,8 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
                       version: int | None = None, cluster: int | None = None,
                       kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
-                      route_direct: bool | None = None, ring_fit: bool | None = None):
+                      route_direct: bool | None = None, ring_fit: bool | None = None,
+                      stage_fc1: bool | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -1702,6 +1794,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
     route_direct: at M = 1, the 16 pairs as segments without the counting sort (route1; None = ROUTE_DIRECT).
     ring_fit: each loop's ring depth fitted to its K steps (None = RING_FIT, on; version log "ring_fit").
+    stage_fc1: v7's FC1 rows staged in shared memory at batch bucket 1 where they fit (None = STAGE_FC1, off).
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed
@@ -1733,7 +1826,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
-                      route_direct=route_direct, ring_fit=ring_fit)
+                      route_direct=route_direct, ring_fit=ring_fit, stage_fc1=stage_fc1)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:

@@ -585,3 +585,40 @@ def test_ring_fit_at_v7_cuts_the_index_work():
         assert on.version == 7 and on.D1 == 7
         old, new = per_mma(dataclasses.replace(on, ring_fit=False)), per_mma(on)
         assert all(n < bound * o for o, n in zip(old, new)), (M, old, new)
+
+
+def test_stage_fc1_applies_where_the_rows_fit():
+    """stage_fc1 (opt-in): v7 at batch bucket 1 in the rot layout, where FC1's rows fit the CTA's shared memory
+    beside v7's own. rank16 b1: 14 steps x 512 threads x 20 B = 140 KB. rank16 b2 / rank8 b1: 28 steps, 280 KB."""
+    on = mx.compile_key(896, 3584, 256, 1, stage_fc1=True)
+    assert on.stage_fc1 and on.version == 7 and on.NS1 == 14 and on.stage_fc1_bytes == 14 * 512 * 20
+    assert not mx.compile_key(896, 3584, 256, 1).stage_fc1                   # opt-in (STAGE_FC1 off)
+    for I, M in ((256, 2), (384, 1), (384, 8), (256, 64)):                  # does not apply: off, not an error
+        assert not mx.compile_key(896, 3584, I, M, stage_fc1=True).stage_fc1
+    with pytest.raises(ValueError, match="stage_fc1 serves version 7 at batch bucket 1"):
+        mx.KernelCfg(E=896, dL=3584, I=256, MB=2, C=2, W=16, version=7, layout="rot", parts=2, stage_fc1=True)
+    with pytest.raises(ValueError, match="over"):
+        mx.KernelCfg(E=896, dL=3584, I=384, MB=1, C=2, W=16, version=7, layout="rot", parts=3, stage_fc1=True)
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+def test_stage_fc1_issues_every_row_before_the_first_step():
+    """The staged kernel copies its 14 FC1 rows (16 B, cp.async.cg) and scale words (4 B, cp.async.ca) per lane,
+    one commit group each after z's, then step s waits with wait_group 13 - s: every immediate 0..14 once (14 is
+    z's). FC1 loads nothing through registers (the ring's ld.global.v4 are FC2's only) and runs 14 unrolled steps
+    of 4 MMAs. The default key's PTX has no cp.async.ca at all. Shared memory stays within 227 KB."""
+    import re
+
+    from k3fast.ptxcheck import compiled_ptx
+    on = mx.compile_key(896, 3584, 256, 1, stage_fc1=True)
+    off = mx.compile_key(896, 3584, 256, 1)
+    ptx = compiled_ptx(lambda: mx._compile(on, options="--enable-tvm-ffi --keep-ptx"))
+    ptx0 = compiled_ptx(lambda: mx._compile(off, options="--enable-tvm-ffi --keep-ptx"))
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == on.NS1 + 1            # + the z row
+    assert len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)) == on.NS1
+    assert sorted(int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)) == list(range(on.NS1 + 1))
+    assert "cp.async.ca" not in ptx0
+    gld = r"ld\.global\.L1::no_allocate\.v4"
+    assert len(re.findall(gld, ptx)) < len(re.findall(gld, ptx0))
+    assert len(re.findall(r"mma\.sync", ptx)) - len(re.findall(r"mma\.sync", ptx0)) == 4 * (on.NS1 - on.D1)
+    assert mx._kernel_class()(on).smem_bytes <= mx.STAGE_FC1_MAX_SMEM

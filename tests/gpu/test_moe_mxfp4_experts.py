@@ -384,6 +384,24 @@ def test_ring_fit_at_v7_is_bit_identical(M, I, kind):
     assert rel_rmse(outs["fit"], reference(z, ids, w, ck)) <= TOL
 
 
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "ties"])
+def test_stage_fc1_is_bit_identical(kind):
+    """stage_fc1 (v7 at batch 1, rank16, opt-in): FC1's rows reach the same registers through shared memory instead
+    of the register ring, and the decode and MMAs run in the same order, so every output bit equals the default's.
+    Also against the reference, and again as a CUDA-graph replay with new routings (the commit groups and the
+    counters must be clean for the next launch)."""
+    ck, prep, z, ids, w, ws = case(1, 256, kind, 5400 + len(kind))
+    assert mx.compile_key(E, DL, 256, 1, stage_fc1=True).stage_fc1
+    outs = run_variants(1, z, ids, w, prep, ws, dflt=dict(), staged=dict(stage_fc1=True))
+    assert same_bits(outs["staged"], outs["dflt"])
+    assert rel_rmse(outs["staged"], reference(z, ids, w, ck)) <= TOL
+    out = torch.empty(1, DL, dtype=BF, device=DEV)
+    from k3fast.trace import capture
+    graph = capture(lambda: mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws,
+                                                 stage_fc1=True), warmup=1)
+    replay_with_new_routings(graph, out, z, ids, w, ws, ck, kind, 5410 + len(kind))
+
+
 @pytest.mark.parametrize("M", [3, 8, 17, 64])
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
 def test_ring_fit_is_bit_identical(M, kind):
