@@ -411,6 +411,15 @@ def main(argv=None) -> int:
                                        f"D1={key.D1}, D2={key.D2})", "config": shape, "M": M, "label": label,
                              "sass": True, "ptxas": ver, "instructions": sum(ops.values()),
                              "mma": ops.get("HMMA", 0), "opcodes": ops, **res})
+    # stage_fc1 (experts v7 at rank16 b1, opt-in since session 14): registers, spills and SASS loops against the
+    # default key of the same cell; FC1 is one unrolled run of 14 steps, so it shows as straight-line code, not a loop
+    for sf in ((False, True) if tools is not None else ()):
+        key = mx.compile_key(896, 3584, 256, 1, stage_fc1=sf)
+        ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
+        rows.append({"kernel": f"moe_mxfp4_experts v{key.version} (stage_fc1 {'on' if sf else 'off'})",
+                     "config": "k3_rank16", "M": 1, "ptx_mma": ptx.count("mma.sync"),
+                     "ptx_cp_async": ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global"),
+                     **ptxas_resources(ptx, tools[0]), **sass_size(ptx, tools)})
     if tools is not None:        # router_down_topk v2.2: the FMA path's occupancy hint and what ptxas made of it
         from . import router_down_topk as rdt
         old = rdt.TVM_FFI
