@@ -1371,7 +1371,9 @@ def _build_kernel_class():
                                 acc.fill(0.0)
                             a1, sf1 = consume_slot(c, lut, wv1, sv1, acc, True)
                             a1, sf1 = consume_slot(c, lut, wv1, sv1, acc, False, a1, sf1)
-                            # (the ring loop's MMAs and h emission below, for this step's constant kk1)
+                            # The ring loop's MMAs and h emission below, for this step's constant kk1. Written out
+                            # twice because a plain Python helper cannot hold range_constexpr or a dynamic if (the
+                            # DSL preprocesses the kernel's own body only).
                             if const_expr(c.probe == ""):
                                 for gi in cutlass.range_constexpr(GMAX):
                                     if gi * 8 < npass:

@@ -106,9 +106,31 @@ def smem_fill(x: torch.Tensor, out: torch.Tensor, ctas: int) -> None:
     fn(x, out)
 
 
+def eager_spans(both) -> list:
+    """CUPTI kernel spans of 3 eager repetitions of ``both`` (us from each one's first kernel after the flush). Under
+    the profiler the CPU's launch gaps fall between the two launches, so these cannot show co-scheduling alone."""
+    from .trace import _profile, flush_l2
+
+    def three():
+        for _ in range(3):
+            flush_l2()
+            both()
+    ev = sorted((e for e in _profile(three) if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    timeline, t0 = [], None
+    for e in ev:
+        name = "fill" if "SmemFill" in e["name"] else "stream" if "L2Read" in e["name"] else "flush"
+        if name == "flush":
+            t0 = None
+            continue
+        t0 = e["ts"] if t0 is None else t0
+        timeline.append([name, round(e["ts"] - t0, 3), round(e["dur"], 3)])
+    return timeline
+
+
 def main(argv=None) -> int:
     from .l2probe import read_once
-    from .trace import _profile, flush_l2, replay_stats, start_run, time_eager, write_run
+    from .trace import (capture, profile_replays, replay_stats, replay_timeline, start_run, time_eager,
+                        time_replays, write_run)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fill-mb", nargs="+", type=float, default=[23.4],
                     help="the experts' bytes (rank16 b1: 23.4 MB for 16 distinct experts)")
@@ -122,6 +144,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-first", action="store_true",
                     help="launch the stream before the fill (the design's order: the down-projection runs, the "
                          "experts join it)")
+    ap.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replays (the fork to two streams captured, as fast-overlap does) and take "
+                         "the pair's spans from one replay, instead of eager calls (s33-s37 ran eagerly; their "
+                         "profiled spans carry the CPU's launch gaps)")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="traces/h200")
     ap.add_argument("--tag", default=None)
@@ -131,7 +157,7 @@ def main(argv=None) -> int:
         return 2
     env, bw, tag = start_run(args.out, args.tag)
     path = f"{args.out}/overlap-{tag}.json"
-    main_s, s1, s2 = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
     recs = []
     for fill_mb in args.fill_mb:
@@ -147,41 +173,37 @@ def main(argv=None) -> int:
                 stream = (lambda: read_once(xs, sink, carveout=carve, smem=args.stream_smem))
 
                 def both():
-                    s1.wait_stream(main_s)
-                    s2.wait_stream(main_s)
+                    cur = torch.cuda.current_stream()     # the capturing stream under --graph
+                    s1.wait_stream(cur)
+                    s2.wait_stream(cur)
                     first, second = (stream, fill) if args.stream_first else (fill, stream)
                     with torch.cuda.stream(s1):     # default: the fill first, so its CTAs take their SMs
                         first()
                     with torch.cuda.stream(s2):
                         second()
-                    main_s.wait_stream(s1)
-                    main_s.wait_stream(s2)
+                    cur.wait_stream(s1)
+                    cur.wait_stream(s2)
                 cases = {"fill": fill, "stream": stream, "fill_then_stream": lambda: (fill(), stream()),
                          "fill_beside_stream": both}
                 for fn in cases.values():           # compile and warm outside the timed loops
                     fn()
                 torch.cuda.synchronize()
-                row = {name: replay_stats(time_eager(fn, args.reps)) for name, fn in cases.items()}
-                # who ran when, beside each other: CUPTI kernel spans of 3 repetitions (us from each one's first
-                # kernel after the flush), to tell "not concurrent" from "concurrent but sharing the HBM badly"
-                def three():
-                    for _ in range(3):
-                        flush_l2()
-                        both()
-                ev = sorted((e for e in _profile(three) if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-                timeline, t0 = [], None
-                for e in ev:
-                    name = "fill" if "SmemFill" in e["name"] else "stream" if "L2Read" in e["name"] else "flush"
-                    if name == "flush":
-                        t0 = None
-                        continue
-                    t0 = e["ts"] if t0 is None else t0
-                    timeline.append([name, round(e["ts"] - t0, 3), round(e["dur"], 3)])
+                if args.graph:
+                    graphs = {name: capture(fn) for name, fn in cases.items()}
+                    row = {name: replay_stats(time_replays(g, lambda: None, args.reps)) for name, g in graphs.items()}
+                    # the pair's kernels in the median of 3 profiled replays (each after an L2 flush)
+                    tl = replay_timeline(profile_replays(graphs["fill_beside_stream"], lambda: None)[0], 3) or {}
+                    timeline = [["fill" if "SmemFill" in k[0] else "stream", k[1], k[2]] for k in tl.get("kernels", [])]
+                    del graphs
+                else:
+                    row = {name: replay_stats(time_eager(fn, args.reps)) for name, fn in cases.items()}
+                    timeline = eager_spans(both)
                 fill_bytes = xf.numel() * 4
                 stream_bytes = xs.numel() * 4
                 rec = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
                        "fill_bytes": fill_bytes, "fill_ctas": ctas, "fill_smem_per_cta": steps * STEP_BYTES,
                        "stream_bytes": stream_bytes, "stream_carveout": carve, "stream_first": args.stream_first, "stream_smem": args.stream_smem,
+                       "timing": "graph" if args.graph else "eager",
                        "reps": args.reps,
                        "copy_tbps": round(bw, 4),
                        "floor_us_both": round((fill_bytes + stream_bytes) / (bw * 1e12) * 1e6, 3),

@@ -370,5 +370,12 @@ case "${1:-}" in
             --budget-s 150 ;;
   s38t)   K3_TEST_TIMEOUT=300 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
             -k "stage_fc1 or stagefc1" ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t"; exit 2 ;;
+  # session 14, written for session 15: overlap_probe as CUDA-graph replays (the fork captured), with the pair's
+  # spans from one profiled replay: does the block scheduler co-schedule the fill's grid beside the stream's?
+  s39)    o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          timeout 200 python3 -m k3fast.overlap_probe --out "$o" --tag "$K3_TAG" --graph --fill-ctas 128 \
+            --stream-mb 51.4 --stream-carveout none 100 > "$o/overlap.log" 2>&1
+          timeout 100 python3 -m k3fast.overlap_probe --out "$o" --tag "$K3_TAG-first" --graph --stream-first \
+            --fill-ctas 128 --stream-mb 51.4 >> "$o/overlap.log" 2>&1; grep -v Warning "$o/overlap.log" | tail -4 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39"; exit 2 ;;
 esac
