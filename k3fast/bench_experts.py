@@ -37,9 +37,9 @@ causes give different signatures, and one run of this module separates them:
              rank8 b64: 7 and 6, rank16 b1: 7 and 8, so that no step divides), and its stream probe. Session 14's
              s29 ran the v7 A/B the other way round as ``RF7 RF7probe`` (at fdcdffc, where v7's default was the
              full ring);
-* ``SF1 SF1probe`` (batch 1, rank16) stage_fc1 (opt-in STAGE_FC1): v7's FC1 rows and scale words of the work item
-             all copied into shared memory by cp.async at once, one commit group per step, instead of the
-             register ring; and its stream probe. Does not fit rank8 b1 (skipped there);
+* ``SF1 SF1probe`` (batch buckets <= 2) stage_fc1 (opt-in STAGE_FC1): v7's FC1 rows and scale words through
+             shared memory by cp.async, one commit group per step, all at once at rank16 b1 and a ring of 14-15
+             slots elsewhere, instead of the register ring; and its stream probe;
 * ``sortprobe fc1probe fc2probe`` (and ``v4...``): the stream probe stopped after the routing sort, after FC1 and
              the h exchange, or after FC2 (no part reduction / combine): the stages of the b1 latency chain;
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
@@ -92,11 +92,11 @@ def variant_cfg(name: str, base):
             raise ValueError(f"NRF (ring_fit off) differs from the default at versions {RING_FIT_VERSIONS} only, "
                              f"got v{base.version}")
         return dataclasses.replace(base, ring_fit=False)
-    if name == "SF1":                        # v7's FC1 rows staged in shared memory (batch 1, where they fit)
+    if name == "SF1":                        # v7's FC1 rows through shared memory (batch buckets <= 2)
         from .moe_mxfp4_experts import stage_fc1_applies
         if not stage_fc1_applies(base):
-            raise ValueError(f"SF1 (stage_fc1) serves v7 at batch bucket 1 where FC1's rows fit shared memory "
-                             f"(rank16), got v{base.version}, MB={base.MB}, I={base.I}")
+            raise ValueError(f"SF1 (stage_fc1) serves v7 (batch buckets <= 2) where more FC1 steps fit shared "
+                             f"memory than the register ring holds, got v{base.version}, MB={base.MB}, I={base.I}")
         return dataclasses.replace(base, stage_fc1=True)
     if name == "S1":                         # the counting sort at batch 1 (route1 off; other buckets always sort)
         if base.MB != 1:

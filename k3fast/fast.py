@@ -216,8 +216,8 @@ class FastImpl:
         # None: moe_mxfp4_experts.RING_FIT (on since session 13: the experts' ring depths fitted to their K steps at
         # batch buckets > 2, and since session 14 at <= 2 (v7); "fast-noringfit" is the A/B at the full depth)
         self.experts_ring_fit = experts_ring_fit
-        # None: moe_mxfp4_experts.STAGE_FC1 (off; "fast-stagefc1" turns it on: v7's FC1 rows staged in shared memory
-        # at batch 1 where they fit, rank16)
+        # None: moe_mxfp4_experts.STAGE_FC1 (off; "fast-stagefc1" turns it on: v7's FC1 rows through shared memory
+        # at batch buckets <= 2)
         self.experts_stage_fc1 = experts_stage_fc1
         self.variant = (("overlap-shared" if overlap_shared else "serial") + (f", experts v{self.experts_version}" if self.experts_version else ", experts default_version")
                         + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")
@@ -236,7 +236,7 @@ class FastImpl:
                            else f", experts routing at b1 {'direct' if experts_route_direct else 'sorted'}")
                         + ("" if experts_ring_fit is None else f", experts ring fit {'on' if experts_ring_fit else 'off'}")
                         + ("" if experts_stage_fc1 is None
-                           else f", experts FC1 staged at b1 {'on' if experts_stage_fc1 else 'off'}")
+                           else f", experts FC1 staged {'on' if experts_stage_fc1 else 'off'}")
                         + ("" if tail_norm_fused else ", cuBLAS tail norm in 3 kernels")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
                         + ("" if shared_in_fma_front or not shared_in_front else ", shared gate/up apart from the fused front")

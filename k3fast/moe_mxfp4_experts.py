@@ -685,11 +685,11 @@ ROUTE_DIRECT = True
 # 643.8 -> 540.2 us, b8 167.6 -> 141.2; s29, v7: rank8 b2 82.6 -> 74.3)
 RING_FIT = True
 RING_FIT_VERSIONS = (4, 5, 7)      # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
-# stage_fc1 (opt-in, "fast-stagefc1", bench_experts SF1 / SF1probe; version log "stage_fc1"): at batch bucket 1,
-# v7's FC1 rows and scales of the work item are all copied into shared memory by cp.async right after the routing,
-# one commit group per step, instead of streaming through the register ring
+# stage_fc1 (opt-in, "fast-stagefc1", bench_experts SF1 / SF1probe; version log "stage_fc1"): v7's (batch buckets
+# <= 2) FC1 rows and scales of the work item go through shared memory by cp.async instead of the register ring,
+# one commit group per step: all of them at once where they fit (rank16 b1: 14 steps), else a ring of DS1 steps
+# (rank16 b2, rank8 b1: 15 of 28)
 STAGE_FC1 = False
-STAGE_FC1_BASE_SMEM = 72 * 1024    # v7's own shared memory at rank16 b1 (71.0 KB: counts, h / z, partials)
 STAGE_FC1_MAX_SMEM = 227 * 1024    # sm_90's dynamic shared memory per CTA
 
 
@@ -720,8 +720,8 @@ class KernelCfg:
     route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
     ring_fit: bool = False      # each loop's ring depth fitted to its K steps per unit (D1, D2 <= D; compile_key
     #                             sets it from RING_FIT, on by default at versions 4 / 5 / 7)
-    stage_fc1: bool = False     # v7 at batch bucket 1 (opt-in STAGE_FC1): every FC1 weight row and scale word of
-    #                             the work item copied into shared memory by cp.async at once, instead of the ring
+    stage_fc1: bool = False     # v7 (opt-in STAGE_FC1): FC1's weight rows and scale words through shared memory by
+    #                             cp.async, DS1 steps in flight (all NS1 where they fit), instead of the register ring
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -750,13 +750,13 @@ class KernelCfg:
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
-        if self.stage_fc1 and (self.version != 7 or self.MB != 1 or self.layout != "rot"):
-            raise ValueError(f"stage_fc1 serves version 7 at batch bucket 1 in the rot layout, got version "
-                             f"{self.version}, MB={self.MB}, layout {self.layout!r}")
-        if self.stage_fc1 and self.stage_fc1_bytes + STAGE_FC1_BASE_SMEM > STAGE_FC1_MAX_SMEM:
-            raise ValueError(f"stage_fc1: FC1's {self.NS1} steps x {self.threads} threads x 20 B = "
-                             f"{self.stage_fc1_bytes} B of shared memory, with v7's ~{STAGE_FC1_BASE_SMEM} B, are over "
-                             f"the {STAGE_FC1_MAX_SMEM} B a CTA can have (it fits at rank16 b1, I = 256 in 4 parts)")
+        if self.stage_fc1 and (self.version != 7 or self.layout != "rot"):
+            raise ValueError(f"stage_fc1 serves version 7 (batch buckets <= 2) in the rot layout, got version "
+                             f"{self.version}, layout {self.layout!r}")
+        if self.stage_fc1 and self.DS1 <= self.D1:
+            raise ValueError(f"stage_fc1: only {self.DS1} FC1 steps of {self.threads} threads x 20 B fit beside the "
+                             f"kernel's {self.base_smem_bytes} B of shared memory (at most {STAGE_FC1_MAX_SMEM} B per "
+                             f"CTA), no deeper than the register ring's {self.D1}")
 
     def _fit(self, K: int) -> int:
         """The deepest ring <= D that step_split divides once per ring turn or never (K % d == 0 or d % K == 0),
@@ -857,9 +857,38 @@ class KernelCfg:
     def NS1(self):          # FC1 steps per warp (each one 16-byte row per lane)
         return self.U1 * self.KS1
 
+    # shared memory carve-up (bytes, all 16-aligned)
     @property
-    def stage_fc1_bytes(self):   # stage_fc1's shared memory: a 16-byte row and a 4-byte scale word per lane and step
-        return self.NS1 * self.threads * 20
+    def n_part(self):       # K-split partials (fp32 words)
+        return self.T1 * self.S * self.GMAX * 32 * 4 if self.S > 1 else 4
+
+    @property
+    def n_stage(self):      # this CTA's h columns (int32 words)
+        return self.NT * (self.IH // self.C) // 2
+
+    @property
+    def n_hz(self):         # v3: the pass's z rows are staged in the h region (z is only read in FC1, h only written
+        #                     after cluster barrier A, i.e. after every CTA of the cluster finished FC1)
+        return max(self.NT * self.HW, self.NT * self.ZW) if self.version >= 3 else self.NT * self.HW
+
+    @property
+    def base_smem_bytes(self):   # the kernel's shared memory without stage_fc1's slots
+        sizes = [4 * self.E, 4 * self.PMAX, 4 * (self.PMAX + 4), 4 * (self.PMAX + 4) if self.version == 5 else 0,
+                 4 * self.PMAX, 4 * self.PMAX, 4 * self.PMAX, 4 * 64, 4 * self.n_hz, 4 * self.n_stage,
+                 4 * self.n_part]
+        return sum(-(-b // 16) * 16 for b in sizes) + 256
+
+    @property
+    def smem_bytes(self):
+        return self.base_smem_bytes + (self.stage_fc1_bytes if self.stage_fc1 else 0)
+
+    @property
+    def DS1(self):          # stage_fc1's steps in flight: all NS1 where they fit, else as many as fit
+        return min(self.NS1, (STAGE_FC1_MAX_SMEM - self.base_smem_bytes) // (self.threads * 20))
+
+    @property
+    def stage_fc1_bytes(self):   # stage_fc1's shared memory: a 16-byte row and a 4-byte scale word per lane and slot
+        return self.DS1 * self.threads * 20
 
 
 # ----------------------------------------------------------------------------------------------- the kernel
@@ -1058,21 +1087,8 @@ def _build_kernel_class():
             self.cfg = cfg
             c = cfg
             self.EPT = -(-c.E // c.threads)
-            # shared memory carve-up (bytes, all 16-aligned)
-            self.n_part = c.T1 * c.S * c.GMAX * 32 * 4 if c.S > 1 else 4
-            self.n_stage = c.NT * (c.IH // c.C) // 2         # int32 words
-            # v3: the pass's z rows are staged in the h region (z is only read in FC1, h only written after
-            # cluster barrier A, i.e. after every CTA of the cluster finished FC1)
-            self.n_hz = max(c.NT * c.HW, c.NT * c.ZW) if c.version >= 3 else c.NT * c.HW
-            sizes = [
-                ("cnt", 4 * c.E), ("act_e", 4 * c.PMAX), ("act_off", 4 * (c.PMAX + 4)),
-                ("pass_off", 4 * (c.PMAX + 4) if c.version == 5 else 0), ("slot", 4 * c.PMAX),
-                ("sorted", 4 * c.PMAX), ("tmp", 4 * c.PMAX), ("scr", 4 * 64), ("h", 4 * self.n_hz),
-                ("stage", 4 * self.n_stage), ("part", 4 * self.n_part),
-                ("fc1_rows", 16 * c.NS1 * c.threads if c.stage_fc1 else 0),
-                ("fc1_scales", 4 * c.NS1 * c.threads if c.stage_fc1 else 0),
-            ]
-            self.smem_bytes = sum(-(-b // 16) * 16 for _, b in sizes) + 256
+            self.n_part, self.n_stage, self.n_hz = c.n_part, c.n_stage, c.n_hz
+            self.smem_bytes = c.smem_bytes
             if self.smem_bytes > STAGE_FC1_MAX_SMEM:
                 raise ValueError(f"{cfg}: {self.smem_bytes} B of shared memory per CTA, over {STAGE_FC1_MAX_SMEM}")
 
@@ -1113,12 +1129,12 @@ def _build_kernel_class():
             z_s = cute.make_tensor(hz_s.iterator, cute.make_layout((NT, c.ZW), stride=(c.ZW, 1)))
             stage_s = smem.allocate_tensor(Int32, cute.make_layout(self.n_stage), 16)
             part_s = smem.allocate_tensor(Float32, cute.make_layout(self.n_part), 16)
-            # stage_fc1: step s of thread tid at column s * threads + tid (consecutive lanes, consecutive 16 B:
-            # conflict-free ld.shared.v4); each thread copies and later reads back only its own columns, so its
-            # cp.async.wait_group orders them without a barrier (as moe_tail v5's ring)
-            sW1 = smem.allocate_tensor(Int32, cute.make_layout((4, c.NS1 * c.threads), stride=(1, 4)), 16) \
+            # stage_fc1: step s of thread tid in slot s % DS1, at column slot * threads + tid (consecutive lanes,
+            # consecutive 16 B: conflict-free ld.shared.v4); each thread copies and later reads back only its own
+            # columns, so its cp.async.wait_group orders them without a barrier (as moe_tail v5's ring)
+            sW1 = smem.allocate_tensor(Int32, cute.make_layout((4, c.DS1 * c.threads), stride=(1, 4)), 16) \
                 if const_expr(c.stage_fc1) else None
-            sS1 = smem.allocate_tensor(Int32, cute.make_layout((1, c.NS1 * c.threads)), 16) \
+            sS1 = smem.allocate_tensor(Int32, cute.make_layout((1, c.DS1 * c.threads)), 16) \
                 if const_expr(c.stage_fc1) else None
 
             lut = [Int32(_LUT_HI[0]), Int32(_LUT_HI[1]), Int32(-1065353216), Int32(-1065336832)]
@@ -1347,22 +1363,26 @@ def _build_kernel_class():
                     if const_expr(c.version in (6, 7)):
                         koff = hI * c.NKB2H                          # the part's K steps of each w2 tile
                     if const_expr(c.stage_fc1):
-                        # stage_fc1: the item's every FC1 row and scale word in flight at once (one commit group per
-                        # step, after z's), then step s waits for its own group only. No registers hold loads in
-                        # flight, so all ~115 KB per CTA can be (a register ring this deep spills: D12 / D16, s16).
-                        # The decode and MMAs see the same words in the same order as the ring's: bit-identical.
+                        # stage_fc1: DS1 of the item's FC1 steps in flight through shared memory (all NS1 where
+                        # they fit), one commit group per step after z's; step s waits for its own group, and its
+                        # slot is refilled with step s + DS1 after its MMAs. No registers hold loads in flight, so
+                        # ~140 KB per CTA can be (a register ring that deep spills: D12 / D16, s16). The decode and
+                        # MMAs see the same words in the same order as the ring's: bit-identical.
+                        DS1 = c.DS1
                         gS13 = cute.flat_divide(eW13s, (1,))
-                        for s_ in cutlass.range_constexpr(NS1):
+                        for s_ in cutlass.range_constexpr(DS1):
                             row1 = fc1_row(c, warp, t1_base, s_)
                             cute.copy(zcp, eW13q[row1 * 32 + lane, None], sW1[None, s_ * c.threads + tid])
                             cute.copy(scp, gS13[None, row1 * 8 + g], sS1[None, s_ * c.threads + tid])
                             cute.arch.cp_async_commit_group()
-                        cute.arch.cp_async_wait_group(NS1)           # z's group (all but the NS1 newest)
+                        cute.arch.cp_async_wait_group(DS1)           # z's group (all but the DS1 newest)
                         cute.arch.barrier()
                         for s_ in cutlass.range_constexpr(NS1):
-                            cute.arch.cp_async_wait_group(NS1 - 1 - s_)
-                            wv1 = [sW1[j, s_ * c.threads + tid] for j in range(4)]
-                            sv1 = sS1[0, s_ * c.threads + tid]
+                            # groups committed so far: DS1 + min(s_, NS1 - DS1); steps 0..s_ must be complete
+                            cute.arch.cp_async_wait_group(min(DS1, NS1 - s_) - 1)
+                            col1 = (s_ % DS1) * c.threads + tid
+                            wv1 = [sW1[j, col1] for j in range(4)]
+                            sv1 = sS1[0, col1]
                             i1, kk1 = s_ // c.KS1, s_ % c.KS1
                             uu1 = warp + W * i1
                             tile1 = uu1 // c.S
@@ -1391,6 +1411,12 @@ def _build_kernel_class():
                                     for gi in cutlass.range_constexpr(GMAX):
                                         emit_h(stage_bf, hcols, c, tile1, g, t, gi, acc[gi * 4 + 0],
                                                acc[gi * 4 + 1], acc[gi * 4 + 2], acc[gi * 4 + 3])
+                            if s_ + DS1 < NS1:
+                                # the slot's words are in registers and used: refill it with step s_ + DS1
+                                row1 = fc1_row(c, warp, t1_base, s_ + DS1)
+                                cute.copy(zcp, eW13q[row1 * 32 + lane, None], sW1[None, col1])
+                                cute.copy(scp, gS13[None, row1 * 8 + g], sS1[None, col1])
+                                cute.arch.cp_async_commit_group()
                     for d in cutlass.range_constexpr(0 if c.stage_fc1 else D1):
                         if const_expr(d < NS1):
                             row_ = fc1_row(c, warp, t1_base, d)
@@ -1679,9 +1705,9 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
     route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort).
     ring_fit None: RING_FIT at RING_FIT_VERSIONS (4 / 5 / 7); True / False: the same explicitly; other versions
-    never.  stage_fc1 None: STAGE_FC1; True / False: the same explicitly. It applies where it can (v7 at batch
-    bucket 1 in the rot layout, with the staged rows fitting the CTA's shared memory: rank16, not rank8) and is
-    off elsewhere, like ring_fit at other versions; a KernelCfg built by hand refuses it with the reason."""
+    never.  stage_fc1 None: STAGE_FC1; True / False: the same explicitly. It applies where it can (v7, batch
+    buckets <= 2, rot layout, more FC1 steps fitting shared memory than the register ring holds) and is off
+    elsewhere, like ring_fit at other versions; a KernelCfg built by hand refuses it with the reason."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1705,8 +1731,7 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
 
 def stage_fc1_applies(key: KernelCfg) -> bool:
     """Whether the kernel of ``key`` can stage its FC1 rows (KernelCfg's stage_fc1 checks, without raising)."""
-    return (key.version == 7 and key.MB == 1 and key.layout == "rot"
-            and key.NS1 * key.threads * 20 + STAGE_FC1_BASE_SMEM <= STAGE_FC1_MAX_SMEM)
+    return key.version == 7 and key.layout == "rot" and key.DS1 > key.D1
 
 
 def ring_fit_rule(ring_fit: bool | None, version: int) -> bool:
@@ -1796,7 +1821,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
     route_direct: at M = 1, the 16 pairs as segments without the counting sort (route1; None = ROUTE_DIRECT).
     ring_fit: each loop's ring depth fitted to its K steps (None = RING_FIT, on; version log "ring_fit").
-    stage_fc1: v7's FC1 rows staged in shared memory at batch bucket 1 where they fit (None = STAGE_FC1, off).
+    stage_fc1: v7's FC1 rows through shared memory by cp.async (batch buckets <= 2; None = STAGE_FC1, off).
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed

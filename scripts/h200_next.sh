@@ -363,11 +363,11 @@ case "${1:-}" in
   s35)    o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
           timeout 150 python3 -m k3fast.overlap_probe --out "$o" --tag "$K3_TAG" --fill-ctas 128 \
             --stream-mb 51.4 > "$o/overlap.log" 2>&1; tail -4 "$o/overlap.log" ;;
-  # session 14, written for session 15: experts stage_fc1 (opt-in fast-stagefc1 / bench_experts SF1) at rank16 b1
+  # session 14, written for session 15: experts stage_fc1 (opt-in fast-stagefc1 / bench_experts SF1) at b1 / b2
   # beside stock (vLLM staged), then its GPU tests (bit-identity with a graph replay; the MoE half at b1)
-  s38)    K3_SWEEP_TIMEOUT=200 K3_EXPERTS_TIMEOUT=120 K3_EXPERTS="--shapes k3_rank16 --batches 1 --variants default SF1 probe SF1probe" \
-            bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 --batches 1 --impls stock fast fast-stagefc1 \
-            --budget-s 150 ;;
+  s38)    K3_SWEEP_TIMEOUT=240 K3_EXPERTS_TIMEOUT=150 K3_EXPERTS="--shapes k3_rank16 k3_rank8 --batches 1 2 --variants default SF1 probe SF1probe" \
+            bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 2 \
+            --impls stock fast fast-stagefc1 --budget-s 200 ;;
   s38t)   K3_TEST_TIMEOUT=300 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
             -k "stage_fc1 or stagefc1" ;;
   # session 14, written for session 15: overlap_probe as CUDA-graph replays (the fork captured), with the pair's

@@ -588,37 +588,41 @@ def test_ring_fit_at_v7_cuts_the_index_work():
 
 
 def test_stage_fc1_applies_where_the_rows_fit():
-    """stage_fc1 (opt-in): v7 at batch bucket 1 in the rot layout, where FC1's rows fit the CTA's shared memory
-    beside v7's own. rank16 b1: 14 steps x 512 threads x 20 B = 140 KB. rank16 b2 / rank8 b1: 28 steps, 280 KB."""
-    on = mx.compile_key(896, 3584, 256, 1, stage_fc1=True)
-    assert on.stage_fc1 and on.version == 7 and on.NS1 == 14 and on.stage_fc1_bytes == 14 * 512 * 20
-    assert not mx.compile_key(896, 3584, 256, 1).stage_fc1                   # opt-in (STAGE_FC1 off)
-    for I, M in ((256, 2), (384, 1), (384, 8), (256, 64)):                  # does not apply: off, not an error
+    """stage_fc1 (opt-in): v7 (batch buckets <= 2) in the rot layout, with DS1 FC1 steps of 512 threads x 20 B in
+    shared memory beside the kernel's own: all 14 at rank16 b1, a ring of 15 of 28 at rank16 b2 and rank8 b1, 14
+    of 42 at rank8 b2. Never more than a CTA's 227 KB; off (not an error) at the v4 buckets."""
+    for (I, M), (ns, ds) in {(256, 1): (14, 14), (256, 2): (28, 15), (384, 1): (28, 15), (384, 2): (42, 14)}.items():
+        on = mx.compile_key(896, 3584, I, M, stage_fc1=True)
+        assert on.stage_fc1 and on.version == 7 and (on.NS1, on.DS1) == (ns, ds), (I, M)
+        assert on.stage_fc1_bytes == ds * 512 * 20 and on.smem_bytes <= mx.STAGE_FC1_MAX_SMEM
+        assert on.smem_bytes == on.base_smem_bytes + on.stage_fc1_bytes
+        assert not mx.compile_key(896, 3584, I, M).stage_fc1                  # opt-in (STAGE_FC1 off)
+    for I, M in ((384, 8), (256, 64)):
         assert not mx.compile_key(896, 3584, I, M, stage_fc1=True).stage_fc1
-    with pytest.raises(ValueError, match="stage_fc1 serves version 7 at batch bucket 1"):
-        mx.KernelCfg(E=896, dL=3584, I=256, MB=2, C=2, W=16, version=7, layout="rot", parts=2, stage_fc1=True)
-    with pytest.raises(ValueError, match="over"):
-        mx.KernelCfg(E=896, dL=3584, I=384, MB=1, C=2, W=16, version=7, layout="rot", parts=3, stage_fc1=True)
+    with pytest.raises(ValueError, match="stage_fc1 serves version 7"):
+        mx.KernelCfg(E=896, dL=3584, I=256, MB=8, C=8, W=16, version=4, layout="rot", stage_fc1=True)
 
 
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
-def test_stage_fc1_issues_every_row_before_the_first_step():
-    """The staged kernel copies its 14 FC1 rows (16 B, cp.async.cg) and scale words (4 B, cp.async.ca) per lane,
-    one commit group each after z's, then step s waits with wait_group 13 - s: every immediate 0..14 once (14 is
-    z's). FC1 loads nothing through registers (the ring's ld.global.v4 are FC2's only) and runs 14 unrolled steps
-    of 4 MMAs. The default key's PTX has no cp.async.ca at all. Shared memory stays within 227 KB."""
+@pytest.mark.parametrize("I,M", [(256, 1), (384, 1)])
+def test_stage_fc1_issues_every_row_before_the_first_step(I, M):
+    """The staged kernel copies each FC1 row (16 B, cp.async.cg) and scale word (4 B, cp.async.ca) of a lane once,
+    DS1 steps ahead, one commit group per step after z's; step s waits with min(DS1, NS1 - s) - 1 (z's wait is DS1).
+    FC1 loads nothing through registers (the ring's ld.global.v4 are FC2's only) and runs NS1 unrolled steps of 4
+    MMAs. The default key's PTX has no cp.async.ca at all."""
     import re
 
     from k3fast.ptxcheck import compiled_ptx
-    on = mx.compile_key(896, 3584, 256, 1, stage_fc1=True)
-    off = mx.compile_key(896, 3584, 256, 1)
+    on = mx.compile_key(896, 3584, I, M, stage_fc1=True)
+    off = mx.compile_key(896, 3584, I, M)
     ptx = compiled_ptx(lambda: mx._compile(on, options="--enable-tvm-ffi --keep-ptx"))
     ptx0 = compiled_ptx(lambda: mx._compile(off, options="--enable-tvm-ffi --keep-ptx"))
     assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == on.NS1 + 1            # + the z row
     assert len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)) == on.NS1
-    assert sorted(int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)) == list(range(on.NS1 + 1))
+    waits = sorted(int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx))
+    assert waits == sorted([on.DS1] + [min(on.DS1, on.NS1 - s) - 1 for s in range(on.NS1)])
     assert "cp.async.ca" not in ptx0
     gld = r"ld\.global\.L1::no_allocate\.v4"
     assert len(re.findall(gld, ptx)) < len(re.findall(gld, ptx0))
-    assert len(re.findall(r"mma\.sync", ptx)) - len(re.findall(r"mma\.sync", ptx0)) == 4 * (on.NS1 - on.D1)
-    assert mx._kernel_class()(on).smem_bytes <= mx.STAGE_FC1_MAX_SMEM
+    assert len(re.findall(r"mma\.sync", ptx)) - len(re.findall(r"mma\.sync", ptx0)) == 4 * (on.NS1 - off.D1)
+    assert mx._kernel_class()(on).smem_bytes == on.smem_bytes <= mx.STAGE_FC1_MAX_SMEM

@@ -111,8 +111,8 @@ def test_fast_moe_half_same_input(batch, impl):
         pytest.skip("fast-s9front differs from fast only where the fused front serves (M <= 4)")
     if impl == "fast-s12" and batch <= 4:
         pytest.skip("fast-s12 differs from fast only where TopkFromLogits serves (M > 4)")
-    if impl == "fast-stagefc1" and batch > 1:
-        pytest.skip("fast-stagefc1 differs from fast only at batch 1 (experts v7's FC1 staged in shared memory)")
+    if impl == "fast-stagefc1" and batch > 2:
+        pytest.skip("fast-stagefc1 differs from fast only at batch buckets <= 2 (experts v7's FC1 staged)")
     if impl == "fast-s21exp" and batch > 1:
         pytest.skip("fast-s21exp differs from fast only at batch 1 (the experts' routing)")
     if impl == "fast-s27tail" and batch <= 16:

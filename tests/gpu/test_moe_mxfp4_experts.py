@@ -384,18 +384,20 @@ def test_ring_fit_at_v7_is_bit_identical(M, I, kind):
     assert rel_rmse(outs["fit"], reference(z, ids, w, ck)) <= TOL
 
 
+@pytest.mark.parametrize("I", [256, 384])
+@pytest.mark.parametrize("M", [1, 2])
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "ties"])
-def test_stage_fc1_is_bit_identical(kind):
-    """stage_fc1 (v7 at batch 1, rank16, opt-in): FC1's rows reach the same registers through shared memory instead
-    of the register ring, and the decode and MMAs run in the same order, so every output bit equals the default's.
-    Also against the reference, and again as a CUDA-graph replay with new routings (the commit groups and the
-    counters must be clean for the next launch)."""
-    ck, prep, z, ids, w, ws = case(1, 256, kind, 5400 + len(kind))
-    assert mx.compile_key(E, DL, 256, 1, stage_fc1=True).stage_fc1
-    outs = run_variants(1, z, ids, w, prep, ws, dflt=dict(), staged=dict(stage_fc1=True))
+def test_stage_fc1_is_bit_identical(M, I, kind):
+    """stage_fc1 (v7, opt-in): FC1's rows reach the same registers through shared memory (all 14 steps at rank16
+    b1, a ring of 14-15 slots elsewhere) instead of the register ring, and the decode and MMAs run in the same
+    order, so every output bit equals the default's. Also against the reference, and again as a CUDA-graph replay
+    with new routings (the commit groups and the counters must be clean for the next launch)."""
+    ck, prep, z, ids, w, ws = case(M, I, kind, 5400 + 10 * M + I // 128 + len(kind))
+    assert mx.compile_key(E, DL, I, M, stage_fc1=True).stage_fc1
+    outs = run_variants(M, z, ids, w, prep, ws, dflt=dict(), staged=dict(stage_fc1=True))
     assert same_bits(outs["staged"], outs["dflt"])
     assert rel_rmse(outs["staged"], reference(z, ids, w, ck)) <= TOL
-    out = torch.empty(1, DL, dtype=BF, device=DEV)
+    out = torch.empty(M, DL, dtype=BF, device=DEV)
     from k3fast.trace import capture
     graph = capture(lambda: mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws,
                                                  stage_fc1=True), warmup=1)
