@@ -378,6 +378,43 @@ print("Y (23 MB) beside a 24 MB prefetch, time against Y alone: "
 # the experts' 23 MB in shared memory while the front's down-projection streams (LOG.md, "Where the remaining targets
 # stand").
 
+# %% [markdown]
+# ## 16. The experts' bytes in shared memory, beside a stream (`k3fast.overlap_probe`, session 14)
+# If L2 cannot carry bytes from one kernel to the next, shared memory can. At rank16 b1 the experts' 23.4 MB fits
+# in 128 SMs' shared memory (183 KB each). In the probe, 128 CTAs copy it in, every cp.async in flight at once,
+# beside a 51.4 MB stream (the front's down-projection). It asks two questions. Do the two add up to copy rate?
+# And how fast can the experts' bytes arrive when nothing else limits them?
+
+# %%
+ov = []
+for path in sorted(glob.glob(os.path.join(nbtools.ROOT, "traces", "h200", "overlap-*.json"))):
+    with open(path) as f:
+        for r in json.load(f)["records"]:
+            if r["stream_bytes"] == 51_400_000 and r["fill_ctas"] == 128:
+                ov.append((os.path.basename(path), r))
+print(f"{'record':34s} {'order':13s} {'carveout':>8s} {'fill':>6s} {'stream':>7s} {'one after':>9s} {'beside':>7s}  (µs)")
+for name, r in ov:
+    order = "stream first" if r.get("stream_first") else "fill first"
+    print(f"{name:34s} {order:13s} {str(r.get('stream_carveout')):>8s} {r['fill']['us_median']:6.1f} "
+          f"{r['stream']['us_median']:7.1f} {r['fill_then_stream']['us_median']:9.1f} "
+          f"{r['fill_beside_stream']['us_median']:7.1f}")
+spans = [(k[0], k[2]) for _, r in ov for k in r.get("beside_timeline") or []]
+fill_k = sorted(d for n, d in spans if n == "fill")
+stream_k = sorted(d for n, d in spans if n == "stream")
+print(f"kernel durations (CUPTI): fill {fill_k[len(fill_k) // 2]:.1f} µs for 23.4 MB, "
+      f"stream {stream_k[len(stream_k) // 2]:.1f} µs for 51.4 MB")
+
+# %% [markdown]
+# Side by side, the pair took as long as one after the other, whichever kernel was launched first and whichever
+# shared-memory split the stream asked for. The profiled spans (eager launches) show one kernel after the other,
+# but the CPU's launch gaps sit between them. Whether the block scheduler would run the two grids at once stays
+# open until a CUDA-graph run (`overlap_probe --graph`). Either way the kernels themselves set the ceiling. The
+# stream runs at copy rate, and the fill moves 23.4 MB in ~7 µs, so perfect overlap would buy under 2 µs here.
+#
+# The second answer matters more. Experts v7 streams the same bytes in ~11-12 µs at rank16 b1 (its stream probe
+# less its routing). `stage_fc1` (opt-in `fast-stagefc1`, not yet measured) takes v7's FC1 rows through shared
+# memory the way the fill does.
+
 # %%
 assert table["G1"][1] > table["default"][1] and table["G1probe"][1] > table["probe"][1]
 assert tail_b1["stalls"][0][0] == "long_scoreboard" and tail_b1["stalls"][0][1] > 0.8 * tail_b1["cycles_per_issue"]
@@ -391,6 +428,9 @@ assert all(l2[(528, sc, mb)] > 0.89 * l2[(528, "cold", mb)] for sc in pf_rows fo
 assert all(l2[(528, sc, mb)] >= l2[(528, "cold", mb)] for sc in pf_rows if "beside" in sc for mb in sizes if mb >= 16)
 assert all(v > 1.05 for v in y_cost.values())
 assert all(l2[(528, "warm", mb)] > 0.9 * l2[(528, "cold", mb)] for mb in sizes if mb >= 16)
+assert len(ov) >= 6 and all(abs(r["fill_beside_stream"]["us_median"] - r["fill_then_stream"]["us_median"]) < 1.3
+                           for _, r in ov)
+assert 6.5 < fill_k[len(fill_k) // 2] < 7.5 and stream_k[len(stream_k) // 2] < 13.0
 assert rot_decode_exact
 assert vec_vs_loop < 1e-10
 assert torch.equal(W1.bfloat16().double(), W1)
