@@ -66,6 +66,7 @@ def fake_stream():
 
 
 TVM_FFI = "--enable-tvm-ffi"
+SMEM_PER_CTA_MAX = 227 * 1024      # sm_90's largest dynamic shared memory per CTA (232,448 B)
 
 
 def weight_load_atom(dtype):

@@ -391,7 +391,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, weight_load_atom
+from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
+                   weight_load_atom)
 
 E2M1_MAG = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # bf16 bytes of the 8 magnitudes (hi = sign/exponent byte, lo = exponent lsb + mantissa byte), little-endian words
@@ -690,7 +691,6 @@ RING_FIT_VERSIONS = (4, 5, 7)      # the versions whose loops take a fitted ring
 # one commit group per step: all of them at once where they fit (rank16 b1: 14 steps), else a ring of DS1 steps
 # (rank16 b2, rank8 b1: 15 of 28)
 STAGE_FC1 = False
-STAGE_FC1_MAX_SMEM = 227 * 1024    # sm_90's dynamic shared memory per CTA
 
 
 def default_version(MB: int) -> int:
@@ -755,7 +755,7 @@ class KernelCfg:
                              f"{self.version}, layout {self.layout!r}")
         if self.stage_fc1 and self.DS1 <= self.D1:
             raise ValueError(f"stage_fc1: only {self.DS1} FC1 steps of {self.threads} threads x 20 B fit beside the "
-                             f"kernel's {self.base_smem_bytes} B of shared memory (at most {STAGE_FC1_MAX_SMEM} B per "
+                             f"kernel's {self.base_smem_bytes} B of shared memory (at most {SMEM_PER_CTA_MAX} B per "
                              f"CTA), no deeper than the register ring's {self.D1}")
 
     def _fit(self, K: int) -> int:
@@ -884,7 +884,7 @@ class KernelCfg:
 
     @property
     def DS1(self):          # stage_fc1's steps in flight: all NS1 where they fit, else as many as fit
-        return min(self.NS1, (STAGE_FC1_MAX_SMEM - self.base_smem_bytes) // (self.threads * 20))
+        return min(self.NS1, (SMEM_PER_CTA_MAX - self.base_smem_bytes) // (self.threads * 20))
 
     @property
     def stage_fc1_bytes(self):   # stage_fc1's shared memory: a 16-byte row and a 4-byte scale word per lane and slot
@@ -1089,8 +1089,8 @@ def _build_kernel_class():
             self.EPT = -(-c.E // c.threads)
             self.n_part, self.n_stage, self.n_hz = c.n_part, c.n_stage, c.n_hz
             self.smem_bytes = c.smem_bytes
-            if self.smem_bytes > STAGE_FC1_MAX_SMEM:
-                raise ValueError(f"{cfg}: {self.smem_bytes} B of shared memory per CTA, over {STAGE_FC1_MAX_SMEM}")
+            if self.smem_bytes > SMEM_PER_CTA_MAX:
+                raise ValueError(f"{cfg}: {self.smem_bytes} B of shared memory per CTA, over {SMEM_PER_CTA_MAX}")
 
         @cute.jit
         def __call__(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut, stream):
@@ -1730,8 +1730,12 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
 
 
 def stage_fc1_applies(key: KernelCfg) -> bool:
-    """Whether the kernel of ``key`` can stage its FC1 rows (KernelCfg's stage_fc1 checks, without raising)."""
-    return key.version == 7 and key.layout == "rot" and key.DS1 > key.D1
+    """Whether the kernel of ``key`` can stage its FC1 rows: KernelCfg's own stage_fc1 checks, without raising."""
+    try:
+        dataclasses.replace(key, stage_fc1=True)
+    except ValueError:
+        return False
+    return True
 
 
 def ring_fit_rule(ring_fit: bool | None, version: int) -> bool:

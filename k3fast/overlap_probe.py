@@ -26,12 +26,11 @@ import sys
 
 import torch
 
-from ._dsl import TVM_FFI, compile_cached, fake_stream, fake_tensor, import_cute
+from ._dsl import SMEM_PER_CTA_MAX, TVM_FFI, compile_cached, fake_stream, fake_tensor, import_cute
 
 THREADS = 512
 VEC = 16                      # bytes per cp.async
 STEP_BYTES = THREADS * VEC    # 8 KB: one step of every thread of a CTA
-MAX_SMEM = 227 * 1024         # sm_90's largest dynamic shared memory per CTA
 MB = 1_000_000             # the repository's byte unit (k3-spec, moe_mxfp4_experts): 23.4 MB = 23.4e6 bytes
 
 
@@ -82,9 +81,9 @@ def _build_fill(steps: int, options: str = TVM_FFI):
 def slice_steps(total_bytes: int, ctas: int) -> int:
     """The 8 KB steps per CTA that give ``ctas`` CTAs at least ``total_bytes`` together."""
     steps = -(-total_bytes // (ctas * STEP_BYTES))
-    if steps * STEP_BYTES + 128 > MAX_SMEM:
+    if steps * STEP_BYTES + 128 > SMEM_PER_CTA_MAX:
         raise ValueError(f"{total_bytes} bytes over {ctas} CTAs need {steps * STEP_BYTES} bytes of shared memory "
-                         f"per CTA; an H200 CTA has at most {MAX_SMEM}")
+                         f"per CTA; an H200 CTA has at most {SMEM_PER_CTA_MAX}")
     return steps
 
 

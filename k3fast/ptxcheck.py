@@ -393,10 +393,10 @@ def main(argv=None) -> int:
                 rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({layout} layout, C={key.C}, D={key.D}, "
                                        f"W={key.W})", "config": "k3_rank16", "M": M, "label": label, "sass": True,
                              "ptxas": ver, "instructions": sum(ops.values()), "opcodes": ops})
-    # ring_fit (experts; the default at versions 4 / 5 since session 13, at 7 since session 14): rank8's loops (I = 384: 28 FC1 steps per
-    # unit, 6 FC2 steps per tile) with the full ring of 8 and with the fitted rings (7 / 6); "instructions" is per
-    # loop turn of D1 / D2 steps, so per step it is instructions / ring_depth. And v7 at batch buckets 1 / 2, at
-    # rank8 and rank16, where FC1 has 14 or 28 steps per unit
+    # ring_fit (experts; the default at versions 4 / 5 since session 13, at 7 since session 14): rank8's loops
+    # (I = 384: 28 FC1 steps per unit, 6 FC2 steps per tile) with the full ring of 8 and with the fitted rings
+    # (7 / 6); "instructions" is per loop turn of D1 / D2 steps, so per step it is instructions / ring_depth. And
+    # v7 at batch buckets 1 / 2, at rank8 and rank16, where FC1 has 14 or 28 steps per unit
     cells = [(384, "k3_rank8", 8), (384, "k3_rank8", 64), (384, "k3_rank8", 1), (384, "k3_rank8", 2),
              (256, "k3_rank16", 1), (256, "k3_rank16", 2)]
     for rf in ((False, True) if tools is not None else ()):
@@ -422,7 +422,7 @@ def main(argv=None) -> int:
                                f"DS1={key.DS1 if sf else 0} of NS1={key.NS1})",
                      "config": shape, "M": M, "smem_bytes": key.smem_bytes, "ptx_mma": ptx.count("mma.sync"),
                      "ptx_cp_async": ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global"),
-                     **ptxas_resources(ptx, tools[0]), **sass_size(ptx, tools)})
+                     **sass_size(ptx, tools)})
     if tools is not None:        # router_down_topk v2.2: the FMA path's occupancy hint and what ptxas made of it
         from . import router_down_topk as rdt
         old = rdt.TVM_FFI

@@ -147,7 +147,15 @@ L2_WARM = "not flushed: the previous replay's weights, inputs and code stay in L
 def time_replays(g: torch.cuda.CUDAGraph, reset: Callable[[], None], n: int, *, flush: bool = True) -> list[float]:
     """µs of each of ``n`` replays, each after an L2 flush (unless ``flush`` is False: L2_WARM) and an input reset
     (neither is timed)."""
-    flush_l2()
+    return time_eager(g.replay, n, setup=reset, flush=flush)
+
+
+def time_eager(measured: Callable[[], None], n: int, *, setup: Callable[[], None] = lambda: None,
+               flush: bool = True) -> list[float]:
+    """µs of each of ``n`` calls of ``measured`` (CUDA events around it only), each after an L2 flush (unless
+    ``flush`` is False) and ``setup()``, neither timed. time_replays times graph replays with it; the probes
+    (k3fast.l2probe, k3fast.overlap_probe) time eager calls whose setup runs on other streams."""
+    flush_l2()                                # allocates the flush buffer outside the timed loop
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     torch.cuda.synchronize()
@@ -155,24 +163,6 @@ def time_replays(g: torch.cuda.CUDAGraph, reset: Callable[[], None], n: int, *, 
     for i in range(n):
         if flush:
             flush_l2()
-        reset()
-        starts[i].record()
-        g.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-
-
-def time_eager(measured: Callable[[], None], n: int, *, setup: Callable[[], None] = lambda: None) -> list[float]:
-    """µs of each of ``n`` eager calls of ``measured`` (CUDA events around it only), each after an L2 flush and
-    ``setup()`` (neither timed): for the probes (k3fast.l2probe, k3fast.overlap_probe), whose setup runs on other
-    streams and so is no graph. The GPU is kept behind the CPU, so no launch gap falls inside a call."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)
-    for i in range(n):
-        flush_l2()
         setup()
         starts[i].record()
         measured()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from k3fast import moe_mxfp4_experts as mx
-from k3fast._dsl import dsl_available
+from k3fast._dsl import SMEM_PER_CTA_MAX, dsl_available
 from k3ref.config import k3, k3_rank
 
 pytestmark = pytest.mark.compile
@@ -594,7 +594,7 @@ def test_stage_fc1_applies_where_the_rows_fit():
     for (I, M), (ns, ds) in {(256, 1): (14, 14), (256, 2): (28, 15), (384, 1): (28, 15), (384, 2): (42, 14)}.items():
         on = mx.compile_key(896, 3584, I, M, stage_fc1=True)
         assert on.stage_fc1 and on.version == 7 and (on.NS1, on.DS1) == (ns, ds), (I, M)
-        assert on.stage_fc1_bytes == ds * 512 * 20 and on.smem_bytes <= mx.STAGE_FC1_MAX_SMEM
+        assert on.stage_fc1_bytes == ds * 512 * 20 and on.smem_bytes <= SMEM_PER_CTA_MAX
         assert on.smem_bytes == on.base_smem_bytes + on.stage_fc1_bytes
         assert not mx.compile_key(896, 3584, I, M).stage_fc1                  # opt-in (STAGE_FC1 off)
     for I, M in ((384, 8), (256, 64)):
@@ -625,4 +625,4 @@ def test_stage_fc1_issues_every_row_before_the_first_step(I, M):
     gld = r"ld\.global\.L1::no_allocate\.v4"
     assert len(re.findall(gld, ptx)) < len(re.findall(gld, ptx0))
     assert len(re.findall(r"mma\.sync", ptx)) - len(re.findall(r"mma\.sync", ptx0)) == 4 * (on.NS1 - off.D1)
-    assert mx._kernel_class()(on).smem_bytes == on.smem_bytes <= mx.STAGE_FC1_MAX_SMEM
+    assert mx._kernel_class()(on).smem_bytes == on.smem_bytes <= SMEM_PER_CTA_MAX

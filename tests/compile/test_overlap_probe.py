@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3fast import overlap_probe as op
-from k3fast._dsl import TVM_FFI, dsl_available
+from k3fast._dsl import SMEM_PER_CTA_MAX, TVM_FFI, dsl_available
 from k3fast.ptxcheck import compiled_ptx
 
 pytestmark = pytest.mark.compile
@@ -16,7 +16,7 @@ needs_dsl = pytest.mark.skipif(not dsl_available(), reason="nvidia-cutlass-dsl /
 @needs_dsl
 def test_fill_issues_every_copy_before_its_one_wait():
     steps = op.slice_steps(int(23.4 * op.MB), 128)
-    assert steps == 23 and steps * op.STEP_BYTES <= op.MAX_SMEM - 128
+    assert steps == 23 and steps * op.STEP_BYTES <= SMEM_PER_CTA_MAX - 128
     ptx = compiled_ptx(lambda: op._build_fill(steps, options=TVM_FFI + " --keep-ptx"))
     copies = [m.start() for m in re.finditer(r"cp\.async\.cg\.shared\.global", ptx)]
     waits = [m.start() for m in re.finditer(r"cp\.async\.wait_group", ptx)]
