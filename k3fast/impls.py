@@ -440,7 +440,13 @@ FAST_VARIANTS = {
     "fast-noringfit": {"experts_ring_fit": False},   # experts rings at the full depth 8 (before session 13 at
     #                                                  buckets > 2, before session 14 at <= 2; there s29 ran the
     #                                                  A/B as "fast-ringfit7", ring_fit on, at fdcdffc)
-    "fast-stagefc1": {"experts_stage_fc1": True},   # experts v7's FC1 rows through shared memory, b <= 2 (opt-in)
+    # (fast-stagefc1, experts v7's FC1 rows through shared memory at b <= 2, was measured at 592860e (s38), slower
+    # at all four cells, and removed)
+    "fast-xco": {"experts_warps": 8, "experts_carveout": 100},  # experts at 8 warps and the largest shared-memory
+    #                                                             carveout: room for the tail's CTAs beside them
+    "fast-xcot3": {"experts_warps": 8, "experts_carveout": 100, "tail_ring": 3},  # ... and the tail's ring of 3
+    "fast-xc100": {"experts_carveout": 100},    # the carveout alone (16 warps fill the register file: no room)
+    "fast-t3": {"tail_ring": 3},                # the tail's ring of 3 alone
     # (fast-xl2 / fast-r1xl2, the experts' per-line L2 prefetch of a work item's rows, were measured slower at
     # 5f1f620 and removed)
     "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch

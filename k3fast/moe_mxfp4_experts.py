@@ -353,6 +353,35 @@ Version log
       by PDL), rank16 b1 58.0 -> 57.7, rank16 b2 65.2 -> 64.2. b8 / b64 (v4, unchanged) within +-0.6 us.
       Bit-identical to the full ring on the GPU (s29t: test_ring_fit_at_v7_is_bit_identical, M 1 / 2, I 256 / 384,
       uniform and skewed). The default since session 14.
+  stage_fc1 (2026-11-30, session 14; opt-in STAGE_FC1, impl "fast-stagefc1", bench_experts SF1 / SF1probe; measured
+      slower by session 15's s38 and removed; the code is at 592860e) Right after the routing each lane copied its
+      FC1 rows (16 B, cp.async.cg) and scale words (4 B, cp.async.ca) into shared memory, one commit group per
+      step: all 14 steps at once at rank16 b1, a ring of 14-15 slots of 28-42 at rank16 b2 and rank8 b1 / b2
+      (214-232 KB of shared memory per CTA). Why: overlap_probe's fill moved the experts' 23.4 MB into shared
+      memory in 7.0 us of kernel time, against ~11-12 us of v7's register-ring streaming (estimated from its
+      stream probe). Bit-identical (s38t: 13 passed). Predicted: bench rank16 b1 19.9 -> ~17-18 us, MoE half
+      57.7 -> ~55-56; the other b1 / b2 cells -1 to -3 us on the bench.
+      Measured (s38 at 592860e, experts-592860e-s38.json, copy 4.22 TB/s; records-592860e-s38.json, copy 4.21):
+      slower at all four cells. Bench SF1 against default rank16 b1 19.5 -> 22.0 us, b2 26.8 -> 29.4, rank8 b1
+      24.8 -> 27.2, b2 33.7 -> 35.1; the stream probes too (probe -> SF1probe 16.7 -> 17.4, 22.7 -> 23.9, 19.1 ->
+      21.4, 28.9 -> 30.9). MoE half rank16 b1 57.7 -> 59.8, b2 64.2 -> 68.0, rank8 b1 65.0 -> 67.6, b2 75.1 ->
+      77.3. Why the estimate was wrong: it set the fill's CUPTI kernel time (7.0 us) against graph-replay times
+      of the experts. As a graph replay the fill alone takes 10.5 us (overlap-592860e-s39.json), about what v7's
+      probe spends streaming, so moving the bytes through shared memory had nothing to gain, and the unrolled
+      step bodies (35 -> 42-83 KB of SASS, fetched cold after each L2 flush) and the loads issued after the
+      routing instead of spread over the loop cost the rest.
+  carveout (2026-11-30, session 15; opt-in CARVEOUT, impls "fast-xco" (with 8 warps) / "fast-xc100" / "fast-xcot3")
+      The launch asks for the largest shared-memory carveout (preferred_smem_carveout = 100). Why: in the layer's
+      rank16 b1 timeline (records-592860e-s38.json, replay_timeline) the tail's grid is launched by PDL 3.2 us
+      after the experts start, but its CTAs find no room: v7's 128 CTAs of 512 threads x 128 registers fill the
+      register file of 128 SMs, so only the 4 idle SMs run tail CTAs early, and the tail ends 15.6 us after the
+      experts for its ~57 MB. During the experts the HBM is ~27 % busy (ncu1). With 8 warps (256 threads x 128
+      registers, 66.9 KB of shared memory, ptxas 12.9) an SM keeps room for two tail CTAs (256 threads x 48
+      registers, 32 KB ring each at moe_tail's depth 2, 48 KB at 3), but only if the SM's split gives shared
+      memory 68 + 2 x 33 KB: the driver's own choice for a 67 KB CTA need not. So the experts ask for the largest
+      carveout, as moe_tail and the router front already do. The tail's CTAs then issue their first ring stages
+      before their PDL wait during the experts. Arithmetic unchanged (the warps change the K order of FC1's
+      split: 8 warps is the configuration the kernel ran until e384fbf, tested against the reference).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -385,7 +414,6 @@ stream at a time.  A token may list the same expert twice (both slots are comput
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -686,11 +714,9 @@ ROUTE_DIRECT = True
 # 643.8 -> 540.2 us, b8 167.6 -> 141.2; s29, v7: rank8 b2 82.6 -> 74.3)
 RING_FIT = True
 RING_FIT_VERSIONS = (4, 5, 7)      # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
-# stage_fc1 (opt-in, "fast-stagefc1", bench_experts SF1 / SF1probe; version log "stage_fc1"): v7's (batch buckets
-# <= 2) FC1 rows and scales of the work item go through shared memory by cp.async instead of the register ring,
-# one commit group per step: all of them at once where they fit (rank16 b1: 14 steps), else a ring of DS1 steps
-# (rank16 b2, rank8 b1: 15 of 28)
-STAGE_FC1 = False
+# carveout (opt-in, "fast-xco" with 8 warps; version log "carveout"): the launch asks for the largest shared-memory
+# carveout, so that the SMs under v7's one CTA each keep room for the PDL-launched tail's CTAs beside it
+CARVEOUT = 0
 
 
 def default_version(MB: int) -> int:
@@ -720,8 +746,8 @@ class KernelCfg:
     route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
     ring_fit: bool = False      # each loop's ring depth fitted to its K steps per unit (D1, D2 <= D; compile_key
     #                             sets it from RING_FIT, on by default at versions 4 / 5 / 7)
-    stage_fc1: bool = False     # v7 (opt-in STAGE_FC1): FC1's weight rows and scale words through shared memory by
-    #                             cp.async, DS1 steps in flight (all NS1 where they fit), instead of the register ring
+    carveout: int = 0           # the launch's preferred shared-memory carveout, percent of the SM's L1 / shared
+    #                             split (0: the driver's choice; compile_key takes CARVEOUT)
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -750,13 +776,9 @@ class KernelCfg:
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
-        if self.stage_fc1 and (self.version != 7 or self.layout != "rot"):
-            raise ValueError(f"stage_fc1 serves version 7 (batch buckets <= 2) in the rot layout, got version "
-                             f"{self.version}, layout {self.layout!r}")
-        if self.stage_fc1 and self.DS1 <= self.D1:
-            raise ValueError(f"stage_fc1: only {self.DS1} FC1 steps of {self.threads} threads x 20 B fit beside the "
-                             f"kernel's {self.base_smem_bytes} B of shared memory (at most {SMEM_PER_CTA_MAX} B per "
-                             f"CTA), no deeper than the register ring's {self.D1}")
+        if not 0 <= self.carveout <= 100:
+            raise ValueError(f"carveout is a percentage of the SM's L1 / shared-memory split (0 = the driver's "
+                             f"choice), got {self.carveout}")
 
     def _fit(self, K: int) -> int:
         """The deepest ring <= D that step_split divides once per ring turn or never (K % d == 0 or d % K == 0),
@@ -853,10 +875,6 @@ class KernelCfg:
     def threads(self):
         return 32 * self.W
 
-    @property
-    def NS1(self):          # FC1 steps per warp (each one 16-byte row per lane)
-        return self.U1 * self.KS1
-
     # shared memory carve-up (bytes, all 16-aligned)
     @property
     def n_part(self):       # K-split partials (fp32 words)
@@ -872,23 +890,11 @@ class KernelCfg:
         return max(self.NT * self.HW, self.NT * self.ZW) if self.version >= 3 else self.NT * self.HW
 
     @property
-    def base_smem_bytes(self):   # the kernel's shared memory without stage_fc1's slots
+    def smem_bytes(self):
         sizes = [4 * self.E, 4 * self.PMAX, 4 * (self.PMAX + 4), 4 * (self.PMAX + 4) if self.version == 5 else 0,
                  4 * self.PMAX, 4 * self.PMAX, 4 * self.PMAX, 4 * 64, 4 * self.n_hz, 4 * self.n_stage,
                  4 * self.n_part]
         return sum(-(-b // 16) * 16 for b in sizes) + 256
-
-    @property
-    def smem_bytes(self):
-        return self.base_smem_bytes + (self.stage_fc1_bytes if self.stage_fc1 else 0)
-
-    @property
-    def DS1(self):          # stage_fc1's steps in flight: all NS1 where they fit, else as many as fit
-        return min(self.NS1, (SMEM_PER_CTA_MAX - self.base_smem_bytes) // (self.threads * 20))
-
-    @property
-    def stage_fc1_bytes(self):   # stage_fc1's shared memory: a 16-byte row and a 4-byte scale word per lane and slot
-        return self.DS1 * self.threads * 20
 
 
 # ----------------------------------------------------------------------------------------------- the kernel
@@ -1097,7 +1103,8 @@ def _build_kernel_class():
             c = self.cfg
             self.kernel(mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut).launch(
                 grid=[c.Q * c.C, 1, 1], block=[c.threads, 1, 1], cluster=[c.C, 1, 1],
-                smem=self.smem_bytes, stream=stream, use_pdl=True)
+                smem=self.smem_bytes, stream=stream, use_pdl=True,
+                **({"preferred_smem_carveout": c.carveout} if c.carveout else {}))
 
         @cute.kernel
         def kernel(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut):
@@ -1129,13 +1136,6 @@ def _build_kernel_class():
             z_s = cute.make_tensor(hz_s.iterator, cute.make_layout((NT, c.ZW), stride=(c.ZW, 1)))
             stage_s = smem.allocate_tensor(Int32, cute.make_layout(self.n_stage), 16)
             part_s = smem.allocate_tensor(Float32, cute.make_layout(self.n_part), 16)
-            # stage_fc1: step s of thread tid in slot s % DS1, at column slot * threads + tid (consecutive lanes,
-            # consecutive 16 B: conflict-free ld.shared.v4); each thread copies and later reads back only its own
-            # columns, so its cp.async.wait_group orders them without a barrier (as moe_tail v5's ring)
-            sW1 = smem.allocate_tensor(Int32, cute.make_layout((4, c.DS1 * c.threads), stride=(1, 4)), 16) \
-                if const_expr(c.stage_fc1) else None
-            sS1 = smem.allocate_tensor(Int32, cute.make_layout((1, c.DS1 * c.threads)), 16) \
-                if const_expr(c.stage_fc1) else None
 
             lut = [Int32(_LUT_HI[0]), Int32(_LUT_HI[1]), Int32(-1065353216), Int32(-1065336832)]
             # (0xC0800000, 0xC0804000 as signed int32)
@@ -1147,7 +1147,6 @@ def _build_kernel_class():
             wld = weight_load_atom(Int32)
             zcp = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                                       Int32, num_bits_per_copy=128)
-            scp = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)   # stage_fc1
             gY = cute.flat_divide(mY, (1, 8))            # (1, 8, rows, dL/8)
             gYb = cute.flat_divide(mYb, (1, 8))          # v7: the bf16 y_e rows the part reduction writes
             gO = cute.flat_divide(mOut, (1, 8))
@@ -1362,117 +1361,61 @@ def _build_kernel_class():
                     koff = 0
                     if const_expr(c.version in (6, 7)):
                         koff = hI * c.NKB2H                          # the part's K steps of each w2 tile
-                    if const_expr(c.stage_fc1):
-                        # stage_fc1: DS1 of the item's FC1 steps in flight through shared memory (all NS1 where
-                        # they fit), one commit group per step after z's; step s waits for its own group, and its
-                        # slot is refilled with step s + DS1 after its MMAs. No registers hold loads in flight, so
-                        # ~140 KB per CTA can be (a register ring that deep spills: D12 / D16, s16). The decode and
-                        # MMAs see the same words in the same order as the ring's: bit-identical.
-                        DS1 = c.DS1
-                        gS13 = cute.flat_divide(eW13s, (1,))
-                        for s_ in cutlass.range_constexpr(DS1):
-                            row1 = fc1_row(c, warp, t1_base, s_)
-                            cute.copy(zcp, eW13q[row1 * 32 + lane, None], sW1[None, s_ * c.threads + tid])
-                            cute.copy(scp, gS13[None, row1 * 8 + g], sS1[None, s_ * c.threads + tid])
-                            cute.arch.cp_async_commit_group()
-                        cute.arch.cp_async_wait_group(DS1)           # z's group (all but the DS1 newest)
-                        cute.arch.barrier()
-                        for s_ in cutlass.range_constexpr(NS1):
-                            # groups committed so far: DS1 + min(s_, NS1 - DS1); steps 0..s_ must be complete
-                            cute.arch.cp_async_wait_group(min(DS1, NS1 - s_) - 1)
-                            col1 = (s_ % DS1) * c.threads + tid
-                            wv1 = [sW1[j, col1] for j in range(4)]
-                            sv1 = sS1[0, col1]
-                            i1, kk1 = s_ // c.KS1, s_ % c.KS1
-                            uu1 = warp + W * i1
-                            tile1 = uu1 // c.S
-                            kb1 = (uu1 - tile1 * c.S) * c.KS1 + kk1
-                            if kk1 == 0:
-                                acc.fill(0.0)
-                            a1, sf1 = consume_slot(c, lut, wv1, sv1, acc, True)
-                            a1, sf1 = consume_slot(c, lut, wv1, sv1, acc, False, a1, sf1)
-                            # The ring loop's MMAs and h emission below, for this step's constant kk1. Written out
-                            # twice because a plain Python helper cannot hold range_constexpr or a dynamic if (the
-                            # DSL preprocesses the kernel's own body only).
-                            if const_expr(c.probe == ""):
-                                for gi in cutlass.range_constexpr(GMAX):
-                                    if gi * 8 < npass:
-                                        for bb in cutlass.range_constexpr(2):
-                                            if const_expr(c.version >= 3):
-                                                cute.autovec_copy(gZs[0, None, zrow[gi], kb1 * 8 + bb * 4 + t], bv)
-                                            else:
-                                                cute.autovec_copy(gZ[0, None, zrow[gi], kb1 * 8 + bb * 4 + t], bv)
-                                            mma_block_any(c, a1, bv, sf1, bb, acc, gi)
-                            if kk1 == c.KS1 - 1:
-                                if const_expr(c.S > 1):
-                                    for x in cutlass.range_constexpr(GMAX * 4):
-                                        part_s[(uu1 * GMAX * 32 + lane) * 4 + (x // 4) * 128 + x % 4] = acc[x]
-                                else:
-                                    for gi in cutlass.range_constexpr(GMAX):
-                                        emit_h(stage_bf, hcols, c, tile1, g, t, gi, acc[gi * 4 + 0],
-                                               acc[gi * 4 + 1], acc[gi * 4 + 2], acc[gi * 4 + 3])
-                            if s_ + DS1 < NS1:
-                                # the slot's words are in registers and used: refill it with step s_ + DS1
-                                row1 = fc1_row(c, warp, t1_base, s_ + DS1)
-                                cute.copy(zcp, eW13q[row1 * 32 + lane, None], sW1[None, col1])
-                                cute.copy(scp, gS13[None, row1 * 8 + g], sS1[None, col1])
-                                cute.arch.cp_async_commit_group()
-                    for d in cutlass.range_constexpr(0 if c.stage_fc1 else D1):
+                    for d in cutlass.range_constexpr(D1):
                         if const_expr(d < NS1):
                             row_ = fc1_row(c, warp, t1_base, d)
                             load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d)
-                    if const_expr(c.version >= 3 and not c.stage_fc1):
+                    if const_expr(c.version >= 3):
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.barrier()
-                    if const_expr(not c.stage_fc1):
-                        for s0 in cutlass.range(0, NS1_pad, D1):
-                            for d in cutlass.range_constexpr(D1):
-                                s = s0 + d
-                                if s < NS1:
-                                    wv = [ringW[d, j] for j in range(4)]
-                                    sv = ringS[d]
-                                    if const_expr(c.layout == "rot"):
-                                        i, kk = step_split(s0, d, c.KS1, D1)
-                                    else:
-                                        i = s // c.KS1
-                                        kk = s - i * c.KS1
-                                    uu = warp + W * i
-                                    tile = uu // c.S
-                                    kb = (uu - tile * c.S) * c.KS1 + kk
-                                    if kk == 0:
-                                        acc.fill(0.0)
-                                    a, sf = consume_slot(c, lut, wv, sv, acc, True)
-                                    if const_expr(c.layout == "rot"):
-                                        i_, k_ = step_split(s0 + D1, d, c.KS1, D1)
-                                        uu_ = warp + W * i_
-                                        row_ = (t1_base + uu_ // c.S) * c.NKB1 + (uu_ % c.S) * c.KS1 + k_
-                                    else:
-                                        row_ = fc1_row(c, warp, t1_base, s + D1)     # the refill of this slot
+                    for s0 in cutlass.range(0, NS1_pad, D1):
+                        for d in cutlass.range_constexpr(D1):
+                            s = s0 + d
+                            if s < NS1:
+                                wv = [ringW[d, j] for j in range(4)]
+                                sv = ringS[d]
+                                if const_expr(c.layout == "rot"):
+                                    i, kk = step_split(s0, d, c.KS1, D1)
+                                else:
+                                    i = s // c.KS1
+                                    kk = s - i * c.KS1
+                                uu = warp + W * i
+                                tile = uu // c.S
+                                kb = (uu - tile * c.S) * c.KS1 + kk
+                                if kk == 0:
+                                    acc.fill(0.0)
+                                a, sf = consume_slot(c, lut, wv, sv, acc, True)
+                                if const_expr(c.layout == "rot"):
+                                    i_, k_ = step_split(s0 + D1, d, c.KS1, D1)
+                                    uu_ = warp + W * i_
+                                    row_ = (t1_base + uu_ // c.S) * c.NKB1 + (uu_ % c.S) * c.KS1 + k_
+                                else:
+                                    row_ = fc1_row(c, warp, t1_base, s + D1)     # the refill of this slot
+                                if s + D1 < NS1:
+                                    load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d,
+                                              scale=c.version < 4)
+                                a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
+                                if const_expr(c.probe == ""):
+                                    for gi in cutlass.range_constexpr(GMAX):
+                                        if gi * 8 < npass:
+                                            for bb in cutlass.range_constexpr(2):
+                                                if const_expr(c.version >= 3):
+                                                    cute.autovec_copy(gZs[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
+                                                else:
+                                                    cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
+                                                mma_block_any(c, a, bv, sf, bb, acc, gi)
+                                if const_expr(c.version >= 4):
+                                    # v4: the scale word is refilled after its last use (the MMAs' scale factors)
                                     if s + D1 < NS1:
-                                        load_slot(c, wld, eW13q, eW13s, row_, lane, g, ringW, ringS, d,
-                                                  scale=c.version < 4)
-                                    a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
-                                    if const_expr(c.probe == ""):
+                                        ringS[d] = eW13s[row_ * 8 + g]
+                                if kk == c.KS1 - 1:
+                                    if const_expr(c.S > 1):
+                                        for x in cutlass.range_constexpr(GMAX * 4):
+                                            part_s[(uu * GMAX * 32 + lane) * 4 + (x // 4) * 128 + x % 4] = acc[x]
+                                    else:
                                         for gi in cutlass.range_constexpr(GMAX):
-                                            if gi * 8 < npass:
-                                                for bb in cutlass.range_constexpr(2):
-                                                    if const_expr(c.version >= 3):
-                                                        cute.autovec_copy(gZs[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
-                                                    else:
-                                                        cute.autovec_copy(gZ[0, None, zrow[gi], kb * 8 + bb * 4 + t], bv)
-                                                    mma_block_any(c, a, bv, sf, bb, acc, gi)
-                                    if const_expr(c.version >= 4):
-                                        # v4: the scale word is refilled after its last use (the MMAs' scale factors)
-                                        if s + D1 < NS1:
-                                            ringS[d] = eW13s[row_ * 8 + g]
-                                    if kk == c.KS1 - 1:
-                                        if const_expr(c.S > 1):
-                                            for x in cutlass.range_constexpr(GMAX * 4):
-                                                part_s[(uu * GMAX * 32 + lane) * 4 + (x // 4) * 128 + x % 4] = acc[x]
-                                        else:
-                                            for gi in cutlass.range_constexpr(GMAX):
-                                                emit_h(stage_bf, hcols, c, tile, g, t, gi, acc[gi * 4 + 0],
-                                                       acc[gi * 4 + 1], acc[gi * 4 + 2], acc[gi * 4 + 3])
+                                            emit_h(stage_bf, hcols, c, tile, g, t, gi, acc[gi * 4 + 0],
+                                                   acc[gi * 4 + 1], acc[gi * 4 + 2], acc[gi * 4 + 3])
 
                     # cluster barrier A: every CTA of the cluster finished reading h_s of the previous pass
                     if const_expr(C == 1):
@@ -1699,15 +1642,13 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
                 parts: int | None = None, route_direct: bool | None = None,
-                ring_fit: bool | None = None, stage_fc1: bool | None = None) -> KernelCfg:
+                ring_fit: bool | None = None, carveout: int | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
     route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort).
     ring_fit None: RING_FIT at RING_FIT_VERSIONS (4 / 5 / 7); True / False: the same explicitly; other versions
-    never.  stage_fc1 None: STAGE_FC1; True / False: the same explicitly. It applies where it can (v7, batch
-    buckets <= 2, rot layout, more FC1 steps fitting shared memory than the register ring holds) and is off
-    elsewhere, like ring_fit at other versions; a KernelCfg built by hand refuses it with the reason."""
+    never.  carveout None: CARVEOUT (0, the driver's choice)."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1720,22 +1661,10 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     if parts is None:
         parts = default_parts(I, MB, C, nsm) if version == 7 else 1
     direct = (ROUTE_DIRECT if route_direct is None else bool(route_direct)) and MB == 1
-    key = KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
-                    situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
-                    layout=layout, parts=parts, route_direct=direct,
-                    ring_fit=ring_fit_rule(ring_fit, version))
-    if (STAGE_FC1 if stage_fc1 is None else stage_fc1) and stage_fc1_applies(key):
-        key = dataclasses.replace(key, stage_fc1=True)
-    return key
-
-
-def stage_fc1_applies(key: KernelCfg) -> bool:
-    """Whether the kernel of ``key`` can stage its FC1 rows: KernelCfg's own stage_fc1 checks, without raising."""
-    try:
-        dataclasses.replace(key, stage_fc1=True)
-    except ValueError:
-        return False
-    return True
+    return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
+                     situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
+                     layout=layout, parts=parts, route_direct=direct,
+                     ring_fit=ring_fit_rule(ring_fit, version), carveout=CARVEOUT if carveout is None else int(carveout))
 
 
 def ring_fit_rule(ring_fit: bool | None, version: int) -> bool:
@@ -1816,7 +1745,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                       version: int | None = None, cluster: int | None = None,
                       kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
                       route_direct: bool | None = None, ring_fit: bool | None = None,
-                      stage_fc1: bool | None = None):
+                      carveout: int | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -1825,7 +1754,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
     route_direct: at M = 1, the 16 pairs as segments without the counting sort (route1; None = ROUTE_DIRECT).
     ring_fit: each loop's ring depth fitted to its K steps (None = RING_FIT, on; version log "ring_fit").
-    stage_fc1: v7's FC1 rows through shared memory by cp.async (batch buckets <= 2; None = STAGE_FC1, off).
+    carveout: the launch's preferred shared-memory carveout in percent (None = CARVEOUT, 0: the driver's choice).
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed
@@ -1857,7 +1786,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
-                      route_direct=route_direct, ring_fit=ring_fit, stage_fc1=stage_fc1)
+                      route_direct=route_direct, ring_fit=ring_fit, carveout=carveout)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:

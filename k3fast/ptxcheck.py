@@ -411,18 +411,17 @@ def main(argv=None) -> int:
                                        f"D1={key.D1}, D2={key.D2})", "config": shape, "M": M, "label": label,
                              "sass": True, "ptxas": ver, "instructions": sum(ops.values()),
                              "mma": ops.get("HMMA", 0), "opcodes": ops, **res})
-    # stage_fc1 (experts v7, opt-in since session 14): registers, spills and SASS size against the default key of
-    # the same cell; FC1 is one unrolled run of NS1 steps (DS1 in flight), so it shows as straight-line code
-    for sf, (I_, shape, M) in ([(sf, cell) for sf in (False, True) for cell in
-                                ((256, "k3_rank16", 1), (256, "k3_rank16", 2), (384, "k3_rank8", 1), (384, "k3_rank8", 2))]
-                               if tools is not None else ()):
-        key = mx.compile_key(896, 3584, I_, M, stage_fc1=sf)
+    # experts v7 at 16 and 8 warps (fast-xco: 8 warps at the largest carveout): what one CTA takes of an SM, the
+    # room the PDL-launched tail's CTAs need beside it (registers x threads, shared memory)
+    for W, (I_, shape, M) in ([(W, cell) for W in (16, 8) for cell in
+                               ((256, "k3_rank16", 1), (256, "k3_rank16", 2), (384, "k3_rank8", 1), (384, "k3_rank8", 2))]
+                              if tools is not None else ()):
+        key = mx.compile_key(896, 3584, I_, M, W=W)
         ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
-        rows.append({"kernel": f"moe_mxfp4_experts v{key.version} (stage_fc1 {'on' if sf else 'off'}, "
-                               f"DS1={key.DS1 if sf else 0} of NS1={key.NS1})",
-                     "config": shape, "M": M, "smem_bytes": key.smem_bytes, "ptx_mma": ptx.count("mma.sync"),
-                     "ptx_cp_async": ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global"),
-                     **sass_size(ptx, tools)})
+        res = ptxas_resources(ptx, tools[0])
+        rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({W} warps)", "config": shape, "M": M,
+                     "ctas": key.Q * key.C, "threads": key.threads, "smem_bytes": key.smem_bytes,
+                     "registers_per_cta": key.threads * res["registers"], **res})
     if tools is not None:        # router_down_topk v2.2: the FMA path's occupancy hint and what ptxas made of it
         from . import router_down_topk as rdt
         old = rdt.TVM_FFI

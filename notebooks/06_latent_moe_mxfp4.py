@@ -390,7 +390,7 @@ ov = []
 for path in sorted(glob.glob(os.path.join(nbtools.ROOT, "traces", "h200", "overlap-*.json"))):
     with open(path) as f:
         for r in json.load(f)["records"]:
-            if r["stream_bytes"] == 51_400_000 and r["fill_ctas"] == 128:
+            if r["stream_bytes"] == 51_400_000 and r["fill_ctas"] == 128 and r.get("timing") != "graph":
                 ov.append((os.path.basename(path), r))
 print(f"{'record':34s} {'order':13s} {'carveout':>8s} {'fill':>6s} {'stream':>7s} {'one after':>9s} {'beside':>7s}  (µs)")
 for name, r in ov:
@@ -411,9 +411,44 @@ print(f"kernel durations (CUPTI): fill {fill_k[len(fill_k) // 2]:.1f} µs for 23
 # open until a CUDA-graph run (`overlap_probe --graph`). Either way the kernels themselves set the ceiling. The
 # stream runs at copy rate, and the fill moves 23.4 MB in ~7 µs, so perfect overlap would buy under 2 µs here.
 #
-# The second answer matters more. Experts v7 streams the same bytes in ~11-12 µs at rank16 b1 (its stream probe
-# less its routing). `stage_fc1` (opt-in `fast-stagefc1`, not yet measured) takes v7's FC1 rows through shared
-# memory the way the fill does.
+# The second answer looked like it mattered more: experts v7 streams the same bytes in ~11-12 µs at rank16 b1 (its
+# stream probe less its routing), against the fill's ~7 µs. Section 17 measures both claims again, as graph replays.
+
+# %% [markdown]
+# ## 17. Two grids at once as graph replays, and the FC1 rows through shared memory (sessions 14-15)
+# `overlap_probe --graph` captures the two-stream fork in a CUDA graph, so no CPU gap sits between the launches, and
+# profiles one replay for the spans. `stage_fc1` (session 14's opt-in `fast-stagefc1`, bench `SF1`) took experts v7's
+# FC1 rows through shared memory by cp.async, all 14 steps at once at rank16 b1, the way the fill does.
+
+# %%
+gr = []
+for path in sorted(glob.glob(os.path.join(nbtools.ROOT, "traces", "h200", "overlap-*.json"))):
+    with open(path) as f:
+        gr += [(os.path.basename(path), r) for r in json.load(f)["records"] if r.get("timing") == "graph"]
+for name, r in gr:
+    order = "stream first" if r["stream_first"] else "fill first"
+    tl = {n: (t0, d) for n, t0, d in r["beside_timeline"]}
+    print(f"{name:36s} {order:12s} fill {r['fill']['us_median']:5.1f}  stream {r['stream']['us_median']:5.1f}  "
+          f"one after {r['fill_then_stream']['us_median']:5.1f}  beside {r['fill_beside_stream']['us_median']:5.1f}  "
+          f"(floor {r['floor_us_both']:.1f})  spans: " + ", ".join(f"{n} {t0:.1f}+{d:.1f}" for n, (t0, d) in tl.items()))
+sf = {sh: nbtools.recorded_experts_probe(sh, "traces/h200/experts-592860e-s38.json")[1]
+      for sh in ("k3_rank16", "k3_rank8")}
+print(f"{'':10s} {'default':>8s} {'SF1':>6s} {'probe':>6s} {'SF1probe':>8s}  (µs, experts-592860e-s38.json)")
+for sh in ("k3_rank16", "k3_rank8"):
+    for b in (1, 2):
+        print(f"{sh} b{b} " + " ".join(f"{sf[sh][v][b]:7.1f}" for v in ("default", "SF1", "probe", "SF1probe")))
+
+# %% [markdown]
+# * The block scheduler does run the two grids at once. With the fill launched first, the stream's first CTAs start
+#   0.2-0.9 µs after it, on the SMs and in the room the fill's 128 CTAs leave; the pair takes 21.4 µs against 23.6
+#   one after the other (floor 17.9). With the stream launched first, its 528 CTAs hold every SM and the fill's
+#   184 KB CTAs start only when they drain (11.7 µs into a 14.1 µs stream).
+# * As a graph replay the fill alone takes 10.5 µs, not the 7 µs of its CUPTI kernel time: launch and ramp are in
+#   every replay. v7's stream probe spends about that on the same bytes. So the comparison behind `stage_fc1` set a
+#   kernel time against replay times, and `stage_fc1` lost at every cell (SF1 above default, SF1probe above probe).
+#   It was removed (code at 592860e).
+# * What the first point does leave: a kernel launched after the experts can run beside them if the experts leave
+#   room on their SMs. Section 18 tries that with the tail.
 
 # %%
 assert table["G1"][1] > table["default"][1] and table["G1probe"][1] > table["probe"][1]
@@ -431,6 +466,13 @@ assert all(l2[(528, "warm", mb)] > 0.9 * l2[(528, "cold", mb)] for mb in sizes i
 assert len(ov) >= 6 and all(abs(r["fill_beside_stream"]["us_median"] - r["fill_then_stream"]["us_median"]) < 1.3
                            for _, r in ov)
 assert 6.5 < fill_k[len(fill_k) // 2] < 7.5 and stream_k[len(stream_k) // 2] < 13.0
+first = [r for _, r in gr if not r["stream_first"]]
+assert first and all(dict((n, t0) for n, t0, _ in r["beside_timeline"])["stream"] < 1.0 for r in first)
+assert all(r["fill_beside_stream"]["us_median"] < r["fill_then_stream"]["us_median"] - 1.5 for r in first)
+assert all(dict((n, t0) for n, t0, _ in r["beside_timeline"])["fill"] > 10.0 for _, r in gr if r["stream_first"])
+assert all(r["fill"]["us_median"] > 9.5 for _, r in gr)
+assert all(sf[sh]["SF1" + v][b] > sf[sh][v or "default"][b]
+           for sh in ("k3_rank16", "k3_rank8") for b in (1, 2) for v in ("", "probe"))
 assert rot_decode_exact
 assert vec_vs_loop < 1e-10
 assert torch.equal(W1.bfloat16().double(), W1)

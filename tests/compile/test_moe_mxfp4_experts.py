@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from k3fast import moe_mxfp4_experts as mx
-from k3fast._dsl import SMEM_PER_CTA_MAX, dsl_available
+from k3fast._dsl import dsl_available
 from k3ref.config import k3, k3_rank
 
 pytestmark = pytest.mark.compile
@@ -587,42 +587,42 @@ def test_ring_fit_at_v7_cuts_the_index_work():
         assert all(n < bound * o for o, n in zip(old, new)), (M, old, new)
 
 
-def test_stage_fc1_applies_where_the_rows_fit():
-    """stage_fc1 (opt-in): v7 (batch buckets <= 2) in the rot layout, with DS1 FC1 steps of 512 threads x 20 B in
-    shared memory beside the kernel's own: all 14 at rank16 b1, a ring of 15 of 28 at rank16 b2 and rank8 b1, 14
-    of 42 at rank8 b2. Never more than a CTA's 227 KB; off (not an error) at the v4 buckets."""
-    for (I, M), (ns, ds) in {(256, 1): (14, 14), (256, 2): (28, 15), (384, 1): (28, 15), (384, 2): (42, 14)}.items():
-        on = mx.compile_key(896, 3584, I, M, stage_fc1=True)
-        assert on.stage_fc1 and on.version == 7 and (on.NS1, on.DS1) == (ns, ds), (I, M)
-        assert on.stage_fc1_bytes == ds * 512 * 20 and on.smem_bytes <= SMEM_PER_CTA_MAX
-        assert on.smem_bytes == on.base_smem_bytes + on.stage_fc1_bytes
-        assert not mx.compile_key(896, 3584, I, M).stage_fc1                  # opt-in (STAGE_FC1 off)
-    for I, M in ((384, 8), (256, 64)):
-        assert not mx.compile_key(896, 3584, I, M, stage_fc1=True).stage_fc1
-    with pytest.raises(ValueError, match="stage_fc1 serves version 7"):
-        mx.KernelCfg(E=896, dL=3584, I=256, MB=8, C=8, W=16, version=4, layout="rot", stage_fc1=True)
+def test_carveout_is_a_checked_launch_choice():
+    """carveout (opt-in): a percentage of the SM's L1 / shared split, 0 = the driver's choice (the default)."""
+    assert mx.CARVEOUT == 0 and mx.compile_key(896, 3584, 256, 1).carveout == 0
+    key = mx.compile_key(896, 3584, 256, 1, W=8, carveout=100)
+    assert (key.carveout, key.W, key.version) == (100, 8, 7)
+    for bad in (-1, 101):
+        with pytest.raises(ValueError, match="carveout is a percentage"):
+            mx.compile_key(896, 3584, 256, 1, carveout=bad)
 
 
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
-@pytest.mark.parametrize("I,M", [(256, 1), (384, 1)])
-def test_stage_fc1_issues_every_row_before_the_first_step(I, M):
-    """The staged kernel copies each FC1 row (16 B, cp.async.cg) and scale word (4 B, cp.async.ca) of a lane once,
-    DS1 steps ahead, one commit group per step after z's; step s waits with min(DS1, NS1 - s) - 1 (z's wait is DS1).
-    FC1 loads nothing through registers (the ring's ld.global.v4 are FC2's only) and runs NS1 unrolled steps of 4
-    MMAs. The default key's PTX has no cp.async.ca at all."""
-    import re
+@pytest.mark.parametrize("I,M", [(256, 1), (256, 2), (384, 1), (384, 2)])
+def test_eight_warps_leave_room_for_two_tail_ctas(I, M):
+    """fast-xco's premise, on the shared-memory side: at the largest carveout (228 KB per SM, 1 KB of it reserved
+    per CTA) one v7 CTA of 8 warps and two of moe_tail's CTAs (ring of 2 or 3; shared intermediate 384 at rank16,
+    768 at rank8) fit one SM together; at 16 warps the
+    CTA's 512 x 128 registers fill the register file whatever the split (ptxcheck records the registers)."""
+    from k3fast import moe_tail
+    key = mx.compile_key(896, 3584, I, M, W=8, carveout=100)
+    experts = mx._kernel_class()(key).smem_bytes
+    assert experts == key.smem_bytes and key.threads == 256
+    for ring in (2, 3):
+        wr, wk, u = moe_tail._tail_cfg(moe_tail.n_tiles(M))
+        tail = moe_tail._kernel_class()("tail", moe_tail.n_tiles(M), wr, wk, u, moe_tail.HIDDEN, moe_tail.LATENT,
+                                        {256: 384, 384: 768}[I], ring=ring).smem_bytes
+        assert experts + 1024 + 2 * (tail + 1024) <= 228 * 1024, (I, M, ring, experts, tail)
 
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+def test_carveout_reaches_the_launch():
+    """The key at carveout 100 compiles for sm_90a like the default (the launch attribute is host-side: the PTX is
+    the same as the 8-warp key's without it)."""
     from k3fast.ptxcheck import compiled_ptx
-    on = mx.compile_key(896, 3584, I, M, stage_fc1=True)
-    off = mx.compile_key(896, 3584, I, M)
-    ptx = compiled_ptx(lambda: mx._compile(on, options="--enable-tvm-ffi --keep-ptx"))
-    ptx0 = compiled_ptx(lambda: mx._compile(off, options="--enable-tvm-ffi --keep-ptx"))
-    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == on.NS1 + 1            # + the z row
-    assert len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)) == on.NS1
-    waits = sorted(int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx))
-    assert waits == sorted([on.DS1] + [min(on.DS1, on.NS1 - s) - 1 for s in range(on.NS1)])
-    assert "cp.async.ca" not in ptx0
-    gld = r"ld\.global\.L1::no_allocate\.v4"
-    assert len(re.findall(gld, ptx)) < len(re.findall(gld, ptx0))
-    assert len(re.findall(r"mma\.sync", ptx)) - len(re.findall(r"mma\.sync", ptx0)) == 4 * (on.NS1 - off.D1)
-    assert mx._kernel_class()(on).smem_bytes == on.smem_bytes <= SMEM_PER_CTA_MAX
+    opts = "--enable-tvm-ffi --keep-ptx"
+    on = mx.compile_key(896, 3584, 256, 1, W=8, carveout=100)
+    ptx = compiled_ptx(lambda: mx._compile(on, options=opts))
+    ptx0 = compiled_ptx(lambda: mx._compile(mx.compile_key(896, 3584, 256, 1, W=8), options=opts))
+    assert ptx.count("mma.sync") == ptx0.count("mma.sync") > 0
+    assert ptx.count("ld.global") == ptx0.count("ld.global")
