@@ -447,6 +447,7 @@ FAST_VARIANTS = {
     "fast-xcot3": {"experts_warps": 8, "experts_carveout": 100, "tail_ring": 3},  # ... and the tail's ring of 3
     "fast-xc100": {"experts_carveout": 100},    # the carveout alone (16 warps fill the register file: no room)
     "fast-t3": {"tail_ring": 3},                # the tail's ring of 3 alone
+    "fast-t4": {"tail_ring": 4},                # ... of 4 (64 KB per CTA: 3 CTAs per SM, a second wave alone)
     # (fast-xl2 / fast-r1xl2, the experts' per-line L2 prefetch of a work item's rows, were measured slower at
     # 5f1f620 and removed)
     "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch

@@ -384,5 +384,10 @@ case "${1:-}" in
             --impls stock fast fast-w8 fast-xco fast-xcot3 fast-xc100 fast-t3 --budget-s 300 ;;
   s40t)   K3_TEST_TIMEOUT=400 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_fast_layer.py \
             -k "carveout or xco or xcot3 or xc100 or fast-t3" ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t"; exit 2 ;;
+  # session 15: the tail's ring depth in the layer (s40: fast-t3 0.4-0.8 us under fast at b1 / b2, one run; the
+  # bench of session 10 had depth 3 slower alone): a second run, with b8 and depth 4, beside stock
+  s41)    K3_TEST_TIMEOUT=150 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py -k "fast-t4" || true
+          K3_SWEEP_TIMEOUT=330 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 --batches 1 2 8 \
+            --impls stock fast fast-t3 fast-t4 --budget-s 300 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41"; exit 2 ;;
 esac
