@@ -37,8 +37,6 @@ causes give different signatures, and one run of this module separates them:
              rank8 b64: 7 and 6, rank16 b1: 7 and 8, so that no step divides), and its stream probe. Session 14's
              s29 ran the v7 A/B the other way round as ``RF7 RF7probe`` (at fdcdffc, where v7's default was the
              full ring);
-* ``CO`` the default key at the largest shared-memory carveout (opt-in CARVEOUT; ``W8CO`` at 8 warps, what
-             ``fast-xco`` runs): what the carveout costs the kernel alone, with L1 cut to 28 KB;
 * ``sortprobe fc1probe fc2probe`` (and ``v4...``): the stream probe stopped after the routing sort, after FC1 and
              the h exchange, or after FC2 (no part reduction / combine): the stages of the b1 latency chain;
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
@@ -64,8 +62,7 @@ from k3ref import preset
 from k3ref.weights import random_layer
 
 VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
-            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe",
-            "CO", "W8CO")
+            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe")
 
 
 def variant_cfg(name: str, base):
@@ -91,8 +88,6 @@ def variant_cfg(name: str, base):
             raise ValueError(f"NRF (ring_fit off) differs from the default at versions {RING_FIT_VERSIONS} only, "
                              f"got v{base.version}")
         return dataclasses.replace(base, ring_fit=False)
-    if name in ("CO", "W8CO"):               # the largest shared-memory carveout (fast-xco: with 8 warps)
-        return dataclasses.replace(variant_cfg("W8", base) if name == "W8CO" else base, carveout=100)
     if name == "S1":                         # the counting sort at batch 1 (route1 off; other buckets always sort)
         if base.MB != 1:
             raise ValueError(f"S1 (route_direct off) differs from the default at batch bucket 1 only, got MB={base.MB}")

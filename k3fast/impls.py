@@ -442,12 +442,9 @@ FAST_VARIANTS = {
     #                                                  A/B as "fast-ringfit7", ring_fit on, at fdcdffc)
     # (fast-stagefc1, experts v7's FC1 rows through shared memory at b <= 2, was measured at 592860e (s38), slower
     # at all four cells, and removed)
-    "fast-xco": {"experts_warps": 8, "experts_carveout": 100},  # experts at 8 warps and the largest shared-memory
-    #                                                             carveout: room for the tail's CTAs beside them
-    "fast-xcot3": {"experts_warps": 8, "experts_carveout": 100, "tail_ring": 3},  # ... and the tail's ring of 3
-    "fast-xc100": {"experts_carveout": 100},    # the carveout alone (16 warps fill the register file: no room)
-    "fast-t3": {"tail_ring": 3},                # the tail's ring of 3 alone
-    "fast-t4": {"tail_ring": 4},                # ... of 4 (64 KB per CTA: 3 CTAs per SM, a second wave alone)
+    # (fast-xco / fast-xcot3 / fast-xc100, the experts at 8 warps and the largest shared-memory carveout so that the
+    # tail's CTAs fit beside them, and fast-t3 / fast-t4, the tail's ring of 3 / 4, were measured at 380f788 (s40)
+    # and 4d82a0d (s41), no faster, and removed)
     # (fast-xl2 / fast-r1xl2, the experts' per-line L2 prefetch of a work item's rows, were measured slower at
     # 5f1f620 and removed)
     "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch

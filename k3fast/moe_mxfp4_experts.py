@@ -370,7 +370,8 @@ Version log
       probe spends streaming, so moving the bytes through shared memory had nothing to gain, and the unrolled
       step bodies (35 -> 42-83 KB of SASS, fetched cold after each L2 flush) and the loads issued after the
       routing instead of spread over the loop cost the rest.
-  carveout (2026-11-30, session 15; opt-in CARVEOUT, impls "fast-xco" (with 8 warps) / "fast-xc100" / "fast-xcot3")
+  carveout (2026-11-30, session 15; opt-in CARVEOUT, impls "fast-xco" (with 8 warps) / "fast-xc100" / "fast-xcot3";
+      measured by s40, no gain, and removed; the code is at 4d82a0d)
       The launch asks for the largest shared-memory carveout (preferred_smem_carveout = 100). Why: in the layer's
       rank16 b1 timeline (records-592860e-s38.json, replay_timeline) the tail's grid is launched by PDL 3.2 us
       after the experts start, but its CTAs find no room: v7's 128 CTAs of 512 threads x 128 registers fill the
@@ -382,6 +383,12 @@ Version log
       carveout, as moe_tail and the router front already do. The tail's CTAs then issue their first ring stages
       before their PDL wait during the experts. Arithmetic unchanged (the warps change the K order of FC1's
       split: 8 warps is the configuration the kernel ran until e384fbf, tested against the reference).
+      Measured (s40 at 380f788, records-380f788-s40.json, one run beside stock): MoE half rank16 b1 58.0 -> 58.3 us
+      (fast-xco), 57.9 (fast-xcot3), rank16 b2 64.6 -> 66.3, rank8 b1 65.2 -> 67.3, b2 74.9 -> 80.6 (predicted
+      ~56-57 at rank16 b1). The carveout alone changed nothing (fast-xc100 within -0.9..+0.3 us; bench CO within
+      0.6 %). In the replay timeline the tail ended 0.5 us sooner after the experts, about a fifth of the ~2.4 us
+      predicted, and the 8-warp experts lost 1.1-6.1 us on the bench. The tail's ring of 3 alone (fast-t3) looked
+      0.4-0.8 us faster in s40 but not in s41's repeat (-0.8..+0.3); 4 (fast-t4) was 4.5-7 us slower.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -714,9 +721,6 @@ ROUTE_DIRECT = True
 # 643.8 -> 540.2 us, b8 167.6 -> 141.2; s29, v7: rank8 b2 82.6 -> 74.3)
 RING_FIT = True
 RING_FIT_VERSIONS = (4, 5, 7)      # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
-# carveout (opt-in, "fast-xco" with 8 warps; version log "carveout"): the launch asks for the largest shared-memory
-# carveout, so that the SMs under v7's one CTA each keep room for the PDL-launched tail's CTAs beside it
-CARVEOUT = 0
 
 
 def default_version(MB: int) -> int:
@@ -746,8 +750,6 @@ class KernelCfg:
     route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
     ring_fit: bool = False      # each loop's ring depth fitted to its K steps per unit (D1, D2 <= D; compile_key
     #                             sets it from RING_FIT, on by default at versions 4 / 5 / 7)
-    carveout: int = 0           # the launch's preferred shared-memory carveout, percent of the SM's L1 / shared
-    #                             split (0: the driver's choice; compile_key takes CARVEOUT)
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -776,9 +778,6 @@ class KernelCfg:
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
-        if not 0 <= self.carveout <= 100:
-            raise ValueError(f"carveout is a percentage of the SM's L1 / shared-memory split (0 = the driver's "
-                             f"choice), got {self.carveout}")
 
     def _fit(self, K: int) -> int:
         """The deepest ring <= D that step_split divides once per ring turn or never (K % d == 0 or d % K == 0),
@@ -1103,8 +1102,7 @@ def _build_kernel_class():
             c = self.cfg
             self.kernel(mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut).launch(
                 grid=[c.Q * c.C, 1, 1], block=[c.threads, 1, 1], cluster=[c.C, 1, 1],
-                smem=self.smem_bytes, stream=stream, use_pdl=True,
-                **({"preferred_smem_carveout": c.carveout} if c.carveout else {}))
+                smem=self.smem_bytes, stream=stream, use_pdl=True)
 
         @cute.kernel
         def kernel(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut):
@@ -1642,13 +1640,13 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
                 parts: int | None = None, route_direct: bool | None = None,
-                ring_fit: bool | None = None, carveout: int | None = None) -> KernelCfg:
+                ring_fit: bool | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
     route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort).
     ring_fit None: RING_FIT at RING_FIT_VERSIONS (4 / 5 / 7); True / False: the same explicitly; other versions
-    never.  carveout None: CARVEOUT (0, the driver's choice)."""
+    never."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB)
@@ -1664,7 +1662,7 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
                      layout=layout, parts=parts, route_direct=direct,
-                     ring_fit=ring_fit_rule(ring_fit, version), carveout=CARVEOUT if carveout is None else int(carveout))
+                     ring_fit=ring_fit_rule(ring_fit, version))
 
 
 def ring_fit_rule(ring_fit: bool | None, version: int) -> bool:
@@ -1744,8 +1742,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
                       version: int | None = None, cluster: int | None = None,
                       kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
-                      route_direct: bool | None = None, ring_fit: bool | None = None,
-                      carveout: int | None = None):
+                      route_direct: bool | None = None, ring_fit: bool | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -1754,7 +1751,6 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
     route_direct: at M = 1, the 16 pairs as segments without the counting sort (route1; None = ROUTE_DIRECT).
     ring_fit: each loop's ring depth fitted to its K steps (None = RING_FIT, on; version log "ring_fit").
-    carveout: the launch's preferred shared-memory carveout in percent (None = CARVEOUT, 0: the driver's choice).
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed
@@ -1786,7 +1782,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
-                      route_direct=route_direct, ring_fit=ring_fit, carveout=carveout)
+                      route_direct=route_direct, ring_fit=ring_fit)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:

@@ -411,8 +411,8 @@ def main(argv=None) -> int:
                                        f"D1={key.D1}, D2={key.D2})", "config": shape, "M": M, "label": label,
                              "sass": True, "ptxas": ver, "instructions": sum(ops.values()),
                              "mma": ops.get("HMMA", 0), "opcodes": ops, **res})
-    # experts v7 at 16 and 8 warps (fast-xco: 8 warps at the largest carveout): what one CTA takes of an SM, the
-    # room the PDL-launched tail's CTAs need beside it (registers x threads, shared memory)
+    # experts v7 at 16 and 8 warps (session 15's fast-xco ran 8): what one CTA takes of an SM, i.e. the room left
+    # for the PDL-launched tail's CTAs beside it (registers x threads, shared memory)
     for W, (I_, shape, M) in ([(W, cell) for W in (16, 8) for cell in
                                ((256, "k3_rank16", 1), (256, "k3_rank16", 2), (384, "k3_rank8", 1), (384, "k3_rank8", 2))]
                               if tools is not None else ()):

@@ -384,26 +384,6 @@ def test_ring_fit_at_v7_is_bit_identical(M, I, kind):
     assert rel_rmse(outs["fit"], reference(z, ids, w, ck)) <= TOL
 
 
-@pytest.mark.parametrize("I", [256, 384])
-@pytest.mark.parametrize("M", [1, 2, 8])
-@pytest.mark.parametrize("kind", ["uniform", "skewed"])
-def test_carveout_is_bit_identical(M, I, kind):
-    """carveout (opt-in, fast-xco): the largest shared-memory carveout is a launch attribute, so every output bit
-    equals the same key's without it, at 8 warps (fast-xco) and 16. Also against the reference, and as a CUDA-graph
-    replay with new routings (the attribute is captured with the launch)."""
-    ck, prep, z, ids, w, ws = case(M, I, kind, 5400 + 10 * M + I // 128 + len(kind))
-    outs = run_variants(M, z, ids, w, prep, ws, w8=dict(warps=8), w8co=dict(warps=8, carveout=100),
-                        dflt=dict(), co=dict(carveout=100))
-    assert same_bits(outs["w8co"], outs["w8"]) and same_bits(outs["co"], outs["dflt"])
-    for o in outs.values():
-        assert rel_rmse(o, reference(z, ids, w, ck)) <= TOL
-    out = torch.empty(M, DL, dtype=BF, device=DEV)
-    from k3fast.trace import capture
-    graph = capture(lambda: mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws,
-                                                 warps=8, carveout=100), warmup=1)
-    replay_with_new_routings(graph, out, z, ids, w, ws, ck, kind, 5410 + len(kind))
-
-
 @pytest.mark.parametrize("M", [3, 8, 17, 64])
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
 def test_ring_fit_is_bit_identical(M, kind):
