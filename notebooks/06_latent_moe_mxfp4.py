@@ -450,6 +450,43 @@ for sh in ("k3_rank16", "k3_rank8"):
 # * What the first point does leave: a kernel launched after the experts can run beside them if the experts leave
 #   room on their SMs. Section 18 tries that with the tail.
 
+# %% [markdown]
+# ## 18. The tail's CTAs beside the experts (session 15)
+# In the layer the tail is launched by PDL about 3 µs after the experts start, and its CTAs issue their first ring
+# stages before their dependency wait. But at b1 experts v7's 128 CTAs of 512 threads x 128 registers hold the whole
+# register file of 128 SMs, so only the 4 idle SMs take tail CTAs early; the tail then ends ~15 µs after the
+# experts. The opt-in `fast-xco` ran the experts at 8 warps and the largest shared-memory carveout, leaving room for
+# two tail CTAs per SM. Controls: `fast-w8` (8 warps only), `fast-xc100` (the carveout only), `fast-t3` (the tail's
+# ring of 3 stages instead of 2, so more of it starts early), `fast-xcot3` (both). Session 15 repeated the ring
+# depths (and 4) in a second run, `s41`.
+
+# %%
+s40, s41 = "traces/h200/records-380f788-s40.json", "traces/h200/records-4d82a0d-s41.json"
+for shape in ("k3_rank16", "k3_rank8"):
+    print(nbtools.ab_table(s40, "moe", ["stock", "fast", "fast-w8", "fast-xco", "fast-xcot3", "fast-xc100", "fast-t3"],
+                           shape=shape))
+    print(nbtools.ab_table(s41, "moe", ["stock", "fast", "fast-t3", "fast-t4"], shape=shape))
+
+
+def moe_cells(path):
+    with open(os.path.join(nbtools.ROOT, path)) as f:
+        return {(r["shape"], r["batch"], r["impl"]): r for r in json.load(f)["records"] if r["part"] == "moe"}
+
+
+c40, c41 = moe_cells(s40), moe_cells(s41)
+for impl in ("fast", "fast-xco", "fast-xcot3"):
+    ks = {k[0]: (k[1], k[2]) for k in c40[("k3_rank16", 1, impl)]["replay_timeline"]["kernels"]}
+    (e0, ed), (t0, td) = [v for n, v in ks.items() if "experts" in n][0], [v for n, v in ks.items() if "tail" in n][0]
+    print(f"rank16 b1 {impl:11s} experts {e0:5.1f} + {ed:4.1f} µs, tail from {t0:5.1f}, ends {t0 + td - e0 - ed:4.1f} µs "
+          "after the experts")
+
+# %% [markdown]
+# Predicted: rank16 b1 57.7 -> ~56-57 µs with `fast-xco`, ~55-56 with `fast-xcot3`. Measured: no gain. The tail ended
+# ~0.5 µs sooner after the experts, a fifth of what was predicted, while 8 warps cost the experts 1-6 µs on their own
+# (more at b2 and rank8). The carveout alone changed nothing. The ring of 3 looked 0.4-0.8 µs faster in s40 and not
+# in s41 (within the replays' p10-p90 spread); the ring of 4 is 4.5-7 µs slower (3 CTAs per SM: a second wave).
+# All of them were removed again; `k3fast/LOG.md` ("Fifteenth H200 session") has the numbers.
+
 # %%
 assert table["G1"][1] > table["default"][1] and table["G1probe"][1] > table["probe"][1]
 assert tail_b1["stalls"][0][0] == "long_scoreboard" and tail_b1["stalls"][0][1] > 0.8 * tail_b1["cycles_per_issue"]
@@ -473,6 +510,14 @@ assert all(dict((n, t0) for n, t0, _ in r["beside_timeline"])["fill"] > 10.0 for
 assert all(r["fill"]["us_median"] > 9.5 for _, r in gr)
 assert all(sf[sh]["SF1" + v][b] > sf[sh][v or "default"][b]
            for sh in ("k3_rank16", "k3_rank8") for b in (1, 2) for v in ("", "probe"))
+assert all(c40[("k3_rank16", 1, i)]["replay_us_median"] > c40[("k3_rank16", 1, "fast")]["replay_us_median"] - 0.5
+           for i in ("fast-xco", "fast-xcot3"))
+assert all(abs(c40[(sh, b, "fast-xc100")]["replay_us_median"] - c40[(sh, b, "fast")]["replay_us_median"]) < 1.0
+           for sh in ("k3_rank16", "k3_rank8") for b in (1, 2))
+assert all(c41[(sh, b, "fast-t4")]["replay_us_median"] > c41[(sh, b, "fast")]["replay_us_median"] + 3.0
+           for sh in ("k3_rank16", "k3_rank8") for b in (1, 2, 8))
+assert all(abs(c41[(sh, b, "fast-t3")]["replay_us_median"] - c41[(sh, b, "fast")]["replay_us_median"]) < 1.0
+           for sh in ("k3_rank16", "k3_rank8") for b in (1, 2, 8))
 assert rot_decode_exact
 assert vec_vs_loop < 1e-10
 assert torch.equal(W1.bfloat16().double(), W1)
