@@ -56,7 +56,7 @@ def _cases(cfg, batch: int):
                                                                partial_out=p_out),
                   lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     # 1b. diagnostics of 1: our plain GEMV without the prologue (its cost = fused - plain), the unfused pair at
-    # M <= 2 (the k-split rows @ks1/4/8 of kernels-ea0c850.json set the fused kernel's ks = 4), and the split-K
+    # M <= 2 (the k-split rows @ks1/2/8 against the default ks = 4, first timed in kernels-ea0c850.json), and the split-K
     # tensor-core kernel at M > 4
     from .rms_gemv import attnres_rmsnorm, gemv
     cases.append(("gemv_in_proj_plain", lambda: gemv(x, w_in), lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2))
@@ -65,6 +65,13 @@ def _cases(cfg, batch: int):
                                                                       w.input_layernorm, w_in, partial_out=p_out,
                                                                       fused_groups=2),
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+    if M <= 2:      # the fused kernel's k split again (ks = 4 since kernels-ea0c850.json, with v2's loop): ks = 1 takes
+        # each row in one warp (16 rows per group, no cross-warp sum per row), ks = 8 one eighth of it
+        for ks in (1, 2, 8):
+            cases.append((f"attnres_rms_gemv@ks{ks}",
+                          lambda ks=ks: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm,
+                                                         w_in, partial_out=p_out, fused_ks=ks),
+                          lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 2:      # rms_gemv v7 (opt-in): 2 / 3 row groups of each CTA in L2 prefetch ahead, all before the PDL wait
         for pf in (2, 3):
             cases.append((f"attnres_rms_gemv@pf{pf}",

@@ -395,5 +395,10 @@ case "${1:-}" in
             -k "split_stage or insplit" || true
           K3_SWEEP_TIMEOUT=240 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 \
             --batches 1 2 --impls stock fast fast-insplit1 fast-insplit3 --budget-s 190 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42"; exit 2 ;;
+  # session 15, last device minutes: the fused in_proj's k split again (ks 1 / 2 / 8 against 4) and the plain GEMV
+  s43)    o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          timeout 170 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 1 2 \
+            --kernels attnres_rms_gemv attnres_rms_gemv@ks1 attnres_rms_gemv@ks2 attnres_rms_gemv@ks8 \
+            gemv_in_proj_plain > "$o/bench.log" 2>&1; grep -v -i warn "$o/bench.log" | tail -24 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43"; exit 2 ;;
 esac
