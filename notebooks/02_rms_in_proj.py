@@ -321,6 +321,48 @@ print(nbtools.ncu_table(in_ncu))
 # v8 and v9 were removed from `k3fast/rms_gemv.py` after these runs (their code is at commits 5f1f620 and c1bb65a),
 # and v10 after s23 (its code is at 0e81145); the records above keep what they measured.
 
+# %% [markdown]
+# ## 12. Taking the prologue out again (v11, session 15), and the k split once more
+# If the loop's time were the prologue's fault, the fix would be to let the weights stream while the prologue runs.
+# v11 (`fast-insplit1` / `fast-insplit3`) ran the prologue as its own one-CTA kernel (`attnres_rmsnorm`, which
+# triggers its PDL dependent right after its wait) and let the GEMV's CTAs copy their first 1 or 3 row groups into
+# shared memory before their own wait. Bit-identical to the fused kernel (GPU tests passed). `s42` measured it
+# beside the fused kernel and stock; the replay timeline shows when each kernel started.
+
+# %%
+import json
+s42 = "traces/h200/records-b2bc614-s42.json"
+print(nbtools.ab_table(s42, "attn", ["stock", "fast", "fast-insplit1", "fast-insplit3"], shape="k3_rank16"))
+print(nbtools.ab_table(s42, "attn", ["stock", "fast", "fast-insplit1", "fast-insplit3"], shape="k3_rank8"))
+with open(os.path.join(nbtools.ROOT, s42)) as f:
+    attn42 = {(r["shape"], r["batch"], r["impl"]): r for r in json.load(f)["records"] if r["part"] == "attn"}
+for impl in ("fast", "fast-insplit1", "fast-insplit3"):
+    ks_ = attn42[("k3_rank16", 1, impl)]["replay_timeline"]["kernels"]
+    print(f"rank16 b1 {impl:14s} " + " | ".join(f"{k[0].split('_build')[0][28:]} {k[1]:.1f}+{k[2]:.1f}" for k in ks_))
+kern43 = {}
+with open(os.path.join(nbtools.ROOT, "traces/h200/kernels-a0dda2a-s43.json")) as f:
+    for r in json.load(f)["records"]:
+        kern43[(r["kernel"], r["shape"], r["batch"])] = r
+print(f"{'(bench, µs)':28s}" + "".join(f"{sh[3:]} b{b:<6d}" for sh in ("k3_rank16", "k3_rank8") for b in (1, 2)))
+for name in ("attnres_rms_gemv", "attnres_rms_gemv@ks1", "attnres_rms_gemv@ks2", "attnres_rms_gemv@ks8",
+             "gemv_in_proj_plain"):
+    print(f"{name:28s}" + "".join(f"{kern43[(name, sh, b)]['fast_us_median']:12.1f}"
+                                  for sh in ("k3_rank16", "k3_rank8") for b in (1, 2)))
+print(f"{'cuBLAS (torch F.linear)':28s}" + "".join(f"{kern43[('gemv_in_proj_plain', sh, b)]['stock_us_median']:12.1f}"
+                                                for sh in ("k3_rank16", "k3_rank8") for b in (1, 2)))
+
+# %% [markdown]
+# v11 lost everywhere, and the timeline says why. The GEMV's first CTA started 3.8 µs after the prologue kernel,
+# when that kernel ended, although the prologue kernel had triggered right after its wait. In these graph replays a
+# PDL dependent arrives ~3-4 µs after its primary's trigger. That is as long as this whole prologue, so nothing was
+# staged while it ran. The lesson for any design that counts on PDL overlap: it pays for a primary that runs long
+# after its trigger (the KDA step under this kernel, the tail under the experts), not for a 4 µs one.
+#
+# The same timeline separates the in_proj's parts for the first time. Without its prologue the GEMV took 17.7 µs
+# (x from L2) against the fused kernel's 19.6 with it. So the prologue costs ~2 µs, and the loop's pace (~2.7 TB/s)
+# is the rest. The k split (s43, bench) stays at 4: ks 1 / 2 / 8 are all slower. cuBLAS's GEMV alone is faster
+# than our plain FMA GEMV (19.9 against 22.4 µs at rank16 b1), so the loop itself is the next thing to change.
+
 # %%
 nc = {os.path.basename(p).split("rms_gemv")[1].split("_shape")[0] or "default": nbtools.recorded_ncu(p)
       for p in in_ncu}
@@ -341,3 +383,11 @@ v8 = {M: r for (k, M), r in loop.items() if "v8" in k}
 assert v6 and all(v8[M]["instructions"] <= 0.75 * v6[M]["instructions"] for M in v6)
 assert all(v8[M]["opcodes"].get("FMUL", 0) == 0 < v6[M]["opcodes"]["FMUL"] for M in v6)
 print("ok (v8)")
+assert all(attn42[(sh, b, i)]["replay_us_median"] > attn42[(sh, b, "fast")]["replay_us_median"]
+           for sh in ("k3_rank16", "k3_rank8") for b in (1, 2) for i in ("fast-insplit1", "fast-insplit3"))
+tl = {k[0]: k for k in attn42[("k3_rank16", 1, "fast-insplit3")]["replay_timeline"]["kernels"]}
+first, second = sorted(tl.values(), key=lambda k: k[1])[:2]
+assert second[1] > 0.9 * (first[1] + first[2])          # the GEMV arrived as the prologue kernel ended
+assert all(kern43[(f"attnres_rms_gemv@ks{k}", sh, b)]["fast_us_median"] > kern43[("attnres_rms_gemv", sh, b)]["fast_us_median"]
+           for k in (1, 2, 8) for sh in ("k3_rank16", "k3_rank8") for b in (1, 2))
+print("ok (v11, k split)")
