@@ -400,5 +400,12 @@ case "${1:-}" in
           timeout 170 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 1 2 \
             --kernels attnres_rms_gemv attnres_rms_gemv@ks1 attnres_rms_gemv@ks2 attnres_rms_gemv@ks8 \
             gemv_in_proj_plain > "$o/bench.log" 2>&1; grep -v -i warn "$o/bench.log" | tail -24 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43"; exit 2 ;;
+  # written in session 15 for session 16: what makes cuBLAS's GEMV faster than our plain FMA GEMV on the same x and
+  # weights (s43: rank8 b1 27.0 against 34.3 us, rank16 19.9 against 22.4): grid, block, registers, shared memory,
+  # DRAM throughput and stalls of both, and of the fused in_proj, one profiled launch each
+  ncu5)   K3_NCU_METRICS=sm__cycles_active.min,sm__cycles_active.max,dram__bytes_read.sum bash scripts/h200_ncu.sh \
+            "bench --kernel gemv_in_proj_plain --shape k3_rank8" "bench --kernel gemv_in_proj_plain --shape k3_rank8 --stock 1" \
+            "bench --kernel gemv_in_proj_plain --shape k3_rank16" "bench --kernel gemv_in_proj_plain --shape k3_rank16 --stock 1" \
+            "bench --kernel attnres_rms_gemv --shape k3_rank8" ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5"; exit 2 ;;
 esac

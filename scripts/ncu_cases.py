@@ -5,6 +5,7 @@
     ncu ... python3 scripts/ncu_cases.py experts --shape k3_rank16 --batch 1
     ncu ... python3 scripts/ncu_cases.py tail --shape k3_rank16 --batch 1
     ncu ... python3 scripts/ncu_cases.py bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1
+    ncu ... python3 scripts/ncu_cases.py bench --kernel gemv_in_proj_plain --shape k3_rank8 --stock 1
 
 Each case makes its inputs once (random, never zeros) and launches the kernel --launches times with a device
 synchronize between launches; only the last launch runs inside the NVTX range "profile", so ncu's NVTX filter
@@ -67,12 +68,13 @@ def tail_case(cfg, M: int, ring=None, dev: str = "cuda"):
     return lambda: moe_tail(r, w_norm, w_up, h, w_sd, ring=ring)
 
 
-def bench_case(cfg, M: int, name: str):
+def bench_case(cfg, M: int, name: str, stock: bool = False):
     """Any case of k3fast.bench (the per-kernel bench's inputs and call), e.g. attnres_rms_gemv or
-    router_down_topk+shared."""
+    router_down_topk+shared; stock: the case's stock counterpart instead (e.g. cuBLAS's GEMV on the same x and
+    weights for gemv_in_proj_plain)."""
     from k3fast.bench import _cases
     cases, _ = _cases(cfg, M)
-    found = {c[0]: c[1] for c in cases}
+    found = {c[0]: c[2] if stock else c[1] for c in cases}
     if name not in found:
         raise SystemExit(f"no k3fast.bench case {name!r} at this shape / batch; have: {sorted(found)}")
     return found[name]
@@ -87,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--late", type=int, choices=(0, 1), default=None, help="kda: v5's late write-backs off / on")
     ap.add_argument("--trig", type=int, choices=(0, 1), default=0, help="kda: the early PDL trigger (the layer's)")
     ap.add_argument("--ring", type=int, default=None, help="tail: moe_tail v5's ring depth (0 = v1)")
+    ap.add_argument("--stock", type=int, choices=(0, 1), default=0, help="bench: profile the case's stock counterpart")
     ap.add_argument("--launches", type=int, default=3)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
     elif args.case == "tail":
         fn = tail_case(cfg, args.batch, args.ring)
     else:
-        fn = bench_case(cfg, args.batch, args.kernel)
+        fn = bench_case(cfg, args.batch, args.kernel, bool(args.stock))
     for i in range(args.launches):
         if i == args.launches - 1:
             torch.cuda.nvtx.range_push("profile")   # ncu --nvtx --nvtx-include "profile/": only this launch
