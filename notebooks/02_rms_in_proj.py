@@ -352,7 +352,7 @@ print(f"{'cuBLAS (torch F.linear)':28s}" + "".join(f"{kern43[('gemv_in_proj_plai
                                                 for sh in ("k3_rank16", "k3_rank8") for b in (1, 2)))
 
 # %% [markdown]
-# v11 lost everywhere, and the timeline says why. The GEMV's first CTA started 3.8 µs after the prologue kernel,
+# v11 lost everywhere (it was removed again; its code is at b2bc614), and the timeline says why. The GEMV's first CTA started 3.8 µs after the prologue kernel,
 # when that kernel ended, although the prologue kernel had triggered right after its wait. In these graph replays a
 # PDL dependent arrives ~3-4 µs after its primary's trigger. That is as long as this whole prologue, so nothing was
 # staged while it ran. The lesson for any design that counts on PDL overlap: it pays for a primary that runs long
