@@ -352,11 +352,11 @@ print(f"{'cuBLAS (torch F.linear)':28s}" + "".join(f"{kern43[('gemv_in_proj_plai
                                                 for sh in ("k3_rank16", "k3_rank8") for b in (1, 2)))
 
 # %% [markdown]
-# v11 lost everywhere (it was removed again; its code is at b2bc614), and the timeline says why. The GEMV's first CTA started 3.8 µs after the prologue kernel,
-# when that kernel ended, although the prologue kernel had triggered right after its wait. In these graph replays a
-# PDL dependent arrives ~3-4 µs after its primary's trigger. That is as long as this whole prologue, so nothing was
-# staged while it ran. The lesson for any design that counts on PDL overlap: it pays for a primary that runs long
-# after its trigger (the KDA step under this kernel, the tail under the experts), not for a 4 µs one.
+# v11 lost everywhere, and the timeline says why: the GEMV's first CTA started 3.8 µs after the prologue kernel,
+# when that kernel ended. `attnres_rmsnorm` triggered its dependents at its end, not after its wait, and the design
+# had assumed the early trigger without checking. So nothing was staged while the prologue ran, and s42 did not test
+# the idea. (In the layer's timelines a dependent arrives ~0.6-1 µs after its primary's trigger: the tail after
+# the experts' wait.) v11.1 adds the early trigger to the prologue kernel, for session 16 to measure (`s44`).
 #
 # The same timeline separates the in_proj's parts for the first time. Without its prologue the GEMV took 17.7 µs
 # (x from L2) against the fused kernel's 19.6 with it. So the prologue costs ~2 µs, and the loop's pace (~2.7 TB/s)

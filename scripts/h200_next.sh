@@ -407,5 +407,11 @@ case "${1:-}" in
             "bench --kernel gemv_in_proj_plain --shape k3_rank8" "bench --kernel gemv_in_proj_plain --shape k3_rank8 --stock 1" \
             "bench --kernel gemv_in_proj_plain --shape k3_rank16" "bench --kernel gemv_in_proj_plain --shape k3_rank16 --stock 1" \
             "bench --kernel attnres_rms_gemv --shape k3_rank8" ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5"; exit 2 ;;
+  # written in session 15 for session 16: rms_gemv v11.1 (v11 with the prologue kernel's early trigger, which s42
+  # lacked): its tests, then the attention-half A/B beside stock (needs vLLM staged)
+  s44)    K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv.py tests/gpu/test_fast_layer.py \
+            -k "split_stage or insplit" || true
+          K3_SWEEP_TIMEOUT=300 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 \
+            --batches 1 2 --impls stock fast fast-insplit1 fast-insplit3 --budget-s 280 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44"; exit 2 ;;
 esac
