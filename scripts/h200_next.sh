@@ -413,5 +413,11 @@ case "${1:-}" in
             -k "split_stage or insplit" || true
           K3_SWEEP_TIMEOUT=300 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 \
             --batches 1 2 --impls stock fast fast-insplit1 fast-insplit3 --budget-s 280 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44"; exit 2 ;;
+  # written in session 15 for session 16: where experts v7's b1 chain after z spends its time (the MoE lead's largest
+  # uncertain term): the kernel and its stage probes under ncu, rank16 b1
+  ncu6)   K3_NCU_METRICS=sm__cycles_active.min,sm__cycles_active.max bash scripts/h200_ncu.sh \
+            "experts --shape k3_rank16 --batch 1" "experts --shape k3_rank16 --batch 1 --probe sort" \
+            "experts --shape k3_rank16 --batch 1 --probe fc1" "experts --shape k3_rank16 --batch 1 --probe fc2" \
+            "experts --shape k3_rank16 --batch 1 --probe stream" ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6"; exit 2 ;;
 esac

@@ -2,7 +2,7 @@
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --section WarpStateStats ... \
         python3 scripts/ncu_cases.py kda --shape k3_rank16 --batch 64 [--late 0|1] [--trig 0|1]
-    ncu ... python3 scripts/ncu_cases.py experts --shape k3_rank16 --batch 1
+    ncu ... python3 scripts/ncu_cases.py experts --shape k3_rank16 --batch 1 [--probe sort|fc1|fc2|stream]
     ncu ... python3 scripts/ncu_cases.py tail --shape k3_rank16 --batch 1
     ncu ... python3 scripts/ncu_cases.py bench --kernel attnres_rms_gemv --shape k3_rank16 --batch 1
     ncu ... python3 scripts/ncu_cases.py bench --kernel gemv_in_proj_plain --shape k3_rank8 --stock 1
@@ -41,9 +41,13 @@ def kda_case(cfg, M: int, late_stores=None, early_trigger: bool = False, dev: st
                                       out=out, late_stores=late_stores, early_trigger=early_trigger)
 
 
-def experts_case(cfg, M: int):
+def experts_case(cfg, M: int, probe: str = ""):
+    """The experts kernel at its default key, or one of its stage probes (moe_mxfp4_experts.PROBES: the stream
+    probe stopped after the routing, after FC1 and the h exchange, or after FC2; wrong outputs, timing only)."""
+    import dataclasses
+
     from k3ref.weights import random_layer
-    from k3fast.moe_mxfp4_experts import make_workspace, moe_mxfp4_experts, prepare_mxfp4_experts
+    from k3fast.moe_mxfp4_experts import compile_key, make_workspace, moe_mxfp4_experts, prepare_mxfp4_experts
     m = random_layer(cfg, 1, seed=3, device="cuda").mlp
     prep = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
     ws = make_workspace(cfg.routed_expert_hidden_size, "cuda")
@@ -52,8 +56,13 @@ def experts_case(cfg, M: int):
     ids = torch.stack([torch.randperm(cfg.num_experts, generator=g, device="cuda")[:cfg.num_experts_per_token]
                        for _ in range(M)]).to(torch.int32)
     tw = torch.softmax(torch.randn(M, cfg.num_experts_per_token, generator=g, device="cuda"), -1)
+    key = None
+    if probe:
+        key = dataclasses.replace(compile_key(cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate,
+                                              M, situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta),
+                                  probe=probe)
     return lambda: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws, situ_beta=cfg.situ_beta,
-                                     situ_linear_beta=cfg.situ_linear_beta)
+                                     situ_linear_beta=cfg.situ_linear_beta, kernel_cfg=key)
 
 
 def tail_case(cfg, M: int, ring=None, dev: str = "cuda"):
@@ -90,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trig", type=int, choices=(0, 1), default=0, help="kda: the early PDL trigger (the layer's)")
     ap.add_argument("--ring", type=int, default=None, help="tail: moe_tail v5's ring depth (0 = v1)")
     ap.add_argument("--stock", type=int, choices=(0, 1), default=0, help="bench: profile the case's stock counterpart")
+    ap.add_argument("--probe", default="", choices=("", "stream", "sort", "fc1", "fc2"),
+                    help="experts: one of the kernel's stage probes instead of the kernel")
     ap.add_argument("--launches", type=int, default=3)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -101,7 +112,7 @@ def main(argv=None) -> int:
     if args.case == "kda":
         fn = kda_case(cfg, args.batch, None if args.late is None else bool(args.late), bool(args.trig))
     elif args.case == "experts":
-        fn = experts_case(cfg, args.batch)
+        fn = experts_case(cfg, args.batch, args.probe)
     elif args.case == "tail":
         fn = tail_case(cfg, args.batch, args.ring)
     else:
