@@ -22,7 +22,7 @@ from k3ref.attnres import attn_res_u
 from k3ref.bytes import expert_bytes
 from k3ref.weights import random_layer
 
-from .trace import L2_POLICY, L2_WARM, capture, replay_stats, start_run, time_replays, write_run
+from .trace import L2_POLICY, L2_WARM, capture, parse_run, replay_stats, time_replays, write_run
 
 
 def _cases(cfg, batch: int):
@@ -264,14 +264,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=["k3_rank16", "k3_rank8", "full"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--replays", type=int, default=50)
-    ap.add_argument("--out", default="traces/h200")
-    ap.add_argument("--tag", default=None)
     ap.add_argument("--kernels", nargs="+", default=None, help="only these case names (default: all)")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("k3fast.bench needs a CUDA GPU", file=sys.stderr)
+    run = parse_run(ap, argv, "k3fast.bench")
+    if run is None:
         return 2
-    env, bw, tag = start_run(args.out, args.tag)
+    args, env, bw, tag = run
     recs = []
     path = os.path.join(args.out, f"kernels-{tag}.json")
     for shape in args.shapes:

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     from .moe_mxfp4_experts import (compile_key, distinct_expert_bytes, make_workspace, moe_mxfp4_experts,
                                     prepare_mxfp4_experts)
     from .stock_moe import MarlinMXFP4Experts
-    from .trace import L2_POLICY, capture, replay_stats, start_run, time_replays, write_run
+    from .trace import L2_POLICY, capture, parse_run, replay_stats, time_replays, write_run
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["k3_rank16"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
@@ -127,13 +127,10 @@ def main(argv=None) -> int:
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
                     help="skewed: every token draws its 16 experts from one hot set of 24")
-    ap.add_argument("--out", default="traces/h200")
-    ap.add_argument("--tag", default=None)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("k3fast.bench_experts needs a CUDA GPU", file=sys.stderr)
+    run = parse_run(ap, argv, "k3fast.bench_experts")
+    if run is None:
         return 2
-    env, bw, tag = start_run(args.out, args.tag)
+    args, env, bw, tag = run
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     path = os.path.join(args.out, f"experts-{tag}" + ("" if args.routing == "uniform" else f"-{args.routing}") + ".json")
     recs = []

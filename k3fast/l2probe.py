@@ -171,7 +171,7 @@ def l2_prefetch(x: torch.Tensor, ctas: int, mode: str = "bulk", hint: str = "", 
 
 
 def main(argv=None) -> int:
-    from .trace import replay_stats, start_run, time_eager, write_run
+    from .trace import parse_run, replay_stats, time_eager, write_run
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes-mb", nargs="+", type=int, default=[8, 16, 24, 32, 40, 48])
     ap.add_argument("--stream-mb", type=int, default=23, help="Y: the concurrent / intervening stream")
@@ -180,13 +180,10 @@ def main(argv=None) -> int:
                     help="read_once's grid (528 = 4 per SM: every 16-byte vector of 8 MB in flight in one turn; "
                          "132 = one per SM: a quarter as many loads in flight, so latency shows)")
     ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--out", default="traces/h200")
-    ap.add_argument("--tag", default=None)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("k3fast.l2probe needs a CUDA GPU", file=sys.stderr)
+    run = parse_run(ap, argv, "k3fast.l2probe")
+    if run is None:
         return 2
-    env, bw, tag = start_run(args.out, args.tag)
+    args, env, bw, tag = run
     path = f"{args.out}/l2probe-{tag}.json"
     out = torch.zeros(1, dtype=torch.int32, device="cuda")
     y = torch.randn(args.stream_mb * MB // 4, device="cuda")

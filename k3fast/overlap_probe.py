@@ -128,7 +128,7 @@ def eager_spans(both) -> list:
 
 def main(argv=None) -> int:
     from .l2probe import read_once
-    from .trace import (capture, profile_replays, replay_stats, replay_timeline, start_run, time_eager,
+    from .trace import (capture, parse_run, profile_replays, replay_stats, replay_timeline, time_eager,
                         time_replays, write_run)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fill-mb", nargs="+", type=float, default=[23.4],
@@ -148,13 +148,10 @@ def main(argv=None) -> int:
                          "the pair's spans from one replay, instead of eager calls (s33-s37 ran eagerly; their "
                          "profiled spans carry the CPU's launch gaps)")
     ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--out", default="traces/h200")
-    ap.add_argument("--tag", default=None)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("k3fast.overlap_probe needs a CUDA GPU", file=sys.stderr)
+    run = parse_run(ap, argv, "k3fast.overlap_probe")
+    if run is None:
         return 2
-    env, bw, tag = start_run(args.out, args.tag)
+    args, env, bw, tag = run
     path = f"{args.out}/overlap-{tag}.json"
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")

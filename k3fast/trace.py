@@ -182,6 +182,18 @@ def start_run(out: str, tag: str | None) -> tuple[dict, float, str]:
     return env, bw, tag or f"{env['date'][:10]}-{env['commit']}"
 
 
+def parse_run(ap, argv, prog: str):
+    """--out / --tag added to ``ap``, the arguments parsed, then start_run: (args, env, bw, tag), or None after a
+    message when there is no CUDA GPU. The command-line tools that write records under traces/h200 start with it."""
+    ap.add_argument("--out", default="traces/h200")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{prog} needs a CUDA GPU", file=sys.stderr)
+        return None
+    return (args, *start_run(args.out, args.tag))
+
+
 def write_run(path: str, env: dict, bw: float, records: list[dict]) -> None:
     """One records file: environment, copy bandwidth, the exact command line, the records (rewritten after every
     cell, so a time-out keeps what was measured)."""
