@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute on the H200 for the cases of scripts/ncu_cases.py (one profiled launch each, caches flushed by
 # ncu before every replay pass, clocks left alone as the device notes ask). Writes $OUT/ncu.tgz (one text report
-# per case) and prints the headline rows. Usage: bash scripts/h200_ncu.sh "<case args>" ["<case args>" ...]
+# per case; ncu-2.tgz, ... when it exists) and prints the headline rows. Usage: bash scripts/h200_ncu.sh "<case args>" ["<case args>" ...]
 # InstructionStats (session 10) gives the executed instruction mix by opcode class, e.g. for the fused in_proj's
 # 7.1 M warp instructions at rank16 b1 (~79 per 512-byte warp load); K3_NCU_EXTRA adds ncu options other than
 # --metrics (ncu 2025.3 refuses a second --metrics); K3_NCU_METRICS appends names to the one --metrics list, e.g.
@@ -28,7 +28,11 @@ done
   python3 -c "import torch, importlib.metadata as m; print('torch', torch.__version__, 'cutlass', m.version('nvidia-cutlass-dsl'))"
   echo "commit ${K3_COMMIT:-unknown}; cases: $*"
   echo "extra metrics: ${K3_NCU_METRICS:-none}; extra options: ${K3_NCU_EXTRA:-none}"; } > "$tmp/meta.txt" 2>&1
-tar czf "$OUT/ncu.tgz" -C "$tmp" .
+# Two ncu steps chained in one device command (s44's ncu5; ncu6) must not overwrite each other: session 16 lost
+# ncu5's reports that way. The second archive is ncu-2.tgz, and so on.
+arc="$OUT/ncu.tgz"; k=2
+while [ -e "$arc" ]; do arc="$OUT/ncu-$k.tgz"; k=$((k + 1)); done
+tar czf "$arc" -C "$tmp" .
 # The device returns at most 8 files from $OUT: when this archive is one too many after a sweep (s18 lost its
 # sweep.log that way), the logs and gpu.txt travel as one logs.tgz (added to, if the sweep made one already).
 if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
