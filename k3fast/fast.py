@@ -114,7 +114,7 @@ class FastImpl:
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
-                 tail_norm_fused: bool = True, inproj_split_stage: int | None = None):
+                 tail_norm_fused: bool = True):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -198,9 +198,6 @@ class FastImpl:
         self.shared_late = shared_late
         self.gemv_groups = gemv_groups       # None: rms_gemv.FUSED_GROUPS (2 = the fused in_proj's v3, opt-in)
         self.gemv_prefetch = gemv_prefetch   # None: rms_gemv.PREFETCH_GROUPS (1; 2 / 3: its v7, "fast-inpf2" / 3)
-        # None: rms_gemv.SPLIT_STAGE (0: the fused in_proj; 1 / 3: its v11, "fast-insplit1" / 3, the prologue as its
-        # own one-CTA kernel while the GEMV's CTAs copy their first row groups into shared memory)
-        self.inproj_split_stage = inproj_split_stage
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
         # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
@@ -236,7 +233,6 @@ class FastImpl:
                            else f", experts routing at b1 {'direct' if experts_route_direct else 'sorted'}")
                         + ("" if experts_ring_fit is None else f", experts ring fit {'on' if experts_ring_fit else 'off'}")
                         + ("" if tail_norm_fused else ", cuBLAS tail norm in 3 kernels")
-                        + ("" if inproj_split_stage is None else f", in_proj split, {inproj_split_stage} groups staged")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
                         + ("" if shared_in_fma_front or not shared_in_front else ", shared gate/up apart from the fused front")
                         + ("" if router_rolled is None else f", router top-k {'rolled' if router_rolled else 'unrolled'}")
@@ -282,7 +278,7 @@ class FastImpl:
                                        mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                        fused_groups=self.gemv_groups,
                                        early_trigger=self.attn_early_trigger, pin_loads=self.gemv_pin,
-                                       prefetch_groups=self.gemv_prefetch, split_stage=self.inproj_split_stage)
+                                       prefetch_groups=self.gemv_prefetch)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,

@@ -468,8 +468,9 @@ FAST_VARIANTS = {
     # c1bb65a, slower and unchanged, and removed)
     # (fast-inev / fast-inev126, the fused in_proj's v10: rows split evenly over 132 / 126 CTAs, were measured at
     # 0e81145 (s23), no faster, and removed)
-    "fast-insplit1": {"inproj_split_stage": 1},  # the in_proj's v11: attnres_rmsnorm, then the GEMV with 1 row group
-    "fast-insplit3": {"inproj_split_stage": 3},  # ... 3 row groups per CTA in shared memory before its wait (opt-in)
+    # (fast-insplit1 / fast-insplit3, the in_proj's v11 / v11.1: its prologue as attnres_rmsnorm and the GEMV's
+    # first row groups staged in shared memory, were measured at b2bc614 (s42) and, with the prologue kernel's early
+    # trigger, at 6874cfa (s44), slower both times, and removed in session 16; the code is at 6874cfa)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
     # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7

@@ -215,6 +215,7 @@ Version log
       row groups (7 on the busiest CTAs either way at rank16, the last a single row) rather than the rows per SM.
       Removed in session 12 (the code is at 0e81145).
   v11 (2026-11-30, session 15; opt-in split_stage / SPLIT_STAGE, impls "fast-insplit1" / "fast-insplit3";
+      removed in session 16 after s44, the code is at 6874cfa;
       CPU-compiled, measured by h200_next s42) At M <= FUSE_MAX_M the prologue leaves the fused kernel again:
       attnres_rmsnorm (one CTA of 16 warps per token) computes x, and launches its PDL dependent right after its
       own wait. The dependent is the fused kernel's GEMV (16 warps, the same rpc / ks / grid, U = the whole slice,
@@ -259,6 +260,14 @@ Version log
       prologue costs plus the staged groups' share of the loop), -0.5 to -1.5 with 1 group; rank8 b1 within -2 us
       (13 groups per CTA, 3 staged). If insplit3 is not below fast, the fused kernel's prologue is already hidden
       as well as staging can hide it, and v11 goes.
+      Measured (s44 at 6874cfa, records-6874cfa-s44.json, one run beside stock; GPU tests 22 passed,
+      bit-identical): slower again, and now a valid test. Attention half replay median, fast / fast-insplit1 /
+      fast-insplit3: rank16 b1 33.5 / 34.7 / 35.6 us, b2 38.4 / 37.8 / 41.6; rank8 b1 47.6 / 48.1 / 50.7, b2 53.1 /
+      54.1 / 60.4. Timeline (rank16 b1): the GEMV's first CTA now arrives at 1.0-1.3 us (the early trigger works),
+      but the one-CTA prologue kernel stretches from ~4 to 6.5 us (insplit1) / 7.3 us (insplit3) while the staged
+      copies run, and the GEMV still ends at ~21 us against the fused kernel's 20.0: the staged groups do not
+      shorten the loop that follows the prologue, whose pace (~2.7 TB/s on 115 CTAs) sets the in_proj's time.
+      Removed in session 16 (the code is at 6874cfa).
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -317,11 +326,8 @@ FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
 PIN_LOADS = True    # v6 (the default since session 7): tie each batch of the FMA loop's weight loads together
 PREFETCH_GROUPS = 1  # v7 (opt-in, "fast-inpf2" / "fast-inpf3"): row groups of the fused kernel in L2 prefetch ahead
-# v11 / v11.1 (opt-in, "fast-insplit1" / "fast-insplit3"): at M <= FUSE_MAX_M, attnres_rmsnorm (one CTA per token,
-# its dependent launched right after its wait), then the fused kernel's GEMV with its first SPLIT_STAGE row groups
-# per CTA in shared memory, copied before the PDL wait while the prologue kernel runs; 0 = the fused kernel
-SPLIT_STAGE = 0
-STAGE_BYTES_MAX = 200 * 1024   # v11's staged row groups per CTA, beside the reduction buffers (227 KB per CTA)
+# (v11 / v11.1, the prologue as attnres_rmsnorm with the GEMV's first row groups staged in shared memory, were
+# measured in sessions 15 / 16 and removed in session 16, the code is at 6874cfa: version log)
 # (v8, x in fp32 shared memory, and v9, x in registers, were measured and removed in session 11; v10, rows split
 # evenly over the SMs, in session 12: version log)
 
@@ -530,13 +536,8 @@ def _build_kernels():
         (grid-stride) so the fused AttnRes prologue is paid once per CTA."""
 
         def __init__(self, MB, rpc, ks, nwarps, fused=False, K=0, nb=0, has_delta=False, bw=-1, eps=1e-5, G=1,
-                     early_trigger=False, pin=False, pf=1, stage=0):
+                     early_trigger=False, pin=False, pf=1):
             self.MB, self.rpc, self.ks, self.nwarps = MB, rpc, ks, nwarps
-            # v11 (opt-in, plain kernel behind attnres_rmsnorm): the CTA's first `stage` row groups go into shared
-            # memory by cp.async before the PDL wait, while the one-CTA-per-token prologue kernel runs; the loop
-            # takes them from there, then streams the rest as the fused kernel does (its K split, batch and order)
-            self.stage = stage
-            assert not (stage and (fused or G != 1 or K == 0))
             # v7 (opt-in, fused G = 1 only): pf row groups of L2 prefetches ahead instead of one; pf before the PDL
             # wait, so the HBM streams during the AttnRes prologue (the version log says why)
             self.pf = pf
@@ -544,7 +545,7 @@ def _build_kernels():
             # v5 (opt-in, fused only): launch the PDL dependents (the KDA step) right after the wait, so their
             # pre-wait state and weight loads overlap this kernel's weight stream instead of following it
             self.early_trigger = early_trigger
-            assert not (early_trigger and not (fused or stage))
+            assert not (early_trigger and not fused)
             # v6 (the default; G = 1 loop): tie each batch's U weight loads together so ptxas cannot sink some of them
             # below the FMAs of the others (the version log has the SASS)
             self.pin = pin
@@ -563,23 +564,17 @@ def _build_kernels():
             # ks = 8: 112 vectors = 3.5 per lane), a runtime-trip-count loop runs in its remainder, one load per
             # round trip. There, the slice is unrolled completely and predicated (nper loads issued together).
             self.U = self.unroll
-            if fused or stage:
+            if fused:
                 per_lane = _vectors_per_lane(K, ks)
                 if per_lane <= 8:
                     self.U = per_lane           # the whole slice in one batch
-                elif stage:
-                    raise ValueError(f"stage: a warp's slice must be one batch (<= 8 vectors per lane), got "
-                                     f"{per_lane} (K {K}, ks {ks})")
             if G != 1 and not (fused and G == 2 and self.U == per_lane):
                 raise ValueError(f"G = {G}: only the fused kernel with a one-batch slice takes G = 2 (U {self.U})")
 
         @cute.jit
         def __call__(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, grid_x: Int32, stream):
-            # v11: its stage of ~60 KB row groups needs the largest shared-memory carveout (given explicitly: the
-            # DSL cannot ask the driver on the CPU)
             self.kernel(mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln).launch(
-                grid=[grid_x, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=True,
-                **({"preferred_smem_carveout": 100} if self.stage else {}))
+                grid=[grid_x, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=True)
 
         @cute.kernel
         def kernel(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln):
@@ -604,23 +599,9 @@ def _build_kernels():
             sRed = smem.allocate_tensor(Float32, cute.make_layout((2, self.nwarps, self.MB),
                                                                   stride=(self.nwarps * self.MB, self.MB, 1)), 16)
             # weights do not depend on the producer: start their HBM stream before the PDL wait
-            for ahead in cutlass.range_constexpr(self.stage, self.stage + self.pf):
+            for ahead in cutlass.range_constexpr(self.pf):
                 if bid + ahead * nblk < n_groups:
                     _prefetch_rows(gW, (bid + ahead * nblk) * self.rpc + r, 1, kv0, kv1, lane)
-            if const_expr(self.stage):
-                # v11: slot (j, thread, u) holds vector u of this thread's slice of row group bid + j nblk; each
-                # thread reads back only what it copied, so its cp.async.wait_group orders them (no barrier)
-                sW = smem.allocate_tensor(mW.element_type, cute.make_layout(
-                    (8, self.stage * self.nthreads * self.U), stride=(1, 8)), 16)
-                wcp = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(
-                    cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), mW.element_type, num_bits_per_copy=128)
-                for j in cutlass.range_constexpr(self.stage):
-                    if bid + j * nblk < n_groups:
-                        for u in cutlass.range_constexpr(self.U):
-                            cute.copy(wcp, gW[0, None, (bid + j * nblk) * self.rpc + r,
-                                              cutlass.min(kv0 + lane + 32 * u, kv1 - 1)],
-                                      sW[None, (j * self.nthreads + tid) * self.U + u])
-                    cute.arch.cp_async_commit_group()
             if const_expr(self.fused):
                 sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, self.K), stride=(self.K, 1)), 16)
                 sRedA = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 2 * (self.nb + 1)),
@@ -638,8 +619,6 @@ def _build_kernels():
                 gX = gXs
             else:
                 cute.arch.griddepcontrol_wait()
-                if const_expr(self.early_trigger):
-                    cute.arch.griddepcontrol_launch_dependents()
                 gX = cute.flat_divide(mX, (1, 8))
 
             rX = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), BFloat16)
@@ -667,23 +646,10 @@ def _build_kernels():
                     if g2 < n_groups:
                         self.group_out(rWb, kvb, kv1, gX, acc, rX, sRed, 1, g2 * self.rpc, mY, warp, lane, tid)
             else:
-                start = bid
-                if const_expr(self.stage):
-                    # v11: the staged groups, in the order the loop below would take them
-                    for j in cutlass.range_constexpr(self.stage):
-                        if bid + j * nblk < n_groups:
-                            cute.arch.cp_async_wait_group(self.stage - 1 - j)
-                            for u in cutlass.range_constexpr(self.U):
-                                cute.autovec_copy(sW[None, (j * self.nthreads + tid) * self.U + u], rWs[u])
-                            acc.fill(0.0)
-                            self.fma_batch(rWs, kv0 + lane, kv1, gX, acc, rX)
-                            self.reduce_store(acc, sRed, buf, (bid + j * nblk) * self.rpc, mY, warp, lane, tid)
-                            buf = 1 - buf
-                    start = bid + self.stage * nblk
-                for grp in cutlass.range(start, n_groups, nblk):
+                for grp in cutlass.range(bid, n_groups, nblk):
                     base = grp * self.rpc
                     row = base + r
-                    if const_expr(self.fused or self.stage):
+                    if const_expr(self.fused):
                         nxt = grp + self.pf * nblk
                         if nxt < n_groups:
                             _prefetch_rows(gW, nxt * self.rpc + r, 1, kv0, kv1, lane)
@@ -884,12 +850,8 @@ def _build_kernels():
 
     # ------------------------------------------------------------------ AttnRes + RMSNorm, one CTA per token
     class _AttnResNorm:
-        def __init__(self, K, nb, has_delta, bw, eps, early_trigger=False):
+        def __init__(self, K, nb, has_delta, bw, eps):
             self.K, self.nb, self.has_delta, self.bw, self.eps = K, nb, has_delta, bw, eps
-            # v11.1: launch the dependent (v11's staged GEMV) right after the wait, so its CTAs copy their row
-            # groups while this prologue runs. Safe: the dependent reads x only after its own wait, which waits for
-            # this grid to complete.
-            self.early_trigger = early_trigger
             self.nwarps = NORM_WARPS
             self.nthreads = 32 * NORM_WARPS
             self.vpt = -(-(K // 8) // self.nthreads)
@@ -912,12 +874,9 @@ def _build_kernels():
             sRedB = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 1), stride=(1, 1)), 16)
             sV = smem.allocate_tensor(BFloat16, cute.make_layout((self.nb + 1, self.K), stride=(self.K, 1)), 16)
             cute.arch.griddepcontrol_wait()
-            if const_expr(self.early_trigger):
-                cute.arch.griddepcontrol_launch_dependents()
             _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, cute.flat_divide(mX, (1, 8)), sV,
                            sRedA, sRedB, tid, warp, lane, True)
-            if const_expr(not self.early_trigger):
-                cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_launch_dependents()
 
     return cutlass, cute, _FmaGemv, _MmaGemv, _AttnResNorm
 
@@ -974,20 +933,16 @@ def _attn_fakes(cute, BF, M, K, has_delta, wln):
     return blocks, p, d, po, u, wl
 
 
-def _build_norm(K, nb, has_delta, bw, wln, eps, early_trigger=False, options=TVM_FFI):
-    cutlass, cute, _, _, Norm = _kernels()
-    BF = cutlass.BFloat16
-    M = cute.sym_int()
-    blocks, p, d, po, u, wl = _attn_fakes(cute, BF, M, K, has_delta, wln)
-    x = fake_tensor(BF, (M, K))
-    return cute.compile(Norm(K, nb, has_delta, bw, eps, early_trigger), blocks, p, d, po, u, wl, x, fake_stream(),
-                        options=options)
-
-
-def _compile_norm(K, nb, has_delta, bw, wln, eps, early_trigger=False):
-    return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps) + (("early_trigger",) if early_trigger
-                                                                                else ()),
-                          lambda: _build_norm(K, nb, has_delta, bw, wln, eps, early_trigger))
+def _compile_norm(K, nb, has_delta, bw, wln, eps):
+    def build():
+        cutlass, cute, _, _, Norm = _kernels()
+        BF = cutlass.BFloat16
+        M = cute.sym_int()
+        blocks, p, d, po, u, wl = _attn_fakes(cute, BF, M, K, has_delta, wln)
+        x = fake_tensor(BF, (M, K))
+        return cute.compile(Norm(K, nb, has_delta, bw, eps), blocks, p, d, po, u, wl, x, fake_stream(),
+                            options=TVM_FFI)
+    return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps), build)
 
 
 def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False,
@@ -1009,43 +964,6 @@ def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigg
            + ((("pf", pf),) if pf != 1 else ()))
     return compile_cached(key, lambda: _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=G,
                                                     early_trigger=early_trigger, pin=pin, pf=pf))
-
-
-def _build_staged(MB, K, rpc, ks, early_trigger, pin, pf, stage, options=TVM_FFI):
-    cutlass, cute, Fma, _, _ = _kernels()
-    BF = cutlass.BFloat16
-    N = cute.sym_int(divisibility=16)
-    x = fake_tensor(BF, (MB, K))
-    w = fake_tensor(BF, (N, K))
-    y = fake_tensor(BF, (MB, N), align=2)
-    obj = Fma(MB, rpc, ks, FUSED_WARPS, K=K, early_trigger=early_trigger, pin=pin, pf=pf, stage=stage)
-    return cute.compile(obj, x, w, y, None, None, None, None, None, None, cutlass.Int32(1), fake_stream(),
-                        options=options)
-
-
-def _compile_staged(MB, K, rpc, ks, early_trigger, pin, pf, stage):
-    return compile_cached(("rms_gemv.staged", MB, K, rpc, ks, bool(early_trigger), bool(pin), pf, stage),
-                          lambda: _build_staged(MB, K, rpc, ks, early_trigger, pin, pf, stage))
-
-
-def _check_stage(stage, K, ks) -> int:
-    """v11's staged row groups per CTA: an int >= 0 whose groups fit STAGE_BYTES_MAX of shared memory."""
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
-        raise ValueError(f"split_stage must be an int >= 0 (row groups per CTA staged in shared memory; 0 = the "
-                         f"fused kernel), got {stage!r}")
-    per = FUSED_WARPS * 32 * _vectors_per_lane(K, ks) * 16
-    if stage * per > STAGE_BYTES_MAX:
-        raise ValueError(f"split_stage={stage}: {stage} row groups of {per} B exceed the {STAGE_BYTES_MAX} B of "
-                         f"shared memory a CTA stages (at most {STAGE_BYTES_MAX // per} at K={K})")
-    return stage
-
-
-def staged_ptx(N: int, K: int = 7168, M: int = 1, stage: int = 3, early_trigger: bool = True) -> str:
-    """PTX of v11's GEMV (the fused kernel's loop, x from global, ``stage`` row groups staged), uncached."""
-    from .ptxcheck import compiled_ptx
-    rpc, ks, _ = _fused_config(N, K)
-    return compiled_ptx(lambda: _build_staged(M, K, rpc, ks, early_trigger, PIN_LOADS, PREFETCH_GROUPS, stage,
-                                              options=TVM_FFI + " --keep-ptx"))
 
 
 def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, early_trigger: bool = False,
@@ -1134,12 +1052,10 @@ def _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, parti
 
 
 def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, block_write=-1, out=None,
-                    partial_out=None, early_trigger=False):
+                    partial_out=None):
     """x = bf16(RMSNorm_{w_ln}(AttnRes mix over {blocks[:, :n_blocks], p'})), p' = bf16(p + delta).
 
-    Returns (x [M, K] bf16, partial_out); blocks[:, block_write] = p' when block_write >= 0. early_trigger: launch
-    the PDL dependent right after the wait instead of at the end (v11.1), for a dependent that reads x only after
-    its own wait."""
+    Returns (x [M, K] bf16, partial_out); blocks[:, block_write] = p' when block_write >= 0."""
     import torch
     M, K, wln, partial_out = _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out,
                                             False)
@@ -1147,7 +1063,7 @@ def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, bloc
         out = torch.empty(M, K, dtype=torch.bfloat16, device=partial.device)
     else:
         _check_2d("out", out, M, K, partial.device)
-    fn = _compile_norm(K, n_blocks, delta is not None, block_write, wln, float(eps), bool(early_trigger))
+    fn = _compile_norm(K, n_blocks, delta is not None, block_write, wln, float(eps))
     fn(blocks, partial, delta, partial_out, u, w_ln, out)
     return out, partial_out
 
@@ -1186,7 +1102,7 @@ def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=No
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     early_trigger=False, pin_loads=None, prefetch_groups=None, split_stage=None):
+                     early_trigger=False, pin_loads=None, prefetch_groups=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
@@ -1195,9 +1111,6 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     pin_loads: tie each batch of weight loads together (v6; None = PIN_LOADS, on by default; fused kernel, G = 1).
     prefetch_groups: row groups of each CTA in L2 prefetch ahead of its loads, all of them issued before the PDL
     wait (v7; None = PREFETCH_GROUPS = 1; fused kernel, G = 1; 1..4). Bit-identical: prefetches change no value.
-    split_stage: where the fused kernel would run, run attnres_rmsnorm and then its GEMV with the first
-    split_stage row groups of each CTA copied into shared memory before the PDL wait (v11; None = SPLIT_STAGE = 0,
-    the fused kernel). Same x, same K split and order: bit-identical to the fused kernel.
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
     attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
@@ -1217,12 +1130,6 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     if fused and K % 16 == 0:
         args, grid = _fused_args(M, K, N, n_blocks, delta is not None, block_write, wln, eps, fused_ks, fused_groups,
                                  early_trigger, pin_loads, prefetch_groups)
-        stage = _check_stage(SPLIT_STAGE if split_stage is None else split_stage, K, args[8])
-        if stage:
-            x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
-                                             block_write=block_write, partial_out=partial_out, early_trigger=True)
-            _compile_staged(*_staged_args(args, stage))(x, w, out, None, None, None, None, None, None, grid)
-            return out, partial_out
         _compile_fused(*args)(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
@@ -1231,20 +1138,11 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     return out, partial_out
 
 
-def _staged_args(fused_args, stage) -> tuple:
-    """_compile_staged's arguments for the GEMV that replaces the fused kernel of ``fused_args`` (its batch bucket,
-    K, K split, early trigger, pinned loads and prefetch depth; G = 1)."""
-    M, K, _, _, _, _, _, rpc, ks, G, early_trigger, pin, pf = fused_args
-    if G != 1:
-        raise ValueError("split_stage runs the fused kernel's G = 1 loop (fused_groups must be 1)")
-    return bucket_m(M), K, rpc, ks, early_trigger, pin, pf, stage
-
-
 # ----------------------------------------------------------------------------- warm-up
 
 def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=range(NB_MAX + 1),
                  block_write=(-1, "n"), deltas=(False, True), wln="bf16", eps=1e-5, fuse_max_m=FUSE_MAX_M,
-                 early_trigger=False, split_stage=None):
+                 early_trigger=False):
     """Every (kind, config) a set of GEMV shapes [(N, K)] and batch sizes needs with the module's default options
     (PIN_LOADS, FUSED_GROUPS, PREFETCH_GROUPS); attnres_N lists the projection widths
     that run fused after AttnRes (K = attnres_K), with early_trigger as the caller passes it (the layer's in_proj:
@@ -1266,14 +1164,8 @@ def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=rang
                     for N in attnres_N:
                         for M in batches:
                             if M <= min(fuse_max_m, 4):
-                                fa = _fused_args(M, attnres_K, N, nb, hd, b, wln, eps, early_trigger=early_trigger)[0]
-                                stage = _check_stage(SPLIT_STAGE if split_stage is None else split_stage,
-                                                     attnres_K, fa[8])
-                                if stage:
-                                    keys.add(("staged",) + _staged_args(fa, stage))
-                                    keys.add(("norm", attnres_K, nb, hd, b, wln, float(eps), True))
-                                else:
-                                    keys.add(("fused",) + fa)
+                                keys.add(("fused",) + _fused_args(M, attnres_K, N, nb, hd, b, wln, eps,
+                                                                  early_trigger=early_trigger)[0])
     return sorted(keys, key=str)
 
 
@@ -1287,7 +1179,5 @@ def warmup(shapes, batches, **kw):
             _compile_mma(*key[1:])
         elif kind == "norm":
             _compile_norm(*key[1:])
-        elif kind == "staged":
-            _compile_staged(*key[1:])
         else:
             _compile_fused(*key[1:])

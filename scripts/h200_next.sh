@@ -407,6 +407,7 @@ case "${1:-}" in
             "bench --kernel gemv_in_proj_plain --shape k3_rank8" "bench --kernel gemv_in_proj_plain --shape k3_rank8 --stock 1" \
             "bench --kernel gemv_in_proj_plain --shape k3_rank16" "bench --kernel gemv_in_proj_plain --shape k3_rank16 --stock 1" \
             "bench --kernel attnres_rms_gemv --shape k3_rank8" ;;
+  # s44's impls were removed in session 16 (the code is at 6874cfa)
   # written in session 15 for session 16: rms_gemv v11.1 (v11 with the prologue kernel's early trigger, which s42
   # lacked): its tests, then the attention-half A/B beside stock (needs vLLM staged)
   s44)    K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv.py tests/gpu/test_fast_layer.py \

@@ -250,54 +250,6 @@ def test_fused_prefetch_depth(pf):
     assert ops(lines[wait:]) == ops(base[bwait:])
 
 
-def test_split_stage_is_checked():
-    for bad in (-1, 1.0, True, "3"):
-        with pytest.raises(ValueError, match="split_stage must be an int"):
-            R._check_stage(bad, 7168, 4)
-    with pytest.raises(ValueError, match="exceed"):
-        R._check_stage(4, 7168, 4)           # 4 x 57 KB > 200 KB
-    assert R._check_stage(3, 7168, 4) == 3 and R._check_stage(0, 7168, 4) == 0
-    keys = R.compile_keys([], [1, 2, 4], attnres_K=7168, attnres_N=(3216,), n_blocks=(1,), early_trigger=True,
-                          split_stage=3)
-    assert {k[0] for k in keys} == {"norm", "staged"}
-    assert sorted(k[1] for k in keys if k[0] == "staged") == [1, 2]       # M <= FUSE_MAX_M only
-    assert all(k[-1] == 3 and k[5] for k in keys if k[0] == "staged")      # stage 3, early trigger
-    assert any(k[0] == "norm" and k[-1] is True for k in keys)              # v11.1: the prologue's early trigger
-
-
-@needs_dsl
-@pytest.mark.parametrize("N,M", [(3216, 1), (6288, 2)])
-def test_staged_gemv_copies_before_the_wait(N, M):
-    """v11: each thread's U = 7 vectors of each of the 3 staged row groups are cp.async copies (.cg, 16 B) issued
-    before griddepcontrol.wait, one commit group per row group; the staged groups wait 2 / 1 / 0; the loop after
-    them loads from global as the fused kernel does, and the kernel triggers its dependents right after the wait."""
-    import re
-    lines = [ln.strip() for ln in R.staged_ptx(N, M=M, stage=3).splitlines()]
-    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
-    cps = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.cg.shared.global")]
-    assert len(cps) == 3 * 7 and max(cps) < wait
-    assert sum(1 for ln in lines[:wait] if ln.startswith("cp.async.commit_group")) == 3
-    assert [int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", "\n".join(lines))] == [2, 1, 0]
-    trig = next(i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln)
-    assert wait < trig < wait + 8
-    assert any(ln.startswith("ld.global") for ln in lines[wait:])
-
-
-@needs_dsl
-@pytest.mark.parametrize("early", [False, True])
-def test_norm_trigger_placement(early):
-    """v11.1: with early_trigger the prologue kernel launches its dependent right after its wait (before any of the
-    token's work); without it (the M > 4 path) after its last store, as before."""
-    from k3fast.ptxcheck import compiled_ptx
-    lines = [ln.strip() for ln in compiled_ptx(lambda: R._build_norm(7168, 2, True, -1, "bf16", 1e-5, early,
-                                                                     options="--enable-tvm-ffi --keep-ptx")).splitlines()]
-    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
-    trig = next(i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln)
-    stores = [i for i, ln in enumerate(lines) if ln.startswith("st.global")]
-    assert stores and ((wait < trig < min(stores) and trig - wait < 4) if early else trig > max(stores))
-    assert R._compile_norm(7168, 2, True, -1, "bf16", 1e-5, True) is not R._compile_norm(7168, 2, True, -1, "bf16", 1e-5)
-
-
 def test_prefetch_groups_is_checked():
     for bad in (0, 5, 2.0, True, "2"):
         with pytest.raises(ValueError, match="prefetch_groups"):
