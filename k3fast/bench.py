@@ -86,6 +86,14 @@ def _cases(cfg, batch: int):
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
         cases.append(("gemv_in_proj_plain@v5", lambda: gemv(x, w_in, pin_loads=False), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
+    if M <= 2:      # rms_gemv v12 (opt-in, rms_gemv_ring): the weights through a bulk-copy shared-memory ring, fused
+        # and bare (the bare row beside gemv_in_proj_plain and cuBLAS on the same x and weights)
+        from .rms_gemv_ring import attnres_rms_gemv_ring, gemv_ring
+        cases.append(("attnres_rms_gemv@ring", lambda: attnres_rms_gemv_ring(io.blocks, 1, io.partial, io.delta, u1,
+                                                                             w.input_layernorm, w_in, partial_out=p_out),
+                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+        cases.append(("gemv_in_proj_plain@ring", lambda: gemv_ring(x, w_in), lambda: F.linear(x, w_in),
+                      w_in.numel() * 2 + M * d * 2))
     if M <= 2:
         def unfused():
             xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)

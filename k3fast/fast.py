@@ -114,7 +114,7 @@ class FastImpl:
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
-                 tail_norm_fused: bool = True):
+                 tail_norm_fused: bool = True, inproj_engine: str = "fma"):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -198,6 +198,11 @@ class FastImpl:
         self.shared_late = shared_late
         self.gemv_groups = gemv_groups       # None: rms_gemv.FUSED_GROUPS (2 = the fused in_proj's v3, opt-in)
         self.gemv_prefetch = gemv_prefetch   # None: rms_gemv.PREFETCH_GROUPS (1; 2 / 3: its v7, "fast-inpf2" / 3)
+        # "ring": at M <= 2 the fused in_proj streams its weights through rms_gemv_ring's bulk-copy shared-memory ring
+        # (rms_gemv v12, opt-in, "fast-inring") instead of the FMA kernel's register loads
+        if inproj_engine not in ("fma", "ring"):
+            raise ValueError(f"inproj_engine must be 'fma' or 'ring', got {inproj_engine!r}")
+        self.inproj_engine = inproj_engine
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
         # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
@@ -239,6 +244,7 @@ class FastImpl:
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
                         + ("" if gemv_prefetch is None else f", fused in_proj {gemv_prefetch} row groups prefetched ahead")
+                        + ("" if inproj_engine == "fma" else f", in_proj engine {inproj_engine} at M <= 2")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
@@ -272,13 +278,21 @@ class FastImpl:
         # write p in place); o_proj + AttnRes #2 then reads p' and writes the layer's partial sum.
         p1 = self._scratch("p1", io.partial)
         with stage("k3.kda.in_proj"):
-            proj, _ = attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm, self.in_proj,
-                                       eps=cfg.rms_norm_eps, block_write=(l // cfg.attn_res_block_size) if boundary else -1,
-                                       partial_out=p1,
-                                       mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
-                                       fused_groups=self.gemv_groups,
-                                       early_trigger=self.attn_early_trigger, pin_loads=self.gemv_pin,
-                                       prefetch_groups=self.gemv_prefetch)
+            if self.inproj_engine == "ring" and io.partial.shape[0] <= 2:
+                from .rms_gemv_ring import attnres_rms_gemv_ring
+                proj, _ = attnres_rms_gemv_ring(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm,
+                                                self.in_proj, eps=cfg.rms_norm_eps,
+                                                block_write=(l // cfg.attn_res_block_size) if boundary else -1,
+                                                partial_out=p1, early_trigger=self.attn_early_trigger)
+            else:
+                proj, _ = attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm,
+                                           self.in_proj, eps=cfg.rms_norm_eps,
+                                           block_write=(l // cfg.attn_res_block_size) if boundary else -1,
+                                           partial_out=p1,
+                                           mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
+                                           fused_groups=self.gemv_groups,
+                                           early_trigger=self.attn_early_trigger, pin_loads=self.gemv_pin,
+                                           prefetch_groups=self.gemv_prefetch)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,

@@ -471,6 +471,7 @@ FAST_VARIANTS = {
     # (fast-insplit1 / fast-insplit3, the in_proj's v11 / v11.1: its prologue as attnres_rmsnorm and the GEMV's
     # first row groups staged in shared memory, were measured at b2bc614 (s42) and, with the prologue kernel's early
     # trigger, at 6874cfa (s44), slower both times, and removed in session 16; the code is at 6874cfa)
+    "fast-inring": {"inproj_engine": "ring"},  # the in_proj's v12 (rms_gemv_ring): weights through a bulk-copy ring
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
     # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7

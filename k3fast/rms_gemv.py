@@ -878,6 +878,7 @@ def _build_kernels():
                            sRedA, sRedB, tid, warp, lane, True)
             cute.arch.griddepcontrol_launch_dependents()
 
+    _AttnResNorm.prologue = staticmethod(_attnres_token)   # also run by rms_gemv_ring (v12) over its own CTA
     return cutlass, cute, _FmaGemv, _MmaGemv, _AttnResNorm
 
 

@@ -420,5 +420,21 @@ case "${1:-}" in
             "experts --shape k3_rank16 --batch 1" "experts --shape k3_rank16 --batch 1 --probe sort" \
             "experts --shape k3_rank16 --batch 1 --probe fc1" "experts --shape k3_rank16 --batch 1 --probe fc2" \
             "experts --shape k3_rank16 --batch 1 --probe stream" ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6"; exit 2 ;;
+  # session 16: rms_gemv v12 (rms_gemv_ring: the in_proj's weights through a bulk-copy shared-memory ring): its GPU
+  # tests, the kernel bench beside the FMA kernels and cuBLAS on the same bytes, then the attention half beside
+  # stock (needs vLLM staged)
+  s45)    K3_TEST_TIMEOUT=240 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv_ring.py tests/gpu/test_fast_layer.py \
+            -k "ring" || true
+          o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          timeout 150 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 1 2 \
+            --kernels attnres_rms_gemv attnres_rms_gemv@ring gemv_in_proj_plain gemv_in_proj_plain@ring \
+            > "$o/bench.log" 2>&1; grep -v -i warn "$o/bench.log" | tail -10
+          K3_SWEEP_TIMEOUT=180 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 \
+            --batches 1 2 --impls stock fast fast-inring --budget-s 150 ;;
+  # after s45: the ring kernels under Nsight Compute beside the FMA kernel and cuBLAS (rank8 / rank16 b1)
+  ncu7)   K3_NCU_METRICS=sm__cycles_active.min,sm__cycles_active.max,dram__bytes_read.sum bash scripts/h200_ncu.sh \
+            "bench --kernel gemv_in_proj_plain@ring --shape k3_rank8" "bench --kernel attnres_rms_gemv@ring --shape k3_rank8" \
+            "bench --kernel gemv_in_proj_plain@ring --shape k3_rank16" "bench --kernel attnres_rms_gemv@ring --shape k3_rank16" \
+            "bench --kernel attnres_rms_gemv --shape k3_rank16" ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7"; exit 2 ;;
 esac

@@ -5,22 +5,13 @@ import torch
 from k3fast import rms_gemv as R
 from k3fast._dsl import COMPILE_LOG, dsl_available
 from k3ref.config import k3, k3_rank
+from attnres_cases import k3_attnres_variants
 
 pytestmark = pytest.mark.compile
 
 CONFIGS = [k3_rank(16), k3_rank(8), k3()]
 BATCHES = [1, 2, 3, 4, 7, 8, 16, 32, 64]
 needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm_ffi not importable")
-
-
-def k3_attnres_variants(cfg):
-    """(n_blocks, has_delta, block_write) of every pre-attention AttnRes site in the K3 layer schedule."""
-    out = set()
-    for l in range(cfg.num_hidden_layers):
-        nb = cfg.num_blocks_before(l)
-        bw = l // cfg.attn_res_block_size if cfg.is_block_boundary(l) else -1
-        out.add((nb, l > 0, bw))
-    return sorted(out)
 
 
 def _gemv_shapes():

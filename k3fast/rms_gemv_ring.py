@@ -1,0 +1,342 @@
+"""AttnRes mix + input RMSNorm + packed in_proj GEMV with the weights streamed through a bulk-copy shared-memory
+ring (rms_gemv v12, opt-in: ``FastImpl(inproj_engine="ring")``, impl "fast-inring").
+
+Replaces the same reference ops as ``rms_gemv.attnres_rms_gemv`` at M <= 2 (k3-spec.md section 6 + 4.3 "attn_res
+#1", section 5 input_layernorm, section 7.2 step 1: y = bf16(x @ W_in^T) with x = bf16(w_ln * m * rstd(m))), and,
+as ``gemv_ring``, the bare GEMV y = x @ W^T (x given) for the benchmark beside cuBLAS and the FMA GEMV.
+
+Version log
+-----------
+v12 (2026-11-30, session 16; CPU-compiled, measured by h200_next s45)
+    Why (ncu5, traces/h200/ncu-b845cf5-ncu5/): cuBLAS's M = 1 GEMV on the in_proj's bytes is nvjet_sm90_tst_64x8,
+    a TMA + WGMMA kernel: ~100 CTAs of 384 threads, each with a 164 KB shared-memory pipeline. It reads the 90 MB
+    rank8 in_proj in 28.0 us (3.31 TB/s) and the 46 MB rank16 one in 16.6 us (2.92 TB/s), issuing 1.3-2.3 M warp
+    instructions. Our FMA GEMVs (rms_gemv v6, 16-byte register loads) take 33.1 / 20.4 us and issue 13.4 / 6.8 M;
+    the fused in_proj 31.1 us at rank8. Session 11 (v8-v10) showed that the FMA loop is not issue-bound and that
+    more loads per lane or deeper L2 prefetch do not help: each SM streams ~25 GB/s with ~57 KB in its registers.
+    The TMA unit keeps a whole ring of ~200 KB per SM in flight without a register or an LSU slot for any of it.
+    Design: one CTA per SM (grid min(132, N / 2)), 16 warps. CTA b owns the contiguous rows [2 p0, 2 p1) of W
+    (pairs split evenly over the grid), so its weights are one contiguous byte range, streamed in chunks of two
+    rows (2 x K x 2 bytes = 28 KB at K = 7168) by cp.async.bulk (1-D, no tensor map) into a ring of D slots, each
+    with a "full" mbarrier (the producer's arrive.expect_tx + the copy's complete_tx) and an "empty" one (one
+    arrive per consumer warp).
+    * Warp 14 is the producer (one elected lane). Warps 0-13 are consumers: warp w takes row w // 7 of each chunk
+      and the w % 7-th seventh of its k range (VPL = K / 1792 16-byte vectors per lane, 4 at K = 7168; lanes read
+      consecutive vectors, so each LDS.128 phase is conflict-free). Warp 15 only joins the prologue.
+    * Before the PDL wait the producer fills the D1 slots that do not overlap the prologue's source staging (the
+      weights do not depend on the predecessor). The AttnRes prologue (rms_gemv's, unchanged, all 16 warps) stages
+      its n_blocks + 1 source rows in the ring's later slots; after its closing barrier (and a proxy fence, since
+      the bulk copies then overwrite what generic loads read) the producer fills the rest and keeps the ring full.
+    * Each consumer lane holds its x vectors in registers (8 VPL x M fp32), so the loop reads only weights from
+      shared memory: VPL LDS.128, 8 VPL x M FMAs, the 8-wide sum, a warp butterfly, one fp32 partial per (chunk,
+      row, seventh, token) into shared memory, and lane 0's release of the slot. The 7 partials of a row are added
+      in a fixed order after the loop (deterministic; not bit-identical to v6, whose K split is 4 slices).
+    Bytes: the same as the fused kernel (weights once, x / sources from L2).
+    Prediction (written before any GPU run): gemv_in_proj_plain@ring at rank16 / rank8 b1 ~15-16.5 / ~25-27 us
+    in the kernel bench (FMA v6 22.4 / 34.3, cuBLAS 19.9 / 27.0 in s43); the fused in_proj in the layer (flushed
+    timeline, rank16 b1) 19.5-20 -> ~15-16.5 us, so the attention half rank16 b1 33.5 -> ~29-31 us and rank8 b1
+    47.6 -> ~43-45 us (1.8x stock needs ~42.8). If the bare ring GEMV is not faster than v6 in the kernel bench,
+    the per-SM rate is not set by how the bytes are requested, and the TMA engine is not the lever for the
+    attention half.
+
+Contracts
+---------
+  * W, u and w_ln are read before griddepcontrol_wait (weights); blocks, partial and delta after it.
+  * M <= 2 (x of both tokens in registers); N a positive multiple of 16; K a multiple of 1792 (7 warps x 32
+    lanes x 8); one CTA per SM with ~227 KB of shared memory (it cannot share an SM with another CTA).
+  * Deterministic: a fixed K split and summation order per row, whatever the grid.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._dsl import SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+
+NUM_SMS = 132
+WARPS = 16
+WPR = 7                  # consumer warps per weight row (each takes a seventh of K)
+RPC = 2                  # weight rows per ring chunk
+CONSUMERS = WPR * RPC    # warps 0..13
+PRODUCER = CONSUMERS     # warp 14
+MAX_M = 2
+K_UNIT = WPR * 32 * 8    # K must be a multiple: 7 warps x 32 lanes x one 16-byte vector
+SMEM_SLACK = 1024        # alignment padding of the shared-memory allocations
+
+
+def grid_for(N: int) -> int:
+    return min(NUM_SMS, N // RPC)
+
+
+def chunks_max(N: int) -> int:
+    """The most two-row chunks any CTA of the grid takes (sizes the partial-sum buffer)."""
+    P, G = N // RPC, grid_for(N)
+    return max((b + 1) * P // G - b * P // G for b in range(G))
+
+
+def ring_plan(MB: int, K: int, nb: int, cmax: int, fused: bool) -> tuple[int, int]:
+    """(D, D1): ring slots that fit the CTA's shared memory next to the other buffers, and how many of them the
+    producer may fill before the AttnRes prologue (the others hold the prologue's staged source rows)."""
+    cb = RPC * K * 2
+    fixed = 2 * 8 * 16 + cmax * RPC * WPR * MB * 4 + SMEM_SLACK
+    if fused:
+        fixed += MB * K * 2 + WARPS * 2 * (nb + 1) * 4 + WARPS * 4
+    D = (SMEM_PER_CTA_MAX - fixed) // cb
+    D1 = D - (math.ceil((nb + 1) * K * 2 / cb) if fused else 0)
+    if D < 2 or D1 < 1:
+        raise ValueError(f"rms_gemv_ring: shared memory holds {D} ring slots of {cb} B ({D1} before the prologue) at "
+                         f"K={K}, n_blocks={nb}, M={MB}: needs >= 2 and >= 1")
+    return D, D1
+
+
+def _build_kernel_class():
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
+    from . import rms_gemv
+
+    ADD = cute.ReductionOp.ADD
+    prologue = rms_gemv._kernels()[4].prologue     # the AttnRes mix + RMSNorm of one token, by the whole CTA
+
+    class RingGemv:
+        def __init__(self, MB, K, cmax, fused, nb=0, has_delta=False, bw=-1, eps=1e-5, early_trigger=False):
+            self.MB, self.K, self.cmax, self.fused = MB, K, cmax, fused
+            self.nb, self.has_delta, self.bw, self.eps = nb, has_delta, bw, eps
+            self.early_trigger = early_trigger
+            self.nwarps, self.nthreads = WARPS, 32 * WARPS          # read by the shared prologue
+            self.vpt = -(-(K // 8) // self.nthreads)
+            self.vpl = K // K_UNIT
+            self.cb = RPC * K * 2
+            self.D, self.D1 = ring_plan(MB, K, nb, cmax, fused)
+
+        @cute.jit
+        def __call__(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, stream):
+            N = cute.size(mW, mode=[0])
+            grid = cutlass.min(N // RPC, NUM_SMS)
+            self.kernel(mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln).launch(
+                grid=[grid, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=True,
+                preferred_smem_carveout=100)
+
+        @cute.kernel
+        def kernel(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln):
+            tid = cute.arch.thread_idx()[0]
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bid = cute.arch.block_idx()[0]
+            nblk = cute.arch.grid_dim()[0]
+            N = cute.size(mW, mode=[0])
+            K = self.K
+            D, D1, CB = self.D, self.D1, self.cb
+            P = N // RPC
+            p0 = bid * P // nblk
+            nch = (bid + 1) * P // nblk - p0
+
+            smem = cutlass.memory.SmemAllocator()
+            mbar = smem.allocate_array(Int64, 2 * D)                # full[0..D), empty[D..2D)
+            sPart = smem.allocate_tensor(Float32, cute.make_layout((self.cmax, RPC, WPR, self.MB),
+                                                                   stride=(RPC * WPR * self.MB, WPR * self.MB,
+                                                                           self.MB, 1)), 16)
+            # the ring as 16-byte vectors: slot s, row rr, vector kv at [:, s * RPC * K / 8 + rr * K / 8 + kv]
+            sRing = smem.allocate_tensor(BFloat16, cute.make_layout((8, D * CB // 16), stride=(1, 8)), 128)
+            if tid == 0:
+                for s in cutlass.range_constexpr(D):
+                    cute.arch.mbarrier_init(mbar + s, 1)
+                    cute.arch.mbarrier_init(mbar + D + s, CONSUMERS)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            is_producer = warp == PRODUCER
+            # weights do not depend on the predecessor: the first D1 slots fill before the PDL wait
+            if is_producer:
+                with cute.arch.elect_one():
+                    for c in cutlass.range(cutlass.min(D1, nch)):
+                        self.issue(mW, sRing, mbar, c, p0 + c)
+                cute.arch.sync_warp()
+
+            if const_expr(self.fused):
+                sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, K), stride=(K, 1)), 16)
+                sRedA = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * (self.nb + 1)),
+                                                                       stride=(2 * (self.nb + 1), 1)), 16)
+                sRedB = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 1), stride=(1, 1)), 16)
+                # the prologue's source rows live in ring slots D1.., which the producer fills only after it
+                sV = cute.make_tensor(sRing[None, D1 * CB // 16].iterator,
+                                      cute.make_layout((self.nb + 1, K), stride=(K, 1)))
+                cute.arch.griddepcontrol_wait()
+                if const_expr(self.early_trigger):
+                    cute.arch.griddepcontrol_launch_dependents()
+                gXs = cute.flat_divide(sX, (1, 8))
+                for m in cutlass.range_constexpr(self.MB):
+                    prologue(self, m, mBlocks, mP, mD, mPout, mU, mWln, gXs, sV, sRedA, sRedB, tid, warp, lane,
+                             bid == 0)
+                cute.arch.sync_threads()
+                gX = gXs
+            else:
+                cute.arch.griddepcontrol_wait()
+                if const_expr(self.early_trigger):
+                    cute.arch.griddepcontrol_launch_dependents()
+                gX = cute.flat_divide(mX, (1, 8))
+
+            rr = warp // WPR
+            kv0 = (warp - rr * WPR) * (32 * self.vpl) + lane
+            if is_producer:
+                with cute.arch.elect_one():
+                    if const_expr(self.fused):
+                        # the slots about to be overwritten by the async proxy were last read by generic loads
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                    for c in cutlass.range(D1, nch):
+                        s = c % D
+                        if c >= D:
+                            cute.arch.mbarrier_wait(mbar + D + s, (c // D - 1) % 2)
+                        self.issue(mW, sRing, mbar, s, p0 + c)
+                cute.arch.sync_warp()
+            elif warp < CONSUMERS:
+                rX = cute.make_rmem_tensor(cute.make_layout((8, self.vpl, self.MB), stride=(1, 8, 8 * self.vpl)),
+                                           Float32)
+                rT = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
+                for m in cutlass.range_constexpr(self.MB):
+                    for u in cutlass.range_constexpr(self.vpl):
+                        cute.autovec_copy(gX[0, None, m, kv0 + 32 * u], rT)
+                        rX[None, u, m].store(rT.load().to(Float32))
+                rWs = [cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16) for _ in range(self.vpl)]
+                acc = cute.make_rmem_tensor(cute.make_layout((8, self.MB), stride=(1, 8)), Float32)
+                base = rr * (K // 8) + kv0
+                for c in cutlass.range(nch):
+                    s = c % D
+                    cute.arch.mbarrier_wait(mbar + s, (c // D) % 2)
+                    vb = s * (RPC * K // 8) + base
+                    for u in cutlass.range_constexpr(self.vpl):
+                        cute.autovec_copy(sRing[None, vb + 32 * u], rWs[u])
+                    acc.fill(0.0)
+                    for u in cutlass.range_constexpr(self.vpl):
+                        wv = rWs[u].load().to(Float32)
+                        for m in cutlass.range_constexpr(self.MB):
+                            acc[None, m].store(acc[None, m].load() + rX[None, u, m].load() * wv)
+                    for m in cutlass.range_constexpr(self.MB):
+                        t = cute.arch.warp_reduction_sum(acc[None, m].load().reduce(ADD, Float32(0.0), 0))
+                        if lane == 0:
+                            sPart[c, rr, warp - rr * WPR, m] = t
+                    # the butterfly above consumed every lane's loads of slot s: release it
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(mbar + D + s)
+            cute.arch.sync_threads()
+            # the 7 partials of each row in a fixed order
+            for idx in cutlass.range(tid, nch * RPC * self.MB, self.nthreads):
+                c = idx // (RPC * self.MB)
+                rem = idx - c * (RPC * self.MB)
+                r2 = rem // self.MB
+                m = rem - r2 * self.MB
+                tot = Float32(0.0)
+                for q in cutlass.range_constexpr(WPR):
+                    tot = tot + sPart[c, r2, q, m]
+                mY[m, (p0 + c) * RPC + r2] = tot.to(mY.element_type)
+            if const_expr(not self.early_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
+
+        @cute.jit
+        def issue(self, mW, sRing, mbar, s, pair):
+            """Chunk `pair` (rows 2 pair, 2 pair + 1: contiguous) into ring slot s, completing on full[s]."""
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, self.cb)
+            src = cute.flat_divide(mW, (1, 8))[0, None, pair * RPC, 0].iterator
+            cp_async_bulk_shared_cluster_global(sRing[None, s * (self.cb // 16)].iterator, src, mbar + s, self.cb)
+
+    return cutlass, cute, RingGemv
+
+
+_CLS = None
+
+
+def _cls():
+    global _CLS
+    if _CLS is None:
+        _CLS = _build_kernel_class()
+    return _CLS
+
+
+def _build(MB, K, cmax, fused, nb=0, has_delta=False, bw=-1, wln="bf16", eps=1e-5, early_trigger=False,
+           options=TVM_FFI):
+    cutlass, cute, RingGemv = _cls()
+    BF = cutlass.BFloat16
+    N = cute.sym_int(divisibility=16)
+    w = fake_tensor(BF, (N, K))
+    y = fake_tensor(BF, (MB, N), align=2)
+    obj = RingGemv(MB, K, cmax, fused, nb, has_delta, bw, eps, early_trigger)
+    if not fused:
+        x = fake_tensor(BF, (MB, K))
+        return cute.compile(obj, x, w, y, None, None, None, None, None, None, fake_stream(), options=options)
+    from .rms_gemv import NB_MAX
+    blocks = fake_tensor(BF, (MB, NB_MAX, K))
+    p = fake_tensor(BF, (MB, K))
+    d = fake_tensor(BF, (MB, K)) if has_delta else None
+    po = fake_tensor(BF, (MB, K))
+    u = fake_tensor(cutlass.Float32, (K,))
+    wl = fake_tensor({"bf16": BF, "fp32": cutlass.Float32}[wln], (K,))
+    return cute.compile(obj, None, w, y, blocks, p, d, po, u, wl, fake_stream(), options=options)
+
+
+def compile_key(M: int, K: int, N: int, fused: bool, n_blocks: int = 0, has_delta: bool = False,
+                block_write: int = -1, wln: str = "bf16", eps: float = 1e-5, early_trigger: bool = False) -> tuple:
+    """The build a call runs: the ring plan depends on M, K, n_blocks and the busiest CTA's chunk count (N)."""
+    if fused:
+        return ("rms_gemv_ring.fused", M, K, chunks_max(N), n_blocks, bool(has_delta), block_write, wln, float(eps),
+                bool(early_trigger))
+    return ("rms_gemv_ring.plain", M, K, chunks_max(N), bool(early_trigger))
+
+
+def _compile(key):
+    if key[0] == "rms_gemv_ring.plain":
+        _, M, K, cmax, et = key
+        return compile_cached(key, lambda: _build(M, K, cmax, False, early_trigger=et))
+    _, M, K, cmax, nb, hd, bw, wln, eps, et = key
+    return compile_cached(key, lambda: _build(M, K, cmax, True, nb, hd, bw, wln, eps, et))
+
+
+def ring_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, fused: bool = True) -> str:
+    """PTX of the ring kernel (uncached; for reading and the CPU tests)."""
+    from .ptxcheck import compiled_ptx
+    return compiled_ptx(lambda: _build(M, K, chunks_max(N), fused, n_blocks, True, -1, "bf16", 1e-5, True,
+                                       options=TVM_FFI + " --keep-ptx"))
+
+
+def _check_w(w, K, dev):
+    import torch
+    check_tensor("w", w, dtype=torch.bfloat16, device=dev)
+    if w.dim() != 2 or w.shape[1] != K or w.shape[0] % 16 or w.shape[0] == 0:
+        raise ValueError(f"w: expected [N (a positive multiple of 16), {K}], got {list(w.shape)}")
+    if K % K_UNIT:
+        raise ValueError(f"rms_gemv_ring: K must be a multiple of {K_UNIT} (7 warps x 32 lanes x 8), got {K}")
+    return w.shape[0]
+
+
+def gemv_ring(x, w, out=None, *, early_trigger: bool = False):
+    """y[M, N] = x[M, K] @ w[N, K]^T through the bulk-copy ring (M <= 2, bf16 in / out, fp32 accumulate)."""
+    import torch
+    check_tensor("x", x, dtype=torch.bfloat16)
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"x: expected [M <= {MAX_M}, K], got {list(x.shape)}")
+    M, K = x.shape
+    N = _check_w(w, K, x.device)
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    else:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=x.device, align=2)
+    _compile(compile_key(M, K, N, False, early_trigger=early_trigger))(x, w, out, None, None, None, None, None, None)
+    return out
+
+
+def attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
+                          partial_out=None, early_trigger=False):
+    """rms_gemv.attnres_rms_gemv's fused path (M <= 2) with the weights through the bulk-copy ring: returns (y,
+    partial_out), y = bf16(RMSNorm_{w_ln}(AttnRes mix) @ w^T), p' = bf16(p + delta) into partial_out (and blocks)."""
+    import torch
+    from .rms_gemv import _check_attnres
+    if partial.dim() != 2 or not 1 <= partial.shape[0] <= MAX_M:
+        raise ValueError(f"partial: expected [M <= {MAX_M}, K] for the ring in_proj, got {list(partial.shape)}")
+    M, K, wln, partial_out = _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out, True)
+    N = _check_w(w, K, partial.device)
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=partial.device)
+    else:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
+    key = compile_key(M, K, N, True, n_blocks, delta is not None, block_write, wln, eps, early_trigger)
+    _compile(key)(None, w, out, blocks, partial, delta, partial_out, u, w_ln)
+    return out, partial_out

@@ -1,0 +1,96 @@
+"""k3fast.rms_gemv_ring (rms_gemv v12) on the CPU: its ring plan, every compile key the K3 in_proj needs at M <= 2,
+the order of its PTX (weights requested before the PDL wait, a proxy fence before the ring reuses the prologue's
+slots), registers without spills, and clear errors for inputs it does not take."""
+import pytest
+import torch
+
+from k3fast import rms_gemv_ring as G
+from k3fast._dsl import SMEM_PER_CTA_MAX, dsl_available
+from k3ref.config import k3, k3_rank
+from attnres_cases import k3_attnres_variants
+
+pytestmark = pytest.mark.compile
+needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm_ffi not importable")
+IN_PROJ = {"rank16": 3216, "rank8": 6288, "full": 49376}
+
+
+def test_grid_and_chunks():
+    # pairs of rows split evenly: the busiest CTA takes ceil(P / G) chunks
+    assert G.grid_for(3216) == 132 and G.chunks_max(3216) == 13
+    assert G.grid_for(6288) == 132 and G.chunks_max(6288) == 24
+    assert G.grid_for(48) == 24 and G.chunks_max(48) == 1
+    for N in (48, 592, 3216, 6288, 49376):
+        P, grid = N // 2, G.grid_for(N)
+        spans = [(b + 1) * P // grid - b * P // grid for b in range(grid)]
+        assert sum(spans) == P and min(spans) >= 1 and max(spans) == G.chunks_max(N)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("nb", [0, 8])
+def test_ring_plan_fits(fused, M, nb):
+    D, D1 = G.ring_plan(M, 7168, nb, G.chunks_max(6288), fused)
+    cb = 2 * 7168 * 2
+    assert D >= 6 and 1 <= D1 <= D
+    if fused:     # the prologue's n_blocks + 1 source rows fit in slots D1.. of the ring
+        assert (D - D1) * cb >= (nb + 1) * 7168 * 2
+    else:
+        assert D1 == D
+    assert D * cb < SMEM_PER_CTA_MAX
+
+
+def test_ring_plan_refuses_what_does_not_fit():
+    with pytest.raises(ValueError, match="ring slots"):
+        G.ring_plan(2, 7168 * 4, 8, 24, True)
+
+
+def test_bad_inputs_are_refused():
+    x = torch.zeros(3, 7168, dtype=torch.bfloat16)
+    w = torch.zeros(64, 7168, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="M <= 2"):
+        G.gemv_ring(x, w)
+    with pytest.raises(ValueError, match="multiple of 1792"):
+        G.gemv_ring(torch.zeros(1, 1024, dtype=torch.bfloat16), torch.zeros(64, 1024, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        G.gemv_ring(x[:1], torch.zeros(40, 7168, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="dtype"):
+        G.gemv_ring(x[:1].float(), w)
+    blocks = torch.zeros(3, 8, 7168, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="M <= 2"):
+        G.attnres_rms_gemv_ring(blocks, 1, x, None, torch.zeros(7168), torch.ones(7168, dtype=torch.bfloat16), w)
+
+
+@needs_dsl
+@pytest.mark.parametrize("cfg", [k3_rank(16), k3_rank(8), k3()], ids=["rank16", "rank8", "full"])
+@pytest.mark.parametrize("M", [1, 2])
+def test_compile_in_proj_keys(cfg, M):
+    """Every AttnRes site of the layer schedule (n_blocks, delta, block write) at this in_proj width, fused, and the
+    bare GEMV the benchmark runs."""
+    N = 3216 if cfg.kda_heads == 6 else (6288 if cfg.kda_heads == 12 else 49376)
+    assert N == {6: IN_PROJ["rank16"], 12: IN_PROJ["rank8"]}.get(cfg.kda_heads, IN_PROJ["full"])
+    G._compile(G.compile_key(M, 7168, N, False, early_trigger=False))
+    for nb, hd, bw in k3_attnres_variants(cfg):
+        G._compile(G.compile_key(M, 7168, N, True, nb, hd, bw, "bf16", cfg.rms_norm_eps, True))
+
+
+@needs_dsl
+def test_ptx_order_and_registers():
+    ptx = G.ring_ptx(3216, M=1, n_blocks=8, fused=True)
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    first = lambda pat: next(i for i, ln in enumerate(lines) if pat in ln)   # noqa: E731
+    # weights are requested before the PDL wait, the rest of the ring after the prologue and a proxy fence
+    assert first("cp.async.bulk.shared::cluster.global") < first("griddepcontrol.wait")
+    fence = first("fence.proxy.async.shared::cta")
+    assert fence > first("griddepcontrol.wait")
+    assert any("cp.async.bulk.shared::cluster.global" in ln for ln in lines[fence:])
+    # the consumer loop reads weights as 16-byte shared loads and releases slots on the empty barriers
+    assert sum("ld.shared.v4" in ln for ln in lines) >= 4
+    assert any(ln.startswith("mbarrier.arrive.shared") for ln in lines)
+    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    tools = find_sass_tools()
+    if tools is None:
+        pytest.skip("ptxas not found (registers / spills need it)")
+    for M in (1, 2):
+        for fused in (False, True):
+            res = ptxas_resources(G.ring_ptx(6288, M=M, n_blocks=8, fused=fused), tools[0])
+            assert res["spill_store_bytes"] == 0 and res["registers"] <= 128, (M, fused, res)

@@ -1,0 +1,122 @@
+"""k3fast.rms_gemv_ring (rms_gemv v12: weights through a bulk-copy shared-memory ring) on the GPU.
+
+References (tolerances.py): the bare GEMV against F.linear in fp32 ("bf16_kernel") and against rms_gemv.gemv on
+the same x ("bf16_kernel_pair"); the fused kernel against test_rms_gemv's fp32 AttnRes + RMSNorm + GEMV reference
+("bf16_kernel": x is rounded to bf16 before the dot, then the output) and against rms_gemv's fused FMA kernel
+("bf16_kernel_pair"). p' and the written block row are exact (the same prologue code as rms_gemv's)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnres_cases import EPS, K, N_FULL, N_RANK8, N_RANK16, make_inputs, make_w, ref_attnres
+from tolerances import assert_close
+
+pytestmark = pytest.mark.gpu
+
+# 592 rows: 296 pairs over 132 CTAs (2 or 3 chunks each, fewer than the ring's slots); 48 rows: a 24-CTA grid
+WIDTHS = [N_RANK16, N_RANK8, 592, 48]
+
+
+@pytest.fixture(scope="module")
+def G():
+    from k3fast import rms_gemv_ring
+    return rms_gemv_ring
+
+
+@pytest.fixture(scope="module")
+def R():
+    from k3fast import rms_gemv
+    return rms_gemv
+
+
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("N,Kw", [(n, K) for n in WIDTHS] + [(N_RANK16, 3584), (N_FULL, K)])
+def test_gemv_ring(G, R, seed, M, N, Kw):
+    x = torch.randn(M, Kw, device="cuda").to(torch.bfloat16)
+    w = make_w(N, Kw)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = G.gemv_ring(x, w, out=out)
+    torch.cuda.synchronize()
+    assert y.data_ptr() == out.data_ptr()
+    # every row written (the output was poisoned with NaN, which assert_close refuses)
+    assert_close("gemv_ring", y, F.linear(x.float(), w.float()), "bf16_kernel")
+    assert_close("gemv_ring vs gemv", y, R.gemv(x, w), "bf16_kernel_pair")
+    assert torch.equal(G.gemv_ring(x, w), y)                # deterministic: fixed split and order
+
+
+def test_gemv_ring_neighbours_untouched(G, seed):
+    # out is a view into a bigger buffer: nothing outside its rows / columns changes
+    big = torch.full((3, 512 + 32), 7.0, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, K, device="cuda").to(torch.bfloat16)
+    w = make_w(512)
+    view = big[:2, 16:16 + 512]
+    with pytest.raises(ValueError, match="contiguous"):
+        G.gemv_ring(x, w, out=view)
+    out = big[:2].view(-1)[: 2 * 512].view(2, 512)
+    G.gemv_ring(x, w, out=out)
+    torch.cuda.synchronize()
+    assert (big.view(-1)[2 * 512:] == 7.0).all()
+    assert_close("gemv_ring", out, F.linear(x.float(), w.float()), "bf16_kernel")
+
+
+@pytest.mark.parametrize("N", [N_RANK16, N_RANK8, 592])
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("n_blocks,with_delta,block_write", [(0, False, 0), (1, True, -1), (3, False, 3),
+                                                             (8, True, -1)])
+def test_attnres_rms_gemv_ring(G, R, seed, N, M, n_blocks, with_delta, block_write):
+    blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, with_delta)
+    w = make_w(N)
+    blocks0, p0 = blocks.clone(), p.clone()
+    x_ref, p2_ref = ref_attnres(blocks, n_blocks, p, delta, u, w_ln)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    pout = torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y, po = G.attnres_rms_gemv_ring(blocks, n_blocks, p, delta, u, w_ln, w, eps=EPS, block_write=block_write,
+                                    out=out, partial_out=pout, early_trigger=True)
+    torch.cuda.synchronize()
+    assert y.data_ptr() == out.data_ptr() and po.data_ptr() == pout.data_ptr()
+    assert_close("p'", po, p2_ref, "exact")
+    assert_close("attnres_rms_gemv_ring", y, F.linear(x_ref, w.float()), "bf16_kernel")
+    expect = blocks0.clone()
+    if block_write >= 0:
+        expect[:, block_write] = p2_ref
+    assert torch.equal(blocks, expect)
+    assert torch.equal(p, p0)
+    # beside the fused FMA kernel on the same inputs (blocks as they were)
+    y_f, p_f = R.attnres_rms_gemv(blocks0.clone(), n_blocks, p, delta, u, w_ln, w, eps=EPS, block_write=block_write)
+    torch.cuda.synchronize()
+    assert_close("p' (ring vs fma)", po, p_f, "exact")
+    assert_close("ring vs fused fma", y, y_f, "bf16_kernel_pair")
+
+
+def test_attnres_rms_gemv_ring_nan_source_poisons(G, seed):
+    """A NaN in a source row reaches y (the softmax mix carries it): NaN never turns into a finite answer."""
+    blocks, p, delta, u, w_ln = make_inputs(1, 3, True)
+    blocks[0, 1, 100] = float("nan")
+    y, _ = G.attnres_rms_gemv_ring(blocks, 3, p, delta, u, w_ln, make_w(N_RANK16))
+    torch.cuda.synchronize()
+    assert y.isnan().all()
+
+
+@pytest.mark.parametrize("M", [1, 2])
+def test_ring_in_a_graph(G, seed, M):
+    """Captured once, replayed with new inputs copied in: each replay equals an eager call on those inputs."""
+    n_blocks = 3
+    blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, True)
+    w = make_w(N_RANK16)
+    out = torch.empty(M, N_RANK16, device="cuda", dtype=torch.bfloat16)
+    pout = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+    G.attnres_rms_gemv_ring(blocks, n_blocks, p, delta, u, w_ln, w, out=out, partial_out=pout, early_trigger=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        G.attnres_rms_gemv_ring(blocks, n_blocks, p, delta, u, w_ln, w, out=out, partial_out=pout,
+                                early_trigger=True)
+    for _ in range(3):
+        b2, p2, d2, _, _ = make_inputs(M, n_blocks, True)
+        blocks.copy_(b2), p.copy_(p2), delta.copy_(d2)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        y_e, p_e = G.attnres_rms_gemv_ring(blocks, n_blocks, p, delta, u, w_ln, w, early_trigger=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, y_e) and torch.equal(pout, p_e)
