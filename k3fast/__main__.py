@@ -47,7 +47,13 @@ def batch1_warmups():
         n = kmod.proj_width(c.kda_heads)
         rms_gemv.warmup([(n, d)], [1], attnres_K=d, attnres_N=(n,), n_blocks=[1], block_write=(-1,), deltas=(True,),
                         early_trigger=True)     # as the layer calls its in_proj (FastImpl attn_early_trigger)
+    def ring():
+        from . import kda_conv_gate_step as kmod, rms_gemv_ring
+        key = rms_gemv_ring.compile_key(1, d, kmod.proj_width(c.kda_heads), True, 1, True, -1, "bf16", c.rms_norm_eps,
+                                        early_trigger=True)
+        rms_gemv_ring._compile(key)
     return [
+        ("rms_gemv_ring", "AttnRes + RMSNorm + packed in_proj, weights through a bulk-copy ring (M <= 2)", ring),
         ("rms_gemv", "AttnRes + RMSNorm + packed in_proj GEMV", rms),
         ("kda_conv_gate_step", "KDA core (conv, gates, delta rule, gated norm)",
          lambda: __import__("k3fast.kda_conv_gate_step", fromlist=["x"]).warmup(c.kda_heads, [1], early_trigger=True)),

@@ -2,8 +2,9 @@
 buffers as the other implementations (k3fast.impls.LayerIO).
 
 Attention half of a KDA layer (3 launches at batch <= 2):
-    attnres_rms_gemv      AttnRes #1 + input RMSNorm + packed in_proj [q|k|v|g|f_a|b]   (rms_gemv.py; fused at
-                          M <= 2, then the AttnRes + RMSNorm kernel and the GEMV, on cuBLAS above INPROJ_DSL_MAX_M)
+    attnres_rms_gemv      AttnRes #1 + input RMSNorm + packed in_proj [q|k|v|g|f_a|b]   (rms_gemv_ring.py at
+                          M <= 2: weights through a bulk-copy shared-memory ring; rms_gemv.py above: the AttnRes +
+                          RMSNorm kernel and the GEMV, on cuBLAS above INPROJ_DSL_MAX_M)
     kda_conv_gate_step    conv + SiLU, f_b + decay gate, beta, L2 norms, delta rule, gated norm
     oproj_attnres         o_proj + partial-sum update + AttnRes #2 + post-attention RMSNorm
                           (above GEMV_DSL_MAX_M: o_proj on cuBLAS + rms_gemv.attnres_rmsnorm)
@@ -54,6 +55,12 @@ GEMV_DSL_MAX_M = 4      # the same threshold serves o_proj (oproj_attnres: 23.6 
 # there. "fast-s10" is the A/B with the FMA GEMV up to M = 4. Measured (records-0bc90c0-s11.json, one run): attention
 # half b4 51.1 -> 37.6 us at rank16 (stock 74.4: 1.98x), 72.5 -> 51.0 at rank8 (predicted ~40-43 at rank16).
 INPROJ_DSL_MAX_M = 2
+# Session 16: at M <= 2 the fused in_proj streams its weights through rms_gemv_ring's bulk-copy shared-memory ring
+# (rms_gemv v12) instead of the FMA kernel's 16-byte register loads. Measured (records-afcdadf-s45.json, one run beside
+# stock): attention half rank16 b1 / b2 33.5 / 38.1 -> 31.5 / 33.9 us, rank8 47.4 / 53.0 -> 45.9 / 48.4 (kernel bench,
+# kernels-afcdadf-s45.json: the fused in_proj rank16 b1 22.9 -> 18.2 us, rank8 33.3 -> 28.4, cuBLAS's bare GEMV 19.2 /
+# 29.8). "fast-infma" is the A/B with the FMA kernel.
+INPROJ_ENGINE = "ring"
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + the TopkFromLogits kernel (router_down_topk_cublas): at rank16 b64 the fused kernel
 # took 63.2 us in the layer against the stock router + down at 35.5 us (records-e384fbf-rot.json); at b8 36.5
@@ -67,6 +74,25 @@ FRONT_DSL_MAX_M = 4
 
 # The library halves of the batch dispatch above, shared by FastImpl and the torch ops (k3fast.ops), so that both
 # give the same bits at every batch.
+
+def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_write, partial_out,
+                    early_trigger=True, engine=None, mma=None, **fma_options):
+    """AttnRes #1 + input RMSNorm + packed in_proj as the layer runs it: rms_gemv_ring (one launch) at M <= 2 when
+    ``engine`` (None = INPROJ_ENGINE) is "ring"; otherwise rms_gemv.attnres_rms_gemv, fused at M <= 2, its
+    tensor-core GEMV up to INPROJ_DSL_MAX_M and cuBLAS above (``mma`` None = that rule; fma_options are
+    attnres_rms_gemv's opt-ins). Returns (y, partial_out)."""
+    M = partial.shape[0]
+    if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
+        from . import rms_gemv_ring
+        return rms_gemv_ring.attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps,
+                                                   block_write=block_write, partial_out=partial_out,
+                                                   early_trigger=early_trigger)
+    from . import rms_gemv
+    if mma is None:
+        mma = "v2" if M <= INPROJ_DSL_MAX_M else "cublas"
+    return rms_gemv.attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps, block_write=block_write,
+                                     partial_out=partial_out, mma=mma, early_trigger=early_trigger, **fma_options)
+
 
 def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, boundary, zeros=None, out_x=None,
                          out_partial=None):
@@ -114,7 +140,7 @@ class FastImpl:
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
-                 tail_norm_fused: bool = True, inproj_engine: str = "fma"):
+                 tail_norm_fused: bool = True, inproj_engine: str | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -198,10 +224,10 @@ class FastImpl:
         self.shared_late = shared_late
         self.gemv_groups = gemv_groups       # None: rms_gemv.FUSED_GROUPS (2 = the fused in_proj's v3, opt-in)
         self.gemv_prefetch = gemv_prefetch   # None: rms_gemv.PREFETCH_GROUPS (1; 2 / 3: its v7, "fast-inpf2" / 3)
-        # "ring": at M <= 2 the fused in_proj streams its weights through rms_gemv_ring's bulk-copy shared-memory ring
-        # (rms_gemv v12, opt-in, "fast-inring") instead of the FMA kernel's register loads
-        if inproj_engine not in ("fma", "ring"):
-            raise ValueError(f"inproj_engine must be 'fma' or 'ring', got {inproj_engine!r}")
+        # None: INPROJ_ENGINE ("ring": at M <= 2 the fused in_proj streams its weights through rms_gemv_ring's
+        # bulk-copy shared-memory ring, rms_gemv v12; "fma": rms_gemv's register-load kernel, "fast-infma")
+        if inproj_engine not in (None, "fma", "ring"):
+            raise ValueError(f"inproj_engine must be None, 'fma' or 'ring', got {inproj_engine!r}")
         self.inproj_engine = inproj_engine
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
@@ -244,7 +270,7 @@ class FastImpl:
                         + (", shared gate/up after the experts" if shared_late else "")
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
                         + ("" if gemv_prefetch is None else f", fused in_proj {gemv_prefetch} row groups prefetched ahead")
-                        + ("" if inproj_engine == "fma" else f", in_proj engine {inproj_engine} at M <= 2")
+                        + ("" if inproj_engine is None else f", in_proj engine {inproj_engine} at M <= 2")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
@@ -270,7 +296,6 @@ class FastImpl:
             return self.stock_attn.attn(io)
         from .kda_conv_gate_step import kda_conv_gate_step
         from .oproj_attnres import oproj_attnres
-        from .rms_gemv import attnres_rms_gemv
         cfg, w, l = self.cfg, self.w, io.layer
         boundary = cfg.is_block_boundary(l)
         nb = cfg.num_blocks_before(l)
@@ -278,21 +303,13 @@ class FastImpl:
         # write p in place); o_proj + AttnRes #2 then reads p' and writes the layer's partial sum.
         p1 = self._scratch("p1", io.partial)
         with stage("k3.kda.in_proj"):
-            if self.inproj_engine == "ring" and io.partial.shape[0] <= 2:
-                from .rms_gemv_ring import attnres_rms_gemv_ring
-                proj, _ = attnres_rms_gemv_ring(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm,
-                                                self.in_proj, eps=cfg.rms_norm_eps,
-                                                block_write=(l // cfg.attn_res_block_size) if boundary else -1,
-                                                partial_out=p1, early_trigger=self.attn_early_trigger)
-            else:
-                proj, _ = attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm,
-                                           self.in_proj, eps=cfg.rms_norm_eps,
-                                           block_write=(l // cfg.attn_res_block_size) if boundary else -1,
-                                           partial_out=p1,
-                                           mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
-                                           fused_groups=self.gemv_groups,
-                                           early_trigger=self.attn_early_trigger, pin_loads=self.gemv_pin,
-                                           prefetch_groups=self.gemv_prefetch)
+            proj, _ = attnres_in_proj(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm, self.in_proj,
+                                      eps=cfg.rms_norm_eps,
+                                      block_write=(l // cfg.attn_res_block_size) if boundary else -1,
+                                      partial_out=p1, early_trigger=self.attn_early_trigger, engine=self.inproj_engine,
+                                      mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
+                                      fused_groups=self.gemv_groups, pin_loads=self.gemv_pin,
+                                      prefetch_groups=self.gemv_prefetch)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,

@@ -461,9 +461,10 @@ FAST_VARIANTS = {
     # (fast-kdaocc6, the KDA step's v7: 6 CTAs per SM asked at nsplit 4, was measured at 0e81145 (s24), no faster
     # at rank16 b64 and slower at b16, and removed)
     "fast-s19tail": {"tail_ring": 0},           # moe_tail v1's register stages (before session 10's cp.async ring)
-    "fast-gemvg2": {"gemv_groups": 2},          # the fused in_proj's v3: 2 row groups per iteration (opt-in)
-    "fast-inpf2": {"gemv_prefetch": 2},         # the fused in_proj's v7: 2 row groups in L2 prefetch ahead (opt-in)
-    "fast-inpf3": {"gemv_prefetch": 3},         # ... 3 row groups
+    # the fused in_proj's v3 (2 row groups per iteration) and v7 (2 / 3 row groups in L2 prefetch ahead), opt-ins
+    "fast-gemvg2": {"gemv_groups": 2, "inproj_engine": "fma"},
+    "fast-inpf2": {"gemv_prefetch": 2, "inproj_engine": "fma"},
+    "fast-inpf3": {"gemv_prefetch": 3, "inproj_engine": "fma"},
     # (fast-inxf / fast-inxr, the fused in_proj's x in fp32 shared memory / in registers, were measured at 5f1f620 /
     # c1bb65a, slower and unchanged, and removed)
     # (fast-inev / fast-inev126, the fused in_proj's v10: rows split evenly over 132 / 126 CTAs, were measured at
@@ -471,14 +472,18 @@ FAST_VARIANTS = {
     # (fast-insplit1 / fast-insplit3, the in_proj's v11 / v11.1: its prologue as attnres_rmsnorm and the GEMV's
     # first row groups staged in shared memory, were measured at b2bc614 (s42) and, with the prologue kernel's early
     # trigger, at 6874cfa (s44), slower both times, and removed in session 16; the code is at 6874cfa)
-    "fast-inring": {"inproj_engine": "ring"},  # the in_proj's v12 (rms_gemv_ring): weights through a bulk-copy ring
+    # (the fused in_proj's FMA-kernel opt-ins above and below name inproj_engine "fma": at M <= 2 the default is the
+    # ring since session 16, which they do not change)
+    "fast-inring": {"inproj_engine": "ring"},  # = fast since session 16 (the name s45 measured it under)
+    "fast-infma": {"inproj_engine": "fma"},    # the in_proj on rms_gemv's FMA kernel at M <= 2 (before session 16)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
     # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7
-    "fast-gemvpin": {"gemv_pin": True},
+    "fast-gemvpin": {"gemv_pin": True, "inproj_engine": "fma"},
     "fast-kdapre": {"kda_preload": True},
     "fast-wpost": {"oproj_preload": True},
-    "fast-s8": {"gemv_pin": False, "kda_preload": False, "oproj_preload": False},  # the defaults before them
+    # the defaults before them
+    "fast-s8": {"gemv_pin": False, "kda_preload": False, "oproj_preload": False, "inproj_engine": "fma"},
     "fast-endtrig": {"attn_early_trigger": False},  # in_proj / KDA trigger their dependents at their ends (before)
     # (fast-gemvpf, fast-frontpf and fast-pf, the bulk L2 prefetch of the fused in_proj and of the router front,
     # were measured slower at 1214f05 and removed; so were the tail's, fast-tailpf / fast-shlatepf / fast-tailpfl,

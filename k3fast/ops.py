@@ -48,11 +48,9 @@ def _experts_workspace(dL: int, device: torch.device):
 def attnres_rms_gemv(blocks: torch.Tensor, n_blocks: int, partial: torch.Tensor, delta: torch.Tensor,
                      u: torch.Tensor, w_ln: torch.Tensor, w: torch.Tensor, eps: float, block_write: int,
                      partial_out: torch.Tensor) -> torch.Tensor:
-    from .fast import INPROJ_DSL_MAX_M
-    from .rms_gemv import attnres_rms_gemv as impl
-    y, _ = impl(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps, block_write=block_write,
-                partial_out=partial_out, mma="v2" if partial.shape[0] <= INPROJ_DSL_MAX_M else "cublas",
-                early_trigger=True)
+    from .fast import attnres_in_proj
+    y, _ = attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps, block_write=block_write,
+                           partial_out=partial_out, early_trigger=True)
     return y
 
 

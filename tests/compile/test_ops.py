@@ -92,6 +92,7 @@ def _recorders(monkeypatch):
     import k3fast.moe_tail as mt
     import k3fast.oproj_attnres as oa
     import k3fast.rms_gemv as rg
+    import k3fast.rms_gemv_ring as rr
     import k3fast.router_down_topk as rt
     calls = []
 
@@ -113,6 +114,8 @@ def _recorders(monkeypatch):
 
     monkeypatch.setattr(rg, "attnres_rms_gemv", rec("in_proj", lambda *a, **kw: (bf(a[2].shape[0], a[6].shape[0]),
                                                                                    None)))
+    monkeypatch.setattr(rr, "attnres_rms_gemv_ring", rec("in_proj_ring",
+                                                         lambda *a, **kw: (bf(a[2].shape[0], a[6].shape[0]), None)))
     monkeypatch.setattr(oa, "oproj_attnres", rec("oproj", two))
     monkeypatch.setattr(fast, "oproj_attnres_cublas", rec("oproj_cublas", two))
     monkeypatch.setattr(rt, "router_down_topk", rec("front", topk))
@@ -124,7 +127,7 @@ def _recorders(monkeypatch):
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 64])
 def test_ops_follow_fastimpls_batch_dispatch(M, monkeypatch):
-    from k3fast.fast import FRONT_DSL_MAX_M, GEMV_DSL_MAX_M, INPROJ_DSL_MAX_M, TAIL_DSL_MAX_M
+    from k3fast.fast import FRONT_DSL_MAX_M, GEMV_DSL_MAX_M, INPROJ_DSL_MAX_M, INPROJ_ENGINE, TAIL_DSL_MAX_M
     from k3fast.router_down_topk import kernel_path
     calls = _recorders(monkeypatch)
     ops, H, E, dL, Is = torch.ops.k3fast, 64, 32, 48, 16
@@ -137,10 +140,13 @@ def test_ops_follow_fastimpls_batch_dispatch(M, monkeypatch):
     ops.moe_tail(r(M, dL), r(dL), r(H, dL), r(M, Is), r(H, Is), 1e-5)
     names = [n for n, _ in calls]
     fused_front = M <= FRONT_DSL_MAX_M and kernel_path(M) == "fma"
-    assert names == ["in_proj", "oproj" if M <= GEMV_DSL_MAX_M else "oproj_cublas",
+    ring = INPROJ_ENGINE == "ring" and M <= 2
+    assert names == ["in_proj_ring" if ring else "in_proj", "oproj" if M <= GEMV_DSL_MAX_M else "oproj_cublas",
                      "front" if M <= FRONT_DSL_MAX_M else "front_cublas", "front" if fused_front else "front_cublas",
                      "tail" if M <= TAIL_DSL_MAX_M else "tail_cublas"], names
-    assert calls[0][1]["mma"] == ("v2" if M <= INPROJ_DSL_MAX_M else "cublas") and calls[0][1]["early_trigger"]
+    assert calls[0][1]["early_trigger"]
+    if not ring:
+        assert calls[0][1]["mma"] == ("v2" if M <= INPROJ_DSL_MAX_M else "cublas")
     assert calls[3][1]["shared"] == Is
 
 
