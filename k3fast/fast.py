@@ -140,7 +140,8 @@ class FastImpl:
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
-                 tail_norm_fused: bool = True, inproj_engine: str | None = None):
+                 tail_norm_fused: bool = True, inproj_engine: str | None = None,
+                 inproj_early_trigger: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -229,6 +230,10 @@ class FastImpl:
         if inproj_engine not in (None, "fma", "ring"):
             raise ValueError(f"inproj_engine must be None, 'fma' or 'ring', got {inproj_engine!r}")
         self.inproj_engine = inproj_engine
+        # None: attn_early_trigger. False ("fast-ringlate"): only the in_proj launches the KDA step at its end, so
+        # the KDA CTAs do not sit beside the ring's CTAs from the start (s45's rank8 b1 timeline: the KDA step and
+        # o_proj took ~3 us longer after the ring in_proj than after the FMA one)
+        self.inproj_early_trigger = attn_early_trigger if inproj_early_trigger is None else inproj_early_trigger
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
         # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
@@ -271,6 +276,8 @@ class FastImpl:
                         + ("" if gemv_groups is None else f", fused in_proj {gemv_groups} row groups per iteration")
                         + ("" if gemv_prefetch is None else f", fused in_proj {gemv_prefetch} row groups prefetched ahead")
                         + ("" if inproj_engine is None else f", in_proj engine {inproj_engine} at M <= 2")
+                        + ("" if inproj_early_trigger is None else
+                           f", in_proj PDL trigger {'early' if inproj_early_trigger else 'at its end'}")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
@@ -306,7 +313,8 @@ class FastImpl:
             proj, _ = attnres_in_proj(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm, self.in_proj,
                                       eps=cfg.rms_norm_eps,
                                       block_write=(l // cfg.attn_res_block_size) if boundary else -1,
-                                      partial_out=p1, early_trigger=self.attn_early_trigger, engine=self.inproj_engine,
+                                      partial_out=p1, early_trigger=self.inproj_early_trigger,
+                                      engine=self.inproj_engine,
                                       mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                       fused_groups=self.gemv_groups, pin_loads=self.gemv_pin,
                                       prefetch_groups=self.gemv_prefetch)
