@@ -268,6 +268,13 @@ Version log
       copies run, and the GEMV still ends at ~21 us against the fused kernel's 20.0: the staged groups do not
       shorten the loop that follows the prologue, whose pace (~2.7 TB/s on 115 CTAs) sets the in_proj's time.
       Removed in session 16 (the code is at 6874cfa).
+  v12 (2026-11-30, session 16; k3fast/rms_gemv_ring.py, its own module and version log; the layer's in_proj at M <= 2
+      since s46) The fused kernel's chain with the weights streamed by cp.async.bulk into a shared-memory ring of
+      ~200 KB per SM (one CTA per SM, a producer warp, 14 consumer warps). ncu5 showed cuBLAS's M = 1 GEMV (a TMA +
+      WGMMA kernel) reading the in_proj's bytes 3-6 us faster than this module's register-load loop, which v3-v10
+      could not speed up. The ring takes the rank8 in_proj at 3.45 TB/s in the kernel bench (the FMA GEMV 2.63,
+      cuBLAS 3.0) and the attention half rank16 b1 33.5 -> 31.5 us. This module's fused kernel still serves
+      "fast-infma" and the opt-ins above; its plain and tensor-core GEMVs serve M >= 3.
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax

@@ -1,5 +1,5 @@
 """AttnRes mix + input RMSNorm + packed in_proj GEMV with the weights streamed through a bulk-copy shared-memory
-ring (rms_gemv v12, opt-in: ``FastImpl(inproj_engine="ring")``, impl "fast-inring").
+ring (rms_gemv v12; the layer's in_proj at M <= 2 since session 16, fast.INPROJ_ENGINE; "fast-infma" is the A/B).
 
 Replaces the same reference ops as ``rms_gemv.attnres_rms_gemv`` at M <= 2 (k3-spec.md section 6 + 4.3 "attn_res
 #1", section 5 input_layernorm, section 7.2 step 1: y = bf16(x @ W_in^T) with x = bf16(w_ln * m * rstd(m))), and,
@@ -38,6 +38,27 @@ v12 (2026-11-30, session 16; CPU-compiled, measured by h200_next s45)
     47.6 -> ~43-45 us (1.8x stock needs ~42.8). If the bare ring GEMV is not faster than v6 in the kernel bench,
     the per-SM rate is not set by how the bytes are requested, and the TMA engine is not the lever for the
     attention half.
+    Measured (s45 at afcdadf, kernels- / records-afcdadf-s45.json, ncu-afcdadf-ncu7/; GPU tests 50 passed, copy
+    4.22 TB/s). Kernel bench, us (the FMA kernels v6 / cuBLAS's bare GEMV in the same run):
+                              rank16 b1   rank16 b2   rank8 b1   rank8 b2
+        gemv_in_proj_plain@ring  16.9        17.8        26.1       27.2     (FMA 22.2 / 26.6 / 34.3 / 35.6;
+                                                                              cuBLAS 19.3 / 19.9 / 29.8 / 28.9)
+        attnres_rms_gemv@ring    18.2        21.4        28.4       31.8     (fused FMA 22.9 / 27.7 / 33.3 / 38.6)
+    The bare ring reads the rank8 in_proj at 3.45 TB/s (82 % of copy), past cuBLAS's 3.0 in the same run: met, and
+    the prediction's range held (15-16.5 / 25-27). ncu: rank8 26.4 us, DRAM 73 % busy (the FMA GEMV 58 %), 3.1 M
+    warp instructions at rank16 against 6.8 M, 86 registers. Attention half (fast / fast-inring, stock in the same
+    run): rank16 b1 33.5 -> 31.5 us (stock 66.2), b2 38.1 -> 33.9 (72.9); rank8 b1 47.4 -> 45.9 (78.0), b2 53.0 ->
+    48.4 (85.6). Predicted rank16 b1 ~29-31, rank8 b1 ~43-45: both missed by ~1 us, because in the layer the
+    KDA step and o_proj took ~3 us longer after this kernel than after the FMA one (the timeline: the KDA CTAs,
+    launched by the early trigger, sit beside the ring's CTAs from 2.5 us; after the ring ends the KDA step needs
+    7.2 us instead of 5.8 and o_proj 9.9 after it instead of 8.2). The default at M <= 2 since s46 (fast.INPROJ_ENGINE;
+    s46 at d9e6f60 repeated it: rank16 b1 / b2 31.5 / 34.1 against fast-infma 33.6 / 38.0, rank8 45.8 / 50.3
+    against 47.6 / 52.9). The whole layer at rank8 b1 was 1.3-1.5 us slower than with the FMA in_proj in both runs
+    (109.2 against 107.9 in s46): the MoE front, PDL-launched by o_proj, ends later; not explained yet.
+v12.1 (session 16, CPU-compiled only, impl "fast-ringlate": FastImpl inproj_early_trigger=False) The ring launches
+    the KDA step at its end instead of after its wait. Prediction: if the KDA CTAs sitting beside the ring from its
+    start are what slows the chain after it, rank8 b1 attention half 45.8 -> ~44-45 us and the rank8 layer back to
+    the FMA in_proj's; if not, within +-0.5 us.
 
 Contracts
 ---------

@@ -71,6 +71,8 @@ print(nbtools.stage_floors(("k3.kda.in_proj", "k3.attn_res")))
 # ## 3. The fused kernel (`k3fast/rms_gemv.py`)
 # M <= 2: one persistent launch (AttnRes prologue per CTA + warp-per-row FMA GEMV with 16-byte loads);
 # larger M: `attnres_rmsnorm` + a tensor-core (mma.sync m16n8k16, weights as the M side) GEMV, chained with PDL.
+# Since session 16 the layer runs section 13's kernel at M <= 2 instead (`k3fast/rms_gemv_ring.py`: the same
+# prologue, the weights through a bulk-copy shared-memory ring); sections 3-12 are the FMA kernel's story.
 
 # %%
 from k3fast import rms_gemv
@@ -391,3 +393,98 @@ assert second[1] > 0.9 * (first[1] + first[2])          # the GEMV arrived as th
 assert all(kern43[(f"attnres_rms_gemv@ks{k}", sh, b)]["fast_us_median"] > kern43[("attnres_rms_gemv", sh, b)]["fast_us_median"]
            for k in (1, 2, 8) for sh in ("k3_rank16", "k3_rank8") for b in (1, 2))
 print("ok (v11, k split)")
+
+# %% [markdown]
+# ## 13. A different engine: the weights through a bulk-copy ring (v12, session 16)
+# First, v11.1 (`s44`): the prologue kernel now launched the GEMV right after its wait, so the GEMV's CTAs did copy
+# their first row groups while the prologue ran. It was slower again. The prologue kernel stretched while the
+# copies ran, and the GEMV still ended where the fused kernel does: staging the first groups does not speed up the
+# loop after them. v11 is gone (its code is at 6874cfa).
+#
+# Then Nsight Compute on the question s43 left (`ncu5`): what does cuBLAS's GEMV do on the same x and weights? It
+# is `nvjet_sm90_tst_64x8…`, a TMA + WGMMA kernel: ~100 CTAs of 384 threads, each with a 164 KB shared-memory
+# pipeline, and a fifth of our instructions. The TMA unit keeps a whole pipeline of weights in flight per SM without
+# a register or a load instruction per 16 bytes, which is what sessions 10-12 could not buy with register loads.
+
+# %%
+ncu5 = ["traces/h200/ncu-b845cf5-ncu5/ncu-bench_kernel_gemv_in_proj_plain_shape_k3_rank8.txt",
+        "traces/h200/ncu-b845cf5-ncu5/ncu-bench_kernel_gemv_in_proj_plain_shape_k3_rank8_stock_1.txt",
+        "traces/h200/ncu-b845cf5-ncu5/ncu-bench_kernel_gemv_in_proj_plain_shape_k3_rank16.txt",
+        "traces/h200/ncu-b845cf5-ncu5/ncu-bench_kernel_gemv_in_proj_plain_shape_k3_rank16_stock_1.txt"]
+print(nbtools.ncu_table(ncu5))
+with open(os.path.join(nbtools.ROOT, ncu5[1])) as f:
+    print([ln.strip() for ln in f if ln.strip().startswith("nvjet")][0][:90])
+
+# %% [markdown]
+# `k3fast/rms_gemv_ring.py` does that without a tensor map. One CTA per SM owns a contiguous run of weight rows, so
+# its bytes are one contiguous range. A producer warp copies two rows (28 KB) at a time with `cp.async.bulk` into a
+# ring of 6-8 shared-memory slots; each slot has a "full" mbarrier (the copy's byte count completes it) and an
+# "empty" one (each of the 14 consumer warps arrives once it has read the slot). A consumer warp takes a seventh of
+# a row's K, with its x values in registers, so the loop reads only weights from shared memory. The first slots fill
+# before the PDL wait. The AttnRes prologue (rms_gemv's code, unchanged) stages its source rows in the ring's later
+# slots, which the producer fills after the prologue's last read, behind a proxy fence.
+
+# %%
+from k3fast import rms_gemv_ring
+print("grid, busiest CTA's chunks (rank16 / rank8):", [(rms_gemv_ring.grid_for(n), rms_gemv_ring.chunks_max(n))
+                                                      for n in (3216, 6288)])
+print("ring slots, filled before the prologue (M = 1, n_blocks = 1 / 8):",
+      [rms_gemv_ring.ring_plan(1, 7168, nb, rms_gemv_ring.chunks_max(6288), True) for nb in (1, 8)])
+if dsl_available():
+    ring_ptx = [ln.strip() for ln in rms_gemv_ring.ring_ptx(N16).splitlines()]
+    first = lambda pat: next(i for i, ln in enumerate(ring_ptx) if pat in ln)   # noqa: E731
+    print("PTX line of the first bulk copy / the PDL wait / the proxy fence:",
+          first("cp.async.bulk.shared::cluster.global"), first("griddepcontrol.wait"),
+          first("fence.proxy.async.shared::cta"))
+
+# %% [markdown]
+# `s45` measured it beside the FMA kernels and cuBLAS (kernel bench, L2 flushed, one run), then the attention half
+# with it (`fast-inring`) beside stock; `s46` repeated the layer A/B with the ring as the default (`fast-infma` is
+# the FMA kernel).
+
+# %%
+kern45 = {}
+with open(os.path.join(nbtools.ROOT, "traces/h200/kernels-afcdadf-s45.json")) as f:
+    for r in json.load(f)["records"]:
+        kern45[(r["kernel"], r["shape"], r["batch"])] = r
+cells = [(sh, b) for sh in ("k3_rank16", "k3_rank8") for b in (1, 2)]
+print(f"{'(bench, µs)':28s}" + "".join(f"{sh[3:]} b{b:<6d}" for sh, b in cells))
+for name in ("gemv_in_proj_plain", "gemv_in_proj_plain@ring", "attnres_rms_gemv", "attnres_rms_gemv@ring"):
+    print(f"{name:28s}" + "".join(f"{kern45[(name, sh, b)]['fast_us_median']:12.1f}" for sh, b in cells))
+print(f"{'cuBLAS (torch F.linear)':28s}" + "".join(f"{kern45[('gemv_in_proj_plain', sh, b)]['stock_us_median']:12.1f}"
+                                                for sh, b in cells))
+print(nbtools.ncu_table(["traces/h200/ncu-afcdadf-ncu7/ncu-bench_kernel_gemv_in_proj_plain@ring_shape_k3_rank8.txt",
+                         "traces/h200/ncu-afcdadf-ncu7/ncu-bench_kernel_attnres_rms_gemv@ring_shape_k3_rank16.txt",
+                         "traces/h200/ncu-afcdadf-ncu7/ncu-bench_kernel_attnres_rms_gemv_shape_k3_rank16.txt"]))
+s46 = "traces/h200/records-d9e6f60-s46.json"
+for sh in ("k3_rank16", "k3_rank8"):
+    print(nbtools.ab_table(s46, "attn", ["stock", "fast", "fast-infma"], shape=sh))
+with open(os.path.join(nbtools.ROOT, "traces/h200/records-afcdadf-s45.json")) as f:
+    attn45 = {(r["shape"], r["batch"], r["impl"]): r for r in json.load(f)["records"] if r["part"] == "attn"}
+for impl in ("fast", "fast-inring"):
+    ks_ = attn45[("k3_rank8", 1, impl)]["replay_timeline"]["kernels"]
+    print(f"rank8 b1 {impl:12s} " + " | ".join(f"{k[0].split('_build')[0][28:]} {k[1]:.1f}+{k[2]:.1f}" for k in ks_))
+
+# %% [markdown]
+# The bare ring reads the rank8 in_proj at 3.45 TB/s, 82 % of the copy bandwidth measured in the same run, where
+# the FMA GEMV reaches 2.63 and cuBLAS 3.0; with the prologue it is 4-6 µs faster than the fused FMA kernel at every
+# cell. In the attention half it gains 2 µs at b1 and ~4 at b2: rank16 b1 is 2.08x stock, b2 2.16x. Rank8 b1 stays
+# at 1.69x. The timeline says where the rest went: the KDA step's CTAs, launched by the ring's early trigger, sit
+# beside the ring's CTAs from 2.5 µs, and after the ring ends the KDA step and o_proj take ~3 µs longer than they do
+# after the FMA kernel. `fast-ringlate` (the ring's trigger at its end) is written to test that (`s47`).
+
+# %%
+assert all(kern45[("gemv_in_proj_plain@ring", sh, b)]["fast_us_median"]
+           < min(kern45[("gemv_in_proj_plain", sh, b)]["fast_us_median"],
+                 kern45[("gemv_in_proj_plain", sh, b)]["stock_us_median"]) for sh, b in cells)
+assert all(kern45[("attnres_rms_gemv@ring", sh, b)]["fast_us_median"]
+           < kern45[("attnres_rms_gemv", sh, b)]["fast_us_median"] - 3 for sh, b in cells)
+with open(os.path.join(nbtools.ROOT, s46)) as f:
+    attn46 = {(r["shape"], r["batch"], r["impl"]): r for r in json.load(f)["records"] if r["part"] == "attn"}
+assert all(attn46[(sh, b, "fast")]["replay_us_median"] < attn46[(sh, b, "fast-infma")]["replay_us_median"]
+           for sh, b in cells)
+assert all(attn46[(sh, b, "stock")]["replay_us_median"] / attn46[(sh, b, "fast")]["replay_us_median"] > 1.8
+           for sh in ("k3_rank16",) for b in (1, 2))
+tl = attn45[("k3_rank8", 1, "fast-inring")]["replay_timeline"]["kernels"]
+assert tl[1][1] < 0.2 * tl[0][2]          # the KDA step arrived early in the ring's run
+print("ok (v12)")

@@ -522,3 +522,35 @@ assert rot_decode_exact
 assert vec_vs_loop < 1e-10
 assert torch.equal(W1.bfloat16().double(), W1)
 print("ok")
+
+# %% [markdown]
+# ## 19. Where the experts kernel's b1 time goes after its weights (Nsight Compute, session 16)
+# The stage probes (`moe_mxfp4_experts.PROBES`, section 10) stop the kernel after a stage. `ncu6` ran the kernel
+# and each probe under Nsight Compute at rank16 b1, one profiled launch each, and read the busiest SM's active
+# cycles (`sm__cycles_active.max`) beside the duration: a probe that stops after FC2 has read every weight byte, so what the full kernel adds to it
+# is the routing weight, the part reduction and the combine.
+
+# %%
+import os
+import re
+ncu6 = {case: os.path.join("traces/h200/ncu-6874cfa-ncu6", f"ncu-experts_shape_k3_rank16_batch_1{suffix}.txt")
+        for case, suffix in (("kernel", ""), ("sort", "_probe_sort"), ("fc1", "_probe_fc1"), ("fc2", "_probe_fc2"),
+                             ("stream", "_probe_stream"))}
+busiest = {}
+for case, path in ncu6.items():
+    with open(os.path.join(nbtools.ROOT, path)) as f:
+        busiest[case] = float(re.search(r"sm__cycles_active\.max\s+cycle\s+([\d,]+)", f.read()).group(1).replace(",", ""))
+    r = nbtools.recorded_ncu(path)
+    print(f"{case:7s} {r['duration_us']:6.2f} us  busiest SM {busiest[case] / 1e3:5.1f} k cycles  DRAM {r['dram_pct']:5.1f} %")
+print(f"after FC2: {(busiest['kernel'] - busiest['fc2']) / 1e3:.1f} k cycles of the busiest SM")
+
+# %% [markdown]
+# About 9.5 k of the busiest SM's 28 k cycles (~4.8 µs) come after FC2, when no weight bytes are left to read; the
+# stream probe (every load, no decode or MMA) carries ~7 k of them too. That stage, not the weight stream, is the
+# largest term left in the kernel at b1, and the one the persistent-MoE lead (k3fast/LOG.md, session 15) has to
+# shorten.
+
+# %%
+assert busiest["kernel"] - busiest["fc2"] > 8e3 and busiest["stream"] - busiest["fc2"] > 5e3
+assert busiest["sort"] < busiest["fc1"] < busiest["fc2"] < busiest["kernel"]
+print("ok (ncu6)")
