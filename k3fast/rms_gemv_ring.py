@@ -99,10 +99,10 @@ def ring_plan(MB: int, K: int, nb: int, cmax: int, fused: bool) -> tuple[int, in
     """(D, D1): ring slots that fit the CTA's shared memory next to the other buffers, and how many of them the
     producer may fill before the AttnRes prologue (the others hold the prologue's staged source rows)."""
     cb = RPC * K * 2
-    fixed = 2 * 8 * 16 + cmax * RPC * WPR * MB * 4 + SMEM_SLACK
+    fixed = 2 * 8 * 16 + cmax * RPC * WPR * MB * 4 + SMEM_SLACK     # mbarriers (D <= 16), partial sums, padding
     if fused:
         fixed += MB * K * 2 + WARPS * 2 * (nb + 1) * 4 + WARPS * 4
-    D = (SMEM_PER_CTA_MAX - fixed) // cb
+    D = min(16, (SMEM_PER_CTA_MAX - fixed) // cb)     # 16 slots are plenty at any K; the mbarrier bound above
     D1 = D - (math.ceil((nb + 1) * K * 2 / cb) if fused else 0)
     if D < 2 or D1 < 1:
         raise ValueError(f"rms_gemv_ring: shared memory holds {D} ring slots of {cb} B ({D1} before the prologue) at "
@@ -112,7 +112,7 @@ def ring_plan(MB: int, K: int, nb: int, cmax: int, fused: bool) -> tuple[int, in
 
 def _build_kernel_class():
     cutlass, cute = import_cute()
-    from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+    from cutlass import BFloat16, Float32, Int64, const_expr
     from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
     from . import rms_gemv
 
@@ -311,10 +311,11 @@ def _compile(key):
     return compile_cached(key, lambda: _build(M, K, cmax, True, nb, hd, bw, wln, eps, et))
 
 
-def ring_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, fused: bool = True) -> str:
+def ring_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, fused: bool = True,
+             early_trigger: bool = True) -> str:
     """PTX of the ring kernel (uncached; for reading and the CPU tests)."""
     from .ptxcheck import compiled_ptx
-    return compiled_ptx(lambda: _build(M, K, chunks_max(N), fused, n_blocks, True, -1, "bf16", 1e-5, True,
+    return compiled_ptx(lambda: _build(M, K, chunks_max(N), fused, n_blocks, True, -1, "bf16", 1e-5, early_trigger,
                                        options=TVM_FFI + " --keep-ptx"))
 
 

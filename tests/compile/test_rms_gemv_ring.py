@@ -94,3 +94,19 @@ def test_ptx_order_and_registers():
         for fused in (False, True):
             res = ptxas_resources(G.ring_ptx(6288, M=M, n_blocks=8, fused=fused), tools[0])
             assert res["spill_store_bytes"] == 0 and res["registers"] <= 128, (M, fused, res)
+
+
+@needs_dsl
+@pytest.mark.parametrize("early", [True, False])
+def test_trigger_placement(early):
+    """v12 launches its dependent right after its wait (the layer's default); v12.1 ("fast-ringlate") after its last
+    store of y."""
+    lines = [ln.strip() for ln in G.ring_ptx(6288, M=1, n_blocks=1, early_trigger=early).splitlines()]
+    trig = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")]
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    stores = [i for i, ln in enumerate(lines) if ln.startswith("st.global")]
+    assert len(trig) == 1
+    if early:
+        assert wait < trig[0] < wait + 4
+    else:
+        assert trig[0] > max(stores)
