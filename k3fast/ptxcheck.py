@@ -250,6 +250,7 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
     from contextlib import contextmanager
 
     from . import kda_conv_gate_step as kda, moe_mxfp4_experts as mx, moe_tail, oproj_attnres as oa, rms_gemv
+    from . import rms_gemv_ring
     from . import router_down_topk as rdt
     from ._dsl import TVM_FFI
     from k3ref import k3_rank
@@ -270,7 +271,11 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
               ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=1", lambda: rms_gemv.fused_ptx(3216, G=2)),
               ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, G=2)),
               ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=1", lambda: rms_gemv.fused_ptx(3216, pin=True)),
-              ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, pin=True))]
+              ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, pin=True)),
+              ("attnres_rms_gemv_ring (the in_proj at M <= 2 since session 16)", "M=1",
+               lambda: rms_gemv_ring.ring_ptx(3216)),
+              ("attnres_rms_gemv_ring (the in_proj at M <= 2 since session 16)", "M=2",
+               lambda: rms_gemv_ring.ring_ptx(3216, M=2))]
     with keep_ptx(kda, oa, moe_tail, rdt):
         kkey = kda.compile_key(cfg.kda_heads, 1, kda.choose_nsplit(1, cfg.kda_heads))
         _, kp, nb, tg = oa.compile_key(768, 1, 1)
