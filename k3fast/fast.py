@@ -141,7 +141,7 @@ class FastImpl:
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
-                 inproj_early_trigger: bool | None = None):
+                 inproj_early_trigger: bool | None = None, oproj_stage_rest: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -240,6 +240,7 @@ class FastImpl:
         # "fast-endtrig" keeps the triggers at the kernels' ends
         self.attn_early_trigger = attn_early_trigger
         self.oproj_preload = oproj_preload   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")
+        self.oproj_stage_rest = oproj_stage_rest  # None: oproj_attnres.STAGE_REST (True: its v1.3, "fast-opstage")
         self.gemv_pin = gemv_pin             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")
         self.kda_preload = kda_preload       # None: kda_conv_gate_step.PRELOAD (True: its v3, "fast-kdapre")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
@@ -281,6 +282,8 @@ class FastImpl:
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
+                        + ("" if oproj_stage_rest is None else
+                           f", o_proj rest of the slice in shared memory {'on' if oproj_stage_rest else 'off'}")
                         + ("" if attn_early_trigger else ", attention PDL triggers at the kernels' ends")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
@@ -328,7 +331,8 @@ class FastImpl:
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                               w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
-                              out_x=io.x_mlp, out_partial=io.partial, preload_wpost=self.oproj_preload)
+                              out_x=io.x_mlp, out_partial=io.partial, preload_wpost=self.oproj_preload,
+                              stage_rest=self.oproj_stage_rest)
             else:
                 oproj_attnres_cublas(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,

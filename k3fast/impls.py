@@ -477,6 +477,8 @@ FAST_VARIANTS = {
     "fast-inring": {"inproj_engine": "ring"},  # = fast since session 16 (the name s45 measured it under)
     "fast-infma": {"inproj_engine": "fma"},    # the in_proj on rms_gemv's FMA kernel at M <= 2 (before session 16)
     "fast-ringlate": {"inproj_early_trigger": False},  # the ring in_proj launches the KDA step at its end
+    "fast-opstage": {"oproj_stage_rest": True},  # oproj_attnres v1.3: its whole weight slice loaded before the wait
+    "fast-opstagelate": {"oproj_stage_rest": True, "inproj_early_trigger": False},   # ... with fast-ringlate
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
     # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7

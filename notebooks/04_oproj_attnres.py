@@ -97,3 +97,33 @@ print(nbtools.ab_table("traces/h200/records-84291ed-s9perf.json", "attn", ["stoc
 assert split_err < 1e-12
 assert rec["source"] is None or rec["passed"] + rec["failed"] > 0
 print("ok")
+
+# %% [markdown]
+# ## 7. The whole slice before the wait (v1.3, written in session 16, measured by `s47`)
+# The GEMV CTAs issue their first register stages before the PDL wait, so the weights stream while the KDA step
+# runs. At rank16 those stages hold a CTA's whole 64-row slice; at rank8 (Kp = 1536) only its first half, and the
+# second half is loaded after the wait. The layer's timelines show what that costs: o_proj ends 5.0 µs after the
+# KDA step at rank16 and 8-12 µs after it at rank8. v1.3 (`stage_rest`, `fast-opstage`) copies the rest of the
+# slice into shared memory with one `cp.async.bulk` per row before the wait, into the region the epilogue CTAs use
+# for the blocks, and reads its fragments from there afterwards: the same stages in the same order, bit-identical.
+
+# %%
+import json
+import os
+with open(os.path.join(nbtools.ROOT, "traces/h200/records-d9e6f60-s46.json")) as f:
+    s46 = [r for r in json.load(f)["records"] if r["part"] == "attn" and r["impl"] in ("fast", "fast-infma")]
+after_kda = {}
+for r in s46:
+    ks_ = r["replay_timeline"]["kernels"]
+    after_kda[(r["shape"], r["batch"], r["impl"])] = (ks_[2][1] + ks_[2][2]) - (ks_[1][1] + ks_[1][2])
+    print(f"{r['shape']} b{r['batch']} {r['impl']:11s} o_proj ends {after_kda[(r['shape'], r['batch'], r['impl'])]:.1f} µs"
+          " after the KDA step")
+from k3fast import oproj_attnres
+print("rest_plan (k held in registers, smem row pitch): rank16", oproj_attnres.rest_plan(768, 8, 1),
+      " rank8", oproj_attnres.rest_plan(1536, 8, 1))
+
+# %%
+assert all(after_kda[(sh, b, i)] < 6.0 for (sh, b, i) in after_kda if sh == "k3_rank16")
+assert all(after_kda[(sh, b, i)] > 7.5 for (sh, b, i) in after_kda if sh == "k3_rank8")
+assert oproj_attnres.rest_plan(768, 8, 1)[1] == 0 < oproj_attnres.rest_plan(1536, 8, 1)[1]
+print("ok (v1.3 written)")

@@ -442,8 +442,11 @@ case "${1:-}" in
             -k "attention_half or full_width or graph_replay or ops_match" || true
           K3_SWEEP_TIMEOUT=200 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank16 k3_rank8 \
             --batches 1 2 --impls stock fast fast-infma --budget-s 170 ;;
-  # session 16's last device minutes (no vLLM): the ring in_proj's PDL trigger at its end against right after its wait
-  s47)    K3_SWEEP_TIMEOUT=150 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank8 k3_rank16 \
-            --batches 1 --impls fast fast-ringlate fast-infma --budget-s 120 ;;
+  # written in session 16 for session 17 (stage with vLLM): oproj_attnres v1.3 (the rest of the weight slice in
+  # shared memory before the wait) and the ring in_proj's trigger at its end, their tests, then the A/B beside stock
+  s47)    K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_oproj_attnres.py tests/gpu/test_fast_layer.py \
+            -k "stage_rest or opstage" || true
+          K3_SWEEP_TIMEOUT=300 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank8 k3_rank16 \
+            --batches 1 2 --impls stock fast fast-opstage fast-ringlate fast-opstagelate fast-infma --budget-s 270 ;;
   *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47"; exit 2 ;;
 esac

@@ -126,3 +126,50 @@ def test_preload_wpost_moves_the_last_loads(nb):
         oa.TVM_FFI = old
     assert any(op.startswith("ld.global") for op in tails[False])
     assert tails[True] and all(op.startswith("st.global") for op in tails[True])
+
+
+def test_stage_rest_plan():
+    """v1.3 applies where the register stages hold part of the slice: rank8 at the tg 1 / 2 / 4 buckets; rank16's
+    slice fits the stages already, full width's rest does not fit in shared memory."""
+    assert oa.rest_plan(768, 8, 1) == (768, 0)
+    assert oa.rest_plan(12288, 1, 1) == (12288, 0)
+    for tg in (1, 2):
+        assert oa.rest_plan(1536, 8, tg) == (768, 800)
+    kreg, pitch = oa.rest_plan(1536, 8, 4)
+    assert kreg == 384 and pitch == 1536 - 384 + 32
+    from k3fast._dsl import SMEM_PER_CTA_MAX
+    for nb in range(0, 9):
+        for tg in (1, 2, 4, 8):
+            kreg, pitch = oa.rest_plan(1536, nb, tg)
+            if pitch:
+                assert 2 * max(64 * pitch, nb * oa.D) + oa.KS * 8 * tg * oa.MSTRIDE * 4 < SMEM_PER_CTA_MAX
+
+
+@needs_dsl
+@pytest.mark.parametrize("nb", [1, 8])
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_stage_rest_compiles_and_orders(nb, m):
+    """v1.3's bulk copies are issued before griddepcontrol.wait and waited on after it; the same occupancy as
+    without it, no spills (ptxas where found)."""
+    ptx = oa.oproj_ptx(1536, nb, m, stage_rest=True)
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    first = lambda pat: next(i for i, ln in enumerate(lines) if pat in ln)   # noqa: E731
+    wait = first("griddepcontrol.wait")
+    assert first("cp.async.bulk.shared::cluster.global") < wait < first("mbarrier.try_wait")
+    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    tools = find_sass_tools()
+    if tools is None:
+        pytest.skip("ptxas not found (registers / spills need it)")
+    res, base = ptxas_resources(ptx, tools[0]), ptxas_resources(oa.oproj_ptx(1536, nb, m, stage_rest=False), tools[0])
+    # no fewer CTAs per SM (256 threads: 2 at <= 128 registers, else 1), no spills
+    assert res["spill_store_bytes"] == 0 and (res["registers"] <= 128 or base["registers"] > 128), (res, base)
+
+
+def test_stage_rest_keeps_the_key_where_it_does_not_apply(monkeypatch):
+    """Where rest_plan has no rest (rank16, full width) stage_rest=True compiles nothing new."""
+    seen = []
+    monkeypatch.setattr(oa, "compile_cached", lambda key, build: seen.append(key))
+    oa.get_kernel(768, 3, 1, True, True)
+    oa.get_kernel(768, 3, 1, True, False)
+    oa.get_kernel(1536, 3, 1, True, True)
+    assert seen[0] == seen[1] and seen[2][-1] == "stage_rest"
