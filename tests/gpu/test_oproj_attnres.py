@@ -222,13 +222,16 @@ def test_deterministic():
 def test_preload_wpost_is_bit_identical(m, kp, nb, boundary):
     """v1.2 (preload_wpost) moves the w_post loads before the PDL wait; x and p' must equal the default's bit for
     bit (poisoned outputs), and the result must still pass the reference check."""
-    y, w_o, blocks, partial, u, w_post = make_inputs(m, kp, nb, seed=40 + m)
-    x1, p1 = oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, boundary=boundary,
-                              preload_wpost=False)
+    _assert_option_bit_identical("preload_wpost", m, kp, nb, boundary, seed=40 + m)
+
+
+def _assert_option_bit_identical(option, m, kp, nb, boundary, seed):
+    y, w_o, blocks, partial, u, w_post = make_inputs(m, kp, nb, seed=seed)
+    x1, p1 = oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, boundary=boundary, **{option: False})
     x2 = torch.full((m, D), float("nan"), dtype=BF, device="cuda")
     p2 = torch.full((m, D), float("nan"), dtype=BF, device="cuda")
     oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, boundary=boundary, out_x=x2, out_partial=p2,
-                     preload_wpost=True)
+                     **{option: True})
     torch.cuda.synchronize()
     assert torch.equal(x1, x2) and torch.equal(p1, p2)
     check(x2, p2, y, w_o, blocks, nb, partial, u, w_post, boundary)
@@ -240,15 +243,7 @@ def test_stage_rest_is_bit_identical(m, kp, nb, boundary):
     """v1.3 (stage_rest) takes the slice's k >= KREG from shared memory (bulk-copied before the PDL wait) instead of
     from global after it: the same stages in the same order, so x and p' equal the default's bit for bit (poisoned
     outputs). kp 768 has no rest (the same build); m 32 is the tg 4 bucket (3 of 4 stages from shared memory)."""
-    y, w_o, blocks, partial, u, w_post = make_inputs(m, kp, nb, seed=60 + m)
-    x1, p1 = oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, boundary=boundary, stage_rest=False)
-    x2 = torch.full((m, D), float("nan"), dtype=BF, device="cuda")
-    p2 = torch.full((m, D), float("nan"), dtype=BF, device="cuda")
-    oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, boundary=boundary, out_x=x2, out_partial=p2,
-                     stage_rest=True)
-    torch.cuda.synchronize()
-    assert torch.equal(x1, x2) and torch.equal(p1, p2)
-    check(x2, p2, y, w_o, blocks, nb, partial, u, w_post, boundary)
+    _assert_option_bit_identical("stage_rest", m, kp, nb, boundary, seed=60 + m)
 
 
 def test_stage_rest_in_a_graph():
