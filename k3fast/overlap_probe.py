@@ -198,9 +198,8 @@ def main(argv=None) -> int:
                 stream_bytes = xs.numel() * 4
                 rec = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
                        "fill_bytes": fill_bytes, "fill_ctas": ctas, "fill_smem_per_cta": steps * STEP_BYTES,
-                       "stream_bytes": stream_bytes, "stream_carveout": carve, "stream_first": args.stream_first, "stream_smem": args.stream_smem,
-                       "timing": "graph" if args.graph else "eager",
-                       "reps": args.reps,
+                       "stream_bytes": stream_bytes, "stream_carveout": carve, "stream_first": args.stream_first,
+                       "stream_smem": args.stream_smem, "timing": "graph" if args.graph else "eager", "reps": args.reps,
                        "copy_tbps": round(bw, 4),
                        "floor_us_both": round((fill_bytes + stream_bytes) / (bw * 1e12) * 1e6, 3),
                        "floor_us_fill": round(fill_bytes / (bw * 1e12) * 1e6, 3),

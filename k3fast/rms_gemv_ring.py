@@ -72,7 +72,8 @@ from __future__ import annotations
 
 import math
 
-from ._dsl import SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, gemv_operands,
+                   import_cute)
 
 NUM_SMS = 132
 WARPS = 16
@@ -90,9 +91,9 @@ def grid_for(N: int) -> int:
 
 
 def chunks_max(N: int) -> int:
-    """The most two-row chunks any CTA of the grid takes (sizes the partial-sum buffer)."""
-    P, G = N // RPC, grid_for(N)
-    return max((b + 1) * P // G - b * P // G for b in range(G))
+    """The most two-row chunks any CTA of the grid takes (sizes the partial-sum buffer): CTA b takes pairs
+    [b P / G, (b + 1) P / G), so the largest share is ceil(P / G)."""
+    return -(-(N // RPC) // grid_for(N))
 
 
 def ring_plan(MB: int, K: int, nb: int, cmax: int, fused: bool) -> tuple[int, int]:
@@ -331,16 +332,9 @@ def _check_w(w, K, dev):
 
 def gemv_ring(x, w, out=None, *, early_trigger: bool = False):
     """y[M, N] = x[M, K] @ w[N, K]^T through the bulk-copy ring (M <= 2, bf16 in / out, fp32 accumulate)."""
-    import torch
-    check_tensor("x", x, dtype=torch.bfloat16)
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
-        raise ValueError(f"x: expected [M <= {MAX_M}, K], got {list(x.shape)}")
-    M, K = x.shape
-    N = _check_w(w, K, x.device)
-    if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
-    else:
-        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=x.device, align=2)
+    M, N, K, out = gemv_operands(x, w, out, k_multiple=K_UNIT)
+    if M > MAX_M:
+        raise ValueError(f"x: the ring GEMV takes M <= {MAX_M} (x of every token in registers), got {M}")
     _compile(compile_key(M, K, N, False, early_trigger=early_trigger))(x, w, out, None, None, None, None, None, None)
     return out
 

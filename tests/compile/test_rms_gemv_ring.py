@@ -11,7 +11,6 @@ from attnres_cases import k3_attnres_variants
 
 pytestmark = pytest.mark.compile
 needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm_ffi not importable")
-IN_PROJ = {"rank16": 3216, "rank8": 6288, "full": 49376}
 
 
 def test_grid_and_chunks():
@@ -49,7 +48,7 @@ def test_bad_inputs_are_refused():
     w = torch.zeros(64, 7168, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="M <= 2"):
         G.gemv_ring(x, w)
-    with pytest.raises(ValueError, match="multiple of 1792"):
+    with pytest.raises(ValueError, match="K of 1792"):
         G.gemv_ring(torch.zeros(1, 1024, dtype=torch.bfloat16), torch.zeros(64, 1024, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of 16"):
         G.gemv_ring(x[:1], torch.zeros(40, 7168, dtype=torch.bfloat16))
@@ -66,8 +65,8 @@ def test_bad_inputs_are_refused():
 def test_compile_in_proj_keys(cfg, M):
     """Every AttnRes site of the layer schedule (n_blocks, delta, block write) at this in_proj width, fused, and the
     bare GEMV the benchmark runs."""
-    N = 3216 if cfg.kda_heads == 6 else (6288 if cfg.kda_heads == 12 else 49376)
-    assert N == {6: IN_PROJ["rank16"], 12: IN_PROJ["rank8"]}.get(cfg.kda_heads, IN_PROJ["full"])
+    from k3fast.rms_gemv import k3_gemv_shapes
+    N = k3_gemv_shapes(cfg)["in_proj"][0]
     G._compile(G.compile_key(M, 7168, N, False, early_trigger=False))
     for nb, hd, bw in k3_attnres_variants(cfg):
         G._compile(G.compile_key(M, 7168, N, True, nb, hd, bw, "bf16", cfg.rms_norm_eps, True))
