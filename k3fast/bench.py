@@ -94,6 +94,11 @@ def _cases(cfg, batch: int):
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
         cases.append(("gemv_in_proj_plain@ring", lambda: gemv_ring(x, w_in), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
+        # v12.2 (opt-in): the tokens' AttnRes prologues in one pass, w_ln loaded with u (bit-identical)
+        cases.append(("attnres_rms_gemv@ringjoint",
+                      lambda: attnres_rms_gemv_ring(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
+                                                    partial_out=p_out, joint=True),
+                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 2:
         def unfused():
             xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)

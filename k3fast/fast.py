@@ -76,17 +76,21 @@ FRONT_DSL_MAX_M = 4
 # give the same bits at every batch.
 
 def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_write, partial_out,
-                    early_trigger=True, engine=None, mma=None, **fma_options):
+                    early_trigger=None, engine=None, mma=None, joint=None, **fma_options):
     """AttnRes #1 + input RMSNorm + packed in_proj as the layer runs it: rms_gemv_ring (one launch) at M <= 2 when
     ``engine`` (None = INPROJ_ENGINE) is "ring"; otherwise rms_gemv.attnres_rms_gemv, fused at M <= 2, its
     tensor-core GEMV up to INPROJ_DSL_MAX_M and cuBLAS above (``mma`` None = that rule; fma_options are
-    attnres_rms_gemv's opt-ins). Returns (y, partial_out)."""
+    attnres_rms_gemv's opt-ins). ``early_trigger`` None: each engine's default (the ring launches its dependent at
+    its end, rms_gemv_ring.EARLY_TRIGGER; the FMA kernels right after their wait). ``joint``: the ring's v12.2
+    prologue (None = rms_gemv_ring.JOINT_PROLOGUE). Returns (y, partial_out)."""
     M = partial.shape[0]
     if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
         from . import rms_gemv_ring
+        et = rms_gemv_ring.EARLY_TRIGGER if early_trigger is None else early_trigger
         return rms_gemv_ring.attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps,
                                                    block_write=block_write, partial_out=partial_out,
-                                                   early_trigger=early_trigger)
+                                                   early_trigger=et, joint=joint)
+    early_trigger = True if early_trigger is None else early_trigger
     from . import rms_gemv
     if mma is None:
         mma = "v2" if M <= INPROJ_DSL_MAX_M else "cublas"
@@ -141,7 +145,7 @@ class FastImpl:
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
-                 inproj_early_trigger: bool | None = None, oproj_stage_rest: bool | None = None):
+                 inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -230,17 +234,19 @@ class FastImpl:
         if inproj_engine not in (None, "fma", "ring"):
             raise ValueError(f"inproj_engine must be None, 'fma' or 'ring', got {inproj_engine!r}")
         self.inproj_engine = inproj_engine
-        # None: attn_early_trigger. False ("fast-ringlate"): only the in_proj launches the KDA step at its end, so
-        # the KDA CTAs do not sit beside the ring's CTAs from the start (s45's rank8 b1 timeline: the KDA step and
-        # o_proj took ~3 us longer after the ring in_proj than after the FMA one)
-        self.inproj_early_trigger = attn_early_trigger if inproj_early_trigger is None else inproj_early_trigger
+        # None: the in_proj engine's default when attn_early_trigger, else False. The ring launches the KDA step at
+        # its end (rms_gemv_ring v12.1, the default since s47: with the early trigger the KDA CTAs sat beside the
+        # ring's CTAs from its start and the chain after it took ~2 us longer at rank8 b1); "fast-ringearly" is the
+        # A/B, "fast-ringlate" the name s47 measured v12.1 under
+        self.inproj_early_trigger = inproj_early_trigger if inproj_early_trigger is not None else \
+            (None if attn_early_trigger else False)
         # The attention chain's PDL triggers right after each kernel's wait (in_proj -> KDA -> o_proj), so each
         # dependent's weight/state prologue overlaps its predecessor (rms_gemv v5, kda_conv_gate_step v2). The
         # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
         # "fast-endtrig" keeps the triggers at the kernels' ends
         self.attn_early_trigger = attn_early_trigger
+        self.inproj_joint = inproj_joint     # None: rms_gemv_ring.JOINT_PROLOGUE (True: its v12.2, "fast-injoint")
         self.oproj_preload = oproj_preload   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")
-        self.oproj_stage_rest = oproj_stage_rest  # None: oproj_attnres.STAGE_REST (True: its v1.3, "fast-opstage")
         self.gemv_pin = gemv_pin             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")
         self.kda_preload = kda_preload       # None: kda_conv_gate_step.PRELOAD (True: its v3, "fast-kdapre")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
@@ -279,11 +285,10 @@ class FastImpl:
                         + ("" if inproj_engine is None else f", in_proj engine {inproj_engine} at M <= 2")
                         + ("" if inproj_early_trigger is None else
                            f", in_proj PDL trigger {'early' if inproj_early_trigger else 'at its end'}")
+                        + ("" if inproj_joint is None else f", ring in_proj joint prologue {'on' if inproj_joint else 'off'}")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
-                        + ("" if oproj_stage_rest is None else
-                           f", o_proj rest of the slice in shared memory {'on' if oproj_stage_rest else 'off'}")
                         + ("" if attn_early_trigger else ", attention PDL triggers at the kernels' ends")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
@@ -317,7 +322,7 @@ class FastImpl:
                                       eps=cfg.rms_norm_eps,
                                       block_write=(l // cfg.attn_res_block_size) if boundary else -1,
                                       partial_out=p1, early_trigger=self.inproj_early_trigger,
-                                      engine=self.inproj_engine,
+                                      engine=self.inproj_engine, joint=self.inproj_joint,
                                       mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                       fused_groups=self.gemv_groups, pin_loads=self.gemv_pin,
                                       prefetch_groups=self.gemv_prefetch)
@@ -331,8 +336,7 @@ class FastImpl:
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                               w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
-                              out_x=io.x_mlp, out_partial=io.partial, preload_wpost=self.oproj_preload,
-                              stage_rest=self.oproj_stage_rest)
+                              out_x=io.x_mlp, out_partial=io.partial, preload_wpost=self.oproj_preload)
             else:
                 oproj_attnres_cublas(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,

@@ -476,9 +476,11 @@ FAST_VARIANTS = {
     # ring since session 16, which they do not change)
     "fast-inring": {"inproj_engine": "ring"},  # = fast since session 16 (the name s45 measured it under)
     "fast-infma": {"inproj_engine": "fma"},    # the in_proj on rms_gemv's FMA kernel at M <= 2 (before session 16)
-    "fast-ringlate": {"inproj_early_trigger": False},  # the ring in_proj launches the KDA step at its end
-    "fast-opstage": {"oproj_stage_rest": True},  # oproj_attnres v1.3: its whole weight slice loaded before the wait
-    "fast-opstagelate": {"oproj_stage_rest": True, "inproj_early_trigger": False},   # ... with fast-ringlate
+    "fast-ringlate": {"inproj_early_trigger": False},  # = fast since s47 (the ring launches the KDA step at its end)
+    "fast-ringearly": {"inproj_early_trigger": True},  # the ring's trigger right after its wait (s45-s46's default)
+    "fast-injoint": {"inproj_joint": True},    # rms_gemv_ring v12.2: the tokens' AttnRes prologues in one pass
+    # (fast-opstage / fast-opstagelate, oproj_attnres v1.3's rest of the slice in shared memory before the wait,
+    # measured slower at s47 and removed; code at 8574eb7)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
     # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7

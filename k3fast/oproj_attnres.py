@@ -31,8 +31,9 @@ v1.2 (2026-11-29, session 6; PRELOAD_WPOST, the default since session 7; "fast-s
     Measured (kernels-84291ed.json, records-84291ed-s9perf.json, one run; GPU tests passed): kernel bench b1 / b2 /
     b4 / b8 12.8 -> 11.4, 12.9 -> 11.6, 12.8 -> 11.6, 13.2 -> 12.1 us; attention half b1 36.7 -> 35.4 us
     (fast-wpost; stock 65.7 in the same run: 1.86x). Met. The default since session 7 ("fast-s8" keeps v1.1).
-v1.3 (2026-11-30, session 16; opt-in stage_rest / STAGE_REST, impl "fast-opstage"; CPU-compiled, measured by
-    h200_next s47) Where the register stage ring holds only part of a GEMV CTA's weight slice, the rest goes into
+
+v1.3 (2026-11-30, session 16; opt-in stage_rest, impl "fast-opstage"; measured at s47 and removed, code at
+    8574eb7) Where the register stage ring holds only part of a GEMV CTA's weight slice, the rest goes into
     shared memory by cp.async.bulk before griddepcontrol_wait too: at rank8 (Kp 1536) and M <= 16 the ring holds
     k < 768, and the 64 rows' k >= 768 (96 KB per CTA, one 1.5 KB bulk copy per row, rows 64 B apart in the banks)
     land in the region where the epilogue CTAs keep the blocks. After the wait the CTA consumes the register stages,
@@ -45,6 +46,14 @@ v1.3 (2026-11-30, session 16; opt-in stage_rest / STAGE_REST, impl "fast-opstage
     Prediction: rank8 attention half b1 45.8 -> ~42-43.5 us, b2 50.3 -> ~45-47 (o_proj ~5.5-6.5 us after the KDA
     step); rank16 unchanged (no rest). If it does not move, the o_proj CTAs are not resident while the KDA step
     runs (the loads then start at the wait anyway), and the timeline's o_proj start says so.
+    Measured (records-8574eb7-s47.json, one run beside stock; GPU tests: bit-identical at M 1-4, nb 1 / 8, boundary,
+    and in a graph): attention half fast -> fast-opstage rank8 b1 45.4 -> 45.5 us, b2 47.8 -> 51.5; with the ring's
+    late trigger (fast-ringlate -> fast-opstagelate) b1 43.1 -> 47.9, b2 48.3 -> 52.2; rank16 31.6 / 34.3 -> 31.7 /
+    34.0 (no rest, as predicted). Missed: no gain at b1, slower at b2 and with the late trigger. In the rank8 b2
+    timeline o_proj ends 13.7 us after the KDA step (9.9 without) and the KDA step is no shorter. Inference, not
+    measured (the timeline has no per-CTA record): with 96 KB of shared memory per GEMV CTA fewer of those CTAs fit
+    beside the KDA CTAs than with the register stages alone, so their copies start later than the loads they
+    replace. Removed, with STAGE_REST.
 
 What it replaces (k3-spec.md sections 4.2 steps 3-5, 4.3 "attn_res #2", 5, 6, 13.2 item 1)
 -----------------------------------------------------------------------------------------
@@ -120,8 +129,8 @@ Contracts
 import math
 from typing import Iterable
 
-from k3fast._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor,
-                         import_cute, weight_load_atom)
+from k3fast._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
+                         weight_load_atom)
 
 D = 7168                 # hidden size
 ROWS = 64                # o_proj output rows per GEMV CTA
@@ -143,9 +152,6 @@ KP_SUPPORTED = (768, 1536, 12288)
 # v1.2 (the default since session 7; "fast-s8" is the A/B without it): the epilogue loads w_post into registers
 # before griddepcontrol_wait (the version log says why)
 PRELOAD_WPOST = True
-# v1.3 (opt-in, "fast-opstage"): where the register stages hold only part of a GEMV CTA's weight slice (rank8, M <= 16:
-# half of it), the rest goes into shared memory by cp.async.bulk before griddepcontrol_wait as well
-STAGE_REST = False
 
 
 def _tg_bucket(m: int) -> int:
@@ -171,28 +177,11 @@ def compile_key(kp: int, n_blocks: int, m: int) -> tuple:
     return ("oproj_attnres", int(kp), int(n_blocks), _tg_bucket(int(m)))
 
 
-def rest_plan(kp: int, n_blocks: int, tg: int) -> tuple[int, int]:
-    """v1.3: (k covered by the register stages, bf16 per shared-memory row of the rest), or (kp, 0) when the register
-    stages already hold the whole slice or the rest does not fit beside the kernel's other shared memory."""
-    S = _stages(kp, tg)
-    kreg = KS * S * CHUNK
-    if kreg >= kp:
-        return kp, 0
-    # +32 bf16 (64 B) per row: the two rows of a quarter-warp's 16-byte fragment loads land 64 B apart in the banks
-    pitch = kp - kreg + 32
-    rest = ROWS * pitch
-    fixed = KS * 8 * tg * MSTRIDE * 4 + WARPS * 16 * 4 + 3 * 128 + 16
-    if fixed + 2 * max(rest, n_blocks * D) > SMEM_PER_CTA_MAX:
-        return kp, 0
-    return kreg, pitch
-
-
-def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, stage_rest: bool = False):
+def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False):
     cutlass, cute = import_cute()
-    from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+    from cutlass import BFloat16, Float32, Int32, const_expr
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
-    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
 
     NB = n_blocks
     MP = 8 * tg
@@ -204,11 +193,7 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, stage_r
     NRED = max(2 * NB, 2)
     red_words = KS * MP * MSTRIDE
     blk_elems = NB * D if (STAGE and NB > 0) else 8
-    KREG, RPITCH = rest_plan(kp, NB, tg) if stage_rest else (kp, 0)
-    REST = RPITCH > 0
-    # v1.3: the GEMV CTAs keep the rest of their slice where the epilogue CTAs keep the blocks (one region, two roles)
-    region = max(blk_elems, ROWS * RPITCH)
-    smem_bytes = red_words * 4 + region * 2 + WARPS * 16 * 4 + 3 * 128 + (16 if REST else 0)
+    smem_bytes = red_words * 4 + blk_elems * 2 + WARPS * 16 * 4 + 3 * 128
 
     def mma16816(acc, base, a0, a1, a2, a3, b0, b1):
         res = llvm.inline_asm(
@@ -275,11 +260,8 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, stage_r
             smem = cutlass.memory.SmemAllocator()
             sRed = smem.allocate_tensor(Float32, cute.make_layout((KS, MP, MSTRIDE),
                                                                   stride=(MP * MSTRIDE, MSTRIDE, 1)), 16)
-            sBlk = smem.allocate_tensor(BFloat16, cute.make_layout((region // VEC, VEC), stride=(VEC, 1)),
-                                        128 if REST else 16)
+            sBlk = smem.allocate_tensor(BFloat16, cute.make_layout((blk_elems // VEC, VEC), stride=(VEC, 1)), 16)
             sSum = smem.allocate_tensor(Float32, cute.make_layout(WARPS * 16), 16)
-            if const_expr(REST):
-                mbar = smem.allocate_array(Int64, 1)
 
             if bid < G:
                 # ============================== GEMV role ==============================
@@ -301,18 +283,6 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, stage_r
                 # weights do not depend on the predecessor: put the first S stages in flight now
                 for s in cutlass.range_constexpr(S):
                     self.load_w_stage(gW, rW, s, ks + KS * s, n0, t, w_atom)
-                if const_expr(REST):
-                    # v1.3: k >= KREG of the CTA's 64 rows into shared memory (one 16-byte aligned bulk copy per row,
-                    # all completing on one mbarrier whose expected bytes thread 0 sets before any copy is issued)
-                    if tid == 0:
-                        cute.arch.mbarrier_init(mbar, 1)
-                        cute.arch.mbarrier_init_fence()
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar, ROWS * (kp - KREG) * 2)
-                    cute.arch.sync_threads()
-                    if tid < ROWS:
-                        cp_async_bulk_shared_cluster_global(sBlk[tid * (RPITCH // VEC), None].iterator,
-                                                            gW[0, None, bid * ROWS + tid, KREG // VEC].iterator,
-                                                            mbar, (kp - KREG) * 2)
 
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
@@ -332,29 +302,14 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, stage_r
                         if mm < m_tok:
                             rPart[q] = mP[mm, bid * ROWS + r].to(Float32)
 
-                if const_expr(REST):
-                    # v1.3: the register stages, then the rest from shared memory: the same stages in the same
-                    # order as below, so the same MMAs on the same values (bit-identical)
+                for it in cutlass.range(NIT - 1):
                     for s in cutlass.range_constexpr(S):
-                        self.consume_stage(gY, rW, rY, acc, s, ks + KS * s, toks, t)
-                    cute.arch.mbarrier_wait(mbar, 0)
-                    lr = rg * 16 + g
-                    for it in cutlass.range_constexpr(1, NIT):
-                        for s in cutlass.range_constexpr(S):
-                            v0 = (ks + KS * (it * S + s)) * 4 + t - KREG // VEC
-                            cute.autovec_copy(sBlk[lr * (RPITCH // VEC) + v0, None], rW[s, 0, None])
-                            cute.autovec_copy(sBlk[(lr + 8) * (RPITCH // VEC) + v0, None], rW[s, 1, None])
-                        for s in cutlass.range_constexpr(S):
-                            self.consume_stage(gY, rW, rY, acc, s, ks + KS * (it * S + s), toks, t)
-                else:
-                    for it in cutlass.range(NIT - 1):
-                        for s in cutlass.range_constexpr(S):
-                            c = ks + KS * (it * S + s)
-                            self.consume_stage(gY, rW, rY, acc, s, c, toks, t)
-                            self.load_w_stage(gW, rW, s, c + KS * S, n0, t, w_atom)
-                    for s in cutlass.range_constexpr(S):
-                        c = ks + KS * ((NIT - 1) * S + s)
+                        c = ks + KS * (it * S + s)
                         self.consume_stage(gY, rW, rY, acc, s, c, toks, t)
+                        self.load_w_stage(gW, rW, s, c + KS * S, n0, t, w_atom)
+                for s in cutlass.range_constexpr(S):
+                    c = ks + KS * ((NIT - 1) * S + s)
+                    self.consume_stage(gY, rW, rY, acc, s, c, toks, t)
 
                 # K-split partial tiles -> smem (rows = o_proj outputs, cols = tokens)
                 for j in cutlass.range_constexpr(tg):
@@ -501,12 +456,11 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, stage_r
     return OprojAttnRes(), smem_bytes
 
 
-def _compile(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, stage_rest: bool = False,
-             options: str | None = None):
+def _compile(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
-    obj, _ = _build(kp, n_blocks, tg, preload_wpost, stage_rest)
+    obj, _ = _build(kp, n_blocks, tg, preload_wpost)
     m = cute.sym_int()
     nbs = cute.sym_int()
     fakes = (
@@ -520,8 +474,7 @@ def _compile(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, stage
         fake_tensor(BFloat16, (m, D)),                  # out_x
         fake_tensor(Int32, (4,)),                       # arrival counter
     )
-    return cute.compile(obj, *fakes, Int32(0), Float32(1e-5), fake_stream(),
-                        options=_options(tg) if options is None else options)
+    return cute.compile(obj, *fakes, Int32(0), Float32(1e-5), fake_stream(), options=_options(tg))
 
 
 def _options(tg: int) -> str:
@@ -531,20 +484,10 @@ def _options(tg: int) -> str:
     return TVM_FFI
 
 
-def get_kernel(kp: int, n_blocks: int, m: int, preload_wpost: bool | None = None, stage_rest: bool | None = None):
+def get_kernel(kp: int, n_blocks: int, m: int, preload_wpost: bool | None = None):
     pre = PRELOAD_WPOST if preload_wpost is None else bool(preload_wpost)
     key = compile_key(kp, n_blocks, m)
-    # v1.3 only where it changes the build (rest_plan): elsewhere the same compile key as without it
-    rest = (STAGE_REST if stage_rest is None else bool(stage_rest)) and rest_plan(key[1], key[2], key[3])[1] > 0
-    return compile_cached(key + (("preload_wpost",) if pre else ()) + (("stage_rest",) if rest else ()),
-                          lambda: _compile(key[1], key[2], key[3], pre, rest))
-
-
-def oproj_ptx(kp: int = 1536, n_blocks: int = 1, m: int = 1, stage_rest: bool = True) -> str:
-    """PTX of the kernel with w_post preloaded (the default), uncached, for reading and the CPU tests."""
-    from .ptxcheck import compiled_ptx
-    key = compile_key(kp, n_blocks, m)
-    return compiled_ptx(lambda: _compile(key[1], key[2], key[3], True, stage_rest, options=TVM_FFI + " --keep-ptx"))
+    return compile_cached(key + (("preload_wpost",) if pre else ()), lambda: _compile(key[1], key[2], key[3], pre))
 
 
 def compile_keys(kp_list: Iterable[int] = KP_SUPPORTED, n_blocks_list: Iterable[int] = range(1, 9),
@@ -622,14 +565,12 @@ def _check_inputs(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps, out_x, 
 
 
 def oproj_attnres(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, *, eps=1e-5, boundary=False,
-                  out_x=None, out_partial=None, counter=None, preload_wpost=None, stage_rest=None):
+                  out_x=None, out_partial=None, counter=None, preload_wpost=None):
     """x_moe, partial_new = post-attention half of a K3 layer's decode step (see module docstring).
 
     y [M, Kp] bf16, w_o [7168, Kp] bf16, blocks [M, >=n_blocks, 7168] bf16, partial [M, 7168] bf16,
     u_mlp [7168] fp32, w_post [7168] bf16. Returns (x_moe [M, 7168] bf16, partial_new [M, 7168] bf16).
     No host sync; capturable in a CUDA graph after ``warmup``. preload_wpost: v1.2 (None = PRELOAD_WPOST).
-    stage_rest: v1.3 (None = STAGE_REST), the weights the register stages do not hold go into shared memory before
-    the PDL wait too (where rest_plan allows; bit-identical).
     """
     import torch
     _check_inputs(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps, out_x, out_partial, counter)
@@ -639,6 +580,6 @@ def oproj_attnres(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, *, eps=1e-5,
     if out_partial is None:
         out_partial = torch.empty((m, D), dtype=torch.bfloat16, device=y.device)
     cnt = counter if counter is not None else _workspace(y.device)
-    fn = get_kernel(kp, n_blocks, m, preload_wpost, stage_rest)
+    fn = get_kernel(kp, n_blocks, m, preload_wpost)
     fn(y, w_o, blocks, partial, u_mlp, w_post, out_partial, out_x, cnt, 1 if boundary else 0, float(eps))
     return out_x, out_partial

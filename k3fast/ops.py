@@ -50,7 +50,7 @@ def attnres_rms_gemv(blocks: torch.Tensor, n_blocks: int, partial: torch.Tensor,
                      partial_out: torch.Tensor) -> torch.Tensor:
     from .fast import attnres_in_proj
     y, _ = attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps, block_write=block_write,
-                           partial_out=partial_out, early_trigger=True)
+                           partial_out=partial_out)
     return y
 
 

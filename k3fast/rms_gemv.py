@@ -432,12 +432,26 @@ def _build_kernels():
     def _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, dst, sV, sRedA, sRedB, tid, warp, lane,
                        is_writer):
         """AttnRes mix + RMSNorm of token m by the whole CTA; dst (flat-divided (1,8) view, row m) gets
-        bf16(w_ln * m * rstd). Every thread ends with identical statistics (fixed reduction order).
+        bf16(w_ln * m * rstd). Every thread ends with identical statistics (fixed reduction order)."""
+        _attnres_tokens(self, (m,), mBlocks, mP, mD, mPout, mU, mWln, dst, sV, sRedA, sRedB, tid, warp, lane,
+                        is_writer)
 
-        The sources are staged in smem sV [NS, K] (each thread re-reads only what it wrote, so no barrier
-        is needed between the two passes): holding them in registers made ptxas keep their fp32 copies
-        live across the reduction and spill at the 128-register cap of a 512-thread CTA."""
+    @cute.jit
+    def _attnres_tokens(self, ms, mBlocks, mP, mD, mPout, mU, mWln, dst, sV, sRedA, sRedB, tid, warp, lane,
+                        is_writer, hoist_wln: cutlass.Constexpr = False):
+        """The AttnRes mix + RMSNorm of the tokens ``ms`` (a tuple, one entry per token; _attnres_token's is
+        ``(m,)``) by the whole CTA, jointly: each phase runs for every token before the next phase, so the tokens
+        share one round of source loads and one CTA barrier per reduction instead of one each (rms_gemv_ring
+        v12.2's joint prologue at M = 2). Each token's arithmetic, and its order, is the one-token prologue's, so the
+        results are bit-identical to calling it token by token. sV [len(ms) * NS, K], sRedA [warps, len(ms) * 2 NS],
+        sRedB [warps, len(ms)]. hoist_wln: w_ln (a weight) is loaded with u at the start instead of after the
+        second reduction, so its round trip is not on the chain.
+
+        The sources are staged in smem sV (each thread re-reads only what it wrote, so no barrier is needed
+        between the two passes): holding them in registers made ptxas keep their fp32 copies live across the
+        reduction and spill at the 128-register cap of a 512-thread CTA."""
         NS = self.nb + 1
+        NM = len(ms)
         VPT = self.vpt
         NT = self.nthreads
         nvec = self.K // 8
@@ -446,10 +460,16 @@ def _build_kernels():
         gPo = cute.flat_divide(mPout, (1, 8))
         gU = cute.flat_divide(mU, (8,))
         sVv = cute.flat_divide(sV, (1, 8))
+        gWl = cute.flat_divide(mWln, (8,))
         rT = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
         rD = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
         rUj = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), Float32)
-        stats = [Float32(0.0)] * (2 * NS)
+        rWl = None
+        if const_expr(hoist_wln):
+            rWl = cute.make_rmem_tensor(cute.make_layout((8, VPT), stride=(1, 8)), mWln.element_type)
+            for j in cutlass.range_constexpr(VPT):
+                cute.autovec_copy(gWl[None, cutlass.min(tid + j * NT, nvec - 1)], rWl[None, j])
+        stats = [[Float32(0.0)] * (2 * NS) for _ in range(NM)]
         for j in cutlass.range_constexpr(VPT):
             # threads past the end re-read the last vector (in bounds) with weight 0 and write nothing
             v = cutlass.min(tid + j * NT, nvec - 1)
@@ -458,84 +478,97 @@ def _build_kernels():
                 wgt = cutlass.select_(tid + j * NT < nvec, Float32(1.0), Float32(0.0))
             cute.autovec_copy(gU[None, v], rUj)
             uv = rUj.load() * wgt
-            for i in cutlass.range_constexpr(NS):
-                if const_expr(i < self.nb):
-                    cute.autovec_copy(gB[0, 0, None, m, i, v], rT)
-                else:
-                    cute.autovec_copy(gP[0, None, m, v], rT)
-                    if const_expr(self.has_delta):
-                        gD = cute.flat_divide(mD, (1, 8))
-                        cute.autovec_copy(gD[0, None, m, v], rD)
-                        # bf16(p + delta): fp32 add, one round to nearest-even (torch's bf16 add)
-                        rT.store((rT.load().to(Float32) + rD.load().to(Float32)).to(BFloat16))
-                    if is_writer:
-                        if tid + j * NT < nvec:
-                            cute.autovec_copy(rT, gPo[0, None, m, v])
-                            if const_expr(self.bw >= 0):
-                                cute.autovec_copy(rT, gB[0, 0, None, m, self.bw, v])
-                cute.autovec_copy(rT, sVv[0, None, i, v])
-                vf = rT.load().to(Float32)
-                stats[2 * i] = stats[2 * i] + (vf * vf).reduce(ADD, Float32(0.0), 0) * wgt
-                stats[2 * i + 1] = stats[2 * i + 1] + (vf * uv).reduce(ADD, Float32(0.0), 0)
-        for q in cutlass.range_constexpr(2 * NS):
-            t = cute.arch.warp_reduction_sum(stats[q])
-            if lane == 0:
-                sRedA[warp, q] = t
+            for mi in cutlass.range_constexpr(NM):
+                m = ms[mi]
+                for i in cutlass.range_constexpr(NS):
+                    if const_expr(i < self.nb):
+                        cute.autovec_copy(gB[0, 0, None, m, i, v], rT)
+                    else:
+                        cute.autovec_copy(gP[0, None, m, v], rT)
+                        if const_expr(self.has_delta):
+                            gD = cute.flat_divide(mD, (1, 8))
+                            cute.autovec_copy(gD[0, None, m, v], rD)
+                            # bf16(p + delta): fp32 add, one round to nearest-even (torch's bf16 add)
+                            rT.store((rT.load().to(Float32) + rD.load().to(Float32)).to(BFloat16))
+                        if is_writer:
+                            if tid + j * NT < nvec:
+                                cute.autovec_copy(rT, gPo[0, None, m, v])
+                                if const_expr(self.bw >= 0):
+                                    cute.autovec_copy(rT, gB[0, 0, None, m, self.bw, v])
+                    cute.autovec_copy(rT, sVv[0, None, mi * NS + i, v])
+                    vf = rT.load().to(Float32)
+                    stats[mi][2 * i] = stats[mi][2 * i] + (vf * vf).reduce(ADD, Float32(0.0), 0) * wgt
+                    stats[mi][2 * i + 1] = stats[mi][2 * i + 1] + (vf * uv).reduce(ADD, Float32(0.0), 0)
+        for mi in cutlass.range_constexpr(NM):
+            for q in cutlass.range_constexpr(2 * NS):
+                t = cute.arch.warp_reduction_sum(stats[mi][q])
+                if lane == 0:
+                    sRedA[warp, mi * 2 * NS + q] = t
         cute.arch.sync_threads()
-        tot = []
-        for q in cutlass.range_constexpr(2 * NS):
-            acc = Float32(0.0)
-            for w in cutlass.range_constexpr(self.nwarps):
-                acc = acc + sRedA[w, q]
-            tot.append(acc)
         inv_k = 1.0 / self.K
-        scores = []
-        for i in cutlass.range_constexpr(NS):
-            r = cute.math.rsqrt(tot[2 * i] * inv_k + self.eps)
-            scores.append(r * tot[2 * i + 1])
-        mx = scores[0]
-        for i in cutlass.range_constexpr(1, NS):
-            mx = cute.math.max(mx, scores[i])
-        es = []
-        den = Float32(0.0)
-        for i in cutlass.range_constexpr(NS):
-            e = cute.math.exp(scores[i] - mx)
-            es.append(e)
-            den = den + e
-        rden = 1.0 / den
-        alphas = [e * rden for e in es]
+        alphas = []
+        for mi in cutlass.range_constexpr(NM):
+            tot = []
+            for q in cutlass.range_constexpr(2 * NS):
+                acc = Float32(0.0)
+                for w in cutlass.range_constexpr(self.nwarps):
+                    acc = acc + sRedA[w, mi * 2 * NS + q]
+                tot.append(acc)
+            scores = []
+            for i in cutlass.range_constexpr(NS):
+                r = cute.math.rsqrt(tot[2 * i] * inv_k + self.eps)
+                scores.append(r * tot[2 * i + 1])
+            mx = scores[0]
+            for i in cutlass.range_constexpr(1, NS):
+                mx = cute.math.max(mx, scores[i])
+            es = []
+            den = Float32(0.0)
+            for i in cutlass.range_constexpr(NS):
+                e = cute.math.exp(scores[i] - mx)
+                es.append(e)
+                den = den + e
+            rden = 1.0 / den
+            alphas.append([e * rden for e in es])
         # mix of the raw sources in fp32 (sources order: blocks, then p'), kept until rstd is known
-        rM = cute.make_rmem_tensor(cute.make_layout((8, VPT), stride=(1, 8)), Float32)
-        msq = Float32(0.0)
+        rM = [cute.make_rmem_tensor(cute.make_layout((8, VPT), stride=(1, 8)), Float32) for _ in range(NM)]
+        msq = [Float32(0.0)] * NM
         for j in cutlass.range_constexpr(VPT):
             v = cutlass.min(tid + j * NT, nvec - 1)
-            cute.autovec_copy(sVv[0, None, 0, v], rT)
-            mv = rT.load().to(Float32) * alphas[0]
-            for i in cutlass.range_constexpr(1, NS):
-                cute.autovec_copy(sVv[0, None, i, v], rT)
-                mv = mv + rT.load().to(Float32) * alphas[i]
-            rM[None, j].store(mv)
-            part = (mv * mv).reduce(ADD, Float32(0.0), 0)
-            if const_expr(nvec % NT != 0):
-                part = cutlass.select_(tid + j * NT < nvec, part, Float32(0.0))
-            msq = msq + part
-        t2 = cute.arch.warp_reduction_sum(msq)
-        if lane == 0:
-            sRedB[warp, 0] = t2
+            for mi in cutlass.range_constexpr(NM):
+                cute.autovec_copy(sVv[0, None, mi * NS, v], rT)
+                mv = rT.load().to(Float32) * alphas[mi][0]
+                for i in cutlass.range_constexpr(1, NS):
+                    cute.autovec_copy(sVv[0, None, mi * NS + i, v], rT)
+                    mv = mv + rT.load().to(Float32) * alphas[mi][i]
+                rM[mi][None, j].store(mv)
+                part = (mv * mv).reduce(ADD, Float32(0.0), 0)
+                if const_expr(nvec % NT != 0):
+                    part = cutlass.select_(tid + j * NT < nvec, part, Float32(0.0))
+                msq[mi] = msq[mi] + part
+        for mi in cutlass.range_constexpr(NM):
+            t2 = cute.arch.warp_reduction_sum(msq[mi])
+            if lane == 0:
+                sRedB[warp, mi] = t2
         cute.arch.sync_threads()
-        msum = Float32(0.0)
-        for w in cutlass.range_constexpr(self.nwarps):
-            msum = msum + sRedB[w, 0]
-        rstd = cute.math.rsqrt(msum * inv_k + self.eps)
+        rstd = []
+        for mi in cutlass.range_constexpr(NM):
+            msum = Float32(0.0)
+            for w in cutlass.range_constexpr(self.nwarps):
+                msum = msum + sRedB[w, mi]
+            rstd.append(cute.math.rsqrt(msum * inv_k + self.eps))
         rO = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
-        gWl = cute.flat_divide(mWln, (8,))
         rWt = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mWln.element_type)
         for j in cutlass.range_constexpr(VPT):
             v = tid + j * NT
             if v < nvec:
-                cute.autovec_copy(gWl[None, v], rWt)
-                rO.store((rM[None, j].load() * rWt.load().to(Float32) * rstd).to(BFloat16))
-                cute.autovec_copy(rO, dst[0, None, m, v])
+                if const_expr(hoist_wln):
+                    wl = rWl[None, j].load().to(Float32)
+                else:
+                    cute.autovec_copy(gWl[None, v], rWt)
+                    wl = rWt.load().to(Float32)
+                for mi in cutlass.range_constexpr(NM):
+                    rO.store((rM[mi][None, j].load() * wl * rstd[mi]).to(BFloat16))
+                    cute.autovec_copy(rO, dst[0, None, ms[mi], v])
 
     # ------------------------------------------------------------------ FMA GEMV (M <= 4), optionally fused
     class _FmaGemv:
@@ -886,6 +919,7 @@ def _build_kernels():
             cute.arch.griddepcontrol_launch_dependents()
 
     _AttnResNorm.prologue = staticmethod(_attnres_token)   # also run by rms_gemv_ring (v12) over its own CTA
+    _AttnResNorm.prologue_tokens = staticmethod(_attnres_tokens)    # rms_gemv_ring v12.2's joint prologue
     return cutlass, cute, _FmaGemv, _MmaGemv, _AttnResNorm
 
 

@@ -55,10 +55,31 @@ v12 (2026-11-30, session 16; CPU-compiled, measured by h200_next s45)
     s46 at d9e6f60 repeated it: rank16 b1 / b2 31.5 / 34.1 against fast-infma 33.6 / 38.0, rank8 45.8 / 50.3
     against 47.6 / 52.9). The whole layer at rank8 b1 was 1.3-1.5 us slower than with the FMA in_proj in both runs
     (109.2 against 107.9 in s46): the MoE front, PDL-launched by o_proj, ends later; not explained yet.
-v12.1 (session 16, CPU-compiled only, impl "fast-ringlate": FastImpl inproj_early_trigger=False) The ring launches
+v12.1 (written in session 16, measured at s47, the default since; impl "fast-ringlate": FastImpl inproj_early_trigger=False) The ring launches
     the KDA step at its end instead of after its wait. Prediction: if the KDA CTAs sitting beside the ring from its
     start are what slows the chain after it, rank8 b1 attention half 45.8 -> ~44-45 us and the rank8 layer back to
     the FMA in_proj's; if not, within +-0.5 us.
+    Measured (records-8574eb7-s47.json, one run beside stock; attention half, us, fast -> fast-ringlate): rank8 b1
+    45.4 -> 43.1 (stock 78.5: 1.82x), b2 47.8 -> 48.3 (84.2); rank16 b1 31.6 -> 30.7 (66.2: 2.16x), b2 34.3 -> 33.8
+    (73.3). Whole layer: rank8 b1 108.5 -> 103.5, b2 120.5 -> 119.5; rank16 b1 87.0 -> 84.3, b2 94.8 -> 93.4. The
+    prediction held at b1 and past it (rank8 -2.3 us; the layer -5.0, below fast-infma's 107.7, so s45-s46's slower
+    rank8 layer was this trigger too); rank8 b2 +0.5 is inside the spread. In the rank8 b1 timeline the KDA step now
+    takes 6.0 us after the ring (7.2 with the early trigger in s46) and o_proj ends 8.6 us after it (9.6).
+    EARLY_TRIGGER = False since; "fast-ringearly" is the A/B.
+v12.2 (session 17; opt-in joint / JOINT_PROLOGUE, impl "fast-injoint"; CPU-compiled, measured by h200_next s48) The
+    AttnRes prologue of both tokens in one pass at M = 2 (rms_gemv._attnres_tokens): one round of source loads, one
+    CTA barrier per reduction for both tokens (5 barriers instead of 7 in the PTX), and w_ln loaded with u at the
+    start instead of after the second reduction (at M = 1 that is the only change). Each token's arithmetic and
+    its order are the token-by-token prologue's: bit-identical (GPU test test_joint_prologue_is_bit_identical).
+    Both tokens' source rows are staged at once, so where they do not fit beside two prefilled ring slots (M = 2,
+    n_blocks >= 4 at K = 7168) the key falls back to the token-by-token prologue (joint_applies). At M = 2,
+    n_blocks 1 one slot fewer is filled before the wait (4 of 6 at rank8). 128 registers at M = 2, no spills.
+    Why: the kernel bench (s45) puts the fused ring above the bare one by 1.3 / 2.3 us at b1 (rank16 / rank8) and
+    3.6 / 4.6 at b2: the second token's prologue runs after the first's, each a chain of two L2 round trips and
+    two CTA barriers after the PDL wait, with the HBM stream of the CTA stalled once the prefilled slots are read.
+    Prediction: bench attnres_rms_gemv@ringjoint against @ring -1.5 to -2.5 us at b2, -0.2 to -0.6 at b1;
+    attention half (fast-injoint against fast) the same, so rank8 b2 ~48 -> ~46 us (1.8x stock needs ~46.8). If b2
+    does not move, the prologue's cost is its L2 reads' bandwidth, not its latency chain.
 
 Contracts
 ---------
@@ -76,6 +97,11 @@ from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake
                    import_cute)
 
 NUM_SMS = 132
+# v12.1 (the default since s47): the layer's ring launches its dependent (the KDA step) after its last store, not
+# right after its wait; the version log says why. attnres_rms_gemv_ring's own default is the same.
+EARLY_TRIGGER = False
+# v12.2 (opt-in, "fast-injoint"): the AttnRes prologue of both tokens in one pass at M = 2, w_ln loaded with u
+JOINT_PROLOGUE = False
 WARPS = 16
 WPR = 7                  # consumer warps per weight row (each takes a seventh of K)
 RPC = 2                  # weight rows per ring chunk
@@ -96,19 +122,30 @@ def chunks_max(N: int) -> int:
     return -(-(N // RPC) // grid_for(N))
 
 
-def ring_plan(MB: int, K: int, nb: int, cmax: int, fused: bool) -> tuple[int, int]:
+def ring_plan(MB: int, K: int, nb: int, cmax: int, fused: bool, joint: bool = False) -> tuple[int, int]:
     """(D, D1): ring slots that fit the CTA's shared memory next to the other buffers, and how many of them the
-    producer may fill before the AttnRes prologue (the others hold the prologue's staged source rows)."""
+    producer may fill before the AttnRes prologue (the others hold the prologue's staged source rows: one token's
+    n_blocks + 1 rows, or every token's with the joint prologue, v12.2)."""
     cb = RPC * K * 2
+    nm = MB if joint else 1                                          # tokens whose sources are staged at once
     fixed = 2 * 8 * 16 + cmax * RPC * WPR * MB * 4 + SMEM_SLACK     # mbarriers (D <= 16), partial sums, padding
     if fused:
-        fixed += MB * K * 2 + WARPS * 2 * (nb + 1) * 4 + WARPS * 4
+        fixed += MB * K * 2 + WARPS * 2 * (nb + 1) * 4 * nm + WARPS * 4 * nm
     D = min(16, (SMEM_PER_CTA_MAX - fixed) // cb)     # 16 slots are plenty at any K; the mbarrier bound above
-    D1 = D - (math.ceil((nb + 1) * K * 2 / cb) if fused else 0)
+    D1 = D - (math.ceil(nm * (nb + 1) * K * 2 / cb) if fused else 0)
     if D < 2 or D1 < 1:
         raise ValueError(f"rms_gemv_ring: shared memory holds {D} ring slots of {cb} B ({D1} before the prologue) at "
                          f"K={K}, n_blocks={nb}, M={MB}: needs >= 2 and >= 1")
     return D, D1
+
+
+def joint_applies(MB: int, K: int, nb: int, cmax: int) -> bool:
+    """v12.2: the joint prologue runs where every token's source rows fit in the ring beside at least two slots
+    filled before the prologue (at M = 2, K = 7168: n_blocks <= 3); elsewhere the tokens run one by one."""
+    try:
+        return ring_plan(MB, K, nb, cmax, True, joint=True)[1] >= 2
+    except ValueError:
+        return False
 
 
 def _build_kernel_class():
@@ -119,17 +156,20 @@ def _build_kernel_class():
 
     ADD = cute.ReductionOp.ADD
     prologue = rms_gemv._kernels()[4].prologue     # the AttnRes mix + RMSNorm of one token, by the whole CTA
+    prologue_tokens = rms_gemv._kernels()[4].prologue_tokens      # ... of several tokens at once (v12.2)
 
     class RingGemv:
-        def __init__(self, MB, K, cmax, fused, nb=0, has_delta=False, bw=-1, eps=1e-5, early_trigger=False):
+        def __init__(self, MB, K, cmax, fused, nb=0, has_delta=False, bw=-1, eps=1e-5, early_trigger=False,
+                     joint=False):
             self.MB, self.K, self.cmax, self.fused = MB, K, cmax, fused
             self.nb, self.has_delta, self.bw, self.eps = nb, has_delta, bw, eps
             self.early_trigger = early_trigger
+            self.joint = joint
             self.nwarps, self.nthreads = WARPS, 32 * WARPS          # read by the shared prologue
             self.vpt = -(-(K // 8) // self.nthreads)
             self.vpl = K // K_UNIT
             self.cb = RPC * K * 2
-            self.D, self.D1 = ring_plan(MB, K, nb, cmax, fused)
+            self.D, self.D1 = ring_plan(MB, K, nb, cmax, fused, joint)
 
         @cute.jit
         def __call__(self, mX, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, stream):
@@ -177,19 +217,26 @@ def _build_kernel_class():
 
             if const_expr(self.fused):
                 sX = smem.allocate_tensor(BFloat16, cute.make_layout((self.MB, K), stride=(K, 1)), 16)
-                sRedA = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * (self.nb + 1)),
-                                                                       stride=(2 * (self.nb + 1), 1)), 16)
-                sRedB = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 1), stride=(1, 1)), 16)
+                nm = self.MB if const_expr(self.joint) else 1
+                sRedA = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * (self.nb + 1) * nm),
+                                                                       stride=(2 * (self.nb + 1) * nm, 1)), 16)
+                sRedB = smem.allocate_tensor(Float32, cute.make_layout((WARPS, nm), stride=(nm, 1)), 16)
                 # the prologue's source rows live in ring slots D1.., which the producer fills only after it
                 sV = cute.make_tensor(sRing[None, D1 * CB // 16].iterator,
-                                      cute.make_layout((self.nb + 1, K), stride=(K, 1)))
+                                      cute.make_layout((nm * (self.nb + 1), K), stride=(K, 1)))
                 cute.arch.griddepcontrol_wait()
                 if const_expr(self.early_trigger):
                     cute.arch.griddepcontrol_launch_dependents()
                 gXs = cute.flat_divide(sX, (1, 8))
-                for m in cutlass.range_constexpr(self.MB):
-                    prologue(self, m, mBlocks, mP, mD, mPout, mU, mWln, gXs, sV, sRedA, sRedB, tid, warp, lane,
-                             bid == 0)
+                if const_expr(self.joint):
+                    # v12.2: both tokens in one pass (one round of source loads, one barrier per reduction, w_ln
+                    # loaded with u); bit-identical to the token-by-token prologue below
+                    prologue_tokens(self, tuple(range(self.MB)), mBlocks, mP, mD, mPout, mU, mWln, gXs, sV, sRedA,
+                                    sRedB, tid, warp, lane, bid == 0, True)
+                else:
+                    for m in cutlass.range_constexpr(self.MB):
+                        prologue(self, m, mBlocks, mP, mD, mPout, mU, mWln, gXs, sV, sRedA, sRedB, tid, warp, lane,
+                                 bid == 0)
                 cute.arch.sync_threads()
                 gX = gXs
             else:
@@ -275,13 +322,13 @@ def _cls():
 
 
 def _build(MB, K, cmax, fused, nb=0, has_delta=False, bw=-1, wln="bf16", eps=1e-5, early_trigger=False,
-           options=TVM_FFI):
+           joint=False, options=TVM_FFI):
     cutlass, cute, RingGemv = _cls()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
-    obj = RingGemv(MB, K, cmax, fused, nb, has_delta, bw, eps, early_trigger)
+    obj = RingGemv(MB, K, cmax, fused, nb, has_delta, bw, eps, early_trigger, joint)
     if not fused:
         x = fake_tensor(BF, (MB, K))
         return cute.compile(obj, x, w, y, None, None, None, None, None, None, fake_stream(), options=options)
@@ -296,11 +343,15 @@ def _build(MB, K, cmax, fused, nb=0, has_delta=False, bw=-1, wln="bf16", eps=1e-
 
 
 def compile_key(M: int, K: int, N: int, fused: bool, n_blocks: int = 0, has_delta: bool = False,
-                block_write: int = -1, wln: str = "bf16", eps: float = 1e-5, early_trigger: bool = False) -> tuple:
-    """The build a call runs: the ring plan depends on M, K, n_blocks and the busiest CTA's chunk count (N)."""
+                block_write: int = -1, wln: str = "bf16", eps: float = 1e-5, early_trigger: bool = False,
+                joint: bool | None = None) -> tuple:
+    """The build a call runs: the ring plan depends on M, K, n_blocks and the busiest CTA's chunk count (N).
+    joint (None = JOINT_PROLOGUE) is kept only where joint_applies; the key then ends with "joint"."""
     if fused:
-        return ("rms_gemv_ring.fused", M, K, chunks_max(N), n_blocks, bool(has_delta), block_write, wln, float(eps),
-                bool(early_trigger))
+        cmax = chunks_max(N)
+        jt = (JOINT_PROLOGUE if joint is None else bool(joint)) and joint_applies(M, K, n_blocks, cmax)
+        return (("rms_gemv_ring.fused", M, K, cmax, n_blocks, bool(has_delta), block_write, wln, float(eps),
+                 bool(early_trigger)) + (("joint",) if jt else ()))
     return ("rms_gemv_ring.plain", M, K, chunks_max(N), bool(early_trigger))
 
 
@@ -308,16 +359,16 @@ def _compile(key):
     if key[0] == "rms_gemv_ring.plain":
         _, M, K, cmax, et = key
         return compile_cached(key, lambda: _build(M, K, cmax, False, early_trigger=et))
-    _, M, K, cmax, nb, hd, bw, wln, eps, et = key
-    return compile_cached(key, lambda: _build(M, K, cmax, True, nb, hd, bw, wln, eps, et))
+    _, M, K, cmax, nb, hd, bw, wln, eps, et = key[:10]
+    return compile_cached(key, lambda: _build(M, K, cmax, True, nb, hd, bw, wln, eps, et, joint=key[10:] == ("joint",)))
 
 
 def ring_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, fused: bool = True,
-             early_trigger: bool = True) -> str:
+             early_trigger: bool = True, joint: bool = False) -> str:
     """PTX of the ring kernel (uncached; for reading and the CPU tests)."""
     from .ptxcheck import compiled_ptx
     return compiled_ptx(lambda: _build(M, K, chunks_max(N), fused, n_blocks, True, -1, "bf16", 1e-5, early_trigger,
-                                       options=TVM_FFI + " --keep-ptx"))
+                                       joint=joint, options=TVM_FFI + " --keep-ptx"))
 
 
 def _check_w(w, K, dev):
@@ -340,9 +391,10 @@ def gemv_ring(x, w, out=None, *, early_trigger: bool = False):
 
 
 def attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
-                          partial_out=None, early_trigger=False):
+                          partial_out=None, early_trigger=False, joint=None):
     """rms_gemv.attnres_rms_gemv's fused path (M <= 2) with the weights through the bulk-copy ring: returns (y,
-    partial_out), y = bf16(RMSNorm_{w_ln}(AttnRes mix) @ w^T), p' = bf16(p + delta) into partial_out (and blocks)."""
+    partial_out), y = bf16(RMSNorm_{w_ln}(AttnRes mix) @ w^T), p' = bf16(p + delta) into partial_out (and blocks).
+    joint: v12.2's joint prologue (None = JOINT_PROLOGUE; where joint_applies), bit-identical to the default."""
     import torch
     from .rms_gemv import _check_attnres
     if partial.dim() != 2 or not 1 <= partial.shape[0] <= MAX_M:
@@ -353,6 +405,6 @@ def attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1
         out = torch.empty(M, N, dtype=torch.bfloat16, device=partial.device)
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
-    key = compile_key(M, K, N, True, n_blocks, delta is not None, block_write, wln, eps, early_trigger)
+    key = compile_key(M, K, N, True, n_blocks, delta is not None, block_write, wln, eps, early_trigger, joint)
     _compile(key)(None, w, out, blocks, partial, delta, partial_out, u, w_ln)
     return out, partial_out

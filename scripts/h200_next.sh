@@ -448,5 +448,17 @@ case "${1:-}" in
             -k "stage_rest or opstage" || true
           K3_SWEEP_TIMEOUT=300 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank8 k3_rank16 \
             --batches 1 2 --impls stock fast fast-opstage fast-ringlate fast-opstagelate fast-infma --budget-s 270 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47"; exit 2 ;;
+  # session 17, after s47 (v12.1 the default, v1.3 removed): rms_gemv_ring v12.2 (the joint prologue, "fast-injoint"):
+  # the ring's tests (bit identity, graph), the attention half at b1 / b2 for the default, the early trigger and
+  # v12.2; the kernel bench; the A/B beside stock (needs vLLM staged)
+  s48)    ids=$(for i in fast fast-ringearly fast-injoint; do for b in 1 2; do for t in 16 8; do
+                  echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$b-$t-$i]"; done; done; done)
+          K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv_ring.py $ids || true
+          o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          timeout 120 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 1 2 \
+            --kernels attnres_rms_gemv@ring attnres_rms_gemv@ringjoint gemv_in_proj_plain@ring \
+            > "$o/bench.log" 2>&1; grep -v -i warn "$o/bench.log" | tail -10
+          K3_SWEEP_TIMEOUT=200 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank8 k3_rank16 \
+            --batches 1 2 --impls stock fast fast-ringearly fast-injoint --budget-s 170 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48"; exit 2 ;;
 esac

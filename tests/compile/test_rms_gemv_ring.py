@@ -98,8 +98,8 @@ def test_ptx_order_and_registers():
 @needs_dsl
 @pytest.mark.parametrize("early", [True, False])
 def test_trigger_placement(early):
-    """v12 launches its dependent right after its wait (the layer's default); v12.1 ("fast-ringlate") after its last
-    store of y."""
+    """v12 launches its dependent right after its wait ("fast-ringearly"); v12.1 (the layer's default since s47)
+    after its last store of y."""
     lines = [ln.strip() for ln in G.ring_ptx(6288, M=1, n_blocks=1, early_trigger=early).splitlines()]
     trig = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")]
     wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
@@ -109,3 +109,41 @@ def test_trigger_placement(early):
         assert wait < trig[0] < wait + 4
     else:
         assert trig[0] > max(stores)
+
+
+@pytest.mark.parametrize("M,nb,applies", [(1, 1, True), (1, 8, True), (2, 1, True), (2, 3, True), (2, 4, False),
+                                          (2, 8, False)])
+def test_joint_plan(M, nb, applies):
+    """v12.2 stages every token's source rows at once: it applies where they fit beside >= 2 prefilled slots."""
+    cmax = G.chunks_max(6288)
+    assert G.joint_applies(M, 7168, nb, cmax) == applies
+    if applies:
+        D, D1 = G.ring_plan(M, 7168, nb, cmax, True, joint=True)
+        assert (D - D1) * 2 * 7168 * 2 >= M * (nb + 1) * 7168 * 2 and D1 >= 2
+    key = G.compile_key(M, 7168, 6288, True, nb, True, -1, joint=True)
+    assert (key[-1] == "joint") == applies
+    assert G.compile_key(M, 7168, 6288, True, nb, True, -1)[-1] != "joint"      # opt-in (JOINT_PROLOGUE False)
+
+
+@needs_dsl
+@pytest.mark.parametrize("M", [1, 2])
+def test_joint_prologue_ptx(M):
+    """The joint prologue: one CTA barrier per reduction for all tokens (the token-by-token one has two per token),
+    w_ln's loads issued before the first of them, and no spills."""
+    def barriers_and_wln(ptx):
+        lines = [ln.strip() for ln in ptx.splitlines()]
+        wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+        bars = [i for i, ln in enumerate(lines) if i > wait and ln.startswith(("bar.sync", "barrier.sync"))]
+        return lines, wait, bars
+    joint, base = G.ring_ptx(6288, M=M, n_blocks=1, joint=True), G.ring_ptx(6288, M=M, n_blocks=1, joint=False)
+    lj, wj, bj = barriers_and_wln(joint)
+    lb, wb, bb = barriers_and_wln(base)
+    assert len(bb) - len(bj) == 2 * (M - 1)
+    # the loads between the wait and the first barrier: u, the sources, and (joint only) w_ln's
+    assert sum(ln.startswith("ld.global") for ln in lj[wj:bj[0]]) > sum(ln.startswith("ld.global") for ln in lb[wb:bb[0]])
+    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    tools = find_sass_tools()
+    if tools is None:
+        pytest.skip("ptxas not found (registers / spills need it)")
+    res = ptxas_resources(joint, tools[0])
+    assert res["spill_store_bytes"] == 0 and res["registers"] <= 128, res

@@ -97,26 +97,53 @@ def test_attnres_rms_gemv_ring_nan_source_poisons(G, seed):
     assert y.isnan().all()
 
 
+@pytest.mark.parametrize("joint", [False, True])
 @pytest.mark.parametrize("M", [1, 2])
-def test_ring_in_a_graph(G, seed, M):
+def test_ring_in_a_graph(G, seed, M, joint):
     """Captured once, replayed with new inputs copied in: each replay equals an eager call on those inputs."""
     n_blocks = 3
     blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, True)
     w = make_w(N_RANK16)
     out = torch.empty(M, N_RANK16, device="cuda", dtype=torch.bfloat16)
     pout = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
-    G.attnres_rms_gemv_ring(blocks, n_blocks, p, delta, u, w_ln, w, out=out, partial_out=pout, early_trigger=True)
+    G.attnres_rms_gemv_ring(blocks, n_blocks, p, delta, u, w_ln, w, out=out, partial_out=pout, joint=joint)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        G.attnres_rms_gemv_ring(blocks, n_blocks, p, delta, u, w_ln, w, out=out, partial_out=pout,
-                                early_trigger=True)
+        G.attnres_rms_gemv_ring(blocks, n_blocks, p, delta, u, w_ln, w, out=out, partial_out=pout, joint=joint)
     for _ in range(3):
         b2, p2, d2, _, _ = make_inputs(M, n_blocks, True)
         blocks.copy_(b2), p.copy_(p2), delta.copy_(d2)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        y_e, p_e = G.attnres_rms_gemv_ring(blocks, n_blocks, p, delta, u, w_ln, w, early_trigger=True)
+        y_e, p_e = G.attnres_rms_gemv_ring(blocks, n_blocks, p, delta, u, w_ln, w, joint=joint)
         torch.cuda.synchronize()
         assert torch.equal(out, y_e) and torch.equal(pout, p_e)
+
+
+@pytest.mark.parametrize("N", [N_RANK16, N_RANK8])
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("n_blocks,with_delta,block_write", [(0, False, 0), (1, True, -1), (3, True, 3),
+                                                             (8, True, -1)])
+def test_joint_prologue_is_bit_identical(G, seed, N, M, n_blocks, with_delta, block_write):
+    """v12.2 runs the tokens' prologues phase by phase together (and loads w_ln early); each token's arithmetic and
+    order are the token-by-token prologue's, so y, p' and the written block row equal the default's bit for bit
+    (outputs poisoned). At n_blocks 8, M 2 the sources do not fit and the joint key falls back (same build)."""
+    blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, with_delta)
+    w = make_w(N)
+    outs = []
+    for joint in (False, True):
+        b = blocks.clone()
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        pout = torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+        G.attnres_rms_gemv_ring(b, n_blocks, p, delta, u, w_ln, w, eps=EPS, block_write=block_write, out=out,
+                                partial_out=pout, joint=joint)
+        torch.cuda.synchronize()
+        outs.append((out, pout, b))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    x_ref, _ = ref_attnres(blocks, n_blocks, p, delta, u, w_ln)
+    assert_close("attnres_rms_gemv_ring (joint)", outs[1][0], F.linear(x_ref, w.float()), "bf16_kernel")
+    cmax = G.chunks_max(N)
+    key = G.compile_key(M, K, N, True, n_blocks, with_delta, block_write, joint=True)
+    assert (key[-1] == "joint") == G.joint_applies(M, K, n_blocks, cmax)
