@@ -245,7 +245,7 @@ class FastImpl:
         # default since 001a431: rank16 attention half b1 39.6 -> 36.5 us (records-001a431-s8.json); A/B
         # "fast-endtrig" keeps the triggers at the kernels' ends
         self.attn_early_trigger = attn_early_trigger
-        self.inproj_joint = inproj_joint     # None: rms_gemv_ring.JOINT_PROLOGUE (True: its v12.2, "fast-injoint")
+        self.inproj_joint = inproj_joint     # None: rms_gemv_ring.JOINT_PROLOGUE (v12.2; False: "fast-nojoint")
         self.oproj_preload = oproj_preload   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")
         self.gemv_pin = gemv_pin             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")
         self.kda_preload = kda_preload       # None: kda_conv_gate_step.PRELOAD (True: its v3, "fast-kdapre")

@@ -100,8 +100,9 @@ NUM_SMS = 132
 # v12.1 (the default since s47): the layer's ring launches its dependent (the KDA step) after its last store, not
 # right after its wait; the version log says why. attnres_rms_gemv_ring's own default is the same.
 EARLY_TRIGGER = False
-# v12.2 (opt-in, "fast-injoint"): the AttnRes prologue of both tokens in one pass at M = 2, w_ln loaded with u
-JOINT_PROLOGUE = False
+# v12.2 (the default since s48; "fast-nojoint" is the A/B): the AttnRes prologue of both tokens in one pass at M = 2,
+# w_ln loaded with u
+JOINT_PROLOGUE = True
 WARPS = 16
 WPR = 7                  # consumer warps per weight row (each takes a seventh of K)
 RPC = 2                  # weight rows per ring chunk

@@ -460,5 +460,16 @@ case "${1:-}" in
             > "$o/bench.log" 2>&1; grep -v -i warn "$o/bench.log" | tail -10
           K3_SWEEP_TIMEOUT=200 bash scripts/h200_sweep.sh --kinds kda_moe --shapes k3_rank8 k3_rank16 \
             --batches 1 2 --impls stock fast fast-ringearly fast-injoint --budget-s 170 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48"; exit 2 ;;
+  # session 17, after s48 (v12.2 the default; s48's tests did not run: fast-injoint was not in test_fast_layer's list):
+  # the ring's tests, the attention half at b1 / b2 (fast, fast-nojoint, fast-ringearly), the torch ops; then the
+  # A/B at b1 / b2 and the default beside stock at b8 / b64 (needs vLLM staged)
+  s49)    ids=$(for i in fast fast-nojoint fast-ringearly; do for b in 1 2; do for t in 16 8; do
+                  echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$b-$t-$i]"; done; done; done)
+          K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv_ring.py tests/gpu/test_ops.py $ids || true
+          cells=""; for c in k3_rank8,1 k3_rank8,2 k3_rank16,1 k3_rank16,2; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-nojoint"; done
+          for c in k3_rank8,8 k3_rank16,8 k3_rank16,64 k3_rank8,64; do
+              cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast"; done
+          K3_SWEEP_TIMEOUT=330 bash scripts/h200_sweep.sh $cells --budget-s 300 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49"; exit 2 ;;
 esac

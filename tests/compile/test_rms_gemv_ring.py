@@ -122,7 +122,8 @@ def test_joint_plan(M, nb, applies):
         assert (D - D1) * 2 * 7168 * 2 >= M * (nb + 1) * 7168 * 2 and D1 >= 2
     key = G.compile_key(M, 7168, 6288, True, nb, True, -1, joint=True)
     assert (key[-1] == "joint") == applies
-    assert G.compile_key(M, 7168, 6288, True, nb, True, -1)[-1] != "joint"      # opt-in (JOINT_PROLOGUE False)
+    assert G.compile_key(M, 7168, 6288, True, nb, True, -1, joint=False)[-1] != "joint"
+    assert (G.compile_key(M, 7168, 6288, True, nb, True, -1)[-1] == "joint") == applies   # the default since s48
 
 
 @needs_dsl
