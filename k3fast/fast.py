@@ -145,8 +145,7 @@ class FastImpl:
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
-                 inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
-                 oproj_prefetch_rest: bool | None = None):
+                 inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -248,7 +247,6 @@ class FastImpl:
         self.attn_early_trigger = attn_early_trigger
         self.inproj_joint = inproj_joint     # None: rms_gemv_ring.JOINT_PROLOGUE (v12.2; False: "fast-nojoint")
         self.oproj_preload = oproj_preload   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")
-        self.oproj_prefetch_rest = oproj_prefetch_rest   # None: oproj_attnres.PREFETCH_REST (True: v1.4, "fast-oppf")
         self.gemv_pin = gemv_pin             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")
         self.kda_preload = kda_preload       # None: kda_conv_gate_step.PRELOAD (True: its v3, "fast-kdapre")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
@@ -288,8 +286,6 @@ class FastImpl:
                         + ("" if inproj_early_trigger is None else
                            f", in_proj PDL trigger {'early' if inproj_early_trigger else 'at its end'}")
                         + ("" if inproj_joint is None else f", ring in_proj joint prologue {'on' if inproj_joint else 'off'}")
-                        + ("" if oproj_prefetch_rest is None else
-                           f", o_proj rest of the slice into L2 before the wait {'on' if oproj_prefetch_rest else 'off'}")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
@@ -340,8 +336,7 @@ class FastImpl:
             if io.partial.shape[0] <= self.gemv_dsl_max_m:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                               w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
-                              out_x=io.x_mlp, out_partial=io.partial, preload_wpost=self.oproj_preload,
-                              prefetch_rest=self.oproj_prefetch_rest)
+                              out_x=io.x_mlp, out_partial=io.partial, preload_wpost=self.oproj_preload)
             else:
                 oproj_attnres_cublas(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,

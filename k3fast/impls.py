@@ -480,9 +480,9 @@ FAST_VARIANTS = {
     "fast-ringearly": {"inproj_early_trigger": True},  # the ring's trigger right after its wait (s45-s46's default)
     "fast-injoint": {"inproj_joint": True},    # = fast since s48 (rms_gemv_ring v12.2, the joint prologue)
     "fast-nojoint": {"inproj_joint": False},   # the ring's token-by-token prologue (v12 / v12.1)
-    "fast-oppf": {"oproj_prefetch_rest": True},  # oproj_attnres v1.4: the slice's rest into L2 before the wait
     # (fast-opstage / fast-opstagelate, oproj_attnres v1.3's rest of the slice in shared memory before the wait,
-    # measured slower at s47 and removed; code at 8574eb7)
+    # measured slower at s47 and removed, code at 8574eb7; fast-oppf, v1.4's rest into L2, slower at s50, code at
+    # ff51150)
     "fast-trig": {"attn_early_trigger": True},  # = fast since 001a431 (the name its records were measured under)
     # rms_gemv v6 (weight loads tied together), kda_conv_gate_step v3 (proj loads right after the wait) and
     # oproj_attnres v1.2 (w_post before the PDL wait): opt-ins measured at 84291ed, defaults since session 7

@@ -54,7 +54,7 @@ v1.3 (2026-11-30, session 16; opt-in stage_rest, impl "fast-opstage"; measured a
     measured (the timeline has no per-CTA record): with 96 KB of shared memory per GEMV CTA fewer of those CTAs fit
     beside the KDA CTAs than with the register stages alone, so their copies start later than the loads they
     replace. Removed, with STAGE_REST.
-v1.4 (session 17; opt-in prefetch_rest / PREFETCH_REST, impl "fast-oppf"; CPU-compiled, measured by h200_next s50)
+v1.4 (session 17; opt-in prefetch_rest, impl "fast-oppf"; measured at s50 and removed, code at ff51150)
     The rest of v1.3, into L2 instead of shared memory: before griddepcontrol_wait the first 64 threads of a GEMV
     CTA each issue one cp.async.bulk.prefetch.L2 of their row's k >= KREG (1.5 KB at rank8, M <= 16; 11 MB over
     the grid); the loads after the wait are the default's and should hit L2. Nothing reaches the CTA: shared
@@ -68,6 +68,14 @@ v1.4 (session 17; opt-in prefetch_rest / PREFETCH_REST, impl "fast-oppf"; CPU-co
     Prediction: rank8 attention half b1 43.7 -> ~42.5-43 us, b2 47.5 -> ~46.5 (o_proj 8.6 -> ~7-7.5 us after the
     KDA step in the timeline); rank16 unchanged (the same build). If o_proj's end does not move but the KDA step
     gets longer, the prefetch took the KDA step's bandwidth.
+    Measured (records-ff51150-s50.json, one run beside stock; GPU tests 10 passed: bit-identical at M 1 / 2 / 16 /
+    32, nb 1-8, boundary; the rank8 attention half at b1-4): attention half fast -> fast-oppf rank8 b1 43.4 -> 44.9
+    us, b2 47.0 -> 47.8. Missed, slower. The b1 timeline gives the reason that the rule written before the run
+    named: the KDA step took 7.5 us instead of 6.0 (the 11 MB took its bandwidth, or its L2), and o_proj still
+    ended 8.7 us after it (8.8 without). Either the lines were not in L2 by the wait, or o_proj's time after the
+    KDA step is not set by the rest's reads (the chain of ring refills and MMAs, one wave of 12 stages per warp);
+    the timeline cannot tell which, and v1.3's miss points the same way. The seventh L2 prefetch design measured
+    slower. Removed.
 
 What it replaces (k3-spec.md sections 4.2 steps 3-5, 4.3 "attn_res #2", 5, 6, 13.2 item 1)
 -----------------------------------------------------------------------------------------
@@ -166,24 +174,6 @@ KP_SUPPORTED = (768, 1536, 12288)
 # v1.2 (the default since session 7; "fast-s8" is the A/B without it): the epilogue loads w_post into registers
 # before griddepcontrol_wait (the version log says why)
 PRELOAD_WPOST = True
-# v1.4 (opt-in, "fast-oppf"): where the register stages hold only part of a GEMV CTA's weight slice (rank8, M <= 16:
-# half of it), the rest is asked into L2 with one cp.async.bulk.prefetch.L2 per row before griddepcontrol_wait
-PREFETCH_REST = False
-
-
-L2_REST_MAX = 16 << 20   # v1.4 prefetches a rest only up to this many bytes over the grid (L2: 50 MB, shared)
-
-
-def kreg(kp: int, tg: int) -> int:
-    """k of each row that the register stages load before griddepcontrol_wait (the rest is loaded after it)."""
-    return min(kp, KS * _stages(kp, tg) * CHUNK)
-
-
-def prefetch_applies(kp: int, tg: int) -> bool:
-    """v1.4 runs where the register stages leave a rest and the whole grid's rest fits well inside L2: rank8
-    (Kp 1536) at M <= 16, 11 MB. Not at full width (165 MB) nor at rank8 M > 16 (16.5 MB)."""
-    rest = kp - kreg(kp, tg)
-    return 0 < rest and D * rest * 2 <= L2_REST_MAX
 
 
 def _tg_bucket(m: int) -> int:
@@ -209,20 +199,17 @@ def compile_key(kp: int, n_blocks: int, m: int) -> tuple:
     return ("oproj_attnres", int(kp), int(n_blocks), _tg_bucket(int(m)))
 
 
-def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, prefetch_rest: bool = False):
+def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, const_expr
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
-    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
 
     NB = n_blocks
     MP = 8 * tg
     S = _stages(kp, tg)
     CPW = kp // (CHUNK * KS)
     NIT = CPW // S
-    KREG = kreg(kp, tg)
-    PF_REST = prefetch_rest and prefetch_applies(kp, tg)
     STAGE = _stage_blocks(tg)
     PPT = ROWS * MP // THREADS                 # (row, token) outputs per thread in the GEMV epilogue
     NRED = max(2 * NB, 2)
@@ -318,11 +305,6 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, prefetc
                 # weights do not depend on the predecessor: put the first S stages in flight now
                 for s in cutlass.range_constexpr(S):
                     self.load_w_stage(gW, rW, s, ks + KS * s, n0, t, w_atom)
-                if const_expr(PF_REST):
-                    # v1.4: the rest of each row (k >= KREG, contiguous) into L2 while the predecessor runs; the
-                    # loads after the wait then hit L2 (a prefetch moves no data into the CTA: bit-identical)
-                    if tid < ROWS:
-                        cp_async_bulk_prefetch(gW[0, None, bid * ROWS + tid, KREG // VEC].iterator, (kp - KREG) * 2)
 
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
@@ -496,12 +478,11 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, prefetc
     return OprojAttnRes(), smem_bytes
 
 
-def _compile(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, prefetch_rest: bool = False,
-             options: str | None = None):
+def _compile(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
-    obj, _ = _build(kp, n_blocks, tg, preload_wpost, prefetch_rest)
+    obj, _ = _build(kp, n_blocks, tg, preload_wpost)
     m = cute.sym_int()
     nbs = cute.sym_int()
     fakes = (
@@ -515,7 +496,7 @@ def _compile(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, prefe
         fake_tensor(BFloat16, (m, D)),                  # out_x
         fake_tensor(Int32, (4,)),                       # arrival counter
     )
-    return cute.compile(obj, *fakes, Int32(0), Float32(1e-5), fake_stream(), options=options or _options(tg))
+    return cute.compile(obj, *fakes, Int32(0), Float32(1e-5), fake_stream(), options=_options(tg))
 
 
 def _options(tg: int) -> str:
@@ -525,20 +506,10 @@ def _options(tg: int) -> str:
     return TVM_FFI
 
 
-def get_kernel(kp: int, n_blocks: int, m: int, preload_wpost: bool | None = None, prefetch_rest: bool | None = None):
+def get_kernel(kp: int, n_blocks: int, m: int, preload_wpost: bool | None = None):
     pre = PRELOAD_WPOST if preload_wpost is None else bool(preload_wpost)
     key = compile_key(kp, n_blocks, m)
-    # v1.4 changes the build only where it applies (rank8 at M <= 16)
-    pf = (PREFETCH_REST if prefetch_rest is None else bool(prefetch_rest)) and prefetch_applies(key[1], key[3])
-    return compile_cached(key + (("preload_wpost",) if pre else ()) + (("prefetch_rest",) if pf else ()),
-                          lambda: _compile(key[1], key[2], key[3], pre, pf))
-
-
-def oproj_ptx(kp: int = 1536, n_blocks: int = 1, m: int = 1, prefetch_rest: bool = True) -> str:
-    """PTX of the kernel as the layer builds it (w_post preloaded), with or without v1.4 (uncached; CPU tests)."""
-    from .ptxcheck import compiled_ptx
-    key = compile_key(kp, n_blocks, m)
-    return compiled_ptx(lambda: _compile(key[1], key[2], key[3], True, prefetch_rest, options=TVM_FFI + " --keep-ptx"))
+    return compile_cached(key + (("preload_wpost",) if pre else ()), lambda: _compile(key[1], key[2], key[3], pre))
 
 
 def compile_keys(kp_list: Iterable[int] = KP_SUPPORTED, n_blocks_list: Iterable[int] = range(1, 9),
@@ -616,13 +587,12 @@ def _check_inputs(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps, out_x, 
 
 
 def oproj_attnres(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, *, eps=1e-5, boundary=False,
-                  out_x=None, out_partial=None, counter=None, preload_wpost=None, prefetch_rest=None):
+                  out_x=None, out_partial=None, counter=None, preload_wpost=None):
     """x_moe, partial_new = post-attention half of a K3 layer's decode step (see module docstring).
 
     y [M, Kp] bf16, w_o [7168, Kp] bf16, blocks [M, >=n_blocks, 7168] bf16, partial [M, 7168] bf16,
     u_mlp [7168] fp32, w_post [7168] bf16. Returns (x_moe [M, 7168] bf16, partial_new [M, 7168] bf16).
     No host sync; capturable in a CUDA graph after ``warmup``. preload_wpost: v1.2 (None = PRELOAD_WPOST).
-    prefetch_rest: v1.4 (None = PREFETCH_REST), bit-identical.
     """
     import torch
     _check_inputs(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps, out_x, out_partial, counter)
@@ -632,6 +602,6 @@ def oproj_attnres(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, *, eps=1e-5,
     if out_partial is None:
         out_partial = torch.empty((m, D), dtype=torch.bfloat16, device=y.device)
     cnt = counter if counter is not None else _workspace(y.device)
-    fn = get_kernel(kp, n_blocks, m, preload_wpost, prefetch_rest)
+    fn = get_kernel(kp, n_blocks, m, preload_wpost)
     fn(y, w_o, blocks, partial, u_mlp, w_post, out_partial, out_x, cnt, 1 if boundary else 0, float(eps))
     return out_x, out_partial

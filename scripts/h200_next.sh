@@ -471,7 +471,7 @@ case "${1:-}" in
           for c in k3_rank8,8 k3_rank16,8 k3_rank16,64 k3_rank8,64; do
               cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast"; done
           K3_SWEEP_TIMEOUT=330 bash scripts/h200_sweep.sh $cells --budget-s 300 ;;
-  # session 17, after s49: oproj_attnres v1.4 (the rank8 slice's rest into L2 before the wait, "fast-oppf"): its
+  # session 17, after s49 (as run at ff51150; fast-oppf was removed after it): oproj_attnres v1.4, the rank8 rest into L2: its
   # bit-identity tests and the rank8 attention half, then the A/B at rank8 b1 / b2 beside stock (needs vLLM staged)
   s50)    ids=$(for b in 1 2 3 4; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$b-8-fast-oppf]"; done)
           K3_TEST_TIMEOUT=120 bash scripts/h200_tests.sh tests/gpu/test_oproj_attnres.py -k "prefetch_rest or oppf" $ids || true

@@ -126,39 +126,3 @@ def test_preload_wpost_moves_the_last_loads(nb):
         oa.TVM_FFI = old
     assert any(op.startswith("ld.global") for op in tails[False])
     assert tails[True] and all(op.startswith("st.global") for op in tails[True])
-
-
-@needs_dsl
-@pytest.mark.parametrize("kp,m", [(1536, 1), (1536, 2), (768, 1), (1536, 32)])
-def test_prefetch_rest_ptx(kp, m):
-    """v1.4: one bulk L2 prefetch per row of the rest (k >= KREG), issued before griddepcontrol.wait; where the
-    register stages hold the whole slice (rank16) the build is the default's."""
-    ptx = oa.oproj_ptx(kp, 1, m, prefetch_rest=True)
-    lines = [ln.strip() for ln in ptx.splitlines()]
-    pf = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.prefetch.L2")]
-    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
-    if oa.prefetch_applies(kp, oa._tg_bucket(m)):
-        assert len(pf) == 1 and pf[0] < wait
-        assert f"+{oa.kreg(kp, oa._tg_bucket(m)) * 2}]" in lines[pf[0]]       # the rest starts at k = KREG
-    else:
-        assert not pf and ptx == oa.oproj_ptx(kp, 1, m, prefetch_rest=False)
-    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
-    tools = find_sass_tools()
-    if tools is None:
-        pytest.skip("ptxas not found (registers / spills need it)")
-    res = ptxas_resources(ptx, tools[0])
-    assert res["spill_store_bytes"] == 0 and res["registers"] <= 255, res
-
-
-def test_prefetch_rest_keeps_the_key_where_it_does_not_apply(monkeypatch):
-    """Where the register stages hold the whole slice (rank16) or the rest would not fit in L2 (full width: 165 MB)
-    prefetch_rest=True compiles nothing new; at rank8 M <= 16 it is its own build."""
-    seen = []
-    monkeypatch.setattr(oa, "compile_cached", lambda key, build: seen.append(key))
-    oa.get_kernel(768, 3, 1, True, True)
-    oa.get_kernel(768, 3, 1, True, False)
-    oa.get_kernel(12288, 3, 1, True, True)
-    oa.get_kernel(1536, 3, 1, True, True)
-    oa.get_kernel(1536, 3, 1, True, False)
-    assert seen[0] == seen[1] and seen[2][-1] != "prefetch_rest"
-    assert seen[3][-1] == "prefetch_rest" and seen[4][-1] != "prefetch_rest"

@@ -225,15 +225,6 @@ def test_preload_wpost_is_bit_identical(m, kp, nb, boundary):
     _assert_option_bit_identical("preload_wpost", m, kp, nb, boundary, seed=40 + m)
 
 
-@pytest.mark.parametrize("m,kp,nb,boundary", [(1, 1536, 1, False), (2, 1536, 8, False), (1, 1536, 3, True),
-                                              (16, 1536, 8, False), (32, 1536, 2, False), (1, 768, 3, False)])
-def test_prefetch_rest_is_bit_identical(m, kp, nb, boundary):
-    """v1.4 (prefetch_rest) only asks L2 for the rows' k >= KREG before the PDL wait: x and p' equal the default's bit
-    for bit (poisoned outputs). kp 768 has no rest and m 32 (the tg 4 bucket) a rest over L2_REST_MAX: both the
-    default build."""
-    _assert_option_bit_identical("prefetch_rest", m, kp, nb, boundary, seed=70 + m)
-
-
 def _assert_option_bit_identical(option, m, kp, nb, boundary, seed):
     y, w_o, blocks, partial, u, w_post = make_inputs(m, kp, nb, seed=seed)
     x1, p1 = oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, boundary=boundary, **{option: False})
