@@ -99,7 +99,7 @@ assert rec["source"] is None or rec["passed"] + rec["failed"] > 0
 print("ok")
 
 # %% [markdown]
-# ## 7. The whole slice before the wait (v1.3): written in session 16, measured at `s47`, removed
+# ## 7. The whole slice before the wait (v1.3, v1.4): measured at `s47` and `s50`, removed
 # The GEMV CTAs issue their first register stages before the PDL wait, so the weights stream while the KDA step
 # runs. At rank16 those stages hold a CTA's whole 64-row slice; at rank8 (Kp = 1536) only its first half, and the
 # second half is loaded after the wait. s46's timelines showed what that seemed to cost: o_proj ended 5.0 µs after
@@ -129,3 +129,28 @@ assert us[("k3_rank8", 2, "fast-opstage")] > us[("k3_rank8", 2, "fast")]        
 assert us[("k3_rank8", 1, "fast-ringlate")] < us[("k3_rank8", 1, "fast")] - 1.0     # the late trigger's gain
 assert all(r["rel_err_vs_ref"] < 1e-2 for r in s47.values())
 print("ok (v1.3 measured slower and removed; v12.1 the default)")
+
+# %% [markdown]
+# v1.4 (`fast-oppf`, `s50`) tried the same rest through L2 instead: one `cp.async.bulk.prefetch.L2` per row before
+# the wait, nothing landing in the CTA, so shared memory and residency stay as they are. It was slower too, and the
+# timeline shows how: the KDA step, running while the 11 MB came in, took 1.5 µs longer, and o_proj ended as long
+# after it as before. Two ways of moving the rest's bytes earlier have not shortened o_proj's time after the rank8
+# KDA step; what sets it is the next thing to measure (Nsight Compute on this kernel at rank8 against rank16).
+
+# %%
+S50 = "traces/h200/records-ff51150-s50.json"
+print(nbtools.ab_table(S50, "attn", ["stock", "fast", "fast-oppf"], "k3_rank8"))
+for impl in ("fast", "fast-oppf"):
+    print(nbtools.replay_timeline(S50, "attn", impl, 1, "k3_rank8"))
+
+# %%
+with open(os.path.join(nbtools.ROOT, S50)) as f:
+    s50 = {(r["batch"], r["impl"]): r for r in json.load(f)["records"] if r["part"] == "attn"}
+kt = {i: s50[(1, i)]["replay_timeline"]["kernels"] for i in ("fast", "fast-oppf")}
+kda_us = {i: kt[i][1][2] for i in kt}
+after = {i: (kt[i][2][1] + kt[i][2][2]) - (kt[i][1][1] + kt[i][1][2]) for i in kt}
+assert all(s50[(b, "fast-oppf")]["replay_us_median"] > s50[(b, "fast")]["replay_us_median"] for b in (1, 2))
+assert kda_us["fast-oppf"] > kda_us["fast"] + 1.0 and abs(after["fast-oppf"] - after["fast"]) < 0.5
+print(f"KDA step {kda_us['fast']:.1f} -> {kda_us['fast-oppf']:.1f} µs; o_proj after it "
+      f"{after['fast']:.1f} -> {after['fast-oppf']:.1f} µs")
+print("ok (v1.4 measured slower and removed)")
