@@ -86,7 +86,7 @@ def _cases(cfg, batch: int):
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
         cases.append(("gemv_in_proj_plain@v5", lambda: gemv(x, w_in, pin_loads=False), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
-    if M <= 2:      # rms_gemv v12 (opt-in, rms_gemv_ring): the weights through a bulk-copy shared-memory ring, fused
+    if M <= 2:      # rms_gemv v12 (rms_gemv_ring, the layer's in_proj at M <= 2): a bulk-copy shared-memory ring, fused
         # and bare (the bare row beside gemv_in_proj_plain and cuBLAS on the same x and weights)
         from .rms_gemv_ring import attnres_rms_gemv_ring, gemv_ring
         cases.append(("attnres_rms_gemv@ring", lambda: attnres_rms_gemv_ring(io.blocks, 1, io.partial, io.delta, u1,
@@ -94,10 +94,10 @@ def _cases(cfg, batch: int):
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
         cases.append(("gemv_in_proj_plain@ring", lambda: gemv_ring(x, w_in), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
-        # v12.2 (opt-in): the tokens' AttnRes prologues in one pass, w_ln loaded with u (bit-identical)
-        cases.append(("attnres_rms_gemv@ringjoint",
+        # v12.2 (the default since s48; "@ringjoint" in kernels-d8196e2-s48.json): the token-by-token prologue
+        cases.append(("attnres_rms_gemv@ringnojoint",
                       lambda: attnres_rms_gemv_ring(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
-                                                    partial_out=p_out, joint=True),
+                                                    partial_out=p_out, joint=False),
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
     if M <= 2:
         def unfused():

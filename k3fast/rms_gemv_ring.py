@@ -55,8 +55,8 @@ v12 (2026-11-30, session 16; CPU-compiled, measured by h200_next s45)
     s46 at d9e6f60 repeated it: rank16 b1 / b2 31.5 / 34.1 against fast-infma 33.6 / 38.0, rank8 45.8 / 50.3
     against 47.6 / 52.9). The whole layer at rank8 b1 was 1.3-1.5 us slower than with the FMA in_proj in both runs
     (109.2 against 107.9 in s46): the MoE front, PDL-launched by o_proj, ends later; not explained yet.
-v12.1 (written in session 16, measured at s47, the default since; impl "fast-ringlate": FastImpl inproj_early_trigger=False) The ring launches
-    the KDA step at its end instead of after its wait. Prediction: if the KDA CTAs sitting beside the ring from its
+v12.1 (written in session 16, measured at s47, the default since; impl "fast-ringlate": FastImpl
+    inproj_early_trigger=False) The ring launches the KDA step at its end instead of after its wait. Prediction: if the KDA CTAs sitting beside the ring from its
     start are what slows the chain after it, rank8 b1 attention half 45.8 -> ~44-45 us and the rank8 layer back to
     the FMA in_proj's; if not, within +-0.5 us.
     Measured (records-8574eb7-s47.json, one run beside stock; attention half, us, fast -> fast-ringlate): rank8 b1
@@ -66,8 +66,8 @@ v12.1 (written in session 16, measured at s47, the default since; impl "fast-rin
     rank8 layer was this trigger too); rank8 b2 +0.5 is inside the spread. In the rank8 b1 timeline the KDA step now
     takes 6.0 us after the ring (7.2 with the early trigger in s46) and o_proj ends 8.6 us after it (9.6).
     EARLY_TRIGGER = False since; "fast-ringearly" is the A/B.
-v12.2 (session 17; opt-in joint / JOINT_PROLOGUE, impl "fast-injoint"; CPU-compiled, measured by h200_next s48) The
-    AttnRes prologue of both tokens in one pass at M = 2 (rms_gemv._attnres_tokens): one round of source loads, one
+v12.2 (session 17; joint / JOINT_PROLOGUE, measured as "fast-injoint" at s48, the default since, "fast-nojoint" the
+    A/B) The AttnRes prologue of both tokens in one pass at M = 2 (rms_gemv._attnres_tokens): one round of source loads, one
     CTA barrier per reduction for both tokens (5 barriers instead of 7 in the PTX), and w_ln loaded with u at the
     start instead of after the second reduction (at M = 1 that is the only change). Each token's arithmetic and
     its order are the token-by-token prologue's: bit-identical (GPU test test_joint_prologue_is_bit_identical).
@@ -80,6 +80,12 @@ v12.2 (session 17; opt-in joint / JOINT_PROLOGUE, impl "fast-injoint"; CPU-compi
     Prediction: bench attnres_rms_gemv@ringjoint against @ring -1.5 to -2.5 us at b2, -0.2 to -0.6 at b1;
     attention half (fast-injoint against fast) the same, so rank8 b2 ~48 -> ~46 us (1.8x stock needs ~46.8). If b2
     does not move, the prologue's cost is its L2 reads' bandwidth, not its latency chain.
+    Measured (kernels- / records-d8196e2-s48.json, records-5f15bc1-s49.json; GPU tests at s49: bit-identical at M 1
+    / 2, n_blocks 0 / 1 / 3 / 8, both widths, and in a graph). Bench @ring -> @ringjoint: rank16 b1 18.2 -> 18.4 us,
+    b2 22.1 -> 21.3; rank8 b1 28.5 -> 28.2, b2 31.8 -> 30.8. Attention half (fast -> fast-injoint, s48; fast-nojoint
+    -> fast, s49): rank8 b1 -0.5 / -0.2, b2 -1.0 / -0.8; rank16 b1 -0.4 / -0.3, b2 -0.5 / -0.4. Half the predicted
+    gain at b2: about half of the second token's cost was its serial chain; the rest, by the rule above, is not
+    (not measured further).
 
 Contracts
 ---------
