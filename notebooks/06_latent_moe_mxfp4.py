@@ -554,3 +554,50 @@ print(f"after FC2: {(busiest['kernel'] - busiest['fc2']) / 1e3:.1f} k cycles of 
 assert busiest["kernel"] - busiest["fc2"] > 8e3 and busiest["stream"] - busiest["fc2"] > 5e3
 assert busiest["sort"] < busiest["fc1"] < busiest["fc2"] < busiest["kernel"]
 print("ok (ncu6)")
+
+# %% [markdown]
+# ## 20. The MoE half at b1, term by term (session 17)
+# Where the 2x target's missing ~6 µs would have to come from. The s49 run at today's defaults (`records-5f15bc1-s49.json`)
+# times the three kernels of the rank16 b1 MoE half in one flushed replay; `k3ref.bytes` gives each kernel's bytes
+# (the front reads the router, the latent down-projection and the shared gate/up; the tail reads the latent
+# up-projection and the shared down; the shared experts' three matrices are equal in size). Each kernel's time
+# after its predecessor ends is set against its bytes at the copy bandwidth measured in the same run.
+
+# %%
+from k3ref.bytes import layer_bytes
+S49 = "traces/h200/records-5f15bc1-s49.json"
+print(nbtools.replay_timeline(S49, "moe", "fast", 1, "k3_rank16"))
+with open(os.path.join(nbtools.ROOT, S49)) as f:
+    moe49 = {(r["impl"], r["batch"], r["shape"]): r for r in json.load(f)["records"] if r["part"] == "moe"}
+rec = moe49[("fast", 1, "k3_rank16")]
+sb = {s.stage: s.weights + s.state + s.activations
+      for s in layer_bytes(k3_rank(16), "kda_moe", 1, context=0, layer=1, distinct_experts=rec["distinct_experts"])}
+shared_third = sb["k3.moe.shared"] / 3
+part_bytes = {"front": sb["k3.router"] + sb["k3.moe.down"] + 2 * shared_third, "experts": sb["k3.moe.experts"],
+              "tail": sb["k3.moe.up"] + shared_third}
+ks = rec["replay_timeline"]["kernels"]
+ends = [start + dur for _, start, dur in ks]
+after = {"front": ends[0], "experts": ends[1] - ends[0], "tail": ends[2] - ends[1]}
+bw = rec["copy_tbps"]
+print(f"{'kernel':8s} {'MB':>6s} {'us after its predecessor':>26s} {'at copy rate':>13s} {'excess':>7s}")
+for k in ("front", "experts", "tail"):
+    at_copy = part_bytes[k] / bw / 1e6
+    print(f"{k:8s} {part_bytes[k] / 1e6:6.1f} {after[k]:26.1f} {at_copy:13.1f} {after[k] - at_copy:7.1f}")
+stock_us, fast_us = moe49[("stock", 1, "k3_rank16")]["replay_us_median"], rec["replay_us_median"]
+print(f"replay median {fast_us:.1f} µs against stock {stock_us:.1f} ({stock_us / fast_us:.2f}x); 2x needs "
+      f"{stock_us / 2:.1f}")
+
+# %% [markdown]
+# The front and the tail stream within ~3 µs of their bytes at the copy rate. The experts kernel reads 23 MB in
+# ~17 µs, about 11 µs over what its bytes cost: a latency chain (routing, two ring fills, cluster barriers, the
+# part reduction and the combine, section 19), during which the HBM is mostly idle. The 2x target needs ~6 µs of
+# those 11 µs back. Two routes are left (k3fast/LOG.md, session 17): make the chain shorter (the post-FC2 stage), or
+# fill the idle HBM with the tail's bytes, which only the experts kernel's own idle shared memory (~20 MB over 128
+# SMs) can hold while it runs.
+
+# %%
+assert abs(sum(part_bytes.values()) - rec["bytes"]) < 0.01 * rec["bytes"]      # the three kernels cover the half
+excess = {k: after[k] - part_bytes[k] / bw / 1e6 for k in after}
+assert excess["experts"] > 2 * max(excess["front"], excess["tail"])
+assert fast_us > stock_us / 2
+print("ok (the MoE b1 budget)")
