@@ -39,6 +39,10 @@ causes give different signatures, and one run of this module separates them:
              full ring);
 * ``sortprobe fc1probe fc2probe`` (and ``v4...``): the stream probe stopped after the routing sort, after FC1 and
              the h exchange, or after FC2 (no part reduction / combine): the stages of the b1 latency chain;
+* ``PARK PARK<KB>`` (v7, batch buckets <= 2) the park probe: after its first FC2 each CTA bulk-copies weights nobody
+             reads into its unused shared memory (all that fits in 16 KB chunks, or <KB> KB), during the part
+             reduction and the combine; the output is the default's. What parking the tail's weights in the
+             experts kernel would cost its chain (k3fast/LOG.md, session 17);
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
              C = 2 is bound by loads in flight (time moves with D) or by issue (the probe is much faster than
              the kernel at every D).
@@ -62,7 +66,8 @@ from k3ref import preset
 from k3ref.weights import random_layer
 
 VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
-            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe")
+            "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe",
+            "PARK", "PARK64")
 
 
 def variant_cfg(name: str, base):
@@ -80,6 +85,12 @@ def variant_cfg(name: str, base):
         return dataclasses.replace(variant_cfg(name[:-len("probe")], base), probe="stream")
     if name.startswith("Dprobe"):            # the stream probe at another ring depth, e.g. Dprobe4
         return dataclasses.replace(base, probe="stream", D=int(name[len("Dprobe"):]))
+    park = re.fullmatch(r"PARK(\d*)", name)
+    if park:                                 # the park probe: PARK (all the free shared memory) or PARK<KB>
+        from .moe_mxfp4_experts import park_max
+        if base.version != 7:
+            raise ValueError(f"PARK (the park probe) serves version 7 (batch buckets <= 2), got v{base.version}")
+        return dataclasses.replace(base, park=int(park.group(1)) * 1024 if park.group(1) else park_max(base))
     if name == "R1":                         # route1 (batch 1's pairs as segments, no counting sort)
         return dataclasses.replace(base, route_direct=True)
     if name == "NRF":                        # ring_fit off: both rings at the full depth D

@@ -389,6 +389,20 @@ Version log
       0.6 %). In the replay timeline the tail ended 0.5 us sooner after the experts, about a fifth of the ~2.4 us
       predicted, and the 8-warp experts lost 1.1-6.1 us on the bench. The tail's ring of 3 alone (fast-t3) looked
       0.4-0.8 us faster in s40 but not in s41's repeat (-0.8..+0.3); 4 (fast-t4) was 4.5-7 us slower.
+  park probe (2026-11-30, session 17; KernelCfg.park, bench_experts PARK / PARK<KB>; CPU-compiled, not yet run on a
+      GPU, h200_next s51 measures it) A diagnostic, not a version: after the CTA's first FC2, thread 0 bulk-copies
+      park bytes (16 KB cp.async.bulk chunks; park_max fills what the kernel leaves: 144 KB at b1, 128-144 KB at
+      b2) of a w13 range that the item does not read into shared memory that nothing reads, on one mbarrier that the CTA
+      waits on before it exits. The outputs are the default's bit for bit (GPU test test_park_probe_keeps_the_output);
+      the default keys' PTX is the same instruction sequence as before (register numbering differs at M = 1).
+      Why: LOG session 17, next steps, item 3. The tail's weights could be parked in the experts kernel's idle
+      shared memory (~18 MB over 128 CTAs) while the post-FC2 stage leaves the HBM idle, and the tail run in the
+      same kernel after a grid barrier (MoE half rank16 b1 ~58 -> ~53.5 us, estimated). This probe measures that
+      design's first risk: what the copies cost the experts' own chain.
+      Prediction / decision rule: bench PARK against default at rank16 b1 within +0.5 us (the copies land while the
+      CTA waits on the part reduction and the combine) -> build the fused kernel; +2 us or more -> the idle window
+      is not idle enough, and the estimate above does not hold. (The PARK rows' bytes and TB/s count the experts'
+      bytes only.)
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -422,6 +436,7 @@ stream at a time.  A token may list the same expert twice (both slots are comput
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -463,6 +478,7 @@ MAX_M = 64
 # diagnostic probes (KernelCfg.probe; wrong output): "stream" loads the weights and XOR-folds them instead of the
 # decode + MMA; "sort", "fc1" and "fc2" are the stream probe stopped after a stage, to time the b1 latency chain
 PROBES = ("", "stream", "sort", "fc1", "fc2")
+PARK_CHUNK = 16384      # bytes per cp.async.bulk of the park probe (KernelCfg.park)
 PROBES_WITH_COMBINE = ("", "stream")
 TOPK = 16
 # v7's part-reduction counters (pair * C + rank) sit after the combine's (token * C + rank < 64 * 4) in the
@@ -750,6 +766,9 @@ class KernelCfg:
     route_direct: bool = False  # route1 (MB = 1 only): pair p is segment p, no counting sort
     ring_fit: bool = False      # each loop's ring depth fitted to its K steps per unit (D1, D2 <= D; compile_key
     #                             sets it from RING_FIT, on by default at versions 4 / 5 / 7)
+    park: int = 0     # probe (v7 only, bench_experts "PARK<KB>"; outputs unchanged): after its first item's FC2
+    #                   each CTA bulk-copies this many bytes of weights nobody reads into shared memory nothing else
+    #                   uses: what parking the tail's weights there costs the chain (k3fast/LOG.md, session 17)
 
     def __post_init__(self):
         if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -775,6 +794,11 @@ class KernelCfg:
             raise ValueError(f"the rot layout is decoded by versions >= 4 only, got version {self.version}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
+        if self.park and (self.version != 7 or self.park % PARK_CHUNK or self.park < 0):
+            raise ValueError(f"park: a multiple of {PARK_CHUNK} bytes, version 7 only; got park={self.park}, "
+                             f"version {self.version}")
+        if self.park and self.smem_bytes > SMEM_PER_CTA_MAX:
+            raise ValueError(f"park={self.park}: {self.smem_bytes} B of shared memory per CTA, over {SMEM_PER_CTA_MAX}")
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
@@ -893,14 +917,16 @@ class KernelCfg:
         sizes = [4 * self.E, 4 * self.PMAX, 4 * (self.PMAX + 4), 4 * (self.PMAX + 4) if self.version == 5 else 0,
                  4 * self.PMAX, 4 * self.PMAX, 4 * self.PMAX, 4 * 64, 4 * self.n_hz, 4 * self.n_stage,
                  4 * self.n_part]
-        return sum(-(-b // 16) * 16 for b in sizes) + 256
+        park = self.park + 128 + 16 if self.park else 0    # the probe's region (128-aligned) and its mbarrier
+        return sum(-(-b // 16) * 16 for b in sizes) + 256 + park
 
 
 # ----------------------------------------------------------------------------------------------- the kernel
 
 def _build_kernel_class():
     cutlass, cute = import_cute()
-    from cutlass import Float32, Int32, BFloat16, const_expr
+    from cutlass import Float32, Int32, Int64, BFloat16, const_expr
+    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
     from cutlass.cutlass_dsl import T
     from cutlass._mlir.dialects import llvm
 
@@ -1134,6 +1160,13 @@ def _build_kernel_class():
             z_s = cute.make_tensor(hz_s.iterator, cute.make_layout((NT, c.ZW), stride=(c.ZW, 1)))
             stage_s = smem.allocate_tensor(Int32, cute.make_layout(self.n_stage), 16)
             part_s = smem.allocate_tensor(Float32, cute.make_layout(self.n_part), 16)
+            park_s = park_bar = None
+            if const_expr(c.park > 0):
+                park_bar = smem.allocate_array(Int64, 1)
+                park_s = smem.allocate_tensor(Int32, cute.make_layout(c.park // 4), 128)
+                if tid == 0:
+                    cute.arch.mbarrier_init(park_bar, 1)
+                    cute.arch.mbarrier_init_fence()
 
             lut = [Int32(_LUT_HI[0]), Int32(_LUT_HI[1]), Int32(-1065353216), Int32(-1065336832)]
             # (0xC0800000, 0xC0804000 as signed int32)
@@ -1512,6 +1545,26 @@ def _build_kernel_class():
                                     if s + D2 < NS2:
                                         ringS[d] = eW2s[row_ * 8 + g]
 
+                    if const_expr(c.park > 0):
+                        # park probe: after the CTA's first FC2, a w13 range of an expert this item does not read
+                        # (one per part: ex + E/2 + 7 hI; the ranks take disjoint ranges) into shared memory that
+                        # nothing reads, during the part reduction and the combine. Such an expert is rarely one
+                        # of the launch's 16, so the bytes come from HBM. The kernel waits for them before it exits
+                        if wi == qid:
+                            if pb == pb0:
+                                if tid == 0:
+                                    n_chunks = c.park // PARK_CHUNK
+                                    span = R13 * 32 * 16 // PARK_CHUNK - n_chunks + 1   # chunk offsets that fit
+                                    first = (rank * n_chunks) % span
+                                    ex2 = (ex + c.E // 2 + 7 * hI) % c.E
+                                    src0 = (mW13q.iterator.toint() + Int64(ex2) * (R13 * 32 * 16)
+                                            + Int64(first) * PARK_CHUNK)
+                                    cute.arch.mbarrier_arrive_and_expect_tx(park_bar, c.park)
+                                    for k in cutlass.range_constexpr(n_chunks):
+                                        src = cute.make_ptr(Int32, src0 + k * PARK_CHUNK, cute.AddressSpace.gmem,
+                                                            assumed_align=16)
+                                        cp_async_bulk_shared_cluster_global(park_s.iterator + k * (PARK_CHUNK // 4),
+                                                                            src, park_bar, PARK_CHUNK)
                     if const_expr(c.probe in PROBES_WITH_COMBINE):
                         # (the stage probes 'fc1' / 'fc2' stop before the part reduction and the combine)
                         cute.arch.fence_acq_rel_gpu()
@@ -1584,6 +1637,11 @@ def _build_kernel_class():
                                     ro.store(s8.load().to(BFloat16))
                                     cute.autovec_copy(ro, gO[0, None, m, vv])
                     cute.arch.barrier()
+            if const_expr(c.park > 0):
+                # the park probe's copies land in this CTA's shared memory: it may not exit before they complete
+                if qid < n_work:
+                    if tid == 0:
+                        cute.arch.mbarrier_wait(park_bar, 0)
 
     return MoeMxfp4Experts
 
@@ -1620,6 +1678,12 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
         fake_tensor(BFloat16, (M, cfg.dL)),                    # r
     )
     return cute.compile(obj, *args, fake_stream(), options=options)
+
+
+def park_max(cfg: KernelCfg) -> int:
+    """The park probe's largest size for a key: the shared memory the kernel leaves free, in whole PARK_CHUNKs."""
+    free = SMEM_PER_CTA_MAX - dataclasses.replace(cfg, park=PARK_CHUNK).smem_bytes + PARK_CHUNK
+    return free // PARK_CHUNK * PARK_CHUNK
 
 
 def default_parts(I: int, MB: int, C: int, nsm: int = 132) -> int:

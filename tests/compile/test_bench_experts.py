@@ -22,6 +22,18 @@ def test_variants_are_valid_keys(cfg):
                 with pytest.raises(ValueError, match="route_direct"):
                     be.variant_cfg(v, base)
                 continue
+            if v.startswith("PARK"):                   # the park probe: v7 (buckets <= 2) where it fits
+                if base.version != 7:
+                    with pytest.raises(ValueError, match="PARK"):
+                        be.variant_cfg(v, base)
+                    continue
+                try:
+                    kc = be.variant_cfg(v, base)
+                except ValueError as ex:               # PARK64 beside a kernel that leaves less than 64 KB
+                    assert "park=" in str(ex) and v != "PARK"
+                    continue
+                assert kc.park % mx.PARK_CHUNK == 0 and kc.smem_bytes <= mx.SMEM_PER_CTA_MAX
+                continue
             if v == "C8" and base.version == 7 and cfg.expert_intermediate == 256:
                 with pytest.raises(ValueError, match="K split"):   # 1 FC1 tile per CTA: 16 K parts of 56 steps
                     be.variant_cfg(v, base)                        # (the bench prints it as skipped)

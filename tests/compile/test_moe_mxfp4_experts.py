@@ -585,3 +585,44 @@ def test_ring_fit_at_v7_cuts_the_index_work():
         assert on.version == 7 and on.D1 == 7
         old, new = per_mma(dataclasses.replace(on, ring_fit=False)), per_mma(on)
         assert all(n < bound * o for o, n in zip(old, new)), (M, old, new)
+
+
+def test_park_probe_cfg():
+    """The park probe (KernelCfg.park): v7 only, whole 16 KB chunks, and park_max fills the shared memory the kernel
+    leaves without passing the per-CTA limit."""
+    import dataclasses
+    from k3fast._dsl import SMEM_PER_CTA_MAX
+    for I in (256, 384):
+        for M in (1, 2):
+            base = mx.compile_key(896, 3584, I, M)
+            big = dataclasses.replace(base, park=mx.park_max(base))
+            assert big.park >= 8 * mx.PARK_CHUNK and big.smem_bytes <= SMEM_PER_CTA_MAX
+            with pytest.raises(ValueError, match="park="):          # one chunk more does not fit
+                dataclasses.replace(base, park=big.park + mx.PARK_CHUNK)
+    base = mx.compile_key(896, 3584, 256, 1)
+    with pytest.raises(ValueError, match="park"):
+        dataclasses.replace(base, park=1000)
+    with pytest.raises(ValueError, match="park"):
+        dataclasses.replace(mx.compile_key(896, 3584, 256, 8), park=mx.PARK_CHUNK)
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("I", [256, 384])
+def test_park_probe_ptx(I):
+    """The park probe's bulk copies (one per 16 KB chunk) come after every MMA of the kernel (after FC2, before the
+    part reduction and the combine), on one mbarrier that the kernel waits on before it exits; park 0 has neither."""
+    import dataclasses
+    from k3fast.ptxcheck import compiled_ptx
+    base = mx.compile_key(896, 3584, I, 1)
+    park = dataclasses.replace(base, park=mx.park_max(base))
+    lines = {k: [ln.strip() for ln in compiled_ptx(lambda k=k: mx._compile(k, options="--enable-tvm-ffi --keep-ptx"))
+                 .splitlines()] for k in (base, park)}
+    for k, ls in lines.items():
+        bulk = [i for i, ln in enumerate(ls) if ln.startswith("cp.async.bulk.shared")]
+        waits = [i for i, ln in enumerate(ls) if ln.startswith("mbarrier.try_wait")]
+        if k.park == 0:
+            assert not bulk and not waits
+            continue
+        assert len(bulk) == k.park // mx.PARK_CHUNK
+        assert bulk[0] > max(i for i, ln in enumerate(ls) if ln.startswith("mma.sync"))
+        assert waits and min(waits) > max(bulk)

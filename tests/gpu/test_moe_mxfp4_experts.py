@@ -395,3 +395,25 @@ def test_ring_fit_is_bit_identical(M, kind):
     outs = run_variants(M, z, ids, w, prep, ws, dflt=dict(ring_fit=False), fit=dict(ring_fit=True))
     assert same_bits(outs["fit"], outs["dflt"])
     assert rel_rmse(outs["fit"], reference(z, ids, w, ck)) <= TOL
+
+
+@pytest.mark.parametrize("I", [256, 384])
+@pytest.mark.parametrize("M", [1, 2])
+def test_park_probe_keeps_the_output(I, M):
+    """The park probe (KernelCfg.park) only copies weights into shared memory nothing reads, and waits for them
+    before the CTA exits: every output bit equals the default's, the counters reset, in a graph too."""
+    import dataclasses
+    ck, prep, z, ids, w, ws = case(M, I, "uniform", 5400 + 10 * M + I // 128)
+    base = mx.compile_key(E, DL, I, M)
+    park = dataclasses.replace(base, park=mx.park_max(base))
+    outs = run_variants(M, z, ids, w, prep, ws, dflt=dict(kernel_cfg=base), park=dict(kernel_cfg=park))
+    assert same_bits(outs["park"], outs["dflt"])
+    out = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, kernel_cfg=park)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert same_bits(out, outs["dflt"]) and ws.counters.eq(0).all()
