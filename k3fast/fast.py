@@ -86,10 +86,9 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     M = partial.shape[0]
     if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
         from . import rms_gemv_ring
-        et = rms_gemv_ring.EARLY_TRIGGER if early_trigger is None else early_trigger
         return rms_gemv_ring.attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps,
                                                    block_write=block_write, partial_out=partial_out,
-                                                   early_trigger=et, joint=joint)
+                                                   early_trigger=early_trigger, joint=joint)
     early_trigger = True if early_trigger is None else early_trigger
     from . import rms_gemv
     if mma is None:

@@ -479,6 +479,7 @@ MAX_M = 64
 # decode + MMA; "sort", "fc1" and "fc2" are the stream probe stopped after a stage, to time the b1 latency chain
 PROBES = ("", "stream", "sort", "fc1", "fc2")
 PARK_CHUNK = 16384      # bytes per cp.async.bulk of the park probe (KernelCfg.park)
+PARK_OVERHEAD = 128 + 16    # its region's alignment and its mbarrier
 PROBES_WITH_COMBINE = ("", "stream")
 TOPK = 16
 # v7's part-reduction counters (pair * C + rank) sit after the combine's (token * C + rank < 64 * 4) in the
@@ -917,7 +918,7 @@ class KernelCfg:
         sizes = [4 * self.E, 4 * self.PMAX, 4 * (self.PMAX + 4), 4 * (self.PMAX + 4) if self.version == 5 else 0,
                  4 * self.PMAX, 4 * self.PMAX, 4 * self.PMAX, 4 * 64, 4 * self.n_hz, 4 * self.n_stage,
                  4 * self.n_part]
-        park = self.park + 128 + 16 if self.park else 0    # the probe's region (128-aligned) and its mbarrier
+        park = self.park + PARK_OVERHEAD if self.park else 0
         return sum(-(-b // 16) * 16 for b in sizes) + 256 + park
 
 
@@ -1682,7 +1683,7 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
 
 def park_max(cfg: KernelCfg) -> int:
     """The park probe's largest size for a key: the shared memory the kernel leaves free, in whole PARK_CHUNKs."""
-    free = SMEM_PER_CTA_MAX - dataclasses.replace(cfg, park=PARK_CHUNK).smem_bytes + PARK_CHUNK
+    free = SMEM_PER_CTA_MAX - dataclasses.replace(cfg, park=0).smem_bytes - PARK_OVERHEAD
     return free // PARK_CHUNK * PARK_CHUNK
 
 

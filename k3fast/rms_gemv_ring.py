@@ -104,7 +104,7 @@ from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake
 
 NUM_SMS = 132
 # v12.1 (the default since s47): the layer's ring launches its dependent (the KDA step) after its last store, not
-# right after its wait; the version log says why. attnres_rms_gemv_ring's own default is the same.
+# right after its wait; the version log says why.
 EARLY_TRIGGER = False
 # v12.2 (the default since s48; "fast-nojoint" is the A/B): the AttnRes prologue of both tokens in one pass at M = 2,
 # w_ln loaded with u
@@ -398,9 +398,10 @@ def gemv_ring(x, w, out=None, *, early_trigger: bool = False):
 
 
 def attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
-                          partial_out=None, early_trigger=False, joint=None):
+                          partial_out=None, early_trigger=None, joint=None):
     """rms_gemv.attnres_rms_gemv's fused path (M <= 2) with the weights through the bulk-copy ring: returns (y,
     partial_out), y = bf16(RMSNorm_{w_ln}(AttnRes mix) @ w^T), p' = bf16(p + delta) into partial_out (and blocks).
+    early_trigger: None = EARLY_TRIGGER (the dependent launched at the end, v12.1); True: right after the wait.
     joint: v12.2's joint prologue (None = JOINT_PROLOGUE; where joint_applies), bit-identical to the default."""
     import torch
     from .rms_gemv import _check_attnres
@@ -412,6 +413,7 @@ def attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1
         out = torch.empty(M, N, dtype=torch.bfloat16, device=partial.device)
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
-    key = compile_key(M, K, N, True, n_blocks, delta is not None, block_write, wln, eps, early_trigger, joint)
+    et = EARLY_TRIGGER if early_trigger is None else bool(early_trigger)
+    key = compile_key(M, K, N, True, n_blocks, delta is not None, block_write, wln, eps, et, joint)
     _compile(key)(None, w, out, blocks, partial, delta, partial_out, u, w_ln)
     return out, partial_out
