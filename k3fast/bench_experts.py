@@ -153,8 +153,12 @@ def main(argv=None) -> int:
         ws = make_workspace(cfg.routed_expert_hidden_size, "cuda")
         g = torch.Generator(device="cuda").manual_seed(5)
         for M in args.batches:
-            marlin = MarlinMXFP4Experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale,
-                                        max_batch=M)
+            try:
+                marlin = MarlinMXFP4Experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed,
+                                            m.w2_scale, max_batch=M)
+            except ImportError as ex:     # a staging without vLLM: our variants still compare among themselves
+                print(f"  {shape} b{M} marlin: skipped ({ex})", flush=True)
+                marlin = None
             z = torch.randn(M, cfg.routed_expert_hidden_size, generator=g, device="cuda").bfloat16()
             if args.routing == "skewed":
                 hot = torch.randperm(cfg.num_experts, generator=g, device="cuda")[:24]
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
             nbytes = distinct_expert_bytes(ids, cfg)
             base = compile_key(cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate, M, nsm=nsm,
                                situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
-            fns = {"marlin": lambda: marlin(z, ids, tw)}
+            fns = {} if marlin is None else {"marlin": lambda: marlin(z, ids, tw)}
             kcfgs = {}
             for v in args.variants:
                 try:
