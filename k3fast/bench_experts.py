@@ -67,7 +67,7 @@ from k3ref.weights import random_layer
 
 VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
             "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe",
-            "PARK", "PARK64")
+            "PARK", "PARK64", "v8", "v8probe", "v8fc1probe")
 
 
 def variant_cfg(name: str, base):
@@ -113,11 +113,12 @@ def variant_cfg(name: str, base):
                 kw.setdefault("W", 8)
         if "P" in kw:
             kw["parts"] = kw.pop("P")
-        if kw.get("version") == 7:           # v7's own cluster and parts defaults (compile_key's)
+        if kw.get("version") in (7, 8):      # v7 / v8's own cluster and parts defaults (compile_key's)
             from .moe_mxfp4_experts import V7_CLUSTER, default_parts
             kw.setdefault("C", V7_CLUSTER)
-            kw.setdefault("parts", default_parts(base.I, base.MB, kw["C"], base.nsm))
-        elif "version" in kw:                # another version named: one part (only v7 splits)
+            kw.setdefault("parts", default_parts(base.I, base.MB, kw["C"], base.nsm,
+                                                 dL=base.dL if kw["version"] == 8 else None))
+        elif "version" in kw:                # another version named: one part (only v7 / v8 split)
             kw["parts"] = 1
         if "version" in kw:                  # the named version's ring_fit default (compile_key's rule)
             from .moe_mxfp4_experts import ring_fit_rule

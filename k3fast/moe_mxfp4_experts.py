@@ -403,6 +403,37 @@ Version log
       CTA waits on the part reduction and the combine) -> build the fused kernel; +2 us or more -> the idle window
       is not idle enough, and the estimate above does not hold. (The PARK rows' bytes and TB/s count the experts'
       bytes only.)
+      Measured (s51b at 1a2a533, experts-1a2a533-s51b.json, one run, copy 4.224 TB/s; GPU test
+      test_park_probe_keeps_the_output 4 passed in s51, logs/gpu-tests-085894c-s51.log): default / PARK (144 KB) /
+      PARK64 rank16 b1 19.26 / 23.52 / 20.90 us, b2 26.46 / 30.72 / 27.20; rank8 b1 24.83 / 28.67 / 26.05, b2 33.76
+      / 37.76 / 34.46. PARK costs +4.3 us at rank16 b1, the 18.4 MB it moves at ~4.3 TB/s: none of it hides behind
+      the post-FC2 stage; PARK64 (8.4 MB) +1.6 against 2.0 at the copy rate. Past the +2 us of the rule: the fused
+      experts + tail kernel is not built (its ~4.5 us gain assumed the parking free; at +4.3 it nets ~0).
+  v8  (2026-11-30, session 18; opt-in, version=8, impl "fast-v8", bench_experts v8 / v8probe / v8fc1probe; batch
+      buckets <= 2) v7's parts of I for FC1 (the same work items, clusters of 2, h columns per CTA), but FC2 split
+      by output rows: the RB = NH x C CTAs of an expert's items each compute dL / (16 RB) whole w2 tiles over all of
+      I, so y_e leaves FC2 complete, rounded to bf16 once, and v7's part reduction (fp32 partials out, an arrival
+      per (pair, rank), the last arrival reading NH rows back and writing y_e) is gone. What it needs instead is all
+      of h in every CTA of the expert: each CTA publishes its h columns to hG (global, [pairs, I] bf16) and arrives
+      on the segment's counter (H_COUNTERS + u, release), issues FC2's first ring loads (they do not depend on h),
+      spins (thread 0, acquire) until all RB arrived, reads hG from L2 and departs; the last departure re-arms the
+      counter. The cluster barriers and DSMEM stores go (the PTX has none). The spin needs every CTA of an expert
+      resident: v7's grid already is (one CTA per SM, <= 128 CTAs; a PDL dependent launches only after all of them
+      ran their trigger). The combine is v4's, per (token, row block), RB chunks instead of C. (dL / 16) % RB must
+      be 0, so rank8 b1 takes 2 parts (v7: 3; default_parts with dL).
+      Numerics: FC1's K split and FC2's tiles and K order equal v4's at clusters of RB (tests/compile
+      test_v8_index_math_and_its_v4_twin): every output bit must equal that v4's (GPU test
+      test_v8_is_v4_at_its_row_blocks), i.e. v8 is v4's arithmetic with the 8-CTA "cluster" that the H200 cannot
+      co-schedule (15 clusters of 8 fit, version log v4) replaced by one through global memory. The other keys'
+      PTX is unchanged (md5 of v7 rank16 b1 / b2, rank8 b1, v4 rank16 b8). ptxas 12.9: 128 registers, spill stores
+      0 B at rank16 b1 (v7: 48), 28 at b2 (v7: 0), 16 at rank8 b1 (v7: 44).
+      Why: the stage probes put the part reduction and the combine at ~3.3 us of the rank16 b1 chain (s15) and the
+      bench's default - fc2probe at 5.5 us (s51b); session 17's LOG, next steps item 2.
+      Prediction (bench, v8 against default): rank16 b1 19.3 -> ~17.8-18.5 us, b2 26.5 -> ~25.5-26; rank8 b2
+      33.8 -> ~32.5-33.3 (same parts); rank8 b1 24.8 -> 24-26.5 (64 CTAs instead of v7's 96: may lose). v8fc1probe
+      within +-0.5 us of fc1probe (the spin replaces barrier B; hG's round trip replaces the DSMEM stores). MoE
+      half (fast-v8 against fast) rank16 b1 58.0 -> ~56.5-57.3 (2x stock needs <= 51.9). If the kernel gains and
+      the layer does not, the tail's start was not set by the experts' last CTA.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -485,6 +516,9 @@ TOPK = 16
 # v7's part-reduction counters (pair * C + rank) sit after the combine's (token * C + rank < 64 * 4) in the
 # workspace's MAX_M * 8 counters; v7 serves buckets <= 2, so pair * C + rank < 32 * 8 fits
 PART_COUNTERS = 256
+# v8's h-exchange counters (one per expert segment u < 32 at buckets <= 2: arrivals, then departures) follow them
+H_COUNTERS = 320
+SPLIT_VERSIONS = (6, 7, 8)      # an expert split over several clusters by parts of I (batch buckets <= 2)
 
 
 # ----------------------------------------------------------------------------------------------- host-side layout
@@ -737,7 +771,7 @@ ROUTE_DIRECT = True
 # the full depth): each loop's ring depth fitted to its K steps per unit (version log; s26: MoE half rank8 b64
 # 643.8 -> 540.2 us, b8 167.6 -> 141.2; s29, v7: rank8 b2 82.6 -> 74.3)
 RING_FIT = True
-RING_FIT_VERSIONS = (4, 5, 7)      # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
+RING_FIT_VERSIONS = (4, 5, 7, 8)   # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
 
 
 def default_version(MB: int) -> int:
@@ -758,7 +792,8 @@ class KernelCfg:
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
     version: int = DEFAULT_VERSION  # 2: z from global; 3: z staged in smem; 4: + copy-free ring; 5: + pass items;
-    #                                 6: v4 with each expert split over two clusters by I (MB <= 2)
+    #                                 6: v4 with each expert split over two clusters by I (MB <= 2); 7: NH parts
+    #                                 of I, part reduction; 8: NH parts of I for FC1, FC2 split by output rows
     probe: str = ""   # diagnostics only (wrong output): "stream" = weights loaded and XOR-folded, no decode / MMA;
     #                   the stage probes stop the stream probe early: "sort" after the routing sort, "fc1" after FC1
     #                   and the h exchange (no FC2), "fc2" after FC2 (no part reduction, no combine)
@@ -772,9 +807,12 @@ class KernelCfg:
     #                   uses: what parking the tail's weights there costs the chain (k3fast/LOG.md, session 17)
 
     def __post_init__(self):
-        if (self.version != 7 and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
-            raise ValueError(f"parts={self.parts}: version 7 splits I = {self.I} into parts of a multiple of 64 "
+        if (self.version not in (7, 8) and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
+            raise ValueError(f"parts={self.parts}: versions 7 / 8 split I = {self.I} into parts of a multiple of 64 "
                              f"(other versions take parts=1), version {self.version}")
+        if self.version == 8 and (self.dL // 16) % (self.parts * self.C):
+            raise ValueError(f"version 8 splits the dL / 16 = {self.dL // 16} w2 tiles over parts x C = "
+                             f"{self.parts * self.C} CTAs per expert; they do not divide (parts={self.parts})")
         if self.dL % 64 or self.I % 64:
             raise ValueError("dL and I must be multiples of 64")
         if self.IH % (8 * self.C) or (self.dL // 16) % self.C or self.IH % 64:
@@ -784,9 +822,9 @@ class KernelCfg:
             raise ValueError("E too large for the in-CTA routing sort")
         if self.NKB1 % self.S:
             raise ValueError("K split does not divide the FC1 K steps")
-        if self.version not in (2, 3, 4, 5, 6, 7):
-            raise ValueError(f"version must be 2, 3, 4, 5, 6 or 7, got {self.version}")
-        if self.version in (6, 7) and self.MB > 2:
+        if self.version not in (2, 3, 4, 5, 6, 7, 8):
+            raise ValueError(f"version must be 2, 3, 4, 5, 6, 7 or 8, got {self.version}")
+        if self.version in SPLIT_VERSIONS and self.MB > 2:
             raise ValueError(f"version {self.version} (an expert split over several clusters) serves batch buckets "
                              f"<= 2, got {self.MB}")
         if self.layout not in LAYOUTS:
@@ -821,7 +859,7 @@ class KernelCfg:
         return self._fit(self.NKB2H)
 
     @property
-    def NH(self):           # work items per expert: the parts of I (v6: two halves; v7: ``parts``)
+    def NH(self):           # work items per expert: the parts of I (v6: two halves; v7 / v8: ``parts``)
         return 2 if self.version == 6 else self.parts
 
     @property
@@ -849,8 +887,12 @@ class KernelCfg:
         return self.NKB1 // self.S
 
     @property
-    def T2(self):
-        return self.dL // 16 // self.C
+    def RB(self):           # row blocks of w2 (and of y, the combine's chunks): one per CTA of an expert's item
+        return self.NH * self.C if self.version == 8 else self.C
+
+    @property
+    def T2(self):           # w2 tiles (16 rows) per CTA
+        return self.dL // 16 // self.RB
 
     @property
     def U2(self):
@@ -861,8 +903,8 @@ class KernelCfg:
         return self.I // 64
 
     @property
-    def NKB2H(self):        # FC2 K steps of one work item (v6: half of them)
-        return self.IH // 64
+    def NKB2H(self):        # FC2 K steps of one work item (v6 / v7: its part's; v8: all, K = I)
+        return self.I // 64 if self.version == 8 else self.IH // 64
 
     @property
     def GMAX(self):         # 8-column MMA groups per pass
@@ -882,14 +924,14 @@ class KernelCfg:
             # two work items per expert; an even cluster count, because at C = 4 the 33rd cluster of a 132-SM
             # H200 is not co-resident (the version log, v4 measured)
             return max(1, min(2 * self.PMAX, self.nsm // self.C // 2 * 2))
-        if self.version == 7:
+        if self.version in (7, 8):
             # NH work items per expert over every cluster that fits (at C = 2, the 66 TPC pairs are all co-resident)
             return max(1, min(self.NH * self.PMAX, self.nsm // self.C))
         return max(1, min(self.PMAX, self.nsm // self.C))
 
     @property
-    def HW(self):           # h row stride in 32-bit words (64 B pad: conflict-free 16 B loads)
-        return self.IH // 2 + 16
+    def HW(self):           # h row stride in 32-bit words (64 B pad: conflict-free 16 B loads); v8: all of I
+        return (self.I if self.version == 8 else self.IH) // 2 + 16
 
     @property
     def ZW(self):           # staged z row stride in 32-bit words (64 B pad: conflict-free 16 B loads)
@@ -1188,7 +1230,11 @@ def _build_kernel_class():
             # v6: y holds fp32 half partials, rows 2 pair + half
             ycg32 = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
                                         load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
-            gY4 = cute.flat_divide(mY, (1, 4))           # (1, 4, rows, dL/4)
+            gY4 = cute.flat_divide(mY, (1, 4))           # (1, 4, rows, dL/4); v8: (1, 4, pairs, I/8) of hG
+            gHG = gY4                                    # v8: mY is hG, the pairs' h rows as bf16x2 words
+            hcg = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
+                                      load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
+            h4 = cute.make_rmem_tensor(cute.make_layout(4), Int32)
             y4a = cute.make_rmem_tensor(cute.make_layout(4), Float32)
             y4b = cute.make_rmem_tensor(cute.make_layout(4), Float32)
             ARRIVALS = 2 * TOPK if c.version == 6 else TOPK    # arrivals per (token, row chunk) and launch
@@ -1310,7 +1356,7 @@ def _build_kernel_class():
             NS1_pad = -(-NS1 // D1) * D1
             NS2 = c.U2 * c.NKB2H if c.probe != "fc1" else 0      # the "fc1" stage probe stops before FC2
             NS2_pad = -(-NS2 // D2) * D2
-            NV = c.dL // 8 // C
+            NV = c.dL // 8 // c.RB                      # 8-wide y / r vectors per row block (the combine's chunk)
             s8 = cute.make_rmem_tensor(cute.make_layout(8), Float32)
             ry = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
             ro = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
@@ -1320,14 +1366,14 @@ def _build_kernel_class():
             # passes (expert, <= NT pairs), so that a few experts shared by many tokens (skewed routing) spread their
             # passes over every cluster.  Each pass reads the expert's weights once either way.
             n_work = pass_off[n_active] if const_expr(c.version == 5) else n_active
-            if const_expr(c.version in (6, 7)):
+            if const_expr(c.version in SPLIT_VERSIONS):
                 n_work = NH * n_active              # items (expert, part of I): wi = NH u + hI
             if const_expr(c.probe == "sort"):
                 n_work = Int32(0)                   # the stage probe that stops after the routing sort
             for wi in cutlass.range(qid, n_work, c.Q):
                 u = wi
                 hI = Int32(0)
-                if const_expr(c.version in (6, 7)):
+                if const_expr(c.version in SPLIT_VERSIONS):
                     u = wi // NH
                     hI = wi - NH * u
                 if const_expr(c.version == 5):
@@ -1386,10 +1432,14 @@ def _build_kernel_class():
                             cute.copy(zcp, gZ[0, None, tok, v_], gZs[0, None, n_, v_])
                         cute.arch.cp_async_commit_group()
                     t1_base = rank * c.T1
-                    if const_expr(c.version in (6, 7)):
+                    if const_expr(c.version in SPLIT_VERSIONS):
                         t1_base = hI * (c.IH // 8) + rank * c.T1     # w13 tiles of part hI: [hI IH/8, (hI+1) IH/8)
-                    # FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I; v6 / v7: the part's K
-                    t2_base = rank * c.T2
+                    # FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I; v6 / v7: the part's K;
+                    # v8: row block rbi = hI C + rank of the expert's NH C, all of K
+                    rbi = rank
+                    if const_expr(c.version == 8):
+                        rbi = hI * C + rank
+                    t2_base = rbi * c.T2
                     koff = 0
                     if const_expr(c.version in (6, 7)):
                         koff = hI * c.NKB2H                          # the part's K steps of each w2 tile
@@ -1449,8 +1499,9 @@ def _build_kernel_class():
                                             emit_h(stage_bf, hcols, c, tile, g, t, gi, acc[gi * 4 + 0],
                                                    acc[gi * 4 + 1], acc[gi * 4 + 2], acc[gi * 4 + 3])
 
-                    # cluster barrier A: every CTA of the cluster finished reading h_s of the previous pass
-                    if const_expr(C == 1):
+                    # cluster barrier A: every CTA of the cluster finished reading h_s of the previous pass (v8:
+                    # this CTA's warps finished FC1, whose z rows share h_s's region; h goes through global memory)
+                    if const_expr(C == 1 or c.version == 8):
                         cute.arch.barrier()
                     else:
                         cute.arch.cluster_arrive()
@@ -1468,33 +1519,79 @@ def _build_kernel_class():
                                     s4[x] = s4[x] + part_s[((uu_r * GMAX + gi_r) * 32 + ln) * 4 + x]
                             emit_h(stage_bf, hcols, c, tile_r, ln // 4, ln % 4, gi_r, s4[0], s4[1], s4[2], s4[3])
                         cute.arch.barrier()
-                    # this CTA's h columns -> every CTA of the cluster (16-byte DSMEM stores)
-                    for idx in cutlass.range(tid, NT * c.T1 * C, c.threads):
-                        dst = idx % C
-                        ch = (idx // C) % c.T1
-                        n = idx // (C * c.T1)
-                        src = n * (c.T1 * 4) + ch * 4
-                        v = [stage_s[src + x] for x in range(4)]
-                        dword = n * c.HW + rank * (hcols // 2) + ch * 4
-                        if const_expr(C == 1):
+                    if const_expr(c.version == 8):
+                        # v8: the expert's h is exchanged through global memory between all NH C CTAs of its items
+                        # (a cluster of NH C = 8 is not co-resident on the H200; these CTAs are, one per SM). Each
+                        # publishes its h columns of every pair (rows of hG, bf16 [pairs, I]) and arrives on the
+                        # segment's counter; FC2's first ring loads do not depend on h and go out before the spin.
+                        for idx in cutlass.range(tid, npass * c.T1, c.threads):
+                            ch = idx % c.T1
+                            n = idx // c.T1
+                            pr = sorted_s[off + pb + n]
+                            src = n * (c.T1 * 4) + ch * 4
                             for x in cutlass.range_constexpr(4):
-                                h_flat[dword + x] = v[x]
-                        else:
-                            st_cluster_v4(h_base + dword * 4, dst, v)
-                    # cluster barrier B: h complete in every CTA
-                    if const_expr(C == 1):
+                                mY[pr, hI * (c.IH // 2) + rank * (hcols // 2) + ch * 4 + x] = stage_s[src + x]
+                        # release: every thread's h stores are ordered before thread 0's arrival
+                        cute.arch.fence_acq_rel_gpu()
+                        cute.arch.barrier()
+                        if tid == 0:
+                            cute.arch.atomic_add(mCnt.iterator + H_COUNTERS + u, Int32(1), sem="release", scope="gpu")
+                        for d in cutlass.range_constexpr(D2):
+                            if const_expr(d < NS2):
+                                row_ = fc2_row(c, warp, t2_base, d, koff)
+                                load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
+                        if tid == 0:
+                            # every CTA of the segment's items is resident (one per SM, grid <= SMs; a PDL dependent
+                            # launches only once all of them ran their trigger), so the spin ends. Departures count
+                            # on past NH C; the last one re-arms the counter for the next launch / graph replay.
+                            hc = cute.arch.load(mCnt.iterator + H_COUNTERS + u, Int32, sem="acquire", scope="gpu")
+                            while hc < NH * C:
+                                hc = cute.arch.load(mCnt.iterator + H_COUNTERS + u, Int32, sem="acquire",
+                                                    scope="gpu")
+                            cute.arch.fence_acq_rel_gpu()
+                        cute.arch.barrier()
+                        # hG was written by other CTAs during this launch: read it from L2 (.cg), never from L1
+                        for idx in cutlass.range(tid, npass * (c.I // 8), c.threads):
+                            ch = idx % (c.I // 8)
+                            n = idx // (c.I // 8)
+                            pr = sorted_s[off + pb + n]
+                            cute.copy(hcg, gHG[0, None, pr, ch], h4)
+                            cute.autovec_copy(h4, gH[0, None, n, ch])
+                        if tid == 0:
+                            old = cute.arch.atomic_add(mCnt.iterator + H_COUNTERS + u, Int32(1), sem="relaxed",
+                                                       scope="gpu")
+                            if old == 2 * NH * C - 1:
+                                cute.arch.store(mCnt.iterator + H_COUNTERS + u, Int32(0), sem="relaxed", scope="gpu")
                         cute.arch.barrier()
                     else:
-                        cute.arch.cluster_arrive()
-                        cute.arch.cluster_wait()
+                        # this CTA's h columns -> every CTA of the cluster (16-byte DSMEM stores)
+                        for idx in cutlass.range(tid, NT * c.T1 * C, c.threads):
+                            dst = idx % C
+                            ch = (idx // C) % c.T1
+                            n = idx // (C * c.T1)
+                            src = n * (c.T1 * 4) + ch * 4
+                            v = [stage_s[src + x] for x in range(4)]
+                            dword = n * c.HW + rank * (hcols // 2) + ch * 4
+                            if const_expr(C == 1):
+                                for x in cutlass.range_constexpr(4):
+                                    h_flat[dword + x] = v[x]
+                            else:
+                                st_cluster_v4(h_base + dword * 4, dst, v)
+                        # cluster barrier B: h complete in every CTA
+                        if const_expr(C == 1):
+                            cute.arch.barrier()
+                        else:
+                            cute.arch.cluster_arrive()
+                            cute.arch.cluster_wait()
 
                     # ======================= FC2: CTA-local tiles [0, T2) of w2 (rows 16*(rank*T2 + tile)), K = I.
                     # the ring restarts here, one loaded HBM round trip after barrier B (issuing these loads from
                     # FC1's last steps instead was measured: no gain, slower at b64; version log, xpf)
-                    for d in cutlass.range_constexpr(D2):
-                        if const_expr(d < NS2):
-                            row_ = fc2_row(c, warp, t2_base, d, koff)
-                            load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
+                    if const_expr(c.version != 8):
+                        for d in cutlass.range_constexpr(D2):
+                            if const_expr(d < NS2):
+                                row_ = fc2_row(c, warp, t2_base, d, koff)
+                                load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
                     for s0 in cutlass.range(0, NS2_pad, D2):
                         for d in cutlass.range_constexpr(D2):
                             s = s0 + d
@@ -1527,12 +1624,16 @@ def _build_kernel_class():
                                                     cute.autovec_copy(gH[0, None, gi * 8 + g, kb * 8 + bb * 4 + t], bv)
                                                     mma_block_any(c, a, bv, sf, bb, acc, gi)
                                     if kb == c.NKB2H - 1:
-                                        r0 = (rank * c.T2 + tile) * 16 + g
+                                        r0 = (t2_base + tile) * 16 + g
                                         for gi in cutlass.range_constexpr(GMAX):
                                             for q in cutlass.range_constexpr(2):
                                                 pr = ypair[gi * 2 + q]
                                                 if pr >= 0:
-                                                    if const_expr(c.version in (6, 7)):
+                                                    if const_expr(c.version == 8):
+                                                        # y_e over all of I: rounded once, as v4 does
+                                                        mYb[pr, r0] = acc[gi * 4 + q].to(BFloat16)
+                                                        mYb[pr, r0 + 8] = acc[gi * 4 + 2 + q].to(BFloat16)
+                                                    elif const_expr(c.version in (6, 7)):
                                                         # the part's fp32 partial: y_e is rounded once, after the
                                                         # NH parts are added (v6: in the combine; v7: by the part
                                                         # reduction below)
@@ -1605,7 +1706,7 @@ def _build_kernel_class():
                             last = Int32(-1)
                             if pr >= 0:
                                 m = pr // TOPK
-                                if last_arrival(mCnt, m * C + rank, ARRIVALS):
+                                if last_arrival(mCnt, m * c.RB + rbi, ARRIVALS):
                                     last = m
                             scr[33 + tid] = last
                         cute.arch.barrier()
@@ -1613,7 +1714,7 @@ def _build_kernel_class():
                             m = scr[33 + n]
                             if m >= 0:
                                 for v in cutlass.range(tid, NV, c.threads):
-                                    vv = rank * NV + v
+                                    vv = rbi * NV + v
                                     s8.fill(0.0)
                                     if const_expr(c.version == 6):
                                         # y_e = bf16(y_half0 + y_half1): the reference's single rounding of y_e
@@ -1625,7 +1726,7 @@ def _build_kernel_class():
                                                 for x in cutlass.range_constexpr(4):
                                                     ye = (y4a[x] + y4b[x]).to(BFloat16).to(Float32)
                                                     s8[4 * q + x] = s8[4 * q + x] + ye * wj
-                                    elif const_expr(c.version == 7):
+                                    elif const_expr(c.version in (7, 8)):
                                         for j in cutlass.range_constexpr(TOPK):
                                             wj = mTw[m, j]
                                             cute.copy(ycg, gYb[0, None, m * TOPK + j, vv], ry)
@@ -1673,8 +1774,10 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
         fake_tensor(Int32, (S13,), align=4),                   # w13s words
         fake_tensor(Int32, (R2, 4)),
         fake_tensor(Int32, (S2,), align=4),
-        fake_tensor(Float32 if cfg.version in (6, 7) else BFloat16, (RY, cfg.dL)),  # y workspace [>= M*16 (v6 / v7: NH M*16), dL]
-        fake_tensor(BFloat16, (RYB, cfg.dL)),                  # v7: bf16 y_e rows [>= M*16, dL] (others: unused)
+        # y workspace [>= M*16 (v6 / v7: NH M*16), dL]; v8: hG, the pairs' h as bf16x2 words [>= M*16, I/2]
+        fake_tensor({6: Float32, 7: Float32, 8: Int32}.get(cfg.version, BFloat16),
+                    (RY, cfg.I // 2 if cfg.version == 8 else cfg.dL)),
+        fake_tensor(BFloat16, (RYB, cfg.dL)),                  # v7 / v8: bf16 y_e rows [>= M*16, dL] (others: unused)
         fake_tensor(Int32, (MAX_M * 8,), align=4),             # combine counters
         fake_tensor(BFloat16, (M, cfg.dL)),                    # r
     )
@@ -1687,13 +1790,14 @@ def park_max(cfg: KernelCfg) -> int:
     return free // PARK_CHUNK * PARK_CHUNK
 
 
-def default_parts(I: int, MB: int, C: int, nsm: int = 132) -> int:
+def default_parts(I: int, MB: int, C: int, nsm: int = 132, dL: int | None = None) -> int:
     """v7's parts of I per expert: the most parts (each a multiple of 64 outputs) whose work items, one per part of
     each of the bucket's 16 MB experts, all get a cluster of C at once: rank16 (I = 256) b1 4 (64 clusters of 2 =
-    128 SMs), b2 2; rank8 (I = 384) b1 3."""
+    128 SMs), b2 2; rank8 (I = 384) b1 3. With dL (v8) the parts x C CTAs of an expert must also split its dL / 16
+    w2 tiles evenly: rank8 b1 2 (224 tiles over 6 CTAs do not divide)."""
     best = 1
     for p in range(1, I // 64 + 1):
-        if I % (64 * p) == 0 and p * TOPK * MB * C <= nsm:
+        if I % (64 * p) == 0 and p * TOPK * MB * C <= nsm and (dL is None or (dL // 16) % (p * C) == 0):
             best = p
     return best
 
@@ -1720,9 +1824,9 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     if W is None:
         W = DEFAULT_WARPS if version >= 4 else 8
     if C is None:
-        C = V7_CLUSTER if version == 7 else default_cluster(MB)
+        C = V7_CLUSTER if version in (7, 8) else default_cluster(MB)
     if parts is None:
-        parts = default_parts(I, MB, C, nsm) if version == 7 else 1
+        parts = default_parts(I, MB, C, nsm, dL=dL if version == 8 else None) if version in (7, 8) else 1
     direct = (ROUTE_DIRECT if route_direct is None else bool(route_direct)) and MB == 1
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
@@ -1843,7 +1947,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
     if version is None:
         version = default_version(m_bucket(M))
-    if version in (6, 7) and m_bucket(M) > 2:
+    if version in SPLIT_VERSIONS and m_bucket(M) > 2:
         version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
@@ -1855,7 +1959,13 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         key = kernel_cfg
     fn = get_kernel(key)
     y = yb = workspace.y
-    if key.version in (6, 7):
+    if key.version == 8:
+        # hG, the pairs' h rows (bf16 as int32 words, [16 MB, I/2]), then the bf16 y_e rows [M 16, dL]
+        n_h = key.PMAX * I
+        flat = workspace.y.view(-1)
+        y = flat[:n_h].view(torch.int32).view(key.PMAX, I // 2)
+        yb = flat[n_h: n_h + M * TOPK * dL].view(M * TOPK, dL)
+    elif key.version in (6, 7):
         # the parts' fp32 partials, rows NH pair + part: NH x M x 16 x dL x 4 B, inside the bf16 workspace's
         # MAX_M x 16 x dL x 2 B (MB <= 2, NH <= 8); v7's bf16 y_e rows follow them
         n32 = key.NH * M * TOPK * dL

@@ -477,6 +477,78 @@ def test_v7_parts_and_workspace_bounds():
         mx.compile_key(896, 3584, 256, 1, version=7, parts=3)                 # 256 / 3 is not a multiple of 64
 
 
+@pytest.mark.parametrize("I", [256, 384, 3072])
+@pytest.mark.parametrize("M", [1, 2])
+def test_v8_index_math_and_its_v4_twin(I, M):
+    """v8 (v7's parts of I for FC1; FC2 split by output rows over the expert's RB = NH x C CTAs, K = I): replayed
+    on CPU, every w13 and w2 row of an expert is read exactly once and every h column is published exactly once.
+    Its FC1 K split, FC2 tiles and K steps equal v4's at clusters of RB, the twin the GPU test holds it to bit for
+    bit (same partial sums in the same order; only where h travels differs: global memory, not DSMEM)."""
+    from collections import Counter
+    c = mx.compile_key(896, 3584, I, M, version=8)
+    NH, C = c.NH, c.C
+    assert C == mx.V7_CLUSTER and c.RB == NH * C and c.Q * C <= 132 and (3584 // 16) % c.RB == 0
+    assert NH == mx.default_parts(I, c.MB, C, dL=3584) and c.NKB2H == c.NKB2 == I // 64
+    fc1, fc2, hcol = Counter(), Counter(), Counter()
+    hcols = c.IH // C
+    for hI in range(NH):
+        for rank in range(C):
+            t1_base = hI * (c.IH // 8) + rank * c.T1
+            t2_base = (hI * C + rank) * c.T2
+            for ch in range(c.T1):
+                for x in range(4):
+                    hcol[hI * (c.IH // 2) + rank * (hcols // 2) + ch * 4 + x] += 1
+            for warp in range(c.W):
+                for s in range(c.U1 * c.KS1):
+                    i = s // c.KS1
+                    uu = warp + c.W * i
+                    fc1[(t1_base + uu // c.S) * c.NKB1 + (uu % c.S) * c.KS1 + (s - i * c.KS1)] += 1
+                for s in range(c.U2 * c.NKB2H):
+                    i = s // c.NKB2H
+                    if warp + c.W * i < c.T2:
+                        fc2[(t2_base + warp + c.W * i) * c.NKB2 + (s - i * c.NKB2H)] += 1
+    assert fc1 == Counter(range(I // 8 * c.NKB1))
+    assert fc2 == Counter(range(3584 // 16 * c.NKB2))
+    assert hcol == Counter(range(I // 2))                                      # h words of one pair
+    twin = mx.compile_key(896, 3584, I, M, version=4, C=c.RB)
+    assert (twin.T1, twin.S, twin.KS1, twin.T2, twin.NKB2H, twin.W) == (c.T1, c.S, c.KS1, c.T2, c.NKB2H, c.W)
+
+
+def test_v8_parts_counters_and_workspace_bounds():
+    """default_parts with dL: v8's row blocks must divide the 224 w2 tiles (rank8 b1: 2 parts, not v7's 3); the
+    h-exchange counters sit after v7's part counters and inside the workspace; hG and the bf16 y_e rows fit in
+    workspace.y; other splits are refused with the reason."""
+    assert [mx.default_parts(256, mb, 2, dL=3584) for mb in (1, 2)] == [4, 2]
+    assert [mx.default_parts(384, mb, 2, dL=3584) for mb in (1, 2)] == [2, 2]
+    for I in (256, 384, 3072):
+        for M in (1, 2):
+            c = mx.compile_key(896, 3584, I, M, version=8)
+            assert mx.H_COUNTERS >= mx.PART_COUNTERS + c.PMAX * mx.V7_CLUSTER   # after v7's part counters
+            assert mx.H_COUNTERS + c.PMAX <= mx.MAX_M * 8                        # one per segment (<= pairs)
+            assert c.MB * c.RB <= mx.PART_COUNTERS                              # combine counters m RB + rbi
+            assert c.PMAX * I + M * 16 * 3584 <= mx.MAX_M * 16 * 3584           # hG + y_e in workspace.y
+    with pytest.raises(ValueError, match="version 8 splits"):
+        mx.compile_key(896, 3584, 384, 1, version=8, parts=3)                 # 224 tiles over 6 CTAs
+    with pytest.raises(ValueError, match="version 8"):
+        mx.compile_key(896, 3584, 256, 8, version=8)
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("I", [256, 384, 3072])
+def test_v8_compiles_without_cluster_barriers(I):
+    """v8 builds at buckets 1 / 2; its h goes through global memory: no cluster barrier or DSMEM store in the PTX,
+    one acquire spin on the segment's counter, and the PTX of v7 at the same key keeps both cluster barriers."""
+    from k3fast.ptxcheck import compiled_ptx
+    for M in (1, 2):
+        key = mx.compile_key(896, 3584, I, M, version=8)
+        ptx = compiled_ptx(lambda: mx._compile(key, options="--enable-tvm-ffi --keep-ptx"))
+        assert "barrier.cluster" not in ptx and "st.shared::cluster" not in ptx
+        assert ptx.count("ld.acquire.gpu") >= 1 and "atom.global.release.add" in ptx
+    key7 = mx.compile_key(896, 3584, I, 1, version=7)
+    ptx7 = compiled_ptx(lambda: mx._compile(key7, options="--enable-tvm-ffi --keep-ptx"))
+    assert ptx7.count("barrier.cluster.arrive") >= 2 and "ld.acquire.gpu" not in ptx7
+
+
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
 @pytest.mark.parametrize("I", [256, 384, 3072])
 def test_v7_compiles(I):

@@ -307,10 +307,10 @@ def test_v6_matches_v4_and_reference(M, I, kind):
     assert rel_rmse(outs["v6"], reference(z, ids, w, ck)) <= TOL
 
 
-@pytest.mark.parametrize("version", [6, 7])
+@pytest.mark.parametrize("version", [6, 7, 8])
 def test_split_versions_fall_back_above_batch_2_and_replay(version):
-    """Above bucket 2 version=6 / 7 runs the default version; in a CUDA graph, v6 / v7 replay with new routings
-    and self-reset their counters (v7: both sets)."""
+    """Above bucket 2 version=6 / 7 / 8 runs the default version; in a CUDA graph, v6 / v7 / v8 replay with new
+    routings and self-reset their counters (v7: both sets; v8: the combine's and the h exchange's)."""
     ck, prep, z, ids, w, ws = case(8, 256, "uniform", 61 + 10 * (version - 6))
     outs = run_variants(8, z, ids, w, prep, ws, dflt=dict(), split=dict(version=version))
     assert same_bits(outs["split"], outs["dflt"])
@@ -338,6 +338,22 @@ def test_v7_matches_v4_and_reference(M, I, kind):
     assert rel_rmse(outs["v7"], reference(z, ids, w, ck)) <= TOL
     outs2 = run_variants(M, z, ids, w, prep, ws, v7=dict(version=7))        # deterministic run to run
     assert same_bits(outs2["v7"], outs["v7"])
+
+
+@pytest.mark.parametrize("M,I,kind", V7_CASES)
+def test_v8_is_v4_at_its_row_blocks(M, I, kind):
+    """v8 keeps v7's parts of I for FC1 but splits FC2 by output rows over the expert's RB = NH x C CTAs, each over
+    all of I, with h exchanged through global memory (publish, arrive, spin). Its FC1 K split, FC2 tiles and K
+    order are v4's at clusters of RB (CPU test test_v8_index_math_and_its_v4_twin), so every output bit must equal
+    that v4's; v4 at RB = 8 runs its 16 clusters of 8 in two waves, slowly but correctly. Also against the
+    reference, run to run, with the poisoned workspace (hG, y_e) and output rewritten and every counter reset."""
+    ck, prep, z, ids, w, ws = case(M, I, kind, 8100 * M + I + len(kind))
+    key = mx.compile_key(E, DL, I, M, version=8)
+    outs = run_variants(M, z, ids, w, prep, ws, v4=dict(version=4, cluster=key.RB), v8=dict(version=8))
+    assert same_bits(outs["v8"], outs["v4"])
+    assert rel_rmse(outs["v8"], reference(z, ids, w, ck)) <= TOL
+    outs2 = run_variants(M, z, ids, w, prep, ws, v8=dict(version=8))
+    assert same_bits(outs2["v8"], outs["v8"])
 
 
 @pytest.mark.parametrize("I", [256, 384])
