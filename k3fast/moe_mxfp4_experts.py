@@ -434,6 +434,21 @@ Version log
       within +-0.5 us of fc1probe (the spin replaces barrier B; hG's round trip replaces the DSMEM stores). MoE
       half (fast-v8 against fast) rank16 b1 58.0 -> ~56.5-57.3 (2x stock needs <= 51.9). If the kernel gains and
       the layer does not, the tail's start was not set by the experts' last CTA.
+      Measured (s52 at 3fe6f56, experts-3fe6f56-s52.json, one run, copy 4.133 TB/s; GPU tests 14 passed,
+      logs/gpu-junit-3fe6f56-s52.xml: bit-identical to v4 at clusters of RB in all 10 cases incl. ties, shared
+      routing and I = 3072, graph replay): default (v7) / v8 rank16 b1 19.52 / 19.23 us, b2 26.69 / 26.72, rank8
+      b1 25.15 / 31.84 (2 parts), b2 33.92 / 34.14. Missed: -0.3 us at rank16 b1 against the -0.8 to -1.5
+      predicted, none at b2, rank8 b1 +6.7. The stage probes say where it went: the stream probe gained 0.8 us
+      (17.02 -> 16.19: the part reduction's round is gone), but the one stopped after FC1 and the h exchange lost
+      2.2 (fc1probe 12.42 -> v8fc1probe 14.66). v8's exchange had five serial gpu-scope round trips (a fence in
+      every thread, the arrival, the spin, a fence, hG's loads, the departure's result before a barrier) where v7
+      has two cluster barriers.
+  v8.1 (session 18, the same opt-in) The exchange with three round trips: the CTA barrier alone orders the h stores
+      before thread 0's release arrival (no per-thread fence), the acquire spin needs no fence after it, and the
+      departure (whose result re-arms the counter) moves after FC2, where the last thread's wait overlaps warp 0's
+      combine arrivals. Bit-identical to v8 (the same arithmetic; GPU test test_v8_is_v4_at_its_row_blocks).
+      Prediction: v8fc1probe 14.66 -> ~13-13.5 us (1-1.5 of the 2.2 back), the kernel rank16 b1 19.23 -> ~18-18.5
+      (v7 19.52), b2 -0.5 to -1; MoE half rank16 b1 -0.5 to -1.5 (fast-v8 against fast, s53).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -1531,8 +1546,9 @@ def _build_kernel_class():
                             src = n * (c.T1 * 4) + ch * 4
                             for x in cutlass.range_constexpr(4):
                                 mY[pr, hI * (c.IH // 2) + rank * (hcols // 2) + ch * 4 + x] = stage_s[src + x]
-                        # release: every thread's h stores are ordered before thread 0's arrival
-                        cute.arch.fence_acq_rel_gpu()
+                        # release: the barrier orders every thread's h stores before thread 0's release arrival
+                        # (cumulative; v8 at 3fe6f56 also fenced in every thread and after the spin: s52 put the
+                        # exchange at +2.2 us over v7's cluster barriers, so each serial round trip counts)
                         cute.arch.barrier()
                         if tid == 0:
                             cute.arch.atomic_add(mCnt.iterator + H_COUNTERS + u, Int32(1), sem="release", scope="gpu")
@@ -1543,12 +1559,11 @@ def _build_kernel_class():
                         if tid == 0:
                             # every CTA of the segment's items is resident (one per SM, grid <= SMs; a PDL dependent
                             # launches only once all of them ran their trigger), so the spin ends. Departures count
-                            # on past NH C; the last one re-arms the counter for the next launch / graph replay.
+                            # on past NH C after FC2; the last one re-arms the counter for the next launch / replay.
                             hc = cute.arch.load(mCnt.iterator + H_COUNTERS + u, Int32, sem="acquire", scope="gpu")
                             while hc < NH * C:
                                 hc = cute.arch.load(mCnt.iterator + H_COUNTERS + u, Int32, sem="acquire",
                                                     scope="gpu")
-                            cute.arch.fence_acq_rel_gpu()
                         cute.arch.barrier()
                         # hG was written by other CTAs during this launch: read it from L2 (.cg), never from L1
                         for idx in cutlass.range(tid, npass * (c.I // 8), c.threads):
@@ -1557,11 +1572,6 @@ def _build_kernel_class():
                             pr = sorted_s[off + pb + n]
                             cute.copy(hcg, gHG[0, None, pr, ch], h4)
                             cute.autovec_copy(h4, gH[0, None, n, ch])
-                        if tid == 0:
-                            old = cute.arch.atomic_add(mCnt.iterator + H_COUNTERS + u, Int32(1), sem="relaxed",
-                                                       scope="gpu")
-                            if old == 2 * NH * C - 1:
-                                cute.arch.store(mCnt.iterator + H_COUNTERS + u, Int32(0), sem="relaxed", scope="gpu")
                         cute.arch.barrier()
                     else:
                         # this CTA's h columns -> every CTA of the cluster (16-byte DSMEM stores)
@@ -1667,6 +1677,14 @@ def _build_kernel_class():
                                                             assumed_align=16)
                                         cp_async_bulk_shared_cluster_global(park_s.iterator + k * (PARK_CHUNK // 4),
                                                                             src, park_bar, PARK_CHUNK)
+                    if const_expr(c.version == 8):
+                        # v8: depart from the h exchange (every CTA passed its spin long ago). The last thread does
+                        # it, so its wait for the atomic's result overlaps warp 0's combine arrivals below.
+                        if tid == c.threads - 1:
+                            old = cute.arch.atomic_add(mCnt.iterator + H_COUNTERS + u, Int32(1), sem="relaxed",
+                                                       scope="gpu")
+                            if old == 2 * NH * C - 1:
+                                cute.arch.store(mCnt.iterator + H_COUNTERS + u, Int32(0), sem="relaxed", scope="gpu")
                     if const_expr(c.probe in PROBES_WITH_COMBINE):
                         # (the stage probes 'fc1' / 'fc2' stop before the part reduction and the combine)
                         cute.arch.fence_acq_rel_gpu()

@@ -505,5 +505,16 @@ case "${1:-}" in
   s52b)   cells=""; for c in k3_rank16,1 k3_rank16,2 k3_rank8,1 k3_rank8,2; do
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-v8"; done
           K3_SWEEP_TIMEOUT=330 bash scripts/h200_sweep.sh $cells --budget-s 300 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b"; exit 2 ;;
+  # v8.1 (one release arrival after the barrier, no per-thread fences, the departure after FC2): GPU tests, the
+  # kernel bench against v7 and the layer A/B at rank16 b1 / b2 and rank8 b2 (rank8 b1 runs 2 parts: s52 31.8 us)
+  s53)    K3_TEST_TIMEOUT=150 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py -k "v8" \
+            "tests/gpu/test_fast_layer.py::test_fast_moe_half_same_input[1-fast-v8]" || true
+          o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          timeout 110 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 \
+            --batches 1 2 --variants default v8 fc1probe v8fc1probe --replays 50 > "$o/experts.log" 2>&1
+          grep -v -i warn "$o/experts.log" | grep -v marlin | tail -17
+          cells=""; for c in k3_rank16,1 k3_rank16,2 k3_rank8,2; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-v8"; done
+          K3_SWEEP_TIMEOUT=250 bash scripts/h200_sweep.sh $cells --budget-s 220 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53"; exit 2 ;;
 esac
