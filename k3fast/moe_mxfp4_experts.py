@@ -449,6 +449,15 @@ Version log
       combine arrivals. Bit-identical to v8 (the same arithmetic; GPU test test_v8_is_v4_at_its_row_blocks).
       Prediction: v8fc1probe 14.66 -> ~13-13.5 us (1-1.5 of the 2.2 back), the kernel rank16 b1 19.23 -> ~18-18.5
       (v7 19.52), b2 -0.5 to -1; MoE half rank16 b1 -0.5 to -1.5 (fast-v8 against fast, s53).
+      Measured (s53 at a9a7327, experts- and records-a9a7327-s53.json, one run, copy in the records; GPU tests 11
+      passed: v8.1 bit-identical to v4 at clusters of RB in the 10 cases, the MoE half at b1 against the reference):
+      kernel default (v7) / v8.1 rank16 b1 19.49 / 18.24 us (predicted ~18-18.5: met), b2 26.78 / 25.50 (-1.3,
+      past the -0.5 to -1), rank8 b2 33.98 / 33.54, rank8 b1 25.02 / 30.72 (2 parts, as expected). v8fc1probe
+      14.66 -> 14.02 (predicted ~13-13.5: the exchange still costs 1.6 us over v7's cluster barriers at rank16 b1;
+      at b2 it is 1.8 us cheaper than v7's). MoE half fast / fast-v8 rank16 b1 58.3 / 56.7 us (-1.6: met), b2 64.0
+      / 64.6, rank8 b2 75.0 / 74.9 (stock did not run: vLLM was not staged). v8 becomes the default where its
+      parts equal v7's (default_version; rank16 b1 / b2, rank8 b2, full width), v7 stays at rank8 b1; "fast-v7" is
+      the A/B (s54 measures both beside stock).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -789,9 +798,21 @@ RING_FIT = True
 RING_FIT_VERSIONS = (4, 5, 7, 8)   # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
 
 
-def default_version(MB: int) -> int:
-    """The kernel version the layer runs at batch bucket MB: v7 up to SMALL_BATCH_MAX_MB, else DEFAULT_VERSION."""
-    return SMALL_BATCH_VERSION if MB <= SMALL_BATCH_MAX_MB else DEFAULT_VERSION
+# v8 (FC2 split by output rows; version log v8 / v8.1) wherever its parts equal v7's, since session 18 (s53:
+# kernel rank16 b1 / b2 19.49 / 26.78 -> 18.24 / 25.50 us, MoE half rank16 b1 58.3 -> 56.7); v7 elsewhere (rank8 b1,
+# where v8's row blocks allow 2 parts instead of 3: 25.0 -> 30.7). "fast-v7" is the A/B.
+SMALL_BATCH_ROWSPLIT = True
+
+
+def default_version(MB: int, I: int | None = None, dL: int | None = None, nsm: int = 132) -> int:
+    """The kernel version the layer runs at batch bucket MB: DEFAULT_VERSION above SMALL_BATCH_MAX_MB; up to it
+    v8 where (I, dL given) v8's parts of I equal v7's (SMALL_BATCH_ROWSPLIT), else v7 (SMALL_BATCH_VERSION)."""
+    if MB > SMALL_BATCH_MAX_MB:
+        return DEFAULT_VERSION
+    if SMALL_BATCH_ROWSPLIT and I is not None and dL is not None \
+            and default_parts(I, MB, V7_CLUSTER, nsm, dL=dL) == default_parts(I, MB, V7_CLUSTER, nsm):
+        return 8
+    return SMALL_BATCH_VERSION
 
 
 @dataclass(frozen=True)
@@ -1830,13 +1851,13 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
                 ring_fit: bool | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
-    parts None: default_parts for v7 (1 for the other versions).  version None: default_version(MB).
+    parts None: default_parts for v7 / v8 (1 for the other versions).  version None: default_version(MB, I, dL).
     route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort).
     ring_fit None: RING_FIT at RING_FIT_VERSIONS (4 / 5 / 7); True / False: the same explicitly; other versions
     never."""
     MB = m_bucket(M)
     if version is None:
-        version = default_version(MB)
+        version = default_version(MB, I, dL, nsm)
     if layout is None:
         layout = "rot" if version >= 4 else "nibble"
     if W is None:
@@ -1964,9 +1985,9 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     if workspace.y.dim() != 2 or workspace.y.shape[1] != dL or workspace.y.shape[0] < M * TOPK:
         raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
     if version is None:
-        version = default_version(m_bucket(M))
+        version = default_version(m_bucket(M), I, dL, _num_sms(z.device))
     if version in SPLIT_VERSIONS and m_bucket(M) > 2:
-        version = DEFAULT_VERSION       # v6 / v7 split each expert over clusters where few experts leave SMs idle
+        version = DEFAULT_VERSION       # v6-v8 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
                       route_direct=route_direct, ring_fit=ring_fit)

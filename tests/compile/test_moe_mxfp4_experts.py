@@ -199,9 +199,10 @@ def test_compile_all_keys(cfg):
     keys = mx.compile_keys(cfg)
     assert {k.MB for k in keys} == set(mx.M_BUCKETS)
     for key in keys:
-        assert key.version == mx.default_version(key.MB) == (7 if key.MB <= 2 else 4)
+        small = 8 if (cfg.expert_intermediate, key.MB) != (384, 1) else 7     # v8 where its parts equal v7's
+        assert key.version == mx.default_version(key.MB, key.I, key.dL) == (small if key.MB <= 2 else 4)
         assert key.layout == "rot" and key.W == mx.DEFAULT_WARPS == 16
-        assert key.C == (mx.V7_CLUSTER if key.version == 7 else mx.default_cluster(key.MB))
+        assert key.C == (mx.V7_CLUSTER if key.version in (7, 8) else mx.default_cluster(key.MB))
         assert mx.get_kernel(key) is not None
 
 
@@ -600,10 +601,10 @@ def test_ring_fit_depths():
     off = mx.compile_key(896, 3584, 384, 64, ring_fit=False)
     assert not off.ring_fit and (off.D1, off.D2) == (8, 8)
     assert mx.compile_key(896, 3584, 384, 64) == r8                          # the default since session 13
-    r7 = mx.compile_key(896, 3584, 256, 1, ring_fit=True)                     # rank16 b1: 14 FC1 steps per unit
+    r7 = mx.compile_key(896, 3584, 256, 1, version=7, ring_fit=True)          # rank16 b1: 14 FC1 steps per unit
     assert r7.version == 7 and r7.ring_fit and (r7.KS1, r7.D1, r7.D2) == (14, 7, 8)
-    assert mx.compile_key(896, 3584, 256, 1) == r7                            # v7: the default since session 14
-    o7 = mx.compile_key(896, 3584, 256, 1, ring_fit=False)
+    assert mx.compile_key(896, 3584, 256, 1, version=7) == r7                 # v7's ring_fit default (session 14)
+    o7 = mx.compile_key(896, 3584, 256, 1, version=7, ring_fit=False)
     assert o7.version == 7 and not o7.ring_fit and (o7.D1, o7.D2) == (8, 8)
     assert not mx.compile_key(896, 3584, 384, 1, version=6, ring_fit=True).ring_fit   # v6 keeps its full ring
     v3 = mx.KernelCfg(E=896, dL=3584, I=384, MB=8, C=2, version=3, ring_fit=True)
@@ -653,7 +654,7 @@ def test_ring_fit_at_v7_cuts_the_index_work():
         return [sum(o.values()) / o["mma"] for o in loops]
 
     for M, bound in ((2, 0.8), (1, 1.0)):
-        on = mx.compile_key(896, 3584, 384, M, ring_fit=True)
+        on = mx.compile_key(896, 3584, 384, M, version=7, ring_fit=True)
         assert on.version == 7 and on.D1 == 7
         old, new = per_mma(dataclasses.replace(on, ring_fit=False)), per_mma(on)
         assert all(n < bound * o for o, n in zip(old, new)), (M, old, new)
@@ -666,12 +667,12 @@ def test_park_probe_cfg():
     from k3fast._dsl import SMEM_PER_CTA_MAX
     for I in (256, 384):
         for M in (1, 2):
-            base = mx.compile_key(896, 3584, I, M)
+            base = mx.compile_key(896, 3584, I, M, version=7)
             big = dataclasses.replace(base, park=mx.park_max(base))
             assert big.park >= 8 * mx.PARK_CHUNK and big.smem_bytes <= SMEM_PER_CTA_MAX
             with pytest.raises(ValueError, match="park="):          # one chunk more does not fit
                 dataclasses.replace(base, park=big.park + mx.PARK_CHUNK)
-    base = mx.compile_key(896, 3584, 256, 1)
+    base = mx.compile_key(896, 3584, 256, 1, version=7)
     with pytest.raises(ValueError, match="park"):
         dataclasses.replace(base, park=1000)
     with pytest.raises(ValueError, match="park"):
@@ -685,7 +686,7 @@ def test_park_probe_ptx(I):
     part reduction and the combine), on one mbarrier that the kernel waits on before it exits; park 0 has neither."""
     import dataclasses
     from k3fast.ptxcheck import compiled_ptx
-    base = mx.compile_key(896, 3584, I, 1)
+    base = mx.compile_key(896, 3584, I, 1, version=7)
     park = dataclasses.replace(base, park=mx.park_max(base))
     lines = {k: [ln.strip() for ln in compiled_ptx(lambda k=k: mx._compile(k, options="--enable-tvm-ffi --keep-ptx"))
                  .splitlines()] for k in (base, park)}
