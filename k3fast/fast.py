@@ -200,7 +200,7 @@ class FastImpl:
         self.overlap_shared = overlap_shared
         # k3fast.moe_mxfp4_experts version log. experts_cluster: None = default_cluster; a callable MB -> C selects
         # another rule (the "fast-prev" A/B runs the defaults before 2026-11-29: v3, C = 8 up to MB 8, else 4).
-        # None: moe_mxfp4_experts.default_version per batch bucket (at buckets <= 2 v7 since session 8, v8 where
+        # None: moe_mxfp4_experts.default_version per batch bucket (at buckets <= 2 v7 since session 8, v8 at b1 where
         # its parts equal v7's since session 18; else v4)
         self.experts_version = experts_version
         self.experts_cluster = experts_cluster

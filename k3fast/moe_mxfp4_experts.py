@@ -458,6 +458,13 @@ Version log
       / 64.6, rank8 b2 75.0 / 74.9 (stock did not run: vLLM was not staged). v8 becomes the default where its
       parts equal v7's (default_version; rank16 b1 / b2, rank8 b2, full width), v7 stays at rank8 b1; "fast-v7" is
       the A/B (s54 measures both beside stock).
+      Measured (s54 at a060c7f, records-a060c7f-s54.json, one run beside stock; its GPU test ids named two cases
+      that do not exist, so no test ran): MoE half stock / fast (v8) / fast-v7 rank16 b1 103.0 / 56.6 / 57.9 us
+      (1.82x / 1.78x), b2 115.8 / 64.1 / 63.7, rank8 b2 129.3 / 74.4 / 74.7 (rank8 b1 is v7 either way: 112.3 /
+      64.9 / 65.4). In the rank16 b1 replay timeline the experts end 2.1 us sooner (36.2 against 38.2 us) and the
+      tail 1.9 (51.9 / 53.8). At rank16 b2 the timeline has v8's experts ending 1.0 us sooner and the tail 0.6, but
+      the replay median is 0.4 us slower (0.6 in s53): inside the noise, not a gain. So the default is v8 at bucket
+      1 only (default_version), v7 at bucket 2; s55 repeats all four cells beside stock.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -798,18 +805,19 @@ RING_FIT = True
 RING_FIT_VERSIONS = (4, 5, 7, 8)   # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
 
 
-# v8 (FC2 split by output rows; version log v8 / v8.1) wherever its parts equal v7's, since session 18 (s53:
-# kernel rank16 b1 / b2 19.49 / 26.78 -> 18.24 / 25.50 us, MoE half rank16 b1 58.3 -> 56.7); v7 elsewhere (rank8 b1,
-# where v8's row blocks allow 2 parts instead of 3: 25.0 -> 30.7). "fast-v7" is the A/B.
+# v8 (FC2 split by output rows; version log v8 / v8.1) at batch bucket 1 wherever its parts equal v7's, since
+# session 18: MoE half rank16 b1 58.3 -> 56.7 us (s53), 57.9 -> 56.6 (s54, fast-v7 the A/B). Not at bucket 2, where
+# the kernel gains on the bench (rank16 26.8 -> 25.5) but the layer's replay median did not (rank16 b2 +0.6 / +0.4,
+# rank8 b2 -0.1 / -0.3 in s53 / s54); not at rank8 b1, where v8's row blocks allow 2 parts instead of 3 (25.0 -> 30.7).
 SMALL_BATCH_ROWSPLIT = True
 
 
 def default_version(MB: int, I: int | None = None, dL: int | None = None, nsm: int = 132) -> int:
-    """The kernel version the layer runs at batch bucket MB: DEFAULT_VERSION above SMALL_BATCH_MAX_MB; up to it
-    v8 where (I, dL given) v8's parts of I equal v7's (SMALL_BATCH_ROWSPLIT), else v7 (SMALL_BATCH_VERSION)."""
+    """The kernel version the layer runs at batch bucket MB: DEFAULT_VERSION above SMALL_BATCH_MAX_MB; at bucket 1
+    v8 where (I, dL given) v8's parts of I equal v7's (SMALL_BATCH_ROWSPLIT); else v7 (SMALL_BATCH_VERSION)."""
     if MB > SMALL_BATCH_MAX_MB:
         return DEFAULT_VERSION
-    if SMALL_BATCH_ROWSPLIT and I is not None and dL is not None \
+    if SMALL_BATCH_ROWSPLIT and MB == 1 and I is not None and dL is not None \
             and default_parts(I, MB, V7_CLUSTER, nsm, dL=dL) == default_parts(I, MB, V7_CLUSTER, nsm):
         return 8
     return SMALL_BATCH_VERSION

@@ -528,5 +528,17 @@ case "${1:-}" in
           cells=""; for c in k3_rank16,1 k3_rank16,2 k3_rank8,1 k3_rank8,2; do
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-v7"; done
           K3_SWEEP_TIMEOUT=360 bash scripts/h200_sweep.sh $cells --budget-s 330 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54"; exit 2 ;;
+  # the final default (v8 at bucket 1 where its parts equal v7's, v7 at bucket 2): the default path's GPU tests (s54's
+  # ids had two that do not exist, so none ran), then the four b1 / b2 cells beside stock with both A/Bs
+  s55)    ids="tests/gpu/test_fast_layer.py::test_fast_moe_half_same_input[1-fast]"
+          ids="$ids tests/gpu/test_fast_layer.py::test_fast_layer_graph_replay_is_stable"
+          for c in 1-256-uniform 1-256-ties 2-256-shared 2-256-uniform; do
+            ids="$ids tests/gpu/test_moe_mxfp4_experts.py::test_matches_reference[$c]"; done
+          ids="$ids tests/gpu/test_moe_mxfp4_experts.py::test_cuda_graph_replay_new_routing[1]"
+          K3_TEST_TIMEOUT=120 bash scripts/h200_tests.sh $ids || true
+          cells="--cell kda_moe,k3_rank8,1,0,stock+fast"
+          for c in k3_rank16,1 k3_rank16,2 k3_rank8,2; do
+            cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-v7+fast-v8"; done
+          K3_SWEEP_TIMEOUT=360 bash scripts/h200_sweep.sh $cells --budget-s 330 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55"; exit 2 ;;
 esac
