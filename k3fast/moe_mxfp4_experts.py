@@ -465,6 +465,11 @@ Version log
       tail 1.9 (51.9 / 53.8). At rank16 b2 the timeline has v8's experts ending 1.0 us sooner and the tail 0.6, but
       the replay median is 0.4 us slower (0.6 in s53): inside the noise, not a gain. So the default is v8 at bucket
       1 only (default_version), v7 at bucket 2; s55 repeats all four cells beside stock.
+      Measured (s55 at f1f7f22, records-f1f7f22-s55.json, one run beside stock; 7 GPU tests of the default path
+      passed): MoE half stock / fast (v8 at b1, v7 at b2) / fast-v7 / fast-v8 rank16 b1 104.0 / 58.0 / 58.8 / 58.0
+      (1.80x), b2 116.8 / 63.9 / 64.9 / 64.7, rank8 b2 130.3 / 75.6 / 75.2 / 74.8. v8 at b1 over s53-s55: -1.6, -1.3,
+      -0.8 us against v7. At b2 the same v7 kernel ran 1.0 us apart in two rows of one run, which is v8's whole
+      difference there. The default stays v8 at bucket 1 only.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
