@@ -116,8 +116,7 @@ def variant_cfg(name: str, base):
         if kw.get("version") in (7, 8):      # v7 / v8's own cluster and parts defaults (compile_key's)
             from .moe_mxfp4_experts import V7_CLUSTER, default_parts
             kw.setdefault("C", V7_CLUSTER)
-            kw.setdefault("parts", default_parts(base.I, base.MB, kw["C"], base.nsm,
-                                                 dL=base.dL if kw["version"] == 8 else None))
+            kw.setdefault("parts", default_parts(base.I, base.MB, kw["C"], base.nsm))
         elif "version" in kw:                # another version named: one part (only v7 / v8 split)
             kw["parts"] = 1
         if "version" in kw:                  # the named version's ring_fit default (compile_key's rule)

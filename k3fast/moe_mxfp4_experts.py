@@ -470,6 +470,15 @@ Version log
       (1.80x), b2 116.8 / 63.9 / 64.9 / 64.7, rank8 b2 130.3 / 75.6 / 75.2 / 74.8. v8 at b1 over s53-s55: -1.6, -1.3,
       -0.8 us against v7. At b2 the same v7 kernel ran 1.0 us apart in two rows of one run, which is v8's whole
       difference there. The default stays v8 at bucket 1 only.
+  v8.2 (session 18, opt-in at rank8 b1: fast-v8 / bench v8) Uneven row blocks: where RB does not divide the dL / 16
+      w2 tiles, CTA rbi takes tiles [rbi T / RB, (rbi + 1) T / RB) (rank8 b1: NH = 3 as v7, RB = 6, 37 or 38 of
+      224; T2 is the larger share and the tile count a runtime value), and its combine chunk is exactly those rows.
+      So v8 takes v7's parts everywhere (default_parts no longer asks RB to divide the tiles). The even keys' PTX
+      is unchanged (md5 of rank16 b1 / b2, rank8 b2). ptxas 12.9 at rank8 b1: 128 registers, 0 spills. No v4 twin
+      (C = 6 does not divide the tiles): the GPU test holds it to v7 (2e-3) and the reference.
+      Prediction (s56, bench and layer without stock): kernel rank8 b1 25.0 -> ~23.5-24 us (v8.1's ~1.3 us at
+      rank16 b1, the same 96 CTAs as v7 here); MoE half rank8 b1 -0.8 to -1.5 (fast-v8 against fast). If it does,
+      default_version takes v8 at every bucket-1 key.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -823,7 +832,7 @@ def default_version(MB: int, I: int | None = None, dL: int | None = None, nsm: i
     if MB > SMALL_BATCH_MAX_MB:
         return DEFAULT_VERSION
     if SMALL_BATCH_ROWSPLIT and MB == 1 and I is not None and dL is not None \
-            and default_parts(I, MB, V7_CLUSTER, nsm, dL=dL) == default_parts(I, MB, V7_CLUSTER, nsm):
+            and (dL // 16) % (default_parts(I, MB, V7_CLUSTER, nsm) * V7_CLUSTER) == 0:
         return 8
     return SMALL_BATCH_VERSION
 
@@ -859,9 +868,6 @@ class KernelCfg:
         if (self.version not in (7, 8) and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
             raise ValueError(f"parts={self.parts}: versions 7 / 8 split I = {self.I} into parts of a multiple of 64 "
                              f"(other versions take parts=1), version {self.version}")
-        if self.version == 8 and (self.dL // 16) % (self.parts * self.C):
-            raise ValueError(f"version 8 splits the dL / 16 = {self.dL // 16} w2 tiles over parts x C = "
-                             f"{self.parts * self.C} CTAs per expert; they do not divide (parts={self.parts})")
         if self.dL % 64 or self.I % 64:
             raise ValueError("dL and I must be multiples of 64")
         if self.IH % (8 * self.C) or (self.dL // 16) % self.C or self.IH % 64:
@@ -940,8 +946,12 @@ class KernelCfg:
         return self.NH * self.C if self.version == 8 else self.C
 
     @property
-    def T2(self):           # w2 tiles (16 rows) per CTA
-        return self.dL // 16 // self.RB
+    def T2(self):           # w2 tiles (16 rows) per CTA; v8 where RB does not divide them: the larger share
+        return -(-(self.dL // 16) // self.RB)
+
+    @property
+    def T2_EVEN(self):      # every CTA takes T2 tiles (always so except at v8, e.g. rank8 b1: 224 over 6 CTAs)
+        return (self.dL // 16) % self.RB == 0
 
     @property
     def U2(self):
@@ -1127,11 +1137,13 @@ def _build_kernel_class():
         uu_ = warp + c.W * i_
         return (t1_base + uu_ // c.S) * c.NKB1 + (uu_ % c.S) * c.KS1 + (s_ - i_ * c.KS1)
 
-    def fc2_row(c, warp, t2_base, s_, koff=0):
-        """The same for FC2 step s_: tile warp + W*i (clamped to the last tile; its results are not stored). A work
-        item takes NKB2H of a tile's NKB2 K steps, from step koff (v6: the half's; else all of them from 0)."""
+    def fc2_row(c, warp, t2_base, s_, koff=0, t2n=None):
+        """The same for FC2 step s_: tile warp + W*i (clamped to the last tile, of T2 or of t2n where v8's row
+        blocks are uneven; its results are not stored). A work item takes NKB2H of a tile's NKB2 K steps, from step
+        koff (v6: the half's; else all of them from 0)."""
         i_ = s_ // c.NKB2H
-        return (t2_base + cutlass.min(warp + c.W * i_, c.T2 - 1)) * c.NKB2 + koff + (s_ - i_ * c.NKB2H)
+        return (t2_base + cutlass.min(warp + c.W * i_, (c.T2 if t2n is None else t2n) - 1)) * c.NKB2 + koff \
+            + (s_ - i_ * c.NKB2H)
 
     def load_slot(c, wld, eWq, eWs, row_, lane, g, ringW, ringS, d, scale=True):
         """Fill ring slot d from 16-byte weight row row_: one 16-byte load per lane (L1::no_allocate from v3 on)
@@ -1489,6 +1501,10 @@ def _build_kernel_class():
                     if const_expr(c.version == 8):
                         rbi = hI * C + rank
                     t2_base = rbi * c.T2
+                    t2n = c.T2                  # this CTA's w2 tiles: T2, or at uneven v8 row blocks 37 or 38 of 224
+                    if const_expr(not c.T2_EVEN):
+                        t2_base = (rbi * (c.dL // 16)) // c.RB
+                        t2n = ((rbi + 1) * (c.dL // 16)) // c.RB - t2_base
                     koff = 0
                     if const_expr(c.version in (6, 7)):
                         koff = hI * c.NKB2H                          # the part's K steps of each w2 tile
@@ -1588,7 +1604,7 @@ def _build_kernel_class():
                             cute.arch.atomic_add(mCnt.iterator + H_COUNTERS + u, Int32(1), sem="release", scope="gpu")
                         for d in cutlass.range_constexpr(D2):
                             if const_expr(d < NS2):
-                                row_ = fc2_row(c, warp, t2_base, d, koff)
+                                row_ = fc2_row(c, warp, t2_base, d, koff, None if c.T2_EVEN else t2n)
                                 load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
                         if tid == 0:
                             # every CTA of the segment's items is resident (one per SM, grid <= SMs; a PDL dependent
@@ -1653,14 +1669,14 @@ def _build_kernel_class():
                                 a, sf = consume_slot(c, lut, wv, sv, acc, True)
                                 if const_expr(c.layout == "rot"):
                                     i_, k_ = step_split(s0 + D2, d, c.NKB2H, D2)
-                                    row_ = (t2_base + cutlass.min(warp + W * i_, c.T2 - 1)) * c.NKB2 + koff + k_
+                                    row_ = (t2_base + cutlass.min(warp + W * i_, t2n - 1)) * c.NKB2 + koff + k_
                                 else:
                                     row_ = fc2_row(c, warp, t2_base, s + D2, koff)     # the refill of this slot
                                 if s + D2 < NS2:
                                     load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d,
                                               scale=c.version < 4)
                                 a, sf = consume_slot(c, lut, wv, sv, acc, False, a, sf)
-                                if tile < c.T2:
+                                if tile < t2n:
                                     if const_expr(c.probe == ""):
                                         for gi in cutlass.range_constexpr(GMAX):
                                             if gi * 8 < npass:
@@ -1765,8 +1781,13 @@ def _build_kernel_class():
                         for n in cutlass.range(0, npass):
                             m = scr[33 + n]
                             if m >= 0:
-                                for v in cutlass.range(tid, NV, c.threads):
-                                    vv = rbi * NV + v
+                                nv = NV
+                                vb = rbi * NV
+                                if const_expr(not c.T2_EVEN):
+                                    nv = 2 * t2n                # the rows of this CTA's row block, 2 vectors per row pair
+                                    vb = 2 * t2_base
+                                for v in cutlass.range(tid, nv, c.threads):
+                                    vv = vb + v
                                     s8.fill(0.0)
                                     if const_expr(c.version == 6):
                                         # y_e = bf16(y_half0 + y_half1): the reference's single rounding of y_e
@@ -1842,14 +1863,13 @@ def park_max(cfg: KernelCfg) -> int:
     return free // PARK_CHUNK * PARK_CHUNK
 
 
-def default_parts(I: int, MB: int, C: int, nsm: int = 132, dL: int | None = None) -> int:
-    """v7's parts of I per expert: the most parts (each a multiple of 64 outputs) whose work items, one per part of
-    each of the bucket's 16 MB experts, all get a cluster of C at once: rank16 (I = 256) b1 4 (64 clusters of 2 =
-    128 SMs), b2 2; rank8 (I = 384) b1 3. With dL (v8) the parts x C CTAs of an expert must also split its dL / 16
-    w2 tiles evenly: rank8 b1 2 (224 tiles over 6 CTAs do not divide)."""
+def default_parts(I: int, MB: int, C: int, nsm: int = 132) -> int:
+    """v7's (and v8's) parts of I per expert: the most parts (each a multiple of 64 outputs) whose work items, one per
+    part of each of the bucket's 16 MB experts, all get a cluster of C at once: rank16 (I = 256) b1 4 (64 clusters
+    of 2 = 128 SMs), b2 2; rank8 (I = 384) b1 3."""
     best = 1
     for p in range(1, I // 64 + 1):
-        if I % (64 * p) == 0 and p * TOPK * MB * C <= nsm and (dL is None or (dL // 16) % (p * C) == 0):
+        if I % (64 * p) == 0 and p * TOPK * MB * C <= nsm:
             best = p
     return best
 
@@ -1878,7 +1898,7 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     if C is None:
         C = V7_CLUSTER if version in (7, 8) else default_cluster(MB)
     if parts is None:
-        parts = default_parts(I, MB, C, nsm, dL=dL if version == 8 else None) if version in (7, 8) else 1
+        parts = default_parts(I, MB, C, nsm) if version in (7, 8) else 1
     direct = (ROUTE_DIRECT if route_direct is None else bool(route_direct)) and MB == 1
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,

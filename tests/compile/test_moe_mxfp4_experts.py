@@ -482,20 +482,24 @@ def test_v7_parts_and_workspace_bounds():
 @pytest.mark.parametrize("M", [1, 2])
 def test_v8_index_math_and_its_v4_twin(I, M):
     """v8 (v7's parts of I for FC1; FC2 split by output rows over the expert's RB = NH x C CTAs, K = I): replayed
-    on CPU, every w13 and w2 row of an expert is read exactly once and every h column is published exactly once.
-    Its FC1 K split, FC2 tiles and K steps equal v4's at clusters of RB, the twin the GPU test holds it to bit for
-    bit (same partial sums in the same order; only where h travels differs: global memory, not DSMEM)."""
+    on CPU, every w13 and w2 row of an expert is read exactly once (uneven row blocks too: rank8 b1's 224 tiles
+    over 6 CTAs, 37 or 38 each) and every h column is published exactly once. Where RB divides the tiles, its FC1 K
+    split, FC2 tiles and K steps equal v4's at clusters of RB, the twin the GPU test holds it to bit for bit (same
+    partial sums in the same order; only where h travels differs: global memory, not DSMEM)."""
     from collections import Counter
     c = mx.compile_key(896, 3584, I, M, version=8)
     NH, C = c.NH, c.C
-    assert C == mx.V7_CLUSTER and c.RB == NH * C and c.Q * C <= 132 and (3584 // 16) % c.RB == 0
-    assert NH == mx.default_parts(I, c.MB, C, dL=3584) and c.NKB2H == c.NKB2 == I // 64
+    assert C == mx.V7_CLUSTER and c.RB == NH * C and c.Q * C <= 132
+    assert NH == mx.default_parts(I, c.MB, C) and c.NKB2H == c.NKB2 == I // 64
+    assert c.T2_EVEN == ((I, M) != (384, 1))
     fc1, fc2, hcol = Counter(), Counter(), Counter()
     hcols = c.IH // C
     for hI in range(NH):
         for rank in range(C):
             t1_base = hI * (c.IH // 8) + rank * c.T1
-            t2_base = (hI * C + rank) * c.T2
+            rbi = hI * C + rank
+            t2_base, t2n = (rbi * c.T2, c.T2) if c.T2_EVEN else \
+                (rbi * 224 // c.RB, (rbi + 1) * 224 // c.RB - rbi * 224 // c.RB)
             for ch in range(c.T1):
                 for x in range(4):
                     hcol[hI * (c.IH // 2) + rank * (hcols // 2) + ch * 4 + x] += 1
@@ -506,21 +510,24 @@ def test_v8_index_math_and_its_v4_twin(I, M):
                     fc1[(t1_base + uu // c.S) * c.NKB1 + (uu % c.S) * c.KS1 + (s - i * c.KS1)] += 1
                 for s in range(c.U2 * c.NKB2H):
                     i = s // c.NKB2H
-                    if warp + c.W * i < c.T2:
+                    if warp + c.W * i < t2n:
                         fc2[(t2_base + warp + c.W * i) * c.NKB2 + (s - i * c.NKB2H)] += 1
     assert fc1 == Counter(range(I // 8 * c.NKB1))
     assert fc2 == Counter(range(3584 // 16 * c.NKB2))
     assert hcol == Counter(range(I // 2))                                      # h words of one pair
+    if not c.T2_EVEN:
+        return
     twin = mx.compile_key(896, 3584, I, M, version=4, C=c.RB)
     assert (twin.T1, twin.S, twin.KS1, twin.T2, twin.NKB2H, twin.W) == (c.T1, c.S, c.KS1, c.T2, c.NKB2H, c.W)
 
 
 def test_v8_parts_counters_and_workspace_bounds():
-    """default_parts with dL: v8's row blocks must divide the 224 w2 tiles (rank8 b1: 2 parts, not v7's 3); the
-    h-exchange counters sit after v7's part counters and inside the workspace; hG and the bf16 y_e rows fit in
-    workspace.y; other splits are refused with the reason."""
-    assert [mx.default_parts(256, mb, 2, dL=3584) for mb in (1, 2)] == [4, 2]
-    assert [mx.default_parts(384, mb, 2, dL=3584) for mb in (1, 2)] == [2, 2]
+    """v8 takes v7's parts (rank8 b1: 3, its 6 row blocks uneven: 38 tiles for the larger share); the h-exchange
+    counters sit after v7's part counters and inside the workspace; hG and the bf16 y_e rows fit in workspace.y;
+    a bucket above 2 is refused with the reason."""
+    r8 = mx.compile_key(896, 3584, 384, 1, version=8)
+    assert (r8.NH, r8.RB, r8.T2, r8.T2_EVEN) == (3, 6, 38, False)
+    assert mx.compile_key(896, 3584, 256, 1, version=8).T2_EVEN
     for I in (256, 384, 3072):
         for M in (1, 2):
             c = mx.compile_key(896, 3584, I, M, version=8)
@@ -528,8 +535,6 @@ def test_v8_parts_counters_and_workspace_bounds():
             assert mx.H_COUNTERS + c.PMAX <= mx.MAX_M * 8                        # one per segment (<= pairs)
             assert c.MB * c.RB <= mx.PART_COUNTERS                              # combine counters m RB + rbi
             assert c.PMAX * I + M * 16 * 3584 <= mx.MAX_M * 16 * 3584           # hG + y_e in workspace.y
-    with pytest.raises(ValueError, match="version 8 splits"):
-        mx.compile_key(896, 3584, 384, 1, version=8, parts=3)                 # 224 tiles over 6 CTAs
     with pytest.raises(ValueError, match="version 8"):
         mx.compile_key(896, 3584, 256, 8, version=8)
 

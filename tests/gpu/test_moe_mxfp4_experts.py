@@ -343,14 +343,20 @@ def test_v7_matches_v4_and_reference(M, I, kind):
 @pytest.mark.parametrize("M,I,kind", V7_CASES)
 def test_v8_is_v4_at_its_row_blocks(M, I, kind):
     """v8 keeps v7's parts of I for FC1 but splits FC2 by output rows over the expert's RB = NH x C CTAs, each over
-    all of I, with h exchanged through global memory (publish, arrive, spin). Its FC1 K split, FC2 tiles and K
-    order are v4's at clusters of RB (CPU test test_v8_index_math_and_its_v4_twin), so every output bit must equal
-    that v4's; v4 at RB = 8 runs its 16 clusters of 8 in two waves, slowly but correctly. Also against the
+    all of I, with h exchanged through global memory (publish, arrive, spin). Where RB divides the w2 tiles, its
+    FC1 K split, FC2 tiles and K order are v4's at clusters of RB (CPU test test_v8_index_math_and_its_v4_twin), so
+    every output bit must equal that v4's; v4 at RB = 8 runs its 16 clusters of 8 in two waves, slowly but
+    correctly. rank8 b1's uneven row blocks (37 / 38 tiles) are held to v7 and the reference instead. Also against the
     reference, run to run, with the poisoned workspace (hG, y_e) and output rewritten and every counter reset."""
     ck, prep, z, ids, w, ws = case(M, I, kind, 8100 * M + I + len(kind))
     key = mx.compile_key(E, DL, I, M, version=8)
-    outs = run_variants(M, z, ids, w, prep, ws, v4=dict(version=4, cluster=key.RB), v8=dict(version=8))
-    assert same_bits(outs["v8"], outs["v4"])
+    if key.T2_EVEN:
+        outs = run_variants(M, z, ids, w, prep, ws, v4=dict(version=4, cluster=key.RB), v8=dict(version=8))
+        assert same_bits(outs["v8"], outs["v4"])
+    else:       # rank8 b1: 6 uneven row blocks have no v4 twin (C = 6 does not divide the tiles); v7's FC1, one
+        #         fp32 chain over I instead of v7's 3 part chains
+        outs = run_variants(M, z, ids, w, prep, ws, v7=dict(version=7), v8=dict(version=8))
+        assert rel_rmse(outs["v8"], outs["v7"]) <= 2e-3
     assert rel_rmse(outs["v8"], reference(z, ids, w, ck)) <= TOL
     outs2 = run_variants(M, z, ids, w, prep, ws, v8=dict(version=8))
     assert same_bits(outs2["v8"], outs["v8"])
