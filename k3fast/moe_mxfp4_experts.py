@@ -479,6 +479,12 @@ Version log
       Prediction (s56, bench and layer without stock): kernel rank8 b1 25.0 -> ~23.5-24 us (v8.1's ~1.3 us at
       rank16 b1, the same 96 CTAs as v7 here); MoE half rank8 b1 -0.8 to -1.5 (fast-v8 against fast). If it does,
       default_version takes v8 at every bucket-1 key.
+      Measured (s56 at f46bbcf, experts- and records-f46bbcf-s56.json, one run, no stock; GPU tests 3 passed:
+      rank8 v8.2 against v7 and the reference at b1, the twin at b2): kernel rank8 b1 24.58 -> 24.26 us (missed:
+      -0.3 against -1 to -1.5), MoE half 64.9 -> 64.4 (under the -0.8 to -1.5), and in the replay timeline the
+      experts end 0.5 us later and the tail at the same 60.2 us. The exchange costs more here than at rank16:
+      v8fc1probe 18.43 against fc1probe 16.13 (+2.3; rank16 +1.6). Not the default: v7 stays at rank8 b1, v8.2
+      remains the opt-in path there (fast-v8).
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
