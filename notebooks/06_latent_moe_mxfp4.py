@@ -650,6 +650,16 @@ print(nbtools.replay_timeline("traces/h200/records-a060c7f-s54.json", "moe", "fa
 # +0.8 against "fast" and -0.2 against "fast-v7", two rows that run the same kernel and differ by 1.0 µs. So v8 is the default at bucket 1 only (where
 # its parts equal v7's) and v7 stays at bucket 2. The 2x target at rank16 b1 is still missed, at 1.80-1.82x.
 
+# %% [markdown]
+# v8.2 lets v8 keep v7's 3 parts at rank8 b1: 6 row blocks of 37 or 38 of the 224 w2 tiles, with the tile count
+# and the combine's chunk decided at run time there. It gained 0.3 µs on the bench and 0.5 in the MoE half
+# (s56, no stock), and the tail still ends at the same time, so it stays opt-in.
+
+# %%
+src, r8 = nbtools.recorded_experts_probe("k3_rank8", "traces/h200/experts-f46bbcf-s56.json")
+print(f"k3_rank8 b1 ({src}): " + ", ".join(f"{v} {r8[v][1]:.2f}" for v in ("default", "v8", "fc1probe", "v8fc1probe")))
+print(nbtools.ab_table("traces/h200/records-f46bbcf-s56.json", "moe", ["fast", "fast-v8"], shape="k3_rank8"))
+
 # %%
 def moe_us(f, impl, batch=1, shape="k3_rank16"):
     with open(os.path.join(nbtools.ROOT, f)) as fh:
