@@ -201,7 +201,7 @@ class FastImpl:
         # k3fast.moe_mxfp4_experts version log. experts_cluster: None = default_cluster; a callable MB -> C selects
         # another rule (the "fast-prev" A/B runs the defaults before 2026-11-29: v3, C = 8 up to MB 8, else 4).
         # None: moe_mxfp4_experts.default_version per batch bucket (at buckets <= 2 v7 since session 8, v8 at b1 where
-        # its parts equal v7's since session 18; else v4)
+        # its row blocks split the w2 tiles evenly since session 18; else v4)
         self.experts_version = experts_version
         self.experts_cluster = experts_cluster
         self.gemv_mma = gemv_mma      # rms_gemv.gemv's kernel for M > 4: "v2" or the opt-in "splitk"

@@ -825,16 +825,18 @@ RING_FIT = True
 RING_FIT_VERSIONS = (4, 5, 7, 8)   # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
 
 
-# v8 (FC2 split by output rows; version log v8 / v8.1) at batch bucket 1 wherever its parts equal v7's, since
-# session 18: MoE half rank16 b1 58.3 -> 56.7 us (s53), 57.9 -> 56.6 (s54, fast-v7 the A/B). Not at bucket 2, where
-# the kernel gains on the bench (rank16 26.8 -> 25.5) but the layer's replay median did not (rank16 b2 +0.6 / +0.4,
-# rank8 b2 -0.1 / -0.3 in s53 / s54); not at rank8 b1, where v8's row blocks allow 2 parts instead of 3 (25.0 -> 30.7).
+# v8 (FC2 split by output rows; version log v8 / v8.1) at batch bucket 1 wherever its row blocks split the w2 tiles
+# evenly, since session 18: MoE half rank16 b1 58.3 -> 56.7 us (s53), 57.9 -> 56.6 (s54), 58.8 -> 58.0 (s55; fast-v7
+# the A/B). Not at bucket 2, where the kernel gains on the bench (rank16 26.8 -> 25.5) but the layer's replay median
+# did not (rank16 b2 +0.6 / +0.4 in s53 / s54, inside s55's 1.0 us between two rows of one kernel); not at rank8 b1,
+# whose uneven row blocks (v8.2) gained 0.5 us in the MoE half and nothing at the tail's end (s56).
 SMALL_BATCH_ROWSPLIT = True
 
 
 def default_version(MB: int, I: int | None = None, dL: int | None = None, nsm: int = 132) -> int:
     """The kernel version the layer runs at batch bucket MB: DEFAULT_VERSION above SMALL_BATCH_MAX_MB; at bucket 1
-    v8 where (I, dL given) v8's parts of I equal v7's (SMALL_BATCH_ROWSPLIT); else v7 (SMALL_BATCH_VERSION)."""
+    v8 where (I, dL given) its NH x C row blocks split the dL / 16 w2 tiles evenly (SMALL_BATCH_ROWSPLIT: rank16,
+    full width); else v7 (SMALL_BATCH_VERSION)."""
     if MB > SMALL_BATCH_MAX_MB:
         return DEFAULT_VERSION
     if SMALL_BATCH_ROWSPLIT and MB == 1 and I is not None and dL is not None \

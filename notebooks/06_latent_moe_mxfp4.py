@@ -647,8 +647,9 @@ print(nbtools.replay_timeline("traces/h200/records-a060c7f-s54.json", "moe", "fa
 # In the layer, "fast" runs v8 at b1 (s54, s55) and v7 at b2 (s55; s54 ran v8 there). Three runs put v8's MoE
 # half at b1 1.6, 1.3 and 0.8 µs under v7's. In the b1 timeline the experts end 2.1 µs sooner and the tail 1.9.
 # At b2 the kernel's gain does not reach the replay median at rank16: +0.6 µs (s53) and +0.4 (s54). In s55 it is
-# +0.8 against "fast" and -0.2 against "fast-v7", two rows that run the same kernel and differ by 1.0 µs. So v8 is the default at bucket 1 only (where
-# its parts equal v7's) and v7 stays at bucket 2. The 2x target at rank16 b1 is still missed, at 1.80-1.82x.
+# +0.8 against "fast" and -0.2 against "fast-v7", two rows that run the same kernel and differ by 1.0 µs. So v8
+# is the default at bucket 1 only, where its row blocks split the w2 tiles evenly (rank16, full width), and v7
+# stays at bucket 2. The 2x target at rank16 b1 is still missed, at 1.80-1.82x.
 
 # %% [markdown]
 # v8.2 lets v8 keep v7's 3 parts at rank8 b1: 6 row blocks of 37 or 38 of the 224 w2 tiles, with the tile count

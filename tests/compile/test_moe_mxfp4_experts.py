@@ -199,7 +199,7 @@ def test_compile_all_keys(cfg):
     keys = mx.compile_keys(cfg)
     assert {k.MB for k in keys} == set(mx.M_BUCKETS)
     for key in keys:
-        small = 8 if key.MB == 1 and cfg.expert_intermediate != 384 else 7    # v8 at b1 where its parts equal v7's
+        small = 8 if key.MB == 1 and cfg.expert_intermediate != 384 else 7    # v8 at b1, even row blocks
         assert key.version == mx.default_version(key.MB, key.I, key.dL) == (small if key.MB <= 2 else 4)
         assert key.layout == "rot" and key.W == mx.DEFAULT_WARPS == 16
         assert key.C == (mx.V7_CLUSTER if key.version in (7, 8) else mx.default_cluster(key.MB))
@@ -428,6 +428,23 @@ def test_v6_compiles(I):
         mx.compile_key(896, 3584, I, 8, version=6)
 
 
+def _cta_rows(c, t1_base, t2_base, t2n, koff):
+    """The 16-byte w13 and w2 rows one CTA's warps read (Counters), replayed from the kernel's FC1 / FC2 row
+    arithmetic: FC1 units warp + W i of S K parts; FC2 tiles warp + W i below t2n, NKB2H K steps from koff."""
+    from collections import Counter
+    fc1, fc2 = Counter(), Counter()
+    for warp in range(c.W):
+        for s in range(c.U1 * c.KS1):
+            i = s // c.KS1
+            uu = warp + c.W * i
+            fc1[(t1_base + uu // c.S) * c.NKB1 + (uu % c.S) * c.KS1 + (s - i * c.KS1)] += 1
+        for s in range(c.U2 * c.NKB2H):
+            i = s // c.NKB2H
+            if warp + c.W * i < t2n:
+                fc2[(t2_base + warp + c.W * i) * c.NKB2 + koff + (s - i * c.NKB2H)] += 1
+    return fc1, fc2
+
+
 @pytest.mark.parametrize("I", [256, 384, 3072])
 @pytest.mark.parametrize("M", [1, 2])
 def test_v7_index_math_covers_every_weight_row_once(I, M):
@@ -444,17 +461,9 @@ def test_v7_index_math_covers_every_weight_row_once(I, M):
     fc1, fc2 = Counter(), Counter()
     for hI in range(NH):
         for rank in range(c.C):
-            t1_base = hI * (c.IH // 8) + rank * c.T1
-            t2_base = rank * c.T2
-            for warp in range(c.W):
-                for s in range(c.U1 * c.KS1):
-                    i = s // c.KS1
-                    uu = warp + c.W * i
-                    fc1[(t1_base + uu // c.S) * c.NKB1 + (uu % c.S) * c.KS1 + (s - i * c.KS1)] += 1
-                for s in range(c.U2 * c.NKB2H):
-                    i = s // c.NKB2H
-                    if warp + c.W * i < c.T2:
-                        fc2[(t2_base + warp + c.W * i) * c.NKB2 + hI * c.NKB2H + (s - i * c.NKB2H)] += 1
+            a, b = _cta_rows(c, hI * (c.IH // 8) + rank * c.T1, rank * c.T2, c.T2, hI * c.NKB2H)
+            fc1 += a
+            fc2 += b
     assert fc1 == Counter(range(I // 8 * c.NKB1))
     assert fc2 == Counter(range(3584 // 16 * c.NKB2))
 
@@ -503,15 +512,9 @@ def test_v8_index_math_and_its_v4_twin(I, M):
             for ch in range(c.T1):
                 for x in range(4):
                     hcol[hI * (c.IH // 2) + rank * (hcols // 2) + ch * 4 + x] += 1
-            for warp in range(c.W):
-                for s in range(c.U1 * c.KS1):
-                    i = s // c.KS1
-                    uu = warp + c.W * i
-                    fc1[(t1_base + uu // c.S) * c.NKB1 + (uu % c.S) * c.KS1 + (s - i * c.KS1)] += 1
-                for s in range(c.U2 * c.NKB2H):
-                    i = s // c.NKB2H
-                    if warp + c.W * i < t2n:
-                        fc2[(t2_base + warp + c.W * i) * c.NKB2 + (s - i * c.NKB2H)] += 1
+            a, b = _cta_rows(c, t1_base, t2_base, t2n, 0)
+            fc1 += a
+            fc2 += b
     assert fc1 == Counter(range(I // 8 * c.NKB1))
     assert fc2 == Counter(range(3584 // 16 * c.NKB2))
     assert hcol == Counter(range(I // 2))                                      # h words of one pair
