@@ -547,5 +547,10 @@ case "${1:-}" in
             --batches 1 --variants default v8 fc1probe v8fc1probe --replays 50 > "$o/experts.log" 2>&1
           grep -v -i warn "$o/experts.log" | grep -v marlin | tail -5
           K3_SWEEP_TIMEOUT=100 bash scripts/h200_sweep.sh --cell kda_moe,k3_rank8,1,0,fast+fast-v8 --budget-s 80 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56"; exit 2 ;;
+  # written in session 18 (LOG, next steps 3): where oproj_attnres's ~7 us that are not bandwidth sit, by the warp
+  # stall samples per SASS address (SourceCounters), rank16 b1 and rank8 b1
+  ncu9)   K3_NCU_EXTRA="--section SourceCounters" \
+            bash scripts/h200_ncu.sh "bench --kernel oproj_attnres --shape k3_rank16" \
+            "bench --kernel oproj_attnres --shape k3_rank8" ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9"; exit 2 ;;
 esac
