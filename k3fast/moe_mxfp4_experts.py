@@ -403,7 +403,7 @@ Version log
       CTA waits on the part reduction and the combine) -> build the fused kernel; +2 us or more -> the idle window
       is not idle enough, and the estimate above does not hold. (The PARK rows' bytes and TB/s count the experts'
       bytes only.)
-      Measured (s51b at 1a2a533, experts-1a2a533-s51b.json, one run, copy 4.224 TB/s; GPU test
+      Measured (s51b at 1a2a533, experts-1a2a533-s51b.json, one run, copy 4.207 TB/s; GPU test
       test_park_probe_keeps_the_output 4 passed in s51, logs/gpu-tests-085894c-s51.log): default / PARK (144 KB) /
       PARK64 rank16 b1 19.26 / 23.52 / 20.90 us, b2 26.46 / 30.72 / 27.20; rank8 b1 24.83 / 28.67 / 26.05, b2 33.76
       / 37.76 / 34.46. PARK costs +4.3 us at rank16 b1, the 18.4 MB it moves at ~4.3 TB/s: none of it hides behind
