@@ -552,5 +552,14 @@ case "${1:-}" in
   ncu9)   K3_NCU_EXTRA="--section SourceCounters" \
             bash scripts/h200_ncu.sh "bench --kernel oproj_attnres --shape k3_rank16" \
             "bench --kernel oproj_attnres --shape k3_rank8" ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9"; exit 2 ;;
+  # written in session 18 after ncu9 (whose SourceCounters text has totals only): the rank16 b1 report kept and its
+  # source page printed per SASS instruction, with the stall samples of each (ncu 2025.3: --page source,
+  # --print-source sass); the report itself comes back too, for the GUI's source view
+  ncu10)  o=${OUT:-out}; mkdir -p "$o"; export CUTE_DSL_ARCH=sm_90a
+          timeout 200 ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o "$o/oproj16" \
+            python3 scripts/ncu_cases.py bench --kernel oproj_attnres --shape k3_rank16 > "$o/ncu10.log" 2>&1
+          tail -3 "$o/ncu10.log"
+          ncu --import "$o/oproj16.ncu-rep" --page source --csv --print-source sass > "$o/oproj16-sass.csv" 2>&1
+          echo "source page rc $?: $(wc -l < "$o/oproj16-sass.csv") lines"; head -3 "$o/oproj16-sass.csv" | cut -c1-300 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10"; exit 2 ;;
 esac
