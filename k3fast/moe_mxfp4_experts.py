@@ -421,6 +421,8 @@ Version log
       resident: v7's grid already is (one CTA per SM, <= 128 CTAs; a PDL dependent launches only after all of them
       ran their trigger). The combine is v4's, per (token, row block), RB chunks instead of C. (dL / 16) % RB must
       be 0, so rank8 b1 takes 2 parts (v7: 3; default_parts with dL).
+      (Added after the runs: KernelCfg refuses Q < NH, where a cluster would hold two items of one segment and its
+      spin would wait on itself; on a 132-SM H200 Q is 64 against NH <= 4.)
       Numerics: FC1's K split and FC2's tiles and K order equal v4's at clusters of RB (tests/compile
       test_v8_index_math_and_its_v4_twin): every output bit must equal that v4's (GPU test
       test_v8_is_v4_at_its_row_blocks), i.e. v8 is v4's arithmetic with the 8-CTA "cluster" that the H200 cannot
@@ -890,6 +892,11 @@ class KernelCfg:
         if self.version in SPLIT_VERSIONS and self.MB > 2:
             raise ValueError(f"version {self.version} (an expert split over several clusters) serves batch buckets "
                              f"<= 2, got {self.MB}")
+        if self.version == 8 and self.Q < self.NH:
+            # v8's spin waits for all NH items of a segment at once: a cluster holding two of them would wait on
+            # itself. Q >= NH also keeps the grid (Q C <= nsm CTAs, one per SM) co-resident, which the spin needs.
+            raise ValueError(f"version 8 needs a cluster per part of an expert: Q = {self.Q} clusters < NH = "
+                             f"{self.NH} parts (nsm = {self.nsm})")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.layout == "rot" and self.version < 4:

@@ -540,6 +540,8 @@ def test_v8_parts_counters_and_workspace_bounds():
             assert c.PMAX * I + M * 16 * 3584 <= mx.MAX_M * 16 * 3584           # hG + y_e in workspace.y
     with pytest.raises(ValueError, match="version 8"):
         mx.compile_key(896, 3584, 256, 8, version=8)
+    with pytest.raises(ValueError, match="a cluster per part"):               # 3 clusters of 2 for 4 parts
+        mx.KernelCfg(E=896, dL=3584, I=256, MB=1, C=2, W=16, nsm=6, version=8, parts=4, layout="rot")
 
 
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
