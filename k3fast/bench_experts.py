@@ -67,7 +67,7 @@ from k3ref.weights import random_layer
 
 VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
             "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe",
-            "PARK", "PARK64", "v8", "v8probe", "v8fc1probe")
+            "PARK", "PARK64", "v8", "v8probe", "v8fc1probe", "v8tag", "v8tagfc1probe")
 
 
 def variant_cfg(name: str, base):
@@ -91,6 +91,11 @@ def variant_cfg(name: str, base):
         if base.version != 7:
             raise ValueError(f"PARK (the park probe) serves version 7 (batch buckets <= 2), got v{base.version}")
         return dataclasses.replace(base, park=int(park.group(1)) * 1024 if park.group(1) else park_max(base))
+    if name.endswith("tag"):                 # v8.3: v8's h exchange through tagged words (e.g. v8tag)
+        kc = variant_cfg(name[:-len("tag")], base)
+        if kc.version != 8:
+            raise ValueError(f"{name}: tagged is a version 8 option, got v{kc.version}")
+        return dataclasses.replace(kc, tagged=True)
     if name == "R1":                         # route1 (batch 1's pairs as segments, no counting sort)
         return dataclasses.replace(base, route_direct=True)
     if name == "NRF":                        # ring_fit off: both rings at the full depth D

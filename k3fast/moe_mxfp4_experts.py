@@ -487,6 +487,21 @@ Version log
       experts end 0.5 us later and the tail at the same 60.2 us. The exchange costs more here than at rank16:
       v8fc1probe 18.43 against fc1probe 16.13 (+2.3; rank16 +1.6). Not the default: v7 stays at rank8 b1, v8.2
       remains the opt-in path there (fast-v8).
+  v8.3 (session 18, written after the runs; opt-in tagged=True, impl "fast-v8tag", bench_experts v8tag /
+      v8tagfc1probe; CPU-compiled, not yet run on a GPU) v8's h exchange without a counter: each h word travels as
+      one 64-bit word (tag << 32) | word, stored relaxed at gpu scope (aligned, so single-copy atomic), and the
+      readers poll those words until they carry this launch's tag. The poll's last load brings the data, so the
+      release arrival, the acquire poll of the counter and the separate hG load (one round trip each, in series)
+      become one polled load. The tag is epoch + 1; the epoch (workspace.hg[0, 0], zeroed once by make_workspace)
+      is read after the PDL wait and advanced by the launch's last poller (an arrival per item and CTA on H_LAUNCH,
+      re-armed by the last). hg is its own buffer, never y: other versions write arbitrary bits into y, and a stale
+      word must never carry a future tag. A tag repeats after 2^32 launches. The same arithmetic as v8, so
+      bit-identical (GPU test test_v8_tagged_is_v8, also checks the epoch's +1 per launch and graph replays).
+      ptxas 12.9: 128 registers; spill stores 20 B at rank16 b1 (v8: 0), 28 at b2, 8 at rank8 b1. v8's PTX is
+      unchanged by the option (md5).
+      Prediction: v8tagfc1probe -0.5 to -0.8 us against v8fc1probe at rank16 b1 (one to one and a half round trips
+      of the ~1.6 us that v8's exchange costs over v7's cluster barriers); kernel rank16 b1 18.2 -> ~17.6-17.9;
+      MoE half b1 -0.3 to -0.6 (fast-v8tag against fast). Below -0.3 on the kernel it is not worth its buffer.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -571,6 +586,9 @@ TOPK = 16
 PART_COUNTERS = 256
 # v8's h-exchange counters (one per expert segment u < 32 at buckets <= 2: arrivals, then departures) follow them
 H_COUNTERS = 320
+# v8.3 (tagged): one arrival per (work item, CTA) after its poll; the last re-arms it and advances the epoch
+H_LAUNCH = H_COUNTERS + 32
+HG_MAX_WORDS = 2048     # workspace.hg: the epoch, then [32 pairs, I/2 <= 2048] tagged h words (I <= 4096)
 SPLIT_VERSIONS = (6, 7, 8)      # an expert split over several clusters by parts of I (batch buckets <= 2)
 
 
@@ -873,6 +891,8 @@ class KernelCfg:
     park: int = 0     # probe (v7 only, bench_experts "PARK<KB>"; outputs unchanged): after its first item's FC2
     #                   each CTA bulk-copies this many bytes of weights nobody reads into shared memory nothing else
     #                   uses: what parking the tail's weights there costs the chain (k3fast/LOG.md, session 17)
+    tagged: bool = False  # v8.3 (v8 only, opt-in): h exchanged as 64-bit words tagged with the launch's epoch, polled
+    #                       directly; no arrival counter (version log v8.3; workspace.hg holds them)
 
     def __post_init__(self):
         if (self.version not in (7, 8) and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -892,6 +912,8 @@ class KernelCfg:
         if self.version in SPLIT_VERSIONS and self.MB > 2:
             raise ValueError(f"version {self.version} (an expert split over several clusters) serves batch buckets "
                              f"<= 2, got {self.MB}")
+        if self.tagged and self.version != 8:
+            raise ValueError(f"tagged (v8.3's exchange) is a version 8 option, got version {self.version}")
         if self.version == 8 and self.Q < self.NH:
             # v8's spin waits for all NH items of a segment at once: a cluster holding two of them would wait on
             # itself. Q >= NH also keeps the grid (Q C <= nsm CTAs, one per SM) co-resident, which the spin needs.
@@ -1446,6 +1468,13 @@ def _build_kernel_class():
                 n_work = NH * n_active              # items (expert, part of I): wi = NH u + hI
             if const_expr(c.probe == "sort"):
                 n_work = Int32(0)                   # the stage probe that stops after the routing sort
+            epoch = Int64(0)
+            tag = Int32(0)
+            if const_expr(c.tagged):
+                # v8.3: this launch's tag; the previous launch's last poller advanced the epoch (read after the PDL
+                # wait, so that launch is complete). Epoch 0 of a zeroed workspace.hg never matches: tags start at 1
+                epoch = cute.arch.load(mY.iterator, Int64, sem="relaxed", scope="gpu")
+                tag = (epoch + 1).to(Int32)
             for wi in cutlass.range(qid, n_work, c.Q):
                 u = wi
                 hI = Int32(0)
@@ -1599,7 +1628,36 @@ def _build_kernel_class():
                                     s4[x] = s4[x] + part_s[((uu_r * GMAX + gi_r) * 32 + ln) * 4 + x]
                             emit_h(stage_bf, hcols, c, tile_r, ln // 4, ln % 4, gi_r, s4[0], s4[1], s4[2], s4[3])
                         cute.arch.barrier()
-                    if const_expr(c.version == 8):
+                    if const_expr(c.tagged):
+                        # v8.3: one 64-bit word per h word, (tag << 32) | word, stored relaxed at gpu scope: an
+                        # aligned 64-bit store is single-copy atomic, so a reader that sees this launch's tag sees the
+                        # word with it. No barrier, fence or counter before the poll; the poll's last load brings h.
+                        for idx in cutlass.range(tid, npass * c.T1 * 4, c.threads):
+                            x = idx % 4
+                            ch = (idx // 4) % c.T1
+                            n = idx // (4 * c.T1)
+                            pr = sorted_s[off + pb + n]
+                            w = stage_s[n * (c.T1 * 4) + ch * 4 + x]
+                            word = (tag.to(Int64) << 32) | (w.to(Int64) & Int64(0xFFFFFFFF))
+                            cute.arch.store(mY.iterator + ((pr + 1) * (c.I // 2) + hI * (c.IH // 2)
+                                                           + rank * (hcols // 2) + ch * 4 + x),
+                                            word, sem="relaxed", scope="gpu")
+                        for d in cutlass.range_constexpr(D2):
+                            if const_expr(d < NS2):
+                                row_ = fc2_row(c, warp, t2_base, d, koff, None if c.T2_EVEN else t2n)
+                                load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
+                        # the spin needs every CTA of the expert's items resident: as in v8 (KernelCfg checks Q >= NH)
+                        for idx in cutlass.range(tid, npass * (c.I // 2), c.threads):
+                            wc = idx % (c.I // 2)
+                            n = idx // (c.I // 2)
+                            pr = sorted_s[off + pb + n]
+                            hp = mY.iterator + ((pr + 1) * (c.I // 2) + wc)
+                            hv = cute.arch.load(hp, Int64, sem="relaxed", scope="gpu")
+                            while (hv >> 32).to(Int32) != tag:
+                                hv = cute.arch.load(hp, Int64, sem="relaxed", scope="gpu")
+                            h_flat[n * c.HW + wc] = (hv & Int64(0xFFFFFFFF)).to(Int32)
+                        cute.arch.barrier()
+                    elif const_expr(c.version == 8):
                         # v8: the expert's h is exchanged through global memory between all NH C CTAs of its items
                         # (a cluster of NH C = 8 is not co-resident on the H200; these CTAs are, one per SM). Each
                         # publishes its h columns of every pair (rows of hG, bf16 [pairs, I]) and arrives on the
@@ -1638,6 +1696,7 @@ def _build_kernel_class():
                             cute.copy(hcg, gHG[0, None, pr, ch], h4)
                             cute.autovec_copy(h4, gH[0, None, n, ch])
                         cute.arch.barrier()
+
                     else:
                         # this CTA's h columns -> every CTA of the cluster (16-byte DSMEM stores)
                         for idx in cutlass.range(tid, NT * c.T1 * C, c.threads):
@@ -1746,10 +1805,20 @@ def _build_kernel_class():
                         # v8: depart from the h exchange (every CTA passed its spin long ago). The last thread does
                         # it, so its wait for the atomic's result overlaps warp 0's combine arrivals below.
                         if tid == c.threads - 1:
-                            old = cute.arch.atomic_add(mCnt.iterator + H_COUNTERS + u, Int32(1), sem="relaxed",
-                                                       scope="gpu")
-                            if old == 2 * NH * C - 1:
-                                cute.arch.store(mCnt.iterator + H_COUNTERS + u, Int32(0), sem="relaxed", scope="gpu")
+                            if const_expr(c.tagged):
+                                # v8.3: one arrival per (item, CTA); the last of the launch knows every poll is
+                                # over, re-arms the counter and advances the epoch for the next launch
+                                old = cute.arch.atomic_add(mCnt.iterator + H_LAUNCH, Int32(1), sem="relaxed",
+                                                           scope="gpu")
+                                if old == n_work * C - 1:
+                                    cute.arch.store(mCnt.iterator + H_LAUNCH, Int32(0), sem="relaxed", scope="gpu")
+                                    cute.arch.store(mY.iterator, epoch + 1, sem="relaxed", scope="gpu")
+                            else:
+                                old = cute.arch.atomic_add(mCnt.iterator + H_COUNTERS + u, Int32(1),
+                                                           sem="relaxed", scope="gpu")
+                                if old == 2 * NH * C - 1:
+                                    cute.arch.store(mCnt.iterator + H_COUNTERS + u, Int32(0), sem="relaxed",
+                                                    scope="gpu")
                     if const_expr(c.probe in PROBES_WITH_COMBINE):
                         # (the stage probes 'fc1' / 'fc2' stop before the part reduction and the combine)
                         cute.arch.fence_acq_rel_gpu()
@@ -1850,7 +1919,7 @@ def _kernel_class():
 
 def _compile(cfg: KernelCfg, options: str = TVM_FFI):
     cutlass, cute = import_cute()
-    from cutlass import BFloat16, Float32, Int32
+    from cutlass import BFloat16, Float32, Int32, Int64
     obj = _kernel_class()(cfg)
     M = cute.sym_int()
     R13, R2, S13, S2, RY, RYB = (cute.sym_int() for _ in range(6))
@@ -1863,7 +1932,7 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
         fake_tensor(Int32, (R2, 4)),
         fake_tensor(Int32, (S2,), align=4),
         # y workspace [>= M*16 (v6 / v7: NH M*16), dL]; v8: hG, the pairs' h as bf16x2 words [>= M*16, I/2]
-        fake_tensor({6: Float32, 7: Float32, 8: Int32}.get(cfg.version, BFloat16),
+        fake_tensor(Int64 if cfg.tagged else {6: Float32, 7: Float32, 8: Int32}.get(cfg.version, BFloat16),
                     (RY, cfg.I // 2 if cfg.version == 8 else cfg.dL)),
         fake_tensor(BFloat16, (RYB, cfg.dL)),                  # v7 / v8: bf16 y_e rows [>= M*16, dL] (others: unused)
         fake_tensor(Int32, (MAX_M * 8,), align=4),             # combine counters
@@ -1896,7 +1965,7 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
                 parts: int | None = None, route_direct: bool | None = None,
-                ring_fit: bool | None = None) -> KernelCfg:
+                ring_fit: bool | None = None, tagged: bool = False) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 / v8 (1 for the other versions).  version None: default_version(MB, I, dL).
@@ -1918,7 +1987,7 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
                      layout=layout, parts=parts, route_direct=direct,
-                     ring_fit=ring_fit_rule(ring_fit, version))
+                     ring_fit=ring_fit_rule(ring_fit, version), tagged=bool(tagged) and version == 8)
 
 
 def ring_fit_rule(ring_fit: bool | None, version: int) -> bool:
@@ -1959,11 +2028,15 @@ def warmup(cfg_or_dims, batches=M_BUCKETS, *, nsm: int | None = None) -> list[Ke
 class MoeWorkspace:
     y: torch.Tensor          # [64*16, dL] bf16: per-(token, slot) expert outputs
     counters: torch.Tensor   # [64*8] int32, zero between launches (self-resetting)
+    # [33, HG_MAX_WORDS] int64, v8.3 only: [0, 0] the launch epoch, rows 1.. the tagged h words. Zeroed once and
+    # never shared with y: a tag must never be met by chance, and y holds whatever other versions leave there.
+    hg: torch.Tensor | None = None
 
 
 def make_workspace(dL: int, device) -> MoeWorkspace:
     return MoeWorkspace(y=torch.empty(MAX_M * TOPK, dL, dtype=torch.bfloat16, device=device),
-                        counters=torch.zeros(MAX_M * 8, dtype=torch.int32, device=device))
+                        counters=torch.zeros(MAX_M * 8, dtype=torch.int32, device=device),
+                        hg=torch.zeros(33, HG_MAX_WORDS, dtype=torch.int64, device=device))
 
 
 _NSM: dict = {}
@@ -1998,7 +2071,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
                       version: int | None = None, cluster: int | None = None,
                       kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
-                      route_direct: bool | None = None, ring_fit: bool | None = None):
+                      route_direct: bool | None = None, ring_fit: bool | None = None, tagged: bool = False):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -2038,7 +2111,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         version = DEFAULT_VERSION       # v6-v8 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
-                      route_direct=route_direct, ring_fit=ring_fit)
+                      route_direct=route_direct, ring_fit=ring_fit, tagged=tagged)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:
@@ -2047,11 +2120,20 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     fn = get_kernel(key)
     y = yb = workspace.y
     if key.version == 8:
-        # hG, the pairs' h rows (bf16 as int32 words, [16 MB, I/2]), then the bf16 y_e rows [M 16, dL]
+        # hG, the pairs' h rows (bf16 as int32 words, [16 MB, I/2]), then the bf16 y_e rows [M 16, dL]; v8.3: hG is
+        # workspace.hg (the epoch at [0, 0], the tagged words of pair p in row p + 1)
         n_h = key.PMAX * I
         flat = workspace.y.view(-1)
         y = flat[:n_h].view(torch.int32).view(key.PMAX, I // 2)
         yb = flat[n_h: n_h + M * TOPK * dL].view(M * TOPK, dL)
+        if key.tagged:
+            hg = workspace.hg
+            if hg is None or hg.dtype != torch.int64 or hg.device != z.device or hg.dim() != 2 \
+                    or hg.shape[0] < key.PMAX + 1 or hg.shape[1] < I // 2 or not hg.is_contiguous():
+                raise ValueError(f"tagged (v8.3) needs workspace.hg: a contiguous int64 tensor of at least "
+                                 f"[{key.PMAX + 1}, {I // 2}] on {z.device}, zeroed once (make_workspace), got "
+                                 f"{None if hg is None else (hg.dtype, list(hg.shape), hg.device)}")
+            y = hg.view(-1)[: (key.PMAX + 1) * (I // 2)].view(key.PMAX + 1, I // 2)
     elif key.version in (6, 7):
         # the parts' fp32 partials, rows NH pair + part: NH x M x 16 x dL x 4 B, inside the bf16 workspace's
         # MAX_M x 16 x dL x 2 B (MB <= 2, NH <= 8); v7's bf16 y_e rows follow them

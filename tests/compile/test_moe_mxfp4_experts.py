@@ -545,6 +545,29 @@ def test_v8_parts_counters_and_workspace_bounds():
 
 
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("I", [256, 384])
+def test_v8_tagged_exchange_ptx(I):
+    """v8.3 (tagged): h travels as 64-bit words stored and polled relaxed at gpu scope (single-copy atomic), with no
+    acquire spin on a counter; the option changes nothing in v8's own PTX; it is a version 8 option only, and the
+    workspace carries its zeroed epoch / word buffer."""
+    import dataclasses
+    import re
+    from k3fast.ptxcheck import compiled_ptx
+    for M in (1, 2):
+        key = mx.compile_key(896, 3584, I, M, version=8, tagged=True)
+        assert key.tagged and dataclasses.replace(key, tagged=False) == mx.compile_key(896, 3584, I, M, version=8)
+        ptx = compiled_ptx(lambda: mx._compile(key, options="--enable-tvm-ffi --keep-ptx"))
+        assert re.search(r"st\.relaxed\.gpu\.global\.b64", ptx) and re.search(r"ld\.relaxed\.gpu\.global\.b64", ptx)
+        assert "ld.acquire" not in ptx and "barrier.cluster" not in ptx
+    assert not mx.compile_key(896, 3584, I, 8, version=4, tagged=True).tagged       # other versions: untagged
+    with pytest.raises(ValueError, match="tagged"):
+        mx.KernelCfg(E=896, dL=3584, I=I, MB=1, C=2, W=16, version=7, parts=2, layout="rot", tagged=True)
+    ws = mx.make_workspace(3584, "cpu")
+    assert ws.hg.dtype == torch.int64 and ws.hg.shape == (33, mx.HG_MAX_WORDS) and not ws.hg.any()
+    assert mx.H_LAUNCH < mx.MAX_M * 8 and mx.HG_MAX_WORDS >= 3072 // 2
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
 @pytest.mark.parametrize("I", [256, 384, 3072])
 def test_v8_compiles_without_cluster_barriers(I):
     """v8 builds at buckets 1 / 2; its h goes through global memory: no cluster barrier or DSMEM store in the PTX,

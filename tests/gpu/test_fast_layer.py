@@ -101,7 +101,8 @@ def test_fast_layer_full_width_b1(shape):
                                   "fast-w8", "fast-front0", "fast-front16", "fast-shapart", "fast-overlap",
                                   "fast-rolled", "fast-front0r", "fast-shlate", "fast-v6", "fast-s9front",
                                   "fast-s12", "fast-v7", "fast-s13", "fast-s19tail",
-                                  "fast-s21exp", "fast-s27tail", "fast-noringfit", "fast-v8"])
+                                  "fast-s21exp", "fast-s27tail", "fast-noringfit", "fast-v8",
+                                  "fast-v8tag"])
 @pytest.mark.parametrize("batch", [1, 3, 8, 17, 64])
 def test_fast_moe_half_same_input(batch, impl):
     if batch == 3 and impl not in ("fast", "fast-s9front", "fast-shapart", "fast-shlate"):
@@ -114,7 +115,7 @@ def test_fast_moe_half_same_input(batch, impl):
         pytest.skip("fast-s21exp differs from fast only at batch 1 (the experts' routing)")
     if impl == "fast-s27tail" and batch <= 16:
         pytest.skip("fast-s27tail differs from fast only where the cuBLAS tail serves (M > TAIL_DSL_MAX_M = 16)")
-    if impl in ("fast-v7", "fast-s13", "fast-v8") and batch > 2:
+    if impl in ("fast-v7", "fast-s13", "fast-v8", "fast-v8tag") and batch > 2:
         pytest.skip(f"{impl} differs from fast only at batch buckets <= 2 (experts v7 / v4 / v8 there)")
     cfg = k3_rank(16)
     w = random_layer(cfg, 1, seed=23, device="cuda")

@@ -362,6 +362,28 @@ def test_v8_is_v4_at_its_row_blocks(M, I, kind):
     assert same_bits(outs2["v8"], outs["v8"])
 
 
+@pytest.mark.parametrize("M,I,kind", [(1, 256, "uniform"), (1, 256, "ties"), (2, 256, "shared"), (1, 384, "uniform"),
+                                       (2, 384, "uniform")])
+def test_v8_tagged_is_v8(M, I, kind):
+    """v8.3 (tagged) moves h as epoch-tagged 64-bit words instead of an arrival counter: the same arithmetic, so
+    every output bit equals v8's. The epoch advances by one per launch (workspace.hg[0, 0]), the counters reset,
+    and in a graph it replays with new routings; a workspace without hg is refused with the reason."""
+    ck, prep, z, ids, w, ws = case(M, I, kind, 8300 * M + I + len(kind))
+    e0 = int(ws.hg[0, 0])
+    outs = run_variants(M, z, ids, w, prep, ws, v8=dict(version=8), tag=dict(version=8, tagged=True))
+    assert same_bits(outs["tag"], outs["v8"])
+    assert int(ws.hg[0, 0]) == e0 + 1
+    out = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=8, tagged=True)
+    replay_with_new_routings(g, out, z, ids, w, ws, ck, kind if kind != "ties" else "uniform", 8301 + M, n=3)
+    assert int(ws.hg[0, 0]) == e0 + 4
+    bare = mx.MoeWorkspace(y=ws.y, counters=ws.counters)
+    with pytest.raises(ValueError, match="workspace.hg"):
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, workspace=bare, version=8, tagged=True)
+
+
 @pytest.mark.parametrize("I", [256, 384])
 @pytest.mark.parametrize("kind", ["uniform", "ties"])
 def test_route1_is_bit_identical(I, kind):
