@@ -152,6 +152,11 @@ def _cases(cfg, batch: int):
                                                               w.post_attention_layernorm, out_x=xo, out_partial=po,
                                                               preload_wpost=False),
                   lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
+    # v1.5 (opt-in lean_sync: no per-thread / post-spin fences, the departure last)
+    cases.append(("oproj_attnres@lean", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
+                                                              w.post_attention_layernorm, out_x=xo, out_partial=po,
+                                                              lean_sync=True),
+                  lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
     # 4. router + latent down + top-k
     front = prepare_front_weight(m.gate, m.down)
     bias = m.e_score_correction_bias.float().contiguous()

@@ -77,6 +77,21 @@ v1.4 (session 17; opt-in prefetch_rest, impl "fast-oppf"; measured at s50 and re
     the timeline cannot tell which, and v1.3's miss points the same way. The seventh L2 prefetch design measured
     slower. Removed.
 
+v1.5 (session 18, written after its runs; opt-in lean_sync / LEAN_SYNC, impl "fast-oplean"; CPU-compiled, not yet
+    run on a GPU) The arrival chain as experts v8.1 measured it (moe_mxfp4_experts version log: v8 -> v8.1 took
+    0.6 us out of an exchange of the same shape). After its p' stores each GEMV thread fenced at gpu scope, which
+    waits for that thread's own stores, before the CTA barrier and thread 0's release arrival; the barrier and the
+    release's cumulativity already order them (CUTLASS's barrier arrivals rely on the same). The epilogue's thread 0
+    fenced after its acquire spin (not needed: acquire load, then the CTA barrier) and then waited for its
+    departure atomic's result before the barrier that every epilogue thread waits at: one serial L2 round trip on
+    the attention half's critical path. v1.5 drops both fences and departs at the end of the epilogue, after the
+    stores of x. Same arithmetic: bit-identical (GPU test test_lean_sync_is_bit_identical; counter re-armed, graph
+    replays). Why now: ncu8 / ncu9 put ~7 us of the kernel alone outside bandwidth, 8 % of its stall samples on
+    memory barriers.
+    Prediction: attention half -0.4 to -0.8 us at every b1 / b2 cell (o_proj is its last kernel), rank8 b1 43.2 ->
+    ~42.5 (1.77x -> ~1.80x at s55's stock); the kernel bench b1 -0.3 to -0.6. If the kernel bench moves and the
+    attention half does not, the spin's end is set by the last GEMV CTA's loads, not by the chain after it.
+
 What it replaces (k3-spec.md sections 4.2 steps 3-5, 4.3 "attn_res #2", 5, 6, 13.2 item 1)
 -----------------------------------------------------------------------------------------
     a        = bf16(y @ w_o^T)                      o_proj (row-TP slice; the all-reduce boundary on
@@ -174,6 +189,9 @@ KP_SUPPORTED = (768, 1536, 12288)
 # v1.2 (the default since session 7; "fast-s8" is the A/B without it): the epilogue loads w_post into registers
 # before griddepcontrol_wait (the version log says why)
 PRELOAD_WPOST = True
+# v1.5 (opt-in, "fast-oplean"; session 18, not yet run on a GPU): the arrival chain with no fence per thread, no fence
+# after the spin, and the departure at the end of the epilogue (the version log says why)
+LEAN_SYNC = False
 
 
 def _tg_bucket(m: int) -> int:
@@ -199,7 +217,7 @@ def compile_key(kp: int, n_blocks: int, m: int) -> tuple:
     return ("oproj_attnres", int(kp), int(n_blocks), _tg_bucket(int(m)))
 
 
-def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False):
+def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sync: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, const_expr
     from cutlass._mlir.dialects import llvm
@@ -350,8 +368,11 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False):
                         # one bf16 rounding of a (the all-reduce boundary), then the bf16 partial add
                         pn = v.to(BFloat16).to(Float32) + rPart[q]
                         mPo[mm, bid * ROWS + r] = pn.to(BFloat16)
-                # release: every thread's p' stores are ordered before thread 0's arrival
-                cute.arch.fence_acq_rel_gpu()
+                # release: every thread's p' stores are ordered before thread 0's arrival (v1.5: by the CTA
+                # barrier and the release's cumulativity alone, as CUTLASS's barrier arrivals do; v1.2 also fenced
+                # in every thread, which waits for each thread's own stores first)
+                if const_expr(not lean_sync):
+                    cute.arch.fence_acq_rel_gpu()
                 cute.arch.sync_threads()
                 if tid == 0:
                     cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="release", scope="gpu")
@@ -405,11 +426,12 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False):
                     cnt = cute.arch.load(mCnt.iterator, Int32, sem="acquire", scope="gpu")
                     while cnt < G:
                         cnt = cute.arch.load(mCnt.iterator, Int32, sem="acquire", scope="gpu")
-                    cute.arch.fence_acq_rel_gpu()
-                    old = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="relaxed", scope="gpu")
-                    if old == G + m_tok - 1:
-                        # last consumer: every epilogue CTA has passed its spin -> re-arm for the next launch
-                        cute.arch.store(mCnt.iterator, Int32(0), sem="relaxed", scope="gpu")
+                    if const_expr(not lean_sync):
+                        cute.arch.fence_acq_rel_gpu()
+                        old = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="relaxed", scope="gpu")
+                        if old == G + m_tok - 1:
+                            # last consumer: every epilogue CTA has passed its spin -> re-arm for the next launch
+                            cute.arch.store(mCnt.iterator, Int32(0), sem="relaxed", scope="gpu")
                 cute.arch.sync_threads()
 
                 # ---- statistics of p'
@@ -474,15 +496,22 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False):
                             xv = r8.load().to(Float32) * (rM[rr, None].load() * rstd)
                         r8.store(xv.to(BFloat16))
                         cute.autovec_copy(r8, gX[0, None, mrow, jv])
+                if const_expr(lean_sync):
+                    # v1.5: the departure last, where waiting for its result overlaps the stores of x draining
+                    # (every epilogue CTA passed its spin before departing, so the last one may re-arm)
+                    if tid == 0:
+                        old = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="relaxed", scope="gpu")
+                        if old == G + m_tok - 1:
+                            cute.arch.store(mCnt.iterator, Int32(0), sem="relaxed", scope="gpu")
 
     return OprojAttnRes(), smem_bytes
 
 
-def _compile(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False):
+def _compile(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sync: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
-    obj, _ = _build(kp, n_blocks, tg, preload_wpost)
+    obj, _ = _build(kp, n_blocks, tg, preload_wpost, lean_sync)
     m = cute.sym_int()
     nbs = cute.sym_int()
     fakes = (
@@ -506,10 +535,12 @@ def _options(tg: int) -> str:
     return TVM_FFI
 
 
-def get_kernel(kp: int, n_blocks: int, m: int, preload_wpost: bool | None = None):
+def get_kernel(kp: int, n_blocks: int, m: int, preload_wpost: bool | None = None, lean_sync: bool | None = None):
     pre = PRELOAD_WPOST if preload_wpost is None else bool(preload_wpost)
+    lean = LEAN_SYNC if lean_sync is None else bool(lean_sync)
     key = compile_key(kp, n_blocks, m)
-    return compile_cached(key + (("preload_wpost",) if pre else ()), lambda: _compile(key[1], key[2], key[3], pre))
+    return compile_cached(key + (("preload_wpost",) if pre else ()) + (("lean_sync",) if lean else ()),
+                          lambda: _compile(key[1], key[2], key[3], pre, lean))
 
 
 def compile_keys(kp_list: Iterable[int] = KP_SUPPORTED, n_blocks_list: Iterable[int] = range(1, 9),
@@ -587,12 +618,13 @@ def _check_inputs(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps, out_x, 
 
 
 def oproj_attnres(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, *, eps=1e-5, boundary=False,
-                  out_x=None, out_partial=None, counter=None, preload_wpost=None):
+                  out_x=None, out_partial=None, counter=None, preload_wpost=None, lean_sync=None):
     """x_moe, partial_new = post-attention half of a K3 layer's decode step (see module docstring).
 
     y [M, Kp] bf16, w_o [7168, Kp] bf16, blocks [M, >=n_blocks, 7168] bf16, partial [M, 7168] bf16,
     u_mlp [7168] fp32, w_post [7168] bf16. Returns (x_moe [M, 7168] bf16, partial_new [M, 7168] bf16).
-    No host sync; capturable in a CUDA graph after ``warmup``. preload_wpost: v1.2 (None = PRELOAD_WPOST).
+    No host sync; capturable in a CUDA graph after ``warmup``. preload_wpost: v1.2 (None = PRELOAD_WPOST);
+    lean_sync: v1.5 (None = LEAN_SYNC).
     """
     import torch
     _check_inputs(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps, out_x, out_partial, counter)
@@ -602,6 +634,6 @@ def oproj_attnres(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, *, eps=1e-5,
     if out_partial is None:
         out_partial = torch.empty((m, D), dtype=torch.bfloat16, device=y.device)
     cnt = counter if counter is not None else _workspace(y.device)
-    fn = get_kernel(kp, n_blocks, m, preload_wpost)
+    fn = get_kernel(kp, n_blocks, m, preload_wpost, lean_sync)
     fn(y, w_o, blocks, partial, u_mlp, w_post, out_partial, out_x, cnt, 1 if boundary else 0, float(eps))
     return out_x, out_partial

@@ -108,6 +108,29 @@ def test_module_imports_without_cutlass_symbols():
 
 
 @needs_dsl
+@pytest.mark.parametrize("kp,nb,tg", [(768, 1, 1), (1536, 8, 1), (768, 8, 2)])
+def test_lean_sync_drops_the_fences(kp, nb, tg):
+    """v1.5 (lean_sync): no gpu-scope fence is left (the default has two: the GEMV threads' and the epilogue's
+    after its spin), the arrival is still a release, and the departure is the last global access of the epilogue,
+    after the stores of x."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    old = oa.TVM_FFI
+    oa.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        ptx = {lean: compiled_ptx(lambda lean=lean: oa._compile(kp, nb, tg, True, lean)) for lean in (False, True)}
+    finally:
+        oa.TVM_FFI = old
+    assert ptx[False].count("fence.acq_rel.gpu") == 2 and ptx[True].count("fence.acq_rel.gpu") == 0
+    assert "atom.global.release.add" in ptx[True] and "ld.acquire.gpu" in ptx[True]
+    lines = [ln.strip() for ln in ptx[True].splitlines()]
+    glob = [i for i, ln in enumerate(lines) if ln.startswith(("ld.global", "st.global", "atom.global"))]
+    last_atom = max(i for i, ln in enumerate(lines) if ln.startswith("atom.global") and "release" not in ln)
+    assert any(lines[i].startswith("st.global") for i in glob if i < last_atom)
+    assert not any(lines[i].startswith(("ld.global", "st.global")) for i in glob if i > last_atom)
+
+
+@needs_dsl
 @pytest.mark.parametrize("nb", [1, 8])
 def test_preload_wpost_moves_the_last_loads(nb):
     """v1.2 (preload_wpost): after the epilogue's last CTA reduction only stores of x remain (w_post was loaded
