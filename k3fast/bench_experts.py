@@ -67,7 +67,7 @@ from k3ref.weights import random_layer
 
 VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
             "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe",
-            "PARK", "PARK64", "v8", "v8probe", "v8fc1probe", "v8tag", "v8tagfc1probe")
+            "PARK", "PARK64", "v8", "v8probe", "v8fc1probe", "v8tag", "v8tagfc1probe", "LEAN", "v7LEAN")
 
 
 def variant_cfg(name: str, base):
@@ -91,6 +91,8 @@ def variant_cfg(name: str, base):
         if base.version != 7:
             raise ValueError(f"PARK (the park probe) serves version 7 (batch buckets <= 2), got v{base.version}")
         return dataclasses.replace(base, park=int(park.group(1)) * 1024 if park.group(1) else park_max(base))
+    if name.endswith("LEAN"):                # lean_arrive: no per-thread fence before the arrivals (e.g. v7LEAN)
+        return dataclasses.replace(variant_cfg(name[:-len("LEAN")] or "default", base), lean_arrive=True)
     if name.endswith("tag"):                 # v8.3: v8's h exchange through tagged words (e.g. v8tag)
         kc = variant_cfg(name[:-len("tag")], base)
         if kc.version != 8:

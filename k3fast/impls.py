@@ -436,6 +436,7 @@ FAST_VARIANTS = {
     "fast-v8": {"experts_version": 8},          # experts v8 at buckets <= 2 (the default at bucket 1 since session
     #                                             18 where its row blocks are even; forced here at b2 and rank8 b1)
     "fast-v8tag": {"experts_version": 8, "experts_tagged": True},   # experts v8.3: h as tagged words (opt-in)
+    "fast-xlean": {"experts_lean": True},     # experts lean_arrive: no per-thread fence before the arrivals (opt-in)
     "fast-s13": {"experts_version": 4},         # experts v4 at every bucket (before session 8's v7 at buckets <= 2)
     "fast-nibble": {"experts_layout": "nibble"},  # experts in the nibble layout (the default before 2026-11-29)
     "fast-w8": {"experts_warps": 8},            # experts at 8 warps per CTA (the default before 16)

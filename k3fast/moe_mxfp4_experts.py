@@ -502,6 +502,14 @@ Version log
       Prediction: v8tagfc1probe -0.5 to -0.8 us against v8fc1probe at rank16 b1 (one to one and a half round trips
       of the ~1.6 us that v8's exchange costs over v7's cluster barriers); kernel rank16 b1 18.2 -> ~17.6-17.9;
       MoE half b1 -0.3 to -0.6 (fast-v8tag against fast). Below -0.3 on the kernel it is not worth its buffer.
+  lean_arrive (session 18, written after the runs; opt-in LEAN_ARRIVE / lean_arrive=True, impl "fast-xlean",
+      bench_experts LEAN; CPU-compiled, not yet run on a GPU) Before the combine's arrivals (and v7's part
+      reduction's) every thread fenced at gpu scope, which waits for that thread's own y stores, and then met the
+      CTA barrier; the arrivals are acq_rel atomics after that barrier, which order the other threads' stores by
+      cumulativity (CUTLASS's barrier arrivals rely on the same; v8.1's exchange measured it: 0.6 us of v8's
+      exchange went with its fences). lean_arrive drops those fences. Same arithmetic: bit-identical (GPU test
+      test_lean_arrive_is_bit_identical).
+      Prediction: kernel rank16 b1 (v8) -0.2 to -0.5 us, v7 keys (two rounds) -0.4 to -0.8; MoE half b1 -0.2 to -0.5.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -842,6 +850,8 @@ ROUTE_DIRECT = True
 # the full depth): each loop's ring depth fitted to its K steps per unit (version log; s26: MoE half rank8 b64
 # 643.8 -> 540.2 us, b8 167.6 -> 141.2; s29, v7: rank8 b2 82.6 -> 74.3)
 RING_FIT = True
+# lean_arrive (opt-in, session 18, not yet run on a GPU; "fast-xlean" / bench_experts LEAN): version log
+LEAN_ARRIVE = False
 RING_FIT_VERSIONS = (4, 5, 7, 8)   # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
 
 
@@ -893,6 +903,8 @@ class KernelCfg:
     #                   uses: what parking the tail's weights there costs the chain (k3fast/LOG.md, session 17)
     tagged: bool = False  # v8.3 (v8 only, opt-in): h exchanged as 64-bit words tagged with the launch's epoch, polled
     #                       directly; no arrival counter (version log v8.3; workspace.hg holds them)
+    lean_arrive: bool = False  # opt-in (LEAN_ARRIVE; version log "lean_arrive"): no gpu-scope fence per thread before
+    #                            the part reduction's and the combine's arrivals
 
     def __post_init__(self):
         if (self.version not in (7, 8) and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -1821,7 +1833,9 @@ def _build_kernel_class():
                                                     scope="gpu")
                     if const_expr(c.probe in PROBES_WITH_COMBINE):
                         # (the stage probes 'fc1' / 'fc2' stop before the part reduction and the combine)
-                        cute.arch.fence_acq_rel_gpu()
+                        # lean_arrive: no fence per thread; the barrier and the arrivals' acq_rel order the y stores
+                        if const_expr(not c.lean_arrive):
+                            cute.arch.fence_acq_rel_gpu()
                         cute.arch.barrier()
                         if const_expr(c.version == 7):
                             # ======================= v7 part reduction: the NH-th arrival of (pair, row chunk) adds the
@@ -1848,7 +1862,8 @@ def _build_kernel_class():
                                                     s8[4 * q + x] = s8[4 * q + x] + y4a[x]
                                         ro.store(s8.load().to(BFloat16))
                                         cute.autovec_copy(ro, gYb[0, None, pr, vv])
-                            cute.arch.fence_acq_rel_gpu()
+                            if const_expr(not c.lean_arrive):
+                                cute.arch.fence_acq_rel_gpu()
                             cute.arch.barrier()
                         # ======================= combine: the 16th arrival of (token, row chunk) sums the slots in order
                         if tid < npass:
@@ -1965,7 +1980,7 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
                 parts: int | None = None, route_direct: bool | None = None,
-                ring_fit: bool | None = None, tagged: bool = False) -> KernelCfg:
+                ring_fit: bool | None = None, tagged: bool = False, lean_arrive: bool | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 / v8 (1 for the other versions).  version None: default_version(MB, I, dL).
@@ -1987,7 +2002,8 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
                      layout=layout, parts=parts, route_direct=direct,
-                     ring_fit=ring_fit_rule(ring_fit, version), tagged=bool(tagged) and version == 8)
+                     ring_fit=ring_fit_rule(ring_fit, version), tagged=bool(tagged) and version == 8,
+                     lean_arrive=LEAN_ARRIVE if lean_arrive is None else bool(lean_arrive))
 
 
 def ring_fit_rule(ring_fit: bool | None, version: int) -> bool:
@@ -2071,7 +2087,8 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0, out=None, workspace=None,
                       version: int | None = None, cluster: int | None = None,
                       kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
-                      route_direct: bool | None = None, ring_fit: bool | None = None, tagged: bool = False):
+                      route_direct: bool | None = None, ring_fit: bool | None = None, tagged: bool = False,
+                      lean_arrive: bool | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -2111,7 +2128,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         version = DEFAULT_VERSION       # v6-v8 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
-                      route_direct=route_direct, ring_fit=ring_fit, tagged=tagged)
+                      route_direct=route_direct, ring_fit=ring_fit, tagged=tagged, lean_arrive=lean_arrive)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:

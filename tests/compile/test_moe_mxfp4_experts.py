@@ -545,6 +545,22 @@ def test_v8_parts_counters_and_workspace_bounds():
 
 
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+@pytest.mark.parametrize("M,version,fences", [(1, 8, 1), (2, 7, 2), (8, 4, 1)])
+def test_lean_arrive_drops_the_arrival_fences(M, version, fences):
+    """lean_arrive: the gpu-scope fences before the combine's (and v7's part reduction's) arrivals go, and nothing
+    else changes: the same number of atomics, and the default (LEAN_ARRIVE off) keeps its fences."""
+    import dataclasses
+    from k3fast.ptxcheck import compiled_ptx
+    base = mx.compile_key(896, 3584, 256, M, version=version)
+    assert not base.lean_arrive and mx.compile_key(896, 3584, 256, M, version=version, lean_arrive=True).lean_arrive
+    ptx = {lean: compiled_ptx(lambda lean=lean: mx._compile(dataclasses.replace(base, lean_arrive=lean),
+                                                            options="--enable-tvm-ffi --keep-ptx"))
+           for lean in (False, True)}
+    assert ptx[False].count("fence.acq_rel.gpu") == fences and ptx[True].count("fence.acq_rel.gpu") == 0
+    assert ptx[False].count("atom.global") == ptx[True].count("atom.global")
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
 @pytest.mark.parametrize("I", [256, 384])
 def test_v8_tagged_exchange_ptx(I):
     """v8.3 (tagged): h travels as 64-bit words stored and polled relaxed at gpu scope (single-copy atomic), with no

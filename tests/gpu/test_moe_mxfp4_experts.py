@@ -362,6 +362,21 @@ def test_v8_is_v4_at_its_row_blocks(M, I, kind):
     assert same_bits(outs2["v8"], outs["v8"])
 
 
+@pytest.mark.parametrize("M,I,kind", [(1, 256, "uniform"), (2, 256, "shared"), (1, 384, "ties"), (2, 384, "uniform"),
+                                       (8, 256, "uniform"), (64, 384, "skewed")])
+def test_lean_arrive_is_bit_identical(M, I, kind):
+    """lean_arrive drops the per-thread fences before the arrivals: every output bit equals the default's at v8
+    (rank16 b1), v7 (rank8 b1, both bucket-2 keys) and v4 (b8, b64); counters reset; in a graph with new routings."""
+    ck, prep, z, ids, w, ws = case(M, I, kind, 8400 + M + I + len(kind))
+    outs = run_variants(M, z, ids, w, prep, ws, dflt=dict(lean_arrive=False), lean=dict(lean_arrive=True))
+    assert same_bits(outs["lean"], outs["dflt"])
+    out = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, lean_arrive=True)
+    replay_with_new_routings(g, out, z, ids, w, ws, ck, kind if kind != "ties" else "uniform", 8401 + M, n=2)
+
+
 @pytest.mark.parametrize("M,I,kind", [(1, 256, "uniform"), (1, 256, "ties"), (2, 256, "shared"), (1, 384, "uniform"),
                                        (2, 384, "uniform")])
 def test_v8_tagged_is_v8(M, I, kind):
