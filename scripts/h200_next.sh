@@ -561,15 +561,18 @@ case "${1:-}" in
           tail -3 "$o/ncu10.log"
           ncu --import "$o/oproj16.ncu-rep" --page source --csv --print-source sass > "$o/oproj16-sass.csv" 2>&1
           echo "source page rc $?: $(wc -l < "$o/oproj16-sass.csv") lines"; head -3 "$o/oproj16-sass.csv" | cut -c1-300 ;;
-  # written in session 18 after the runs: v8.3, v8's exchange through epoch-tagged words (no counter poll); no vLLM
-  s57)    K3_TEST_TIMEOUT=120 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py -k "tagged" \
-            "tests/gpu/test_fast_layer.py::test_fast_moe_half_same_input[1-fast-v8tag]" || true
+  # written in session 18 after the runs: v8.3, v8's exchange through epoch-tagged words (no counter poll), and
+  # lean_arrive (no per-thread fence before the combine's arrivals); no vLLM
+  s57)    K3_TEST_TIMEOUT=180 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py -k "tagged or lean_arrive" \
+            "tests/gpu/test_fast_layer.py::test_fast_moe_half_same_input[1-fast-v8tag]" \
+            "tests/gpu/test_fast_layer.py::test_fast_moe_half_same_input[1-fast-xlean]" || true
           o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
           timeout 100 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 \
-            --batches 1 2 --variants default v8 v8tag v8fc1probe v8tagfc1probe --replays 50 > "$o/experts.log" 2>&1
-          grep -v -i warn "$o/experts.log" | grep -v marlin | tail -21
+            --batches 1 2 --variants default v8 v8tag LEAN v7LEAN v8fc1probe v8tagfc1probe --replays 50 \
+            > "$o/experts.log" 2>&1
+          grep -v -i warn "$o/experts.log" | grep -v marlin | tail -29
           cells=""; for c in k3_rank16,1 k3_rank16,2 k3_rank8,1; do
-                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,fast+fast-v8tag"; done
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,fast+fast-v8tag+fast-xlean"; done
           K3_SWEEP_TIMEOUT=200 bash scripts/h200_sweep.sh $cells --budget-s 170 ;;
   # written in session 18 after the runs: oproj_attnres v1.5 (lean arrival chain): GPU tests, kernel bench, the
   # attention half A/B at rank8 / rank16 b1 / b2 (no stock without vLLM: stage with --vllm to get the ratios)

@@ -104,7 +104,7 @@ def test_fast_layer_full_width_b1(shape):
                                   "fast-rolled", "fast-front0r", "fast-shlate", "fast-v6", "fast-s9front",
                                   "fast-s12", "fast-v7", "fast-s13", "fast-s19tail",
                                   "fast-s21exp", "fast-s27tail", "fast-noringfit", "fast-v8",
-                                  "fast-v8tag"])
+                                  "fast-v8tag", "fast-xlean"])
 @pytest.mark.parametrize("batch", [1, 3, 8, 17, 64])
 def test_fast_moe_half_same_input(batch, impl):
     if batch == 3 and impl not in ("fast", "fast-s9front", "fast-shapart", "fast-shlate"):
