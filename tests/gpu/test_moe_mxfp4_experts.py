@@ -135,6 +135,15 @@ def replay_with_new_routings(g, out, z, ids, w, ws, ck, kind, seed, n=2):
         assert rel_rmse(out, reference(z, ids, w, ck)) <= TOL
 
 
+def capture(M, z, ids, w, prep, ws, **kw):
+    """A CUDA graph of one moe_mxfp4_experts launch (keyword arguments ``kw``) and its output buffer (poisoned)."""
+    out = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, **kw)
+    return g, out
+
+
 def same_bits(a, b) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -370,10 +379,7 @@ def test_lean_arrive_is_bit_identical(M, I, kind):
     ck, prep, z, ids, w, ws = case(M, I, kind, 8400 + M + I + len(kind))
     outs = run_variants(M, z, ids, w, prep, ws, dflt=dict(lean_arrive=False), lean=dict(lean_arrive=True))
     assert same_bits(outs["lean"], outs["dflt"])
-    out = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, lean_arrive=True)
+    g, out = capture(M, z, ids, w, prep, ws, lean_arrive=True)
     replay_with_new_routings(g, out, z, ids, w, ws, ck, kind if kind != "ties" else "uniform", 8401 + M, n=2)
 
 
@@ -388,10 +394,7 @@ def test_v8_tagged_is_v8(M, I, kind):
     outs = run_variants(M, z, ids, w, prep, ws, v8=dict(version=8), tag=dict(version=8, tagged=True))
     assert same_bits(outs["tag"], outs["v8"])
     assert int(ws.hg[0, 0]) == e0 + 1
-    out = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, version=8, tagged=True)
+    g, out = capture(M, z, ids, w, prep, ws, version=8, tagged=True)
     replay_with_new_routings(g, out, z, ids, w, ws, ck, kind if kind != "ties" else "uniform", 8301 + M, n=3)
     assert int(ws.hg[0, 0]) == e0 + 4
     bare = mx.MoeWorkspace(y=ws.y, counters=ws.counters)
@@ -467,10 +470,7 @@ def test_park_probe_keeps_the_output(I, M):
     park = dataclasses.replace(base, park=mx.park_max(base))
     outs = run_variants(M, z, ids, w, prep, ws, dflt=dict(kernel_cfg=base), park=dict(kernel_cfg=park))
     assert same_bits(outs["park"], outs["dflt"])
-    out = torch.full((M, DL), float("nan"), dtype=BF, device=DEV)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws, kernel_cfg=park)
+    g, out = capture(M, z, ids, w, prep, ws, kernel_cfg=park)
     for _ in range(2):
         out.fill_(float("nan"))
         g.replay()
