@@ -1204,6 +1204,13 @@ def _build_kernel_class():
         if const_expr(scale):
             ringS[d] = eWs[row_ * 8 + g]
 
+    def fc2_fill(c, wld, eW2q, eW2s, warp, t2_base, koff, t2n, NS2, lane, g, ringW, ringS):
+        """FC2's first ring turn: slots d < min(D2, NS2) from the warp's first steps (t2n: the CTA's tile count,
+        used where v8's row blocks are uneven)."""
+        for d in range(min(c.D2, NS2)):      # trace-time constants (helpers are not preprocessed)
+            row_ = fc2_row(c, warp, t2_base, d, koff, None if c.T2_EVEN else t2n)
+            load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
+
     def consume_slot(c, lut, wv, sv, acc, early, a=None, sf=None):
         """Decode a ring slot's words and scales: before its refill is issued in v4 (early=True), after it in v2/v3
         (early=False). v4's order leaves the slot's old values dead when the refill lands, so the ring needs no
@@ -1654,10 +1661,7 @@ def _build_kernel_class():
                             cute.arch.store(mY.iterator + ((pr + 1) * (c.I // 2) + hI * (c.IH // 2)
                                                            + rank * (hcols // 2) + ch * 4 + x),
                                             word, sem="relaxed", scope="gpu")
-                        for d in cutlass.range_constexpr(D2):
-                            if const_expr(d < NS2):
-                                row_ = fc2_row(c, warp, t2_base, d, koff, None if c.T2_EVEN else t2n)
-                                load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
+                        fc2_fill(c, wld, eW2q, eW2s, warp, t2_base, koff, t2n, NS2, lane, g, ringW, ringS)
                         # the spin needs every CTA of the expert's items resident: as in v8 (KernelCfg checks Q >= NH)
                         for idx in cutlass.range(tid, npass * (c.I // 2), c.threads):
                             wc = idx % (c.I // 2)
@@ -1687,10 +1691,7 @@ def _build_kernel_class():
                         cute.arch.barrier()
                         if tid == 0:
                             cute.arch.atomic_add(mCnt.iterator + H_COUNTERS + u, Int32(1), sem="release", scope="gpu")
-                        for d in cutlass.range_constexpr(D2):
-                            if const_expr(d < NS2):
-                                row_ = fc2_row(c, warp, t2_base, d, koff, None if c.T2_EVEN else t2n)
-                                load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
+                        fc2_fill(c, wld, eW2q, eW2s, warp, t2_base, koff, t2n, NS2, lane, g, ringW, ringS)
                         if tid == 0:
                             # every CTA of the segment's items is resident (one per SM, grid <= SMs; a PDL dependent
                             # launches only once all of them ran their trigger), so the spin ends. Departures count
@@ -1734,10 +1735,7 @@ def _build_kernel_class():
                     # the ring restarts here, one loaded HBM round trip after barrier B (issuing these loads from
                     # FC1's last steps instead was measured: no gain, slower at b64; version log, xpf)
                     if const_expr(c.version != 8):
-                        for d in cutlass.range_constexpr(D2):
-                            if const_expr(d < NS2):
-                                row_ = fc2_row(c, warp, t2_base, d, koff)
-                                load_slot(c, wld, eW2q, eW2s, row_, lane, g, ringW, ringS, d)
+                        fc2_fill(c, wld, eW2q, eW2s, warp, t2_base, koff, t2n, NS2, lane, g, ringW, ringS)
                     for s0 in cutlass.range(0, NS2_pad, D2):
                         for d in cutlass.range_constexpr(D2):
                             s = s0 + d
@@ -2141,9 +2139,10 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         # workspace.hg (the epoch at [0, 0], the tagged words of pair p in row p + 1)
         n_h = key.PMAX * I
         flat = workspace.y.view(-1)
-        y = flat[:n_h].view(torch.int32).view(key.PMAX, I // 2)
         yb = flat[n_h: n_h + M * TOPK * dL].view(M * TOPK, dL)
-        if key.tagged:
+        if not key.tagged:
+            y = flat[:n_h].view(torch.int32).view(key.PMAX, I // 2)
+        else:
             hg = workspace.hg
             if hg is None or hg.dtype != torch.int64 or hg.device != z.device or hg.dim() != 2 \
                     or hg.shape[0] < key.PMAX + 1 or hg.shape[1] < I // 2 or not hg.is_contiguous():
