@@ -152,10 +152,11 @@ def _cases(cfg, batch: int):
                                                               w.post_attention_layernorm, out_x=xo, out_partial=po,
                                                               preload_wpost=False),
                   lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
-    # v1.5 (opt-in lean_sync: no per-thread / post-spin fences, the departure last)
-    cases.append(("oproj_attnres@lean", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
-                                                              w.post_attention_layernorm, out_x=xo, out_partial=po,
-                                                              lean_sync=True),
+    # v1.5's A/B (lean_sync, the default since session 19; s58 measured it as "@lean" against the fenced default):
+    # v1.4's arrival chain, with the per-thread and post-spin fences
+    cases.append(("oproj_attnres@fenced", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
+                                                                w.post_attention_layernorm, out_x=xo, out_partial=po,
+                                                                lean_sync=False),
                   lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
     # 4. router + latent down + top-k
     front = prepare_front_weight(m.gate, m.down)

@@ -249,7 +249,7 @@ class FastImpl:
         self.attn_early_trigger = attn_early_trigger
         self.inproj_joint = inproj_joint     # None: rms_gemv_ring.JOINT_PROLOGUE (v12.2; False: "fast-nojoint")
         self.oproj_preload = oproj_preload   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")
-        self.oproj_lean = oproj_lean         # None: oproj_attnres.LEAN_SYNC (True: its v1.5, "fast-oplean")
+        self.oproj_lean = oproj_lean         # None: oproj_attnres.LEAN_SYNC (v1.5; False: "fast-opfence")
         self.gemv_pin = gemv_pin             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")
         self.kda_preload = kda_preload       # None: kda_conv_gate_step.PRELOAD (True: its v3, "fast-kdapre")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-

@@ -502,6 +502,15 @@ Version log
       Prediction: v8tagfc1probe -0.5 to -0.8 us against v8fc1probe at rank16 b1 (one to one and a half round trips
       of the ~1.6 us that v8's exchange costs over v7's cluster barriers); kernel rank16 b1 18.2 -> ~17.6-17.9;
       MoE half b1 -0.3 to -0.6 (fast-v8tag against fast). Below -0.3 on the kernel it is not worth its buffer.
+      Measured (s57 at 377caf5, experts- and records-377caf5-s57.json, one run, copy 4.111 TB/s, no stock; GPU tests
+      11 passed with lean_arrive's: bit-identical to v8, epoch +1 per launch, graph replays). v8tagfc1probe 12.70
+      against v8fc1probe 13.79 (-1.1: past the prediction, the exchange got shorter), but the kernel rank16 b1
+      18.46 -> 18.62 (+0.2) and the MoE half 56.5 -> 56.5. At b2 the kernel 25.95 (v8) -> 25.38 (v7, the default
+      there: 26.91), the MoE half 63.7 -> 63.6; rank8 b1 (v8.2 tagged against v7) 64.4 -> 63.7, inside the ~1 us by
+      which two rows of one kernel differ in these runs. MISSED: the exchange ends sooner, the kernel does not. So
+      FC2's end is set by its w2 stream, not by when h arrives: its ring loads were already issued before the
+      spin, and the tiles behind them come at the HBM's pace. Not the default (the rule: under -0.3 on the kernel);
+      it stays opt-in.
   lean_arrive (session 18, written after the runs; opt-in LEAN_ARRIVE / lean_arrive=True, impl "fast-xlean",
       bench_experts LEAN; CPU-compiled, not yet run on a GPU) Before the combine's arrivals (and v7's part
       reduction's) every thread fenced at gpu scope, which waits for that thread's own y stores, and then met the
@@ -510,6 +519,12 @@ Version log
       exchange went with its fences). lean_arrive drops those fences. Same arithmetic: bit-identical (GPU test
       test_lean_arrive_is_bit_identical).
       Prediction: kernel rank16 b1 (v8) -0.2 to -0.5 us, v7 keys (two rounds) -0.4 to -0.8; MoE half b1 -0.2 to -0.5.
+      Measured (s57 at 377caf5, same run as v8.3; GPU tests passed, bit-identical): kernel rank16 b1 (v8) 18.46 ->
+      18.59 (+0.1), b2 (v7) 26.91 -> 26.40 / 26.53 (LEAN / v7LEAN, the same build there: -0.4 to -0.5, met); MoE
+      half (fast-xlean against fast) rank16 b1 56.5 -> 56.4, b2 63.7 -> 63.8, rank8 b1 64.4 -> 63.7. MISSED at b1 and
+      in the layer: the v7 kernel's gain at b2 does not reach the MoE half, whose end is the tail's. Stays opt-in
+      (a weaker ordering argument is not worth carrying for no measured gain in the layer).
+      (bench_experts' rank8 rows did not run in s57: its 100 s timeout ended the bench after rank16 b2.)
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -850,7 +865,7 @@ ROUTE_DIRECT = True
 # the full depth): each loop's ring depth fitted to its K steps per unit (version log; s26: MoE half rank8 b64
 # 643.8 -> 540.2 us, b8 167.6 -> 141.2; s29, v7: rank8 b2 82.6 -> 74.3)
 RING_FIT = True
-# lean_arrive (opt-in, session 18, not yet run on a GPU; "fast-xlean" / bench_experts LEAN): version log
+# lean_arrive (opt-in; s57, session 19: no gain in the layer; "fast-xlean" / bench_experts LEAN): version log
 LEAN_ARRIVE = False
 RING_FIT_VERSIONS = (4, 5, 7, 8)   # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
 

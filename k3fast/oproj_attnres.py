@@ -77,8 +77,8 @@ v1.4 (session 17; opt-in prefetch_rest, impl "fast-oppf"; measured at s50 and re
     the timeline cannot tell which, and v1.3's miss points the same way. The seventh L2 prefetch design measured
     slower. Removed.
 
-v1.5 (session 18, written after its runs; opt-in lean_sync / LEAN_SYNC, impl "fast-oplean"; CPU-compiled, not yet
-    run on a GPU) The arrival chain as experts v8.1 measured it (moe_mxfp4_experts version log: v8 -> v8.1 took
+v1.5 (session 18, written after its runs; lean_sync / LEAN_SYNC, the default since session 19; "fast-opfence" / bench
+    row oproj_attnres@fenced are the A/B without it, "fast-oplean" the name its first records carry) The arrival chain as experts v8.1 measured it (moe_mxfp4_experts version log: v8 -> v8.1 took
     0.6 us out of an exchange of the same shape). After its p' stores each GEMV thread fenced at gpu scope, which
     waits for that thread's own stores, before the CTA barrier and thread 0's release arrival; the barrier and the
     release's cumulativity already order them (CUTLASS's barrier arrivals rely on the same). The epilogue's thread 0
@@ -91,6 +91,19 @@ v1.5 (session 18, written after its runs; opt-in lean_sync / LEAN_SYNC, impl "fa
     Prediction: attention half -0.4 to -0.8 us at every b1 / b2 cell (o_proj is its last kernel), rank8 b1 43.2 ->
     ~42.5 (1.77x -> ~1.80x at s55's stock); the kernel bench b1 -0.3 to -0.6. If the kernel bench moves and the
     attention half does not, the spin's end is set by the last GEMV CTA's loads, not by the chain after it.
+    Measured (s58 at 377caf5, kernels- and records-377caf5-s58.json, one run beside stock, copy 4.155 TB/s; GPU tests
+    10 passed: bit-identical at M 1 / 2 / 8 / 64, nb 1-8, boundary, counter re-armed, graph replay; the attention
+    half at rank8 / rank16 b1 / b2). Kernel bench (default -> lean, us): rank16 b1 11.07 -> 10.94, b2 11.65 -> 11.07,
+    rank8 b1 14.46 -> 14.02, b2 14.43 -> 14.05. Attention half (stock / fast / fast-oplean): rank16 b1 65.3 / 30.6 /
+    30.4 (2.15x), b2 73.3 / 33.6 / 32.8 (2.23x), rank8 b1 77.8 / 43.6 / 43.1 (1.81x), b2 86.3 / 47.5 / 46.3 (1.86x).
+    Met at three cells of four (-0.5, -0.8, -1.2), under it at rank16 b1 (-0.2); kernel bench -0.1 to -0.6 (met
+    but for rank16 b1). Every cell moved the same way in both benches, so the default from session 19.
+    ncu10 (the v1.4 path, rank16 b1, ncu-377caf5-ncu10/, --set full with the report kept and its source page per
+    SASS instruction): 499 warp-stall samples, 459 of them in the 112 GEMV CTAs, 36 % on the first use of the
+    weight registers (long scoreboard: the loads in flight), 19 % issuing the weight loads (LG throttle: the load
+    queue is full), 7 % on the per-thread fence v1.5 removes; the one epilogue CTA (8 warps) holds 21 samples. The
+    GEMV is a single wave of loads waiting for HBM; what is not bandwidth in the isolated kernel is the load
+    latency of that one wave and the serial chain behind it, not one hot instruction.
 
 What it replaces (k3-spec.md sections 4.2 steps 3-5, 4.3 "attn_res #2", 5, 6, 13.2 item 1)
 -----------------------------------------------------------------------------------------
@@ -189,9 +202,9 @@ KP_SUPPORTED = (768, 1536, 12288)
 # v1.2 (the default since session 7; "fast-s8" is the A/B without it): the epilogue loads w_post into registers
 # before griddepcontrol_wait (the version log says why)
 PRELOAD_WPOST = True
-# v1.5 (opt-in, "fast-oplean"; session 18, not yet run on a GPU): the arrival chain with no fence per thread, no fence
-# after the spin, and the departure at the end of the epilogue (the version log says why)
-LEAN_SYNC = False
+# v1.5 (the default since session 19, measured at s58; "fast-opfence" is the A/B without it): the arrival chain with no
+# fence per thread, no fence after the spin, and the departure at the end of the epilogue (the version log says why)
+LEAN_SYNC = True
 
 
 def _tg_bucket(m: int) -> int:

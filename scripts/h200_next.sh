@@ -470,7 +470,7 @@ case "${1:-}" in
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-nojoint"; done
           for c in k3_rank8,8 k3_rank16,8 k3_rank16,64 k3_rank8,64; do
               cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast"; done
-          K3_SWEEP_TIMEOUT=330 bash scripts/h200_sweep.sh $cells --budget-s 300 ;;
+          K3_SWEEP_TIMEOUT=300 bash scripts/h200_sweep.sh $cells --budget-s 270 ;;
   # session 17, after s49 (as run at ff51150; fast-oppf was removed after it): oproj_attnres v1.4, the rank8 rest into L2: its
   # bit-identity tests and the rank8 attention half, then the A/B at rank8 b1 / b2 beside stock (needs vLLM staged)
   s50)    ids=$(for b in 1 2 3 4; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$b-8-fast-oppf]"; done)
@@ -504,7 +504,7 @@ case "${1:-}" in
           grep -v -i warn "$o/experts.log" | tail -26 ;;
   s52b)   cells=""; for c in k3_rank16,1 k3_rank16,2 k3_rank8,1 k3_rank8,2; do
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-v8"; done
-          K3_SWEEP_TIMEOUT=330 bash scripts/h200_sweep.sh $cells --budget-s 300 ;;
+          K3_SWEEP_TIMEOUT=300 bash scripts/h200_sweep.sh $cells --budget-s 270 ;;
   # v8.1 (one release arrival after the barrier, no per-thread fences, the departure after FC2): GPU tests, the
   # kernel bench against v7 and the layer A/B at rank16 b1 / b2 and rank8 b2 (rank8 b1 runs 2 parts: s52 31.8 us)
   s53)    K3_TEST_TIMEOUT=150 bash scripts/h200_tests.sh tests/gpu/test_moe_mxfp4_experts.py -k "v8" \
@@ -584,5 +584,17 @@ case "${1:-}" in
           cells=""; for c in k3_rank8,1 k3_rank8,2 k3_rank16,1 k3_rank16,2; do
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-oplean"; done
           K3_SWEEP_TIMEOUT=300 bash scripts/h200_sweep.sh $cells --budget-s 270 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58"; exit 2 ;;
+  # written in session 19 after s58: v1.5 the default; the whole oproj_attnres GPU file on the default (lean) path, the
+  # attention half at b1 / b2 / b8 for fast and fast-opfence, the kernel A/B, and the layer beside stock (stage with
+  # --vllm) at rank8 / rank16 b1 / b2 / b8
+  s59)    ids=$(for b in 1 2 8; do for t in 16 8; do for i in fast fast-opfence; do
+                  echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$b-$t-$i]"; done; done; done)
+          K3_TEST_TIMEOUT=170 bash scripts/h200_tests.sh tests/gpu/test_oproj_attnres.py $ids || true
+          o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          timeout 100 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 1 2 \
+            --kernels oproj_attnres oproj_attnres@fenced > "$o/kernels.log" 2>&1; grep -v -i warn "$o/kernels.log" | tail -10
+          cells=""; for c in k3_rank8,1 k3_rank8,2 k3_rank16,1 k3_rank16,2 k3_rank8,8 k3_rank16,8; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-opfence"; done
+          K3_SWEEP_TIMEOUT=300 bash scripts/h200_sweep.sh $cells --budget-s 270 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59"; exit 2 ;;
 esac

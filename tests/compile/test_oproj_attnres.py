@@ -110,7 +110,7 @@ def test_module_imports_without_cutlass_symbols():
 @needs_dsl
 @pytest.mark.parametrize("kp,nb,tg", [(768, 1, 1), (1536, 8, 1), (768, 8, 2)])
 def test_lean_sync_drops_the_fences(kp, nb, tg):
-    """v1.5 (lean_sync): no gpu-scope fence is left (the default has two: the GEMV threads' and the epilogue's
+    """v1.5 (lean_sync, the default): no gpu-scope fence is left (v1.4 has two: the GEMV threads' and the epilogue's
     after its spin), the arrival is still a release, and the departure is the last global access of the epilogue,
     after the stores of x."""
     from k3fast._dsl import TVM_FFI
