@@ -158,6 +158,11 @@ def _cases(cfg, batch: int):
                                                                 w.post_attention_layernorm, out_x=xo, out_partial=po,
                                                                 lean_sync=False),
                   lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
+    # v1.6 (opt-in split_rows: 32-row GEMV CTAs where the whole slice then fits the register stages: rank8, M <= 8)
+    cases.append(("oproj_attnres@rows32", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
+                                                                w.post_attention_layernorm, out_x=xo, out_partial=po,
+                                                                split_rows=True),
+                  lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
     # 4. router + latent down + top-k
     front = prepare_front_weight(m.gate, m.down)
     bias = m.e_score_correction_bias.float().contiguous()

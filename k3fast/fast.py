@@ -138,7 +138,7 @@ class FastImpl:
                  experts_warps: int | None = None, shared_in_front: bool = True, router_rolled: bool | None = None,
                  shared_late: bool = False, gemv_groups: int | None = None,
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
-                 oproj_lean: bool | None = None,
+                 oproj_lean: bool | None = None, oproj_split: bool | None = None,
                  kda_preload: bool | None = None, shared_in_fma_front: bool = True,
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
@@ -250,6 +250,7 @@ class FastImpl:
         self.inproj_joint = inproj_joint     # None: rms_gemv_ring.JOINT_PROLOGUE (v12.2; False: "fast-nojoint")
         self.oproj_preload = oproj_preload   # None: oproj_attnres.PRELOAD_WPOST (True: its v1.2, "fast-wpost")
         self.oproj_lean = oproj_lean         # None: oproj_attnres.LEAN_SYNC (v1.5; False: "fast-opfence")
+        self.oproj_split = oproj_split       # None: oproj_attnres.SPLIT_ROWS (True: its v1.6, "fast-op32")
         self.gemv_pin = gemv_pin             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")
         self.kda_preload = kda_preload       # None: kda_conv_gate_step.PRELOAD (True: its v3, "fast-kdapre")
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
@@ -297,6 +298,7 @@ class FastImpl:
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
                         + ("" if oproj_lean is None else f", o_proj lean arrivals {'on' if oproj_lean else 'off'}")
+                        + ("" if oproj_split is None else f", o_proj 32-row CTAs {'on' if oproj_split else 'off'}")
                         + ("" if attn_early_trigger else ", attention PDL triggers at the kernels' ends")
                         + (f", experts layout {self.experts.layout}" if hasattr(self, "experts") else ""))
         self._side = None
@@ -345,7 +347,7 @@ class FastImpl:
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                               w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
                               out_x=io.x_mlp, out_partial=io.partial, preload_wpost=self.oproj_preload,
-                              lean_sync=self.oproj_lean)
+                              lean_sync=self.oproj_lean, split_rows=self.oproj_split)
             else:
                 oproj_attnres_cublas(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,

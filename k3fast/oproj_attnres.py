@@ -104,6 +104,23 @@ v1.5 (session 18, written after its runs; lean_sync / LEAN_SYNC, the default sin
     queue is full), 7 % on the per-thread fence v1.5 removes; the one epilogue CTA (8 warps) holds 21 samples. The
     GEMV is a single wave of loads waiting for HBM; what is not bandwidth in the isolated kernel is the load
     latency of that one wave and the serial chain behind it, not one hot instruction.
+v1.6 (session 19; opt-in split_rows / SPLIT_ROWS, impl "fast-op32", bench row oproj_attnres@rows32; CPU-compiled,
+    not yet run on a GPU) At rank8 (Kp 1536) a 64-row CTA's slice is 24 chunks per warp and the register stages hold
+    12, so half of the 22 MB is requested only after griddepcontrol_wait; v1.3 (that half into shared memory) and
+    v1.4 (into L2) both lost. v1.6 halves the rows per CTA instead (32 rows: 2 row groups x 4 K splits, 224 GEMV
+    CTAs): each warp again has 12 chunks, all of them in flight before the wait, exactly as at rank16, and at 128
+    registers two CTAs share an SM. Where it applies (_rows): Kp 1536, M <= 8, n_blocks <= SPLIT_MAX_NB = 5 (ptxas
+    12.9: 128 registers at nb 0-5, 160-194 at 6-8, 132 at M <= 16; above 128 the 224 CTAs need a second wave).
+    The K split of 4 sums the fp32 partial tiles in another order than v1.5's 2, so it is not bit-identical: the
+    GPU tests hold it to the reference like the default (p' inside the accumulation bracket, x within 1e-2).
+    Why: s59's rank8 b1 timeline (records-54bd858-s59.json): in_proj 24.4 us (92 % of the copy rate), the KDA step to
+    29.3, o_proj ends 10.8 us after it; at rank16, where the whole slice is in flight, 5.4. ncu8 put rank8's extra
+    at its second 11 MB arriving after the wait. The KDA step (~4.8 us) reads little, so the HBM can bring most of
+    the 22 MB while it runs, if the 224 CTAs are resident then.
+    Prediction: attention half rank8 b1 42.9 -> ~38.5-40 us (o_proj ~6-7.5 us after the KDA step; 1.93-2.0x at
+    s59's stock 77.2), b2 46.7 -> ~42.5-44; kernel bench rank8 b1 13.8 -> ~11.5-12.5. rank16 and M > 8 unchanged
+    (same builds). If the attention half does not move, the 224 CTAs are not resident beside the KDA CTAs (their
+    loads then start at the wait anyway); if the kernel bench moves and the layer does not, that is the reason.
 
 What it replaces (k3-spec.md sections 4.2 steps 3-5, 4.3 "attn_res #2", 5, 6, 13.2 item 1)
 -----------------------------------------------------------------------------------------
@@ -205,6 +222,25 @@ PRELOAD_WPOST = True
 # v1.5 (the default since session 19, measured at s58; "fast-opfence" is the A/B without it): the arrival chain with no
 # fence per thread, no fence after the spin, and the departure at the end of the epilogue (the version log says why)
 LEAN_SYNC = True
+# v1.6 (opt-in, "fast-op32"; session 19): 32 output rows per GEMV CTA (224 CTAs, two per SM) where 64 rows leave half
+# of a CTA's weight slice to be loaded after the PDL wait and 32 rows fit all of it in the register stages (rank8,
+# M <= 8, n_blocks <= SPLIT_MAX_NB); the version log says why
+SPLIT_ROWS = False
+
+
+SPLIT_MAX_NB = 5          # ptxas 12.9, rows 32, M <= 8: 128 registers at n_blocks 0-5, 160-194 at 6-8 (and 132 at
+#                           M <= 16): above 128 a CTA takes more than half the register file and the 224 CTAs need
+#                           a second wave
+
+
+def _rows(kp: int, n_blocks: int, tg: int, split: bool) -> int:
+    """Output rows per GEMV CTA: 32 (v1.6) only where that puts the whole slice in flight before the wait and two
+    CTAs fit on an SM."""
+    ks32 = WARPS // (32 // 16)
+    if (split and tg == 1 and n_blocks <= SPLIT_MAX_NB and kp // (CHUNK * ks32) <= _stages(kp, tg, ks32)
+            and kp // (CHUNK * KS) > _stages(kp, tg)):
+        return 32
+    return ROWS
 
 
 def _tg_bucket(m: int) -> int:
@@ -212,8 +248,8 @@ def _tg_bucket(m: int) -> int:
     return 1 << (tg - 1).bit_length()
 
 
-def _stages(kp: int, tg: int) -> int:
-    cpw = kp // (CHUNK * KS)                  # chunks per warp
+def _stages(kp: int, tg: int, ks: int = KS) -> int:
+    cpw = kp // (CHUNK * ks)                  # chunks per warp
     s = 12 if tg <= 2 else 6
     s = min(s, cpw)
     while cpw % s:
@@ -230,7 +266,7 @@ def compile_key(kp: int, n_blocks: int, m: int) -> tuple:
     return ("oproj_attnres", int(kp), int(n_blocks), _tg_bucket(int(m)))
 
 
-def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sync: bool = False):
+def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sync: bool = False, rows: int = ROWS):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, const_expr
     from cutlass._mlir.dialects import llvm
@@ -238,13 +274,19 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
 
     NB = n_blocks
     MP = 8 * tg
-    S = _stages(kp, tg)
-    CPW = kp // (CHUNK * KS)
+    # the CTA's tiling (v1.6 halves the rows and doubles the K splits: the same chunks per warp, twice the CTAs)
+    R = rows
+    GC = D // R                                # GEMV CTAs
+    RGL = R // 16
+    KSL = WARPS // RGL
+    MSTR = R + 4
+    S = _stages(kp, tg, KSL)
+    CPW = kp // (CHUNK * KSL)
     NIT = CPW // S
     STAGE = _stage_blocks(tg)
-    PPT = ROWS * MP // THREADS                 # (row, token) outputs per thread in the GEMV epilogue
+    PPT = R * MP // THREADS                 # (row, token) outputs per thread in the GEMV epilogue
     NRED = max(2 * NB, 2)
-    red_words = KS * MP * MSTRIDE
+    red_words = KSL * MP * MSTR
     blk_elems = NB * D if (STAGE and NB > 0) else 8
     smem_bytes = red_words * 4 + blk_elems * 2 + WARPS * 16 * 4 + 3 * 128
 
@@ -266,7 +308,7 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
                      stream):
             m_tok = cute.size(mY, mode=[0])
             self.kernel(mY, mW, mBlk, mP, mU, mWp, mPo, mX, mCnt, boundary, eps).launch(
-                grid=[G + m_tok, 1, 1], block=[THREADS, 1, 1], smem=smem_bytes, stream=stream,
+                grid=[GC + m_tok, 1, 1], block=[THREADS, 1, 1], smem=smem_bytes, stream=stream,
                 use_pdl=True)
 
         # ------------------------------------------------------------------ helpers
@@ -311,18 +353,18 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
             m_tok = cute.size(mY, mode=[0])
 
             smem = cutlass.memory.SmemAllocator()
-            sRed = smem.allocate_tensor(Float32, cute.make_layout((KS, MP, MSTRIDE),
-                                                                  stride=(MP * MSTRIDE, MSTRIDE, 1)), 16)
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((KSL, MP, MSTR),
+                                                                  stride=(MP * MSTR, MSTR, 1)), 16)
             sBlk = smem.allocate_tensor(BFloat16, cute.make_layout((blk_elems // VEC, VEC), stride=(VEC, 1)), 16)
             sSum = smem.allocate_tensor(Float32, cute.make_layout(WARPS * 16), 16)
 
-            if bid < G:
+            if bid < GC:
                 # ============================== GEMV role ==============================
-                rg = warp % RG
-                ks = warp // RG
+                rg = warp % RGL
+                ks = warp // RGL
                 g = lane // 4
                 t = lane % 4
-                n0 = bid * ROWS + rg * 16 + g
+                n0 = bid * R + rg * 16 + g
                 gW = cute.flat_divide(mW, (1, VEC))            # (1, 8, N, Kp/8)
                 gY = cute.flat_divide(mY, (1, VEC))            # (1, 8, M, Kp/8)
                 w_atom = weight_load_atom(BFloat16)
@@ -335,7 +377,7 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
 
                 # weights do not depend on the predecessor: put the first S stages in flight now
                 for s in cutlass.range_constexpr(S):
-                    self.load_w_stage(gW, rW, s, ks + KS * s, n0, t, w_atom)
+                    self.load_w_stage(gW, rW, s, ks + KSL * s, n0, t, w_atom)
 
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
@@ -349,19 +391,19 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
                 # partial (read after the wait; its store comes after the K loop)
                 for q in cutlass.range_constexpr(PPT):
                     idx = tid + q * THREADS
-                    r = idx % ROWS
-                    mm = idx // ROWS
+                    r = idx % R
+                    mm = idx // R
                     if boundary == 0:
                         if mm < m_tok:
-                            rPart[q] = mP[mm, bid * ROWS + r].to(Float32)
+                            rPart[q] = mP[mm, bid * R + r].to(Float32)
 
                 for it in cutlass.range(NIT - 1):
                     for s in cutlass.range_constexpr(S):
-                        c = ks + KS * (it * S + s)
+                        c = ks + KSL * (it * S + s)
                         self.consume_stage(gY, rW, rY, acc, s, c, toks, t)
-                        self.load_w_stage(gW, rW, s, c + KS * S, n0, t, w_atom)
+                        self.load_w_stage(gW, rW, s, c + KSL * S, n0, t, w_atom)
                 for s in cutlass.range_constexpr(S):
-                    c = ks + KS * ((NIT - 1) * S + s)
+                    c = ks + KSL * ((NIT - 1) * S + s)
                     self.consume_stage(gY, rW, rY, acc, s, c, toks, t)
 
                 # K-split partial tiles -> smem (rows = o_proj outputs, cols = tokens)
@@ -372,15 +414,15 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
                 cute.arch.sync_threads()
                 for q in cutlass.range_constexpr(PPT):
                     idx = tid + q * THREADS
-                    r = idx % ROWS
-                    mm = idx // ROWS
+                    r = idx % R
+                    mm = idx // R
                     if mm < m_tok:
                         v = sRed[0, mm, r]
-                        for k2 in cutlass.range_constexpr(1, KS):
+                        for k2 in cutlass.range_constexpr(1, KSL):
                             v = v + sRed[k2, mm, r]
                         # one bf16 rounding of a (the all-reduce boundary), then the bf16 partial add
                         pn = v.to(BFloat16).to(Float32) + rPart[q]
-                        mPo[mm, bid * ROWS + r] = pn.to(BFloat16)
+                        mPo[mm, bid * R + r] = pn.to(BFloat16)
                 # release: every thread's p' stores are ordered before thread 0's arrival (v1.5: by the CTA
                 # barrier and the release's cumulativity alone, as CUTLASS's barrier arrivals do; v1.2 also fenced
                 # in every thread, which waits for each thread's own stores first)
@@ -391,7 +433,7 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
                     cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="release", scope="gpu")
             else:
                 # ============================ epilogue role ============================
-                mrow = bid - G
+                mrow = bid - GC
                 gB = cute.flat_divide(mBlk, (1, 1, VEC))       # (1, 1, 8, M, NBS, 896)
                 gP = cute.flat_divide(mPo, (1, VEC))           # (1, 8, M, 896)
                 gX = cute.flat_divide(mX, (1, VEC))
@@ -437,12 +479,12 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
                 # ---- wait until every GEMV CTA published its rows of p'
                 if tid == 0:
                     cnt = cute.arch.load(mCnt.iterator, Int32, sem="acquire", scope="gpu")
-                    while cnt < G:
+                    while cnt < GC:
                         cnt = cute.arch.load(mCnt.iterator, Int32, sem="acquire", scope="gpu")
                     if const_expr(not lean_sync):
                         cute.arch.fence_acq_rel_gpu()
                         old = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="relaxed", scope="gpu")
-                        if old == G + m_tok - 1:
+                        if old == GC + m_tok - 1:
                             # last consumer: every epilogue CTA has passed its spin -> re-arm for the next launch
                             cute.arch.store(mCnt.iterator, Int32(0), sem="relaxed", scope="gpu")
                 cute.arch.sync_threads()
@@ -514,17 +556,18 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
                     # (every epilogue CTA passed its spin before departing, so the last one may re-arm)
                     if tid == 0:
                         old = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="relaxed", scope="gpu")
-                        if old == G + m_tok - 1:
+                        if old == GC + m_tok - 1:
                             cute.arch.store(mCnt.iterator, Int32(0), sem="relaxed", scope="gpu")
 
     return OprojAttnRes(), smem_bytes
 
 
-def _compile(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sync: bool = False):
+def _compile(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sync: bool = False,
+             rows: int = ROWS):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
-    obj, _ = _build(kp, n_blocks, tg, preload_wpost, lean_sync)
+    obj, _ = _build(kp, n_blocks, tg, preload_wpost, lean_sync, rows)
     m = cute.sym_int()
     nbs = cute.sym_int()
     fakes = (
@@ -548,12 +591,19 @@ def _options(tg: int) -> str:
     return TVM_FFI
 
 
-def get_kernel(kp: int, n_blocks: int, m: int, preload_wpost: bool | None = None, lean_sync: bool | None = None):
+def get_kernel(kp: int, n_blocks: int, m: int, preload_wpost: bool | None = None, lean_sync: bool | None = None,
+               split_rows: bool | None = None):
+    return _kernel_for_key(compile_key(kp, n_blocks, m), preload_wpost, lean_sync, split_rows)
+
+
+def _kernel_for_key(key: tuple, preload_wpost: bool | None = None, lean_sync: bool | None = None,
+                    split_rows: bool | None = None):
     pre = PRELOAD_WPOST if preload_wpost is None else bool(preload_wpost)
     lean = LEAN_SYNC if lean_sync is None else bool(lean_sync)
-    key = compile_key(kp, n_blocks, m)
-    return compile_cached(key + (("preload_wpost",) if pre else ()) + (("lean_sync",) if lean else ()),
-                          lambda: _compile(key[1], key[2], key[3], pre, lean))
+    rows = _rows(key[1], key[2], key[3], SPLIT_ROWS if split_rows is None else bool(split_rows))
+    return compile_cached(key + (("preload_wpost",) if pre else ()) + (("lean_sync",) if lean else ())
+                          + ((f"rows{rows}",) if rows != ROWS else ()),
+                          lambda: _compile(key[1], key[2], key[3], pre, lean, rows))
 
 
 def compile_keys(kp_list: Iterable[int] = KP_SUPPORTED, n_blocks_list: Iterable[int] = range(1, 9),
@@ -588,8 +638,8 @@ def warmup(kp_list: Iterable[int] = KP_SUPPORTED, n_blocks_list: Iterable[int] =
            batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64), device=None) -> list[tuple]:
     """Compile every key the given shapes need and allocate the per-device counter."""
     keys = compile_keys(kp_list, n_blocks_list, batches)
-    for _, kp, nb, tg in keys:
-        compile_cached(("oproj_attnres", kp, nb, tg), lambda kp=kp, nb=nb, tg=tg: _compile(kp, nb, tg))
+    for key in keys:
+        _kernel_for_key(key)          # the build the default call takes (the module's option defaults)
     if device is not None:
         import torch
         _workspace(torch.device(device))
@@ -631,13 +681,13 @@ def _check_inputs(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps, out_x, 
 
 
 def oproj_attnres(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, *, eps=1e-5, boundary=False,
-                  out_x=None, out_partial=None, counter=None, preload_wpost=None, lean_sync=None):
+                  out_x=None, out_partial=None, counter=None, preload_wpost=None, lean_sync=None, split_rows=None):
     """x_moe, partial_new = post-attention half of a K3 layer's decode step (see module docstring).
 
     y [M, Kp] bf16, w_o [7168, Kp] bf16, blocks [M, >=n_blocks, 7168] bf16, partial [M, 7168] bf16,
     u_mlp [7168] fp32, w_post [7168] bf16. Returns (x_moe [M, 7168] bf16, partial_new [M, 7168] bf16).
     No host sync; capturable in a CUDA graph after ``warmup``. preload_wpost: v1.2 (None = PRELOAD_WPOST);
-    lean_sync: v1.5 (None = LEAN_SYNC).
+    lean_sync: v1.5 (None = LEAN_SYNC); split_rows: v1.6 (None = SPLIT_ROWS; a no-op where _rows keeps 64 rows).
     """
     import torch
     _check_inputs(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps, out_x, out_partial, counter)
@@ -647,6 +697,6 @@ def oproj_attnres(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, *, eps=1e-5,
     if out_partial is None:
         out_partial = torch.empty((m, D), dtype=torch.bfloat16, device=y.device)
     cnt = counter if counter is not None else _workspace(y.device)
-    fn = get_kernel(kp, n_blocks, m, preload_wpost, lean_sync)
+    fn = get_kernel(kp, n_blocks, m, preload_wpost, lean_sync, split_rows)
     fn(y, w_o, blocks, partial, u_mlp, w_post, out_partial, out_x, cnt, 1 if boundary else 0, float(eps))
     return out_x, out_partial

@@ -46,6 +46,41 @@ def test_compile_all_n_blocks(shape, batch):
         assert fn is not None
 
 
+def test_split_rows_rule():
+    """v1.6 takes 32-row CTAs exactly where 64 rows leave chunks for after the wait, 32 rows leave none, and the
+    build stays at 128 registers (ptxas: M <= 8, n_blocks <= SPLIT_MAX_NB): rank8 only."""
+    for kp in SHAPES.values():
+        for nb in range(9):
+            for tg in (1, 2, 4, 8):
+                want = 32 if (kp == 1536 and tg == 1 and nb <= oa.SPLIT_MAX_NB) else oa.ROWS
+                assert oa._rows(kp, nb, tg, True) == want, (kp, nb, tg)
+                assert oa._rows(kp, nb, tg, False) == oa.ROWS
+    # 64 rows: 24 chunks per warp, 12 in flight before the wait; 32 rows: 12 and 12
+    assert oa._stages(1536, 1) * 2 == 1536 // (oa.CHUNK * oa.KS)
+    assert oa._stages(1536, 1, 4) == 1536 // (oa.CHUNK * 4)
+
+
+@needs_dsl
+@pytest.mark.parametrize("nb", [1, 5])
+def test_compile_split_rows(nb):
+    """The v1.6 build compiles (its own cache key); where ptxas is at hand it keeps 128 registers and no spills,
+    so two of its 256-thread CTAs share an SM (the reason SPLIT_MAX_NB is 5)."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx, find_sass_tools, ptxas_resources
+    assert oa.get_kernel(1536, nb, 1, split_rows=True) is not oa.get_kernel(1536, nb, 1, split_rows=False)
+    tools = find_sass_tools()
+    if tools is None:
+        return
+    old = oa.TVM_FFI
+    oa.TVM_FFI = TVM_FFI + " --keep-ptx"
+    try:
+        ptx = compiled_ptx(lambda: oa._compile(1536, nb, 1, oa.PRELOAD_WPOST, oa.LEAN_SYNC, 32))
+    finally:
+        oa.TVM_FFI = old
+    res = ptxas_resources(ptx, tools[0])
+    assert res["registers"] <= 128 and res["spill_store_bytes"] == 0, res
+
+
 @needs_dsl
 def test_compile_zero_blocks():
     assert oa.get_kernel(768, 0, 1) is not None

@@ -98,7 +98,7 @@ def check(x, pn, y, w_o, blocks, nb, partial, u, w_post, boundary):
     return e
 
 
-def run_case(m, kp, nb, boundary, seed, inplace=False):
+def run_case(m, kp, nb, boundary, seed, inplace=False, **opts):
     y, w_o, blocks, partial, u, w_post = make_inputs(m, kp, nb, seed)
     out_x = torch.full((m, D), float("nan"), dtype=BF, device="cuda")
     part_in = partial.clone()
@@ -107,7 +107,7 @@ def run_case(m, kp, nb, boundary, seed, inplace=False):
     else:
         out_p = torch.full((m, D), float("nan"), dtype=BF, device="cuda")
     x, pn = oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, boundary=boundary,
-                             out_x=out_x, out_partial=out_p)
+                             out_x=out_x, out_partial=out_p, **opts)
     torch.cuda.synchronize()
     assert x.data_ptr() == out_x.data_ptr() and pn.data_ptr() == out_p.data_ptr()
     return check(x, pn, y, w_o, blocks, nb, part_in, u, w_post, boundary)
@@ -264,3 +264,35 @@ def _assert_option_bit_identical(option, m, kp, nb, boundary, seed):
     torch.cuda.synchronize()
     assert torch.equal(x1, x2) and torch.equal(p1, p2)
     check(x2, p2, y, w_o, blocks, nb, partial, u, w_post, boundary)
+
+
+@pytest.mark.parametrize("boundary", [False, True])
+@pytest.mark.parametrize("m,nb", [(1, 1), (2, 1), (3, 3), (4, 5), (7, 1), (8, 3), (1, 5), (2, 0)])
+def test_split_rows_rank8(m, nb, boundary):
+    """v1.6 (split_rows: 224 CTAs of 32 rows, K split 4 ways) against the reference, poisoned outputs, in place too."""
+    assert oa._rows(1536, nb, oa._tg_bucket(m), True) == 32
+    run_case(m, 1536, nb, boundary, seed=90 + 1000 * m + 10 * nb + boundary, split_rows=True)
+    run_case(m, 1536, nb, boundary, seed=91 + 1000 * m + 10 * nb + boundary, inplace=True, split_rows=True)
+
+
+def test_split_rows_graph_replay_and_counter():
+    """v1.6 in a graph, twice back to back: each replay equals the eager call bit for bit (the 224 arrivals re-arm
+    the counter), and two eager calls agree (deterministic K-split order)."""
+    m, kp, nb = 2, 1536, 3
+    cnt = torch.zeros(4, dtype=torch.int32, device="cuda")
+    y, w_o, blocks, partial, u, w_post = make_inputs(m, kp, nb, seed=77)
+    x1, p1 = oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, counter=cnt, split_rows=True)
+    x0, p0 = oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, counter=cnt, split_rows=True)
+    outs = [torch.full((m, D), float("nan"), dtype=BF, device="cuda") for _ in range(4)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in (0, 2):
+            oa.oproj_attnres(y, w_o, blocks, nb, partial, u, w_post, eps=EPS, counter=cnt, out_x=outs[i],
+                             out_partial=outs[i + 1], split_rows=True)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert cnt.tolist() == [0, 0, 0, 0]
+    assert torch.equal(x0, x1) and torch.equal(p0, p1)
+    for i in (0, 2):
+        assert torch.equal(outs[i], x1) and torch.equal(outs[i + 1], p1)
