@@ -78,8 +78,9 @@ v1.4 (session 17; opt-in prefetch_rest, impl "fast-oppf"; measured at s50 and re
     slower. Removed.
 
 v1.5 (session 18, written after its runs; lean_sync / LEAN_SYNC, the default since session 19; "fast-opfence" / bench
-    row oproj_attnres@fenced are the A/B without it, "fast-oplean" the name its first records carry) The arrival chain as experts v8.1 measured it (moe_mxfp4_experts version log: v8 -> v8.1 took
-    0.6 us out of an exchange of the same shape). After its p' stores each GEMV thread fenced at gpu scope, which
+    row oproj_attnres@fenced are the A/B without it, "fast-oplean" the name its first records carry) The arrival
+    chain as experts v8.1 measured it (moe_mxfp4_experts version log: v8 -> v8.1 took 0.6 us out of an exchange of
+    the same shape). After its p' stores each GEMV thread fenced at gpu scope, which
     waits for that thread's own stores, before the CTA barrier and thread 0's release arrival; the barrier and the
     release's cumulativity already order them (CUTLASS's barrier arrivals rely on the same). The epilogue's thread 0
     fenced after its acquire spin (not needed: acquire load, then the CTA barrier) and then waited for its
@@ -104,8 +105,8 @@ v1.5 (session 18, written after its runs; lean_sync / LEAN_SYNC, the default sin
     queue is full), 7 % on the per-thread fence v1.5 removes; the one epilogue CTA (8 warps) holds 21 samples. The
     GEMV is a single wave of loads waiting for HBM; what is not bandwidth in the isolated kernel is the load
     latency of that one wave and the serial chain behind it, not one hot instruction.
-v1.6 (session 19; opt-in split_rows / SPLIT_ROWS, impl "fast-op32", bench row oproj_attnres@rows32; CPU-compiled,
-    not yet run on a GPU) At rank8 (Kp 1536) a 64-row CTA's slice is 24 chunks per warp and the register stages hold
+v1.6 (session 19; opt-in split_rows / SPLIT_ROWS, impl "fast-op32", bench row oproj_attnres@rows32; measured at
+    s60) At rank8 (Kp 1536) a 64-row CTA's slice is 24 chunks per warp and the register stages hold
     12, so half of the 22 MB is requested only after griddepcontrol_wait; v1.3 (that half into shared memory) and
     v1.4 (into L2) both lost. v1.6 halves the rows per CTA instead (32 rows: 2 row groups x 4 K splits, 224 GEMV
     CTAs): each warp again has 12 chunks, all of them in flight before the wait, exactly as at rank16, and at 128
@@ -121,6 +122,17 @@ v1.6 (session 19; opt-in split_rows / SPLIT_ROWS, impl "fast-op32", bench row op
     s59's stock 77.2), b2 46.7 -> ~42.5-44; kernel bench rank8 b1 13.8 -> ~11.5-12.5. rank16 and M > 8 unchanged
     (same builds). If the attention half does not move, the 224 CTAs are not resident beside the KDA CTAs (their
     loads then start at the wait anyway); if the kernel bench moves and the layer does not, that is the reason.
+    Measured (s60 at f253411, kernels- and records-f253411-s60.json, one run beside stock, copy 4.116 TB/s; GPU
+    tests 17 passed: the reference at M 1-8, nb 0-5, boundary, in place, graph replay with the counter re-armed;
+    the sweep's error against k3ref equals the default's). Kernel bench rank8 b1 13.57 -> 13.70 us, b2 13.95 ->
+    13.70. Attention half (stock / fast / fast-op32): b1 77.2 / 42.9 / 42.5 (1.80x -> 1.82x), b2 84.9 / 46.5 / 45.4
+    (1.83x -> 1.87x). MISSED (-0.4 / -1.1 against -3 to -4.4). The b1 timeline says where it went: o_proj now ends
+    5.4 us after the KDA step (9.1 with 64 rows: what the prediction expected), but the KDA step took 8.9 us
+    instead of 6.3, so the span moved only 40.0 -> 38.8. Twice the bytes in flight during the KDA step slow the
+    KDA step by about what they save after it, as v1.4's L2 prefetch did (KDA 6.0 -> 7.5 there). Inference, not
+    measured: the KDA chain's loads after its wait queue behind o_proj's stream (ncu10: o_proj's warps fill the
+    load queues; LG throttle is a fifth of its samples). Stays opt-in. What would use it: o_proj's stream held
+    back until the KDA chain's loads are done (a later trigger inside the KDA kernel), LOG next steps.
 
 What it replaces (k3-spec.md sections 4.2 steps 3-5, 4.3 "attn_res #2", 5, 6, 13.2 item 1)
 -----------------------------------------------------------------------------------------
@@ -222,9 +234,9 @@ PRELOAD_WPOST = True
 # v1.5 (the default since session 19, measured at s58; "fast-opfence" is the A/B without it): the arrival chain with no
 # fence per thread, no fence after the spin, and the departure at the end of the epilogue (the version log says why)
 LEAN_SYNC = True
-# v1.6 (opt-in, "fast-op32"; session 19): 32 output rows per GEMV CTA (224 CTAs, two per SM) where 64 rows leave half
-# of a CTA's weight slice to be loaded after the PDL wait and 32 rows fit all of it in the register stages (rank8,
-# M <= 8, n_blocks <= SPLIT_MAX_NB); the version log says why
+# v1.6 (opt-in, "fast-op32"; session 19, s60: -0.4 / -1.1 us at rank8 b1 / b2, the KDA step slower): 32 output
+# rows per GEMV CTA (224 CTAs, two per SM) where 64 rows leave half of a CTA's weight slice to be loaded after the PDL
+# wait and 32 rows fit all of it in the register stages (rank8, M <= 8, n_blocks <= SPLIT_MAX_NB); see the version log
 SPLIT_ROWS = False
 
 

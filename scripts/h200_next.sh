@@ -599,7 +599,7 @@ case "${1:-}" in
   # written in session 19 after s59: oproj_attnres v1.6 (32-row GEMV CTAs at rank8 M <= 8; opt-in fast-op32): GPU
   # tests, the kernel A/B, and the attention half beside stock at rank8 b1 / b2 (stage with --vllm)
   s60)    ids=$(for b in 1 2 3 4; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$b-8-fast-op32]"; done)
-          K3_TEST_TIMEOUT=120 bash scripts/h200_tests.sh tests/gpu/test_oproj_attnres.py -k split $ids || true
+          K3_TEST_TIMEOUT=120 bash scripts/h200_tests.sh tests/gpu/test_oproj_attnres.py -k "split or op32" $ids || true
           o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
           timeout 60 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank8 --batches 1 2 \
             --kernels oproj_attnres oproj_attnres@rows32 > "$o/kernels.log" 2>&1; grep -v -i warn "$o/kernels.log" | tail -5
