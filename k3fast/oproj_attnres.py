@@ -92,8 +92,8 @@ v1.5 (session 18, written after its runs; lean_sync / LEAN_SYNC, the default sin
     Prediction: attention half -0.4 to -0.8 us at every b1 / b2 cell (o_proj is its last kernel), rank8 b1 43.2 ->
     ~42.5 (1.77x -> ~1.80x at s55's stock); the kernel bench b1 -0.3 to -0.6. If the kernel bench moves and the
     attention half does not, the spin's end is set by the last GEMV CTA's loads, not by the chain after it.
-    Measured (s58 at 377caf5, kernels- and records-377caf5-s58.json, one run beside stock, copy 4.155 TB/s; GPU tests
-    10 passed: bit-identical at M 1 / 2 / 8 / 64, nb 1-8, boundary, counter re-armed, graph replay; the attention
+    Measured (s58 at 377caf5, kernels- and records-377caf5-s58.json, one run beside stock, copy 4.155 / 4.132 TB/s;
+    GPU tests 10 passed: bit-identical at M 1 / 2 / 8 / 64, nb 1-8, boundary, counter re-armed, graph replay; the attention
     half at rank8 / rank16 b1 / b2). Kernel bench (default -> lean, us): rank16 b1 11.07 -> 10.94, b2 11.65 -> 11.07,
     rank8 b1 14.46 -> 14.02, b2 14.43 -> 14.05. Attention half (stock / fast / fast-oplean): rank16 b1 65.3 / 30.6 /
     30.4 (2.15x), b2 73.3 / 33.6 / 32.8 (2.23x), rank8 b1 77.8 / 43.6 / 43.1 (1.81x), b2 86.3 / 47.5 / 46.3 (1.86x).
@@ -122,7 +122,7 @@ v1.6 (session 19; opt-in split_rows / SPLIT_ROWS, impl "fast-op32", bench row op
     s59's stock 77.2), b2 46.7 -> ~42.5-44; kernel bench rank8 b1 13.8 -> ~11.5-12.5. rank16 and M > 8 unchanged
     (same builds). If the attention half does not move, the 224 CTAs are not resident beside the KDA CTAs (their
     loads then start at the wait anyway); if the kernel bench moves and the layer does not, that is the reason.
-    Measured (s60 at f253411, kernels- and records-f253411-s60.json, one run beside stock, copy 4.116 TB/s; GPU
+    Measured (s60 at f253411, kernels- and records-f253411-s60.json, one run beside stock, copy 4.116 / 4.156 TB/s; GPU
     tests 17 passed: the reference at M 1-8, nb 0-5, boundary, in place, graph replay with the counter re-armed;
     the sweep's error against k3ref equals the default's). Kernel bench rank8 b1 13.57 -> 13.70 us, b2 13.95 ->
     13.70. Attention half (stock / fast / fast-op32): b1 77.2 / 42.9 / 42.5 (1.80x -> 1.82x), b2 84.9 / 46.5 / 45.4
