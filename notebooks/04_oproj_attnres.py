@@ -196,9 +196,9 @@ def attn_us(path):
 s58, s59 = attn_us(S58), attn_us(S59)
 cells = [(sh, b) for sh in ("k3_rank16", "k3_rank8") for b in (1, 2)]
 assert all(s58[c + ("fast-oplean",)]["replay_us_median"] < s58[c + ("fast",)]["replay_us_median"] for c in cells)
-assert sum(s59[c + ("fast",)]["replay_us_median"] < s59[c + ("fast-opfence",)]["replay_us_median"] for c in cells) >= 3
+assert all(s59[c + ("fast",)]["replay_us_median"] < s59[c + ("fast-opfence",)]["replay_us_median"] for c in cells)
 assert fence < 0.15 * total
-print("ok (v1.5 faster in every s58 cell and in most s59 cells; the default since 54bd858)")
+print("ok (v1.5 faster in every b1 / b2 cell of s58 and s59; the default since 54bd858)")
 
 # %% [markdown]
 # v1.6 (`fast-op32`, `s60`) tried the rank8 rest once more, by halving the rows per GEMV CTA: 224 CTAs of 32 rows,
