@@ -143,26 +143,17 @@ def _cases(cfg, batch: int):
     y = rnd(M, Pw)
     u2 = attn_res_u(w.mlp_res, P).float().contiguous()
     xo, po = torch.empty(M, d, dtype=torch.bfloat16, device=dev), torch.empty(M, d, dtype=torch.bfloat16, device=dev)
-    cases.append(("oproj_attnres", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2, w.post_attention_layernorm,
-                                                         out_x=xo, out_partial=po),
-                  lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
-    # v1.1, before v1.2 (the default since session 7: w_post loaded before the PDL wait; the "@wpost" row of
-    # kernels-84291ed.json)
-    cases.append(("oproj_attnres@v1.1", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
-                                                              w.post_attention_layernorm, out_x=xo, out_partial=po,
-                                                              preload_wpost=False),
-                  lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
-    # v1.5's A/B (lean_sync, the default since session 19; s58 measured it as "@lean" against the fenced default):
-    # v1.4's arrival chain, with the per-thread and post-spin fences
-    cases.append(("oproj_attnres@fenced", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
-                                                                w.post_attention_layernorm, out_x=xo, out_partial=po,
-                                                                lean_sync=False),
-                  lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
-    # v1.6 (opt-in split_rows: 32-row GEMV CTAs where the whole slice then fits the register stages: rank8, M <= 8)
-    cases.append(("oproj_attnres@rows32", lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
-                                                                w.post_attention_layernorm, out_x=xo, out_partial=po,
-                                                                split_rows=True),
-                  lambda: F.linear(y, a.o_proj), a.o_proj.numel() * 2 + M * d * 2 * 5))
+    # the default, then the A/B rows: "@v1.1" before v1.2 (w_post loaded before the PDL wait, the default since
+    # session 7; the "@wpost" row of kernels-84291ed.json), "@fenced" v1.4's arrival chain (v1.5's lean one is the
+    # default since session 19; s58 measured it as "@lean"), "@rows32" v1.6 (opt-in: 32-row GEMV CTAs where the whole
+    # slice then fits the register stages, rank8 M <= 8)
+    oproj_bytes = a.o_proj.numel() * 2 + M * d * 2 * 5
+    for tag, kw_op in (("", {}), ("@v1.1", {"preload_wpost": False}), ("@fenced", {"lean_sync": False}),
+                       ("@rows32", {"split_rows": True})):
+        cases.append((f"oproj_attnres{tag}",
+                      lambda kw_op=kw_op: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
+                                                        w.post_attention_layernorm, out_x=xo, out_partial=po, **kw_op),
+                      lambda: F.linear(y, a.o_proj), oproj_bytes))
     # 4. router + latent down + top-k
     front = prepare_front_weight(m.gate, m.down)
     bias = m.e_score_correction_bias.float().contiguous()

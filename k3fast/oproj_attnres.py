@@ -238,8 +238,6 @@ LEAN_SYNC = True
 # rows per GEMV CTA (224 CTAs, two per SM) where 64 rows leave half of a CTA's weight slice to be loaded after the PDL
 # wait and 32 rows fit all of it in the register stages (rank8, M <= 8, n_blocks <= SPLIT_MAX_NB); see the version log
 SPLIT_ROWS = False
-
-
 SPLIT_MAX_NB = 5          # ptxas 12.9, rows 32, M <= 8: 128 registers at n_blocks 0-5, 160-194 at 6-8 (and 132 at
 #                           M <= 16): above 128 a CTA takes more than half the register file and the 224 CTAs need
 #                           a second wave
@@ -338,6 +336,14 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
                     tot = tot + sred[w * 16 + k]
                 vals[k] = tot
             cute.arch.sync_threads()
+
+        @cute.jit
+        def depart(self, mCnt, arrivals):
+            """An epilogue CTA's departure (after its spin): the last of the launch's G + M re-arms the counter."""
+            old = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="relaxed", scope="gpu")
+            if old == arrivals - 1:
+                # every epilogue CTA has passed its spin -> re-arm for the next launch
+                cute.arch.store(mCnt.iterator, Int32(0), sem="relaxed", scope="gpu")
 
         @cute.jit
         def load_w_stage(self, gW, rW, s: cutlass.Constexpr, c, n0, t, w_atom):
@@ -495,10 +501,7 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
                         cnt = cute.arch.load(mCnt.iterator, Int32, sem="acquire", scope="gpu")
                     if const_expr(not lean_sync):
                         cute.arch.fence_acq_rel_gpu()
-                        old = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="relaxed", scope="gpu")
-                        if old == GC + m_tok - 1:
-                            # last consumer: every epilogue CTA has passed its spin -> re-arm for the next launch
-                            cute.arch.store(mCnt.iterator, Int32(0), sem="relaxed", scope="gpu")
+                        self.depart(mCnt, GC + m_tok)
                 cute.arch.sync_threads()
 
                 # ---- statistics of p'
@@ -567,9 +570,7 @@ def _build(kp: int, n_blocks: int, tg: int, preload_wpost: bool = False, lean_sy
                     # v1.5: the departure last, where waiting for its result overlaps the stores of x draining
                     # (every epilogue CTA passed its spin before departing, so the last one may re-arm)
                     if tid == 0:
-                        old = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="relaxed", scope="gpu")
-                        if old == GC + m_tok - 1:
-                            cute.arch.store(mCnt.iterator, Int32(0), sem="relaxed", scope="gpu")
+                        self.depart(mCnt, GC + m_tok)
 
     return OprojAttnRes(), smem_bytes
 
