@@ -606,5 +606,13 @@ case "${1:-}" in
           cells=""; for c in k3_rank8,1 k3_rank8,2; do
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-op32"; done
           K3_SWEEP_TIMEOUT=200 bash scripts/h200_sweep.sh $cells --budget-s 170 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60"; exit 2 ;;
+  # written in session 19 after s60: KDA v8 (the early trigger after phase A) with 64- and 32-row o_proj; no vLLM, the
+  # A/B in one run (fast against fast-op32 / fast-kdamid / fast-op32mid) at rank8 b1 / b2 and rank16 b1
+  s61)    ids=$(for b in 1 2; do for i in 16-fast-kdamid 8-fast-kdamid 8-fast-op32mid; do
+                  echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$b-$i]"; done; done)
+          K3_TEST_TIMEOUT=100 bash scripts/h200_tests.sh tests/gpu/test_kda_conv_gate_step.py -k "mid_trigger or kdamid or op32mid" $ids || true
+          cells=""; for c in k3_rank8,1 k3_rank8,2 k3_rank16,1; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,fast+fast-op32+fast-kdamid+fast-op32mid"; done
+          K3_SWEEP_TIMEOUT=170 bash scripts/h200_sweep.sh $cells --budget-s 150 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61"; exit 2 ;;
 esac
