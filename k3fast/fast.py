@@ -139,7 +139,7 @@ class FastImpl:
                  shared_late: bool = False, gemv_groups: int | None = None,
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  oproj_lean: bool | None = None, oproj_split: bool | None = None,
-                 kda_preload: bool | None = None, kda_mid_trigger: bool = False, shared_in_fma_front: bool = True,
+                 kda_preload: bool | None = None, shared_in_fma_front: bool = True,
                  inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
@@ -253,7 +253,6 @@ class FastImpl:
         self.oproj_split = oproj_split       # None: oproj_attnres.SPLIT_ROWS (True: its v1.6, "fast-op32")
         self.gemv_pin = gemv_pin             # None: rms_gemv.PIN_LOADS (True: the in_proj GEMV's v6, "fast-gemvpin")
         self.kda_preload = kda_preload       # None: kda_conv_gate_step.PRELOAD (True: its v3, "fast-kdapre")
-        self.kda_mid_trigger = kda_mid_trigger and attn_early_trigger   # KDA v8: its early trigger after phase A
         # None: moe_mxfp4_experts.DEFAULT_WARPS (16). A 16-warp CTA takes the whole register file, so the PDL-
         # launched tail can no longer sit beside it and prefetch its weights during the experts (the layer A/B
         # "fast-w8" measures what that overlap was worth against the 16 warps' faster loop)
@@ -296,7 +295,6 @@ class FastImpl:
                            f", in_proj PDL trigger {'early' if inproj_early_trigger else 'at its end'}")
                         + ("" if inproj_joint is None else f", ring in_proj joint prologue {'on' if inproj_joint else 'off'}")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
-                        + (", KDA trigger after phase A" if kda_mid_trigger else "")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
                         + ("" if oproj_lean is None else f", o_proj lean arrivals {'on' if oproj_lean else 'off'}")
@@ -342,8 +340,7 @@ class FastImpl:
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
-                                   early_trigger=self.attn_early_trigger, mid_trigger=self.kda_mid_trigger,
-                                   preload=self.kda_preload, nsplit=self.kda_nsplit,
+                                   early_trigger=self.attn_early_trigger, preload=self.kda_preload, nsplit=self.kda_nsplit,
                                    late_stores=self.kda_late_stores, dsmem_tx=self.kda_dsmem_tx)
         with stage("k3.o_proj"):
             if io.partial.shape[0] <= self.gemv_dsl_max_m:

@@ -497,8 +497,6 @@ FAST_VARIANTS = {
     "fast-oplean": {"oproj_lean": True},      # oproj_attnres v1.5 (= fast since session 19: its records' name)
     "fast-opfence": {"oproj_lean": False},    # oproj_attnres v1.4's arrival chain (per-thread / post-spin fences)
     "fast-op32": {"oproj_split": True},       # oproj_attnres v1.6: 32-row GEMV CTAs at rank8 M <= 8 (opt-in)
-    "fast-kdamid": {"kda_mid_trigger": True},                         # KDA v8: the trigger after phase A
-    "fast-op32mid": {"oproj_split": True, "kda_mid_trigger": True},   # both (opt-in; s61)
     # the defaults before them
     "fast-s8": {"gemv_pin": False, "kda_preload": False, "oproj_preload": False, "inproj_engine": "fma"},
     "fast-endtrig": {"attn_early_trigger": False},  # in_proj / KDA trigger their dependents at their ends (before)

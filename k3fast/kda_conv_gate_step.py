@@ -173,21 +173,21 @@ Version log
       it asked for (ptxas on the CPU: 80 registers, 16 spill bytes; not checked in ncu), 2 rounds instead of 3
       saved nothing at rank16 b64, and more CTAs in flight is the third way to concurrency (after v4's persistent
       loop and nsplit 8) that did not pay. Removed in session 12 (the code is at 0e81145).
-  v8 (session 19; opt-in mid_trigger, with early_trigger; impls "fast-kdamid" / "fast-op32mid"; CPU-compiled, not
-      yet run on a GPU) The early trigger moves from right after the wait to after phase A's exchange (the alpha
-      values of every channel have landed, so every proj load of this CTA is back). Why: three designs brought
-      o_proj's weight bytes into this kernel's window (oproj_attnres v1.3, v1.4, v1.6), and each time this kernel
-      got longer by about what o_proj saved after it (s60: the KDA step 6.3 -> 8.9 us at rank8 b1 with v1.6's 22 MB
-      in flight). This kernel's post-wait chain starts with the proj loads (L2) and two cluster exchanges; if
-      o_proj's stream queues ahead of those loads, the whole chain waits. With the trigger after phase A, o_proj's
-      CTAs launch ~1-2 us later, behind the loads that matter, and still ahead of phases B-C and the end. The
-      contract is early_trigger's (o_proj reads no KDA state before its own wait), and the trigger is later, so no
-      weaker. Same arithmetic: bit-identical (GPU test test_mid_trigger_is_bit_identical).
-      Prediction (s61, no stock: A/B in one run): KDA step at rank8 b1 with v1.6 8.9 -> ~6.5-7 us; attention half
-      rank8 b1 fast-op32mid -1.5 to -3 us against fast, b2 likewise; fast-kdamid (64 rows) within +-0.5 of fast;
-      rank16 b1 within +-0.5. If the KDA step stays long with the later trigger, the slowdown is not its proj loads
-      queueing but something later in its chain (phase B's state rows are in registers before the wait, so the
-      next suspect is SM sharing with o_proj's CTAs).
+  v8 (session 19; opt-in mid_trigger with early_trigger, impls "fast-kdamid" / "fast-op32mid"; measured at s61 and
+      removed in the same session, the code is at e3ab9f1) The early trigger moved from right after the wait to
+      after phase A's exchange (every proj load of the CTA is back by then). Why: three o_proj designs that brought
+      its weight bytes into this kernel's window (oproj_attnres v1.3, v1.4, v1.6) each made this kernel longer by
+      about what o_proj saved after it (s60: 6.3 -> 8.9 us at rank8 b1 with v1.6's 22 MB in flight). The contract
+      is early_trigger's and the trigger is later, so it is no weaker; bit-identical (GPU test, 4 cases passed).
+      Prediction (written before s61): KDA step at rank8 b1 with v1.6 8.9 -> ~6.5-7 us; attention half rank8 b1
+      fast-op32mid -1.5 to -3 us against fast; fast-kdamid and rank16 within +-0.5.
+      Measured (s61 at e3ab9f1, records-e3ab9f1-s61.json, one run, no stock, copy 4.114 TB/s; GPU tests 10 passed).
+      The KDA step got shorter, past the prediction: rank8 b1 6.2 -> 4.8 us (64 rows), 9.2 -> 5.1 (32 rows), rank16
+      b1 6.1 -> 4.9. But o_proj launched ~1.5 us later and then ended 10.4 us after the KDA step (8.2 with the early
+      trigger, 5.2 with v1.6), so the attention half got longer: rank8 b1 fast / fast-kdamid / fast-op32mid 41.7 /
+      44.1 / 43.7 us, b2 46.6 / 47.3 / 46.8, rank16 b1 30.4 / 31.5 / 31.3. MISSED, the other way. It confirms the
+      cause s60 inferred (o_proj's stream is what lengthens the KDA step) and shows the trade is about even: the
+      bytes o_proj reads during the KDA step cost the KDA step about what they save o_proj after it. Removed.
 """
 from __future__ import annotations
 
@@ -232,7 +232,7 @@ def compile_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps:
 
 def kernel_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: float = 1e-5,
                head_dim: int = HEAD_DIM, *, early_trigger: bool = False, preload=None, late_stores=None,
-               dsmem_tx=None, mid_trigger: bool = False) -> tuple:
+               dsmem_tx=None) -> tuple:
     """compile_key plus the build flags kda_conv_gate_step runs for these options (None: the module default)."""
     # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
     pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and nsplit == 8
@@ -242,11 +242,8 @@ def kernel_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: 
     tx = (DSMEM_TX and late) if dsmem_tx is None else bool(dsmem_tx)
     if tx and not late:
         raise ValueError("dsmem_tx (v6) needs late_stores: it writes the conv windows after the last exchange")
-    if mid_trigger and not early_trigger:
-        raise ValueError("mid_trigger (v8) places the early trigger later: it needs early_trigger=True")
     return (compile_key(heads, T, nsplit, lower_bound, eps, head_dim) + (("early_trigger",) if early_trigger else ())
-            + (("preload",) if pre else ()) + (("late_stores",) if late else ()) + (("dsmem_tx",) if tx else ())
-            + (("mid_trigger",) if mid_trigger else ()))
+            + (("preload",) if pre else ()) + (("late_stores",) if late else ()) + (("dsmem_tx",) if tx else ()))
 
 
 def compile_keys(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
@@ -273,7 +270,7 @@ def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_b
 # ---------------------------------------------------------------------------- device code
 
 def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float, early_trigger: bool = False,
-           preload: bool = False, late_stores: bool = False, dsmem_tx: bool = False, mid_trigger: bool = False):
+           preload: bool = False, late_stores: bool = False, dsmem_tx: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass.cutlass_dsl import dsl_user_op
@@ -422,9 +419,6 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
         else:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-        if const_expr(mid_trigger):
-            # v8: the dependent's weight stream starts once this CTA's proj loads are back (version log)
-            cute.arch.griddepcontrol_launch_dependents()
 
         if const_expr(not late_stores):
             write_conv_window(mConvState, valid, split, has_v, slot_w, cq, ck, cv_c, win)
@@ -611,7 +605,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
 
             cute.arch.griddepcontrol_wait()
             cute.arch.cluster_wait()
-            if const_expr(early_trigger and not mid_trigger):
+            if const_expr(early_trigger):
                 # v2 (opt-in, see the contracts): the dependent (o_proj + AttnRes #2) may start its weight stream now
                 cute.arch.griddepcontrol_launch_dependents()
 
@@ -636,7 +630,6 @@ def _compile(key):
     preload = "preload" in key[7:]
     late = "late_stores" in key[7:]
     dsmem_tx = "dsmem_tx" in key[7:]
-    mid = "mid_trigger" in key[7:]
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
@@ -645,7 +638,7 @@ def _compile(key):
     B = cute.sym_int()          # requests
     S = cute.sym_int()          # state slots
     obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload, late_stores=late,
-                 dsmem_tx=dsmem_tx, mid_trigger=mid)
+                 dsmem_tx=dsmem_tx)
     fakes = (
         fake_tensor(BFloat16, (M, proj_width(heads, head_dim))),
         fake_tensor(BFloat16, (P, head_dim)),
@@ -669,7 +662,7 @@ def _get_compiled(key):
 
 def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
                        head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None, early_trigger=False,
-                       preload=None, late_stores=None, dsmem_tx=None, mid_trigger=False):
+                       preload=None, late_stores=None, dsmem_tx=None):
     """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
     for the valid slots and returns y [B*T, H*D] bf16. See the module docstring for the contracts.
 
@@ -684,10 +677,7 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     cluster barrier, and with early_trigger there is no fence at the end (bit-identical results).
 
     dsmem_tx (v6; None = DSMEM_TX, off by default): the alpha and norm exchanges through st.async + mbarrier
-    complete_tx instead of cluster barriers (bit-identical results). Needs late_stores.
-
-    mid_trigger (v8, opt-in, with early_trigger): the early trigger after phase A's exchange instead of right after
-    the wait (bit-identical results)."""
+    complete_tx instead of cluster barriers (bit-identical results). Needs late_stores."""
     import torch
 
     if head_dim != HEAD_DIM:
@@ -709,7 +699,7 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     if ns not in (4, 8):
         raise ValueError(f"nsplit must be 4 or 8, got {nsplit}")
     key = kernel_key(H, T, ns, lower_bound, eps, D, early_trigger=early_trigger, preload=preload,
-                     late_stores=late_stores, dsmem_tx=dsmem_tx, mid_trigger=mid_trigger)   # option errors first
+                     late_stores=late_stores, dsmem_tx=dsmem_tx)     # the options' errors come before the tensors'
     check_tensor("proj", proj, dtype=torch.bfloat16, shape=(B * T, proj_width(H, D)))
     check_tensor("w_fb", w_fb, dtype=torch.bfloat16, shape=(P, D))
     check_tensor("conv_w", conv_w, dtype=torch.float32, shape=(3 * P, 4))

@@ -133,6 +133,10 @@ v1.6 (session 19; opt-in split_rows / SPLIT_ROWS, impl "fast-op32", bench row op
     measured: the KDA chain's loads after its wait queue behind o_proj's stream (ncu10: o_proj's warps fill the
     load queues; LG throttle is a fifth of its samples). Stays opt-in. What would use it: o_proj's stream held
     back until the KDA chain's loads are done (a later trigger inside the KDA kernel), LOG next steps.
+    s61 (e3ab9f1, records-e3ab9f1-s61.json, no stock) tried exactly that (kda_conv_gate_step v8, removed): the KDA
+    step got shorter, o_proj ended later, the attention half longer. The same run repeated v1.6 against fast:
+    rank8 b1 41.7 -> 42.7 us (+1.0; s60 -0.4), b2 46.6 -> 46.0 (-0.6; s60 -1.1), the KDA step 6.2 -> 9.2 and o_proj
+    8.2 -> 5.2 us after it. At b1 the two runs disagree in sign: no gain that one run can tell. Stays opt-in.
 
 What it replaces (k3-spec.md sections 4.2 steps 3-5, 4.3 "attn_res #2", 5, 6, 13.2 item 1)
 -----------------------------------------------------------------------------------------

@@ -220,3 +220,26 @@ print(f"KDA step {kda_us['fast']:.1f} -> {kda_us['fast-op32']:.1f} µs; o_proj a
 assert after["fast-op32"] < after["fast"] - 2.0 and kda_us["fast-op32"] > kda_us["fast"] + 1.5
 assert all(r["rel_err_vs_ref"] < 1e-2 for r in s60.values())
 print("ok (v1.6: o_proj's tail shorter, the KDA step longer; opt-in)")
+
+# %% [markdown]
+# Was it o_proj's stream that lengthened the KDA step? `s61` moved the KDA kernel's PDL trigger from right after its
+# wait to after its first exchange (KDA v8, `fast-kdamid`, with 32 rows `fast-op32mid`; removed after this run, the
+# code is at e3ab9f1). The KDA step got shorter, so yes; but o_proj then started later and ended later by about as
+# much. The bytes read in the KDA step's window are a trade, not a gain. No stock in this run: the A/B is in one run.
+
+# %%
+S61 = "traces/h200/records-e3ab9f1-s61.json"
+impls61 = ["fast", "fast-op32", "fast-kdamid", "fast-op32mid"]
+print(nbtools.ab_table(S61, "attn", impls61, "k3_rank8"))
+s61 = attn_us(S61)
+for impl in impls61:
+    k = s61[("k3_rank8", 1, impl)]["replay_timeline"]["kernels"]
+    kda_end = k[1][1] + k[1][2]
+    print(f"{impl:13s} KDA step {k[1][2]:4.1f} µs, o_proj ends {k[2][1] + k[2][2] - kda_end:4.1f} µs after it")
+
+# %%
+kda61 = {i: s61[("k3_rank8", 1, i)]["replay_timeline"]["kernels"][1][2] for i in impls61}
+assert kda61["fast-kdamid"] < kda61["fast"] - 1.0 and kda61["fast-op32mid"] < kda61["fast-op32"] - 2.0
+assert all(s61[("k3_rank8", 1, i)]["replay_us_median"] > s61[("k3_rank8", 1, "fast")]["replay_us_median"]
+           for i in ("fast-kdamid", "fast-op32mid"))
+print("ok (the later trigger: a shorter KDA step, a longer attention half; removed)")

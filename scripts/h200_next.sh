@@ -607,7 +607,8 @@ case "${1:-}" in
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-op32"; done
           K3_SWEEP_TIMEOUT=200 bash scripts/h200_sweep.sh $cells --budget-s 170 ;;
   # written in session 19 after s60: KDA v8 (the early trigger after phase A) with 64- and 32-row o_proj; no vLLM, the
-  # A/B in one run (fast against fast-op32 / fast-kdamid / fast-op32mid) at rank8 b1 / b2 and rank16 b1
+  # A/B in one run (fast against fast-op32 / fast-kdamid / fast-op32mid) at rank8 b1 / b2 and rank16 b1 (measured;
+  # KDA v8 and its impls were removed after it, the code is at e3ab9f1)
   s61)    ids=$(for b in 1 2; do for i in 16-fast-kdamid 8-fast-kdamid 8-fast-op32mid; do
                   echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$b-$i]"; done; done)
           K3_TEST_TIMEOUT=100 bash scripts/h200_tests.sh tests/gpu/test_kda_conv_gate_step.py -k "mid_trigger or kdamid or op32mid" $ids || true

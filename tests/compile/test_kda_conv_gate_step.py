@@ -156,22 +156,6 @@ def test_trigger_placement(early):
 
 
 @needs_dsl
-def test_mid_trigger_placement():
-    """v8 (mid_trigger): one trigger, after the wait and after phase A's exchange (the first mbarrier wait and the
-    CTA barrier behind it), still before any global store; without early_trigger it is refused."""
-    key = kmod.kernel_key(6, 1, kmod.choose_nsplit(1, 6), early_trigger=True, mid_trigger=True)
-    lines = _ptx_lines(key)
-    trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
-    wait = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
-    xwait = [i for i, ln in enumerate(lines) if ln.startswith("mbarrier.try_wait") and i > wait[0]]
-    stores = [i for i, ln in enumerate(lines) if ln.startswith("st.global")]
-    assert len(trig) == 1 and len(wait) == 1 and xwait and stores
-    assert xwait[0] < trig[0] < min(stores) and trig[0] > wait[0]
-    with pytest.raises(ValueError, match="mid_trigger"):
-        kmod.kernel_key(6, 1, 8, early_trigger=False, mid_trigger=True)
-
-
-@needs_dsl
 @pytest.mark.parametrize("heads", [6, 96])
 def test_preload_issues_proj_loads_before_the_first_sigmoid(heads):
     """v3 (preload, T = 1): after the PDL wait, every global load (the proj values: q/k/v conv inputs, the beta

@@ -381,12 +381,3 @@ def test_late_stores_are_bit_identical(H, B, T, early):
 def test_dsmem_tx_against_reference(B, T, H):
     """v6 (st.async + mbarrier exchanges) against the float64 reference, with padded requests and spare slots."""
     check_step(B, T, H, seed=9, dsmem_tx=True)
-
-
-@pytest.mark.parametrize("H,B,T", [(6, 1, 1), (12, 3, 1), (6, 2, 4), (96, 1, 1)])
-def test_mid_trigger_is_bit_identical(H, B, T):
-    """v8 (mid_trigger) only moves the early trigger: y and both states equal the early trigger's bit for bit, with
-    a padded request, a bad slot and spare slots in the batch (run_builds_bitwise checks those)."""
-    res = run_builds_bitwise(H, B, T, True, 70 + B + T, {"early": {}, "mid": {"mid_trigger": True}})
-    for a, b in zip(res["early"], res["mid"]):
-        assert torch.equal(a, b)
