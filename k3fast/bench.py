@@ -104,7 +104,24 @@ def _cases(cfg, batch: int):
             xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
             return gemv(xx, w_in)
         cases.append(("attnres_rms_gemv@unfused", unfused, lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    else:
+    from .rms_gemv_ring import gemv_ring_mma, mma_applicable
+    if 2 < M and mma_applicable(M, d, w_in.shape[0]):
+        # rms_gemv_ring v13 (session 20): the tensor-core ring GEMV where the layer's in_proj is cuBLAS (M 3..8),
+        # bare beside cuBLAS on the same x, and as the layer runs it behind the AttnRes norm kernel (the norm's
+        # trigger at its end / after its wait) beside the norm + cuBLAS pair
+        cases.append(("gemv_in_proj_plain@ringmma", lambda: gemv_ring_mma(x, w_in), lambda: F.linear(x, w_in),
+                      w_in.numel() * 2 + M * d * 2))
+        for tag, et in (("", False), ("et", True)):
+            def norm_ring(et=et):
+                xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,
+                                        early_trigger=et)
+                return gemv_ring_mma(xx, w_in)
+
+            def norm_cublas():
+                xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
+                return F.linear(xx, w_in)
+            cases.append((f"attnres_rms_gemv@ringmma{tag}", norm_ring, norm_cublas, w_in.numel() * 2 + M * d * 2 * 4))
+    if M > 2:
         # the opt-in tensor-core kernel with x staged in shared memory and K split across CTAs (gemv_splitk)
         cases.append(("gemv_in_proj_plain@splitk", lambda: gemv(x, w_in, mma="splitk"), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
@@ -154,6 +171,10 @@ def _cases(cfg, batch: int):
                       lambda kw_op=kw_op: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
                                                         w.post_attention_layernorm, out_x=xo, out_partial=po, **kw_op),
                       lambda: F.linear(y, a.o_proj), oproj_bytes))
+    if 2 < M and mma_applicable(M, a.o_proj.shape[1], a.o_proj.shape[0]):
+        # v13 for o_proj's GEMV alone beside cuBLAS (the layer's o_proj above GEMV_DSL_MAX_M, "fast-opmma")
+        cases.append(("gemv_o_proj_plain@ringmma", lambda: gemv_ring_mma(y, a.o_proj), lambda: F.linear(y, a.o_proj),
+                      a.o_proj.numel() * 2 + M * (d + Pw) * 2))
     # 4. router + latent down + top-k
     front = prepare_front_weight(m.gate, m.down)
     bias = m.e_score_correction_bias.float().contiguous()

@@ -61,6 +61,17 @@ INPROJ_DSL_MAX_M = 2
 # kernels-afcdadf-s45.json: the fused in_proj rank16 b1 22.9 -> 18.2 us, rank8 33.3 -> 28.4, cuBLAS's bare GEMV 19.2 /
 # 29.8). "fast-infma" is the A/B with the FMA kernel.
 INPROJ_ENGINE = "ring"
+# Session 20: the in_proj at INPROJ_DSL_MAX_M < M <= rms_gemv_ring.MMA_MAX_M (3..8), where the AttnRes + RMSNorm
+# prologue runs as its own kernel (attnres_rmsnorm, one CTA per token) and the GEMV was cuBLAS's nvjet 64x8 (not
+# PDL-launched, so no weight byte moved before the prologue ended): "cublas", or "ring" = rms_gemv_ring v13, the
+# bulk-copy ring with a tensor-core consumer, PDL-chained behind the norm kernel. INPROJ_MID_EARLY: the norm
+# kernel then launches the ring right after its wait, so the ring's CTAs fill their slots on the SMs the M norm
+# CTAs leave idle. Version log v13 in rms_gemv_ring.py; "fast-inmma" / "fast-inmmaet" are the A/Bs.
+INPROJ_MID = "cublas"
+INPROJ_MID_EARLY = False
+# Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
+# M <= 8; "fast-opmma" is the A/B).
+OPROJ_MID = "cublas"
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + the TopkFromLogits kernel (router_down_topk_cublas): at rank16 b64 the fused kernel
 # took 63.2 us in the layer against the stock router + down at 35.5 us (records-e384fbf-rot.json); at b8 36.5
@@ -76,13 +87,15 @@ FRONT_DSL_MAX_M = 4
 # give the same bits at every batch.
 
 def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_write, partial_out,
-                    early_trigger=None, engine=None, mma=None, joint=None, **fma_options):
+                    early_trigger=None, engine=None, mma=None, joint=None, mid=None, mid_early=None, **fma_options):
     """AttnRes #1 + input RMSNorm + packed in_proj as the layer runs it: rms_gemv_ring (one launch) at M <= 2 when
     ``engine`` (None = INPROJ_ENGINE) is "ring"; otherwise rms_gemv.attnres_rms_gemv, fused at M <= 2, its
     tensor-core GEMV up to INPROJ_DSL_MAX_M and cuBLAS above (``mma`` None = that rule; fma_options are
     attnres_rms_gemv's opt-ins). ``early_trigger`` None: each engine's default (the ring launches its dependent at
     its end, rms_gemv_ring.EARLY_TRIGGER; the FMA kernels right after their wait). ``joint``: the ring's v12.2
-    prologue (None = rms_gemv_ring.JOINT_PROLOGUE). Returns (y, partial_out)."""
+    prologue (None = rms_gemv_ring.JOINT_PROLOGUE). ``mid`` (None = INPROJ_MID): where the GEMV would be cuBLAS
+    and M <= rms_gemv_ring.MMA_MAX_M, "ring" runs attnres_rmsnorm + rms_gemv_ring's tensor-core ring GEMV (v13),
+    the norm launching it after its wait when ``mid_early`` (None = INPROJ_MID_EARLY). Returns (y, partial_out)."""
     M = partial.shape[0]
     if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
         from . import rms_gemv_ring
@@ -93,18 +106,30 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     from . import rms_gemv
     if mma is None:
         mma = "v2" if M <= INPROJ_DSL_MAX_M else "cublas"
+    from . import rms_gemv_ring
+    if (mma == "cublas" and (INPROJ_MID if mid is None else mid) == "ring" and partial.dim() == 2
+            and rms_gemv_ring.mma_applicable(M, w.shape[1], w.shape[0])):
+        x, partial_out = rms_gemv.attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
+                                                  block_write=block_write, partial_out=partial_out,
+                                                  early_trigger=INPROJ_MID_EARLY if mid_early is None else mid_early)
+        return rms_gemv_ring.gemv_ring_mma(x, w), partial_out
     return rms_gemv.attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps, block_write=block_write,
                                      partial_out=partial_out, mma=mma, early_trigger=early_trigger, **fma_options)
 
 
 def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, boundary, zeros=None, out_x=None,
-                         out_partial=None):
+                         out_partial=None, gemv=None):
     """oproj_attnres's contract above GEMV_DSL_MAX_M: a = bf16(y W_o^T) on cuBLAS (oproj_attnres's GEMV is 1.5-2x
     cuBLAS there, kernels-11595c4.json), then the same AttnRes #2 + RMSNorm as in_proj's prologue with p' =
     bf16(p1 + a), or a itself at a block boundary (p' then starts the new block: p1 := 0). ``zeros``: a zero tensor
-    shaped like p1 for the boundary case (FastImpl passes one it owns, so nothing is allocated in a graph)."""
+    shaped like p1 for the boundary case (FastImpl passes one it owns, so nothing is allocated in a graph).
+    ``gemv`` (None = OPROJ_MID): "ring" takes a from rms_gemv_ring's tensor-core ring GEMV (v13) where M <= 8."""
     from .rms_gemv import attnres_rmsnorm
-    a = F.linear(y, w_o)
+    from .rms_gemv_ring import gemv_ring_mma, mma_applicable
+    if (OPROJ_MID if gemv is None else gemv) == "ring" and mma_applicable(y.shape[0], w_o.shape[1], w_o.shape[0]):
+        a = gemv_ring_mma(y, w_o)
+    else:
+        a = F.linear(y, w_o)
     p = (zeros if zeros is not None else torch.zeros_like(p1)) if boundary else p1
     return attnres_rmsnorm(blocks, n_blocks, p, a, u_mlp, w_post, eps=eps, out=out_x, partial_out=out_partial)
 
@@ -146,7 +171,8 @@ class FastImpl:
                  experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
                  experts_tagged: bool = False, experts_lean: bool | None = None,
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
-                 inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None):
+                 inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
+                 inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -236,6 +262,11 @@ class FastImpl:
         if inproj_engine not in (None, "fma", "ring"):
             raise ValueError(f"inproj_engine must be None, 'fma' or 'ring', got {inproj_engine!r}")
         self.inproj_engine = inproj_engine
+        # None: INPROJ_MID / INPROJ_MID_EARLY / OPROJ_MID (the GEMVs at M 3..8 on cuBLAS or rms_gemv_ring v13)
+        for name, v in (("inproj_mid", inproj_mid), ("oproj_mid", oproj_mid)):
+            if v not in (None, "cublas", "ring"):
+                raise ValueError(f"{name} must be None, 'cublas' or 'ring', got {v!r}")
+        self.inproj_mid, self.inproj_mid_early, self.oproj_mid = inproj_mid, inproj_mid_early, oproj_mid
         # None: the in_proj engine's default when attn_early_trigger, else False. The ring launches the KDA step at
         # its end (rms_gemv_ring v12.1, the default since s47: with the early trigger the KDA CTAs sat beside the
         # ring's CTAs from its start and the chain after it took ~2 us longer at rank8 b1); "fast-ringearly" is the
@@ -294,6 +325,10 @@ class FastImpl:
                         + ("" if inproj_early_trigger is None else
                            f", in_proj PDL trigger {'early' if inproj_early_trigger else 'at its end'}")
                         + ("" if inproj_joint is None else f", ring in_proj joint prologue {'on' if inproj_joint else 'off'}")
+                        + ("" if inproj_mid is None else f", in_proj GEMV at M 3-8 {inproj_mid}")
+                        + ("" if inproj_mid_early is None else
+                           f", AttnRes norm trigger {'early' if inproj_mid_early else 'at its end'} before it")
+                        + ("" if oproj_mid is None else f", o_proj GEMV at M 5-8 {oproj_mid}")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
@@ -333,6 +368,7 @@ class FastImpl:
                                       block_write=(l // cfg.attn_res_block_size) if boundary else -1,
                                       partial_out=p1, early_trigger=self.inproj_early_trigger,
                                       engine=self.inproj_engine, joint=self.inproj_joint,
+                                      mid=self.inproj_mid, mid_early=self.inproj_mid_early,
                                       mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                       fused_groups=self.gemv_groups, pin_loads=self.gemv_pin,
                                       prefetch_groups=self.gemv_prefetch)
@@ -351,7 +387,8 @@ class FastImpl:
             else:
                 oproj_attnres_cublas(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
-                                     zeros=self._zeros("p0", p1), out_x=io.x_mlp, out_partial=io.partial)
+                                     zeros=self._zeros("p0", p1), out_x=io.x_mlp, out_partial=io.partial,
+                                     gemv=self.oproj_mid)
 
     def moe(self, io) -> None:
         from .moe_mxfp4_experts import moe_mxfp4_experts

@@ -890,8 +890,9 @@ def _build_kernels():
 
     # ------------------------------------------------------------------ AttnRes + RMSNorm, one CTA per token
     class _AttnResNorm:
-        def __init__(self, K, nb, has_delta, bw, eps):
+        def __init__(self, K, nb, has_delta, bw, eps, early_trigger=False):
             self.K, self.nb, self.has_delta, self.bw, self.eps = K, nb, has_delta, bw, eps
+            self.early_trigger = early_trigger
             self.nwarps = NORM_WARPS
             self.nthreads = 32 * NORM_WARPS
             self.vpt = -(-(K // 8) // self.nthreads)
@@ -914,9 +915,13 @@ def _build_kernels():
             sRedB = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 1), stride=(1, 1)), 16)
             sV = smem.allocate_tensor(BFloat16, cute.make_layout((self.nb + 1, self.K), stride=(self.K, 1)), 16)
             cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.early_trigger):
+                # the dependent's pre-wait work (a ring GEMV's weight chunks) runs on the SMs this grid leaves idle
+                cute.arch.griddepcontrol_launch_dependents()
             _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, cute.flat_divide(mX, (1, 8)), sV,
                            sRedA, sRedB, tid, warp, lane, True)
-            cute.arch.griddepcontrol_launch_dependents()
+            if cutlass.const_expr(not self.early_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
 
     _AttnResNorm.prologue = staticmethod(_attnres_token)   # also run by rms_gemv_ring (v12) over its own CTA
     _AttnResNorm.prologue_tokens = staticmethod(_attnres_tokens)    # rms_gemv_ring v12.2's joint prologue
@@ -975,16 +980,17 @@ def _attn_fakes(cute, BF, M, K, has_delta, wln):
     return blocks, p, d, po, u, wl
 
 
-def _compile_norm(K, nb, has_delta, bw, wln, eps):
+def _compile_norm(K, nb, has_delta, bw, wln, eps, early_trigger=False):
     def build():
         cutlass, cute, _, _, Norm = _kernels()
         BF = cutlass.BFloat16
         M = cute.sym_int()
         blocks, p, d, po, u, wl = _attn_fakes(cute, BF, M, K, has_delta, wln)
         x = fake_tensor(BF, (M, K))
-        return cute.compile(Norm(K, nb, has_delta, bw, eps), blocks, p, d, po, u, wl, x, fake_stream(),
-                            options=TVM_FFI)
-    return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps), build)
+        return cute.compile(Norm(K, nb, has_delta, bw, eps, early_trigger), blocks, p, d, po, u, wl, x,
+                            fake_stream(), options=TVM_FFI)
+    return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps) + (("early",) if early_trigger else ()),
+                          build)
 
 
 def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False,
@@ -1094,10 +1100,12 @@ def _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, parti
 
 
 def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, block_write=-1, out=None,
-                    partial_out=None):
+                    partial_out=None, early_trigger=False):
     """x = bf16(RMSNorm_{w_ln}(AttnRes mix over {blocks[:, :n_blocks], p'})), p' = bf16(p + delta).
 
-    Returns (x [M, K] bf16, partial_out); blocks[:, block_write] = p' when block_write >= 0."""
+    Returns (x [M, K] bf16, partial_out); blocks[:, block_write] = p' when block_write >= 0.
+    early_trigger: launch the PDL dependent right after the wait instead of at the end (for a dependent that reads
+    none of this call's outputs before its own wait: rms_gemv_ring's tensor-core GEMV, v13)."""
     import torch
     M, K, wln, partial_out = _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out,
                                             False)
@@ -1105,7 +1113,7 @@ def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, bloc
         out = torch.empty(M, K, dtype=torch.bfloat16, device=partial.device)
     else:
         _check_2d("out", out, M, K, partial.device)
-    fn = _compile_norm(K, n_blocks, delta is not None, block_write, wln, float(eps))
+    fn = _compile_norm(K, n_blocks, delta is not None, block_write, wln, float(eps), bool(early_trigger))
     fn(blocks, partial, delta, partial_out, u, w_ln, out)
     return out, partial_out
 

@@ -86,6 +86,39 @@ v12.2 (session 17; joint / JOINT_PROLOGUE, measured as "fast-injoint" at s48, th
     -> fast, s49): rank8 b1 -0.5 / -0.2, b2 -1.0 / -0.8; rank16 b1 -0.4 / -0.3, b2 -0.5 / -0.4. Half the predicted
     gain at b2: about half of the second token's cost was its serial chain; the rest, by the rule above, is not
     (not measured further).
+v13 (session 20; RingMmaGemv / gemv_ring_mma, opt-in: fast.INPROJ_MID / OPROJ_MID, impls "fast-inmma",
+    "fast-inmmaet", "fast-opmma", "fast-mid"; CPU-compiled, measured by h200_next s62)
+    Why: at M 3..8 the layer's in_proj is attnres_rmsnorm (one CTA per token) + cuBLAS's nvjet 64x8, and o_proj
+    cuBLAS + the AttnRes #2 kernel. In s59's rank8 b8 attention half (56.5 us against stock's 93.1: 1.65x, the
+    1.8x target needs 51.7) the norm takes 0-4.3 us, the cuBLAS in_proj 4.9-32.2 (27.3 us for 90 MB, 3.3 TB/s),
+    and the KDA step starts at 33.0: a cuBLAS launch is not PDL-chained, so no weight byte moves while the norm's
+    8 CTAs run on 8 of 132 SMs, and each boundary costs ~0.6-0.8 us of launch gap. The M <= 2 ring's FMA consumer
+    holds x in registers (8 vectors x M fp32 per lane), which does not scale to M = 8.
+    Design: the same producer / consumer ring with a tensor-core consumer. One CTA per SM (grid min(132, T) over the
+    T = N / 16 row tiles, split evenly: the busiest CTA takes ceil(T / G), 2 at rank16, 3 at rank8), 8 consumer
+    warps + 1 producer warp. A ring chunk is one 16-row tile x KC columns (KC = 512 at K = 7168, 256 at K = 768),
+    16 row pieces of 1 KB, each its own 1-D cp.async.bulk onto one "full" mbarrier; staged rows are padded by 64 B
+    so that the two rows of a quad phase of 16-byte loads sit in different bank halves. The first D chunks are
+    requested before the PDL wait; after it the producer stages x (M rows of 14 KB, bulk copies from L2) and keeps
+    the ring full. Consumer warp w takes k32 steps [2w, 2w + 2) of every chunk: per step two 16-byte loads of
+    weight rows g and g + 8 and one of x's token g (rms_gemv's swap-AB fragments and K permutation,
+    _dsl.swapab_a_fragment), two mma.sync m16n8k16; tokens past M read token M - 1's row, finite columns the store
+    skips. After the ring the 8 warps' fp32 tile partials are added in warp order (deterministic). 36-44
+    registers, no spills (ptxas 12.9). The norm kernel gets an early-trigger build (attnres_rmsnorm early_trigger,
+    its own compile key; v11.1 had the same at 6874cfa) so that the ring's CTAs can fill their slots on the SMs
+    the M norm CTAs leave idle (with the trigger at its end, the ring only gains its pace and the launch gaps).
+    Prediction (written before any GPU run; s62 beside stock):
+      * bench: gemv_in_proj_plain@ringmma against cuBLAS F.linear at b4 / b8: rank8 ~25-26.5 us (the M <= 2
+        ring's 3.45 TB/s on 90 MB; cuBLAS ~27-29), rank16 ~14.5-17 (46 MB). attnres_rms_gemv@ringmmaet against
+        the norm + cuBLAS pair: -4 to -7 us at rank8, -3 to -6 at rank16; @ringmma (norm trigger at its end) -1.5
+        to -3.5.
+      * attention half, fast-inmmaet against fast: rank8 b8 56.5 -> ~49-51 us (1.8x stock needs ~51.7), rank16
+        b8 41.8 -> ~34-36, b4 about the same gains; fast-inmma half of that. fast-opmma (o_proj's GEMV on v13,
+        7.5 us on cuBLAS at rank8 b8): -0.5 to -2. fast-op8 (oproj_attnres's fused FMA GEMV up to M = 8, unmeasured
+        at b8 since session 5): no prediction beyond +-3 us; it is the control of the fused o_proj at M = 8.
+      * Decision rule: INPROJ_MID = "ring" (with INPROJ_MID_EARLY = True if fast-inmmaet beats fast-inmma) if its
+        attention half is faster than fast in all four cells (b4 / b8 x rank16 / rank8) and the GPU tests pass;
+        OPROJ_MID likewise from fast-mid against fast-inmmaet.
 
 Contracts
 ---------
@@ -93,6 +126,8 @@ Contracts
   * M <= 2 (x of both tokens in registers); N a positive multiple of 16; K a multiple of 1792 (7 warps x 32
     lanes x 8); one CTA per SM with ~227 KB of shared memory (it cannot share an SM with another CTA).
   * Deterministic: a fixed K split and summation order per row, whatever the grid.
+  * v13 (gemv_ring_mma): M <= 8, K a multiple of 256, at most MMA_TILES_MAX tiles per CTA (mma_applicable: the
+    rank16 / rank8 in_proj and o_proj, not full width); W only before the PDL wait, x after it; one CTA per SM.
 """
 
 from __future__ import annotations
@@ -316,6 +351,254 @@ def _build_kernel_class():
             cp_async_bulk_shared_cluster_global(sRing[None, s * (self.cb // 16)].iterator, src, mbar + s, self.cb)
 
     return cutlass, cute, RingGemv
+
+
+
+# ------------------------------------------------------------------------------------------------ v13: M 3..8
+# The in_proj above the fused ring's M <= 2 ran attnres_rmsnorm + cuBLAS (nvjet 64x8, not PDL-launched). v13 is the
+# GEMV half of that pair through the same kind of ring, with a tensor-core consumer (version log, v13).
+MMA_MAX_M = 8            # x of every token staged in shared memory (8 x 14 KB at K = 7168) beside the ring
+MMA_CONSUMERS = 8        # consumer warps; warp 8 is the producer
+MMA_PAD = 64             # bytes added to each staged row: rows g and g+1 of a quad phase land 64 B apart (no conflict)
+
+
+def mma_kc(K: int) -> int:
+    """Columns of W per ring chunk (16 rows x KC): a divisor of K, a multiple of 8 warps x 32."""
+    for kc in (512, 256):
+        if K % kc == 0:
+            return kc
+    raise ValueError(f"rms_gemv_ring (mma): K must be a multiple of 256, got {K}")
+
+
+def mma_tiles_max(N: int) -> int:
+    """The most 16-row tiles any CTA takes: CTA b owns tiles [b T / G, (b + 1) T / G), G = min(132, T)."""
+    T = N // 16
+    return -(-T // min(NUM_SMS, T))
+
+
+def mma_plan(MB: int, K: int, tmax: int) -> tuple[int, int]:
+    """(KC, D): the chunk width and the ring slots that fit beside x (MB padded rows) and the partial sums."""
+    kc = mma_kc(K)
+    slot = 16 * (2 * kc + MMA_PAD)
+    fixed = MB * (2 * K + MMA_PAD) + MMA_CONSUMERS * tmax * 16 * 8 * 4 + 8 * (2 * 16 + 1) + SMEM_SLACK
+    D = min(16, (SMEM_PER_CTA_MAX - fixed) // slot)
+    if D < 2:
+        raise ValueError(f"rms_gemv_ring (mma): {D} ring slots of {slot} B fit beside x at M={MB}, K={K}: needs >= 2")
+    return kc, D
+
+
+MMA_TILES_MAX = 4        # the consumer loop is unrolled over a CTA's tiles: the K3 in_proj / o_proj at TP 8-16
+
+
+def mma_applicable(M: int, K: int, N: int) -> bool:
+    """Whether v13 serves this GEMV: M <= 8, K a multiple of 256, at most MMA_TILES_MAX tiles per CTA and x beside
+    at least two ring slots (not at full width: K = 12288 or N = 49376)."""
+    if not 1 <= M <= MMA_MAX_M or K % 256 or N % 16 or N == 0 or mma_tiles_max(N) > MMA_TILES_MAX:
+        return False
+    try:
+        mma_plan(mma_bucket(M), K, mma_tiles_max(N))
+    except ValueError:
+        return False
+    return True
+
+
+def _build_mma_class():
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int64, const_expr
+    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
+    from ._dsl import swapab_a_fragment
+
+    class RingMmaGemv:
+        """y = x W^T for M <= 8: W in 16-row x KC chunks through a bulk-copy ring, x staged once, mma.sync."""
+
+        def __init__(self, MB, K, tmax, early_trigger=False):
+            self.MB, self.K, self.tmax, self.early_trigger = MB, K, tmax, early_trigger
+            self.kc, self.D = mma_plan(MB, K, tmax)
+            self.nkc = K // self.kc
+            self.spw = self.kc // 32 // MMA_CONSUMERS      # k32 steps of a chunk per consumer warp
+            self.rs_v = (2 * self.kc + MMA_PAD) // 16      # staged row stride in 16-byte vectors
+            self.slot_v = 16 * self.rs_v
+            self.xs_v = (2 * K + MMA_PAD) // 16
+            self.nthreads = 32 * (MMA_CONSUMERS + 1)
+
+        @cute.jit
+        def __call__(self, mX, mW, mY, stream):
+            T = cute.size(mW, mode=[0]) // 16
+            self.kernel(mX, mW, mY).launch(grid=[cutlass.min(T, NUM_SMS), 1, 1], block=[self.nthreads, 1, 1],
+                                           stream=stream, use_pdl=True, preferred_smem_carveout=100)
+
+        @cute.kernel
+        def kernel(self, mX, mW, mY):
+            tid = cute.arch.thread_idx()[0]
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bid = cute.arch.block_idx()[0]
+            nblk = cute.arch.grid_dim()[0]
+            M = cute.size(mX, mode=[0])
+            T = cute.size(mW, mode=[0]) // 16
+            t0 = bid * T // nblk
+            ntile = (bid + 1) * T // nblk - t0
+            D, NKC, KC = self.D, self.nkc, self.kc
+            nch = ntile * NKC
+            g = lane // 4
+            c = lane - 4 * g
+
+            smem = cutlass.memory.SmemAllocator()
+            mbar = smem.allocate_array(Int64, 2 * D + 1)            # full[0..D), empty[D..2D), x at 2D
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((MMA_CONSUMERS, self.tmax, 16, 8),
+                                                                  stride=(self.tmax * 128, 128, 8, 1)), 16)
+            sX = smem.allocate_tensor(BFloat16, cute.make_layout((8, self.MB * self.xs_v), stride=(1, 8)), 128)
+            sRing = smem.allocate_tensor(BFloat16, cute.make_layout((8, D * self.slot_v), stride=(1, 8)), 128)
+            if tid == 0:
+                for s in cutlass.range_constexpr(D):
+                    cute.arch.mbarrier_init(mbar + s, 1)
+                    cute.arch.mbarrier_init(mbar + D + s, MMA_CONSUMERS)
+                cute.arch.mbarrier_init(mbar + 2 * D, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            is_producer = warp == MMA_CONSUMERS
+            gW = cute.flat_divide(mW, (1, 8))
+            if is_producer:
+                with cute.arch.elect_one():
+                    # the weights do not depend on the predecessor: the first D chunks go out before the PDL wait
+                    for q in cutlass.range(cutlass.min(D, nch)):
+                        self.issue(gW, sRing, mbar, q, q, t0)
+            cute.arch.griddepcontrol_wait()
+            if const_expr(self.early_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
+            if is_producer:
+                with cute.arch.elect_one():
+                    gX = cute.flat_divide(mX, (1, 8))
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * D, M * self.K * 2)
+                    for m in cutlass.range(M):
+                        cp_async_bulk_shared_cluster_global(sX[None, m * self.xs_v].iterator,
+                                                            gX[0, None, m, 0].iterator, mbar + 2 * D, self.K * 2)
+                    for q in cutlass.range(D, nch):
+                        s = q % D
+                        cute.arch.mbarrier_wait(mbar + D + s, (q // D - 1) % 2)
+                        self.issue(gW, sRing, mbar, s, q, t0)
+                cute.arch.sync_warp()
+            else:
+                atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+                rA = cute.make_rmem_tensor(cute.make_layout((8, 2), stride=(1, 8)), BFloat16)
+                rX = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
+                fa = cute.make_rmem_tensor(cute.make_layout((8, 1, 1), stride=(1, 0, 0)), BFloat16)
+                fb = cute.make_rmem_tensor(cute.make_layout((4, 1, 1), stride=(1, 0, 0)), BFloat16)
+                accs = []
+                for ti in cutlass.range_constexpr(self.tmax):
+                    a = cute.make_rmem_tensor(cute.make_layout((4, 1, 1), stride=(1, 0, 0)), Float32)
+                    a.fill(0.0)
+                    accs.append(a)
+                # tokens past M read token M - 1's row: finite columns that the store skips
+                xb = cutlass.min(g, M - 1) * self.xs_v + c
+                cute.arch.mbarrier_wait(mbar + 2 * D, 0)
+                for ti in cutlass.range_constexpr(self.tmax):
+                    if ti < ntile:
+                        for kc in cutlass.range_constexpr(NKC):
+                            q = ti * NKC + kc
+                            s = q % D
+                            cute.arch.mbarrier_wait(mbar + s, (q // D) % 2)
+                            for st in cutlass.range_constexpr(self.spw):
+                                kk = warp * self.spw + st
+                                vb = s * self.slot_v + g * self.rs_v + kk * 4 + c
+                                cute.autovec_copy(sRing[None, vb], rA[None, 0])
+                                cute.autovec_copy(sRing[None, vb + 8 * self.rs_v], rA[None, 1])
+                                cute.autovec_copy(sX[None, xb + kc * (KC // 8) + kk * 4], rX)
+                                for h in cutlass.range_constexpr(2):
+                                    swapab_a_fragment(fa, rA, h, 0)
+                                    for e in cutlass.range_constexpr(4):
+                                        fb[e] = rX[4 * h + e]
+                                    cute.gemm(atom, accs[ti], fa, fb, accs[ti])
+                            # the MMAs above consumed every lane's loads of slot s (mma.sync is warp-wide)
+                            cute.arch.sync_warp()
+                            if lane == 0:
+                                cute.arch.mbarrier_arrive(mbar + D + s)
+                for ti in cutlass.range_constexpr(self.tmax):
+                    sRed[warp, ti, g, 2 * c] = accs[ti][0]
+                    sRed[warp, ti, g, 2 * c + 1] = accs[ti][1]
+                    sRed[warp, ti, g + 8, 2 * c] = accs[ti][2]
+                    sRed[warp, ti, g + 8, 2 * c + 1] = accs[ti][3]
+            cute.arch.sync_threads()
+            # the consumer warps' K partials of each output in warp order (deterministic)
+            for o in cutlass.range(tid, ntile * 16 * M, self.nthreads):
+                tok = o // (ntile * 16)
+                rem = o - tok * (ntile * 16)
+                ti = rem // 16
+                r = rem - ti * 16
+                tot = Float32(0.0)
+                for w in cutlass.range_constexpr(MMA_CONSUMERS):
+                    tot = tot + sRed[w, ti, r, tok]
+                mY[tok, (t0 + ti) * 16 + r] = tot.to(mY.element_type)
+            if const_expr(not self.early_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
+
+        @cute.jit
+        def issue(self, gW, sRing, mbar, s, q, t0):
+            """Chunk q of this CTA (tile t0 + q // NKC, columns [(q % NKC) KC, + KC)): 16 row pieces into slot s."""
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, 16 * self.kc * 2)
+            ti = q // self.nkc
+            k8 = (q - ti * self.nkc) * (self.kc // 8)
+            for r in cutlass.range_constexpr(16):
+                cp_async_bulk_shared_cluster_global(sRing[None, s * self.slot_v + r * self.rs_v].iterator,
+                                                    gW[0, None, (t0 + ti) * 16 + r, k8].iterator, mbar + s,
+                                                    self.kc * 2)
+
+    return RingMmaGemv
+
+
+_MMA_CLS = None
+
+
+def _mma_cls():
+    global _MMA_CLS
+    if _MMA_CLS is None:
+        _MMA_CLS = _build_mma_class()
+    return _MMA_CLS
+
+
+def mma_bucket(M: int) -> int:
+    if not 1 <= M <= MMA_MAX_M:
+        raise ValueError(f"x: the tensor-core ring GEMV takes M in 1..{MMA_MAX_M}, got {M}")
+    return 4 if M <= 4 else 8
+
+
+def mma_compile_key(M: int, K: int, N: int, early_trigger: bool = False) -> tuple:
+    return ("rms_gemv_ring.mma", mma_bucket(M), K, mma_tiles_max(N), bool(early_trigger))
+
+
+def _build_mma(MB, K, tmax, early_trigger=False, options=TVM_FFI):
+    cutlass, cute = import_cute()
+    BF = cutlass.BFloat16
+    M, N = cute.sym_int(), cute.sym_int(divisibility=16)
+    x = fake_tensor(BF, (M, K))
+    w = fake_tensor(BF, (N, K))
+    y = fake_tensor(BF, (M, N), align=2)
+    return cute.compile(_mma_cls()(MB, K, tmax, early_trigger), x, w, y, fake_stream(), options=options)
+
+
+def _compile_mma(key):
+    _, MB, K, tmax, et = key
+    return compile_cached(key, lambda: _build_mma(MB, K, tmax, et))
+
+
+def ring_mma_ptx(N: int, K: int = 7168, M: int = 8, early_trigger: bool = False) -> str:
+    """PTX of the tensor-core ring GEMV (uncached; for reading and the CPU tests)."""
+    from .ptxcheck import compiled_ptx
+    return compiled_ptx(lambda: _build_mma(mma_bucket(M), K, mma_tiles_max(N), early_trigger,
+                                           options=TVM_FFI + " --keep-ptx"))
+
+
+def gemv_ring_mma(x, w, out=None, *, early_trigger: bool = False):
+    """y[M, N] = x[M, K] @ w[N, K]^T for M <= 8 through the bulk-copy ring with a tensor-core consumer (v13):
+    bf16 in / out, fp32 accumulate, the K partials of the 8 consumer warps added in warp order."""
+    M, N, K, out = gemv_operands(x, w, out, k_multiple=256)
+    mma_bucket(M)
+    if not mma_applicable(M, K, N):
+        raise ValueError(f"w: the tensor-core ring GEMV takes at most {MMA_TILES_MAX} 16-row tiles per CTA and x beside "
+                         f"two ring slots; [N, K] = [{N}, {K}] at M = {M} does not fit (mma_applicable)")
+    _compile_mma(mma_compile_key(M, K, N, early_trigger))(x, w, out)
+    return out
 
 
 _CLS = None

@@ -148,3 +148,106 @@ def test_joint_prologue_ptx(M):
         pytest.skip("ptxas not found (registers / spills need it)")
     res = ptxas_resources(joint, tools[0])
     assert res["spill_store_bytes"] == 0 and res["registers"] <= 128, res
+
+
+# ------------------------------------------------------------------------------ v13: the tensor-core ring, M 3..8
+
+def test_mma_plan_and_tiles():
+    # whole 16-row tiles split evenly over min(132, T) CTAs; the busiest takes ceil(T / G)
+    assert G.mma_tiles_max(3216) == 2 and G.mma_tiles_max(6288) == 3 and G.mma_tiles_max(48) == 1
+    for N in (48, 592, 3216, 6288, 7168):
+        T = N // 16
+        grid = min(132, T)
+        spans = [(b + 1) * T // grid - b * T // grid for b in range(grid)]
+        assert sum(spans) == T and min(spans) >= 1 and max(spans) == G.mma_tiles_max(N)
+    for MB, K, tmax in ((8, 7168, 3), (4, 7168, 3), (8, 768, 4), (8, 1536, 4), (4, 12288, 4)):
+        kc, D = G.mma_plan(MB, K, tmax)
+        assert K % kc == 0 and kc % (G.MMA_CONSUMERS * 32) == 0 and D >= 2
+        used = (MB * (2 * K + G.MMA_PAD) + D * 16 * (2 * kc + G.MMA_PAD) + G.MMA_CONSUMERS * tmax * 512
+                + 8 * (2 * D + 1))
+        assert used <= SMEM_PER_CTA_MAX
+        # staged rows 64 B apart modulo 128: a quad-phase of 16-byte loads (rows g, g + 1) is bank-conflict free
+        assert (2 * kc + G.MMA_PAD) % 128 == 64 and (2 * K + G.MMA_PAD) % 128 == 64
+    with pytest.raises(ValueError, match="ring slots"):
+        G.mma_plan(8, 12288, 4)
+    # where v13 serves: the rank16 / rank8 in_proj and o_proj, not full width (x or the tile count too large)
+    assert all(G.mma_applicable(M, K, N) for M in (3, 8) for N, K in ((3216, 7168), (6288, 7168), (7168, 768),
+                                                                      (7168, 1536)))
+    assert not G.mma_applicable(8, 12288, 7168) and not G.mma_applicable(3, 7168, 49376)
+    assert not G.mma_applicable(9, 7168, 3216)
+
+
+def test_mma_bad_inputs_are_refused():
+    w = torch.zeros(64, 7168, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="M in 1..8"):
+        G.gemv_ring_mma(torch.zeros(9, 7168, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="K of 256"):
+        G.gemv_ring_mma(torch.zeros(3, 1000, dtype=torch.bfloat16), torch.zeros(64, 1000, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        G.gemv_ring_mma(torch.zeros(3, 7168, dtype=torch.bfloat16), torch.zeros(40, 7168, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="mma_applicable"):
+        G.gemv_ring_mma(torch.zeros(8, 12288, dtype=torch.bfloat16), torch.zeros(64, 12288, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="dtype"):
+        G.gemv_ring_mma(torch.zeros(3, 7168), w)
+
+
+@needs_dsl
+@pytest.mark.parametrize("cfg", [k3_rank(16), k3_rank(8), k3()], ids=["rank16", "rank8", "full"])
+def test_compile_mma_keys(cfg):
+    """The layer's two GEMVs that v13 may serve at M 3..8: the in_proj and o_proj."""
+    from k3fast.rms_gemv import k3_gemv_shapes
+    shapes = k3_gemv_shapes(cfg)
+    for name in ("in_proj", "o_proj"):
+        N, K = shapes[name]
+        for M in (3, 8):
+            if G.mma_applicable(M, K, N):
+                G._compile_mma(G.mma_compile_key(M, K, N))
+            else:
+                assert cfg.tp == 1, (name, M)       # only full width falls back to cuBLAS
+
+
+@needs_dsl
+@pytest.mark.parametrize("early", [False, True])
+def test_mma_ptx_order_and_registers(early):
+    lines = [ln.strip() for ln in G.ring_mma_ptx(6288, M=8, early_trigger=early).splitlines()]
+    first = lambda pat: next(i for i, ln in enumerate(lines) if pat in ln)   # noqa: E731
+    wait = first("griddepcontrol.wait")
+    bulk = [i for i, ln in enumerate(lines) if "cp.async.bulk.shared::cluster.global" in ln]
+    # a chunk's 16 row pieces go out before the PDL wait; x and the rest of the ring after it
+    assert bulk[0] < wait and sum(i < wait for i in bulk) == 16 and sum(i > wait for i in bulk) >= 17
+    # 8 consumer warps x 2 k32 steps per 512-column chunk: 3 tiles x 14 chunks x 2 steps x 2 k16 halves
+    assert sum(ln.startswith("mma.sync.aligned.m16n8k16") for ln in lines) == 3 * 14 * 2 * 2
+    trig = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")]
+    stores = [i for i, ln in enumerate(lines) if ln.startswith("st.global")]
+    assert len(trig) == 1
+    assert (wait < trig[0] < wait + 4) if early else trig[0] > max(stores)
+    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    tools = find_sass_tools()
+    if tools is None:
+        pytest.skip("ptxas not found (registers / spills need it)")
+    for N, K, M in ((3216, 7168, 8), (6288, 7168, 4), (7168, 1536, 8)):
+        res = ptxas_resources(G.ring_mma_ptx(N, K, M), tools[0])
+        assert res["spill_store_bytes"] == 0 and res["registers"] <= 64, (N, K, M, res)
+
+
+@needs_dsl
+@pytest.mark.parametrize("early", [False, True])
+def test_norm_trigger_placement(early):
+    """attnres_rmsnorm launches its dependent after its last store by default, right after its wait when it
+    serves v13 ("fast-inmmaet")."""
+    from k3fast import rms_gemv
+    from k3fast.ptxcheck import compiled_ptx
+    cutlass, cute, _, _, Norm = rms_gemv._kernels()
+    BF = cutlass.BFloat16
+    from k3fast._dsl import fake_stream, fake_tensor, TVM_FFI
+    M = cute.sym_int()
+    blocks, p, d, po, u, wl = rms_gemv._attn_fakes(cute, BF, M, 7168, True, "bf16")
+    x = fake_tensor(BF, (M, 7168))
+    ptx = compiled_ptx(lambda: cute.compile(Norm(7168, 3, True, -1, 1e-5, early), blocks, p, d, po, u, wl, x,
+                                            fake_stream(), options=TVM_FFI + " --keep-ptx"))
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    trig = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")]
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    stores = [i for i, ln in enumerate(lines) if ln.startswith("st.global")]
+    assert len(trig) == 1
+    assert (wait < trig[0] < wait + 4) if early else trig[0] > max(stores)

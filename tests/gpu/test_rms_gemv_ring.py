@@ -147,3 +147,90 @@ def test_joint_prologue_is_bit_identical(G, seed, N, M, n_blocks, with_delta, bl
     cmax = G.chunks_max(N)
     key = G.compile_key(M, K, N, True, n_blocks, with_delta, block_write, joint=True)
     assert (key[-1] == "joint") == G.joint_applies(M, K, n_blocks, cmax)
+
+
+# ------------------------------------------------------------------------------ v13: the tensor-core ring, M 1..8
+
+# in_proj at rank16 / rank8 (2 / 3 tiles per CTA), o_proj at rank16 / rank8 (K 768 / 1536: chunk widths 256 / 512),
+# 37 tiles (a 37-CTA grid, one tile each), 3 tiles
+MMA_SHAPES = [(N_RANK16, K), (N_RANK8, K), (7168, 768), (7168, 1536), (592, K), (48, K)]
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("N,Kw", MMA_SHAPES)
+def test_gemv_ring_mma(G, R, seed, M, N, Kw):
+    x = torch.randn(M, Kw, device="cuda").to(torch.bfloat16)
+    w = make_w(N, Kw)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = G.gemv_ring_mma(x, w, out=out)
+    torch.cuda.synchronize()
+    assert y.data_ptr() == out.data_ptr()
+    # every output written (poisoned with NaN, which assert_close refuses), against fp32 and beside cuBLAS
+    assert_close("gemv_ring_mma", y, F.linear(x.float(), w.float()), "bf16_kernel")
+    assert_close("gemv_ring_mma vs cuBLAS", y, F.linear(x, w), "bf16_kernel_pair")
+    assert torch.equal(G.gemv_ring_mma(x, w), y)            # deterministic: fixed split and order
+    # a token's result does not depend on the other tokens in the batch (its own MMA column)
+    assert torch.equal(G.gemv_ring_mma(x[-1:].contiguous(), w)[0], y[-1])
+
+
+def test_gemv_ring_mma_nan_poisons_its_token_only(G, seed):
+    """A NaN in token 1's x makes token 1's outputs NaN and leaves the others finite and unchanged."""
+    x = torch.randn(5, K, device="cuda").to(torch.bfloat16)
+    w = make_w(N_RANK16)
+    y0 = G.gemv_ring_mma(x, w)
+    x[1, 1000] = float("nan")
+    y = G.gemv_ring_mma(x, w)
+    torch.cuda.synchronize()
+    assert y[1].isnan().all()
+    keep = torch.tensor([0, 2, 3, 4], device="cuda")
+    assert torch.equal(y[keep], y0[keep])
+
+
+def test_gemv_ring_mma_neighbours_untouched(G, seed):
+    big = torch.full((9, 592), 7.0, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(6, K, device="cuda").to(torch.bfloat16)
+    w = make_w(592)
+    out = big.view(-1)[: 6 * 592].view(6, 592)
+    G.gemv_ring_mma(x, w, out=out)
+    torch.cuda.synchronize()
+    assert (big.view(-1)[6 * 592:] == 7.0).all()
+    assert_close("gemv_ring_mma", out, F.linear(x.float(), w.float()), "bf16_kernel")
+
+
+@pytest.mark.parametrize("M", [3, 8])
+@pytest.mark.parametrize("early", [False, True])
+def test_norm_then_ring_mma_in_a_graph(G, R, seed, M, early):
+    """fast.attnres_in_proj's v13 path (attnres_rmsnorm, its trigger early or late, then the ring): equal to the
+    norm + cuBLAS path's x and p' bit for bit, its y against the fp32 reference; captured once and replayed on new
+    inputs, each replay equals an eager call."""
+    from k3fast.fast import attnres_in_proj
+    n_blocks = 3
+    blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, True)
+    w = make_w(N_RANK8)
+    pout = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+
+    def call(po):
+        return attnres_in_proj(blocks, n_blocks, p, delta, u, w_ln, w, eps=EPS, block_write=-1, partial_out=po,
+                               mid="ring", mid_early=early)
+
+    y, po = call(pout)
+    x_ref, p2_ref = ref_attnres(blocks, n_blocks, p, delta, u, w_ln)
+    torch.cuda.synchronize()
+    assert_close("p'", po, p2_ref, "exact")
+    assert_close("attnres_in_proj (v13)", y, F.linear(x_ref, w.float()), "bf16_kernel")
+    x_n, p_n = R.attnres_rmsnorm(blocks, n_blocks, p, delta, u, w_ln, eps=EPS, early_trigger=not early)
+    assert torch.equal(p_n, po)
+    assert torch.equal(G.gemv_ring_mma(x_n, w), y)          # the norm's trigger placement changes no bit
+    holder = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        holder["y"], _ = call(pout)
+    for _ in range(3):
+        b2, p2, d2, _, _ = make_inputs(M, n_blocks, True)
+        blocks.copy_(b2), p.copy_(p2), delta.copy_(d2)
+        holder["y"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        y_e, p_e = call(torch.empty_like(pout))
+        torch.cuda.synchronize()
+        assert torch.equal(holder["y"], y_e) and torch.equal(pout, p_e)
