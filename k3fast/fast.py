@@ -66,9 +66,12 @@ INPROJ_ENGINE = "ring"
 # PDL-launched, so no weight byte moved before the prologue ended): "cublas", or "ring" = rms_gemv_ring v13, the
 # bulk-copy ring with a tensor-core consumer, PDL-chained behind the norm kernel. INPROJ_MID_EARLY: the norm
 # kernel then launches the ring right after its wait, so the ring's CTAs fill their slots on the SMs the M norm
-# CTAs leave idle. Version log v13 in rms_gemv_ring.py; "fast-inmma" / "fast-inmmaet" are the A/Bs.
-INPROJ_MID = "cublas"
-INPROJ_MID_EARLY = False
+# CTAs leave idle. Version log v13 in rms_gemv_ring.py. The default since s62 (records-4d058c5-s62.json, one run
+# beside stock: the attention half rank8 b8 56.1 -> 54.5 us, rank16 b8 41.0 -> 38.5, rank8 b4 50.0 -> 46.4, rank16
+# b4 36.7 -> 33.0 with the early trigger; 55.6 / 39.8 / 48.5 / 34.5 with it at the norm's end). "fast-incublas" is
+# the A/B with cuBLAS, "fast-inmma" the norm's trigger at its end.
+INPROJ_MID = "ring"
+INPROJ_MID_EARLY = True
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
 # M <= 8; "fast-opmma" is the A/B).
 OPROJ_MID = "cublas"

@@ -485,11 +485,13 @@ FAST_VARIANTS = {
     "fast-ringearly": {"inproj_early_trigger": True},  # the ring's trigger right after its wait (s45-s46's default)
     "fast-injoint": {"inproj_joint": True},    # = fast since s48 (rms_gemv_ring v12.2, the joint prologue)
     "fast-nojoint": {"inproj_joint": False},   # the ring's token-by-token prologue (v12 / v12.1)
-    # session 20: the GEMVs at M 3..8 (cuBLAS there) through rms_gemv_ring v13's tensor-core ring
+    # session 20: the GEMVs at M 3..8 (cuBLAS there before) through rms_gemv_ring v13's tensor-core ring; the in_proj
+    # on it is the default since s62 (fast.INPROJ_MID / INPROJ_MID_EARLY)
+    "fast-incublas": {"inproj_mid": "cublas"},  # the in_proj GEMV at M 3..8 on cuBLAS (before session 20)
     "fast-inmma": {"inproj_mid": "ring", "inproj_mid_early": False},   # in_proj, the norm's trigger at its end
-    "fast-inmmaet": {"inproj_mid": "ring", "inproj_mid_early": True},  # ... the norm's trigger after its wait
-    "fast-opmma": {"oproj_mid": "ring"},       # o_proj's GEMV above GEMV_DSL_MAX_M (M 5..8)
-    "fast-mid": {"inproj_mid": "ring", "inproj_mid_early": True, "oproj_mid": "ring"},
+    "fast-inmmaet": {"inproj_mid": "ring", "inproj_mid_early": True},  # ... after its wait (= fast since s62)
+    "fast-opmma": {"oproj_mid": "ring"},       # o_proj's GEMV above GEMV_DSL_MAX_M (M 5..8) on v13 too
+    "fast-mid": {"inproj_mid": "ring", "inproj_mid_early": True, "oproj_mid": "ring"},   # = fast-opmma since s62
     "fast-op8": {"gemv_dsl_max_m": 8},         # oproj_attnres (fused AttnRes #2) up to M = 8 (in_proj unchanged)
     # (fast-opstage / fast-opstagelate, oproj_attnres v1.3's rest of the slice in shared memory before the wait,
     # measured slower at s47 and removed, code at 8574eb7; fast-oppf, v1.4's rest into L2, slower at s50, code at

@@ -119,6 +119,34 @@ v13 (session 20; RingMmaGemv / gemv_ring_mma, opt-in: fast.INPROJ_MID / OPROJ_MI
       * Decision rule: INPROJ_MID = "ring" (with INPROJ_MID_EARLY = True if fast-inmmaet beats fast-inmma) if its
         attention half is faster than fast in all four cells (b4 / b8 x rank16 / rank8) and the GPU tests pass;
         OPROJ_MID likewise from fast-mid against fast-inmmaet.
+    Measured (s62 at 4d058c5, kernels- / records-4d058c5-s62.json, one run beside stock, copy 4.19 TB/s; GPU tests
+    64 passed, 4 skipped): kernel rows, us (cuBLAS in the same run):
+                                     rank16 b4   rank16 b8   rank8 b4   rank8 b8
+        gemv_in_proj_plain@ringmma      --          19.1        28.3       29.3     (cuBLAS 20.5 / 28.1 / 29.0)
+        attnres_rms_gemv@ringmma       22.4        23.2        32.1       33.9     (norm + cuBLAS 24.7 / 25.2 /
+        attnres_rms_gemv@ringmmaet     20.9        21.8        30.7       32.5      33.3 / 33.9)
+        gemv_o_proj_plain@ringmma       9.6        10.0        12.4       12.8     (cuBLAS 8.7 / 8.5 / 11.4 / 11.1)
+    Attention half (stock / fast / inmma / inmmaet / opmma / mid / op8): rank8 b8 92.5 / 56.1 / 55.6 / 54.5 / 54.1 /
+    53.0 / 53.1; rank16 b8 79.5 / 41.0 / 39.8 / 38.5 / 40.3 / 37.3 / 38.3; rank8 b4 87.7 / 50.0 / 48.5 / 46.4 / -- /
+    46.8 / --; rank16 b4 74.8 / 36.7 / 34.5 / 33.0 / -- / 33.1 / -- (o_proj at b4 is oproj_attnres in all).
+    The decision rule is met (fast-inmmaet below fast in all four cells, tests passed): INPROJ_MID = "ring" with
+    the early trigger is the default since. The prediction is missed at b8: -1.6 / -2.5 us at rank8 / rank16, not
+    -5.5 to -7.5 / -5 to -8; met at b4 (-3.6 / -3.7). Why, from the timelines and rows: the ring streams at
+    3.1 TB/s (29.3 us for 90 MB bare, no faster than cuBLAS), against the M <= 2 ring's 3.45, and the norm kernel
+    stretches from 3.8 to 5.2 us while the ring fills beside it (v11.1's lesson again). With 115 KB of x in shared
+    memory v13 keeps 5 slots (87 KB) in flight per SM where the M <= 2 ring keeps ~200 KB. On its own, o_proj's
+    GEMV is slower on v13 than on cuBLAS (1.4-1.7 us), yet fast-opmma gains 2.0 us at rank8 b8 in the layer (PDL
+    behind the KDA step); fast-op8 (the fused oproj_attnres at M 5..8) gains 3.0 / 2.7 at b8.
+v13.1 (session 20, after s62; MMA_X_IN_REGISTERS, the default; x_regs=False is v13, bench @ringmma13) Each consumer
+    warp loads the B fragments of its own k steps (2 of every 16 per chunk: 28 16-byte vectors per lane at K =
+    7168, 112 registers) from L2 after the PDL wait, so x leaves shared memory and the ring holds 12 slots (209 KB)
+    at rank8 b8 instead of 5. Same MMAs in the same order: bit-identical to v13 (GPU test). ptxas: 148-152
+    registers at K = 7168 (one CTA of 9 warps per SM), no spills. K is capped at MMA_K_MAX = 7168 (full width's
+    o_proj, K = 12288, would need 192).
+    Prediction: bench gemv_in_proj_plain@ringmma rank8 b8 29.3 -> ~26-27 us (the M <= 2 ring's depth and pace),
+    rank16 b8 19.1 -> ~17-18; attention half (fast against fast-incublas) rank8 b8 -3.5 to -5 us (s62 -1.6), rank16
+    b8 -3 to -4 (-2.5), b4 -4 to -5. o_proj: whichever of fast-opmma / fast-op8 is below fast at both b8 cells and
+    below the other becomes the default for M 5..8.
 
 Contracts
 ---------
@@ -376,11 +404,19 @@ def mma_tiles_max(N: int) -> int:
     return -(-T // min(NUM_SMS, T))
 
 
-def mma_plan(MB: int, K: int, tmax: int) -> tuple[int, int]:
-    """(KC, D): the chunk width and the ring slots that fit beside x (MB padded rows) and the partial sums."""
+# v13.1 (the default): each consumer warp holds the x fragments of its k steps in registers (K / 256 16-byte vectors
+# per lane: 28 at K = 7168), loaded from L2 after the PDL wait, so the shared memory v13 spent on x (MB rows of
+# 14 KB) holds ring slots instead. False: v13's x staged in shared memory by bulk copies (the A/B).
+MMA_X_IN_REGISTERS = True
+
+
+def mma_plan(MB: int, K: int, tmax: int, x_regs: bool | None = None) -> tuple[int, int]:
+    """(KC, D): the chunk width and the ring slots that fit beside x (MB padded rows, unless x is in registers,
+    v13.1) and the partial sums."""
     kc = mma_kc(K)
     slot = 16 * (2 * kc + MMA_PAD)
-    fixed = MB * (2 * K + MMA_PAD) + MMA_CONSUMERS * tmax * 16 * 8 * 4 + 8 * (2 * 16 + 1) + SMEM_SLACK
+    xr = MMA_X_IN_REGISTERS if x_regs is None else x_regs
+    fixed = (0 if xr else MB * (2 * K + MMA_PAD)) + MMA_CONSUMERS * tmax * 16 * 8 * 4 + 8 * (2 * 16 + 1) + SMEM_SLACK
     D = min(16, (SMEM_PER_CTA_MAX - fixed) // slot)
     if D < 2:
         raise ValueError(f"rms_gemv_ring (mma): {D} ring slots of {slot} B fit beside x at M={MB}, K={K}: needs >= 2")
@@ -388,12 +424,13 @@ def mma_plan(MB: int, K: int, tmax: int) -> tuple[int, int]:
 
 
 MMA_TILES_MAX = 4        # the consumer loop is unrolled over a CTA's tiles: the K3 in_proj / o_proj at TP 8-16
+MMA_K_MAX = 7168         # v13.1 holds K / 256 x fragments per lane: 112 registers at K = 7168
 
 
 def mma_applicable(M: int, K: int, N: int) -> bool:
-    """Whether v13 serves this GEMV: M <= 8, K a multiple of 256, at most MMA_TILES_MAX tiles per CTA and x beside
-    at least two ring slots (not at full width: K = 12288 or N = 49376)."""
-    if not 1 <= M <= MMA_MAX_M or K % 256 or N % 16 or N == 0 or mma_tiles_max(N) > MMA_TILES_MAX:
+    """Whether v13 serves this GEMV: M <= 8, K a multiple of 256 and <= MMA_K_MAX, at most MMA_TILES_MAX tiles per
+    CTA and at least two ring slots (not at full width: K = 12288 or N = 49376)."""
+    if not 1 <= M <= MMA_MAX_M or K % 256 or K > MMA_K_MAX or N % 16 or N == 0 or mma_tiles_max(N) > MMA_TILES_MAX:
         return False
     try:
         mma_plan(mma_bucket(M), K, mma_tiles_max(N))
@@ -411,9 +448,10 @@ def _build_mma_class():
     class RingMmaGemv:
         """y = x W^T for M <= 8: W in 16-row x KC chunks through a bulk-copy ring, x staged once, mma.sync."""
 
-        def __init__(self, MB, K, tmax, early_trigger=False):
+        def __init__(self, MB, K, tmax, early_trigger=False, x_regs=True):
             self.MB, self.K, self.tmax, self.early_trigger = MB, K, tmax, early_trigger
-            self.kc, self.D = mma_plan(MB, K, tmax)
+            self.x_regs = x_regs
+            self.kc, self.D = mma_plan(MB, K, tmax, x_regs)
             self.nkc = K // self.kc
             self.spw = self.kc // 32 // MMA_CONSUMERS      # k32 steps of a chunk per consumer warp
             self.rs_v = (2 * self.kc + MMA_PAD) // 16      # staged row stride in 16-byte vectors
@@ -447,7 +485,8 @@ def _build_mma_class():
             mbar = smem.allocate_array(Int64, 2 * D + 1)            # full[0..D), empty[D..2D), x at 2D
             sRed = smem.allocate_tensor(Float32, cute.make_layout((MMA_CONSUMERS, self.tmax, 16, 8),
                                                                   stride=(self.tmax * 128, 128, 8, 1)), 16)
-            sX = smem.allocate_tensor(BFloat16, cute.make_layout((8, self.MB * self.xs_v), stride=(1, 8)), 128)
+            if const_expr(not self.x_regs):
+                sX = smem.allocate_tensor(BFloat16, cute.make_layout((8, self.MB * self.xs_v), stride=(1, 8)), 128)
             sRing = smem.allocate_tensor(BFloat16, cute.make_layout((8, D * self.slot_v), stride=(1, 8)), 128)
             if tid == 0:
                 for s in cutlass.range_constexpr(D):
@@ -469,11 +508,12 @@ def _build_mma_class():
                 cute.arch.griddepcontrol_launch_dependents()
             if is_producer:
                 with cute.arch.elect_one():
-                    gX = cute.flat_divide(mX, (1, 8))
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * D, M * self.K * 2)
-                    for m in cutlass.range(M):
-                        cp_async_bulk_shared_cluster_global(sX[None, m * self.xs_v].iterator,
-                                                            gX[0, None, m, 0].iterator, mbar + 2 * D, self.K * 2)
+                    if const_expr(not self.x_regs):
+                        gX = cute.flat_divide(mX, (1, 8))
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * D, M * self.K * 2)
+                        for m in cutlass.range(M):
+                            cp_async_bulk_shared_cluster_global(sX[None, m * self.xs_v].iterator,
+                                                                gX[0, None, m, 0].iterator, mbar + 2 * D, self.K * 2)
                     for q in cutlass.range(D, nch):
                         s = q % D
                         cute.arch.mbarrier_wait(mbar + D + s, (q // D - 1) % 2)
@@ -491,8 +531,18 @@ def _build_mma_class():
                     a.fill(0.0)
                     accs.append(a)
                 # tokens past M read token M - 1's row: finite columns that the store skips
-                xb = cutlass.min(g, M - 1) * self.xs_v + c
-                cute.arch.mbarrier_wait(mbar + 2 * D, 0)
+                xrow = cutlass.min(g, M - 1)
+                if const_expr(self.x_regs):
+                    # v13.1: this warp's B fragments for every chunk (its k steps only), from L2, in flight together
+                    rXall = cute.make_rmem_tensor(cute.make_layout((8, NKC * self.spw), stride=(1, 8)), BFloat16)
+                    gX = cute.flat_divide(mX, (1, 8))
+                    for kc in cutlass.range_constexpr(NKC):
+                        for st in cutlass.range_constexpr(self.spw):
+                            cute.autovec_copy(gX[0, None, xrow, kc * (KC // 8) + (warp * self.spw + st) * 4 + c],
+                                              rXall[None, kc * self.spw + st])
+                else:
+                    xb = xrow * self.xs_v + c
+                    cute.arch.mbarrier_wait(mbar + 2 * D, 0)
                 for ti in cutlass.range_constexpr(self.tmax):
                     if ti < ntile:
                         for kc in cutlass.range_constexpr(NKC):
@@ -504,11 +554,15 @@ def _build_mma_class():
                                 vb = s * self.slot_v + g * self.rs_v + kk * 4 + c
                                 cute.autovec_copy(sRing[None, vb], rA[None, 0])
                                 cute.autovec_copy(sRing[None, vb + 8 * self.rs_v], rA[None, 1])
-                                cute.autovec_copy(sX[None, xb + kc * (KC // 8) + kk * 4], rX)
+                                if const_expr(not self.x_regs):
+                                    cute.autovec_copy(sX[None, xb + kc * (KC // 8) + kk * 4], rX)
                                 for h in cutlass.range_constexpr(2):
                                     swapab_a_fragment(fa, rA, h, 0)
                                     for e in cutlass.range_constexpr(4):
-                                        fb[e] = rX[4 * h + e]
+                                        if const_expr(self.x_regs):
+                                            fb[e] = rXall[4 * h + e, kc * self.spw + st]
+                                        else:
+                                            fb[e] = rX[4 * h + e]
                                     cute.gemm(atom, accs[ti], fa, fb, accs[ti])
                             # the MMAs above consumed every lane's loads of slot s (mma.sync is warp-wide)
                             cute.arch.sync_warp()
@@ -563,41 +617,45 @@ def mma_bucket(M: int) -> int:
     return 4 if M <= 4 else 8
 
 
-def mma_compile_key(M: int, K: int, N: int, early_trigger: bool = False) -> tuple:
-    return ("rms_gemv_ring.mma", mma_bucket(M), K, mma_tiles_max(N), bool(early_trigger))
+def mma_compile_key(M: int, K: int, N: int, early_trigger: bool = False, x_regs: bool | None = None) -> tuple:
+    xr = MMA_X_IN_REGISTERS if x_regs is None else bool(x_regs)
+    return ("rms_gemv_ring.mma", mma_bucket(M), K, mma_tiles_max(N), bool(early_trigger), xr)
 
 
-def _build_mma(MB, K, tmax, early_trigger=False, options=TVM_FFI):
+def _build_mma(MB, K, tmax, early_trigger=False, x_regs=True, options=TVM_FFI):
     cutlass, cute = import_cute()
     BF = cutlass.BFloat16
     M, N = cute.sym_int(), cute.sym_int(divisibility=16)
     x = fake_tensor(BF, (M, K))
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (M, N), align=2)
-    return cute.compile(_mma_cls()(MB, K, tmax, early_trigger), x, w, y, fake_stream(), options=options)
+    return cute.compile(_mma_cls()(MB, K, tmax, early_trigger, x_regs), x, w, y, fake_stream(), options=options)
 
 
 def _compile_mma(key):
-    _, MB, K, tmax, et = key
-    return compile_cached(key, lambda: _build_mma(MB, K, tmax, et))
+    _, MB, K, tmax, et, xr = key
+    return compile_cached(key, lambda: _build_mma(MB, K, tmax, et, xr))
 
 
-def ring_mma_ptx(N: int, K: int = 7168, M: int = 8, early_trigger: bool = False) -> str:
+def ring_mma_ptx(N: int, K: int = 7168, M: int = 8, early_trigger: bool = False, x_regs: bool | None = None) -> str:
     """PTX of the tensor-core ring GEMV (uncached; for reading and the CPU tests)."""
     from .ptxcheck import compiled_ptx
-    return compiled_ptx(lambda: _build_mma(mma_bucket(M), K, mma_tiles_max(N), early_trigger,
+    xr = MMA_X_IN_REGISTERS if x_regs is None else x_regs
+    return compiled_ptx(lambda: _build_mma(mma_bucket(M), K, mma_tiles_max(N), early_trigger, xr,
                                            options=TVM_FFI + " --keep-ptx"))
 
 
-def gemv_ring_mma(x, w, out=None, *, early_trigger: bool = False):
+def gemv_ring_mma(x, w, out=None, *, early_trigger: bool = False, x_regs: bool | None = None):
     """y[M, N] = x[M, K] @ w[N, K]^T for M <= 8 through the bulk-copy ring with a tensor-core consumer (v13):
-    bf16 in / out, fp32 accumulate, the K partials of the 8 consumer warps added in warp order."""
+    bf16 in / out, fp32 accumulate, the K partials of the 8 consumer warps added in warp order.
+    x_regs: v13.1's x fragments in registers (None = MMA_X_IN_REGISTERS) or v13's x in shared memory; the same
+    MMAs in the same order, so bit-identical."""
     M, N, K, out = gemv_operands(x, w, out, k_multiple=256)
     mma_bucket(M)
     if not mma_applicable(M, K, N):
         raise ValueError(f"w: the tensor-core ring GEMV takes at most {MMA_TILES_MAX} 16-row tiles per CTA and x beside "
                          f"two ring slots; [N, K] = [{N}, {K}] at M = {M} does not fit (mma_applicable)")
-    _compile_mma(mma_compile_key(M, K, N, early_trigger))(x, w, out)
+    _compile_mma(mma_compile_key(M, K, N, early_trigger, x_regs))(x, w, out)
     return out
 
 
