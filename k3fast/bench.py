@@ -111,9 +111,6 @@ def _cases(cfg, batch: int):
         # trigger at its end / after its wait) beside the norm + cuBLAS pair
         cases.append(("gemv_in_proj_plain@ringmma", lambda: gemv_ring_mma(x, w_in), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
-        # v13 (x staged in shared memory, a 5-slot ring) beside v13.1 (x in registers, 12 slots), the default
-        cases.append(("gemv_in_proj_plain@ringmma13", lambda: gemv_ring_mma(x, w_in, x_regs=False),
-                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2))
         for tag, et in (("", False), ("et", True)):
             def norm_ring(et=et):
                 xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,

@@ -137,16 +137,15 @@ v13 (session 20; RingMmaGemv / gemv_ring_mma, opt-in: fast.INPROJ_MID / OPROJ_MI
     memory v13 keeps 5 slots (87 KB) in flight per SM where the M <= 2 ring keeps ~200 KB. On its own, o_proj's
     GEMV is slower on v13 than on cuBLAS (1.4-1.7 us), yet fast-opmma gains 2.0 us at rank8 b8 in the layer (PDL
     behind the KDA step); fast-op8 (the fused oproj_attnres at M 5..8) gains 3.0 / 2.7 at b8.
-v13.1 (session 20, after s62; MMA_X_IN_REGISTERS, the default; x_regs=False is v13, bench @ringmma13) Each consumer
-    warp loads the B fragments of its own k steps (2 of every 16 per chunk: 28 16-byte vectors per lane at K =
-    7168, 112 registers) from L2 after the PDL wait, so x leaves shared memory and the ring holds 12 slots (209 KB)
-    at rank8 b8 instead of 5. Same MMAs in the same order: bit-identical to v13 (GPU test). ptxas: 148-152
-    registers at K = 7168 (one CTA of 9 warps per SM), no spills. K is capped at MMA_K_MAX = 7168 (full width's
-    o_proj, K = 12288, would need 192).
-    Prediction: bench gemv_in_proj_plain@ringmma rank8 b8 29.3 -> ~26-27 us (the M <= 2 ring's depth and pace),
-    rank16 b8 19.1 -> ~17-18; attention half (fast against fast-incublas) rank8 b8 -3.5 to -5 us (s62 -1.6), rank16
-    b8 -3 to -4 (-2.5), b4 -4 to -5. o_proj: whichever of fast-opmma / fast-op8 is below fast at both b8 cells and
-    below the other becomes the default for M 5..8.
+v13.1 (session 20, measured wrong at s63 and removed; the code is at c5137f8) x's B fragments in the consumer warps'
+    registers (28 16-byte vectors per lane at K = 7168, 152 registers) so that the ring held 12 slots instead of 5.
+    Predicted: bench rank8 b8 29.3 -> ~26-27 us. Measured (kernels- / records-c5137f8-s63.json, logs/*-c5137f8-s63.*):
+    28.9 against v13's 29.4 in the same run (rank16 b8 18.3 / 18.9), so the deeper ring bought ~0.5 us, and its
+    results were WRONG: 13 GPU test failures, all at K = 7168 on grids whose CTAs take 2-3 tiles (rel-RMSE 1.7-5.9 %
+    against fp32 at M >= 4; 1.1 % in the attention half's recurrent state at b7 rank16), while the same build matched
+    v13 bit for bit in another test of the same run at M = 8: nondeterministic. The PTX keeps every shared load after
+    its full-barrier wait and every empty arrival after the loads' MMAs; the cause was not found in the session. Not
+    the default, not kept; v13 (x in shared memory) is what the layer runs.
 
 Contracts
 ---------
@@ -404,19 +403,11 @@ def mma_tiles_max(N: int) -> int:
     return -(-T // min(NUM_SMS, T))
 
 
-# v13.1 (the default): each consumer warp holds the x fragments of its k steps in registers (K / 256 16-byte vectors
-# per lane: 28 at K = 7168), loaded from L2 after the PDL wait, so the shared memory v13 spent on x (MB rows of
-# 14 KB) holds ring slots instead. False: v13's x staged in shared memory by bulk copies (the A/B).
-MMA_X_IN_REGISTERS = True
-
-
-def mma_plan(MB: int, K: int, tmax: int, x_regs: bool | None = None) -> tuple[int, int]:
-    """(KC, D): the chunk width and the ring slots that fit beside x (MB padded rows, unless x is in registers,
-    v13.1) and the partial sums."""
+def mma_plan(MB: int, K: int, tmax: int) -> tuple[int, int]:
+    """(KC, D): the chunk width and the ring slots that fit beside x (MB padded rows) and the partial sums."""
     kc = mma_kc(K)
     slot = 16 * (2 * kc + MMA_PAD)
-    xr = MMA_X_IN_REGISTERS if x_regs is None else x_regs
-    fixed = (0 if xr else MB * (2 * K + MMA_PAD)) + MMA_CONSUMERS * tmax * 16 * 8 * 4 + 8 * (2 * 16 + 1) + SMEM_SLACK
+    fixed = MB * (2 * K + MMA_PAD) + MMA_CONSUMERS * tmax * 16 * 8 * 4 + 8 * (2 * 16 + 1) + SMEM_SLACK
     D = min(16, (SMEM_PER_CTA_MAX - fixed) // slot)
     if D < 2:
         raise ValueError(f"rms_gemv_ring (mma): {D} ring slots of {slot} B fit beside x at M={MB}, K={K}: needs >= 2")
@@ -424,13 +415,12 @@ def mma_plan(MB: int, K: int, tmax: int, x_regs: bool | None = None) -> tuple[in
 
 
 MMA_TILES_MAX = 4        # the consumer loop is unrolled over a CTA's tiles: the K3 in_proj / o_proj at TP 8-16
-MMA_K_MAX = 7168         # v13.1 holds K / 256 x fragments per lane: 112 registers at K = 7168
 
 
 def mma_applicable(M: int, K: int, N: int) -> bool:
-    """Whether v13 serves this GEMV: M <= 8, K a multiple of 256 and <= MMA_K_MAX, at most MMA_TILES_MAX tiles per
-    CTA and at least two ring slots (not at full width: K = 12288 or N = 49376)."""
-    if not 1 <= M <= MMA_MAX_M or K % 256 or K > MMA_K_MAX or N % 16 or N == 0 or mma_tiles_max(N) > MMA_TILES_MAX:
+    """Whether v13 serves this GEMV: M <= 8, K a multiple of 256, at most MMA_TILES_MAX tiles per CTA and x beside
+    at least two ring slots (not at full width: K = 12288 or N = 49376)."""
+    if not 1 <= M <= MMA_MAX_M or K % 256 or N % 16 or N == 0 or mma_tiles_max(N) > MMA_TILES_MAX:
         return False
     try:
         mma_plan(mma_bucket(M), K, mma_tiles_max(N))
@@ -448,10 +438,9 @@ def _build_mma_class():
     class RingMmaGemv:
         """y = x W^T for M <= 8: W in 16-row x KC chunks through a bulk-copy ring, x staged once, mma.sync."""
 
-        def __init__(self, MB, K, tmax, early_trigger=False, x_regs=True):
+        def __init__(self, MB, K, tmax, early_trigger=False):
             self.MB, self.K, self.tmax, self.early_trigger = MB, K, tmax, early_trigger
-            self.x_regs = x_regs
-            self.kc, self.D = mma_plan(MB, K, tmax, x_regs)
+            self.kc, self.D = mma_plan(MB, K, tmax)
             self.nkc = K // self.kc
             self.spw = self.kc // 32 // MMA_CONSUMERS      # k32 steps of a chunk per consumer warp
             self.rs_v = (2 * self.kc + MMA_PAD) // 16      # staged row stride in 16-byte vectors
@@ -485,8 +474,7 @@ def _build_mma_class():
             mbar = smem.allocate_array(Int64, 2 * D + 1)            # full[0..D), empty[D..2D), x at 2D
             sRed = smem.allocate_tensor(Float32, cute.make_layout((MMA_CONSUMERS, self.tmax, 16, 8),
                                                                   stride=(self.tmax * 128, 128, 8, 1)), 16)
-            if const_expr(not self.x_regs):
-                sX = smem.allocate_tensor(BFloat16, cute.make_layout((8, self.MB * self.xs_v), stride=(1, 8)), 128)
+            sX = smem.allocate_tensor(BFloat16, cute.make_layout((8, self.MB * self.xs_v), stride=(1, 8)), 128)
             sRing = smem.allocate_tensor(BFloat16, cute.make_layout((8, D * self.slot_v), stride=(1, 8)), 128)
             if tid == 0:
                 for s in cutlass.range_constexpr(D):
@@ -508,12 +496,11 @@ def _build_mma_class():
                 cute.arch.griddepcontrol_launch_dependents()
             if is_producer:
                 with cute.arch.elect_one():
-                    if const_expr(not self.x_regs):
-                        gX = cute.flat_divide(mX, (1, 8))
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * D, M * self.K * 2)
-                        for m in cutlass.range(M):
-                            cp_async_bulk_shared_cluster_global(sX[None, m * self.xs_v].iterator,
-                                                                gX[0, None, m, 0].iterator, mbar + 2 * D, self.K * 2)
+                    gX = cute.flat_divide(mX, (1, 8))
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * D, M * self.K * 2)
+                    for m in cutlass.range(M):
+                        cp_async_bulk_shared_cluster_global(sX[None, m * self.xs_v].iterator,
+                                                            gX[0, None, m, 0].iterator, mbar + 2 * D, self.K * 2)
                     for q in cutlass.range(D, nch):
                         s = q % D
                         cute.arch.mbarrier_wait(mbar + D + s, (q // D - 1) % 2)
@@ -531,18 +518,8 @@ def _build_mma_class():
                     a.fill(0.0)
                     accs.append(a)
                 # tokens past M read token M - 1's row: finite columns that the store skips
-                xrow = cutlass.min(g, M - 1)
-                if const_expr(self.x_regs):
-                    # v13.1: this warp's B fragments for every chunk (its k steps only), from L2, in flight together
-                    rXall = cute.make_rmem_tensor(cute.make_layout((8, NKC * self.spw), stride=(1, 8)), BFloat16)
-                    gX = cute.flat_divide(mX, (1, 8))
-                    for kc in cutlass.range_constexpr(NKC):
-                        for st in cutlass.range_constexpr(self.spw):
-                            cute.autovec_copy(gX[0, None, xrow, kc * (KC // 8) + (warp * self.spw + st) * 4 + c],
-                                              rXall[None, kc * self.spw + st])
-                else:
-                    xb = xrow * self.xs_v + c
-                    cute.arch.mbarrier_wait(mbar + 2 * D, 0)
+                xb = cutlass.min(g, M - 1) * self.xs_v + c
+                cute.arch.mbarrier_wait(mbar + 2 * D, 0)
                 for ti in cutlass.range_constexpr(self.tmax):
                     if ti < ntile:
                         for kc in cutlass.range_constexpr(NKC):
@@ -554,15 +531,11 @@ def _build_mma_class():
                                 vb = s * self.slot_v + g * self.rs_v + kk * 4 + c
                                 cute.autovec_copy(sRing[None, vb], rA[None, 0])
                                 cute.autovec_copy(sRing[None, vb + 8 * self.rs_v], rA[None, 1])
-                                if const_expr(not self.x_regs):
-                                    cute.autovec_copy(sX[None, xb + kc * (KC // 8) + kk * 4], rX)
+                                cute.autovec_copy(sX[None, xb + kc * (KC // 8) + kk * 4], rX)
                                 for h in cutlass.range_constexpr(2):
                                     swapab_a_fragment(fa, rA, h, 0)
                                     for e in cutlass.range_constexpr(4):
-                                        if const_expr(self.x_regs):
-                                            fb[e] = rXall[4 * h + e, kc * self.spw + st]
-                                        else:
-                                            fb[e] = rX[4 * h + e]
+                                        fb[e] = rX[4 * h + e]
                                     cute.gemm(atom, accs[ti], fa, fb, accs[ti])
                             # the MMAs above consumed every lane's loads of slot s (mma.sync is warp-wide)
                             cute.arch.sync_warp()
@@ -617,45 +590,41 @@ def mma_bucket(M: int) -> int:
     return 4 if M <= 4 else 8
 
 
-def mma_compile_key(M: int, K: int, N: int, early_trigger: bool = False, x_regs: bool | None = None) -> tuple:
-    xr = MMA_X_IN_REGISTERS if x_regs is None else bool(x_regs)
-    return ("rms_gemv_ring.mma", mma_bucket(M), K, mma_tiles_max(N), bool(early_trigger), xr)
+def mma_compile_key(M: int, K: int, N: int, early_trigger: bool = False) -> tuple:
+    return ("rms_gemv_ring.mma", mma_bucket(M), K, mma_tiles_max(N), bool(early_trigger))
 
 
-def _build_mma(MB, K, tmax, early_trigger=False, x_regs=True, options=TVM_FFI):
+def _build_mma(MB, K, tmax, early_trigger=False, options=TVM_FFI):
     cutlass, cute = import_cute()
     BF = cutlass.BFloat16
     M, N = cute.sym_int(), cute.sym_int(divisibility=16)
     x = fake_tensor(BF, (M, K))
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (M, N), align=2)
-    return cute.compile(_mma_cls()(MB, K, tmax, early_trigger, x_regs), x, w, y, fake_stream(), options=options)
+    return cute.compile(_mma_cls()(MB, K, tmax, early_trigger), x, w, y, fake_stream(), options=options)
 
 
 def _compile_mma(key):
-    _, MB, K, tmax, et, xr = key
-    return compile_cached(key, lambda: _build_mma(MB, K, tmax, et, xr))
+    _, MB, K, tmax, et = key
+    return compile_cached(key, lambda: _build_mma(MB, K, tmax, et))
 
 
-def ring_mma_ptx(N: int, K: int = 7168, M: int = 8, early_trigger: bool = False, x_regs: bool | None = None) -> str:
+def ring_mma_ptx(N: int, K: int = 7168, M: int = 8, early_trigger: bool = False) -> str:
     """PTX of the tensor-core ring GEMV (uncached; for reading and the CPU tests)."""
     from .ptxcheck import compiled_ptx
-    xr = MMA_X_IN_REGISTERS if x_regs is None else x_regs
-    return compiled_ptx(lambda: _build_mma(mma_bucket(M), K, mma_tiles_max(N), early_trigger, xr,
+    return compiled_ptx(lambda: _build_mma(mma_bucket(M), K, mma_tiles_max(N), early_trigger,
                                            options=TVM_FFI + " --keep-ptx"))
 
 
-def gemv_ring_mma(x, w, out=None, *, early_trigger: bool = False, x_regs: bool | None = None):
+def gemv_ring_mma(x, w, out=None, *, early_trigger: bool = False):
     """y[M, N] = x[M, K] @ w[N, K]^T for M <= 8 through the bulk-copy ring with a tensor-core consumer (v13):
-    bf16 in / out, fp32 accumulate, the K partials of the 8 consumer warps added in warp order.
-    x_regs: v13.1's x fragments in registers (None = MMA_X_IN_REGISTERS) or v13's x in shared memory; the same
-    MMAs in the same order, so bit-identical."""
+    bf16 in / out, fp32 accumulate, the K partials of the 8 consumer warps added in warp order."""
     M, N, K, out = gemv_operands(x, w, out, k_multiple=256)
     mma_bucket(M)
     if not mma_applicable(M, K, N):
         raise ValueError(f"w: the tensor-core ring GEMV takes at most {MMA_TILES_MAX} 16-row tiles per CTA and x beside "
                          f"two ring slots; [N, K] = [{N}, {K}] at M = {M} does not fit (mma_applicable)")
-    _compile_mma(mma_compile_key(M, K, N, early_trigger, x_regs))(x, w, out)
+    _compile_mma(mma_compile_key(M, K, N, early_trigger))(x, w, out)
     return out
 
 

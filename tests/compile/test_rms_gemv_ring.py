@@ -160,19 +160,16 @@ def test_mma_plan_and_tiles():
         grid = min(132, T)
         spans = [(b + 1) * T // grid - b * T // grid for b in range(grid)]
         assert sum(spans) == T and min(spans) >= 1 and max(spans) == G.mma_tiles_max(N)
-    cases = ((8, 7168, 3), (4, 7168, 3), (8, 768, 4), (8, 1536, 4), (4, 12288, 4))
-    for (MB, K, tmax), xr in [(c, xr) for c in cases for xr in (False, True)]:
-        kc, D = G.mma_plan(MB, K, tmax, xr)
+    for MB, K, tmax in ((8, 7168, 3), (4, 7168, 3), (8, 768, 4), (8, 1536, 4), (4, 12288, 4)):
+        kc, D = G.mma_plan(MB, K, tmax)
         assert K % kc == 0 and kc % (G.MMA_CONSUMERS * 32) == 0 and D >= 2
-        used = ((0 if xr else MB * (2 * K + G.MMA_PAD)) + D * 16 * (2 * kc + G.MMA_PAD)
-                + G.MMA_CONSUMERS * tmax * 512 + 8 * (2 * D + 1))
+        used = (MB * (2 * K + G.MMA_PAD) + D * 16 * (2 * kc + G.MMA_PAD) + G.MMA_CONSUMERS * tmax * 512
+                + 8 * (2 * D + 1))
         assert used <= SMEM_PER_CTA_MAX
         # staged rows 64 B apart modulo 128: a quad-phase of 16-byte loads (rows g, g + 1) is bank-conflict free
         assert (2 * kc + G.MMA_PAD) % 128 == 64 and (2 * K + G.MMA_PAD) % 128 == 64
-    # v13.1: with x in registers the rank8 in_proj's ring holds 12 slots (~209 KB in flight per SM), v13's 5
-    assert G.mma_plan(8, 7168, 3, True)[1] == 12 and G.mma_plan(8, 7168, 3, False)[1] == 5
     with pytest.raises(ValueError, match="ring slots"):
-        G.mma_plan(8, 12288, 4, False)
+        G.mma_plan(8, 12288, 4)
     # where v13 serves: the rank16 / rank8 in_proj and o_proj, not full width (x or the tile count too large)
     assert all(G.mma_applicable(M, K, N) for M in (3, 8) for N, K in ((3216, 7168), (6288, 7168), (7168, 768),
                                                                       (7168, 1536)))
@@ -210,17 +207,14 @@ def test_compile_mma_keys(cfg):
 
 
 @needs_dsl
-@pytest.mark.parametrize("early,x_regs", [(False, True), (True, True), (False, False)])
-def test_mma_ptx_order_and_registers(early, x_regs):
-    lines = [ln.strip() for ln in G.ring_mma_ptx(6288, M=8, early_trigger=early, x_regs=x_regs).splitlines()]
+@pytest.mark.parametrize("early", [False, True])
+def test_mma_ptx_order_and_registers(early):
+    lines = [ln.strip() for ln in G.ring_mma_ptx(6288, M=8, early_trigger=early).splitlines()]
     first = lambda pat: next(i for i, ln in enumerate(lines) if pat in ln)   # noqa: E731
     wait = first("griddepcontrol.wait")
     bulk = [i for i, ln in enumerate(lines) if "cp.async.bulk.shared::cluster.global" in ln]
-    # a chunk's 16 row pieces go out before the PDL wait; the rest of the ring (and v13's x) after it
-    assert bulk[0] < wait and sum(i < wait for i in bulk) == 16 and (sum(i > wait for i in bulk) == 16 if x_regs else sum(i > wait for i in bulk) > 16)
-    # v13.1: x's B fragments are global loads after the wait (28 per lane at K = 7168), none before it
-    xl = [i for i, ln in enumerate(lines) if ln.startswith("ld.global") and ".v4" in ln]
-    assert (len(xl) == 28 and min(xl) > wait) if x_regs else not xl
+    # a chunk's 16 row pieces go out before the PDL wait; x and the rest of the ring after it
+    assert bulk[0] < wait and sum(i < wait for i in bulk) == 16 and sum(i > wait for i in bulk) >= 17
     # 8 consumer warps x 2 k32 steps per 512-column chunk: 3 tiles x 14 chunks x 2 steps x 2 k16 halves
     assert sum(ln.startswith("mma.sync.aligned.m16n8k16") for ln in lines) == 3 * 14 * 2 * 2
     trig = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")]
@@ -232,9 +226,8 @@ def test_mma_ptx_order_and_registers(early, x_regs):
     if tools is None:
         pytest.skip("ptxas not found (registers / spills need it)")
     for N, K, M in ((3216, 7168, 8), (6288, 7168, 4), (7168, 1536, 8)):
-        res = ptxas_resources(G.ring_mma_ptx(N, K, M, x_regs=x_regs), tools[0])
-        # one CTA of 9 warps per SM: up to 224 registers fit; v13.1's x fragments take ~112 of them at K = 7168
-        assert res["spill_store_bytes"] == 0 and res["registers"] <= (168 if x_regs else 64), (N, K, M, res)
+        res = ptxas_resources(G.ring_mma_ptx(N, K, M), tools[0])
+        assert res["spill_store_bytes"] == 0 and res["registers"] <= 64, (N, K, M, res)
 
 
 @needs_dsl
