@@ -111,15 +111,15 @@ def _cases(cfg, batch: int):
         # trigger at its end / after its wait) beside the norm + cuBLAS pair
         cases.append(("gemv_in_proj_plain@ringmma", lambda: gemv_ring_mma(x, w_in), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
+        def norm_cublas():
+            xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
+            return F.linear(xx, w_in)
+
         for tag, et in (("", False), ("et", True)):
             def norm_ring(et=et):
                 xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,
                                         early_trigger=et)
                 return gemv_ring_mma(xx, w_in)
-
-            def norm_cublas():
-                xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
-                return F.linear(xx, w_in)
             cases.append((f"attnres_rms_gemv@ringmma{tag}", norm_ring, norm_cublas, w_in.numel() * 2 + M * d * 2 * 4))
     if M > 2:
         # the opt-in tensor-core kernel with x staged in shared memory and K split across CTAs (gemv_splitk)

@@ -99,17 +99,15 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     prologue (None = rms_gemv_ring.JOINT_PROLOGUE). ``mid`` (None = INPROJ_MID): where the GEMV would be cuBLAS
     and M <= rms_gemv_ring.MMA_MAX_M, "ring" runs attnres_rmsnorm + rms_gemv_ring's tensor-core ring GEMV (v13),
     the norm launching it after its wait when ``mid_early`` (None = INPROJ_MID_EARLY). Returns (y, partial_out)."""
+    from . import rms_gemv, rms_gemv_ring
     M = partial.shape[0]
     if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
-        from . import rms_gemv_ring
         return rms_gemv_ring.attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps,
                                                    block_write=block_write, partial_out=partial_out,
                                                    early_trigger=early_trigger, joint=joint)
     early_trigger = True if early_trigger is None else early_trigger
-    from . import rms_gemv
     if mma is None:
         mma = "v2" if M <= INPROJ_DSL_MAX_M else "cublas"
-    from . import rms_gemv_ring
     if (mma == "cublas" and (INPROJ_MID if mid is None else mid) == "ring" and partial.dim() == 2
             and rms_gemv_ring.mma_applicable(M, w.shape[1], w.shape[0])):
         x, partial_out = rms_gemv.attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
