@@ -47,7 +47,12 @@ TAIL_DSL_MAX_M = 16
 # Session 5 (records-cd4a730-s5perf.json, one run, rank16): with in_proj and o_proj on cuBLAS at b8 (fast-gemv0) the
 # attention half took 41.9 us against 46.7 for ours (stock 77.2), so the threshold went 8 -> 4; at b1 ours stays
 # (39.6 against 40.2). M = 2..4 were not measured: they keep the FMA path, which is where the b1 figure comes from.
-GEMV_DSL_MAX_M = 4      # the same threshold serves o_proj (oproj_attnres: 23.6 us at rank16 b64, cuBLAS 8.6)
+# Session 21: 4 -> 8 for o_proj (oproj_attnres's fused AttnRes #2 at M 5..8 instead of cuBLAS + attnres_rmsnorm).
+# Measured as "fast-op8" beside the then default (records-4d058c5-s62.json, records-ef2e00e-s64.json): the attention
+# half at b8 -3.0 / -2.7 us (s62, rank8 / rank16, cuBLAS in_proj) and -3.1 / -3.3 (s64, on the v13 in_proj: rank8 b8
+# 55.0 -> 51.9 against stock's 90.6). "fast-op4" is the A/B with the threshold at 4. The in_proj has its own
+# threshold (INPROJ_DSL_MAX_M below), so this one now moves o_proj alone.
+GEMV_DSL_MAX_M = 8      # the same threshold serves o_proj (oproj_attnres: 23.6 us at rank16 b64, cuBLAS 8.6)
 # Session 7: the in_proj GEMV has its own, lower threshold. At M = 3-4 the AttnRes prologue no longer fuses (rms_gemv
 # FUSE_MAX_M = 2), and the FMA GEMV behind it took 37.7 us at rank16 b4 against cuBLAS's 19.7 (kernels-84291ed.json,
 # gemv_in_proj_plain); in the layer the b4 attention half was 51.5 us, 30.5 of them that GEMV
@@ -73,7 +78,7 @@ INPROJ_ENGINE = "ring"
 INPROJ_MID = "ring"
 INPROJ_MID_EARLY = True
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
-# M <= 8; "fast-opmma" is the A/B).
+# M <= 8; "fast-opmma" is the A/B with GEMV_DSL_MAX_M = 4, since at 8 no o_proj GEMV both runs apart and fits v13).
 OPROJ_MID = "cublas"
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + the TopkFromLogits kernel (router_down_topk_cublas): at rank16 b64 the fused kernel

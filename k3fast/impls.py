@@ -490,9 +490,11 @@ FAST_VARIANTS = {
     "fast-incublas": {"inproj_mid": "cublas"},  # the in_proj GEMV at M 3..8 on cuBLAS (before session 20)
     "fast-inmma": {"inproj_mid": "ring", "inproj_mid_early": False},   # in_proj, the norm's trigger at its end
     "fast-inmmaet": {"inproj_mid": "ring", "inproj_mid_early": True},  # ... after its wait (= fast since s62)
-    "fast-opmma": {"oproj_mid": "ring"},       # o_proj's GEMV above GEMV_DSL_MAX_M (M 5..8) on v13 too
-    "fast-mid": {"inproj_mid": "ring", "inproj_mid_early": True, "oproj_mid": "ring"},   # = fast-opmma since s62
-    "fast-op8": {"gemv_dsl_max_m": 8},         # oproj_attnres (fused AttnRes #2) up to M = 8 (in_proj unchanged)
+    # o_proj's GEMV at M 5..8 on v13 + attnres_rmsnorm (with o_proj's threshold at 4, as before session 21)
+    "fast-opmma": {"gemv_dsl_max_m": 4, "oproj_mid": "ring"},
+    "fast-mid": {"gemv_dsl_max_m": 4, "inproj_mid": "ring", "inproj_mid_early": True, "oproj_mid": "ring"},  # = fast-opmma
+    "fast-op8": {"gemv_dsl_max_m": 8},         # = fast since session 21 (oproj_attnres, the fused AttnRes #2, to M = 8)
+    "fast-op4": {"gemv_dsl_max_m": 4},         # o_proj on cuBLAS + attnres_rmsnorm at M 5..8 (before session 21)
     # (fast-opstage / fast-opstagelate, oproj_attnres v1.3's rest of the slice in shared memory before the wait,
     # measured slower at s47 and removed, code at 8574eb7; fast-oppf, v1.4's rest into L2, slower at s50, code at
     # ff51150)

@@ -159,7 +159,8 @@ for key in sorted(split):
 
 # %%
 from k3fast import fast as fast_mod
-print("in_proj / o_proj GEMV on CuTe up to M =", fast_mod.GEMV_DSL_MAX_M, "| router front up to M =",
+print("in_proj: fused ring up to M = 2 | M 3..8:", fast_mod.INPROJ_MID, "GEMV after attnres_rmsnorm | above: cuBLAS")
+print("o_proj fused (oproj_attnres) up to M =", fast_mod.GEMV_DSL_MAX_M, "| router front up to M =",
       fast_mod.FRONT_DSL_MAX_M, "| MoE tail up to M =", fast_mod.TAIL_DSL_MAX_M)
 
 # %% [markdown]

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
                                   "fast-endtrig", "fast-s8", "fast-s10", "fast-kdans8", "fast-s17kda", "fast-s19kda",
                                   "fast-inpf3", "fast-infma", "fast-ringearly", "fast-nojoint", "fast-oplean",
                                   "fast-opfence", "fast-op32", "fast-inmma", "fast-inmmaet", "fast-opmma",
-                                  "fast-mid", "fast-op8", "fast-incublas"])
+                                  "fast-mid", "fast-op8", "fast-op4", "fast-incublas"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -42,10 +42,12 @@ def test_fast_attention_half(tp, batch, impl):
     from k3fast.fast import INPROJ_DSL_MAX_M
     if impl in ("fast-inmma", "fast-inmmaet", "fast-mid", "fast-incublas") and not INPROJ_DSL_MAX_M < batch <= 8:
         pytest.skip(f"{impl} differs from fast only where the in_proj GEMV is cuBLAS and M <= 8")
-    if impl in ("fast-opmma", "fast-op8") and not GEMV_DSL_MAX_M < batch <= 8:
-        pytest.skip(f"{impl} differs from fast only where o_proj is cuBLAS and M <= 8")
-    if impl == "fast-gemv8" and not GEMV_DSL_MAX_M < batch <= 8:
-        pytest.skip("fast-gemv8 differs from fast only for GEMV_DSL_MAX_M < M <= 8")
+    if impl in ("fast-opmma", "fast-op4") and not 4 < batch <= GEMV_DSL_MAX_M:
+        pytest.skip(f"{impl} differs from fast only where it puts o_proj on a GEMV + attnres_rmsnorm (M 5..8)")
+    if impl == "fast-op8" and not GEMV_DSL_MAX_M < batch <= 8:
+        pytest.skip("fast-op8 differs from fast only for GEMV_DSL_MAX_M < M <= 8 (none since session 21)")
+    if impl == "fast-gemv8" and not INPROJ_DSL_MAX_M < batch <= 8:
+        pytest.skip("fast-gemv8 differs from fast only for INPROJ_DSL_MAX_M < M <= 8 (the in_proj GEMV)")
     cfg = k3_rank(tp)
     w = random_layer(cfg, 1, seed=21, device="cuda")
     outs = {}
