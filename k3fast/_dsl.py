@@ -137,14 +137,18 @@ def check_tensor(name: str, t, *, dtype=None, shape=None, device=None, contiguou
         raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
 
 
-def gemv_operands(x, w, out, *, k_multiple: int = 16, out_align: int = 2):
+def gemv_operands(x, w, out, *, k_multiple: int = 16, out_align: int = 2, nk=None):
     """Validate y[M, N] = x[M, K] @ w[N, K]^T operands (bf16, M in 1..64, N a multiple of 16, K of k_multiple);
-    allocate ``out`` when None.  Returns (M, N, K, out)."""
+    allocate ``out`` when None.  Returns (M, N, K, out). ``nk``: (N, K) of a re-laid weight ``w`` whose layout its
+    caller has checked, in place of w's own shape."""
     import torch
     check_tensor("w", w, dtype=torch.bfloat16)
-    if w.dim() != 2:
+    if nk is not None:
+        N, K = nk
+    elif w.dim() != 2:
         raise ValueError(f"w: expected [N, K], got {list(w.shape)}")
-    N, K = w.shape
+    else:
+        N, K = w.shape
     if N % 16 or K % k_multiple or N == 0 or K == 0:
         raise ValueError(f"w: N must be a positive multiple of 16 and K of {k_multiple}, got [{N}, {K}]")
     check_tensor("x", x, dtype=torch.bfloat16, device=w.device)

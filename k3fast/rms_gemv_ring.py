@@ -146,6 +146,24 @@ v13.1 (session 20, measured wrong at s63 and removed; the code is at c5137f8) x'
     v13 bit for bit in another test of the same run at M = 8: nondeterministic. The PTX keeps every shared load after
     its full-barrier wait and every empty arrival after the loads' MMAs; the cause was not found in the session. Not
     the default, not kept; v13 (x in shared memory) is what the layer runs.
+v14 (session 21; gemv_ring_mma on an MmaTiledWeight, mma_tile_weight; opt-in: fast.INPROJ_MID_TILED, impl
+    "fast-intiled"; CPU-compiled, measured by h200_next s65)
+    Why: v13 streams the rank8 in_proj at b8 in 29.3 us (s62), the M <= 2 ring (v12) the same 90 MB at b1 in 26.0
+    (s48), and both give each CTA the same bytes (rank8: 393 tiles over 132 CTAs, 3 at most, 2.98 on average; v12's
+    row pairs 24 at most). v13.1 had as many bytes in flight as v12 (12 slots, ~209 KB) and was still 28.9. What
+    differs is the request: v12 copies 28 KB contiguous runs, v13 a chunk as 16 row pieces of 1 KB, 14 KB apart (688
+    bulk copies per CTA instead of 24; cuBLAS's TMA tiles, 3.0-3.3 TB/s, are also many short row pieces).
+    Design: mma_tile_weight re-lays W once, on the host, so that each ring chunk (16 rows x KC columns) is one
+    contiguous 16 KB run, ordered as the consumer lanes read it: per k32 step kk and half h, lane (g, c)'s 16 bytes
+    of row 8 h + g at columns 32 kk + 8 c, so that a warp's load is 512 contiguous bytes (no bank conflict without
+    the rows' 64 B padding, hence a slot of 16 KB instead of 17 KB: 6 slots at rank8 b8 instead of 5). One bulk
+    copy per chunk; the consumer's fragments, MMAs and sums are v13's, so the result is v13's bit for bit. The layer
+    keeps the row-major in_proj for the M <= 2 ring and cuBLAS, so FastImpl holds a second copy (+90 MB at rank8).
+    Prediction (written before any GPU run; s65): if the 1 KB pieces are what holds v13 back, the bare GEMV at
+    rank8 b8 29.3 -> ~26.5 us (v12's pace), b4 28.3 -> ~26; rank16 b8 19.1 -> ~17.5 (its tile imbalance, 201 tiles
+    over 132 CTAs, 1.52 on average and 2 at most, stays); the attention half fast-intiled against fast: rank8 b4 / b8
+    -2 to -3 us, rank16 -1 to -2. Within +-0.5 us: the piece size is not the limit, and the gap to v12 is elsewhere
+    (x staged before the first MMA, the consumers' per-chunk barrier).
 
 Contracts
 ---------
@@ -153,8 +171,9 @@ Contracts
   * M <= 2 (x of both tokens in registers); N a positive multiple of 16; K a multiple of 1792 (7 warps x 32
     lanes x 8); one CTA per SM with ~227 KB of shared memory (it cannot share an SM with another CTA).
   * Deterministic: a fixed K split and summation order per row, whatever the grid.
-  * v13 (gemv_ring_mma): M <= 8, K a multiple of 256, at most MMA_TILES_MAX tiles per CTA (mma_applicable: the
-    rank16 / rank8 in_proj and o_proj, not full width); W only before the PDL wait, x after it; one CTA per SM.
+  * v13 / v14 (gemv_ring_mma): M <= 8, K a multiple of 256, at most MMA_TILES_MAX tiles per CTA (mma_applicable:
+    the rank16 / rank8 in_proj and o_proj, not full width); W only before the PDL wait, x after it; one CTA per SM.
+    v14 reads W only through an MmaTiledWeight (a distinct type, so that a row-major W cannot be taken for one).
 """
 
 from __future__ import annotations
@@ -403,10 +422,11 @@ def mma_tiles_max(N: int) -> int:
     return -(-T // min(NUM_SMS, T))
 
 
-def mma_plan(MB: int, K: int, tmax: int) -> tuple[int, int]:
-    """(KC, D): the chunk width and the ring slots that fit beside x (MB padded rows) and the partial sums."""
+def mma_plan(MB: int, K: int, tmax: int, tiled: bool = False) -> tuple[int, int]:
+    """(KC, D): the chunk width and the ring slots that fit beside x (MB padded rows) and the partial sums. A tiled
+    weight's chunk (v14) is staged as it lies in memory, without the rows' padding."""
     kc = mma_kc(K)
-    slot = 16 * (2 * kc + MMA_PAD)
+    slot = 16 * (2 * kc + (0 if tiled else MMA_PAD))
     fixed = MB * (2 * K + MMA_PAD) + MMA_CONSUMERS * tmax * 16 * 8 * 4 + 8 * (2 * 16 + 1) + SMEM_SLACK
     D = min(16, (SMEM_PER_CTA_MAX - fixed) // slot)
     if D < 2:
@@ -417,13 +437,13 @@ def mma_plan(MB: int, K: int, tmax: int) -> tuple[int, int]:
 MMA_TILES_MAX = 4        # the consumer loop is unrolled over a CTA's tiles: the K3 in_proj / o_proj at TP 8-16
 
 
-def mma_applicable(M: int, K: int, N: int) -> bool:
-    """Whether v13 serves this GEMV: M <= 8, K a multiple of 256, at most MMA_TILES_MAX tiles per CTA and x beside
-    at least two ring slots (not at full width: K = 12288 or N = 49376)."""
+def mma_applicable(M: int, K: int, N: int, tiled: bool = False) -> bool:
+    """Whether v13 / v14 serves this GEMV: M <= 8, K a multiple of 256, at most MMA_TILES_MAX tiles per CTA and x
+    beside at least two ring slots (not at full width: K = 12288 or N = 49376)."""
     if not 1 <= M <= MMA_MAX_M or K % 256 or N % 16 or N == 0 or mma_tiles_max(N) > MMA_TILES_MAX:
         return False
     try:
-        mma_plan(mma_bucket(M), K, mma_tiles_max(N))
+        mma_plan(mma_bucket(M), K, mma_tiles_max(N), tiled)
     except ValueError:
         return False
     return True
@@ -436,21 +456,22 @@ def _build_mma_class():
     from ._dsl import swapab_a_fragment
 
     class RingMmaGemv:
-        """y = x W^T for M <= 8: W in 16-row x KC chunks through a bulk-copy ring, x staged once, mma.sync."""
+        """y = x W^T for M <= 8: W in 16-row x KC chunks through a bulk-copy ring, x staged once, mma.sync.
+        tiled (v14): W as mma_tile_weight lays it out, each chunk one contiguous run in fragment order."""
 
-        def __init__(self, MB, K, tmax, early_trigger=False):
-            self.MB, self.K, self.tmax, self.early_trigger = MB, K, tmax, early_trigger
-            self.kc, self.D = mma_plan(MB, K, tmax)
+        def __init__(self, MB, K, tmax, early_trigger=False, tiled=False):
+            self.MB, self.K, self.tmax, self.early_trigger, self.tiled = MB, K, tmax, early_trigger, tiled
+            self.kc, self.D = mma_plan(MB, K, tmax, tiled)
             self.nkc = K // self.kc
             self.spw = self.kc // 32 // MMA_CONSUMERS      # k32 steps of a chunk per consumer warp
-            self.rs_v = (2 * self.kc + MMA_PAD) // 16      # staged row stride in 16-byte vectors
+            self.rs_v = (2 * self.kc + (0 if tiled else MMA_PAD)) // 16    # staged row stride in 16-byte vectors
             self.slot_v = 16 * self.rs_v
             self.xs_v = (2 * K + MMA_PAD) // 16
             self.nthreads = 32 * (MMA_CONSUMERS + 1)
 
         @cute.jit
         def __call__(self, mX, mW, mY, stream):
-            T = cute.size(mW, mode=[0]) // 16
+            T = cute.size(mW, mode=[0]) // (self.nkc if const_expr(self.tiled) else 16)
             self.kernel(mX, mW, mY).launch(grid=[cutlass.min(T, NUM_SMS), 1, 1], block=[self.nthreads, 1, 1],
                                            stream=stream, use_pdl=True, preferred_smem_carveout=100)
 
@@ -462,7 +483,7 @@ def _build_mma_class():
             bid = cute.arch.block_idx()[0]
             nblk = cute.arch.grid_dim()[0]
             M = cute.size(mX, mode=[0])
-            T = cute.size(mW, mode=[0]) // 16
+            T = cute.size(mW, mode=[0]) // (self.nkc if const_expr(self.tiled) else 16)
             t0 = bid * T // nblk
             ntile = (bid + 1) * T // nblk - t0
             D, NKC, KC = self.D, self.nkc, self.kc
@@ -528,9 +549,15 @@ def _build_mma_class():
                             cute.arch.mbarrier_wait(mbar + s, (q // D) % 2)
                             for st in cutlass.range_constexpr(self.spw):
                                 kk = warp * self.spw + st
-                                vb = s * self.slot_v + g * self.rs_v + kk * 4 + c
-                                cute.autovec_copy(sRing[None, vb], rA[None, 0])
-                                cute.autovec_copy(sRing[None, vb + 8 * self.rs_v], rA[None, 1])
+                                if const_expr(self.tiled):
+                                    # fragment order: the warp's 32 lanes read 512 contiguous bytes per load
+                                    vb = s * self.slot_v + kk * 64 + lane
+                                    cute.autovec_copy(sRing[None, vb], rA[None, 0])
+                                    cute.autovec_copy(sRing[None, vb + 32], rA[None, 1])
+                                else:
+                                    vb = s * self.slot_v + g * self.rs_v + kk * 4 + c
+                                    cute.autovec_copy(sRing[None, vb], rA[None, 0])
+                                    cute.autovec_copy(sRing[None, vb + 8 * self.rs_v], rA[None, 1])
                                 cute.autovec_copy(sX[None, xb + kc * (KC // 8) + kk * 4], rX)
                                 for h in cutlass.range_constexpr(2):
                                     swapab_a_fragment(fa, rA, h, 0)
@@ -562,14 +589,20 @@ def _build_mma_class():
 
         @cute.jit
         def issue(self, gW, sRing, mbar, s, q, t0):
-            """Chunk q of this CTA (tile t0 + q // NKC, columns [(q % NKC) KC, + KC)): 16 row pieces into slot s."""
+            """Chunk q of this CTA (tile t0 + q // NKC, columns [(q % NKC) KC, + KC)) into slot s: 16 row pieces,
+            or, tiled, the chunk's one contiguous run (row t0 NKC + q of the tiled weight)."""
             cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, 16 * self.kc * 2)
-            ti = q // self.nkc
-            k8 = (q - ti * self.nkc) * (self.kc // 8)
-            for r in cutlass.range_constexpr(16):
-                cp_async_bulk_shared_cluster_global(sRing[None, s * self.slot_v + r * self.rs_v].iterator,
-                                                    gW[0, None, (t0 + ti) * 16 + r, k8].iterator, mbar + s,
-                                                    self.kc * 2)
+            if const_expr(self.tiled):
+                cp_async_bulk_shared_cluster_global(sRing[None, s * self.slot_v].iterator,
+                                                    gW[0, None, t0 * self.nkc + q, 0].iterator, mbar + s,
+                                                    16 * self.kc * 2)
+            else:
+                ti = q // self.nkc
+                k8 = (q - ti * self.nkc) * (self.kc // 8)
+                for r in cutlass.range_constexpr(16):
+                    cp_async_bulk_shared_cluster_global(sRing[None, s * self.slot_v + r * self.rs_v].iterator,
+                                                        gW[0, None, (t0 + ti) * 16 + r, k8].iterator, mbar + s,
+                                                        self.kc * 2)
 
     return RingMmaGemv
 
@@ -590,41 +623,76 @@ def mma_bucket(M: int) -> int:
     return 4 if M <= 4 else 8
 
 
-def mma_compile_key(M: int, K: int, N: int, early_trigger: bool = False) -> tuple:
-    return ("rms_gemv_ring.mma", mma_bucket(M), K, mma_tiles_max(N), bool(early_trigger))
+def mma_compile_key(M: int, K: int, N: int, early_trigger: bool = False, tiled: bool = False) -> tuple:
+    """v14 (a tiled weight) is its own build; the key then ends with "tiled"."""
+    return ("rms_gemv_ring.mma", mma_bucket(M), K, mma_tiles_max(N), bool(early_trigger)) + (("tiled",) if tiled else ())
 
 
-def _build_mma(MB, K, tmax, early_trigger=False, options=TVM_FFI):
+def _build_mma(MB, K, tmax, early_trigger=False, tiled=False, options=TVM_FFI):
     cutlass, cute = import_cute()
     BF = cutlass.BFloat16
     M, N = cute.sym_int(), cute.sym_int(divisibility=16)
     x = fake_tensor(BF, (M, K))
-    w = fake_tensor(BF, (N, K))
+    w = fake_tensor(BF, (cute.sym_int(), 32 * mma_kc(K))) if tiled else fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (M, N), align=2)
-    return cute.compile(_mma_cls()(MB, K, tmax, early_trigger), x, w, y, fake_stream(), options=options)
+    return cute.compile(_mma_cls()(MB, K, tmax, early_trigger, tiled), x, w, y, fake_stream(), options=options)
 
 
 def _compile_mma(key):
-    _, MB, K, tmax, et = key
-    return compile_cached(key, lambda: _build_mma(MB, K, tmax, et))
+    _, MB, K, tmax, et = key[:5]
+    return compile_cached(key, lambda: _build_mma(MB, K, tmax, et, key[5:] == ("tiled",)))
 
 
-def ring_mma_ptx(N: int, K: int = 7168, M: int = 8, early_trigger: bool = False) -> str:
+def ring_mma_ptx(N: int, K: int = 7168, M: int = 8, early_trigger: bool = False, tiled: bool = False) -> str:
     """PTX of the tensor-core ring GEMV (uncached; for reading and the CPU tests)."""
     from .ptxcheck import compiled_ptx
-    return compiled_ptx(lambda: _build_mma(mma_bucket(M), K, mma_tiles_max(N), early_trigger,
+    return compiled_ptx(lambda: _build_mma(mma_bucket(M), K, mma_tiles_max(N), early_trigger, tiled,
                                            options=TVM_FFI + " --keep-ptx"))
 
 
+class MmaTiledWeight:
+    """W [N, K] re-laid for v14 (mma_tile_weight): ``data`` is [N / 16 * K / KC, 16 * KC], row t * NKC + kc one
+    ring chunk (rows [16 t, 16 t + 16), columns [kc KC, kc KC + KC)) in the order the consumer warps read it: for
+    each k32 step kk, for h in (0, 1), lane (g, c) = (lane // 4, lane % 4) holds the 8 columns kk 32 + 8 c .. + 8 of
+    row 16 t + 8 h + g. A type of its own, so that a plain [N, K] weight cannot be read as a tiled one."""
+
+    def __init__(self, data, N: int, K: int):
+        self.data, self.N, self.K = data, N, K
+
+    @property
+    def shape(self):
+        return (self.N, self.K)
+
+
+def mma_tile_weight(w) -> MmaTiledWeight:
+    """The tiled copy of a bf16 weight [N, K] (N a multiple of 16, K of 256) that gemv_ring_mma reads as v14."""
+    import torch
+    check_tensor("w", w, dtype=torch.bfloat16)
+    if w.dim() != 2 or w.shape[0] % 16 or w.shape[0] == 0 or w.shape[1] % 256:
+        raise ValueError(f"w: expected [N (a positive multiple of 16), K (a multiple of 256)], got {list(w.shape)}")
+    N, K = w.shape
+    kc = mma_kc(K)
+    # row 16 t + 8 h + g, column kc KC + 32 kk + 8 c + e  ->  [t, kc, kk, h, g, c, e]
+    v = w.reshape(N // 16, 2, 8, K // kc, kc // 32, 4, 8).permute(0, 3, 4, 1, 2, 5, 6)
+    return MmaTiledWeight(v.contiguous().view(N // 16 * (K // kc), 16 * kc), N, K)
+
+
 def gemv_ring_mma(x, w, out=None, *, early_trigger: bool = False):
-    """y[M, N] = x[M, K] @ w[N, K]^T for M <= 8 through the bulk-copy ring with a tensor-core consumer (v13):
-    bf16 in / out, fp32 accumulate, the K partials of the 8 consumer warps added in warp order."""
-    M, N, K, out = gemv_operands(x, w, out, k_multiple=256)
+    """y[M, N] = x[M, K] @ w[N, K]^T for M <= 8 through the bulk-copy ring with a tensor-core consumer: bf16 in / out,
+    fp32 accumulate, the K partials of the 8 consumer warps added in warp order. w: the [N, K] weight (v13, each
+    chunk as 16 row pieces), or its MmaTiledWeight (v14, each chunk one contiguous bulk copy); both give the same
+    bits."""
+    tiled = isinstance(w, MmaTiledWeight)
+    if tiled:
+        import torch
+        kc = mma_kc(w.K)
+        check_tensor("w.data", w.data, dtype=torch.bfloat16, shape=(w.N // 16 * (w.K // kc), 16 * kc))
+    M, N, K, out = gemv_operands(x, w.data if tiled else w, out, k_multiple=256, nk=w.shape if tiled else None)
     mma_bucket(M)
-    if not mma_applicable(M, K, N):
+    if not mma_applicable(M, K, N, tiled):
         raise ValueError(f"w: the tensor-core ring GEMV takes at most {MMA_TILES_MAX} 16-row tiles per CTA and x beside "
                          f"two ring slots; [N, K] = [{N}, {K}] at M = {M} does not fit (mma_applicable)")
-    _compile_mma(mma_compile_key(M, K, N, early_trigger))(x, w, out)
+    _compile_mma(mma_compile_key(M, K, N, early_trigger, tiled))(x, w.data if tiled else w, out)
     return out
 
 

@@ -230,6 +230,68 @@ def test_mma_ptx_order_and_registers(early):
         assert res["spill_store_bytes"] == 0 and res["registers"] <= 64, (N, K, M, res)
 
 
+# ------------------------------------------------------------------ v14: the same ring on a tiled (re-laid) weight
+
+def test_mma_tile_weight_layout():
+    """Chunk row t NKC + kc of the tiled weight, 16-byte vector kk 64 + h 32 + lane, is what lane (g, c) of the
+    consumer warps reads for k32 step kk, half h: row 16 t + 8 h + g, columns kc KC + 32 kk + 8 c .. + 8."""
+    N, K = 48, 1024                                       # K = 2 chunks of 512
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    tw = G.mma_tile_weight(w)
+    assert tw.shape == (N, K) and tw.data.shape == (N // 16 * 2, 16 * 512) and tw.data.is_contiguous()
+    vec = tw.data.view(N // 16, 2, 1024, 8)
+    for t in range(N // 16):
+        for kc in range(2):
+            for kk in (0, 5, 15):
+                for h in range(2):
+                    for lane in (0, 7, 31):
+                        g, c = divmod(lane, 4)
+                        col = kc * 512 + 32 * kk + 8 * c
+                        assert torch.equal(vec[t, kc, 64 * kk + 32 * h + lane], w[16 * t + 8 * h + g, col:col + 8])
+    # a permutation: every element once
+    assert torch.equal(torch.sort(tw.data.flatten().float())[0], torch.sort(w.flatten().float())[0])
+
+
+def test_mma_tiled_plan_and_bad_inputs():
+    # without the rows' 64 B padding a slot is 16 KB: one more slot at rank8 b8 (6 against 5)
+    assert G.mma_plan(8, 7168, 3, tiled=True) == (512, 6) and G.mma_plan(8, 7168, 3) == (512, 5)
+    assert G.mma_compile_key(8, 7168, 6288, tiled=True)[-1] == "tiled"
+    assert G.mma_compile_key(8, 7168, 6288) == ("rms_gemv_ring.mma", 8, 7168, 3, False)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        G.mma_tile_weight(torch.zeros(64, 1000, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        G.mma_tile_weight(torch.zeros(40, 7168, dtype=torch.bfloat16))
+    tw = G.mma_tile_weight(torch.zeros(64, 7168, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x: expected \[M, 7168\]"):
+        G.gemv_ring_mma(torch.zeros(3, 1024, dtype=torch.bfloat16), tw)
+    tw.data = tw.data[:-1]                                 # a tiled weight that lost a chunk
+    with pytest.raises(ValueError, match="w.data: expected shape"):
+        G.gemv_ring_mma(torch.zeros(3, 7168, dtype=torch.bfloat16), tw)
+
+
+@needs_dsl
+def test_mma_tiled_ptx():
+    """v14: one 16 KB bulk copy per chunk (rank8 b8: 6 slots before the PDL wait), the same MMAs as v13, and each
+    weight fragment one 16-byte shared load."""
+    for early in (False, True):
+        G._compile_mma(G.mma_compile_key(8, 7168, 6288, early, tiled=True))
+        G._compile_mma(G.mma_compile_key(4, 7168, 3216, early, tiled=True))
+    lines = [ln.strip() for ln in G.ring_mma_ptx(6288, M=8, tiled=True).splitlines()]
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    bulk = [i for i, ln in enumerate(lines) if "cp.async.bulk.shared::cluster.global" in ln]
+    # one copy in the pre-wait loop (run D times); after the wait x's per-token copies and the ring's refill, in
+    # loops the compiler unrolls (v13: 16 row pieces per chunk, 21 copies there)
+    assert sum(i < wait for i in bulk) == 1 and 2 <= sum(i > wait for i in bulk) <= 12
+    assert sum(ln.startswith("mma.sync.aligned.m16n8k16") for ln in lines) == 3 * 14 * 2 * 2
+    assert sum(ln.startswith("ld.shared.v4") for ln in lines) == 3 * 14 * 2 * 3     # A rows g, g + 8 and x
+    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    tools = find_sass_tools()
+    if tools is None:
+        pytest.skip("ptxas not found (registers / spills need it)")
+    res = ptxas_resources(G.ring_mma_ptx(6288, M=8, tiled=True), tools[0])
+    assert res["spill_store_bytes"] == 0 and res["registers"] <= 64, res
+
+
 @needs_dsl
 @pytest.mark.parametrize("early", [False, True])
 def test_norm_trigger_placement(early):

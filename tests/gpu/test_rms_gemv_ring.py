@@ -173,6 +173,23 @@ def test_gemv_ring_mma(G, R, seed, M, N, Kw):
     assert torch.equal(G.gemv_ring_mma(x[-1:].contiguous(), w)[0], y[-1])
 
 
+@pytest.mark.parametrize("M", [1, 3, 4, 8])
+@pytest.mark.parametrize("N,Kw", MMA_SHAPES)
+def test_gemv_ring_mma_tiled(G, seed, M, N, Kw):
+    """v14 (the weight re-laid by mma_tile_weight, one bulk copy per chunk): every lane reads the same 16 bytes as in
+    v13, so the result is v13's bit for bit; poisoned output, deterministic."""
+    x = torch.randn(M, Kw, device="cuda").to(torch.bfloat16)
+    w = make_w(N, Kw)
+    tw = G.mma_tile_weight(w)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = G.gemv_ring_mma(x, tw, out=out)
+    torch.cuda.synchronize()
+    assert y.data_ptr() == out.data_ptr()
+    assert_close("gemv_ring_mma (tiled)", y, F.linear(x.float(), w.float()), "bf16_kernel")
+    assert torch.equal(y, G.gemv_ring_mma(x, w))
+    assert torch.equal(G.gemv_ring_mma(x, tw), y)
+
+
 def test_gemv_ring_mma_nan_poisons_its_token_only(G, seed):
     """A NaN in token 1's x makes token 1's outputs NaN and leaves the others finite and unchanged."""
     x = torch.randn(5, K, device="cuda").to(torch.bfloat16)
@@ -221,6 +238,9 @@ def test_norm_then_ring_mma_in_a_graph(G, R, seed, M, early):
     x_n, p_n = R.attnres_rmsnorm(blocks, n_blocks, p, delta, u, w_ln, eps=EPS, early_trigger=not early)
     assert torch.equal(p_n, po)
     assert torch.equal(G.gemv_ring_mma(x_n, w), y)          # the norm's trigger placement changes no bit
+    y_t, _ = attnres_in_proj(blocks, n_blocks, p, delta, u, w_ln, w, eps=EPS, block_write=-1, partial_out=pout,
+                             mid="ring", mid_early=early, w_tiled=G.mma_tile_weight(w))
+    assert torch.equal(y_t, y)                              # v14 on the tiled weight: the same bits
     holder = {}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
