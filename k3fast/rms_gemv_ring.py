@@ -633,7 +633,7 @@ def _build_mma(MB, K, tmax, early_trigger=False, tiled=False, options=TVM_FFI):
     BF = cutlass.BFloat16
     M, N = cute.sym_int(), cute.sym_int(divisibility=16)
     x = fake_tensor(BF, (M, K))
-    w = fake_tensor(BF, (cute.sym_int(), 32 * mma_kc(K))) if tiled else fake_tensor(BF, (N, K))
+    w = fake_tensor(BF, (cute.sym_int(), mma_tiled_shape(16, K)[1])) if tiled else fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (M, N), align=2)
     return cute.compile(_mma_cls()(MB, K, tmax, early_trigger, tiled), x, w, y, fake_stream(), options=options)
 
@@ -648,6 +648,12 @@ def ring_mma_ptx(N: int, K: int = 7168, M: int = 8, early_trigger: bool = False,
     from .ptxcheck import compiled_ptx
     return compiled_ptx(lambda: _build_mma(mma_bucket(M), K, mma_tiles_max(N), early_trigger, tiled,
                                            options=TVM_FFI + " --keep-ptx"))
+
+
+def mma_tiled_shape(N: int, K: int) -> tuple[int, int]:
+    """[N / 16 * K / KC, 16 KC]: the tiled weight's shape, a row per ring chunk (the one place that says it)."""
+    kc = mma_kc(K)
+    return N // 16 * (K // kc), 16 * kc
 
 
 class MmaTiledWeight:
@@ -674,7 +680,7 @@ def mma_tile_weight(w) -> MmaTiledWeight:
     kc = mma_kc(K)
     # row 16 t + 8 h + g, column kc KC + 32 kk + 8 c + e  ->  [t, kc, kk, h, g, c, e]
     v = w.reshape(N // 16, 2, 8, K // kc, kc // 32, 4, 8).permute(0, 3, 4, 1, 2, 5, 6)
-    return MmaTiledWeight(v.contiguous().view(N // 16 * (K // kc), 16 * kc), N, K)
+    return MmaTiledWeight(v.contiguous().view(mma_tiled_shape(N, K)), N, K)
 
 
 def gemv_ring_mma(x, w, out=None, *, early_trigger: bool = False):
@@ -685,8 +691,7 @@ def gemv_ring_mma(x, w, out=None, *, early_trigger: bool = False):
     tiled = isinstance(w, MmaTiledWeight)
     if tiled:
         import torch
-        kc = mma_kc(w.K)
-        check_tensor("w.data", w.data, dtype=torch.bfloat16, shape=(w.N // 16 * (w.K // kc), 16 * kc))
+        check_tensor("w.data", w.data, dtype=torch.bfloat16, shape=mma_tiled_shape(w.N, w.K))
     M, N, K, out = gemv_operands(x, w.data if tiled else w, out, k_multiple=256, nk=w.shape if tiled else None)
     mma_bucket(M)
     if not mma_applicable(M, K, N, tiled):

@@ -665,5 +665,16 @@ case "${1:-}" in
           cells=""; for c in k3_rank8,8 k3_rank16,8 k3_rank8,4 k3_rank16,4; do
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-intiled+fast-op4"; done
           K3_SWEEP_TIMEOUT=230 bash scripts/h200_sweep.sh $cells --budget-s 210 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65"; exit 2 ;;
+  # written in session 21 after s65 (v14's build took a 32 KC-wide weight operand, so every v14 call was refused at
+  # its argument check; fixed): v14's tests, its kernel rows and fast-intiled beside fast and stock
+  s66)    ids=$(for t in 16 8; do for b in 3 4 7 8; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$b-$t-fast-intiled]"; done; done)
+          K3_TEST_TIMEOUT=150 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv_ring.py -k "tiled or graph or fast" $ids || true
+          o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          timeout 80 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 4 8 \
+            --kernels gemv_in_proj_plain@ringmma gemv_in_proj_plain@ringmmatiled attnres_rms_gemv@ringmmaet \
+            attnres_rms_gemv@ringmmaettiled > "$o/kernels.log" 2>&1; grep -v -i warn "$o/kernels.log" | tail -16
+          cells=""; for c in k3_rank8,8 k3_rank16,8 k3_rank8,4 k3_rank16,4; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-intiled"; done
+          K3_SWEEP_TIMEOUT=200 bash scripts/h200_sweep.sh $cells --budget-s 180 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66"; exit 2 ;;
 esac

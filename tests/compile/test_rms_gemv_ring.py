@@ -239,6 +239,7 @@ def test_mma_tile_weight_layout():
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(5)).bfloat16()
     tw = G.mma_tile_weight(w)
     assert tw.shape == (N, K) and tw.data.shape == (N // 16 * 2, 16 * 512) and tw.data.is_contiguous()
+    assert G.mma_tiled_shape(N, K) == tuple(tw.data.shape)
     vec = tw.data.view(N // 16, 2, 1024, 8)
     for t in range(N // 16):
         for kc in range(2):
