@@ -82,11 +82,9 @@ INPROJ_MID_EARLY = True
 # of 1 KB). FastImpl then holds the in_proj twice (the M <= 2 ring and cuBLAS above M = 8 read it row-major).
 # "fast-intiled" is the A/B; version log v14 in rms_gemv_ring.py.
 INPROJ_MID_TILED = False
-# Session 21: where the ring GEMV (v13 / v14) launches the KDA step: at its end (False), or right after its wait
-# (True), so that KDA CTAs take the SMs of the ring CTAs that finish first and load their state while the rest of the
-# ring streams (s67's rank8 b8 timeline: the KDA step 9.6 us after the ring's end, o_proj 9.5 after it).
-# "fast-inmmatrig" is the A/B.
-INPROJ_MID_TRIGGER = False
+# (The ring GEMV launching the KDA step right after its wait, "fast-inmmatrig" / "fast-intiledtrig", was measured at
+# 561d389 (s68): the KDA CTAs sat beside the ring from 6.7 us and the attention half took +9.7 us at rank8 b8, +2.5
+# at rank16 b8; removed, the code is at 561d389. The ring launches it at its end.)
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
 # M <= 8; "fast-opmma" is the A/B with GEMV_DSL_MAX_M = 4, since at 8 no o_proj GEMV both runs apart and fits v13).
 OPROJ_MID = "cublas"
@@ -106,7 +104,7 @@ FRONT_DSL_MAX_M = 4
 
 def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_write, partial_out,
                     early_trigger=None, engine=None, mma=None, joint=None, mid=None, mid_early=None, w_tiled=None,
-                    mid_trigger=None, **fma_options):
+                    **fma_options):
     """AttnRes #1 + input RMSNorm + packed in_proj as the layer runs it: rms_gemv_ring (one launch) at M <= 2 when
     ``engine`` (None = INPROJ_ENGINE) is "ring"; otherwise rms_gemv.attnres_rms_gemv, fused at M <= 2, its
     tensor-core GEMV up to INPROJ_DSL_MAX_M and cuBLAS above (``mma`` None = that rule; fma_options are
@@ -115,8 +113,7 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     prologue (None = rms_gemv_ring.JOINT_PROLOGUE). ``mid`` (None = INPROJ_MID): where the GEMV would be cuBLAS
     and M <= rms_gemv_ring.MMA_MAX_M, "ring" runs attnres_rmsnorm + rms_gemv_ring's tensor-core ring GEMV (v13),
     the norm launching it after its wait when ``mid_early`` (None = INPROJ_MID_EARLY); ``w_tiled``, w's
-    rms_gemv_ring.mma_tile_weight copy, makes that GEMV v14 (the same bits); ``mid_trigger`` (None =
-    INPROJ_MID_TRIGGER): that GEMV launches its dependent right after its wait. Returns (y, partial_out)."""
+    rms_gemv_ring.mma_tile_weight copy, makes that GEMV v14 (the same bits). Returns (y, partial_out)."""
     from . import rms_gemv, rms_gemv_ring
     M = partial.shape[0]
     if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
@@ -131,9 +128,7 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
         x, partial_out = rms_gemv.attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
                                                   block_write=block_write, partial_out=partial_out,
                                                   early_trigger=INPROJ_MID_EARLY if mid_early is None else mid_early)
-        return rms_gemv_ring.gemv_ring_mma(x, w if w_tiled is None else w_tiled,
-                                           early_trigger=INPROJ_MID_TRIGGER if mid_trigger is None else mid_trigger), \
-            partial_out
+        return rms_gemv_ring.gemv_ring_mma(x, w if w_tiled is None else w_tiled), partial_out
     return rms_gemv.attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps, block_write=block_write,
                                      partial_out=partial_out, mma=mma, early_trigger=early_trigger, **fma_options)
 
@@ -194,7 +189,7 @@ class FastImpl:
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
                  inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
-                 inproj_tiled: bool | None = None, inproj_mid_trigger: bool | None = None):
+                 inproj_tiled: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -291,7 +286,6 @@ class FastImpl:
         self.inproj_mid, self.inproj_mid_early, self.oproj_mid = inproj_mid, inproj_mid_early, oproj_mid
         # None: INPROJ_MID_TILED. The tiled copy exists only where the v13 path can run (M 3..8 within max_batch)
         self.inproj_tiled = INPROJ_MID_TILED if inproj_tiled is None else inproj_tiled
-        self.inproj_mid_trigger = inproj_mid_trigger     # None: INPROJ_MID_TRIGGER
         self.in_proj_tiled = None
         if (self.inproj_tiled and self.stock_attn is None and max_batch > inproj_dsl_max_m
                 and (INPROJ_MID if inproj_mid is None else inproj_mid) == "ring"):
@@ -357,8 +351,6 @@ class FastImpl:
                         + ("" if inproj_joint is None else f", ring in_proj joint prologue {'on' if inproj_joint else 'off'}")
                         + ("" if inproj_mid is None else f", in_proj GEMV at M 3-8 {inproj_mid}")
                         + ("" if inproj_tiled is None else f", in_proj v13 weight {'tiled' if inproj_tiled else 'row-major'}")
-                        + ("" if inproj_mid_trigger is None else
-                           f", in_proj ring GEMV trigger {'early' if inproj_mid_trigger else 'at its end'}")
                         + ("" if inproj_mid_early is None else
                            f", AttnRes norm trigger {'early' if inproj_mid_early else 'at its end'} before it")
                         + ("" if oproj_mid is None else f", o_proj GEMV at M 5-8 {oproj_mid}")
@@ -402,7 +394,7 @@ class FastImpl:
                                       partial_out=p1, early_trigger=self.inproj_early_trigger,
                                       engine=self.inproj_engine, joint=self.inproj_joint,
                                       mid=self.inproj_mid, mid_early=self.inproj_mid_early,
-                                      w_tiled=self.in_proj_tiled, mid_trigger=self.inproj_mid_trigger,
+                                      w_tiled=self.in_proj_tiled,
                                       mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                       fused_groups=self.gemv_groups, pin_loads=self.gemv_pin,
                                       prefetch_groups=self.gemv_prefetch)

@@ -496,8 +496,8 @@ FAST_VARIANTS = {
     "fast-op8": {"gemv_dsl_max_m": 8},         # = fast since session 21 (oproj_attnres, the fused AttnRes #2, to M = 8)
     "fast-op4": {"gemv_dsl_max_m": 4},         # o_proj on cuBLAS + attnres_rmsnorm at M 5..8 (before session 21)
     "fast-intiled": {"inproj_tiled": True},    # the in_proj's ring at M 3..8 on its tiled weight (v14)
-    "fast-inmmatrig": {"inproj_mid_trigger": True},  # that ring launches the KDA step right after its wait
-    "fast-intiledtrig": {"inproj_tiled": True, "inproj_mid_trigger": True},
+    # (fast-inmmatrig / fast-intiledtrig, that ring launching the KDA step right after its wait, were measured at
+    # 561d389 (s68), slower at all four b4 / b8 cells, and removed)
     # (fast-opstage / fast-opstagelate, oproj_attnres v1.3's rest of the slice in shared memory before the wait,
     # measured slower at s47 and removed, code at 8574eb7; fast-oppf, v1.4's rest into L2, slower at s50, code at
     # ff51150)

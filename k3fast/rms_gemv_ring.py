@@ -164,6 +164,12 @@ v14 (session 21; gemv_ring_mma on an MmaTiledWeight, mma_tile_weight; opt-in: fa
     over 132 CTAs, 1.52 on average and 2 at most, stays); the attention half fast-intiled against fast: rank8 b4 / b8
     -2 to -3 us, rank16 -1 to -2. Within +-0.5 us: the piece size is not the limit, and the gap to v12 is elsewhere
     (x staged before the first MMA, the consumers' per-chunk barrier).
+    Measured (s66 at 2c88954, kernels- / records-2c88954-s66.json; GPU tests 40 passed, v14 = v13 bit for bit; s65 at
+    c23e108 ran a build whose weight operand was 32 KC wide, so every call was refused at its argument check): bare
+    GEMV v13 -> v14 rank8 b8 29.5 -> 28.6 us, b4 28.1 -> 27.4, rank16 b8 19.4 -> 18.7; attention half fast ->
+    fast-intiled rank8 b8 51.8 -> 50.8 (s66), 51.5 -> 51.3 (s67), 51.6 -> 50.5 (s68); rank16 b8 -1.2 / -1.2 / -0.7;
+    b4 -0.2 to -1.0. Missed: the 1 KB pieces were ~0.7 us of the gap (b4, 9 slots in both) and one more slot ~0.3
+    (b8); the rest of the gap to v12 is not the request size. Opt-in: the layer would hold the in_proj twice.
 
 Contracts
 ---------

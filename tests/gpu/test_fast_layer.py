@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
                                   "fast-inpf3", "fast-infma", "fast-ringearly", "fast-nojoint", "fast-oplean",
                                   "fast-opfence", "fast-op32", "fast-inmma", "fast-inmmaet", "fast-opmma",
                                   "fast-mid", "fast-op8", "fast-op4", "fast-incublas",
-                                  "fast-intiled", "fast-inmmatrig", "fast-intiledtrig"])
+                                  "fast-intiled"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -41,8 +41,7 @@ def test_fast_attention_half(tp, batch, impl):
         if choose_nsplit(batch, k3_rank(tp).kda_heads) == 8:
             pytest.skip(f"{impl} differs from fast only where choose_nsplit picks 4")
     from k3fast.fast import INPROJ_DSL_MAX_M
-    if (impl in ("fast-inmma", "fast-inmmaet", "fast-mid", "fast-incublas", "fast-intiled", "fast-inmmatrig",
-                 "fast-intiledtrig")
+    if (impl in ("fast-inmma", "fast-inmmaet", "fast-mid", "fast-incublas", "fast-intiled")
             and not INPROJ_DSL_MAX_M < batch <= 8):
         pytest.skip(f"{impl} differs from fast only where the in_proj GEMV is cuBLAS and M <= 8")
     if impl in ("fast-opmma", "fast-op4") and not 4 < batch <= GEMV_DSL_MAX_M:
