@@ -115,23 +115,17 @@ def _cases(cfg, batch: int):
             xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
             return F.linear(xx, w_in)
 
-        for tag, et in (("", False), ("et", True)):
-            def norm_ring(et=et):
-                xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,
-                                        early_trigger=et)
-                return gemv_ring_mma(xx, w_in)
-            cases.append((f"attnres_rms_gemv@ringmma{tag}", norm_ring, norm_cublas, w_in.numel() * 2 + M * d * 2 * 4))
         # v14 (session 21): the same ring on the tiled copy of the weight (one 16 KB bulk copy per chunk)
         from .rms_gemv_ring import mma_tile_weight
         w_tiled = mma_tile_weight(w_in)
         cases.append(("gemv_in_proj_plain@ringmmatiled", lambda: gemv_ring_mma(x, w_tiled), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
-
-        def norm_ring_tiled():
-            xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,
-                                    early_trigger=True)
-            return gemv_ring_mma(xx, w_tiled)
-        cases.append(("attnres_rms_gemv@ringmmaettiled", norm_ring_tiled, norm_cublas, w_in.numel() * 2 + M * d * 2 * 4))
+        for tag, et, ww in (("", False, w_in), ("et", True, w_in), ("ettiled", True, w_tiled)):
+            def norm_ring(et=et, ww=ww):
+                xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,
+                                        early_trigger=et)
+                return gemv_ring_mma(xx, ww)
+            cases.append((f"attnres_rms_gemv@ringmma{tag}", norm_ring, norm_cublas, w_in.numel() * 2 + M * d * 2 * 4))
     if M > 2:
         # the opt-in tensor-core kernel with x staged in shared memory and K split across CTAs (gemv_splitk)
         cases.append(("gemv_in_proj_plain@splitk", lambda: gemv(x, w_in, mma="splitk"), lambda: F.linear(x, w_in),

@@ -475,9 +475,13 @@ def _build_mma_class():
             self.xs_v = (2 * K + MMA_PAD) // 16
             self.nthreads = 32 * (MMA_CONSUMERS + 1)
 
+        def tiles(self, mW):
+            """T, the 16-row tiles of W: a tiled weight holds a row per chunk, NKC per tile."""
+            return cute.size(mW, mode=[0]) // (self.nkc if self.tiled else 16)
+
         @cute.jit
         def __call__(self, mX, mW, mY, stream):
-            T = cute.size(mW, mode=[0]) // (self.nkc if const_expr(self.tiled) else 16)
+            T = self.tiles(mW)
             self.kernel(mX, mW, mY).launch(grid=[cutlass.min(T, NUM_SMS), 1, 1], block=[self.nthreads, 1, 1],
                                            stream=stream, use_pdl=True, preferred_smem_carveout=100)
 
@@ -489,7 +493,7 @@ def _build_mma_class():
             bid = cute.arch.block_idx()[0]
             nblk = cute.arch.grid_dim()[0]
             M = cute.size(mX, mode=[0])
-            T = cute.size(mW, mode=[0]) // (self.nkc if const_expr(self.tiled) else 16)
+            T = self.tiles(mW)
             t0 = bid * T // nblk
             ntile = (bid + 1) * T // nblk - t0
             D, NKC, KC = self.D, self.nkc, self.kc

@@ -667,6 +667,7 @@ case "${1:-}" in
           K3_SWEEP_TIMEOUT=230 bash scripts/h200_sweep.sh $cells --budget-s 210 ;;
   # written in session 21 after s65 (v14's build took a 32 KC-wide weight operand, so every v14 call was refused at
   # its argument check; fixed): v14's tests, its kernel rows and fast-intiled beside fast and stock
+  # (after s68 test_gemv_ring_mma_tiled was folded into test_gemv_ring_mma: "-k tiled" now selects the graph test only)
   s66)    ids=$(for t in 16 8; do for b in 3 4 7 8; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$b-$t-fast-intiled]"; done; done)
           K3_TEST_TIMEOUT=150 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv_ring.py -k "tiled or graph or fast" $ids || true
           o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a

@@ -171,22 +171,12 @@ def test_gemv_ring_mma(G, R, seed, M, N, Kw):
     assert torch.equal(G.gemv_ring_mma(x, w), y)            # deterministic: fixed split and order
     # a token's result does not depend on the other tokens in the batch (its own MMA column)
     assert torch.equal(G.gemv_ring_mma(x[-1:].contiguous(), w)[0], y[-1])
-
-
-@pytest.mark.parametrize("M", [1, 3, 4, 8])
-@pytest.mark.parametrize("N,Kw", MMA_SHAPES)
-def test_gemv_ring_mma_tiled(G, seed, M, N, Kw):
-    """v14 (the weight re-laid by mma_tile_weight, one bulk copy per chunk): every lane reads the same 16 bytes as in
-    v13, so the result is v13's bit for bit; poisoned output, deterministic."""
-    x = torch.randn(M, Kw, device="cuda").to(torch.bfloat16)
-    w = make_w(N, Kw)
+    # v14 on the tiled weight (mma_tile_weight): every lane reads the same 16 bytes, so v13's bits, every output
+    # written (poisoned again), deterministic
     tw = G.mma_tile_weight(w)
-    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-    y = G.gemv_ring_mma(x, tw, out=out)
-    torch.cuda.synchronize()
-    assert y.data_ptr() == out.data_ptr()
-    assert_close("gemv_ring_mma (tiled)", y, F.linear(x.float(), w.float()), "bf16_kernel")
-    assert torch.equal(y, G.gemv_ring_mma(x, w))
+    out_t = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    assert G.gemv_ring_mma(x, tw, out=out_t).data_ptr() == out_t.data_ptr()
+    assert torch.equal(out_t, y)
     assert torch.equal(G.gemv_ring_mma(x, tw), y)
 
 
