@@ -147,16 +147,20 @@ def _cases(cfg, batch: int):
                               null_slot=st.num_slots - 1)
     kda_bytes = state_bytes + a.f_b_proj.numel() * 2 + M * (proj.shape[1] + Pw) * 2
     from .kda_conv_gate_step import choose_nsplit
-    ns_alt = 12 - choose_nsplit(M, H)
+    ns_def = choose_nsplit(M, H, None)      # the cluster builds' split; @ns1trig is v9 (nsplit 1)
+    ns_alt = 12 - ns_def
     # the default; v2 without the proj preload (T = 1, nsplit 8; v3 is the default since session 7); the other
     # value-row split than choose_nsplit's (8 <-> 4), the A/B of "fast-kdans8"; v3's store order (v5, the late
     # write-backs, is the default since session 9); v5's cluster-barrier exchanges (v6 is the default since
     # session 10). The @...trig rows run with the early trigger, as in the layer (v7's occupancy hint, @occ6trig,
-    # was measured at 0e81145 and removed)
-    for tag, kw_kda in (("", {}), ("@v2", {"preload": False}), (f"@ns{ns_alt}", {"nsplit": ns_alt}),
-                        ("@v3", {"late_stores": False}), ("@trig", {"early_trigger": True}),
-                        ("@v3trig", {"late_stores": False, "early_trigger": True}),
-                        ("@v5trig", {"dsmem_tx": False, "early_trigger": True})):
+    # was measured at 0e81145 and removed); @ns4trig / @ns8trig and @ns1trig are the cluster build and v9 (one CTA
+    # per request and head) side by side whatever HEAD_CTA_MIN says
+    for tag, kw_kda in (("", {}), ("@v2", {"preload": False, "nsplit": ns_def}), (f"@ns{ns_alt}", {"nsplit": ns_alt}),
+                        ("@v3", {"late_stores": False, "nsplit": ns_def}), ("@trig", {"early_trigger": True}),
+                        ("@v3trig", {"late_stores": False, "early_trigger": True, "nsplit": ns_def}),
+                        ("@v5trig", {"dsmem_tx": False, "early_trigger": True, "nsplit": ns_def}),
+                        (f"@ns{ns_def}trig", {"nsplit": ns_def, "early_trigger": True}),
+                        ("@ns1trig", {"nsplit": 1, "early_trigger": True})):
         cases.append((f"kda_conv_gate_step{tag}",
                       lambda kw_kda=kw_kda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm,
                                                                st.conv, st.recurrent, io.slots, heads=H, **kw_kda),

@@ -181,7 +181,7 @@ class FastImpl:
                  attn_early_trigger: bool = True, oproj_preload: bool | None = None, gemv_pin: bool | None = None,
                  oproj_lean: bool | None = None, oproj_split: bool | None = None,
                  kda_preload: bool | None = None, shared_in_fma_front: bool = True,
-                 inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None,
+                 inproj_dsl_max_m: int = INPROJ_DSL_MAX_M, kda_nsplit: int | None = None, kda_head_min="module",
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
@@ -257,6 +257,9 @@ class FastImpl:
         # runs 8 at every batch, the alternative its v1 log named for large batches; measured slower at b64
         # (records-0bc90c0-s11.json: attention 68.3 against 65.2 us at rank16, 111.3 against 101.6 at rank8)
         self.kda_nsplit = kda_nsplit
+        # v9 (one CTA per request and head, the state in shared memory) from kda_head_min request-heads on, when
+        # kda_nsplit is None ("module": kda_conv_gate_step.HEAD_CTA_MIN; None: never). "fast-kdahead" sets 192
+        self.kda_head_min = kda_head_min
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order
         self.kda_late_stores = kda_late_stores
@@ -327,6 +330,7 @@ class FastImpl:
                         + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", in_proj GEMV up to M={gemv_dsl_max_m}")
                         + ("" if inproj_dsl_max_m == INPROJ_DSL_MAX_M else f", in_proj DSL GEMV up to M={inproj_dsl_max_m}")
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
+                        + ("" if kda_head_min == "module" else f", KDA one CTA per head from {kda_head_min} request-heads")
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
                         + ("" if kda_dsmem_tx is None else f", KDA st.async exchange {'on' if kda_dsmem_tx else 'off'}")
@@ -376,6 +380,13 @@ class FastImpl:
         return self.experts_cluster(m_bucket(M))
 
     # ------------------------------------------------------------------------------------------ halves
+    def _kda_nsplit(self, batch: int, heads: int) -> int | None:
+        """The KDA step's value-row split: kda_nsplit if set, else choose_nsplit with this impl's v9 threshold."""
+        if self.kda_nsplit is not None or self.kda_head_min == "module":
+            return self.kda_nsplit
+        from .kda_conv_gate_step import choose_nsplit
+        return choose_nsplit(batch, heads, self.kda_head_min)
+
     def attn(self, io) -> None:
         if self.stock_attn is not None:
             return self.stock_attn.attn(io)
@@ -402,7 +413,8 @@ class FastImpl:
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
-                                   early_trigger=self.attn_early_trigger, preload=self.kda_preload, nsplit=self.kda_nsplit,
+                                   early_trigger=self.attn_early_trigger, preload=self.kda_preload,
+                                   nsplit=self._kda_nsplit(io.slots.shape[0], cfg.kda_heads),
                                    late_stores=self.kda_late_stores, dsmem_tx=self.kda_dsmem_tx)
         with stage("k3.o_proj"):
             if io.partial.shape[0] <= self.gemv_dsl_max_m:

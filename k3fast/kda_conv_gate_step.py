@@ -188,6 +188,32 @@ Version log
       44.1 / 43.7 us, b2 46.6 / 47.3 / 46.8, rank16 b1 30.4 / 31.5 / 31.3. MISSED, the other way. It confirms the
       cause s60 inferred (o_proj's stream is what lengthens the KDA step) and shows the trade is about even: the
       bytes o_proj reads during the KDA step cost the KDA step about what they save o_proj after it. Removed.
+  v9 (session 22; nsplit 1, opt-in: HEAD_CTA_MIN = None, impls "fast-kdahead" (from 192 request-heads) and
+      "fast-kdahead48", bench row kda_conv_gate_step@ns1trig) The large-batch build: one CTA of 8 warps per (request,
+      head), no cluster. Thread 0 bulk-copies the head's 64 KB of state into shared memory (4 x 16 KB on one
+      mbarrier) as the CTA's first act, before the PDL wait; the threads update the rows there (warp w rows 16w..16w+15,
+      a row at a time: load, decay, the two dot products, store) and thread 0 hands them back to the HBM by bulk
+      stores as soon as the last row is final, while the norm and y are computed. The q / k conv, f_b and the decay
+      gate are computed once per head instead of once per split, with W_fb's rows in registers before the wait;
+      alpha and the norm's partials go through the CTA's own shared memory (no exchange, no mbarrier for them).
+      Numerics: every row, channel and reduction as nsplit 4 computes it, the gated norm's sum of o^2 as its four
+      32-row warp sums added in the same order, so y and both states equal nsplit 4's bit for bit (GPU test). ptxas
+      12.9: 80 registers at T = 1 (3 CTAs per SM asked, min_blocks_per_mp; 68 KB of shared memory each), 0 spills;
+      T > 1 at 2 CTAs per SM (128 registers).
+      Why: at rank16 b64 the nsplit 4 grid is 1536 CTAs of 16 KB in 2.33 waves, and ncu (ncu-ee5c807-s18/) shows
+      DRAM 22 % busy, 4.15 of 5 warps active per scheduler, 14.2 cycles per issued instruction (long scoreboard 5.4,
+      membar 1.5, barrier 1.3, short scoreboard 1.3): each CTA's ~1060 instructions per warp are a latency chain
+      (slot -> state loads, proj -> conv -> f -> alpha exchange -> rows -> norm exchange -> stores) of ~7.7 us, and a
+      later wave's state loads start only when an earlier CTA ends. Three ways to more concurrency inside that
+      design lost (v4's request loop, v7's 6 CTAs per SM, nsplit 8). v9 changes the design instead: its 384 CTAs
+      (rank16 b64) are one wave at 3 per SM, every CTA's state bytes are requested at its start without costing
+      registers, and the per-CTA chain has no cluster exchange and does the head's conv / gate work once (nsplit 4
+      did it four times). rank8 b64 is 768 CTAs, two waves.
+      Prediction (kernel bench with the early trigger, @ns1trig against @trig): rank16 b64 27.3 -> ~14-18 us, rank8
+      b64 ~45 -> ~28-34; b16 about even; b1 / b8 slower (6-96 CTAs of 16 rows per warp). Attention half rank16 b64
+      62.0 -> ~51-55 us (fast-kdahead against fast; 1.49x -> ~1.7-1.8x stock), rank8 b64 95.4 -> ~78-84. If the
+      kernel does not move at b64, the chain after the wait (not the state stream) is what bounds it, and the next
+      evidence is ncu of v9.
 """
 from __future__ import annotations
 
@@ -209,6 +235,12 @@ LATE_STORES = True
 DSMEM_TX = True
 # (v7, an occupancy hint of 6 CTAs per SM for the nsplit-4, T = 1 build, was measured and removed in session 12:
 # version log)
+# v9 (opt-in until measured; "fast-kdahead" / bench row kda_conv_gate_step@ns1trig): nsplit 1, one CTA of HEAD_WARPS
+# warps per (request, head) with the state in shared memory, chosen when batch x heads >= HEAD_CTA_MIN (None: never)
+HEAD_WARPS = 8
+HEAD_CHUNKS = 4             # bulk copies per 64 KB state (16 KB each), in and out
+HEAD_CTA_MIN = None
+NSPLITS = (1, 4, 8)
 
 
 def proj_width(heads: int, head_dim: int = HEAD_DIM) -> int:
@@ -217,11 +249,20 @@ def proj_width(heads: int, head_dim: int = HEAD_DIM) -> int:
     return (4 * p + head_dim + heads + 15) // 16 * 16
 
 
-def choose_nsplit(batch: int, heads: int) -> int:
+_MODULE = object()
+
+
+def choose_nsplit(batch: int, heads: int, head_min=_MODULE) -> int:
     """Value-row splits per (request, head): 8 for small B*H (fill the GPU), 4 above (less
     redundant q/k conv and proj traffic per CTA, 8 state rows per warp still fit registers).
     Checked on the H200 (kernels-0bc90c0.json, rank16): nsplit 8 at b64 took 34.0 us against 30.9, and nsplit 4 at b4
-    9.9 against 9.1; the attention half A/B is "fast-kdans8" (records-0bc90c0-s11.json)."""
+    9.9 against 9.1; the attention half A/B is "fast-kdans8" (records-0bc90c0-s11.json).
+    1 (v9, one CTA per (request, head), state in shared memory) from B*H >= head_min (default HEAD_CTA_MIN; None:
+    never)."""
+    if head_min is _MODULE:
+        head_min = HEAD_CTA_MIN
+    if head_min is not None and batch * heads >= head_min:
+        return 1
     return 8 if batch * heads <= 64 else 4
 
 
@@ -233,7 +274,12 @@ def compile_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps:
 def kernel_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: float = 1e-5,
                head_dim: int = HEAD_DIM, *, early_trigger: bool = False, preload=None, late_stores=None,
                dsmem_tx=None) -> tuple:
-    """compile_key plus the build flags kda_conv_gate_step runs for these options (None: the module default)."""
+    """compile_key plus the build flags kda_conv_gate_step runs for these options (None: the module default).
+    nsplit 1 (v9) has no cluster exchanges and always writes back after its last step: preload, late_stores and
+    dsmem_tx do not apply to it and are ignored."""
+    if nsplit == 1:
+        return (compile_key(heads, T, nsplit, lower_bound, eps, head_dim)
+                + (("early_trigger",) if early_trigger else ()) + ("head",))
     # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
     pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and nsplit == 8
     late = LATE_STORES if late_stores is None else bool(late_stores)
@@ -247,21 +293,21 @@ def kernel_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: 
 
 
 def compile_keys(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
-                 eps: float = 1e-5, early_trigger: bool = False) -> list:
+                 eps: float = 1e-5, early_trigger: bool = False, head_min=_MODULE) -> list:
     """The kernels kda_conv_gate_step runs with its default options for these batches and T."""
     keys = []
     for T in Ts:
         for b in batches:
-            k = kernel_key(heads, T, choose_nsplit(b, heads), lower_bound, eps, early_trigger=early_trigger)
+            k = kernel_key(heads, T, choose_nsplit(b, heads, head_min), lower_bound, eps, early_trigger=early_trigger)
             if k not in keys:
                 keys.append(k)
     return keys
 
 
 def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
-           eps: float = 1e-5, early_trigger: bool = False) -> list:
+           eps: float = 1e-5, early_trigger: bool = False, head_min=_MODULE) -> list:
     """Compile every kernel a (heads, batch list, T list) config needs; call before graph capture."""
-    keys = compile_keys(heads, batches, Ts, lower_bound, eps, early_trigger)
+    keys = compile_keys(heads, batches, Ts, lower_bound, eps, early_trigger, head_min)
     for k in keys:
         _get_compiled(k)
     return keys
@@ -624,6 +670,279 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
     return KdaConvGateStep()
 
 
+# ---------------------------------------------------------------------------- v9: one CTA per (request, head)
+# The large-batch build (nsplit 1, version log v9): the state of a (request, head) staged whole in shared memory by
+# bulk copies issued before the PDL wait, and everything of the head computed once, in one CTA of 8 warps.
+
+def head_smem_bytes(T: int, head_dim: int = HEAD_DIM) -> int:
+    """Shared memory of one v9 CTA: the state, five [T, D] fp32 vectors, the norm partials, beta, the mbarrier."""
+    return head_dim * head_dim * 4 + 5 * T * head_dim * 4 + T * 4 * 4 + 16 + 16 + 8 + 128
+
+
+def head_min_blocks(T: int) -> int:
+    """Resident v9 CTAs per SM asked of ptxas (its register cap: 65536 / (blocks x 256 threads)): as many as the
+    shared memory holds (228 KB per SM, 1 KB of it reserved per CTA) up to 3 at T = 1 (80 registers, no spills;
+    ptxas 12.9) and 2 above (at 80 registers the unrolled T-token phase A spills 180 bytes at T = 4)."""
+    return min(3 if T == 1 else 2, (228 * 1024) // (head_smem_bytes(T) + 1024))
+
+
+def _head_occupancy(T: int) -> dict:
+    # the carveout is given explicitly: without it the DSL asks the driver at compile time, which a CPU compile
+    # cannot (router_down_topk._occupancy_hint)
+    return {"min_blocks_per_mp": head_min_blocks(T), "preferred_smem_carveout": 100}
+
+
+def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: float, early_trigger: bool = False):
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+    from cutlass.experimental.primitives.nvvm_wrapper import (cp_async_bulk_commit_group,
+                                                              cp_async_bulk_global_shared_cta,
+                                                              cp_async_bulk_shared_cluster_global,
+                                                              cp_async_bulk_wait_group)
+
+    H, D = heads, head_dim
+    P = H * D
+    NTH = 32 * HEAD_WARPS
+    RW = D // HEAD_WARPS        # state rows per warp (16)
+    FV = D // 8                 # 16-byte vectors per W_fb row
+    FSTEP = NTH // FV           # W_fb rows between a thread's rows (16)
+    FROWS = D // FSTEP          # W_fb rows per thread (8)
+    OUT_IT = (T * D + NTH - 1) // NTH
+    QSCALE = float(D) ** -0.5
+    # the gated norm's sum of o^2 as nsplit 4 forms it: 4 warp sums over rows [32p, 32p + 32), added in p order, so
+    # that y equals the nsplit 4 build's bit for bit (every other value is computed per row / channel as there)
+    NPART = 4
+    PROWS = D // NPART
+    CHUNK_ROWS = D // HEAD_CHUNKS
+    CHUNK_BYTES = CHUNK_ROWS * D * 4
+    assert D == 128 and NTH == 2 * D and PROWS == 32 and NPART <= HEAD_WARPS and 1 <= T <= MAX_T
+
+    @cute.jit
+    def row_vec(t2, row, lane):
+        """Lane's 4 keys (16 bytes) of row `row` of a [rows, D] fp32 tensor (shared memory)."""
+        return cute.local_tile(t2[row, None], (4,), (lane,))
+
+    class KdaHeadStep:
+        @cute.jit
+        def __call__(self, mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
+                     mY, stream):
+            nb = cute.size(mSlots, mode=[0])
+            self.kernel(mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
+                        mY).launch(grid=[1, H, nb], block=[NTH, 1, 1], stream=stream, use_pdl=True,
+                                   **_head_occupancy(T))
+
+        @cute.kernel
+        def kernel(self, mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots, mY):
+            tid, _, _ = cute.arch.thread_idx()
+            _, h, b = cute.arch.block_idx()
+            lane = tid % 32
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            nslots = cute.size(mRecState, mode=[0])
+
+            smem = cutlass.memory.SmemAllocator()
+            sS = smem.allocate_tensor(Float32, cute.make_layout((D, D), stride=(D, 1)), 128)
+            sUq = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), 16)
+            sUk = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), 16)
+            sUv = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), 16)
+            sAl = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), 16)
+            sO = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), 16)
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((T, NPART), stride=(NPART, 1)), 16)
+            sBeta = smem.allocate_tensor(Float32, cute.make_layout((T,), stride=(1,)), 16)
+            mbar = smem.allocate_array(Int64, 1)
+
+            # ---------------- before the PDL wait: nothing here is produced by the previous kernel
+            slot = mSlots[b]
+            is_pad = slot < 0
+            is_bad = slot >= nslots
+            valid = (slot >= 0) & (slot < nslots)
+            slot_c = slot
+            if not valid:
+                slot_c = Int32(0)      # never dereferenced; keeps address math in range
+            slot_w = slot_c.to(Int64)
+
+            # the head's 64 KB of state: HEAD_CHUNKS bulk copies on one mbarrier, issued first so that the HBM
+            # stream starts before anything else of the CTA (the state is ~97 % of its bytes)
+            if tid == 0:
+                cute.arch.mbarrier_init(mbar, 1)
+                cute.arch.mbarrier_init_fence()
+                if valid:
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, D * D * 4)
+                    for c in cutlass.range_constexpr(HEAD_CHUNKS):
+                        cp_async_bulk_shared_cluster_global(sS[c * CHUNK_ROWS, None].iterator,
+                                                            mRecState[slot_w, h, c * CHUNK_ROWS, None].iterator,
+                                                            mbar, CHUNK_BYTES)
+            if not valid:
+                # a padded or bad request runs on a zero state, as the nsplit 4 / 8 builds do (its y rows are then
+                # replaced by zeros / NaN; nothing is written back)
+                for i in cutlass.range_constexpr(D * D // (4 * NTH)):
+                    v4 = row_vec(sS, (tid + NTH * i) // 32, (tid + NTH * i) % 32)
+                    v4.fill(0.0)
+
+            # conv channels: threads [0, D) own the q channel hD + tid and the k channel P + hD + tid, threads
+            # [D, 2D) the v channel 2P + hD + tid - D. win[c, j]: j = 0 oldest (t-3) ... 2 newest (t-1).
+            is_qk = tid < D
+            c0 = 2 * P + h * D + tid - D
+            if is_qk:
+                c0 = h * D + tid
+            c1 = P + h * D + tid % D
+            win = cute.make_rmem_tensor(cute.make_layout((2, 3), stride=(3, 1)), Float32)
+            win.fill(0.0)
+            if valid:
+                for j in cutlass.range_constexpr(3):
+                    win[0, j] = mConvState[slot_w, c0, j].to(Float32)
+                    if is_qk:
+                        win[1, j] = mConvState[slot_w, c1, j].to(Float32)
+            cw = cute.make_rmem_tensor(cute.make_layout((2, 4), stride=(4, 1)), Float32)
+            cute.autovec_copy(mConvW[c0, None], cw[0, None])
+            cute.autovec_copy(mConvW[c1, None], cw[1, None])
+
+            # W_fb rows fr + FSTEP m of head h (every channel of the head), 16-byte vector jv of each
+            jv = tid % FV
+            fr = tid // FV
+            rW = cute.make_rmem_tensor(cute.make_layout((FROWS, 8), stride=(8, 1)), BFloat16)
+            rDt = cute.make_rmem_tensor(cute.make_layout((FROWS,), stride=(1,)), Float32)
+            for m in cutlass.range_constexpr(FROWS):
+                wrow = h * D + fr + FSTEP * m
+                cute.autovec_copy(cute.local_tile(mWfb[wrow, None], (8,), (jv,)), rW[m, None])
+                rDt[m] = mDtBias[wrow]
+            decay_rate = cute.math.exp(mALog[h])
+            onorm = mONorm[tid % D]         # output element idx = tid + NTH it has row idx % D = tid % D
+
+            cute.arch.griddepcontrol_wait()
+            if const_expr(early_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
+
+            # ---------------- phase A: conv, beta, f -> alpha for all T tokens (state-independent)
+            rFa = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
+            p_gate = Float32(0.0)
+            if const_expr(T == 1):
+                p_gate = mProj[b, 3 * P + h * D + tid % D].to(Float32)     # loaded with the rest of the row
+            for t in cutlass.range_constexpr(T):
+                row = b * T + t
+                x0 = mProj[row, c0].to(Float32)
+                x1 = mProj[row, c1].to(Float32)
+                cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
+                u0 = cw[0, 0] * win[0, 0] + cw[0, 1] * win[0, 1] + cw[0, 2] * win[0, 2] + cw[0, 3] * x0
+                u1 = cw[1, 0] * win[1, 0] + cw[1, 1] * win[1, 1] + cw[1, 2] * win[1, 2] + cw[1, 3] * x1
+                if is_qk:
+                    sUq[t, tid] = u0 * sigmoid(u0)
+                    sUk[t, tid] = u1 * sigmoid(u1)
+                else:
+                    sUv[t, tid - D] = u0 * sigmoid(u0)
+                win[0, 0] = win[0, 1]
+                win[0, 1] = win[0, 2]
+                win[0, 2] = x0
+                win[1, 0] = win[1, 1]
+                win[1, 1] = win[1, 2]
+                win[1, 2] = x1
+                if tid == 0:
+                    sBeta[t] = sigmoid(mProj[row, 4 * P + D + h].to(Float32))
+                # f[i] = bf16(sum_j f_a[j] W_fb[hD+i, j]); 16 lanes (one W_fb row) per reduction, as in nsplit 4 / 8
+                fa = rFa.load().to(Float32)
+                for m in cutlass.range_constexpr(FROWS):
+                    part = (fa * rW[m, None].load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    f32 = cute.arch.warp_reduction_sum(part, threads_in_group=FV)
+                    f = f32.to(BFloat16).to(Float32)
+                    lam = Float32(lower_bound) * sigmoid(decay_rate * (f + rDt[m]))
+                    if jv == 0:
+                        sAl[t, fr + FSTEP * m] = cute.math.exp(lam)
+            cute.arch.barrier()
+            if valid:
+                cute.arch.mbarrier_wait(mbar, 0)
+
+            # ---------------- phase B: T sequential delta-rule steps on the rows in shared memory
+            rK = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+            rQ = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+            rA = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+            rS = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+            for t in cutlass.range(T, unroll=1):
+                cute.autovec_copy(row_vec(sUk, t, lane), rK)
+                cute.autovec_copy(row_vec(sUq, t, lane), rQ)
+                cute.autovec_copy(row_vec(sAl, t, lane), rA)
+                beta = sBeta[t]
+                kk = rK.load()
+                qq = rQ.load()
+                al = rA.load()
+                ksq = cute.arch.warp_reduction_sum((kk * kk).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                qsq = cute.arch.warp_reduction_sum((qq * qq).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                kn = kk * cute.math.rsqrt(ksq + Float32(1e-6))
+                qn = qq * (cute.math.rsqrt(qsq + Float32(1e-6)) * Float32(QSCALE))
+                # row by row (load, update, store): the rows are independent, so the loads of later rows can be
+                # issued early without holding all 16 rows (64 registers) at once
+                for r in cutlass.range_constexpr(RW):
+                    row = warp * RW + r
+                    cute.autovec_copy(row_vec(sS, row, lane), rS)
+                    s = rS.load() * al
+                    sk = cute.arch.warp_reduction_sum((s * kn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                    e = sUv[t, row] - sk
+                    s = s + kn * (beta * e)
+                    rS.store(s)
+                    cute.autovec_copy(rS, row_vec(sS, row, lane))
+                    o = cute.arch.warp_reduction_sum((s * qn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                    if lane == 0:
+                        sO[t, row] = o
+
+            # the state leaves as soon as it is final: generic-proxy writes to shared memory are made visible to the
+            # bulk-copy (async) proxy before one thread hands the rows to it
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier()
+            if tid == 0:
+                if valid:
+                    for c in cutlass.range_constexpr(HEAD_CHUNKS):
+                        cp_async_bulk_global_shared_cta(mRecState[slot_w, h, c * CHUNK_ROWS, None].iterator,
+                                                        sS[c * CHUNK_ROWS, None].iterator, CHUNK_BYTES)
+                    cp_async_bulk_commit_group()
+
+            # ---------------- phase C: gated RMSNorm over the head's 128 rows
+            for i in cutlass.range_constexpr(T * NPART):
+                if warp == i % HEAD_WARPS:
+                    ov = sO[i // NPART, (i % NPART) * PROWS + lane]
+                    ss = cute.arch.warp_reduction_sum(ov * ov)
+                    if lane == 0:
+                        sRed[i // NPART, i % NPART] = ss
+            cute.arch.barrier()
+            for it in cutlass.range_constexpr(OUT_IT):
+                idx = tid + NTH * it
+                if idx < T * D:
+                    t = idx // D
+                    r = idx % D
+                    tot = Float32(0.0)
+                    for p in cutlass.range_constexpr(NPART):
+                        tot = tot + sRed[t, p]
+                    rstd = cute.math.rsqrt(tot * Float32(1.0 / D) + Float32(eps))
+                    gate = p_gate
+                    if const_expr(T > 1):
+                        gate = mProj[b * T + t, 3 * P + h * D + r].to(Float32)
+                    yv = onorm * sO[t, r] * rstd * sigmoid(gate)
+                    if is_pad:
+                        yv = Float32(0.0)
+                    if is_bad:
+                        yv = Float32(float("nan"))
+                    mY[b * T + t, h * D + r] = yv.to(BFloat16)
+
+            if valid:
+                for j in cutlass.range_constexpr(3):
+                    mConvState[slot_w, c0, j] = win[0, j].to(BFloat16)
+                    if is_qk:
+                        mConvState[slot_w, c1, j] = win[1, j].to(BFloat16)
+            if tid == 0:
+                if valid:
+                    if const_expr(early_trigger):
+                        # the shared rows must outlive the bulk engine's reads of them; the dependents already run,
+                        # and later kernels see the writes through this grid's completion
+                        cp_async_bulk_wait_group(0, read=True)
+                    else:
+                        # a dependent launched at the end may read the state before its wait (a second KDA step):
+                        # the writes must be complete and ordered before the trigger
+                        cp_async_bulk_wait_group(0)
+            if const_expr(not early_trigger):
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier()
+                cute.arch.griddepcontrol_launch_dependents()
+
+    return KdaHeadStep()
+
+
 def _compile(key):
     _, heads, head_dim, T, nsplit, lower_bound, eps = key[:7]
     early = "early_trigger" in key[7:]
@@ -637,8 +956,11 @@ def _compile(key):
     M = cute.sym_int()          # B*T rows
     B = cute.sym_int()          # requests
     S = cute.sym_int()          # state slots
-    obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload, late_stores=late,
-                 dsmem_tx=dsmem_tx)
+    if nsplit == 1:
+        obj = _build_head(heads, head_dim, T, lower_bound, eps, early_trigger=early)
+    else:
+        obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload,
+                     late_stores=late, dsmem_tx=dsmem_tx)
     fakes = (
         fake_tensor(BFloat16, (M, proj_width(heads, head_dim))),
         fake_tensor(BFloat16, (P, head_dim)),
@@ -696,8 +1018,8 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
         raise ValueError(f"slots: expected shape [B], got {list(slots.shape)}")
     B = slots.shape[0]
     ns = choose_nsplit(B, H) if nsplit is None else int(nsplit)
-    if ns not in (4, 8):
-        raise ValueError(f"nsplit must be 4 or 8, got {nsplit}")
+    if ns not in NSPLITS:
+        raise ValueError(f"nsplit must be one of {NSPLITS} (1: one CTA per request and head), got {nsplit}")
     key = kernel_key(H, T, ns, lower_bound, eps, D, early_trigger=early_trigger, preload=preload,
                      late_stores=late_stores, dsmem_tx=dsmem_tx)     # the options' errors come before the tensors'
     check_tensor("proj", proj, dtype=torch.bfloat16, shape=(B * T, proj_width(H, D)))

@@ -24,11 +24,31 @@ def test_proj_width_matches_vllm_packing():
 
 
 def test_nsplit_policy():
-    assert kmod.choose_nsplit(1, 6) == 8 and kmod.choose_nsplit(64, 6) == 4
-    assert kmod.choose_nsplit(1, 96) == 4
+    assert kmod.choose_nsplit(1, 6, None) == 8 and kmod.choose_nsplit(64, 6, None) == 4
+    assert kmod.choose_nsplit(1, 96, None) == 4
     for b in BATCHES:
         for h in (6, 12, 96):
-            assert kmod.choose_nsplit(b, h) in (4, 8)
+            assert kmod.choose_nsplit(b, h, None) in (4, 8)
+            # v9 from head_min request-heads on, the module's HEAD_CTA_MIN when not given
+            assert (kmod.choose_nsplit(b, h, 192) == 1) == (b * h >= 192)
+            assert kmod.choose_nsplit(b, h) == kmod.choose_nsplit(b, h, kmod.HEAD_CTA_MIN)
+
+
+def test_head_build_occupancy():
+    """v9's shared memory and the resident CTAs asked of ptxas: 3 per SM at T = 1 (all 384 rank16 b64 CTAs in one
+    wave), 2 above; the shared memory of that many CTAs fits the SM's 228 KB."""
+    for T in range(1, kmod.MAX_T + 1):
+        nb = kmod.head_min_blocks(T)
+        assert nb == (3 if T == 1 else 2)
+        assert nb * (kmod.head_smem_bytes(T) + 1024) <= 228 * 1024
+    assert kmod.head_smem_bytes(1) >= 128 * 128 * 4
+
+
+def test_nsplit_1_key_ignores_the_cluster_options():
+    key = kmod.compile_key(6, 1, 1) + ("early_trigger", "head")
+    for opts in ({}, {"preload": True}, {"late_stores": False}, {"dsmem_tx": True, "late_stores": True}):
+        assert kmod.kernel_key(6, 1, 1, early_trigger=True, **opts) == key
+    assert kmod.compile_keys(6, [64], [1], early_trigger=True, head_min=64) == [key]
 
 
 @needs_dsl
@@ -43,6 +63,18 @@ def test_compile_all_keys(shape):
         assert fn is not None, key
     # the cache really caches: a second warm-up builds nothing
     assert kmod.warmup(cfg.kda_heads, BATCHES, TS, cfg.gate_lower_bound, cfg.rms_norm_eps) == keys
+
+
+@needs_dsl
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_compile_head_build(shape):
+    """v9 (nsplit 1) at every T, with and without the early trigger (the layer runs it with)."""
+    cfg = SHAPES[shape]
+    for early in (False, True):
+        keys = kmod.compile_keys(cfg.kda_heads, [64], TS, cfg.gate_lower_bound, cfg.rms_norm_eps, early, head_min=1)
+        assert len(keys) == len(TS) and all(k[4] == 1 and k[-1] == "head" for k in keys)
+        for key in keys:
+            assert kmod._get_compiled(key) is not None, key
 
 
 def _ptx_lines(key) -> list[str]:
@@ -216,6 +248,33 @@ def test_dsmem_tx_has_no_cluster_barrier_after_the_start(heads, batch, T):
     assert any(ln.startswith("fence.mbarrier_init.release.cluster") for ln in lines)
     with pytest.raises(ValueError, match="late_stores"):
         _call(_inputs(), dsmem_tx=True, late_stores=False)
+
+
+@needs_dsl
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("T", [1, 3])
+def test_head_build_bulk_copies(early, T):
+    """v9: the state arrives as HEAD_CHUNKS bulk copies on one mbarrier, all issued before the PDL wait, and leaves
+    as HEAD_CHUNKS bulk stores after a proxy fence, with no cluster instruction anywhere. Behind the early trigger
+    the CTA waits only for the stores' reads of shared memory; at the end trigger it waits for their completion and
+    fences before launching the dependents (a second KDA step's pre-wait copies read the state)."""
+    key = kmod.kernel_key(6, T, 1, early_trigger=early)
+    lines = _ptx_lines(key)
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+    loads = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.shared::cluster.global")]
+    stores = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.global.shared::cta")]
+    waits = [ln for ln in lines if ln.startswith("cp.async.bulk.wait_group")]
+    fence_proxy = [i for i, ln in enumerate(lines) if ln.startswith("fence.proxy.async")]
+    assert len(loads) == kmod.HEAD_CHUNKS and max(loads) < wait
+    assert len(stores) == kmod.HEAD_CHUNKS and fence_proxy and max(fence_proxy) < min(stores)
+    assert not any("cluster" in ln for ln in lines if ln.startswith(("barrier.cluster", "mapa", "st.async")))
+    assert len(trig) == 1 and len(waits) == 1 and (".read" in waits[0]) == early
+    if early:
+        assert wait < trig[0] < min(stores)
+    else:
+        fences = [i for i, ln in enumerate(lines) if ln.startswith("fence.acq_rel.gpu")]
+        assert len(fences) == 1 and max(stores) < fences[0] < trig[0]
 
 
 def test_v3_order_runs_the_barrier_exchanges():

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
                                   "fast-inpf3", "fast-infma", "fast-ringearly", "fast-nojoint", "fast-oplean",
                                   "fast-opfence", "fast-op32", "fast-inmma", "fast-inmmaet", "fast-opmma",
                                   "fast-mid", "fast-op8", "fast-op4", "fast-incublas",
-                                  "fast-intiled"])
+                                  "fast-intiled", "fast-kdahead", "fast-kdahead48"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -40,6 +40,12 @@ def test_fast_attention_half(tp, batch, impl):
         from k3fast.kda_conv_gate_step import choose_nsplit
         if choose_nsplit(batch, k3_rank(tp).kda_heads) == 8:
             pytest.skip(f"{impl} differs from fast only where choose_nsplit picks 4")
+    if impl in ("fast-kdahead", "fast-kdahead48"):
+        from k3fast.impls import FAST_VARIANTS
+        from k3fast.kda_conv_gate_step import choose_nsplit
+        head_min = FAST_VARIANTS[impl]["kda_head_min"]
+        if choose_nsplit(batch, k3_rank(tp).kda_heads, head_min) != 1:
+            pytest.skip(f"{impl} differs from fast only where B x H >= {head_min} (the KDA step's v9)")
     from k3fast.fast import INPROJ_DSL_MAX_M
     if (impl in ("fast-inmma", "fast-inmmaet", "fast-mid", "fast-incublas", "fast-intiled")
             and not INPROJ_DSL_MAX_M < batch <= 8):

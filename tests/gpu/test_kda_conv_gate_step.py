@@ -272,7 +272,7 @@ def test_timing_report(H, B, T):
     out = torch.empty((B * T, H * D), dtype=torch.bfloat16, device=dev)
     P = H * D
     nbytes = B * (2 * H * D * D * 4 + 2 * 3 * P * 3 * 2 + T * (kmod.proj_width(H) + P) * 2) + P * D * 2
-    for ns in (8, 4):
+    for ns in (8, 4, 1):
         call = lambda: kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
                                                prm["o_norm"], conv, rec, slots, heads=H, T=T, out=out, nsplit=ns)
         call()
@@ -381,3 +381,106 @@ def test_late_stores_are_bit_identical(H, B, T, early):
 def test_dsmem_tx_against_reference(B, T, H):
     """v6 (st.async + mbarrier exchanges) against the float64 reference, with padded requests and spare slots."""
     check_step(B, T, H, seed=9, dsmem_tx=True)
+
+
+# ----------------------------------------------------------------------------- v9: nsplit 1 (state in shared memory)
+@pytest.mark.parametrize("H", [6, 12])
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (16, 1), (64, 1), (7, 4), (16, 8), (64, 2)])
+def test_head_build_against_reference(B, T, H):
+    """v9 (one CTA per request and head, the state bulk-copied through shared memory) against the float64
+    reference: padded requests, untouched spare slots, poisoned outputs (check_step)."""
+    check_step(B, T, H, seed=31, nsplit=1)
+
+
+@pytest.mark.parametrize("H,B,T", [(6, 1, 1), (6, 64, 1), (12, 64, 1), (12, 8, 1), (6, 5, 4), (12, 3, 8)])
+@pytest.mark.parametrize("early", [False, True])
+def test_head_build_is_bit_identical_to_nsplit4(H, B, T, early):
+    """v9 computes every row, channel and reduction as the nsplit 4 build does (the gated norm's sum of o^2 as its four
+    32-row partials in the same order): y and both states equal nsplit 4's bit for bit, with a padded request, a bad
+    slot and spare slots in the batch."""
+    res = run_builds_bitwise(H, B, T, early, 90 + B + T, {"ns4": {"nsplit": 4}, "ns1": {"nsplit": 1}})
+    for a, b in zip(res["ns1"], res["ns4"]):
+        assert torch.equal(a, b)
+
+
+def test_head_build_back_to_back_and_padding():
+    """Two v9 launches on the same slots with nothing in between: the second's bulk state copies, issued before its
+    PDL wait, see the first's bulk write-back (the default trigger at the end orders them). All-padding and bad-slot
+    batches touch nothing."""
+    dev = torch.device("cuda")
+    H, B, T = 12, 6, 1
+    S = B + 2
+    gen = torch.Generator().manual_seed(41)
+    prm = make_params(H, gen, dev)
+    conv, rec = make_states(S, H, gen, dev)
+    slots = torch.tensor([2, 0, -1, 5, 7, 1], dtype=torch.int32, device=dev)
+    projs = [make_proj(B, T, H, gen, dev) for _ in range(3)]
+    conv_r, rec_r = conv.clone(), rec.clone()
+    refs = []
+    for p in projs:
+        yr, conv_r, rec_r = reference(p, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
+                                      conv_r, rec_r, slots, H, T)
+        refs.append(yr)
+    outs = [torch.full((B * T, H * D), float("nan"), dtype=torch.bfloat16, device=dev) for _ in projs]
+    kmod.warmup(H, [B], [T], head_min=1)
+    torch.cuda.synchronize()
+    for p, o in zip(projs, outs):
+        kmod.kda_conv_gate_step(p, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
+                                conv, rec, slots, heads=H, T=T, out=o, nsplit=1)
+    torch.cuda.synchronize()
+    valid = slots >= 0
+    for o, yr in zip(outs, refs):
+        assert rel_rmse(o[valid], yr[valid]) <= 1e-2
+        assert (o[~valid] == 0).all()
+    vs = slots[valid].long()
+    assert rel_rmse(rec[vs], rec_r[vs]) <= 1e-5
+    assert torch.equal(conv[vs], conv_r[vs])
+    check_step(4, 2, 6, nsplit=1, slots=torch.full((4,), -1, dtype=torch.int32))
+    conv0, rec0 = conv.clone(), rec.clone()
+    bad = torch.tensor([S + 3, -1, S], dtype=torch.int32, device=dev)
+    y = kmod.kda_conv_gate_step(projs[0][:3], prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
+                                prm["o_norm"], conv, rec, bad, heads=H, T=T, nsplit=1)
+    torch.cuda.synchronize()
+    assert torch.isnan(y[0].float()).all() and torch.isnan(y[2].float()).all() and (y[1] == 0).all()
+    assert torch.equal(conv, conv0) and torch.equal(rec.view(torch.int32), rec0.view(torch.int32))
+
+
+@pytest.mark.parametrize("H,B,T", [(6, 64, 1), (12, 16, 4)])
+def test_head_build_cuda_graph_replay(H, B, T):
+    """v9 captured once with the early trigger (the layer's configuration), replayed on new inputs, states and
+    slots."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(223 + B)
+    S = B + 2
+    prm = make_params(H, gen, dev)
+    proj = make_proj(B, T, H, gen, dev)
+    conv, rec = make_states(S, H, gen, dev)
+    slots = make_slots(B, S, gen).to(dev)
+    out = torch.empty((B * T, H * D), dtype=torch.bfloat16, device=dev)
+    call = lambda: kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
+                                           prm["o_norm"], conv, rec, slots, heads=H, T=T, out=out, nsplit=1,
+                                           early_trigger=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for rep in range(2):
+        proj.copy_(make_proj(B, T, H, gen, dev))
+        c2, r2 = make_states(S, H, gen, dev)
+        conv.copy_(c2)
+        rec.copy_(r2)
+        slots.copy_(make_slots(B, S, gen).to(dev))
+        y_ref, conv_ref, rec_ref = reference(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
+                                             prm["o_norm"], conv, rec, slots, H, T)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        vrows = (slots.long() >= 0).repeat_interleave(T)
+        assert (out[~vrows] == 0).all()
+        assert rel_rmse(out[vrows], y_ref[vrows]) <= 1e-2
+        assert rel_rmse(rec, rec_ref) <= 1e-5
+        assert torch.equal(conv, conv_ref)
