@@ -160,7 +160,8 @@ def _cases(cfg, batch: int):
                         ("@v3trig", {"late_stores": False, "early_trigger": True, "nsplit": ns_def}),
                         ("@v5trig", {"dsmem_tx": False, "early_trigger": True, "nsplit": ns_def}),
                         (f"@ns{ns_def}trig", {"nsplit": ns_def, "early_trigger": True}),
-                        ("@ns1trig", {"nsplit": 1, "early_trigger": True})):
+                        ("@ns1trig", {"nsplit": 1, "early_trigger": True}),
+                        ("@ns1g4trig", {"nsplit": 1, "row_group": 4, "early_trigger": True})):
         cases.append((f"kda_conv_gate_step{tag}",
                       lambda kw_kda=kw_kda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm,
                                                                st.conv, st.recurrent, io.slots, heads=H, **kw_kda),

@@ -239,6 +239,7 @@ DSMEM_TX = True
 # warps per (request, head) with the state in shared memory, chosen when batch x heads >= HEAD_CTA_MIN (None: never)
 HEAD_WARPS = 8
 HEAD_CHUNKS = 4             # bulk copies per 64 KB state (16 KB each), in and out
+HEAD_ROW_GROUP = 1          # state rows a warp loads before updating them (bench @ns1g4trig: 4)
 HEAD_CTA_MIN = None
 NSPLITS = (1, 4, 8)
 
@@ -273,13 +274,16 @@ def compile_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps:
 
 def kernel_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: float = 1e-5,
                head_dim: int = HEAD_DIM, *, early_trigger: bool = False, preload=None, late_stores=None,
-               dsmem_tx=None) -> tuple:
+               dsmem_tx=None, row_group=None) -> tuple:
     """compile_key plus the build flags kda_conv_gate_step runs for these options (None: the module default).
     nsplit 1 (v9) has no cluster exchanges and always writes back after its last step: preload, late_stores and
     dsmem_tx do not apply to it and are ignored."""
     if nsplit == 1:
+        rg = HEAD_ROW_GROUP if row_group is None else int(row_group)
+        if rg not in (1, 2, 4, 8, 16):
+            raise ValueError(f"row_group must be 1, 2, 4, 8 or 16 (state rows a warp loads at once), got {row_group}")
         return (compile_key(heads, T, nsplit, lower_bound, eps, head_dim)
-                + (("early_trigger",) if early_trigger else ()) + ("head",))
+                + (("early_trigger",) if early_trigger else ()) + ("head",) + ((f"rows{rg}",) if rg != 1 else ()))
     # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
     pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and nsplit == 8
     late = LATE_STORES if late_stores is None else bool(late_stores)
@@ -692,7 +696,8 @@ def _head_occupancy(T: int) -> dict:
     return {"min_blocks_per_mp": head_min_blocks(T), "preferred_smem_carveout": 100}
 
 
-def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: float, early_trigger: bool = False):
+def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: float, early_trigger: bool = False,
+                row_group: int = 1):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass.experimental.primitives.nvvm_wrapper import (cp_async_bulk_commit_group,
@@ -713,9 +718,10 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
     # that y equals the nsplit 4 build's bit for bit (every other value is computed per row / channel as there)
     NPART = 4
     PROWS = D // NPART
+    RG = row_group              # state rows a warp loads before updating them (HEAD_ROW_GROUP)
     CHUNK_ROWS = D // HEAD_CHUNKS
     CHUNK_BYTES = CHUNK_ROWS * D * 4
-    assert D == 128 and NTH == 2 * D and PROWS == 32 and NPART <= HEAD_WARPS and 1 <= T <= MAX_T
+    assert D == 128 and NTH == 2 * D and PROWS == 32 and NPART <= HEAD_WARPS and 1 <= T <= MAX_T and RW % RG == 0
 
     @cute.jit
     def row_vec(t2, row, lane):
@@ -854,7 +860,7 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
             rK = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
             rQ = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
             rA = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
-            rS = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
+            rS = cute.make_rmem_tensor(cute.make_layout((RG, 4), stride=(4, 1)), Float32)
             for t in cutlass.range(T, unroll=1):
                 cute.autovec_copy(row_vec(sUk, t, lane), rK)
                 cute.autovec_copy(row_vec(sUq, t, lane), rQ)
@@ -867,20 +873,23 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
                 qsq = cute.arch.warp_reduction_sum((qq * qq).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
                 kn = kk * cute.math.rsqrt(ksq + Float32(1e-6))
                 qn = qq * (cute.math.rsqrt(qsq + Float32(1e-6)) * Float32(QSCALE))
-                # row by row (load, update, store): the rows are independent, so the loads of later rows can be
-                # issued early without holding all 16 rows (64 registers) at once
-                for r in cutlass.range_constexpr(RW):
-                    row = warp * RW + r
-                    cute.autovec_copy(row_vec(sS, row, lane), rS)
-                    s = rS.load() * al
-                    sk = cute.arch.warp_reduction_sum((s * kn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-                    e = sUv[t, row] - sk
-                    s = s + kn * (beta * e)
-                    rS.store(s)
-                    cute.autovec_copy(rS, row_vec(sS, row, lane))
-                    o = cute.arch.warp_reduction_sum((s * qn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-                    if lane == 0:
-                        sO[t, row] = o
+                # RG rows at a time (load RG, update each, store RG): the rows are independent, so RG > 1 gives the
+                # scheduler RG reduction chains to interleave; RG = 1 holds one row (4 registers) at a time
+                for g in cutlass.range_constexpr(RW // RG):
+                    for r in cutlass.range_constexpr(RG):
+                        cute.autovec_copy(row_vec(sS, warp * RW + g * RG + r, lane), rS[r, None])
+                    for r in cutlass.range_constexpr(RG):
+                        row = warp * RW + g * RG + r
+                        s = rS[r, None].load() * al
+                        sk = cute.arch.warp_reduction_sum((s * kn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                        e = sUv[t, row] - sk
+                        s = s + kn * (beta * e)
+                        rS[r, None].store(s)
+                        o = cute.arch.warp_reduction_sum((s * qn).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+                        if lane == 0:
+                            sO[t, row] = o
+                    for r in cutlass.range_constexpr(RG):
+                        cute.autovec_copy(rS[r, None], row_vec(sS, warp * RW + g * RG + r, lane))
 
             # the state leaves as soon as it is final: generic-proxy writes to shared memory are made visible to the
             # bulk-copy (async) proxy before one thread hands the rows to it
@@ -957,7 +966,8 @@ def _compile(key):
     B = cute.sym_int()          # requests
     S = cute.sym_int()          # state slots
     if nsplit == 1:
-        obj = _build_head(heads, head_dim, T, lower_bound, eps, early_trigger=early)
+        rg = next((int(f[4:]) for f in key[7:] if f.startswith("rows")), 1)
+        obj = _build_head(heads, head_dim, T, lower_bound, eps, early_trigger=early, row_group=rg)
     else:
         obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload,
                      late_stores=late, dsmem_tx=dsmem_tx)
@@ -984,7 +994,7 @@ def _get_compiled(key):
 
 def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
                        head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None, early_trigger=False,
-                       preload=None, late_stores=None, dsmem_tx=None):
+                       preload=None, late_stores=None, dsmem_tx=None, row_group=None):
     """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
     for the valid slots and returns y [B*T, H*D] bf16. See the module docstring for the contracts.
 
@@ -999,7 +1009,10 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     cluster barrier, and with early_trigger there is no fence at the end (bit-identical results).
 
     dsmem_tx (v6; None = DSMEM_TX, off by default): the alpha and norm exchanges through st.async + mbarrier
-    complete_tx instead of cluster barriers (bit-identical results). Needs late_stores."""
+    complete_tx instead of cluster barriers (bit-identical results). Needs late_stores.
+
+    row_group (v9, nsplit 1 only; None = HEAD_ROW_GROUP): state rows a warp loads from shared memory before updating
+    them (bit-identical for every value)."""
     import torch
 
     if head_dim != HEAD_DIM:
@@ -1021,7 +1034,7 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     if ns not in NSPLITS:
         raise ValueError(f"nsplit must be one of {NSPLITS} (1: one CTA per request and head), got {nsplit}")
     key = kernel_key(H, T, ns, lower_bound, eps, D, early_trigger=early_trigger, preload=preload,
-                     late_stores=late_stores, dsmem_tx=dsmem_tx)     # the options' errors come before the tensors'
+                     late_stores=late_stores, dsmem_tx=dsmem_tx, row_group=row_group)     # the options' errors come before the tensors'
     check_tensor("proj", proj, dtype=torch.bfloat16, shape=(B * T, proj_width(H, D)))
     check_tensor("w_fb", w_fb, dtype=torch.bfloat16, shape=(P, D))
     check_tensor("conv_w", conv_w, dtype=torch.float32, shape=(3 * P, 4))

@@ -398,9 +398,11 @@ def test_head_build_is_bit_identical_to_nsplit4(H, B, T, early):
     """v9 computes every row, channel and reduction as the nsplit 4 build does (the gated norm's sum of o^2 as its four
     32-row partials in the same order): y and both states equal nsplit 4's bit for bit, with a padded request, a bad
     slot and spare slots in the batch."""
-    res = run_builds_bitwise(H, B, T, early, 90 + B + T, {"ns4": {"nsplit": 4}, "ns1": {"nsplit": 1}})
-    for a, b in zip(res["ns1"], res["ns4"]):
-        assert torch.equal(a, b)
+    res = run_builds_bitwise(H, B, T, early, 90 + B + T, {"ns4": {"nsplit": 4}, "ns1": {"nsplit": 1},
+                                                          "ns1g4": {"nsplit": 1, "row_group": 4}})
+    for other in ("ns1", "ns1g4"):
+        for a, b in zip(res[other], res["ns4"]):
+            assert torch.equal(a, b), other
 
 
 def test_head_build_back_to_back_and_padding():
