@@ -214,6 +214,33 @@ Version log
       62.0 -> ~51-55 us (fast-kdahead against fast; 1.49x -> ~1.7-1.8x stock), rank8 b64 95.4 -> ~78-84. If the
       kernel does not move at b64, the chain after the wait (not the state stream) is what bounds it, and the next
       evidence is ncu of v9.
+      Measured (s69 at 5329817, kernels-/records-5329817-s69.json, one run, copy 4.22 TB/s; GPU tests 40 passed: the
+      reference at B 1..64 and T 1..8, bit-identical to nsplit 4, back-to-back, graph replay, the attention half):
+      kernel @trig / @ns1trig rank16 b1 7.5 / 13.5 us, b8 9.8 / 14.1, b16 12.4 / 14.9, b64 27.4 / 25.3; rank8 b1
+      8.4 / 13.9, b8 12.4 / 15.2, b16 18.3 / 18.0, b64 47.1 / 45.4. Attention half (fast / fast-kdahead / stock)
+      rank16 b64 62.2 / 60.4 / 92.9, rank8 b64 96.0 / 93.2 / 126.8; fast-kdahead48 at b8 35.0 -> 41.8 (rank16),
+      51.4 -> 58.8 (rank8). MISSED: -8 % at b64 where -35 to -50 % was predicted.
+      Nsight Compute at rank16 b64 (s70 at 8f943aa, ncu-8f943aa-s70/: the per-SASS stall samples): 3 CTAs per SM as
+      asked (80 registers, 68 KB), 0.97 waves, 23.5 us, DRAM 25 % busy, 20.3 cycles per issued instruction (long
+      scoreboard 8.4, short scoreboard 4.8). By instruction: 34 % of the samples sit at phase A's first uses of the
+      conv windows (loaded before the wait, but after the 64 KB bulk copies, so behind 25 MB of bulk traffic: they
+      return with the last of it); ~25 % in phase B, whose SASS runs each row as one chain (load, 4 FFMA, 5 shuffles,
+      update, 5 shuffles, store: ~400 cycles x 16 rows per warp); ~20 % at the exit (the storer waiting for the
+      bulk store's read, the others at EXIT). So the one-wave CTAs run load -> compute -> store in lockstep: the
+      HBM idles while they compute and the SMs idle while the state streams. row_group 4 (4 rows loaded, then
+      updated) measured 23.6 against 25.4 us at rank16 b64, 41.6 against 45.6 at rank8 b64 (s70).
+  v9.1 (session 22; the v9 build since 9ec..., row_group 4 its default) The CTA's load / compute / store
+      overlapped by chunk: each 16 KB chunk (32 rows) of the state has its own mbarrier, the two warps owning its
+      rows start on it as soon as it lands, and when both are done with it (a named barrier of the two) its first
+      lane bulk-stores it, while the other chunks still stream in or are being updated. The bulk copies are issued
+      after the thread's own register loads (slot, conv windows and weights, W_fb, dt_bias), so phase A's inputs are
+      not queued behind the state. Bit-identical to v9 and nsplit 4 (the same values; GPU test).
+      Prediction (kernel @ns1trig against @trig, and against s70's @ns1g4trig 23.6 / 41.6): rank16 b64 ~12-16 us,
+      rank8 b64 ~25-32 (the first chunk of every CTA arrives after ~1/4 of the stream, and the last chunk's rows,
+      the norm and a 16 KB store follow the stream's end); b16 within +-1 us of nsplit 4. Attention half rank16 b64
+      62 -> ~50-54 us (1.7-1.85x stock), rank8 b64 96 -> ~78-85. If it misses, the per-row chain of phase B (~3 us
+      at row_group 1, ~1.5 at 4) is what is left on the critical path: rows split over lane pairs (no shuffles but
+      one) is the next change.
 """
 from __future__ import annotations
 
@@ -239,7 +266,7 @@ DSMEM_TX = True
 # warps per (request, head) with the state in shared memory, chosen when batch x heads >= HEAD_CTA_MIN (None: never)
 HEAD_WARPS = 8
 HEAD_CHUNKS = 4             # bulk copies per 64 KB state (16 KB each), in and out
-HEAD_ROW_GROUP = 1          # state rows a warp loads before updating them (bench @ns1g4trig: 4)
+HEAD_ROW_GROUP = 4          # state rows a warp loads before updating them (s70: 4 faster than 1, @ns1g1trig)
 HEAD_CTA_MIN = None
 NSPLITS = (1, 4, 8)
 
@@ -679,8 +706,9 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
 # bulk copies issued before the PDL wait, and everything of the head computed once, in one CTA of 8 warps.
 
 def head_smem_bytes(T: int, head_dim: int = HEAD_DIM) -> int:
-    """Shared memory of one v9 CTA: the state, five [T, D] fp32 vectors, the norm partials, beta, the mbarrier."""
-    return head_dim * head_dim * 4 + 5 * T * head_dim * 4 + T * 4 * 4 + 16 + 16 + 8 + 128
+    """Shared memory of one v9 CTA: the state, five [T, D] fp32 vectors, the norm partials, beta, the chunks'
+    mbarriers (and alignment)."""
+    return head_dim * head_dim * 4 + 5 * T * head_dim * 4 + T * 4 * 4 + 16 + 16 + 8 * HEAD_CHUNKS + 128
 
 
 def head_min_blocks(T: int) -> int:
@@ -721,7 +749,9 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
     RG = row_group              # state rows a warp loads before updating them (HEAD_ROW_GROUP)
     CHUNK_ROWS = D // HEAD_CHUNKS
     CHUNK_BYTES = CHUNK_ROWS * D * 4
+    WPC = HEAD_WARPS // HEAD_CHUNKS    # warps per chunk (their rows are the chunk's)
     assert D == 128 and NTH == 2 * D and PROWS == 32 and NPART <= HEAD_WARPS and 1 <= T <= MAX_T and RW % RG == 0
+    assert HEAD_WARPS % HEAD_CHUNKS == 0 and CHUNK_ROWS == RW * WPC and HEAD_CHUNKS <= 15
 
     @cute.jit
     def row_vec(t2, row, lane):
@@ -754,7 +784,7 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
             sO = smem.allocate_tensor(Float32, cute.make_layout((T, D), stride=(D, 1)), 16)
             sRed = smem.allocate_tensor(Float32, cute.make_layout((T, NPART), stride=(NPART, 1)), 16)
             sBeta = smem.allocate_tensor(Float32, cute.make_layout((T,), stride=(1,)), 16)
-            mbar = smem.allocate_array(Int64, 1)
+            mbar = smem.allocate_array(Int64, HEAD_CHUNKS)
 
             # ---------------- before the PDL wait: nothing here is produced by the previous kernel
             slot = mSlots[b]
@@ -765,24 +795,6 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
             if not valid:
                 slot_c = Int32(0)      # never dereferenced; keeps address math in range
             slot_w = slot_c.to(Int64)
-
-            # the head's 64 KB of state: HEAD_CHUNKS bulk copies on one mbarrier, issued first so that the HBM
-            # stream starts before anything else of the CTA (the state is ~97 % of its bytes)
-            if tid == 0:
-                cute.arch.mbarrier_init(mbar, 1)
-                cute.arch.mbarrier_init_fence()
-                if valid:
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, D * D * 4)
-                    for c in cutlass.range_constexpr(HEAD_CHUNKS):
-                        cp_async_bulk_shared_cluster_global(sS[c * CHUNK_ROWS, None].iterator,
-                                                            mRecState[slot_w, h, c * CHUNK_ROWS, None].iterator,
-                                                            mbar, CHUNK_BYTES)
-            if not valid:
-                # a padded or bad request runs on a zero state, as the nsplit 4 / 8 builds do (its y rows are then
-                # replaced by zeros / NaN; nothing is written back)
-                for i in cutlass.range_constexpr(D * D // (4 * NTH)):
-                    v4 = row_vec(sS, (tid + NTH * i) // 32, (tid + NTH * i) % 32)
-                    v4.fill(0.0)
 
             # conv channels: threads [0, D) own the q channel hD + tid and the k channel P + hD + tid, threads
             # [D, 2D) the v channel 2P + hD + tid - D. win[c, j]: j = 0 oldest (t-3) ... 2 newest (t-1).
@@ -813,6 +825,27 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
                 rDt[m] = mDtBias[wrow]
             decay_rate = cute.math.exp(mALog[h])
             onorm = mONorm[tid % D]         # output element idx = tid + NTH it has row idx % D = tid % D
+
+            # the head's 64 KB of state: HEAD_CHUNKS bulk copies of CHUNK_ROWS rows, each on its own mbarrier, so
+            # that the warps of chunk c start as soon as it lands (v9.1). Issued after this thread's small loads
+            # above: the conv windows and W_fb rows are what phase A waits for, and behind 25 MB of bulk traffic
+            # (rank16 b64) they came back only with the last of it (s70: 34 % of the stall samples there)
+            if tid == 0:
+                for c in cutlass.range_constexpr(HEAD_CHUNKS):
+                    cute.arch.mbarrier_init(mbar + c, 1)
+                cute.arch.mbarrier_init_fence()
+                if valid:
+                    for c in cutlass.range_constexpr(HEAD_CHUNKS):
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + c, CHUNK_BYTES)
+                        cp_async_bulk_shared_cluster_global(sS[c * CHUNK_ROWS, None].iterator,
+                                                            mRecState[slot_w, h, c * CHUNK_ROWS, None].iterator,
+                                                            mbar + c, CHUNK_BYTES)
+            if not valid:
+                # a padded or bad request runs on a zero state, as the nsplit 4 / 8 builds do (its y rows are then
+                # replaced by zeros / NaN; nothing is written back)
+                for i in cutlass.range_constexpr(D * D // (4 * NTH)):
+                    v4 = row_vec(sS, (tid + NTH * i) // 32, (tid + NTH * i) % 32)
+                    v4.fill(0.0)
 
             cute.arch.griddepcontrol_wait()
             if const_expr(early_trigger):
@@ -853,8 +886,9 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
                     if jv == 0:
                         sAl[t, fr + FSTEP * m] = cute.math.exp(lam)
             cute.arch.barrier()
+            chunk = warp // WPC             # the chunk of this warp's rows
             if valid:
-                cute.arch.mbarrier_wait(mbar, 0)
+                cute.arch.mbarrier_wait(mbar + chunk, 0)
 
             # ---------------- phase B: T sequential delta-rule steps on the rows in shared memory
             rK = cute.make_rmem_tensor(cute.make_layout((4,), stride=(1,)), Float32)
@@ -891,16 +925,18 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
                     for r in cutlass.range_constexpr(RG):
                         cute.autovec_copy(rS[r, None], row_vec(sS, warp * RW + g * RG + r, lane))
 
-            # the state leaves as soon as it is final: generic-proxy writes to shared memory are made visible to the
-            # bulk-copy (async) proxy before one thread hands the rows to it
+            # a chunk leaves as soon as its WPC warps are done with it: their generic-proxy writes to shared memory
+            # are made visible to the bulk-copy (async) proxy, a named barrier of those warps, then the chunk's
+            # first lane hands the rows to the bulk engine
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier()
-            if tid == 0:
+            cute.arch.barrier(barrier_id=1 + chunk, number_of_threads=32 * WPC)
+            is_storer = (warp % WPC == 0) & (lane == 0)
+            if is_storer:
                 if valid:
-                    for c in cutlass.range_constexpr(HEAD_CHUNKS):
-                        cp_async_bulk_global_shared_cta(mRecState[slot_w, h, c * CHUNK_ROWS, None].iterator,
-                                                        sS[c * CHUNK_ROWS, None].iterator, CHUNK_BYTES)
+                    cp_async_bulk_global_shared_cta(mRecState[slot_w, h, chunk * CHUNK_ROWS, None].iterator,
+                                                    sS[chunk * CHUNK_ROWS, None].iterator, CHUNK_BYTES)
                     cp_async_bulk_commit_group()
+            cute.arch.barrier()             # sO complete for the norm
 
             # ---------------- phase C: gated RMSNorm over the head's 128 rows
             for i in cutlass.range_constexpr(T * NPART):
@@ -934,7 +970,7 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
                     mConvState[slot_w, c0, j] = win[0, j].to(BFloat16)
                     if is_qk:
                         mConvState[slot_w, c1, j] = win[1, j].to(BFloat16)
-            if tid == 0:
+            if is_storer:
                 if valid:
                     if const_expr(early_trigger):
                         # the shared rows must outlive the bulk engine's reads of them; the dependents already run,

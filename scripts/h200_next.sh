@@ -723,5 +723,17 @@ case "${1:-}" in
           grep -E "Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|Registers Per|Shared Memory Config|Dynamic Shared" "$o/kdav9-details.txt" | head -20
           gzip "$o/kdav9-sass.csv"
           (cd "$o" && tar czf logs.tgz gpu.txt gpu-tests.log kernels.log ncu.log && rm -f gpu.txt gpu-tests.log kernels.log ncu.log) ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70"; exit 2 ;;
+  # written in session 22 after s70: v9.1 (the state by chunk: each chunk's warps start when it lands and store it
+  # when done) under the v9 tests, the kernel rows, the attention half beside stock at b16 / b64 (stage with --vllm)
+  s71)    ids=$(for c in 64-16-fast-kdahead 64-8-fast-kdahead 16-8-fast-kdahead 16-16-fast-kdahead48; do
+                  echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$c]"; done)
+          K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh tests/gpu/test_kda_conv_gate_step.py -k "head" $ids || true
+          o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          timeout 70 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 8 16 64 \
+            --kernels kda_conv_gate_step@trig kda_conv_gate_step@ns1trig kda_conv_gate_step@ns1g1trig > "$o/kernels.log" 2>&1
+          grep -v -i warn "$o/kernels.log" | cut -c1-130 | tail -18
+          cells=""; for c in k3_rank16,64 k3_rank8,64 k3_rank8,16; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-kdahead"; done
+          cells="$cells --cell kda_moe,k3_rank16,16,0,fast+fast-kdahead48"
+          K3_SWEEP_TIMEOUT=200 bash scripts/h200_sweep.sh $cells --budget-s 180 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71"; exit 2 ;;
 esac

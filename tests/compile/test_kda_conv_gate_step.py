@@ -45,7 +45,10 @@ def test_head_build_occupancy():
 
 
 def test_nsplit_1_key_ignores_the_cluster_options():
-    key = kmod.compile_key(6, 1, 1) + ("early_trigger", "head")
+    key = kmod.compile_key(6, 1, 1) + ("early_trigger", "head") + (("rows4",) if kmod.HEAD_ROW_GROUP == 4 else ())
+    assert kmod.kernel_key(6, 1, 1, row_group=1) == kmod.compile_key(6, 1, 1) + ("head",)
+    with pytest.raises(ValueError, match="row_group"):
+        kmod.kernel_key(6, 1, 1, row_group=3)
     for opts in ({}, {"preload": True}, {"late_stores": False}, {"dsmem_tx": True, "late_stores": True}):
         assert kmod.kernel_key(6, 1, 1, early_trigger=True, **opts) == key
     assert kmod.compile_keys(6, [64], [1], early_trigger=True, head_min=64) == [key]
@@ -72,7 +75,7 @@ def test_compile_head_build(shape):
     cfg = SHAPES[shape]
     for early in (False, True):
         keys = kmod.compile_keys(cfg.kda_heads, [64], TS, cfg.gate_lower_bound, cfg.rms_norm_eps, early, head_min=1)
-        assert len(keys) == len(TS) and all(k[4] == 1 and k[-1] == "head" for k in keys)
+        assert len(keys) == len(TS) and all(k[4] == 1 and "head" in k[7:] for k in keys)
         for key in keys:
             assert kmod._get_compiled(key) is not None, key
 
@@ -254,10 +257,11 @@ def test_dsmem_tx_has_no_cluster_barrier_after_the_start(heads, batch, T):
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("T", [1, 3])
 def test_head_build_bulk_copies(early, T):
-    """v9: the state arrives as HEAD_CHUNKS bulk copies on one mbarrier, all issued before the PDL wait, and leaves
-    as HEAD_CHUNKS bulk stores after a proxy fence, with no cluster instruction anywhere. Behind the early trigger
-    the CTA waits only for the stores' reads of shared memory; at the end trigger it waits for their completion and
-    fences before launching the dependents (a second KDA step's pre-wait copies read the state)."""
+    """v9.1: the state arrives as HEAD_CHUNKS bulk copies, each on its own mbarrier, all issued before the PDL wait
+    and after the thread's own register loads; a chunk leaves by one bulk store (issued by the chunk's first lane,
+    after a proxy fence and the chunk's named barrier), with no cluster instruction anywhere. Behind the early
+    trigger the storers wait only for the stores' reads of shared memory; at the end trigger they wait for their
+    completion and fence before the dependents launch (a second KDA step's pre-wait copies read the state)."""
     key = kmod.kernel_key(6, T, 1, early_trigger=early)
     lines = _ptx_lines(key)
     wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
@@ -266,8 +270,12 @@ def test_head_build_bulk_copies(early, T):
     stores = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.global.shared::cta")]
     waits = [ln for ln in lines if ln.startswith("cp.async.bulk.wait_group")]
     fence_proxy = [i for i, ln in enumerate(lines) if ln.startswith("fence.proxy.async")]
-    assert len(loads) == kmod.HEAD_CHUNKS and max(loads) < wait
-    assert len(stores) == kmod.HEAD_CHUNKS and fence_proxy and max(fence_proxy) < min(stores)
+    inits = [i for i, ln in enumerate(lines) if ln.startswith("mbarrier.init")]
+    reg_loads = [i for i, ln in enumerate(lines) if ln.startswith("ld.global")]
+    named = [i for i, ln in enumerate(lines) if ln.startswith(("bar.sync", "barrier.sync")) and "," in ln]
+    assert len(loads) == kmod.HEAD_CHUNKS and len(inits) == kmod.HEAD_CHUNKS and max(loads) < wait
+    assert sum(1 for i in reg_loads if i < min(loads)) >= 10       # slot, conv windows / weights, W_fb, dt_bias
+    assert len(stores) == 1 and fence_proxy and named and max(fence_proxy) < min(named) < min(stores)
     assert not any("cluster" in ln for ln in lines if ln.startswith(("barrier.cluster", "mapa", "st.async")))
     assert len(trig) == 1 and len(waits) == 1 and (".read" in waits[0]) == early
     if early:
