@@ -229,7 +229,7 @@ Version log
       bulk store's read, the others at EXIT). So the one-wave CTAs run load -> compute -> store in lockstep: the
       HBM idles while they compute and the SMs idle while the state streams. row_group 4 (4 rows loaded, then
       updated) measured 23.6 against 25.4 us at rank16 b64, 41.6 against 45.6 at rank8 b64 (s70).
-  v9.1 (session 22; the v9 build since 9ec..., row_group 4 its default) The CTA's load / compute / store
+  v9.1 (session 22; the v9 build since c50e22f, row_group 4 its default) The CTA's load / compute / store
       overlapped by chunk: each 16 KB chunk (32 rows) of the state has its own mbarrier, the two warps owning its
       rows start on it as soon as it lands, and when both are done with it (a named barrier of the two) its first
       lane bulk-stores it, while the other chunks still stream in or are being updated. The bulk copies are issued
