@@ -253,12 +253,13 @@ class FastImpl:
         self.tail_dsl_max_m = tail_dsl_max_m
         self.gemv_dsl_max_m = gemv_dsl_max_m
         self.inproj_dsl_max_m = min(inproj_dsl_max_m, gemv_dsl_max_m)
-        # the KDA step's value-row split (None: kda_conv_gate_step.choose_nsplit, 4 above 64 request-heads). "fast-kdans8"
+        # the KDA step's value-row split (None: kda_conv_gate_step.choose_nsplit: 8 up to 64 request-heads, 4 above, 1
+        # (v9.1) from its HEAD_CTA_MIN = 192). "fast-kdans8"
         # runs 8 at every batch, the alternative its v1 log named for large batches; measured slower at b64
         # (records-0bc90c0-s11.json: attention 68.3 against 65.2 us at rank16, 111.3 against 101.6 at rank8)
         self.kda_nsplit = kda_nsplit
         # v9 (one CTA per request and head, the state in shared memory) from kda_head_min request-heads on, when
-        # kda_nsplit is None ("module": kda_conv_gate_step.HEAD_CTA_MIN; None: never). "fast-kdahead" sets 192
+        # kda_nsplit is None ("module": kda_conv_gate_step.HEAD_CTA_MIN; None: never, "fast-s22kda")
         self.kda_head_min = kda_head_min
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order

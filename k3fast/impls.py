@@ -461,8 +461,12 @@ FAST_VARIANTS = {
     "fast-splitk": {"gemv_mma": "splitk", "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64},  # in_proj at M > 4 on gemv_splitk
     "fast-s10": {"inproj_dsl_max_m": 4},        # the in_proj's FMA GEMV at M = 3-4 (before session 7's threshold)
     "fast-kdans8": {"kda_nsplit": 8},           # the KDA step split 8 ways at every batch (4 above 64 request-heads)
-    "fast-kdahead": {"kda_head_min": 192},      # the KDA step's v9 (one CTA per request and head) from 192 request-heads
-    "fast-kdahead48": {"kda_head_min": 48},     # ... from 48 (rank16 b8, rank8 b4 / b8)
+    # the KDA step's v9.1 (one CTA per request and head) from 192 request-heads is the default since session 22:
+    # "fast-s22kda" is the cluster build (nsplit 4 / 8) at every batch, as before; "fast-kdahead" was v9.1 as an
+    # opt-in (= fast since), "fast-kdahead48" v9.1 from 48 request-heads (rank16 b8 / b16, rank8 b4 / b8)
+    "fast-s22kda": {"kda_head_min": None},
+    "fast-kdahead": {"kda_head_min": 192},
+    "fast-kdahead48": {"kda_head_min": 48},
     "fast-s17kda": {"kda_late_stores": False},  # the KDA step's write-backs before its last cluster barrier (v3 order)
     "fast-s19kda": {"kda_dsmem_tx": False},     # the KDA step's cluster-barrier exchanges (v5, before session 10's v6)
     # (fast-kdaocc6, the KDA step's v7: 6 CTAs per SM asked at nsplit 4, was measured at 0e81145 (s24), no faster

@@ -188,7 +188,7 @@ Version log
       44.1 / 43.7 us, b2 46.6 / 47.3 / 46.8, rank16 b1 30.4 / 31.5 / 31.3. MISSED, the other way. It confirms the
       cause s60 inferred (o_proj's stream is what lengthens the KDA step) and shows the trade is about even: the
       bytes o_proj reads during the KDA step cost the KDA step about what they save o_proj after it. Removed.
-  v9 (session 22; nsplit 1, opt-in: HEAD_CTA_MIN = None, impls "fast-kdahead" (from 192 request-heads) and
+  v9 (session 22; nsplit 1, as run opt-in: HEAD_CTA_MIN = None, impls "fast-kdahead" (from 192 request-heads) and
       "fast-kdahead48", bench row kda_conv_gate_step@ns1trig) The large-batch build: one CTA of 8 warps per (request,
       head), no cluster. Thread 0 bulk-copies the head's 64 KB of state into shared memory (4 x 16 KB on one
       mbarrier) as the CTA's first act, before the PDL wait; the threads update the rows there (warp w rows 16w..16w+15,
@@ -262,12 +262,14 @@ LATE_STORES = True
 DSMEM_TX = True
 # (v7, an occupancy hint of 6 CTAs per SM for the nsplit-4, T = 1 build, was measured and removed in session 12:
 # version log)
-# v9 (opt-in until measured; "fast-kdahead" / bench row kda_conv_gate_step@ns1trig): nsplit 1, one CTA of HEAD_WARPS
-# warps per (request, head) with the state in shared memory, chosen when batch x heads >= HEAD_CTA_MIN (None: never)
+# v9.1 (the default from 192 request-heads since session 22; "fast-s22kda" is the A/B without it, bench row
+# kda_conv_gate_step@ns1trig): nsplit 1, one CTA of HEAD_WARPS warps per (request, head) with the state in shared
+# memory, chosen when batch x heads >= HEAD_CTA_MIN (None: never). s71: -22 / -23 % at rank16 / rank8 b64, -13 % at
+# rank8 b16 (192 request-heads); about even at 96 (rank16 b16 +0.3 us, rank8 b8 +0.3), slower below
 HEAD_WARPS = 8
 HEAD_CHUNKS = 4             # bulk copies per 64 KB state (16 KB each), in and out
 HEAD_ROW_GROUP = 4          # state rows a warp loads before updating them (s70: 4 faster than 1, @ns1g1trig)
-HEAD_CTA_MIN = None
+HEAD_CTA_MIN = 192
 NSPLITS = (1, 4, 8)
 
 

@@ -212,11 +212,12 @@ def test_late_stores_follow_the_last_cluster_barrier(early, heads, batch):
     """v5 (late_stores): every global store (conv window, state rows, y) comes after the last cluster barrier's
     arrive (a release, MEMBAR.ALL.GPU on sm_90, which would wait for them), and behind the early trigger there is
     no gpu-scope fence; without the early trigger the fence stays between the last store and the trigger."""
-    ns = kmod.choose_nsplit(batch, heads)
+    ns = kmod.choose_nsplit(batch, heads, None)          # the cluster builds (v9.1 takes b64 by default)
     key = (kmod.compile_key(heads, 1, ns) + (("early_trigger",) if early else ())
            + (("preload",) if ns == 8 else ()) + ("late_stores",))
     # v5's key; the default (v6 since session 10) adds dsmem_tx to it
-    assert key + (("dsmem_tx",) if kmod.DSMEM_TX else ()) in kmod.compile_keys(heads, [batch], [1], early_trigger=early)
+    assert key + (("dsmem_tx",) if kmod.DSMEM_TX else ()) in kmod.compile_keys(heads, [batch], [1], early_trigger=early,
+                                                                               head_min=None)
     lines = _ptx_lines(key)
     arrives = [i for i, ln in enumerate(lines) if ln.startswith("barrier.cluster.arrive")]
     stores = [i for i, ln in enumerate(lines) if ln.startswith("st.global")]
@@ -236,12 +237,12 @@ def test_dsmem_tx_has_no_cluster_barrier_after_the_start(heads, batch, T):
     """v6: after the start's relaxed arrive (and its wait), no barrier.cluster and no gpu-scope fence: the alpha
     (D x T floats) and norm (NS x T) exchanges are st.async with complete_tx on two mbarriers that expect exactly
     those bytes."""
-    ns = kmod.choose_nsplit(batch, heads)
+    ns = kmod.choose_nsplit(batch, heads, None)          # the cluster builds (v9.1 takes b64 by default)
     key = (kmod.compile_key(heads, T, ns) + ("early_trigger",) + (("preload",) if ns == 8 and T == 1 else ())
            + ("late_stores", "dsmem_tx"))
     assert kmod.kernel_key(heads, T, ns, early_trigger=True, dsmem_tx=True) == key
     if kmod.DSMEM_TX:
-        assert key in kmod.compile_keys(heads, [batch], [T], early_trigger=True)
+        assert key in kmod.compile_keys(heads, [batch], [T], early_trigger=True, head_min=None)
     lines = _ptx_lines(key)
     arrives = [ln for ln in lines if ln.startswith("barrier.cluster.arrive")]
     assert len(arrives) == 1 and ".relaxed" in arrives[0]

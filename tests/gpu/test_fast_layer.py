@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
                                   "fast-inpf3", "fast-infma", "fast-ringearly", "fast-nojoint", "fast-oplean",
                                   "fast-opfence", "fast-op32", "fast-inmma", "fast-inmmaet", "fast-opmma",
                                   "fast-mid", "fast-op8", "fast-op4", "fast-incublas",
-                                  "fast-intiled", "fast-kdahead", "fast-kdahead48"])
+                                  "fast-intiled", "fast-s22kda", "fast-kdahead48"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -39,7 +39,11 @@ def test_fast_attention_half(tp, batch, impl):
     if impl == "fast-kdans8":
         from k3fast.kda_conv_gate_step import choose_nsplit
         if choose_nsplit(batch, k3_rank(tp).kda_heads) == 8:
-            pytest.skip(f"{impl} differs from fast only where choose_nsplit picks 4")
+            pytest.skip(f"{impl} differs from fast only where choose_nsplit picks 4 or 1")
+    if impl == "fast-s22kda":
+        from k3fast.kda_conv_gate_step import choose_nsplit
+        if choose_nsplit(batch, k3_rank(tp).kda_heads) != 1:
+            pytest.skip(f"{impl} differs from fast only where the KDA step runs v9.1 (B x H >= HEAD_CTA_MIN)")
     if impl in ("fast-kdahead", "fast-kdahead48"):
         from k3fast.impls import FAST_VARIANTS
         from k3fast.kda_conv_gate_step import choose_nsplit

@@ -369,9 +369,11 @@ def test_late_stores_are_bit_identical(H, B, T, early):
     the end fence behind the early trigger), and v6 (dsmem_tx) replaces the two cluster barriers by st.async +
     mbarrier exchanges: y and both states equal v3's bit for bit, with a padded request, a bad slot (NaN rows,
     nothing written) and spare slots in the batch."""
+    ns = kmod.choose_nsplit(B, H, None)        # the cluster builds these flags belong to (v9.1 takes b64 by default)
     res = run_builds_bitwise(H, B, T, early, 70 + B + T, {
-        "v5": {"late_stores": True, "dsmem_tx": False}, "v3": {"late_stores": False, "dsmem_tx": False},
-        "v6": {"late_stores": True, "dsmem_tx": True}})
+        "v5": {"late_stores": True, "dsmem_tx": False, "nsplit": ns},
+        "v3": {"late_stores": False, "dsmem_tx": False, "nsplit": ns},
+        "v6": {"late_stores": True, "dsmem_tx": True, "nsplit": ns}})
     for other in ("v3", "v6"):                  # v6 (dsmem_tx) moves the exchanges to st.async: the same bits
         for a, b in zip(res[other], res["v5"]):
             assert torch.equal(a, b), other
@@ -380,7 +382,7 @@ def test_late_stores_are_bit_identical(H, B, T, early):
 @pytest.mark.parametrize("B,T,H", [(1, 1, 6), (7, 3, 6), (64, 1, 12), (2, 1, 96)])
 def test_dsmem_tx_against_reference(B, T, H):
     """v6 (st.async + mbarrier exchanges) against the float64 reference, with padded requests and spare slots."""
-    check_step(B, T, H, seed=9, dsmem_tx=True)
+    check_step(B, T, H, seed=9, dsmem_tx=True, nsplit=kmod.choose_nsplit(B, H, None))
 
 
 # ----------------------------------------------------------------------------- v9: nsplit 1 (state in shared memory)
