@@ -735,5 +735,19 @@ case "${1:-}" in
           cells=""; for c in k3_rank16,64 k3_rank8,64 k3_rank8,16; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-kdahead"; done
           cells="$cells --cell kda_moe,k3_rank16,16,0,fast+fast-kdahead48"
           K3_SWEEP_TIMEOUT=200 bash scripts/h200_sweep.sh $cells --budget-s 180 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71"; exit 2 ;;
+  # written in session 22 after s71: v9.1 the default from 192 request-heads. Its tests as the default (the KDA step
+  # and the attention half at b16 / b64, the A/B fast-s22kda), then the default beside stock at every rank16 / rank8
+  # cell of the sweep (b1 / b2 / b8 / b64, and rank8 b16) for the status table (stage with --vllm)
+  s72)    ids=$(for c in 64-16-fast 64-8-fast 16-8-fast 16-16-fast 64-16-fast-s22kda 64-8-fast-s22kda; do
+                  echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$c]"; done
+                for c in 64-1-6 64-1-12 64-4-12 64-8-6 16-1-12 16-4-12 16-8-6; do
+                  echo "tests/gpu/test_kda_conv_gate_step.py::test_step[$c]"; done
+                for f in test_late_stores_are_bit_identical test_dsmem_tx_against_reference; do
+                  echo "tests/gpu/test_kda_conv_gate_step.py::$f"; done)
+          K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh $ids || true
+          cells=""; for c in k3_rank16,1 k3_rank8,1 k3_rank16,2 k3_rank8,2 k3_rank16,8 k3_rank8,8 k3_rank8,16; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast"; done
+          for c in k3_rank16,64 k3_rank8,64; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-s22kda"; done
+          K3_SWEEP_TIMEOUT=330 bash scripts/h200_sweep.sh $cells --budget-s 300 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72"; exit 2 ;;
 esac
