@@ -241,6 +241,15 @@ Version log
       62 -> ~50-54 us (1.7-1.85x stock), rank8 b64 96 -> ~78-85. If it misses, the per-row chain of phase B (~3 us
       at row_group 1, ~1.5 at 4) is what is left on the critical path: rows split over lane pairs (no shuffles but
       one) is the next change.
+      Measured (s71 at 7a01a10, kernels-/records-7a01a10-s71.json, one run, copy 4.21 TB/s; GPU tests 33 passed,
+      bit-identical to nsplit 4 and to row_group 1): kernel @trig / @ns1trig / @ns1g1trig rank16 b64 27.6 / 21.2 /
+      23.2 us, b16 12.6 / 12.9 / 14.6, b8 9.2 / 11.8 / 13.3; rank8 b64 47.4 / 36.8 / 39.7, b16 18.2 / 15.9 / 17.2,
+      b8 12.5 / 12.8 / 14.4. Attention half (fast / fast-kdahead / stock) rank16 b64 61.9 / 56.0 / 90.9, rank8 b64
+      96.1 / 85.1 / 124.1, rank8 b16 63.1 / 60.3 / 101.6. The kernel prediction MISSED (21.2 against ~12-16: a
+      third of the way from v9 to the floor); the attention half met it at rank8 (85.1 in ~78-85) and missed at
+      rank16 by ~2 us. The default from 192 request-heads since 6c06043 (HEAD_CTA_MIN; at 96 it was even, below
+      slower); s72 (records-9daeda3-s72.json): attention half rank16 b64 62.1 -> 55.7 us (fast-s22kda -> fast;
+      stock 93.7), rank8 b64 95.2 -> 83.8 (stock 126.4).
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -167,3 +169,36 @@ assert all(kda_rows[("kda_conv_gate_step@trig", "k3_rank16", b)] < kda_rows[("kd
            for b in (1, 8, 16, 64))
 print("ok")
 
+
+# %% [markdown]
+# ## 9. One CTA per request and head, the state through shared memory (v9 / v9.1, session 22)
+# At b64 the cluster build (nsplit 4: 4 CTAs per head, 32 rows each, the state in registers) ran at 2.2x its byte
+# floor, and three ways to more concurrency inside it had lost (v4's request loop above, an occupancy hint, nsplit
+# 8). v9 changes the design. A CTA of 8 warps owns a whole (request, head): thread 0 bulk-copies the 64 KB of
+# state into shared memory before the PDL wait, the head's conv and decay gate are computed once instead of four
+# times, and no cluster exchange is left. Every row, channel and reduction is computed as nsplit 4 computes it
+# (the norm's sum as its four 32-row partials in order), so the outputs are the same bits (GPU test).
+#
+# v9 as first written gained only 8 % at rank16 b64 (25.3 against 27.4 µs). Nsight Compute (`ncu-8f943aa-s70/`,
+# per-SASS stall samples) showed why: the 384 CTAs are one wave, so they all loaded, then all computed, then all
+# stored, in lockstep. A third of the samples sat at the first use of the conv windows, whose loads had been
+# issued after the 25 MB of bulk copies. v9.1 splits the state into four 16 KB chunks, each on its own mbarrier:
+# a chunk's two warps start when it lands and bulk-store it when done, while the other chunks still stream. The
+# small loads go out before the bulk copies.
+
+# %%
+v91_rows, v91_ab = nbtools.kernel_ab("traces/h200/kernels-7a01a10-s71.json", "kda_conv_gate_step@ns1trig",
+                                     "kda_conv_gate_step@trig", (8, 16, 64))
+print(v91_ab)
+print(nbtools.ab_table("traces/h200/records-9daeda3-s72.json", "attn", ["stock", "fast", "fast-s22kda"]))
+print(nbtools.ab_table("traces/h200/records-9daeda3-s72.json", "attn", ["stock", "fast", "fast-s22kda"],
+                       shape="k3_rank8"))
+print("v9.1 from", kmod.HEAD_CTA_MIN, "request-heads:",
+      {f"{name} b{b}": kmod.choose_nsplit(b, h) for name, h in (("rank16", 6), ("rank8", 12)) for b in (8, 16, 32, 64)})
+
+# %%
+for shape in ("k3_rank16", "k3_rank8"):
+    assert v91_rows[("kda_conv_gate_step@ns1trig", shape, 64)] < 0.85 * v91_rows[("kda_conv_gate_step@trig", shape, 64)]
+assert kmod.choose_nsplit(64, 6) == 1 and kmod.choose_nsplit(16, 12) == 1     # 384 and 192 request-heads
+assert kmod.choose_nsplit(8, 12) == 4 and kmod.choose_nsplit(16, 6) == 4      # 96: the cluster build
+print("ok")
