@@ -215,8 +215,11 @@ def test_back_to_back_steps():
     assert torch.equal(conv[vs], conv_r[vs])
 
 
-@pytest.mark.parametrize("H,B,T", [(6, 3, 1), (12, 16, 4)])
-def test_cuda_graph_replay(H, B, T):
+@pytest.mark.parametrize("H,B,T,opts", [(6, 3, 1, {}), (12, 16, 4, {}),
+                                         # v9.1 (nsplit 1) with the early trigger, the layer's configuration
+                                         (6, 64, 1, {"nsplit": 1, "early_trigger": True}),
+                                         (12, 16, 4, {"nsplit": 1, "early_trigger": True})])
+def test_cuda_graph_replay(H, B, T, opts):
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(123 + B)
     S = B + 2
@@ -227,7 +230,7 @@ def test_cuda_graph_replay(H, B, T):
     out = torch.empty((B * T, H * D), dtype=torch.bfloat16, device=dev)
     kmod.warmup(H, [B], [T])
     call = lambda: kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
-                                           prm["o_norm"], conv, rec, slots, heads=H, T=T, out=out)
+                                           prm["o_norm"], conv, rec, slots, heads=H, T=T, out=out, **opts)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -447,44 +450,3 @@ def test_head_build_back_to_back_and_padding():
     torch.cuda.synchronize()
     assert torch.isnan(y[0].float()).all() and torch.isnan(y[2].float()).all() and (y[1] == 0).all()
     assert torch.equal(conv, conv0) and torch.equal(rec.view(torch.int32), rec0.view(torch.int32))
-
-
-@pytest.mark.parametrize("H,B,T", [(6, 64, 1), (12, 16, 4)])
-def test_head_build_cuda_graph_replay(H, B, T):
-    """v9 captured once with the early trigger (the layer's configuration), replayed on new inputs, states and
-    slots."""
-    dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(223 + B)
-    S = B + 2
-    prm = make_params(H, gen, dev)
-    proj = make_proj(B, T, H, gen, dev)
-    conv, rec = make_states(S, H, gen, dev)
-    slots = make_slots(B, S, gen).to(dev)
-    out = torch.empty((B * T, H * D), dtype=torch.bfloat16, device=dev)
-    call = lambda: kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
-                                           prm["o_norm"], conv, rec, slots, heads=H, T=T, out=out, nsplit=1,
-                                           early_trigger=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for rep in range(2):
-        proj.copy_(make_proj(B, T, H, gen, dev))
-        c2, r2 = make_states(S, H, gen, dev)
-        conv.copy_(c2)
-        rec.copy_(r2)
-        slots.copy_(make_slots(B, S, gen).to(dev))
-        y_ref, conv_ref, rec_ref = reference(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
-                                             prm["o_norm"], conv, rec, slots, H, T)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        vrows = (slots.long() >= 0).repeat_interleave(T)
-        assert (out[~vrows] == 0).all()
-        assert rel_rmse(out[vrows], y_ref[vrows]) <= 1e-2
-        assert rel_rmse(rec, rec_ref) <= 1e-5
-        assert torch.equal(conv, conv_ref)
