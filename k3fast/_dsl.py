@@ -93,6 +93,19 @@ def situ_glu(a, c):
     return Float32(4.0) * cute.math.tanh(a * Float32(0.25)) * sigmoid(a) * (Float32(25.0) * cute.math.tanh(c * Float32(0.04)))
 
 
+def st_shared_cluster_f32(smem_ptr, val, rank):
+    """st.shared::cluster of one fp32 into cluster CTA ``rank``'s shared memory at the offset of ``smem_ptr`` in this
+    CTA's (a DSMEM push; ``rank`` may be this CTA), traced inside a kernel. Visible to the receiver after a cluster
+    barrier (arrive has release, wait acquire semantics by default)."""
+    from cutlass import Float32, Int32
+    from cutlass._mlir.dialects import llvm
+    addr = smem_ptr.toint()
+    llvm.inline_asm(
+        None, [Int32(addr).ir_value(), Float32(val).ir_value(), Int32(rank).ir_value()],
+        "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $0, $2;\n\tst.shared::cluster.f32 [ra], $1;\n\t}",
+        "r,f,r,~{memory}", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 def swapab_a_fragment(fa, rA, h, t):
     """Fill the 8 bf16 A registers of one m16n8k16 (swap-AB GEMV: weight rows g and g+8 of tile t) from the two
     16-byte row loads rA[:, 2t] (row g) and rA[:, 2t+1] (row g+8), for the h-th k16 half of a 32-wide chunk.

@@ -127,6 +127,17 @@ def _cases(cfg, batch: int):
                 return gemv_ring_mma(xx, ww)
             cases.append((f"attnres_rms_gemv@ringmma{tag}", norm_ring, norm_cublas, w_in.numel() * 2 + M * d * 2 * 4))
     if M > 2:
+        # rms_gemv v15 (session 23): the AttnRes norm alone as one CTA per token (cl1, before) and as clusters of 2 / 4
+        # / 8 CTAs per token, with 1 and 8 mixed blocks; the baseline is the one-CTA build
+        for nb in (1, 8):
+            nbytes = (nb + 2 + 2) * M * d * 2       # sources, delta, then x and p' written
+            for cl in (1, 2, 4, 8):
+                cases.append((f"attnres_rmsnorm@nb{nb}cl{cl}",
+                              lambda nb=nb, cl=cl: attnres_rmsnorm(io.blocks, nb, io.partial, io.delta, u1,
+                                                                   w.input_layernorm, partial_out=p_out, cluster=cl),
+                              lambda nb=nb: attnres_rmsnorm(io.blocks, nb, io.partial, io.delta, u1,
+                                                            w.input_layernorm, partial_out=p_out, cluster=1),
+                              nbytes))
         # the opt-in tensor-core kernel with x staged in shared memory and K split across CTAs (gemv_splitk)
         cases.append(("gemv_in_proj_plain@splitk", lambda: gemv(x, w_in, mma="splitk"), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))

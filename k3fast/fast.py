@@ -104,7 +104,7 @@ FRONT_DSL_MAX_M = 4
 
 def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_write, partial_out,
                     early_trigger=None, engine=None, mma=None, joint=None, mid=None, mid_early=None, w_tiled=None,
-                    **fma_options):
+                    norm_cluster=None, **fma_options):
     """AttnRes #1 + input RMSNorm + packed in_proj as the layer runs it: rms_gemv_ring (one launch) at M <= 2 when
     ``engine`` (None = INPROJ_ENGINE) is "ring"; otherwise rms_gemv.attnres_rms_gemv, fused at M <= 2, its
     tensor-core GEMV up to INPROJ_DSL_MAX_M and cuBLAS above (``mma`` None = that rule; fma_options are
@@ -113,7 +113,8 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     prologue (None = rms_gemv_ring.JOINT_PROLOGUE). ``mid`` (None = INPROJ_MID): where the GEMV would be cuBLAS
     and M <= rms_gemv_ring.MMA_MAX_M, "ring" runs attnres_rmsnorm + rms_gemv_ring's tensor-core ring GEMV (v13),
     the norm launching it after its wait when ``mid_early`` (None = INPROJ_MID_EARLY); ``w_tiled``, w's
-    rms_gemv_ring.mma_tile_weight copy, makes that GEMV v14 (the same bits). Returns (y, partial_out)."""
+    rms_gemv_ring.mma_tile_weight copy, makes that GEMV v14 (the same bits). ``norm_cluster``: CTAs per token of
+    attnres_rmsnorm where it runs apart (None = rms_gemv.norm_cluster(M), v15). Returns (y, partial_out)."""
     from . import rms_gemv, rms_gemv_ring
     M = partial.shape[0]
     if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
@@ -127,19 +128,22 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
             and rms_gemv_ring.mma_applicable(M, w.shape[1], w.shape[0])):
         x, partial_out = rms_gemv.attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
                                                   block_write=block_write, partial_out=partial_out,
-                                                  early_trigger=INPROJ_MID_EARLY if mid_early is None else mid_early)
+                                                  early_trigger=INPROJ_MID_EARLY if mid_early is None else mid_early,
+                                                  cluster=norm_cluster)
         return rms_gemv_ring.gemv_ring_mma(x, w if w_tiled is None else w_tiled), partial_out
     return rms_gemv.attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps, block_write=block_write,
-                                     partial_out=partial_out, mma=mma, early_trigger=early_trigger, **fma_options)
+                                     partial_out=partial_out, mma=mma, early_trigger=early_trigger,
+                                     norm_cluster=norm_cluster, **fma_options)
 
 
 def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, boundary, zeros=None, out_x=None,
-                         out_partial=None, gemv=None):
+                         out_partial=None, gemv=None, norm_cluster=None):
     """oproj_attnres's contract above GEMV_DSL_MAX_M: a = bf16(y W_o^T) on cuBLAS (oproj_attnres's GEMV is 1.5-2x
     cuBLAS there, kernels-11595c4.json), then the same AttnRes #2 + RMSNorm as in_proj's prologue with p' =
     bf16(p1 + a), or a itself at a block boundary (p' then starts the new block: p1 := 0). ``zeros``: a zero tensor
     shaped like p1 for the boundary case (FastImpl passes one it owns, so nothing is allocated in a graph).
-    ``gemv`` (None = OPROJ_MID): "ring" takes a from rms_gemv_ring's tensor-core ring GEMV (v13) where M <= 8."""
+    ``gemv`` (None = OPROJ_MID): "ring" takes a from rms_gemv_ring's tensor-core ring GEMV (v13) where M <= 8.
+    ``norm_cluster``: the AttnRes #2 kernel's CTAs per token (None = rms_gemv.norm_cluster(M), v15)."""
     from .rms_gemv import attnres_rmsnorm
     from .rms_gemv_ring import gemv_ring_mma, mma_applicable
     if (OPROJ_MID if gemv is None else gemv) == "ring" and mma_applicable(y.shape[0], w_o.shape[1], w_o.shape[0]):
@@ -147,7 +151,8 @@ def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, bo
     else:
         a = F.linear(y, w_o)
     p = (zeros if zeros is not None else torch.zeros_like(p1)) if boundary else p1
-    return attnres_rmsnorm(blocks, n_blocks, p, a, u_mlp, w_post, eps=eps, out=out_x, partial_out=out_partial)
+    return attnres_rmsnorm(blocks, n_blocks, p, a, u_mlp, w_post, eps=eps, out=out_x, partial_out=out_partial,
+                           cluster=norm_cluster)
 
 
 def moe_tail_cublas(r, w_norm, w_up, h, w_sd, *, eps, out=None, fused_norm: bool = True):
@@ -189,7 +194,7 @@ class FastImpl:
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
                  inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
-                 inproj_tiled: bool | None = None):
+                 inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -261,6 +266,9 @@ class FastImpl:
         # v9 (one CTA per request and head, the state in shared memory) from kda_head_min request-heads on, when
         # kda_nsplit is None ("module": kda_conv_gate_step.HEAD_CTA_MIN; None: never, "fast-s22kda")
         self.kda_head_min = kda_head_min
+        # None: rms_gemv.NORM_CLUSTER_MIN_M (v15: the AttnRes norms that run apart, before a cuBLAS GEMV, as clusters
+        # of NORM_CLUSTER CTAs per token from that batch); "fast-normc1" never, "fast-normc3" from M = 3 (v13's norm)
+        self.norm_cluster_min_m = norm_cluster_min_m
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order
         self.kda_late_stores = kda_late_stores
@@ -332,6 +340,7 @@ class FastImpl:
                         + ("" if inproj_dsl_max_m == INPROJ_DSL_MAX_M else f", in_proj DSL GEMV up to M={inproj_dsl_max_m}")
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
                         + ("" if kda_head_min == "module" else f", KDA one CTA per head from {kda_head_min} request-heads")
+                        + ("" if norm_cluster_min_m is None else f", AttnRes norm clusters from M={norm_cluster_min_m}")
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
                         + ("" if kda_dsmem_tx is None else f", KDA st.async exchange {'on' if kda_dsmem_tx else 'off'}")
@@ -381,6 +390,11 @@ class FastImpl:
         return self.experts_cluster(m_bucket(M))
 
     # ------------------------------------------------------------------------------------------ halves
+    def _norm_cluster(self, io) -> int | None:
+        from .rms_gemv import norm_cluster
+        m = self.norm_cluster_min_m
+        return None if m is None else norm_cluster(io.partial.shape[0], m)
+
     def _kda_nsplit(self, batch: int, heads: int) -> int | None:
         """The KDA step's value-row split: kda_nsplit if set, else choose_nsplit with this impl's v9 threshold."""
         if self.kda_nsplit is not None or self.kda_head_min == "module":
@@ -409,7 +423,7 @@ class FastImpl:
                                       w_tiled=self.in_proj_tiled,
                                       mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                       fused_groups=self.gemv_groups, pin_loads=self.gemv_pin,
-                                      prefetch_groups=self.gemv_prefetch)
+                                      prefetch_groups=self.gemv_prefetch, norm_cluster=self._norm_cluster(io))
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
@@ -427,7 +441,7 @@ class FastImpl:
                 oproj_attnres_cublas(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
                                      zeros=self._zeros("p0", p1), out_x=io.x_mlp, out_partial=io.partial,
-                                     gemv=self.oproj_mid)
+                                     gemv=self.oproj_mid, norm_cluster=self._norm_cluster(io))
 
     def moe(self, io) -> None:
         from .moe_mxfp4_experts import moe_mxfp4_experts

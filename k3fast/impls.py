@@ -467,6 +467,11 @@ FAST_VARIANTS = {
     "fast-s22kda": {"kda_head_min": None},
     "fast-kdahead": {"kda_head_min": 192},
     "fast-kdahead48": {"kda_head_min": 48},
+    # rms_gemv v15 (session 23): the AttnRes norms before cuBLAS GEMVs (M > 8: the in_proj's and o_proj's AttnRes
+    # #2) as clusters of 4 CTAs per token. "fast-normc1" is the A/B (one CTA per token, as before); "fast-normc3"
+    # also clusters the norm before v13's ring GEMV at M 3..8
+    "fast-normc1": {"norm_cluster_min_m": 65},
+    "fast-normc3": {"norm_cluster_min_m": 3},
     "fast-s17kda": {"kda_late_stores": False},  # the KDA step's write-backs before its last cluster barrier (v3 order)
     "fast-s19kda": {"kda_dsmem_tx": False},     # the KDA step's cluster-barrier exchanges (v5, before session 10's v6)
     # (fast-kdaocc6, the KDA step's v7: 6 CTAs per SM asked at nsplit 4, was measured at 0e81145 (s24), no faster

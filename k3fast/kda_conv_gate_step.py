@@ -255,7 +255,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ._dsl import check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, sigmoid, TVM_FFI
+from ._dsl import (check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, sigmoid,
+                   st_shared_cluster_f32, TVM_FFI)
 
 HEAD_DIM = 128
 MAX_T = 8
@@ -378,17 +379,6 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
     assert D == 128 and R % WARPS == 0 and R <= 32 and (R * FV) % NTH == 0 and NTH % R == 0
     assert 1 <= T <= MAX_T
 
-    @dsl_user_op
-    def st_cluster_f32(smem_ptr, val, rank, *, loc=None, ip=None):
-        # st.shared::cluster into peer CTA `rank` at the same smem offset (DSMEM push).
-        addr = smem_ptr.toint(loc=loc, ip=ip)
-        llvm.inline_asm(
-            None,
-            [Int32(addr).ir_value(loc=loc, ip=ip), Float32(val).ir_value(loc=loc, ip=ip),
-             Int32(rank).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $0, $2;\n\tst.shared::cluster.f32 [ra], $1;\n\t}",
-            "r,f,r,~{memory}", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
     @cute.jit
     def write_conv_window(mConvState, valid, split, has_v, slot_w, cq, ck, cv_c, win):
         # split 0 writes the head's q/k windows (every CTA of the cluster reads them), CTA s its v channels
@@ -494,7 +484,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                         else:
                             st_async_f32(sAl.iterator + (t * D + ch), alpha, jv, mbar)
                     else:
-                        st_cluster_f32(sAl.iterator + (t * D + ch), alpha, jv)
+                        st_shared_cluster_f32(sAl.iterator + (t * D + ch), alpha, jv)
 
         # cluster barrier 1: alpha of all channels is in every CTA's smem; every CTA has consumed
         # its (old) q/k conv window, so split 0 may now overwrite it. Also orders sUq/sUk/sUv/sBeta.
@@ -555,7 +545,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                         else:
                             st_async_f32(sRed.iterator + (t * NS + split), ss, lane, mbar + 1)
                     else:
-                        st_cluster_f32(sRed.iterator + (t * NS + split), ss, lane)
+                        st_shared_cluster_f32(sRed.iterator + (t * NS + split), ss, lane)
         if const_expr(dsmem_tx):
             # every peer's partial has landed, so every peer has also finished reading its conv window and its
             # phase B: the write-backs below are safe, and no peer writes into this CTA's smem any more

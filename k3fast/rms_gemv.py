@@ -275,6 +275,24 @@ Version log
       could not speed up. The ring takes the rank8 in_proj at 3.45 TB/s in the kernel bench (the FMA GEMV 2.63,
       cuBLAS 3.0) and the attention half rank16 b1 33.5 -> 31.5 us. This module's fused kernel still serves
       "fast-infma" and the opt-ins above; its plain and tensor-core GEMVs serve M >= 3.
+  v15 (2026-12-01, session 23; attnres_rmsnorm's cluster build, NORM_CLUSTER / NORM_CLUSTER_MIN_M; "fast-normc1" is
+      the A/B, "fast-normc3" the same below M = 9) Why: above M = 8 the layer's two AttnRes norms run as their own
+      kernels before cuBLAS GEMVs (the in_proj's, and o_proj's AttnRes #2), one CTA of 16 warps per token. In s72's
+      timelines they take 3.8 and 4.7 us at both b16 and b64 (rank16 and rank8 alike), 8.5 us of the attention half
+      (rank16 b64 55.7 us, the 1.8x target needs 52; rank8 b16 60.0, needs 56.3), against ~1.5 us of bytes at
+      b64: each token's chain (its sources' L2 / DRAM round trip, two CTA reductions, the second pass and the
+      stores) runs on one SM with ~130 KB to move, whatever the batch. Design: a cluster of C CTAs per token
+      (grid [C, M], cluster [C, 1, 1]), each over K / C of the columns with one thread per 16-byte vector (C = 4 at
+      K = 7168: 224 threads, its sources' 28 KB staged in shared memory instead of 129 KB). Each CTA's two
+      statistics rounds (per source: sum v^2 and <v, u>; then sum m^2) are summed over its warps in warp order,
+      pushed by st.shared::cluster into row ``rank`` of every CTA's exchange buffer, and summed in rank order after
+      a cluster barrier, so every CTA computes the same alphas and rstd (deterministic; not bit-identical to one
+      CTA, whose per-warp partials split K differently: GPU test within 1 bf16 ulp). A relaxed cluster arrive at the
+      start and its wait before the first push make sure no CTA writes a peer's shared memory before that peer runs.
+      Prediction (written before any GPU run; s73): kernel bench attnres_rmsnorm@nb8 cl1 -> cl4 at b16 / b64 ~3.5-4.5
+      -> ~1.8-2.5 us; in the layer the two norms 3.8 + 4.7 -> ~2 + ~2.5 us, so the attention half -3.5 to -4.5 us at
+      b16 and b64 (rank16 b64 55.7 -> ~51.5, 1.8x of s72's stock; rank8 b64 83.8 -> ~79.5; rank8 b16 60.0 -> ~56).
+      If the norms stay above 3 us, their time is not the per-token chain but the launch and PDL edges around them.
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -305,7 +323,9 @@ Design
     loads (never read out of bounds) and never stored. K split across warps, in-order smem reduction.
   * `attnres_rmsnorm`: one CTA (16 warps) per token; the token's n_blocks+1 sources are read once from L2
     and staged in smem (<= 129 KB), two block reductions (source stats, then sum m^2). In-place
-    partial_out = partial is allowed here (each thread reads its elements before writing them).
+    partial_out = partial is allowed here (each thread reads its elements before writing them). From
+    NORM_CLUSTER_MIN_M tokens (v15): a cluster of NORM_CLUSTER CTAs per token, each over K / NORM_CLUSTER columns,
+    the two reductions' per-CTA sums exchanged through distributed shared memory.
   * `attnres_rms_gemv` (fused, M <= fuse_max_m): a persistent FMA GEMV whose CTAs (<= 132, 16 warps) first
     prefetch their first row group into L2, then run the same prologue for every token into smem, then
     stream weights. Cost estimate that sets the default fuse_max_m = 2: each CTA re-reads M x 129 KB
@@ -320,7 +340,7 @@ Design
 import math
 
 from ._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, gemv_operands, import_cute,
-                   swapab_a_fragment, swapab_c_fragment_to, weight_load_atom)
+                   st_shared_cluster_f32, swapab_a_fragment, swapab_c_fragment_to, weight_load_atom)
 
 NUM_SMS = 132
 NB_MAX = 8
@@ -328,6 +348,11 @@ M_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)
 FMA_WARPS = 8
 MMA_WARPS = 8
 NORM_WARPS = 16
+# v15 (session 23): attnres_rmsnorm as a cluster of NORM_CLUSTER CTAs per token from NORM_CLUSTER_MIN_M tokens (the
+# layer's two norms before cuBLAS GEMVs, M > 8); below that one CTA per token (version log v15)
+NORM_CLUSTER = 4
+NORM_CLUSTER_MIN_M = 9
+NORM_CLUSTERS = (1, 2, 4, 8)
 FUSED_WARPS = 16
 FUSE_MAX_M = 2
 FUSED_GROUPS = 1    # v3 (opt-in; measured no faster): 2 row groups per iteration of the fused kernel's loop
@@ -428,6 +453,41 @@ def _build_kernels():
             cute.arch.prefetch(gWv[0, None, row0 + r, kv0 + 8 * l].iterator.llvm_ptr, cache_level="L2")
 
 
+    def _vec(self, split, vl, nvec):
+        """(global vector, its sV column, in range) of this thread's vl-th vector. Without a split: vl itself,
+        clamped to the last vector (a thread past the end re-reads it with weight 0). In a cluster CTA: vector
+        rank * vpc + vl, where a thread past the CTA's range re-reads the range's last vector, so that any thread that
+        stages a vector in sV stages the value its owner stages."""
+        if const_expr(split is None):
+            v = cutlass.min(vl, nvec - 1)
+            return v, v, vl < nvec
+        v0 = split[0] * self.vpc
+        v = cutlass.min(v0 + cutlass.min(vl, self.vpc - 1), nvec - 1)
+        return v, v - v0, (vl < self.vpc) & (v0 + vl < nvec)
+
+    @cute.jit
+    def _cluster_sum(self, split, sX, vals, col0, tid, first: cutlass.Constexpr = False):
+        """Cluster-wide sums of ``vals`` (this CTA's partials, identical in all of its threads): thread i pushes
+        vals[i] into row ``rank`` of every cluster CTA's sX at column col0 + i; after a cluster barrier every thread
+        adds the cl rows in rank order. ``first``: the cluster's first exchange, which first waits for the start
+        barrier (every CTA of the cluster running, so its shared memory may be written)."""
+        rank = split[0]
+        if const_expr(first):
+            cute.arch.cluster_wait()
+        for i in cutlass.range_constexpr(len(vals)):
+            if tid == i:
+                for c in cutlass.range_constexpr(self.cl):
+                    st_shared_cluster_f32(sX.iterator + ((rank * sX.shape[1]) + col0 + i), vals[i], c)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        out = []
+        for i in cutlass.range_constexpr(len(vals)):
+            acc = sX[0, col0 + i]
+            for c in cutlass.range_constexpr(1, self.cl):
+                acc = acc + sX[c, col0 + i]
+            out.append(acc)
+        return out
+
     @cute.jit
     def _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, dst, sV, sRedA, sRedB, tid, warp, lane,
                        is_writer):
@@ -438,7 +498,7 @@ def _build_kernels():
 
     @cute.jit
     def _attnres_tokens(self, ms, mBlocks, mP, mD, mPout, mU, mWln, dst, sV, sRedA, sRedB, tid, warp, lane,
-                        is_writer, hoist_wln: cutlass.Constexpr = False):
+                        is_writer, hoist_wln: cutlass.Constexpr = False, split=None):
         """The AttnRes mix + RMSNorm of the tokens ``ms`` (a tuple, one entry per token; _attnres_token's is
         ``(m,)``) by the whole CTA, jointly: each phase runs for every token before the next phase, so the tokens
         share one round of source loads and one CTA barrier per reduction instead of one each (rms_gemv_ring
@@ -447,8 +507,14 @@ def _build_kernels():
         sRedB [warps, len(ms)]. hoist_wln: w_ln (a weight) is loaded with u at the start instead of after the
         second reduction, so its round trip is not on the chain.
 
-        The sources are staged in smem sV (each thread re-reads only what it wrote, so no barrier is needed
-        between the two passes): holding them in registers made ptxas keep their fp32 copies live across the
+        split (v15, the norm kernel's cluster build): None, this CTA takes all of K; or (rank, sX, sY) for CTA
+        ``rank`` of a cluster of self.cl CTAs per token, which takes the self.vpc 16-byte vectors from rank * vpc
+        (sV then holds only those) and adds its statistics to the cluster's: each CTA's per-warp sums, added in warp
+        order, are pushed into every CTA's sX [cl, len(ms) * 2 NS] / sY [cl, len(ms)] at row ``rank`` and summed in
+        rank order after a cluster barrier, so that every CTA of the cluster computes the same alphas and rstd.
+
+        The sources are staged in smem sV (a thread in range re-reads only what it wrote; one past the end reads
+        its owner's vector after the reduction's barrier): holding them in registers made ptxas keep their fp32 copies live across the
         reduction and spill at the 128-register cap of a 512-thread CTA."""
         NS = self.nb + 1
         NM = len(ms)
@@ -468,14 +534,14 @@ def _build_kernels():
         if const_expr(hoist_wln):
             rWl = cute.make_rmem_tensor(cute.make_layout((8, VPT), stride=(1, 8)), mWln.element_type)
             for j in cutlass.range_constexpr(VPT):
-                cute.autovec_copy(gWl[None, cutlass.min(tid + j * NT, nvec - 1)], rWl[None, j])
+                cute.autovec_copy(gWl[None, _vec(self, split, tid + j * NT, nvec)[0]], rWl[None, j])
         stats = [[Float32(0.0)] * (2 * NS) for _ in range(NM)]
         for j in cutlass.range_constexpr(VPT):
             # threads past the end re-read the last vector (in bounds) with weight 0 and write nothing
-            v = cutlass.min(tid + j * NT, nvec - 1)
+            v, sl, inb = _vec(self, split, tid + j * NT, nvec)
             wgt = Float32(1.0)
-            if const_expr(nvec % NT != 0):
-                wgt = cutlass.select_(tid + j * NT < nvec, Float32(1.0), Float32(0.0))
+            if const_expr(split is not None or nvec % NT != 0):
+                wgt = cutlass.select_(inb, Float32(1.0), Float32(0.0))
             cute.autovec_copy(gU[None, v], rUj)
             uv = rUj.load() * wgt
             for mi in cutlass.range_constexpr(NM):
@@ -491,11 +557,14 @@ def _build_kernels():
                             # bf16(p + delta): fp32 add, one round to nearest-even (torch's bf16 add)
                             rT.store((rT.load().to(Float32) + rD.load().to(Float32)).to(BFloat16))
                         if is_writer:
-                            if tid + j * NT < nvec:
+                            if inb:
                                 cute.autovec_copy(rT, gPo[0, None, m, v])
                                 if const_expr(self.bw >= 0):
                                     cute.autovec_copy(rT, gB[0, 0, None, m, self.bw, v])
-                    cute.autovec_copy(rT, sVv[0, None, mi * NS + i, v])
+                    # only the owner stages a vector: a thread past the end re-reads its owner's vector, which with
+                    # partial_out = partial (in place) the owner may already have overwritten with p'
+                    if inb:
+                        cute.autovec_copy(rT, sVv[0, None, mi * NS + i, sl])
                     vf = rT.load().to(Float32)
                     stats[mi][2 * i] = stats[mi][2 * i] + (vf * vf).reduce(ADD, Float32(0.0), 0) * wgt
                     stats[mi][2 * i + 1] = stats[mi][2 * i + 1] + (vf * uv).reduce(ADD, Float32(0.0), 0)
@@ -514,6 +583,8 @@ def _build_kernels():
                 for w in cutlass.range_constexpr(self.nwarps):
                     acc = acc + sRedA[w, mi * 2 * NS + q]
                 tot.append(acc)
+            if const_expr(split is not None):
+                tot = _cluster_sum(self, split, split[1], tot, mi * 2 * NS, tid, first=(mi == 0))
             scores = []
             for i in cutlass.range_constexpr(NS):
                 r = cute.math.rsqrt(tot[2 * i] * inv_k + self.eps)
@@ -533,34 +604,37 @@ def _build_kernels():
         rM = [cute.make_rmem_tensor(cute.make_layout((8, VPT), stride=(1, 8)), Float32) for _ in range(NM)]
         msq = [Float32(0.0)] * NM
         for j in cutlass.range_constexpr(VPT):
-            v = cutlass.min(tid + j * NT, nvec - 1)
+            _, sl, inb = _vec(self, split, tid + j * NT, nvec)
             for mi in cutlass.range_constexpr(NM):
-                cute.autovec_copy(sVv[0, None, mi * NS, v], rT)
+                cute.autovec_copy(sVv[0, None, mi * NS, sl], rT)
                 mv = rT.load().to(Float32) * alphas[mi][0]
                 for i in cutlass.range_constexpr(1, NS):
-                    cute.autovec_copy(sVv[0, None, mi * NS + i, v], rT)
+                    cute.autovec_copy(sVv[0, None, mi * NS + i, sl], rT)
                     mv = mv + rT.load().to(Float32) * alphas[mi][i]
                 rM[mi][None, j].store(mv)
                 part = (mv * mv).reduce(ADD, Float32(0.0), 0)
-                if const_expr(nvec % NT != 0):
-                    part = cutlass.select_(tid + j * NT < nvec, part, Float32(0.0))
+                if const_expr(split is not None or nvec % NT != 0):
+                    part = cutlass.select_(inb, part, Float32(0.0))
                 msq[mi] = msq[mi] + part
         for mi in cutlass.range_constexpr(NM):
             t2 = cute.arch.warp_reduction_sum(msq[mi])
             if lane == 0:
                 sRedB[warp, mi] = t2
         cute.arch.sync_threads()
-        rstd = []
+        msums = []
         for mi in cutlass.range_constexpr(NM):
             msum = Float32(0.0)
             for w in cutlass.range_constexpr(self.nwarps):
                 msum = msum + sRedB[w, mi]
-            rstd.append(cute.math.rsqrt(msum * inv_k + self.eps))
+            msums.append(msum)
+        if const_expr(split is not None):
+            msums = _cluster_sum(self, split, split[2], msums, 0, tid)
+        rstd = [cute.math.rsqrt(msum * inv_k + self.eps) for msum in msums]
         rO = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), BFloat16)
         rWt = cute.make_rmem_tensor(cute.make_layout((8,), stride=(1,)), mWln.element_type)
         for j in cutlass.range_constexpr(VPT):
-            v = tid + j * NT
-            if v < nvec:
+            v, _, inb = _vec(self, split, tid + j * NT, nvec)
+            if inb:
                 if const_expr(hoist_wln):
                     wl = rWl[None, j].load().to(Float32)
                 else:
@@ -888,20 +962,29 @@ def _build_kernels():
                         mY[tok, tile * 16 + (rl - rg * 16)] = tot.to(mY.element_type)
                 cute.arch.sync_threads()
 
-    # ------------------------------------------------------------------ AttnRes + RMSNorm, one CTA per token
+    # ------------------------------------------------------------------ AttnRes + RMSNorm, one CTA (or cluster) per token
     class _AttnResNorm:
-        def __init__(self, K, nb, has_delta, bw, eps, early_trigger=False):
+        def __init__(self, K, nb, has_delta, bw, eps, early_trigger=False, cl=1):
             self.K, self.nb, self.has_delta, self.bw, self.eps = K, nb, has_delta, bw, eps
             self.early_trigger = early_trigger
-            self.nwarps = NORM_WARPS
-            self.nthreads = 32 * NORM_WARPS
-            self.vpt = -(-(K // 8) // self.nthreads)
+            self.cl = cl
+            nvec = K // 8
+            # v15: a cluster of cl CTAs per token, each over vpc vectors with one thread per vector (up to 16 warps)
+            self.vpc = -(-nvec // cl)
+            self.nthreads = 32 * NORM_WARPS if cl == 1 else min(32 * NORM_WARPS, 32 * -(-self.vpc // 32))
+            self.nwarps = self.nthreads // 32
+            self.vpt = -(-(nvec if cl == 1 else self.vpc) // self.nthreads)
 
         @cute.jit
         def __call__(self, mBlocks, mP, mD, mPout, mU, mWln, mX, stream):
             M = cute.size(mP, mode=[0])
-            self.kernel(mBlocks, mP, mD, mPout, mU, mWln, mX).launch(
-                grid=[M, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=True)
+            if cutlass.const_expr(self.cl == 1):
+                self.kernel(mBlocks, mP, mD, mPout, mU, mWln, mX).launch(
+                    grid=[M, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=True)
+            else:
+                self.kernel(mBlocks, mP, mD, mPout, mU, mWln, mX).launch(
+                    grid=[self.cl, M, 1], block=[self.nthreads, 1, 1], cluster=[self.cl, 1, 1], stream=stream,
+                    use_pdl=True)
 
         @cute.kernel
         def kernel(self, mBlocks, mP, mD, mPout, mU, mWln, mX):
@@ -909,17 +992,29 @@ def _build_kernels():
             lane = cute.arch.lane_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             m = cute.arch.block_idx()[0]
+            split = None
+            cols = self.K
+            if cutlass.const_expr(self.cl > 1):
+                m = cute.arch.block_idx()[1]
+                cols = self.vpc * 8
             smem = cutlass.memory.SmemAllocator()
             sRedA = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 2 * (self.nb + 1)),
                                                                    stride=(2 * (self.nb + 1), 1)), 16)
             sRedB = smem.allocate_tensor(Float32, cute.make_layout((self.nwarps, 1), stride=(1, 1)), 16)
-            sV = smem.allocate_tensor(BFloat16, cute.make_layout((self.nb + 1, self.K), stride=(self.K, 1)), 16)
+            sV = smem.allocate_tensor(BFloat16, cute.make_layout((self.nb + 1, cols), stride=(cols, 1)), 16)
+            if cutlass.const_expr(self.cl > 1):
+                sX = smem.allocate_tensor(Float32, cute.make_layout((self.cl, 2 * (self.nb + 1)),
+                                                                    stride=(2 * (self.nb + 1), 1)), 16)
+                sY = smem.allocate_tensor(Float32, cute.make_layout((self.cl, 1), stride=(1, 1)), 16)
+                split = (cute.arch.block_idx()[0], sX, sY)
+                # the cluster's start barrier (waited for before the first push into a peer's shared memory)
+                cute.arch.cluster_arrive_relaxed()
             cute.arch.griddepcontrol_wait()
             if cutlass.const_expr(self.early_trigger):
                 # the dependent's pre-wait work (a ring GEMV's weight chunks) runs on the SMs this grid leaves idle
                 cute.arch.griddepcontrol_launch_dependents()
-            _attnres_token(self, m, mBlocks, mP, mD, mPout, mU, mWln, cute.flat_divide(mX, (1, 8)), sV,
-                           sRedA, sRedB, tid, warp, lane, True)
+            _attnres_tokens(self, (m,), mBlocks, mP, mD, mPout, mU, mWln, cute.flat_divide(mX, (1, 8)), sV,
+                            sRedA, sRedB, tid, warp, lane, True, split=split)
             if cutlass.const_expr(not self.early_trigger):
                 cute.arch.griddepcontrol_launch_dependents()
 
@@ -980,17 +1075,23 @@ def _attn_fakes(cute, BF, M, K, has_delta, wln):
     return blocks, p, d, po, u, wl
 
 
-def _compile_norm(K, nb, has_delta, bw, wln, eps, early_trigger=False):
+def norm_compile_key(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1) -> tuple:
+    return (("rms_gemv.norm", K, nb, has_delta, bw, wln, eps) + (("early",) if early_trigger else ())
+            + ((f"cl{cluster}",) if cluster > 1 else ()))
+
+
+def _compile_norm(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1, options=TVM_FFI):
     def build():
         cutlass, cute, _, _, Norm = _kernels()
         BF = cutlass.BFloat16
         M = cute.sym_int()
         blocks, p, d, po, u, wl = _attn_fakes(cute, BF, M, K, has_delta, wln)
         x = fake_tensor(BF, (M, K))
-        return cute.compile(Norm(K, nb, has_delta, bw, eps, early_trigger), blocks, p, d, po, u, wl, x,
-                            fake_stream(), options=TVM_FFI)
-    return compile_cached(("rms_gemv.norm", K, nb, has_delta, bw, wln, eps) + (("early",) if early_trigger else ()),
-                          build)
+        return cute.compile(Norm(K, nb, has_delta, bw, eps, early_trigger, cluster), blocks, p, d, po, u, wl, x,
+                            fake_stream(), options=options)
+    if options != TVM_FFI:
+        return build()
+    return compile_cached(norm_compile_key(K, nb, has_delta, bw, wln, eps, early_trigger, cluster), build)
 
 
 def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False,
@@ -1099,21 +1200,33 @@ def _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, parti
     return M, K, "bf16" if w_ln.dtype == torch.bfloat16 else "fp32", partial_out
 
 
+def norm_cluster(M: int, min_m: int | None = None) -> int:
+    """CTAs per token of attnres_rmsnorm at M tokens: NORM_CLUSTER from ``min_m`` (None = NORM_CLUSTER_MIN_M)."""
+    return NORM_CLUSTER if M >= (NORM_CLUSTER_MIN_M if min_m is None else min_m) else 1
+
+
 def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, block_write=-1, out=None,
-                    partial_out=None, early_trigger=False):
+                    partial_out=None, early_trigger=False, cluster=None):
     """x = bf16(RMSNorm_{w_ln}(AttnRes mix over {blocks[:, :n_blocks], p'})), p' = bf16(p + delta).
 
     Returns (x [M, K] bf16, partial_out); blocks[:, block_write] = p' when block_write >= 0.
     early_trigger: launch the PDL dependent right after the wait instead of at the end (for a dependent that reads
-    none of this call's outputs before its own wait: rms_gemv_ring's tensor-core GEMV, v13)."""
+    none of this call's outputs before its own wait: rms_gemv_ring's tensor-core GEMV, v13).
+    cluster: CTAs per token, 1, 2, 4 or 8 (None = norm_cluster(M)); above 1 each takes K / cluster of the columns
+    and the statistics are summed over the cluster (v15; deterministic, not bit-identical to one CTA: its sums are
+    split differently)."""
     import torch
     M, K, wln, partial_out = _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out,
                                             False)
+    cl = norm_cluster(M) if cluster is None else cluster
+    if cl not in NORM_CLUSTERS or K // 8 < cl:
+        raise ValueError(f"cluster must be one of {NORM_CLUSTERS} (CTAs per token, at most K / 8 = {K // 8}), "
+                         f"got {cluster!r}")
     if out is None:
         out = torch.empty(M, K, dtype=torch.bfloat16, device=partial.device)
     else:
         _check_2d("out", out, M, K, partial.device)
-    fn = _compile_norm(K, n_blocks, delta is not None, block_write, wln, float(eps), bool(early_trigger))
+    fn = _compile_norm(K, n_blocks, delta is not None, block_write, wln, float(eps), bool(early_trigger), cl)
     fn(blocks, partial, delta, partial_out, u, w_ln, out)
     return out, partial_out
 
@@ -1152,7 +1265,7 @@ def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=No
 
 def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, block_write=-1, out=None,
                      partial_out=None, fuse_max_m=FUSE_MAX_M, fused_ks=None, mma="v2", fused_groups=None,
-                     early_trigger=False, pin_loads=None, prefetch_groups=None):
+                     early_trigger=False, pin_loads=None, prefetch_groups=None, norm_cluster=None):
     """y = RMSNorm_{w_ln}(AttnRes mix) @ w^T, plus p' = bf16(p + delta) into partial_out (and blocks).
 
     fused_groups: row groups per loop iteration of the fused kernel (None = FUSED_GROUPS; 2 = v3, opt-in).
@@ -1163,7 +1276,8 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     wait (v7; None = PREFETCH_GROUPS = 1; fused kernel, G = 1; 1..4). Bit-identical: prefetches change no value.
 
     M <= fuse_max_m (<= 4): one launch (prologue recomputed in every CTA of a persistent grid); otherwise
-    attnres_rmsnorm + gemv (two PDL launches). x is rounded to bf16 before the dot in both paths."""
+    attnres_rmsnorm (its ``cluster`` = norm_cluster) + gemv (two PDL launches). x is rounded to bf16 before the dot
+    in both paths."""
     import torch
     _check_prefetch(PREFETCH_GROUPS if prefetch_groups is None else prefetch_groups)
     fused = partial.dim() == 2 and partial.shape[0] <= min(fuse_max_m, 4)
@@ -1183,7 +1297,7 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
         _compile_fused(*args)(None, w, out, blocks, partial, delta, partial_out, u, w_ln, grid)
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
-                                     block_write=block_write, partial_out=partial_out)
+                                     block_write=block_write, partial_out=partial_out, cluster=norm_cluster)
     gemv(x, w, out=out, mma=mma, pin_loads=pin_loads)
     return out, partial_out
 
@@ -1210,7 +1324,8 @@ def compile_keys(shapes, batches, *, attnres_K=None, attnres_N=(), n_blocks=rang
                 if b >= NB_MAX or (b >= 0 and b < nb):
                     continue
                 for hd in deltas:
-                    keys.add(("norm", attnres_K, nb, hd, b, wln, float(eps)))
+                    for cl in sorted({norm_cluster(M) for M in batches if M > min(fuse_max_m, 4)} | {1}):
+                        keys.add(("norm", attnres_K, nb, hd, b, wln, float(eps)) + ((False, cl) if cl > 1 else ()))
                     for N in attnres_N:
                         for M in batches:
                             if M <= min(fuse_max_m, 4):

@@ -749,5 +749,29 @@ case "${1:-}" in
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast"; done
           for c in k3_rank16,64 k3_rank8,64; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-s22kda"; done
           K3_SWEEP_TIMEOUT=330 bash scripts/h200_sweep.sh $cells --budget-s 300 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72"; exit 2 ;;
+  # written in session 23: rms_gemv v15 (the AttnRes norms above M = 8 as clusters of 4 CTAs per token): its GPU
+  # tests, the layer tests it touches (the attention half at b16 / b64 and its A/B, the v13 norm at b3 / b8 with
+  # fast-normc3), session 22's folded KDA tests and the KDA cluster build (its DSMEM helper moved to _dsl), the norm
+  # rows of the kernel bench, the attention half beside stock at b8 / b16 / b64 (stage with --vllm)
+  s73)    ids=$(for c in 64-16-fast 64-8-fast 16-8-fast 16-16-fast 64-16-fast-normc1 16-8-fast-normc1 \
+                         8-8-fast-normc3 3-16-fast-normc3; do
+                  echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$c]"; done
+                for t in "test_all_padding_and_bad_slot[1]" "test_back_to_back_steps[12-slots_list1-1]" \
+                         "test_cuda_graph_replay[6-64-1-opts2]" "test_cuda_graph_replay[12-16-4-opts3]" \
+                         "test_dsmem_tx_against_reference[7-3-6]" "test_late_stores_are_bit_identical[True-12-8-1]"; do
+                  echo "tests/gpu/test_kda_conv_gate_step.py::$t"; done)
+          K3_TEST_TIMEOUT=240 bash scripts/h200_tests.sh $ids "tests/gpu/test_fast_layer.py::test_fast_attention_half_at_a_block_boundary" \
+            tests/gpu/test_rms_gemv.py::test_attnres_rmsnorm tests/gpu/test_rms_gemv.py::test_attnres_rmsnorm_cluster \
+            tests/gpu/test_rms_gemv.py::test_attnres_rmsnorm_in_place tests/gpu/test_rms_gemv_ring.py::test_joint_prologue_is_bit_identical \
+            tests/gpu/test_rms_gemv_ring.py::test_norm_then_ring_mma_in_a_graph || true
+          o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          ks=""; for nb in 1 8; do for cl in 1 2 4 8; do ks="$ks attnres_rmsnorm@nb${nb}cl${cl}"; done; done
+          timeout 60 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 --batches 8 16 64 \
+            --kernels $ks > "$o/kernels.log" 2>&1
+          grep -v -i warn "$o/kernels.log" | cut -c1-130 | tail -26
+          cells=""; for c in k3_rank16,64 k3_rank8,64 k3_rank8,16; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-normc1"; done
+          cells="$cells --cell kda_moe,k3_rank16,16,0,fast+fast-normc1"
+          for c in k3_rank8,8 k3_rank16,8; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-normc3"; done
+          K3_SWEEP_TIMEOUT=280 bash scripts/h200_sweep.sh $cells --budget-s 250 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73"; exit 2 ;;
 esac

@@ -60,6 +60,23 @@ def test_compile_attnres_rmsnorm_schedule():
 
 
 @needs_dsl
+def test_compile_attnres_rmsnorm_cluster():
+    """v15: the cluster builds (2 / 4 / 8 CTAs per token) of the schedule's corner variants, each with its own key;
+    compile_keys lists the cluster build the layer's batches above NORM_CLUSTER_MIN_M run."""
+    d = k3().hidden_size
+    for cl in R.NORM_CLUSTERS[1:]:
+        for (nb, hd, bw) in [(0, False, 0), (8, True, -1), (7, True, 7)]:
+            assert R._compile_norm(d, nb, hd, bw, "bf16", 1e-5, False, cl) is not None
+        assert R._compile_norm(d, 3, True, -1, "fp32", 1e-5, True, cl) is not None
+    assert R.norm_compile_key(d, 1, True, -1, "bf16", 1e-5) != R.norm_compile_key(d, 1, True, -1, "bf16", 1e-5,
+                                                                                  cluster=4)
+    assert [R.norm_cluster(m) for m in (1, 8, 9, 64)] == [1, 1, R.NORM_CLUSTER, R.NORM_CLUSTER]
+    keys = R.compile_keys([], [8, 16], attnres_K=d, n_blocks=(1,), block_write=(-1,), deltas=(True,))
+    assert ("norm", d, 1, True, -1, "bf16", 1e-5) in keys
+    assert ("norm", d, 1, True, -1, "bf16", 1e-5, False, R.NORM_CLUSTER) in keys
+
+
+@needs_dsl
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 def test_compile_fused(cfg):
     """Fused AttnRes+RMSNorm+in_proj for M <= FUSE_MAX_M: the corner variants of the schedule (the other
@@ -150,6 +167,9 @@ def test_attnres_bad_inputs():
         R.attnres_rmsnorm(blocks, 3, p, d[:, :32].contiguous(), u, wl)
     with pytest.raises(TypeError):
         R.attnres_rmsnorm(blocks, 3, p.float(), d, u, wl)
+    for bad in (3, 16, 0):
+        with pytest.raises(ValueError, match="cluster must be one of"):
+            R.attnres_rmsnorm(blocks, 3, p, d, u, wl, cluster=bad)      # CTAs per token: 1, 2, 4 or 8
     with pytest.raises(ValueError):
         R.attnres_rms_gemv(blocks, 3, p, d, u, wl, w, partial_out=p)   # fused: p' would race with readers
     with pytest.raises(ValueError):

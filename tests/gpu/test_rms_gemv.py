@@ -115,18 +115,45 @@ def test_opt_in_builds_are_bitwise(R, seed, option, off, on, M, N):
 
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
-def test_attnres_rmsnorm(R, seed, M, w_dtype):
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_attnres_rmsnorm(R, seed, M, w_dtype, cluster):
     blocks, p, delta, u, w_ln = make_inputs(M, 4, True)
     w_ln = w_ln.to(w_dtype)
     x_ref, p2_ref = ref_attnres(blocks, 4, p, delta, u, w_ln)
     out = torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
-    x, po = R.attnres_rmsnorm(blocks, 4, p, delta, u, w_ln, out=out, block_write=4)
+    blocks[:, 4].fill_(float("nan"))
+    x, po = R.attnres_rmsnorm(blocks, 4, p, delta, u, w_ln, out=out, block_write=4, cluster=cluster)
     torch.cuda.synchronize()
     assert not x.isnan().any()
     assert rel_rmse(x, x_ref) <= 1e-2
     # x is bf16(x_ref) up to fp32 summation order: elementwise within 2 bf16 ulps
     assert ((x.float() - x_ref).abs() <= 2 ** -7 * x_ref.abs() + 1e-6).float().mean() > 0.999
     assert torch.equal(po, p2_ref) and torch.equal(blocks[:, 4], p2_ref)
+
+
+@pytest.mark.parametrize("cluster", [2, 8])
+@pytest.mark.parametrize("n_blocks,has_delta", [(0, False), (7, True)])
+def test_attnres_rmsnorm_cluster(R, seed, cluster, n_blocks, has_delta):
+    """v15's cluster build at every cluster size against the reference, and deterministic: two calls, the same
+    bits; with one CTA per token it agrees to fp32 summation order (the statistics are split differently)."""
+    M = 9
+    blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, has_delta)
+    x_ref, p2_ref = ref_attnres(blocks, n_blocks, p, delta, u, w_ln)
+    outs = []
+    for _ in range(2):
+        out = torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+        po = torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+        x, po = R.attnres_rmsnorm(blocks, n_blocks, p, delta, u, w_ln, out=out, partial_out=po, cluster=cluster)
+        outs.append((x, po))
+    x1, _ = R.attnres_rmsnorm(blocks, n_blocks, p, delta, u, w_ln, cluster=1)
+    torch.cuda.synchronize()
+    x, po = outs[0]
+    assert not x.isnan().any()
+    assert torch.equal(outs[1][0], x) and torch.equal(outs[1][1], po)
+    assert torch.equal(po, p2_ref)
+    assert rel_rmse(x, x_ref) <= 1e-2
+    assert ((x.float() - x_ref).abs() <= 2 ** -7 * x_ref.abs() + 1e-6).float().mean() > 0.999
+    assert ((x.float() - x1.float()).abs() <= 2 ** -7 * x1.float().abs()).all()
 
 
 def test_attnres_rmsnorm_in_place(R, seed):
