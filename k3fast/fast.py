@@ -266,8 +266,8 @@ class FastImpl:
         # v9 (one CTA per request and head, the state in shared memory) from kda_head_min request-heads on, when
         # kda_nsplit is None ("module": kda_conv_gate_step.HEAD_CTA_MIN; None: never, "fast-s22kda")
         self.kda_head_min = kda_head_min
-        # None: rms_gemv.NORM_CLUSTER_MIN_M (v15: the AttnRes norms that run apart, before a cuBLAS GEMV, as clusters
-        # of NORM_CLUSTER CTAs per token from that batch); "fast-normc1" never, "fast-normc3" from M = 3 (v13's norm)
+        # None: rms_gemv.NORM_CLUSTER_MIN_M (v15: the AttnRes norms that run as their own kernels as clusters of
+        # NORM_CLUSTER CTAs per token from that batch, 3); "fast-normc1" never, "fast-normc9" above M = 8 only
         self.norm_cluster_min_m = norm_cluster_min_m
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order

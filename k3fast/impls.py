@@ -467,10 +467,12 @@ FAST_VARIANTS = {
     "fast-s22kda": {"kda_head_min": None},
     "fast-kdahead": {"kda_head_min": 192},
     "fast-kdahead48": {"kda_head_min": 48},
-    # rms_gemv v15 (session 23): the AttnRes norms before cuBLAS GEMVs (M > 8: the in_proj's and o_proj's AttnRes
-    # #2) as clusters of 4 CTAs per token. "fast-normc1" is the A/B (one CTA per token, as before); "fast-normc3"
-    # also clusters the norm before v13's ring GEMV at M 3..8
+    # rms_gemv v15 (session 23): the AttnRes norms that run as their own kernels (M >= 3: before v13's ring GEMV at
+    # M 3..8, the in_proj's and o_proj's AttnRes #2 before cuBLAS above) as clusters of 4 CTAs per token, the default
+    # since s74. "fast-normc1" is the A/B (one CTA per token, as before); "fast-normc9" the clusters only above M = 8
+    # (s73's default), "fast-normc3" s73's name for today's default (= fast)
     "fast-normc1": {"norm_cluster_min_m": 65},
+    "fast-normc9": {"norm_cluster_min_m": 9},
     "fast-normc3": {"norm_cluster_min_m": 3},
     "fast-s17kda": {"kda_late_stores": False},  # the KDA step's write-backs before its last cluster barrier (v3 order)
     "fast-s19kda": {"kda_dsmem_tx": False},     # the KDA step's cluster-barrier exchanges (v5, before session 10's v6)

@@ -348,10 +348,11 @@ M_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)
 FMA_WARPS = 8
 MMA_WARPS = 8
 NORM_WARPS = 16
-# v15 (session 23): attnres_rmsnorm as a cluster of NORM_CLUSTER CTAs per token from NORM_CLUSTER_MIN_M tokens (the
-# layer's two norms before cuBLAS GEMVs, M > 8); below that one CTA per token (version log v15)
+# v15 (session 23): attnres_rmsnorm as a cluster of NORM_CLUSTER CTAs per token from NORM_CLUSTER_MIN_M tokens
+# (where it runs as its own kernel: before v13's ring GEMV at M 3..8, before cuBLAS GEMVs above); below that one CTA
+# per token (version log v15; s73 measured 9, then 3)
 NORM_CLUSTER = 4
-NORM_CLUSTER_MIN_M = 9
+NORM_CLUSTER_MIN_M = 3
 NORM_CLUSTERS = (1, 2, 4, 8)
 FUSED_WARPS = 16
 FUSE_MAX_M = 2

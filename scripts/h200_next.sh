@@ -773,5 +773,23 @@ case "${1:-}" in
           cells="$cells --cell kda_moe,k3_rank16,16,0,fast+fast-normc1"
           for c in k3_rank8,8 k3_rank16,8; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-normc3"; done
           K3_SWEEP_TIMEOUT=280 bash scripts/h200_sweep.sh $cells --budget-s 250 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73"; exit 2 ;;
+  # written in session 23 after s73 (v15 faster in every cell, also at M 3..8 as fast-normc3): the clusters from M = 3
+  # as the default. Its tests (the attention half at b3 / b4 / b7 / b8, the v13 norm + ring in a graph, the torch ops
+  # and the layer's graph replay at b4), then the default beside stock at every rank16 / rank8 cell, the A/Bs at b8
+  # (fast-normc9, s73's default) and b64 (fast-normc1) (stage with --vllm)
+  s74)    ids=$(for c in 3-8-fast 4-16-fast 7-8-fast 8-8-fast 8-16-fast 8-8-fast-normc1 4-16-fast-normc9; do
+                  echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$c]"; done)
+          K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh $ids tests/gpu/test_ops.py \
+            tests/gpu/test_fast_layer.py::test_fast_layer_graph_replay_is_stable \
+            tests/gpu/test_rms_gemv_ring.py::test_norm_then_ring_mma_in_a_graph || true
+          cells=""; for c in k3_rank16,1 k3_rank8,1 k3_rank16,2 k3_rank8,2 k3_rank16,16 k3_rank8,16; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast"; done
+          for c in k3_rank16,8 k3_rank8,8; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-normc9"; done
+          for c in k3_rank16,64 k3_rank8,64; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-normc1"; done
+          K3_SWEEP_TIMEOUT=340 bash scripts/h200_sweep.sh $cells --budget-s 310 ;;
+  # the default beside stock at full width (one rank holding the whole layer), b1 / b8 / b64: the attention and MoE
+  # halves' cells the issues list, last measured at a5373e5 (session 3)
+  s75)    cells=""; for b in 1 8 64; do cells="$cells --cell kda_moe,full,$b,0,stock+fast"; done
+          K3_SWEEP_TIMEOUT=500 bash scripts/h200_sweep.sh $cells --budget-s 420 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75"; exit 2 ;;
 esac

@@ -62,7 +62,7 @@ def test_compile_attnres_rmsnorm_schedule():
 @needs_dsl
 def test_compile_attnres_rmsnorm_cluster():
     """v15: the cluster builds (2 / 4 / 8 CTAs per token) of the schedule's corner variants, each with its own key;
-    compile_keys lists the cluster build the layer's batches above NORM_CLUSTER_MIN_M run."""
+    compile_keys lists the cluster build the layer's batches from NORM_CLUSTER_MIN_M run."""
     d = k3().hidden_size
     for cl in R.NORM_CLUSTERS[1:]:
         for (nb, hd, bw) in [(0, False, 0), (8, True, -1), (7, True, 7)]:
@@ -70,7 +70,8 @@ def test_compile_attnres_rmsnorm_cluster():
         assert R._compile_norm(d, 3, True, -1, "fp32", 1e-5, True, cl) is not None
     assert R.norm_compile_key(d, 1, True, -1, "bf16", 1e-5) != R.norm_compile_key(d, 1, True, -1, "bf16", 1e-5,
                                                                                   cluster=4)
-    assert [R.norm_cluster(m) for m in (1, 8, 9, 64)] == [1, 1, R.NORM_CLUSTER, R.NORM_CLUSTER]
+    assert [R.norm_cluster(m, 9) for m in (1, 8, 9, 64)] == [1, 1, R.NORM_CLUSTER, R.NORM_CLUSTER]
+    assert R.norm_cluster(R.NORM_CLUSTER_MIN_M - 1) == 1 and R.norm_cluster(R.NORM_CLUSTER_MIN_M) == R.NORM_CLUSTER
     keys = R.compile_keys([], [8, 16], attnres_K=d, n_blocks=(1,), block_write=(-1,), deltas=(True,))
     assert ("norm", d, 1, True, -1, "bf16", 1e-5) in keys
     assert ("norm", d, 1, True, -1, "bf16", 1e-5, False, R.NORM_CLUSTER) in keys

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
                                   "fast-inpf3", "fast-infma", "fast-ringearly", "fast-nojoint", "fast-oplean",
                                   "fast-opfence", "fast-op32", "fast-inmma", "fast-inmmaet", "fast-opmma",
                                   "fast-mid", "fast-op8", "fast-op4", "fast-incublas",
-                                  "fast-intiled", "fast-s22kda", "fast-kdahead48", "fast-normc1", "fast-normc3"])
+                                  "fast-intiled", "fast-s22kda", "fast-kdahead48", "fast-normc1", "fast-normc9"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -50,7 +50,7 @@ def test_fast_attention_half(tp, batch, impl):
         head_min = FAST_VARIANTS[impl]["kda_head_min"]
         if choose_nsplit(batch, k3_rank(tp).kda_heads, head_min) != 1:
             pytest.skip(f"{impl} differs from fast only where B x H >= {head_min} (the KDA step's v9)")
-    if impl in ("fast-normc1", "fast-normc3"):
+    if impl in ("fast-normc1", "fast-normc9"):
         from k3fast.impls import FAST_VARIANTS
         from k3fast.rms_gemv import norm_cluster
         m = FAST_VARIANTS[impl]["norm_cluster_min_m"]
