@@ -53,6 +53,17 @@ TAIL_DSL_MAX_M = 16
 # 55.0 -> 51.9 against stock's 90.6). "fast-op4" is the A/B with the threshold at 4. The in_proj has its own
 # threshold (INPROJ_DSL_MAX_M below), so this one now moves o_proj alone.
 GEMV_DSL_MAX_M = 8      # the same threshold serves o_proj (oproj_attnres: 23.6 us at rank16 b64, cuBLAS 8.6)
+# Session 23: ... and only up to o_proj's K = 1536 (rank8). At full width (K = 12288, 176 MB) oproj_attnres took 61.5
+# us at b1 and 168.0 at b8 in s75's timelines (records-8f4e39e-s75.json: 1.0 TB/s at b8; the attention half 371.9 us
+# against stock's 319.0), where stock's cuBLAS o_proj + its AttnRes kernel took 45.1 + 2.1 + 5.9 / 51.4 + 2.2 + 5.8.
+# "fast-opfull" is the A/B (the fused kernel at every width, as before).
+OPROJ_FUSED_MAX_KP = 1536
+
+
+def oproj_fused(M: int, Kp: int, max_m: int = GEMV_DSL_MAX_M, max_kp: int = OPROJ_FUSED_MAX_KP) -> bool:
+    """Whether o_proj + AttnRes #2 runs as the fused oproj_attnres (else oproj_attnres_cublas) at M tokens and
+    o_proj input width Kp."""
+    return M <= max_m and Kp <= max_kp
 # Session 7: the in_proj GEMV has its own, lower threshold. At M = 3-4 the AttnRes prologue no longer fuses (rms_gemv
 # FUSE_MAX_M = 2), and the FMA GEMV behind it took 37.7 us at rank16 b4 against cuBLAS's 19.7 (kernels-84291ed.json,
 # gemv_in_proj_plain); in the layer the b4 attention half was 51.5 us, 30.5 of them that GEMV
@@ -194,7 +205,8 @@ class FastImpl:
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
                  inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
-                 inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None):
+                 inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None,
+                 oproj_max_kp: int = OPROJ_FUSED_MAX_KP):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -269,6 +281,7 @@ class FastImpl:
         # None: rms_gemv.NORM_CLUSTER_MIN_M (v15: the AttnRes norms that run as their own kernels as clusters of
         # NORM_CLUSTER CTAs per token from that batch, 3); "fast-normc1" never, "fast-normc9" above M = 8 only
         self.norm_cluster_min_m = norm_cluster_min_m
+        self.oproj_max_kp = oproj_max_kp     # the widest o_proj input the fused oproj_attnres takes (oproj_fused)
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order
         self.kda_late_stores = kda_late_stores
@@ -341,6 +354,7 @@ class FastImpl:
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
                         + ("" if kda_head_min == "module" else f", KDA one CTA per head from {kda_head_min} request-heads")
                         + ("" if norm_cluster_min_m is None else f", AttnRes norm clusters from M={norm_cluster_min_m}")
+                        + ("" if oproj_max_kp == OPROJ_FUSED_MAX_KP else f", fused o_proj up to K={oproj_max_kp}")
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
                         + ("" if kda_dsmem_tx is None else f", KDA st.async exchange {'on' if kda_dsmem_tx else 'off'}")
@@ -432,7 +446,7 @@ class FastImpl:
                                    nsplit=self._kda_nsplit(io.slots.shape[0], cfg.kda_heads),
                                    late_stores=self.kda_late_stores, dsmem_tx=self.kda_dsmem_tx)
         with stage("k3.o_proj"):
-            if io.partial.shape[0] <= self.gemv_dsl_max_m:
+            if oproj_fused(io.partial.shape[0], w.attn.o_proj.shape[1], self.gemv_dsl_max_m, self.oproj_max_kp):
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                               w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
                               out_x=io.x_mlp, out_partial=io.partial, preload_wpost=self.oproj_preload,

@@ -453,7 +453,9 @@ FAST_VARIANTS = {
     # (fast-xl2 / fast-r1xl2, the experts' per-line L2 prefetch of a work item's rows, were measured slower at
     # 5f1f620 and removed)
     "fast-alldsl": {"tail_dsl_max_m": 64, "gemv_dsl_max_m": 64, "inproj_dsl_max_m": 64,  # no cuBLAS dispatch
-                    "front_dsl_max_m": 64},
+                    "front_dsl_max_m": 64, "oproj_max_kp": 1 << 30},
+    # the fused oproj_attnres at every o_proj width (before session 23: at full width too)
+    "fast-opfull": {"oproj_max_kp": 1 << 30},
     "fast-taildsl": {"tail_dsl_max_m": 64},     # k3fast.moe_tail at every batch (before 2026-11-29)
     "fast-s27tail": {"tail_norm_fused": False},  # the cuBLAS tail's norm as 3 kernels, fp32 copy (before session 13)
     "fast-gemv0": {"gemv_dsl_max_m": 0},        # in_proj / o_proj GEMMs on cuBLAS at every batch

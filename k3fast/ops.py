@@ -77,9 +77,9 @@ def _(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, 
 def oproj_attnres(y: torch.Tensor, w_o: torch.Tensor, blocks: torch.Tensor, n_blocks: int, partial: torch.Tensor,
                   u_mlp: torch.Tensor, w_post: torch.Tensor, eps: float,
                   boundary: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from .fast import GEMV_DSL_MAX_M, oproj_attnres_cublas
+    from .fast import oproj_attnres_cublas, oproj_fused
     from .oproj_attnres import oproj_attnres as impl
-    if y.shape[0] > GEMV_DSL_MAX_M:
+    if not oproj_fused(y.shape[0], w_o.shape[1]):
         return oproj_attnres_cublas(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps=eps, boundary=boundary)
     return impl(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps=eps, boundary=boundary)
 

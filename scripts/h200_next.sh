@@ -791,5 +791,13 @@ case "${1:-}" in
   # halves' cells the issues list, last measured at a5373e5 (session 3)
   s75)    cells=""; for b in 1 8 64; do cells="$cells --cell kda_moe,full,$b,0,stock+fast"; done
           K3_SWEEP_TIMEOUT=500 bash scripts/h200_sweep.sh $cells --budget-s 420 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75"; exit 2 ;;
+  # written in session 23 after s75 (at full width b8 the fused oproj_attnres took 168 us of an attention half of 372,
+  # stock's 319): o_proj on cuBLAS + the AttnRes #2 norm above K = 1536 (OPROJ_FUSED_MAX_KP). Its tests at full width
+  # (the attention half at b8 with both o_proj paths, the layer at b1) and the torch ops, then the full-width cells
+  # beside stock and the A/B fast-opfull (stage with --vllm)
+  s76)    K3_TEST_TIMEOUT=240 bash scripts/h200_tests.sh tests/gpu/test_fast_layer.py::test_fast_attention_half_full_width_b8 \
+            tests/gpu/test_fast_layer.py::test_fast_layer_full_width_b1 tests/gpu/test_ops.py || true
+          cells=""; for b in 1 8 64; do cells="$cells --cell kda_moe,full,$b,0,stock+fast+fast-opfull"; done
+          K3_SWEEP_TIMEOUT=260 bash scripts/h200_sweep.sh $cells --budget-s 230 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76"; exit 2 ;;
 esac

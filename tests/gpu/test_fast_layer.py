@@ -128,6 +128,25 @@ def test_fast_layer_full_width_b1(shape):
     assert_close("layer out", outs["fast"][1], outs["ref"][1], "bf16_kernel")
 
 
+@pytest.mark.parametrize("impl", ["fast", "fast-opfull"])
+def test_fast_attention_half_full_width_b8(impl):
+    """The attention half at TP1 width and b8, where o_proj runs on cuBLAS + the AttnRes #2 norm (OPROJ_FUSED_MAX_KP)
+    and, in fast-opfull, on the fused oproj_attnres at K = 12288."""
+    from k3ref import preset
+    cfg = preset("full")
+    w = random_layer(cfg, 1, seed=29, device="cuda")
+    outs = {}
+    for name in ("ref", impl):
+        io = make_io(cfg, 1, 8, seed=30)
+        io.x_mlp.fill_(float("nan"))
+        make_impl(name, cfg, w, **({"max_batch": 8} if name != "ref" else {})).attn(io)
+        torch.cuda.synchronize()
+        outs[name] = (io.x_mlp.clone(), io.partial.clone(), io.state.recurrent.clone())
+    assert_close("x_mlp", outs[impl][0], outs["ref"][0], "bf16_kernel")
+    assert_close("partial", outs[impl][1], outs["ref"][1], "bf16_kernel")
+    assert_close("recurrent state", outs[impl][2], outs["ref"][2], "fp32_state_chain")
+
+
 @pytest.mark.parametrize("impl", ["fast", "fast-prev", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl",
                                   "fast-w8", "fast-front0", "fast-front16", "fast-shapart", "fast-overlap",
                                   "fast-rolled", "fast-front0r", "fast-shlate", "fast-v6", "fast-s9front",
