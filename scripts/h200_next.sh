@@ -799,5 +799,12 @@ case "${1:-}" in
             tests/gpu/test_fast_layer.py::test_fast_layer_full_width_b1 tests/gpu/test_ops.py || true
           cells=""; for b in 1 8 64; do cells="$cells --cell kda_moe,full,$b,0,stock+fast+fast-opfull"; done
           K3_SWEEP_TIMEOUT=260 bash scripts/h200_sweep.sh $cells --budget-s 230 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76"; exit 2 ;;
+  # written in session 23 after s74, whose stock rank8 cells ran vLLM's causal_conv1d_update at 10.6 / 19.3 / 72.8 us
+  # (b8 / b16 / b64; ~2 us in s73): its Triton config follows the first batch a process runs at each width, and s74 ran
+  # rank8 b1 first. The final defaults beside stock at the cells under 1.8x, each width's largest batch first (the
+  # order vLLM captures its graphs in; s73's order) (stage with --vllm)
+  s77)    cells=""; for c in k3_rank8,64 k3_rank8,16 k3_rank8,8 k3_rank16,64 k3_rank16,16 k3_rank16,8; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast"; done
+          K3_SWEEP_TIMEOUT=200 bash scripts/h200_sweep.sh $cells --budget-s 170 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77"; exit 2 ;;
 esac
