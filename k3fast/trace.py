@@ -369,13 +369,41 @@ def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: in
     return records
 
 
+def reset_stock_autotuners(prefixes=("fla.", "vllm.")) -> int:
+    """Forget the configs Triton's autotuners chose in the stock path's libraries (fla, vLLM), so that the next call
+    tunes again at its own shapes. Returns how many autotuners were reset (0 without Triton).
+
+    Why: fla's causal_conv1d_update is autotuned on (D, W), not on the batch, so the config it keeps is the one the
+    first batch of a process chose. In s74 the rank8 cells ran b1 first, and the stock conv step took 10.6 / 19.3 /
+    72.8 us at b8 / b16 / b64 (about 2 us when b64 ran first, s73); s77 ran rank8 first and rank16 b64's took 12.3.
+    Resetting before every stock cell lets each batch tune for itself: the best the stock path can do there, and
+    the same whatever the order of the cells."""
+    import sys
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return 0
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(prefixes):
+            continue
+        for obj in list(vars(mod).values()):
+            if isinstance(obj, Autotuner) and isinstance(getattr(obj, "cache", None), dict):
+                obj.cache.clear()
+                n += 1
+    return n
+
+
 def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps, perfetto_dir, ref_out, log,
               stock_ops="vllm", routing="random"):
     from .impls import make_impl, make_io
     records = []
     t0 = time.time()
+    autotune_reset = None
     if impl_name == "stock":
         impl = make_impl(impl_name, cfg, w, max_batch=max(batch, 1), ops=stock_ops)
+        # the eager call below tunes at this cell's batch, before any capture (session 23)
+        autotune_reset = reset_stock_autotuners()
     elif impl_name.startswith("fast"):
         impl = make_impl(impl_name, cfg, w, max_batch=max(batch, 1))
     else:
@@ -445,6 +473,7 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
             rec["fast_variant"] = getattr(impl, "variant", None)      # e.g. "serial, experts v3"
         if impl_name == "stock":
             rec["stock_variant"] = getattr(impl, "variant", None)     # "vllm-ops" | "torch-glue"
+            rec["stock_autotune"] = f"Triton autotuners reset before the cell ({autotune_reset})"
             if getattr(impl, "mla_core_variant", None):
                 rec["stock_mla_core"] = impl.mla_core_variant
             if getattr(impl, "ops_fallback", None):

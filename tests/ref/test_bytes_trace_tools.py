@@ -325,3 +325,27 @@ def test_every_fast_variant_builds_valid_kda_keys():
                                   preload=kw.get("kda_preload"), late_stores=kw.get("kda_late_stores"),
                                   dsmem_tx=kw.get("kda_dsmem_tx"))
             assert key[0] == "kda_conv_gate_step", name
+
+
+def test_reset_stock_autotuners_clears_only_stock_library_caches(monkeypatch):
+    """k3fast.trace.reset_stock_autotuners forgets the configs of Triton autotuners found in fla / vLLM modules (their
+    keys omit the batch, so the first cell of a process chose them for every later cell) and leaves others alone."""
+    import sys
+    import types
+    from k3fast.trace import reset_stock_autotuners
+
+    class Autotuner:                          # stands in for triton.runtime.autotuner.Autotuner
+        def __init__(self):
+            self.cache = {("D", "W"): "config chosen at b1"}
+
+    fake = types.ModuleType("triton.runtime.autotuner")
+    fake.Autotuner = Autotuner
+    for name in ("triton", "triton.runtime"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "triton.runtime.autotuner", fake)
+    stock, other = types.ModuleType("fla.modules.conv_k3test"), types.ModuleType("k3test_other")
+    stock.kernel, stock.not_a_tuner, other.kernel = Autotuner(), {"x": 1}, Autotuner()
+    monkeypatch.setitem(sys.modules, stock.__name__, stock)
+    monkeypatch.setitem(sys.modules, other.__name__, other)
+    assert reset_stock_autotuners() == 1
+    assert stock.kernel.cache == {} and other.kernel.cache and stock.not_a_tuner == {"x": 1}
