@@ -56,7 +56,10 @@ GEMV_DSL_MAX_M = 8      # the same threshold serves o_proj (oproj_attnres: 23.6 
 # Session 23: ... and only up to o_proj's K = 1536 (rank8). At full width (K = 12288, 176 MB) oproj_attnres took 61.5
 # us at b1 and 168.0 at b8 in s75's timelines (records-8f4e39e-s75.json: 1.0 TB/s at b8; the attention half 371.9 us
 # against stock's 319.0), where stock's cuBLAS o_proj + its AttnRes kernel took 45.1 + 2.1 + 5.9 / 51.4 + 2.2 + 5.8.
-# "fast-opfull" is the A/B (the fused kernel at every width, as before).
+# "fast-opfull" is the A/B (the fused kernel at every width, as before). Measured (s76 at e8c9c17,
+# records-e8c9c17-s76.json, one run beside stock; GPU tests at full width passed): attention half full b8 377.6 ->
+# 277.4 us (stock 327.2: 0.87x -> 1.18x), b1 229.4 both (the fused kernel and cuBLAS even there), b64 unchanged
+# (cuBLAS in both above M = 8).
 OPROJ_FUSED_MAX_KP = 1536
 
 

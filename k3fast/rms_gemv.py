@@ -293,6 +293,17 @@ Version log
       -> ~1.8-2.5 us; in the layer the two norms 3.8 + 4.7 -> ~2 + ~2.5 us, so the attention half -3.5 to -4.5 us at
       b16 and b64 (rank16 b64 55.7 -> ~51.5, 1.8x of s72's stock; rank8 b64 83.8 -> ~79.5; rank8 b16 60.0 -> ~56).
       If the norms stay above 3 us, their time is not the per-token chain but the launch and PDL edges around them.
+      Measured (s73 at 934c387, kernels- / records-934c387-s73.json, copy 4.14 TB/s; GPU tests 62 passed, the cluster
+      builds 2 / 4 / 8 against the reference, deterministic, in place, with their one-CTA results within 1 bf16 ulp).
+      Kernel bench (L2 flushed, each row a graph of the norm alone): nb8 cl1 -> cl4 11.3 -> 9.3 us at b8 / b16, 11.3
+      -> 11.9 at b64; nb1 7.1-7.6 -> 6.8-7.4. In the layer (fast against fast-normc1, one run each): the norms at
+      b16 3.9 + 4.8 -> 3.1 + 4.0 us (rank8), at b64 3.8 + 4.8 -> 3.8 + 4.6; attention half rank16 b64 56.1 -> 55.4,
+      rank8 b64 84.5 -> 83.6, rank8 b16 60.5 -> 59.1, rank16 b16 43.8 -> 42.3; with the clusters also at M 3..8
+      (fast-normc3) rank8 b8 53.1 -> 51.6, rank16 b8 35.7 -> 34.7. MISSED (-0.7 to -1.5 us against -3.5 to -4.5),
+      as the rule written before the run named: the norms stay at 3-4 us, set by the chain around them (launch, the
+      DRAM round trip of the sources, the reductions and the stores) and not by the bytes one SM moves. Still faster
+      in every cell, so the default, from M = 3 since s74 (s74 at 8f4e39e: fast-normc9 +0.2 / +0.5 us at rank16 /
+      rank8 b8, fast-normc1 +1.1 / +0.4 at b64; records-8f4e39e-s74.json).
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
