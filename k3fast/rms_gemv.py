@@ -297,7 +297,7 @@ Version log
       builds 2 / 4 / 8 against the reference, deterministic, in place, with their one-CTA results within 1 bf16 ulp).
       Kernel bench (L2 flushed, each row a graph of the norm alone): nb8 cl1 -> cl4 11.3 -> 9.3 us at b8 / b16, 11.3
       -> 11.9 at b64; nb1 7.1-7.6 -> 6.8-7.4. In the layer (fast against fast-normc1, one run each): the norms at
-      b16 3.9 + 4.8 -> 3.1 + 4.0 us (rank8), at b64 3.8 + 4.8 -> 3.8 + 4.6; attention half rank16 b64 56.1 -> 55.4,
+      b16 4.0 + 4.8 -> 3.0 + 4.0 us (rank8; rank16 3.9 + 4.4 -> 3.1 + 3.6), at b64 3.8 + 4.8 -> 3.8 + 4.6 (rank16); attention half rank16 b64 56.1 -> 55.4,
       rank8 b64 84.5 -> 83.6, rank8 b16 60.5 -> 59.1, rank16 b16 43.8 -> 42.3; with the clusters also at M 3..8
       (fast-normc3) rank8 b8 53.1 -> 51.6, rank16 b8 35.7 -> 34.7. MISSED (-0.7 to -1.5 us against -3.5 to -4.5),
       as the rule written before the run named: the norms stay at 3-4 us, set by the chain around them (launch, the
