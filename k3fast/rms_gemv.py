@@ -276,34 +276,34 @@ Version log
       cuBLAS 3.0) and the attention half rank16 b1 33.5 -> 31.5 us. This module's fused kernel still serves
       "fast-infma" and the opt-ins above; its plain and tensor-core GEMVs serve M >= 3.
   v15 (2026-12-01, session 23; attnres_rmsnorm's cluster build, NORM_CLUSTER / NORM_CLUSTER_MIN_M; "fast-normc1" is
-      the A/B, "fast-normc3" the same below M = 9) Why: above M = 8 the layer's two AttnRes norms run as their own
-      kernels before cuBLAS GEMVs (the in_proj's, and o_proj's AttnRes #2), one CTA of 16 warps per token. In s72's
-      timelines they take 3.8 and 4.7 us at both b16 and b64 (rank16 and rank8 alike), 8.5 us of the attention half
-      (rank16 b64 55.7 us, the 1.8x target needs 52; rank8 b16 60.0, needs 56.3), against ~1.5 us of bytes at
-      b64: each token's chain (its sources' L2 / DRAM round trip, two CTA reductions, the second pass and the
-      stores) runs on one SM with ~130 KB to move, whatever the batch. Design: a cluster of C CTAs per token
-      (grid [C, M], cluster [C, 1, 1]), each over K / C of the columns with one thread per 16-byte vector (C = 4 at
-      K = 7168: 224 threads, its sources' 28 KB staged in shared memory instead of 129 KB). Each CTA's two
-      statistics rounds (per source: sum v^2 and <v, u>; then sum m^2) are summed over its warps in warp order,
-      pushed by st.shared::cluster into row ``rank`` of every CTA's exchange buffer, and summed in rank order after
-      a cluster barrier, so every CTA computes the same alphas and rstd (deterministic; not bit-identical to one
-      CTA, whose per-warp partials split K differently: GPU test within 1 bf16 ulp). A relaxed cluster arrive at the
-      start and its wait before the first push make sure no CTA writes a peer's shared memory before that peer runs.
-      Prediction (written before any GPU run; s73): kernel bench attnres_rmsnorm@nb8 cl1 -> cl4 at b16 / b64 ~3.5-4.5
-      -> ~1.8-2.5 us; in the layer the two norms 3.8 + 4.7 -> ~2 + ~2.5 us, so the attention half -3.5 to -4.5 us at
-      b16 and b64 (rank16 b64 55.7 -> ~51.5, 1.8x of s72's stock; rank8 b64 83.8 -> ~79.5; rank8 b16 60.0 -> ~56).
-      If the norms stay above 3 us, their time is not the per-token chain but the launch and PDL edges around them.
-      Measured (s73 at 934c387, kernels- / records-934c387-s73.json, copy 4.14 TB/s; GPU tests 62 passed, the cluster
-      builds 2 / 4 / 8 against the reference, deterministic, in place, with their one-CTA results within 1 bf16 ulp).
-      Kernel bench (L2 flushed, each row a graph of the norm alone): nb8 cl1 -> cl4 11.3 -> 9.3 us at b8 / b16, 11.3
-      -> 11.9 at b64; nb1 7.1-7.6 -> 6.8-7.4. In the layer (fast against fast-normc1, one run each): the norms at
-      b16 4.0 + 4.8 -> 3.0 + 4.0 us (rank8; rank16 3.9 + 4.4 -> 3.1 + 3.6), at b64 3.8 + 4.8 -> 3.8 + 4.6 (rank16); attention half rank16 b64 56.1 -> 55.4,
-      rank8 b64 84.5 -> 83.6, rank8 b16 60.5 -> 59.1, rank16 b16 43.8 -> 42.3; with the clusters also at M 3..8
-      (fast-normc3) rank8 b8 53.1 -> 51.6, rank16 b8 35.7 -> 34.7. MISSED (-0.7 to -1.5 us against -3.5 to -4.5),
-      as the rule written before the run named: the norms stay at 3-4 us, set by the chain around them (launch, the
-      DRAM round trip of the sources, the reductions and the stores) and not by the bytes one SM moves. Still faster
-      in every cell, so the default, from M = 3 since s74 (s74 at 8f4e39e: fast-normc9 +0.2 / +0.5 us at rank16 /
-      rank8 b8, fast-normc1 +1.1 / +0.4 at b64; records-8f4e39e-s74.json).
+      the A/B, "fast-normc9" the clusters above M = 8 only, s73's first rule) Why: above M = 8 the layer's two AttnRes
+      norms run as their own kernels before cuBLAS GEMVs (the in_proj's, and o_proj's AttnRes #2), one CTA of 16 warps
+      per token. In s72's timelines they take 3.8 and 4.7 us at both b16 and b64 (rank16 and rank8 alike), 8.5 us of
+      the attention half (rank16 b64 55.7 us, the 1.8x target needs 52; rank8 b16 60.0, needs 56.3), against ~1.5 us
+      of bytes at b64: each token's chain (its sources' L2 / DRAM round trip, two CTA reductions, the second pass and
+      the stores) runs on one SM with ~130 KB to move, whatever the batch. Design: a cluster of C CTAs per token (grid
+      [C, M], cluster [C, 1, 1]), each over K / C of the columns with one thread per 16-byte vector (C = 4 at K =
+      7168: 224 threads, its sources' 28 KB staged in shared memory instead of 129 KB). Each CTA's two statistics
+      rounds (per source: sum v^2 and <v, u>; then sum m^2) are summed over its warps in warp order, pushed by
+      st.shared::cluster into row ``rank`` of every CTA's exchange buffer, and summed in rank order after a cluster
+      barrier, so every CTA computes the same alphas and rstd (deterministic; not bit-identical to one CTA, whose
+      per-warp partials split K differently: GPU test within 1 bf16 ulp). A relaxed cluster arrive at the start and
+      its wait before the first push make sure no CTA writes a peer's shared memory before that peer runs. Prediction
+      (written before any GPU run; s73): kernel bench attnres_rmsnorm@nb8 cl1 -> cl4 at b16 / b64 ~3.5-4.5 -> ~1.8-2.5
+      us; in the layer the two norms 3.8 + 4.7 -> ~2 + ~2.5 us, so the attention half -3.5 to -4.5 us at b16 and b64
+      (rank16 b64 55.7 -> ~51.5, 1.8x of s72's stock; rank8 b64 83.8 -> ~79.5; rank8 b16 60.0 -> ~56). If the norms
+      stay above 3 us, their time is not the per-token chain but the launch and PDL edges around them. Measured (s73
+      at 934c387, kernels- / records-934c387-s73.json, copy 4.14 TB/s; GPU tests 62 passed, the cluster builds 2 / 4 /
+      8 against the reference, deterministic, in place, with their one-CTA results within 1 bf16 ulp). Kernel bench
+      (L2 flushed, each row a graph of the norm alone): nb8 cl1 -> cl4 11.3 -> 9.3 us at b8 / b16, 11.3 -> 11.9 at
+      b64; nb1 7.1-7.6 -> 6.8-7.4. In the layer (fast against fast-normc1, one run each): the norms at b16 4.0 + 4.8
+      -> 3.0 + 4.0 us (rank8; rank16 3.9 + 4.4 -> 3.1 + 3.6), at b64 3.8 + 4.8 -> 3.8 + 4.6 (rank16); attention half
+      rank16 b64 56.1 -> 55.4, rank8 b64 84.5 -> 83.6, rank8 b16 60.5 -> 59.1, rank16 b16 43.8 -> 42.3; with the
+      clusters also at M 3..8 (fast-normc3) rank8 b8 53.1 -> 51.6, rank16 b8 35.7 -> 34.7. MISSED (-0.7 to -1.5 us
+      against -3.5 to -4.5), as the rule written before the run named: the norms stay at 3-4 us, set by the chain
+      around them (launch, the DRAM round trip of the sources, the reductions and the stores) and not by the bytes one
+      SM moves. Still faster in every cell, so the default, from M = 3 since s74 (s74 at 8f4e39e: fast-normc9 +0.2 /
+      +0.5 us at rank16 / rank8 b8, fast-normc1 +1.1 / +0.4 at b64; records-8f4e39e-s74.json).
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -526,8 +526,8 @@ def _build_kernels():
         rank order after a cluster barrier, so that every CTA of the cluster computes the same alphas and rstd.
 
         The sources are staged in smem sV (a thread in range re-reads only what it wrote; one past the end reads
-        its owner's vector after the reduction's barrier): holding them in registers made ptxas keep their fp32 copies live across the
-        reduction and spill at the 128-register cap of a 512-thread CTA."""
+        its owner's vector after the reduction's barrier): holding them in registers made ptxas keep their fp32
+        copies live across the reduction and spill at the 128-register cap of a 512-thread CTA."""
         NS = self.nb + 1
         NM = len(ms)
         VPT = self.vpt
@@ -974,7 +974,7 @@ def _build_kernels():
                         mY[tok, tile * 16 + (rl - rg * 16)] = tot.to(mY.element_type)
                 cute.arch.sync_threads()
 
-    # ------------------------------------------------------------------ AttnRes + RMSNorm, one CTA (or cluster) per token
+    # ------------------------------------------------------------ AttnRes + RMSNorm, one CTA (or cluster) per token
     class _AttnResNorm:
         def __init__(self, K, nb, has_delta, bw, eps, early_trigger=False, cl=1):
             self.K, self.nb, self.has_delta, self.bw, self.eps = K, nb, has_delta, bw, eps

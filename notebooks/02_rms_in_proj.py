@@ -572,3 +572,46 @@ for rec_file in ("traces/h200/records-2c88954-s66.json", "traces/h200/records-56
 assert all(kern66[("gemv_in_proj_plain@ringmmatiled", sh, b)][0] < kern66[("gemv_in_proj_plain@ringmma", sh, b)][0]
            for sh, b in mid_cells)
 print("ok (v14 faster than v13 in the bench at each cell)")
+
+# %% [markdown]
+# ## 16. The norm kernel as a cluster of 4 CTAs per token (v15, session 23)
+# Above M = 2 the AttnRes + RMSNorm prologue runs as its own kernel, one CTA of 16 warps per token. Its statistics need
+# the whole 7168-wide token, which is why one CTA owned it. With a thread-block cluster, four CTAs can each take a
+# quarter of the columns and still agree on the statistics: each pushes its partial sums (per source `Σv²` and
+# `⟨v, u⟩`, then `Σm²`) into every CTA's shared memory with `st.shared::cluster`, a cluster barrier publishes them,
+# and every CTA adds the four rows in rank order, so all four compute the same `α` and `rstd` bit for bit.
+#
+# The numerics in one picture: the same statistics summed as four quarter sums differ from the one-CTA sums only by
+# fp32 order (the GPU test holds the two builds within 1 bf16 ulp of each other; below, the same split in fp32 on the
+# CPU).
+
+# %%
+torch.manual_seed(23)
+src = (torch.randn(5, 7168) * (0.5 + torch.rand(5, 1))).float()        # 4 blocks + p', one token
+u = torch.randn(7168) * 0.05
+whole = torch.stack([(src * src).sum(-1), src @ u], -1)
+quarters = sum(torch.stack([(q * q).sum(-1), q @ uq], -1)
+               for q, uq in zip(src.split(1792, -1), u.split(1792)))      # 4 CTAs x 1792 columns, added in rank order
+print("max relative difference of the statistics:", ((quarters - whole).abs() / whole.abs()).max().item())
+assert ((quarters - whole).abs() <= 1e-5 * whole.abs() + 1e-6).all()
+
+# %% [markdown]
+# Predicted (before the run): the two norms in the layer 3.8 + 4.7 -> ~2 + ~2.5 µs, the attention half -3.5 to -4.5
+# µs at b16 / b64. Measured (s73, `fast-normc1` is one CTA per token): the norms moved by ~0.8 µs at b16 and hardly at
+# b64, the attention half by -0.7 to -1.5 µs. A quarter of the bytes per CTA did not shorten the kernel much: its
+# 3-4 µs is the chain (launch, the sources' DRAM round trip, two reductions, the stores), not one SM's bytes. Still
+# faster in every cell, so the default from M = 3.
+
+# %%
+for shape in ("k3_rank16", "k3_rank8"):
+    print(nbtools.ab_table("traces/h200/records-934c387-s73.json", "attn",
+                           ["stock", "fast", "fast-normc1", "fast-normc3"], shape))
+with open(os.path.join(nbtools.ROOT, "traces/h200/records-934c387-s73.json")) as f:
+    rec73 = {(r["shape"], r["batch"], r["impl"]): r for r in json.load(f)["records"] if r["part"] == "attn"}
+for (shape, batch, impl), r in sorted(rec73.items()):
+    if impl in ("fast", "fast-normc1") and (shape, batch, "fast-normc1") in rec73:
+        norms = [k[2] for k in r["replay_timeline"]["kernels"] if "AttnResNorm" in k[0]]
+        print(f"{shape:10s} b{batch:<3d} {impl:12s} norms " + " + ".join(f"{t:.1f}" for t in norms) + " µs")
+assert all(rec73[(s, b, "fast")]["replay_us_median"] < rec73[(s, b, "fast-normc1")]["replay_us_median"]
+           for (s, b, i) in rec73 if i == "fast-normc1")
+print("ok (the clusters faster than one CTA per token in every cell of s73)")

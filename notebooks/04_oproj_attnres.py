@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -167,8 +169,9 @@ print("ok (v1.4 measured slower and removed)")
 
 # %%
 import csv
-NCU10 = "traces/h200/ncu-377caf5-ncu10/oproj16-sass.csv"
-with open(os.path.join(nbtools.ROOT, NCU10)) as f:
+import gzip
+NCU10 = "traces/h200/ncu-377caf5-ncu10/oproj16-sass.csv.gz"     # gzipped in session 23 (the device's carry limit)
+with gzip.open(os.path.join(nbtools.ROOT, NCU10), "rt") as f:
     rows = list(csv.reader(f))[1:]
 hdr, body = rows[0], rows[1:]
 col = {h: i for i, h in enumerate(hdr)}
@@ -243,3 +246,24 @@ assert kda61["fast-kdamid"] < kda61["fast"] - 1.0 and kda61["fast-op32mid"] < kd
 assert all(s61[("k3_rank8", 1, i)]["replay_us_median"] > s61[("k3_rank8", 1, "fast")]["replay_us_median"]
            for i in ("fast-kdamid", "fast-op32mid"))
 print("ok (the later trigger: a shorter KDA step, a longer attention half; removed)")
+
+# %% [markdown]
+# ## At full width the fused kernel is the wrong tool (session 23)
+# Every measurement above is at rank16 / rank8, where o_proj's weight is 11 / 22 MB. At full width (one rank holding
+# the whole layer, K = 12288) it is 176 MB, and the fused kernel's one wave of register stages covers a small part of
+# each CTA's slice: s75 timed it at 61.5 µs at b1 and 168.0 µs at b8 (1.0 TB/s), where stock's cuBLAS o_proj + its
+# AttnRes kernel took ~53 / ~59. Since session 23 the layer and the torch op take the fused kernel only up to
+# K = 1536 (`fast.oproj_fused`, `OPROJ_FUSED_MAX_KP`); above, cuBLAS + the AttnRes #2 norm kernel. `fast-opfull` is
+# the A/B. Predicted at full width b8: ~270-280 µs for the attention half.
+
+# %%
+S76 = "traces/h200/records-e8c9c17-s76.json"
+print(nbtools.ab_table(S76, "attn", ["stock", "fast", "fast-opfull"], "full"))
+s76 = attn_us(S76)
+print(f"full b8: fused {s76[('full', 8, 'fast-opfull')]['replay_us_median']:.1f} -> "
+      f"cuBLAS + norm {s76[('full', 8, 'fast')]['replay_us_median']:.1f} µs "
+      f"(floor {s76[('full', 8, 'fast')]['floor_us']:.1f})")
+assert s76[("full", 8, "fast")]["replay_us_median"] < s76[("full", 8, "stock")]["replay_us_median"] \
+    < s76[("full", 8, "fast-opfull")]["replay_us_median"]
+from k3fast.fast import oproj_fused
+assert oproj_fused(8, 1536) and not oproj_fused(8, 12288) and not oproj_fused(9, 768)
