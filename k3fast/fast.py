@@ -430,6 +430,7 @@ class FastImpl:
         # p' = p + delta goes to a scratch row (the fused prologue reads p in every CTA, so it may not
         # write p in place); o_proj + AttnRes #2 then reads p' and writes the layer's partial sum.
         p1 = self._scratch("p1", io.partial)
+        norm_cl = self._norm_cluster(io)     # both AttnRes norms that run apart use one cluster size
         with stage("k3.kda.in_proj"):
             proj, _ = attnres_in_proj(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm, self.in_proj,
                                       eps=cfg.rms_norm_eps,
@@ -440,7 +441,7 @@ class FastImpl:
                                       w_tiled=self.in_proj_tiled,
                                       mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                       fused_groups=self.gemv_groups, pin_loads=self.gemv_pin,
-                                      prefetch_groups=self.gemv_prefetch, norm_cluster=self._norm_cluster(io))
+                                      prefetch_groups=self.gemv_prefetch, norm_cluster=norm_cl)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
@@ -458,7 +459,7 @@ class FastImpl:
                 oproj_attnres_cublas(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
                                      zeros=self._zeros("p0", p1), out_x=io.x_mlp, out_partial=io.partial,
-                                     gemv=self.oproj_mid, norm_cluster=self._norm_cluster(io))
+                                     gemv=self.oproj_mid, norm_cluster=norm_cl)
 
     def moe(self, io) -> None:
         from .moe_mxfp4_experts import moe_mxfp4_experts

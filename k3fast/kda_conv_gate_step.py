@@ -358,6 +358,50 @@ def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_b
 
 # ---------------------------------------------------------------------------- device code
 
+# Traced helpers shared by the cluster build (_build) and the one-CTA-per-head build (_build_head): the per-request
+# slot, the W_fb rows, the conv step and the decay gate are the same arithmetic in both, which is what makes the two
+# builds' outputs the same bits.
+
+def _request_slot(mSlots, b, nslots):
+    """(is_pad, is_bad, valid, slot_w) of request b: slot_w is its slot as a 64-bit index (S * H * 128 * 128 exceeds
+    2**31 elements at full width, S > 1365), 0 for a padded or bad slot (never dereferenced; keeps the address math
+    in range)."""
+    import cutlass
+    from cutlass import Int32, Int64
+    slot = mSlots[b]
+    valid = (slot >= 0) & (slot < nslots)
+    return slot < 0, slot >= nslots, valid, Int32(cutlass.select_(valid, slot, Int32(0))).to(Int64)
+
+
+def _load_fb_rows(mWfb, mDtBias, row0, step, jv, rW, rDt):
+    """W_fb rows row0 + step m (m < len(rDt)), this thread's 16-byte vector jv of each, and their dt_bias."""
+    _, cute = import_cute()
+    for m in range(cute.size(rDt)):
+        wrow = row0 + step * m
+        cute.autovec_copy(cute.local_tile(mWfb[wrow, None], (8,), (jv,)), rW[m, None])
+        rDt[m] = mDtBias[wrow]
+
+
+def _conv_step(cw, win, c, x):
+    """Channel c's causal conv at the new input x (fp32): sum of the 4 taps over the window [t-3, t-2, t-1] and x;
+    the window then moves on by one (x becomes its newest entry)."""
+    u = cw[c, 0] * win[c, 0] + cw[c, 1] * win[c, 1] + cw[c, 2] * win[c, 2] + cw[c, 3] * x
+    win[c, 0] = win[c, 1]
+    win[c, 1] = win[c, 2]
+    win[c, 2] = x
+    return u
+
+
+def _decay_alpha(fa, rw_row, dt, decay_rate, lower_bound, lanes):
+    """alpha = exp(lower_bound * sigmoid(exp(A_log) * (f + dt_bias))) of one channel, f = bf16(f_a . W_fb row) with
+    the row spread over ``lanes`` lanes (8 bf16 each), summed by a butterfly over them."""
+    from cutlass import BFloat16, Float32
+    _, cute = import_cute()
+    part = (fa * rw_row.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+    f = cute.arch.warp_reduction_sum(part, threads_in_group=lanes).to(BFloat16).to(Float32)
+    return cute.math.exp(Float32(lower_bound) * sigmoid(decay_rate * (f + dt)))
+
+
 def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float, early_trigger: bool = False,
            preload: bool = False, late_stores: bool = False, dsmem_tx: bool = False):
     cutlass, cute = import_cute()
@@ -443,22 +487,13 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                 xq = mProj[row, cq].to(Float32)
                 xk = mProj[row, ck].to(Float32)
                 xv = mProj[row, cv_c].to(Float32)
-            uq = cw[0, 0] * win[0, 0] + cw[0, 1] * win[0, 1] + cw[0, 2] * win[0, 2] + cw[0, 3] * xq
-            uk = cw[1, 0] * win[1, 0] + cw[1, 1] * win[1, 1] + cw[1, 2] * win[1, 2] + cw[1, 3] * xk
-            uv = cw[2, 0] * win[2, 0] + cw[2, 1] * win[2, 1] + cw[2, 2] * win[2, 2] + cw[2, 3] * xv
+            uq = _conv_step(cw, win, 0, xq)
+            uk = _conv_step(cw, win, 1, xk)
+            uv = _conv_step(cw, win, 2, xv)
             sUq[t, tid] = uq * sigmoid(uq)
             sUk[t, tid] = uk * sigmoid(uk)
             if has_v:
                 sUv[t, tid] = uv * sigmoid(uv)
-            win[0, 0] = win[0, 1]
-            win[0, 1] = win[0, 2]
-            win[0, 2] = xq
-            win[1, 0] = win[1, 1]
-            win[1, 1] = win[1, 2]
-            win[1, 2] = xk
-            win[2, 0] = win[2, 1]
-            win[2, 1] = win[2, 2]
-            win[2, 2] = xv
             if tid == 0:
                 if const_expr(preload):
                     sBeta[t] = sigmoid(p_beta.to(Float32))
@@ -469,11 +504,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
                 cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
             fa = rFa.load().to(Float32)
             for m in cutlass.range_constexpr(FROWS):
-                part = (fa * rW[m, None].load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                f32 = cute.arch.warp_reduction_sum(part, threads_in_group=FV)
-                f = f32.to(BFloat16).to(Float32)
-                lam = Float32(lower_bound) * sigmoid(decay_rate * (f + rDt[m]))
-                alpha = cute.math.exp(lam)
+                alpha = _decay_alpha(fa, rW[m, None], rDt[m], decay_rate, lower_bound, FV)
                 ch = split * R + fr + (NTH // FV) * m
                 if jv < NS:
                     if const_expr(dsmem_tx):
@@ -629,15 +660,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             cute.arch.cluster_arrive_relaxed()
 
             # ---------------- before the PDL wait: nothing here is produced by the previous kernel
-            slot = mSlots[b]
-            is_pad = slot < 0
-            is_bad = slot >= nslots
-            valid = (slot >= 0) & (slot < nslots)
-            slot_c = slot
-            if not valid:
-                slot_c = Int32(0)      # never dereferenced; keeps address math in range
-            # 64-bit slot offsets: S * H * 128 * 128 exceeds 2**31 elements at full width (S > 1365)
-            slot_w = slot_c.to(Int64)
+            is_pad, is_bad, valid, slot_w = _request_slot(mSlots, b, nslots)
 
             # recurrent state rows of this warp: S[slot, h, v, 4*lane : 4*lane+4]
             row0 = split * R + warp * RW
@@ -674,10 +697,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             fr = tid // FV
             rW = cute.make_rmem_tensor(cute.make_layout((FROWS, 8), stride=(8, 1)), BFloat16)
             rDt = cute.make_rmem_tensor(cute.make_layout((FROWS,), stride=(1,)), Float32)
-            for m in cutlass.range_constexpr(FROWS):
-                wrow = h * D + split * R + fr + (NTH // FV) * m
-                cute.autovec_copy(cute.local_tile(mWfb[wrow, None], (8,), (jv,)), rW[m, None])
-                rDt[m] = mDtBias[wrow]
+            _load_fb_rows(mWfb, mDtBias, h * D + split * R + fr, NTH // FV, jv, rW, rDt)
             decay_rate = cute.math.exp(mALog[h])
             onorm = mONorm[split * R + tid % R]
 
@@ -728,7 +748,7 @@ def _head_occupancy(T: int) -> dict:
 def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: float, early_trigger: bool = False,
                 row_group: int = 1):
     cutlass, cute = import_cute()
-    from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+    from cutlass import BFloat16, Float32, Int64, const_expr
     from cutlass.experimental.primitives.nvvm_wrapper import (cp_async_bulk_commit_group,
                                                               cp_async_bulk_global_shared_cta,
                                                               cp_async_bulk_shared_cluster_global,
@@ -788,14 +808,7 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
             mbar = smem.allocate_array(Int64, HEAD_CHUNKS)
 
             # ---------------- before the PDL wait: nothing here is produced by the previous kernel
-            slot = mSlots[b]
-            is_pad = slot < 0
-            is_bad = slot >= nslots
-            valid = (slot >= 0) & (slot < nslots)
-            slot_c = slot
-            if not valid:
-                slot_c = Int32(0)      # never dereferenced; keeps address math in range
-            slot_w = slot_c.to(Int64)
+            is_pad, is_bad, valid, slot_w = _request_slot(mSlots, b, nslots)
 
             # conv channels: threads [0, D) own the q channel hD + tid and the k channel P + hD + tid, threads
             # [D, 2D) the v channel 2P + hD + tid - D. win[c, j]: j = 0 oldest (t-3) ... 2 newest (t-1).
@@ -820,10 +833,7 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
             fr = tid // FV
             rW = cute.make_rmem_tensor(cute.make_layout((FROWS, 8), stride=(8, 1)), BFloat16)
             rDt = cute.make_rmem_tensor(cute.make_layout((FROWS,), stride=(1,)), Float32)
-            for m in cutlass.range_constexpr(FROWS):
-                wrow = h * D + fr + FSTEP * m
-                cute.autovec_copy(cute.local_tile(mWfb[wrow, None], (8,), (jv,)), rW[m, None])
-                rDt[m] = mDtBias[wrow]
+            _load_fb_rows(mWfb, mDtBias, h * D + fr, FSTEP, jv, rW, rDt)
             decay_rate = cute.math.exp(mALog[h])
             onorm = mONorm[tid % D]         # output element idx = tid + NTH it has row idx % D = tid % D
 
@@ -862,30 +872,21 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
                 x0 = mProj[row, c0].to(Float32)
                 x1 = mProj[row, c1].to(Float32)
                 cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
-                u0 = cw[0, 0] * win[0, 0] + cw[0, 1] * win[0, 1] + cw[0, 2] * win[0, 2] + cw[0, 3] * x0
-                u1 = cw[1, 0] * win[1, 0] + cw[1, 1] * win[1, 1] + cw[1, 2] * win[1, 2] + cw[1, 3] * x1
+                u0 = _conv_step(cw, win, 0, x0)
+                u1 = _conv_step(cw, win, 1, x1)
                 if is_qk:
                     sUq[t, tid] = u0 * sigmoid(u0)
                     sUk[t, tid] = u1 * sigmoid(u1)
                 else:
                     sUv[t, tid - D] = u0 * sigmoid(u0)
-                win[0, 0] = win[0, 1]
-                win[0, 1] = win[0, 2]
-                win[0, 2] = x0
-                win[1, 0] = win[1, 1]
-                win[1, 1] = win[1, 2]
-                win[1, 2] = x1
                 if tid == 0:
                     sBeta[t] = sigmoid(mProj[row, 4 * P + D + h].to(Float32))
                 # f[i] = bf16(sum_j f_a[j] W_fb[hD+i, j]); 16 lanes (one W_fb row) per reduction, as in nsplit 4 / 8
                 fa = rFa.load().to(Float32)
                 for m in cutlass.range_constexpr(FROWS):
-                    part = (fa * rW[m, None].load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    f32 = cute.arch.warp_reduction_sum(part, threads_in_group=FV)
-                    f = f32.to(BFloat16).to(Float32)
-                    lam = Float32(lower_bound) * sigmoid(decay_rate * (f + rDt[m]))
+                    alpha = _decay_alpha(fa, rW[m, None], rDt[m], decay_rate, lower_bound, FV)
                     if jv == 0:
-                        sAl[t, fr + FSTEP * m] = cute.math.exp(lam)
+                        sAl[t, fr + FSTEP * m] = alpha
             cute.arch.barrier()
             chunk = warp // WPC             # the chunk of this warp's rows
             if valid:
