@@ -377,21 +377,35 @@ def reset_stock_autotuners(prefixes=("fla.", "vllm.")) -> int:
     first batch of a process chose. In s74 the rank8 cells ran b1 first, and the stock conv step took 10.6 / 19.3 /
     72.8 us at b8 / b16 / b64 (about 2 us when b64 ran first, s73); s77 ran rank8 first and rank16 b64's took 12.3.
     Resetting before every stock cell lets each batch tune for itself: the best the stock path can do there, and
-    the same whatever the order of the cells."""
+    the same whatever the order of the cells.
+
+    Two traps, both seen in s79 (session 24), where the first version of this reset still left rank8 b64's conv step
+    at 23.5 us: (1) fla stacks ``@triton.heuristics`` over its autotuner, so the module attribute is a Heuristics
+    whose ``.fn`` is the autotuner; the chain of ``.fn`` is walked. (2) fla 0.6 passes ``cache_results=True``
+    (FLA_CACHE_RESULTS defaults to 1), so an emptied in-memory cache is refilled from Triton's on-disk autotune
+    cache, whose key omits the batch just the same; the disk cache is switched off on every autotuner reset."""
     import sys
     try:
         from triton.runtime.autotuner import Autotuner
     except ImportError:
         return 0
-    n = 0
+    seen = set()
     for name, mod in list(sys.modules.items()):
         if mod is None or not name.startswith(prefixes):
             continue
         for obj in list(vars(mod).values()):
-            if isinstance(obj, Autotuner) and isinstance(getattr(obj, "cache", None), dict):
-                obj.cache.clear()
-                n += 1
-    return n
+            for _ in range(4):                      # heuristics / autotune / jit: a short chain of ``.fn``
+                if isinstance(obj, Autotuner) and isinstance(getattr(obj, "cache", None), dict):
+                    if id(obj) not in seen:
+                        seen.add(id(obj))
+                        obj.cache.clear()
+                        if getattr(obj, "cache_results", False):
+                            obj.cache_results = False
+                    break
+                obj = getattr(obj, "fn", None)
+                if obj is None:
+                    break
+    return len(seen)
 
 
 def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps, perfetto_dir, ref_out, log,

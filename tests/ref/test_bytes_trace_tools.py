@@ -329,14 +329,22 @@ def test_every_fast_variant_builds_valid_kda_keys():
 
 def test_reset_stock_autotuners_clears_only_stock_library_caches(monkeypatch):
     """k3fast.trace.reset_stock_autotuners forgets the configs of Triton autotuners found in fla / vLLM modules (their
-    keys omit the batch, so the first cell of a process chose them for every later cell) and leaves others alone."""
+    keys omit the batch, so the first cell of a process chose them for every later cell), also behind a
+    ``@triton.heuristics`` wrapper (fla's conv kernel), switches off their on-disk result cache, counts a tuner
+    reachable twice once, and leaves other modules alone."""
     import sys
     import types
     from k3fast.trace import reset_stock_autotuners
 
     class Autotuner:                          # stands in for triton.runtime.autotuner.Autotuner
-        def __init__(self):
+        def __init__(self, fn=None):
             self.cache = {("D", "W"): "config chosen at b1"}
+            self.cache_results = True
+            self.fn = fn
+
+    class Heuristics:                         # triton.runtime.autotuner.Heuristics: not an Autotuner, wraps one
+        def __init__(self, fn):
+            self.fn = fn
 
     fake = types.ModuleType("triton.runtime.autotuner")
     fake.Autotuner = Autotuner
@@ -344,8 +352,12 @@ def test_reset_stock_autotuners_clears_only_stock_library_caches(monkeypatch):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "triton.runtime.autotuner", fake)
     stock, other = types.ModuleType("fla.modules.conv_k3test"), types.ModuleType("k3test_other")
-    stock.kernel, stock.not_a_tuner, other.kernel = Autotuner(), {"x": 1}, Autotuner()
+    stock.kernel, stock.not_a_tuner, other.kernel = Autotuner(fn=lambda: None), {"x": 1}, Autotuner()
+    stock.wrapped = Heuristics(Autotuner(fn=types.SimpleNamespace(fn=None)))
+    stock.alias = stock.kernel                # the same tuner under a second name
     monkeypatch.setitem(sys.modules, stock.__name__, stock)
     monkeypatch.setitem(sys.modules, other.__name__, other)
-    assert reset_stock_autotuners() == 1
-    assert stock.kernel.cache == {} and other.kernel.cache and stock.not_a_tuner == {"x": 1}
+    assert reset_stock_autotuners() == 2
+    assert stock.kernel.cache == {} and stock.wrapped.fn.cache == {}
+    assert not stock.kernel.cache_results and not stock.wrapped.fn.cache_results
+    assert other.kernel.cache and other.kernel.cache_results and stock.not_a_tuner == {"x": 1}
