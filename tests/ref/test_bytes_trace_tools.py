@@ -361,3 +361,27 @@ def test_reset_stock_autotuners_clears_only_stock_library_caches(monkeypatch):
     assert stock.kernel.cache == {} and stock.wrapped.fn.cache == {}
     assert not stock.kernel.cache_results and not stock.wrapped.fn.cache_results
     assert other.kernel.cache and other.kernel.cache_results and stock.not_a_tuner == {"x": 1}
+
+
+def test_blas_probe_shapes_and_form_settings():
+    """k3fast.blas_probe times the attention half's cuBLAS GEMMs at the shapes FastImpl runs them (the packed in_proj
+    padded as fast.FastImpl pads it, o_proj) and restores every global cuBLAS setting a form changes."""
+    import torch
+    from k3fast import blas_probe
+    from k3fast.kda_conv_gate_step import proj_width
+    assert blas_probe.gemm_shapes("k3_rank16") == {"in_proj": (proj_width(6), 7168), "o_proj": (7168, 768)}
+    assert blas_probe.gemm_shapes("k3_rank8")["o_proj"] == (7168, 1536)
+    m = torch.backends.cuda.matmul
+    before = m.allow_bf16_reduced_precision_reduction
+    with blas_probe.form_context("mm_fp32red"):
+        assert m.allow_bf16_reduced_precision_reduction is False
+    assert m.allow_bf16_reduced_precision_reduction == before
+    with pytest.raises(ValueError, match="form must be one of"):
+        with blas_probe.form_context("cublas-magic"):
+            pass
+    x, w = torch.randn(3, 16), torch.randn(5, 16)
+    y0, y1 = torch.empty(3, 5), torch.empty(3, 5)
+    blas_probe.gemm("mm", x, w, y0, torch.zeros(5))
+    blas_probe.gemm("addmm0", x, w, y1, torch.zeros(5))
+    torch.testing.assert_close(y0, x @ w.t())
+    torch.testing.assert_close(y1, y0)
