@@ -387,6 +387,7 @@ def reset_stock_autotuners(prefixes=("fla.", "vllm.")) -> int:
     import sys
     try:
         from triton.runtime.autotuner import Autotuner
+        from triton.runtime.jit import KernelInterface
     except ImportError:
         return 0
     seen = set()
@@ -394,7 +395,9 @@ def reset_stock_autotuners(prefixes=("fla.", "vllm.")) -> int:
         if mod is None or not name.startswith(prefixes):
             continue
         for obj in list(vars(mod).values()):
-            for _ in range(4):                      # heuristics / autotune / jit: a short chain of ``.fn``
+            # only Triton's own wrappers are unwrapped: a getattr on anything else may run a lazy import (s81: vLLM's
+            # lazy modules imported runai_model_streamer, absent on the device, and every stock cell failed)
+            while isinstance(obj, KernelInterface):
                 if isinstance(obj, Autotuner) and isinstance(getattr(obj, "cache", None), dict):
                     if id(obj) not in seen:
                         seen.add(id(obj))
@@ -403,8 +406,6 @@ def reset_stock_autotuners(prefixes=("fla.", "vllm.")) -> int:
                             obj.cache_results = False
                     break
                 obj = getattr(obj, "fn", None)
-                if obj is None:
-                    break
     return len(seen)
 
 

@@ -331,30 +331,40 @@ def test_reset_stock_autotuners_clears_only_stock_library_caches(monkeypatch):
     """k3fast.trace.reset_stock_autotuners forgets the configs of Triton autotuners found in fla / vLLM modules (their
     keys omit the batch, so the first cell of a process chose them for every later cell), also behind a
     ``@triton.heuristics`` wrapper (fla's conv kernel), switches off their on-disk result cache, counts a tuner
-    reachable twice once, and leaves other modules alone."""
+    reachable twice once, touches no attribute of anything that is not a Triton kernel wrapper (a lazy module's
+    getattr may import what is not installed), and leaves other modules alone."""
     import sys
     import types
     from k3fast.trace import reset_stock_autotuners
 
-    class Autotuner:                          # stands in for triton.runtime.autotuner.Autotuner
+    class KernelInterface:                    # triton.runtime.jit.KernelInterface: JIT functions and their wrappers
+        pass
+
+    class Autotuner(KernelInterface):         # stands in for triton.runtime.autotuner.Autotuner
         def __init__(self, fn=None):
             self.cache = {("D", "W"): "config chosen at b1"}
             self.cache_results = True
             self.fn = fn
 
-    class Heuristics:                         # triton.runtime.autotuner.Heuristics: not an Autotuner, wraps one
+    class Heuristics(KernelInterface):        # triton.runtime.autotuner.Heuristics: not an Autotuner, wraps one
         def __init__(self, fn):
             self.fn = fn
 
-    fake = types.ModuleType("triton.runtime.autotuner")
-    fake.Autotuner = Autotuner
+    class LazyModule:                         # vLLM's lazy attributes: a getattr imports a missing package
+        def __getattr__(self, name):
+            raise ModuleNotFoundError("No module named 'runai_model_streamer'")
+
+    fake, fake_jit = types.ModuleType("triton.runtime.autotuner"), types.ModuleType("triton.runtime.jit")
+    fake.Autotuner, fake_jit.KernelInterface = Autotuner, KernelInterface
     for name in ("triton", "triton.runtime"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "triton.runtime.autotuner", fake)
+    monkeypatch.setitem(sys.modules, "triton.runtime.jit", fake_jit)
     stock, other = types.ModuleType("fla.modules.conv_k3test"), types.ModuleType("k3test_other")
     stock.kernel, stock.not_a_tuner, other.kernel = Autotuner(fn=lambda: None), {"x": 1}, Autotuner()
     stock.wrapped = Heuristics(Autotuner(fn=types.SimpleNamespace(fn=None)))
     stock.alias = stock.kernel                # the same tuner under a second name
+    stock.lazy = LazyModule()
     monkeypatch.setitem(sys.modules, stock.__name__, stock)
     monkeypatch.setitem(sys.modules, other.__name__, other)
     assert reset_stock_autotuners() == 2
