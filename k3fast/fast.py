@@ -23,6 +23,8 @@ stock attention half (the fused MLA chain is not written yet).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -99,6 +101,13 @@ INPROJ_MID_TILED = False
 # (The ring GEMV launching the KDA step right after its wait, "fast-inmmatrig" / "fast-intiledtrig", was measured at
 # 561d389 (s68): the KDA CTAs sat beside the ring from 6.7 us and the attention half took +9.7 us at rank8 b8, +2.5
 # at rank16 b8; removed, the code is at 561d389. The ring launches it at its end.)
+# Session 24: the in_proj's cuBLAS GEMM (above rms_gemv_ring.MMA_MAX_M) is called with torch's preferred BLAS
+# library switched to cublasLt for that call ("default": torch's own choice, cublas; "fast-inmm" is the A/B).
+# k3fast.blas_probe (blasprobe-7e1a15e-s81.json, two GEMMs per graph on cold weights): at rank16 M = 64 cublasLt
+# picks nvjet 64x32 4x2 without split-K (one kernel, 14.8 us; replay 16.9 us per GEMM) where cublas picks the split-K
+# nvjet 64x64 + its reduce kernel (14.7 + 2.4 us; 19.5); at M 9 / 16 / 32 and at rank8 both libraries pick the same
+# kernels (and for o_proj at every M), so nothing else moves.
+INPROJ_BLAS = "cublaslt"
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
 # M <= 8; "fast-opmma" is the A/B with GEMV_DSL_MAX_M = 4, since at 8 no o_proj GEMV both runs apart and fits v13).
 OPROJ_MID = "cublas"
@@ -116,9 +125,27 @@ FRONT_DSL_MAX_M = 4
 # The library halves of the batch dispatch above, shared by FastImpl and the torch ops (k3fast.ops), so that both
 # give the same bits at every batch.
 
+@contextlib.contextmanager
+def blas_library(lib: str | None, device: torch.device):
+    """torch's preferred BLAS library set to ``lib`` ("cublaslt" / "cublas") for the calls inside, then restored; a
+    no-op for None, "default" or a CPU tensor (a CPU build of torch refuses cublasLt). The setting is global, so it
+    is held only around the one GEMM that wants it; in a CUDA graph the library is chosen once, at capture."""
+    if lib not in (None, "default", "cublas", "cublaslt"):
+        raise ValueError(f"blas: expected None, 'default', 'cublas' or 'cublaslt', got {lib!r}")
+    if lib in (None, "default") or device.type != "cuda":
+        yield
+        return
+    old = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(lib)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(old)
+
+
 def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_write, partial_out,
                     early_trigger=None, engine=None, mma=None, joint=None, mid=None, mid_early=None, w_tiled=None,
-                    norm_cluster=None, **fma_options):
+                    norm_cluster=None, blas=None, **fma_options):
     """AttnRes #1 + input RMSNorm + packed in_proj as the layer runs it: rms_gemv_ring (one launch) at M <= 2 when
     ``engine`` (None = INPROJ_ENGINE) is "ring"; otherwise rms_gemv.attnres_rms_gemv, fused at M <= 2, its
     tensor-core GEMV up to INPROJ_DSL_MAX_M and cuBLAS above (``mma`` None = that rule; fma_options are
@@ -128,7 +155,8 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     and M <= rms_gemv_ring.MMA_MAX_M, "ring" runs attnres_rmsnorm + rms_gemv_ring's tensor-core ring GEMV (v13),
     the norm launching it after its wait when ``mid_early`` (None = INPROJ_MID_EARLY); ``w_tiled``, w's
     rms_gemv_ring.mma_tile_weight copy, makes that GEMV v14 (the same bits). ``norm_cluster``: CTAs per token of
-    attnres_rmsnorm where it runs apart (None = rms_gemv.norm_cluster(M), v15). Returns (y, partial_out)."""
+    attnres_rmsnorm where it runs apart (None = rms_gemv.norm_cluster(M), v15). ``blas``: the BLAS library of the
+    cuBLAS GEMM where one runs (None = INPROJ_BLAS, "default" = torch's; blas_library). Returns (y, partial_out)."""
     from . import rms_gemv, rms_gemv_ring
     M = partial.shape[0]
     if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
@@ -145,9 +173,10 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
                                                   early_trigger=INPROJ_MID_EARLY if mid_early is None else mid_early,
                                                   cluster=norm_cluster)
         return rms_gemv_ring.gemv_ring_mma(x, w if w_tiled is None else w_tiled), partial_out
-    return rms_gemv.attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps, block_write=block_write,
-                                     partial_out=partial_out, mma=mma, early_trigger=early_trigger,
-                                     norm_cluster=norm_cluster, **fma_options)
+    with blas_library((INPROJ_BLAS if blas is None else blas) if mma == "cublas" else None, partial.device):
+        return rms_gemv.attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps,
+                                         block_write=block_write, partial_out=partial_out, mma=mma,
+                                         early_trigger=early_trigger, norm_cluster=norm_cluster, **fma_options)
 
 
 def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, boundary, zeros=None, out_x=None,
@@ -209,7 +238,7 @@ class FastImpl:
                  inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
                  inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None,
-                 oproj_max_kp: int = OPROJ_FUSED_MAX_KP):
+                 oproj_max_kp: int = OPROJ_FUSED_MAX_KP, inproj_blas: str | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -285,6 +314,7 @@ class FastImpl:
         # NORM_CLUSTER CTAs per token from that batch, 3); "fast-normc1" never, "fast-normc9" above M = 8 only
         self.norm_cluster_min_m = norm_cluster_min_m
         self.oproj_max_kp = oproj_max_kp     # the widest o_proj input the fused oproj_attnres takes (oproj_fused)
+        self.inproj_blas = inproj_blas       # None: INPROJ_BLAS (cublasLt for the in_proj's cuBLAS GEMM); "fast-inmm"
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order
         self.kda_late_stores = kda_late_stores
@@ -358,6 +388,7 @@ class FastImpl:
                         + ("" if kda_head_min == "module" else f", KDA one CTA per head from {kda_head_min} request-heads")
                         + ("" if norm_cluster_min_m is None else f", AttnRes norm clusters from M={norm_cluster_min_m}")
                         + ("" if oproj_max_kp == OPROJ_FUSED_MAX_KP else f", fused o_proj up to K={oproj_max_kp}")
+                        + ("" if inproj_blas is None else f", in_proj BLAS {inproj_blas}")
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
                         + ("" if kda_dsmem_tx is None else f", KDA st.async exchange {'on' if kda_dsmem_tx else 'off'}")
@@ -441,7 +472,7 @@ class FastImpl:
                                       w_tiled=self.in_proj_tiled,
                                       mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                       fused_groups=self.gemv_groups, pin_loads=self.gemv_pin,
-                                      prefetch_groups=self.gemv_prefetch, norm_cluster=norm_cl)
+                                      prefetch_groups=self.gemv_prefetch, norm_cluster=norm_cl, blas=self.inproj_blas)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,

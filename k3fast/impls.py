@@ -456,6 +456,8 @@ FAST_VARIANTS = {
                     "front_dsl_max_m": 64, "oproj_max_kp": 1 << 30},
     # the fused oproj_attnres at every o_proj width (before session 23: at full width too)
     "fast-opfull": {"oproj_max_kp": 1 << 30},
+    # the in_proj's cuBLAS GEMM (M > 8) on torch's default library, cublas (before session 24: fast.INPROJ_BLAS)
+    "fast-inmm": {"inproj_blas": "default"},
     "fast-taildsl": {"tail_dsl_max_m": 64},     # k3fast.moe_tail at every batch (before 2026-11-29)
     "fast-s27tail": {"tail_norm_fused": False},  # the cuBLAS tail's norm as 3 kernels, fp32 copy (before session 13)
     "fast-gemv0": {"gemv_dsl_max_m": 0},        # in_proj / o_proj GEMMs on cuBLAS at every batch

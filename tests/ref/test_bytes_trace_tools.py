@@ -395,3 +395,20 @@ def test_blas_probe_shapes_and_form_settings():
     blas_probe.gemm("addmm0", x, w, y1, torch.zeros(5))
     torch.testing.assert_close(y0, x @ w.t())
     torch.testing.assert_close(y1, y0)
+
+
+def test_blas_library_is_scoped_and_checked():
+    """fast.blas_library changes torch's preferred BLAS library only inside the block, only for a CUDA device (a CPU
+    build of torch refuses cublasLt), and rejects a name it does not know."""
+    import torch
+    from k3fast.fast import blas_library
+    before = torch.backends.cuda.preferred_blas_library()
+    for lib in (None, "default", "cublaslt"):
+        with blas_library(lib, torch.device("cpu")):
+            assert torch.backends.cuda.preferred_blas_library() == before
+    with blas_library("cublas", torch.device("cuda")):
+        assert str(torch.backends.cuda.preferred_blas_library()).lower().endswith("cublas")
+    assert torch.backends.cuda.preferred_blas_library() == before
+    with pytest.raises(ValueError, match="expected None, 'default', 'cublas' or 'cublaslt'"):
+        with blas_library("hipblaslt", torch.device("cuda")):
+            pass
