@@ -238,7 +238,8 @@ class FastImpl:
                  inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
                  inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None,
-                 oproj_max_kp: int = OPROJ_FUSED_MAX_KP, inproj_blas: str | None = None):
+                 oproj_max_kp: int = OPROJ_FUSED_MAX_KP, inproj_blas: str | None = None,
+                 kda_proj_first: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -315,6 +316,9 @@ class FastImpl:
         self.norm_cluster_min_m = norm_cluster_min_m
         self.oproj_max_kp = oproj_max_kp     # the widest o_proj input the fused oproj_attnres takes (oproj_fused)
         self.inproj_blas = inproj_blas       # None: INPROJ_BLAS (cublasLt for the in_proj's cuBLAS GEMM); "fast-inmm"
+        # None: kda_conv_gate_step.HEAD_PROJ_FIRST (v9.2: the state's bulk copies behind the first token's
+        # projection loads, in the one-CTA-per-head build); "fast-kdapf" turns it on
+        self.kda_proj_first = kda_proj_first
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order
         self.kda_late_stores = kda_late_stores
@@ -389,6 +393,7 @@ class FastImpl:
                         + ("" if norm_cluster_min_m is None else f", AttnRes norm clusters from M={norm_cluster_min_m}")
                         + ("" if oproj_max_kp == OPROJ_FUSED_MAX_KP else f", fused o_proj up to K={oproj_max_kp}")
                         + ("" if inproj_blas is None else f", in_proj BLAS {inproj_blas}")
+                        + ("" if kda_proj_first is None else f", KDA proj first {'on' if kda_proj_first else 'off'}")
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
                         + ("" if kda_dsmem_tx is None else f", KDA st.async exchange {'on' if kda_dsmem_tx else 'off'}")
@@ -479,7 +484,8 @@ class FastImpl:
                                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
                                    early_trigger=self.attn_early_trigger, preload=self.kda_preload,
                                    nsplit=self._kda_nsplit(io.slots.shape[0], cfg.kda_heads),
-                                   late_stores=self.kda_late_stores, dsmem_tx=self.kda_dsmem_tx)
+                                   late_stores=self.kda_late_stores, dsmem_tx=self.kda_dsmem_tx,
+                                   proj_first=self.kda_proj_first)
         with stage("k3.o_proj"):
             if oproj_fused(io.partial.shape[0], w.attn.o_proj.shape[1], self.gemv_dsl_max_m, self.oproj_max_kp):
                 oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,

@@ -471,6 +471,9 @@ FAST_VARIANTS = {
     "fast-s22kda": {"kda_head_min": None},
     "fast-kdahead": {"kda_head_min": 192},
     "fast-kdahead48": {"kda_head_min": 48},
+    # kda_conv_gate_step v9.2 (session 24, opt-in): the one-CTA-per-head build's state copies behind the first
+    # token's projection loads
+    "fast-kdapf": {"kda_proj_first": True},
     # rms_gemv v15 (session 23): the AttnRes norms that run as their own kernels (M >= 3: before v13's ring GEMV at
     # M 3..8, the in_proj's and o_proj's AttnRes #2 before cuBLAS above) as clusters of 4 CTAs per token, the default
     # since s74. "fast-normc1" is the A/B (one CTA per token, as before); "fast-normc9" the clusters only above M = 8

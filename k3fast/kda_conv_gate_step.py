@@ -250,6 +250,23 @@ Version log
       rank16 by ~2 us. The default from 192 request-heads since 6c06043 (HEAD_CTA_MIN; at 96 it was even, below
       slower); s72 (records-9daeda3-s72.json): attention half rank16 b64 62.1 -> 55.7 us (fast-s22kda -> fast;
       stock 93.7), rank8 b64 95.2 -> 83.8 (stock 126.4).
+  v9.2 (session 24; proj_first, HEAD_PROJ_FIRST, opt-in as "fast-kdapf", bench row kda_conv_gate_step@ns1pftrig)
+      After the PDL wait every thread first requests the first token's projections (its q / k or v channel and its
+      f_a vector), a CTA barrier, and only then does thread 0 issue the state's bulk copies (v9.1 issued them before
+      the wait). Later tokens (T > 1) load as before. Same values in the same order: bit-identical to v9.1 (GPU test
+      test_proj_first_is_bit_identical). ptxas (13.0, sm_90a): 80 registers at T = 1 as v9.1, 127 at T = 4 (128), no
+      spills. v9.1's PTX is unchanged by the option (compared on the CPU).
+      Why (s80 at c22210d, ncu-c22210d-s80/: v9.1 alone at rank16 b64, 19.1 us): 23.5 % of the stall samples wait at
+      the CTA barrier that ends phase A and 6.5 % on the first use of the projection loads, while the state's chunk
+      mbarriers are already complete when phase B starts (0.2 %). Phase A's inputs were requested after 25 MB of
+      bulk copies had been queued, so phase A, not the state stream, set the start of phase B. In the layer v9.1
+      runs from 192 request-heads (rank16 b32 / b64, rank8 b16+), behind cuBLAS's in_proj, which does not trigger
+      early: the copies issued before the wait overlapped nothing there.
+      Prediction: the KDA step in the layer at rank16 b64 17.5 -> ~13-15.5 us; attention half rank16 b64 -2 to -4.5
+      us (54.1 -> ~49.5-52), rank8 b64 -3 to -6 (83.9 -> ~78-81), rank8 b16 -1 to -2 (58.5 -> ~56.5-57.5); the
+      kernel bench @ns1pftrig against @ns1trig at b64 -2 to -5 us. If the bench moves (cold L2: the projections
+      come from HBM there) and the layer does not, the layer's projection loads were L2 hits that the bulk traffic
+      did not delay, and ncu's cold picture does not carry over to the graph.
 """
 from __future__ import annotations
 
@@ -279,6 +296,9 @@ DSMEM_TX = True
 HEAD_WARPS = 8
 HEAD_CHUNKS = 4             # bulk copies per 64 KB state (16 KB each), in and out
 HEAD_ROW_GROUP = 4          # state rows a warp loads before updating them (s70: 4 faster than 1, @ns1g1trig)
+# v9.2 (session 24; opt-in, "fast-kdapf", bench row kda_conv_gate_step@ns1pftrig): the first token's projections
+# before the state's bulk copies, the copies after the PDL wait (version log)
+HEAD_PROJ_FIRST = False
 HEAD_CTA_MIN = 192
 NSPLITS = (1, 4, 8)
 
@@ -313,16 +333,18 @@ def compile_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps:
 
 def kernel_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: float = 1e-5,
                head_dim: int = HEAD_DIM, *, early_trigger: bool = False, preload=None, late_stores=None,
-               dsmem_tx=None, row_group=None) -> tuple:
+               dsmem_tx=None, row_group=None, proj_first=None) -> tuple:
     """compile_key plus the build flags kda_conv_gate_step runs for these options (None: the module default).
     nsplit 1 (v9) has no cluster exchanges and always writes back after its last step: preload, late_stores and
-    dsmem_tx do not apply to it and are ignored."""
+    dsmem_tx do not apply to it and are ignored; proj_first (v9.2) applies to it only."""
     if nsplit == 1:
         rg = HEAD_ROW_GROUP if row_group is None else int(row_group)
         if rg not in (1, 2, 4, 8, 16):
             raise ValueError(f"row_group must be 1, 2, 4, 8 or 16 (state rows a warp loads at once), got {row_group}")
+        pf = HEAD_PROJ_FIRST if proj_first is None else bool(proj_first)
         return (compile_key(heads, T, nsplit, lower_bound, eps, head_dim)
-                + (("early_trigger",) if early_trigger else ()) + ("head",) + ((f"rows{rg}",) if rg != 1 else ()))
+                + (("early_trigger",) if early_trigger else ()) + ("head",) + ((f"rows{rg}",) if rg != 1 else ())
+                + (("proj_first",) if pf else ()))
     # NS = 4 (the large-batch split) spills 8 bytes with the preload at 96 registers (ptxas 12.9): NS = 8 only
     pre = (PRELOAD if preload is None else bool(preload)) and T == 1 and nsplit == 8
     late = LATE_STORES if late_stores is None else bool(late_stores)
@@ -746,7 +768,7 @@ def _head_occupancy(T: int) -> dict:
 
 
 def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: float, early_trigger: bool = False,
-                row_group: int = 1):
+                row_group: int = 1, proj_first: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int64, const_expr
     from cutlass.experimental.primitives.nvvm_wrapper import (cp_async_bulk_commit_group,
@@ -845,12 +867,9 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
                 for c in cutlass.range_constexpr(HEAD_CHUNKS):
                     cute.arch.mbarrier_init(mbar + c, 1)
                 cute.arch.mbarrier_init_fence()
-                if valid:
-                    for c in cutlass.range_constexpr(HEAD_CHUNKS):
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + c, CHUNK_BYTES)
-                        cp_async_bulk_shared_cluster_global(sS[c * CHUNK_ROWS, None].iterator,
-                                                            mRecState[slot_w, h, c * CHUNK_ROWS, None].iterator,
-                                                            mbar + c, CHUNK_BYTES)
+                if const_expr(not proj_first):
+                    if valid:
+                        self.load_state(mRecState, sS, mbar, slot_w, h)
             if not valid:
                 # a padded or bad request runs on a zero state, as the nsplit 4 / 8 builds do (its y rows are then
                 # replaced by zeros / NaN; nothing is written back)
@@ -867,11 +886,27 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
             p_gate = Float32(0.0)
             if const_expr(T == 1):
                 p_gate = mProj[b, 3 * P + h * D + tid % D].to(Float32)     # loaded with the rest of the row
+            x0_first = Float32(0.0)
+            x1_first = Float32(0.0)
+            if const_expr(proj_first):
+                # v9.2: the first token's projections are requested before the state's 64 KB, so that phase A's
+                # inputs (L2 hits: the in_proj just wrote them) do not queue behind 25 MB of bulk copies (rank16
+                # b64); the CTA barrier makes every warp's requests precede thread 0's copies
+                x0_first = mProj[b * T, c0].to(Float32)
+                x1_first = mProj[b * T, c1].to(Float32)
+                cute.autovec_copy(cute.local_tile(mProj[b * T, None], (8,), (4 * P // 8 + jv,)), rFa)
+                cute.arch.barrier()
+                if tid == 0:
+                    if valid:
+                        self.load_state(mRecState, sS, mbar, slot_w, h)
             for t in cutlass.range_constexpr(T):
                 row = b * T + t
-                x0 = mProj[row, c0].to(Float32)
-                x1 = mProj[row, c1].to(Float32)
-                cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
+                x0 = x0_first
+                x1 = x1_first
+                if const_expr(not proj_first or t > 0):
+                    x0 = mProj[row, c0].to(Float32)
+                    x1 = mProj[row, c1].to(Float32)
+                    cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
                 u0 = _conv_step(cw, win, 0, x0)
                 u1 = _conv_step(cw, win, 1, x1)
                 if is_qk:
@@ -987,6 +1022,16 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
                 cute.arch.barrier()
                 cute.arch.griddepcontrol_launch_dependents()
 
+        @cute.jit
+        def load_state(self, mRecState, sS, mbar, slot_w, h):
+            """The head's 64 KB of state into shared memory: HEAD_CHUNKS bulk copies, each completing on its own
+            mbarrier (v9.1)."""
+            for c in cutlass.range_constexpr(HEAD_CHUNKS):
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar + c, CHUNK_BYTES)
+                cp_async_bulk_shared_cluster_global(sS[c * CHUNK_ROWS, None].iterator,
+                                                    mRecState[slot_w, h, c * CHUNK_ROWS, None].iterator,
+                                                    mbar + c, CHUNK_BYTES)
+
     return KdaHeadStep()
 
 
@@ -1005,7 +1050,8 @@ def _compile(key):
     S = cute.sym_int()          # state slots
     if nsplit == 1:
         rg = next((int(f[4:]) for f in key[7:] if f.startswith("rows")), 1)
-        obj = _build_head(heads, head_dim, T, lower_bound, eps, early_trigger=early, row_group=rg)
+        obj = _build_head(heads, head_dim, T, lower_bound, eps, early_trigger=early, row_group=rg,
+                          proj_first="proj_first" in key[7:])
     else:
         obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, preload=preload,
                      late_stores=late, dsmem_tx=dsmem_tx)
@@ -1032,7 +1078,7 @@ def _get_compiled(key):
 
 def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
                        head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, nsplit=None, early_trigger=False,
-                       preload=None, late_stores=None, dsmem_tx=None, row_group=None):
+                       preload=None, late_stores=None, dsmem_tx=None, row_group=None, proj_first=None):
     """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
     for the valid slots and returns y [B*T, H*D] bf16. See the module docstring for the contracts.
 
@@ -1050,7 +1096,10 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     complete_tx instead of cluster barriers (bit-identical results). Needs late_stores.
 
     row_group (v9, nsplit 1 only; None = HEAD_ROW_GROUP): state rows a warp loads from shared memory before updating
-    them (bit-identical for every value)."""
+    them (bit-identical for every value).
+
+    proj_first (v9.2, nsplit 1 only; None = HEAD_PROJ_FIRST): the first token's projections are requested after the
+    PDL wait and before the state's bulk copies, which then leave after the wait (bit-identical)."""
     import torch
 
     if head_dim != HEAD_DIM:
@@ -1072,7 +1121,8 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
     if ns not in NSPLITS:
         raise ValueError(f"nsplit must be one of {NSPLITS} (1: one CTA per request and head), got {nsplit}")
     key = kernel_key(H, T, ns, lower_bound, eps, D, early_trigger=early_trigger, preload=preload,
-                     late_stores=late_stores, dsmem_tx=dsmem_tx, row_group=row_group)     # the options' errors come before the tensors'
+                     late_stores=late_stores, dsmem_tx=dsmem_tx, row_group=row_group,
+                     proj_first=proj_first)     # the options' errors come before the tensors'
     check_tensor("proj", proj, dtype=torch.bfloat16, shape=(B * T, proj_width(H, D)))
     check_tensor("w_fb", w_fb, dtype=torch.bfloat16, shape=(P, D))
     check_tensor("conv_w", conv_w, dtype=torch.float32, shape=(3 * P, 4))

@@ -286,6 +286,24 @@ def test_head_build_bulk_copies(early, T):
         assert len(fences) == 1 and max(stores) < fences[0] < trig[0]
 
 
+@needs_dsl
+@pytest.mark.parametrize("T", [1, 4])
+def test_proj_first_issues_the_state_copies_after_the_projections(T):
+    """v9.2: the first token's projection loads come right after the PDL wait, then a CTA barrier, then the state's
+    HEAD_CHUNKS bulk copies (after the wait, unlike v9.1, where they precede it); the key carries "proj_first" and
+    the option belongs to the nsplit 1 build only."""
+    key = kmod.kernel_key(6, T, 1, early_trigger=True, proj_first=True)
+    assert key == kmod.kernel_key(6, T, 1, early_trigger=True) + ("proj_first",)
+    assert kmod.kernel_key(6, T, 4, proj_first=True) == kmod.kernel_key(6, T, 4)
+    lines = _ptx_lines(key)
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    loads = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.shared::cluster.global")]
+    bars = [i for i, ln in enumerate(lines) if ln.startswith(("bar.sync", "barrier.sync")) and i > wait]
+    proj = [i for i, ln in enumerate(lines) if ln.startswith("ld.global") and wait < i < min(loads)]
+    assert len(loads) == kmod.HEAD_CHUNKS and wait < bars[0] < min(loads)
+    assert sum(1 for i in proj if i < bars[0]) >= 3     # q / k (or v) channel and the f_a vector, at least
+
+
 def test_v3_order_runs_the_barrier_exchanges():
     """late_stores=False alone (v3's order: fast-s17kda, bench @v3) builds v5's barrier exchanges, not v6's, whatever
     the module default; both together is the error above. (Session 10: with v6 the default, fast-s17kda raised in

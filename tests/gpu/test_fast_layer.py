@@ -15,7 +15,8 @@ pytestmark = pytest.mark.gpu
                                   "fast-inpf3", "fast-infma", "fast-ringearly", "fast-nojoint", "fast-oplean",
                                   "fast-opfence", "fast-op32", "fast-inmma", "fast-inmmaet", "fast-opmma",
                                   "fast-mid", "fast-op8", "fast-op4", "fast-incublas",
-                                  "fast-intiled", "fast-s22kda", "fast-kdahead48", "fast-normc1", "fast-normc9"])
+                                  "fast-intiled", "fast-s22kda", "fast-kdahead48", "fast-normc1", "fast-normc9",
+                                  "fast-kdapf", "fast-inmm"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -40,7 +41,7 @@ def test_fast_attention_half(tp, batch, impl):
         from k3fast.kda_conv_gate_step import choose_nsplit
         if choose_nsplit(batch, k3_rank(tp).kda_heads) == 8:
             pytest.skip(f"{impl} differs from fast only where choose_nsplit picks 4 or 1")
-    if impl == "fast-s22kda":
+    if impl in ("fast-s22kda", "fast-kdapf"):
         from k3fast.kda_conv_gate_step import choose_nsplit
         if choose_nsplit(batch, k3_rank(tp).kda_heads) != 1:
             pytest.skip(f"{impl} differs from fast only where the KDA step runs v9.1 (B x H >= HEAD_CTA_MIN)")
@@ -50,6 +51,10 @@ def test_fast_attention_half(tp, batch, impl):
         head_min = FAST_VARIANTS[impl]["kda_head_min"]
         if choose_nsplit(batch, k3_rank(tp).kda_heads, head_min) != 1:
             pytest.skip(f"{impl} differs from fast only where B x H >= {head_min} (the KDA step's v9)")
+    if impl == "fast-inmm":
+        from k3fast.rms_gemv_ring import MMA_MAX_M
+        if batch <= MMA_MAX_M:
+            pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
     if impl in ("fast-normc1", "fast-normc9"):
         from k3fast.impls import FAST_VARIANTS
         from k3fast.rms_gemv import norm_cluster

@@ -412,3 +412,14 @@ def test_head_build_is_bit_identical_to_nsplit4(H, B, T, early):
     for other in ("ns1", "ns1g1"):
         for a, b in zip(res[other], res["ns4"]):
             assert torch.equal(a, b), other
+
+
+@pytest.mark.parametrize("H,B,T", [(6, 64, 1), (12, 16, 1), (6, 3, 1), (6, 5, 4), (12, 3, 8)])
+@pytest.mark.parametrize("early", [False, True])
+def test_proj_first_is_bit_identical(H, B, T, early):
+    """v9.2 only moves the state's bulk copies behind the first token's projection loads: y and both states equal
+    v9.1's bit for bit, with a padded request, a bad slot and spare slots in the batch."""
+    res = run_builds_bitwise(H, B, T, early, 130 + B + T, {"ns1": {"nsplit": 1},
+                                                           "ns1pf": {"nsplit": 1, "proj_first": True}})
+    for a, b in zip(res["ns1pf"], res["ns1"]):
+        assert torch.equal(a, b)
