@@ -167,14 +167,14 @@ def _cases(cfg, batch: int):
     # was measured at 0e81145 and removed); @ns4trig / @ns8trig and @ns1trig are the cluster build and v9 (one CTA
     # per request and head) side by side whatever HEAD_CTA_MIN says; @ns1g1trig is v9 with its rows one at a time
     # (s70 measured row_group 4 as "@ns1g4trig", the default since); @ns1pftrig is v9.2 (the state's copies behind
-    # the first token's projection loads)
+    # the first token's projection loads, the default since s84), @ns1trig / @ns1g1trig stay v9.1 / v9 as recorded
     for tag, kw_kda in (("", {}), ("@v2", {"preload": False, "nsplit": ns_def}), (f"@ns{ns_alt}", {"nsplit": ns_alt}),
                         ("@v3", {"late_stores": False, "nsplit": ns_def}), ("@trig", {"early_trigger": True}),
                         ("@v3trig", {"late_stores": False, "early_trigger": True, "nsplit": ns_def}),
                         ("@v5trig", {"dsmem_tx": False, "early_trigger": True, "nsplit": ns_def}),
                         (f"@ns{ns_def}trig", {"nsplit": ns_def, "early_trigger": True}),
-                        ("@ns1trig", {"nsplit": 1, "early_trigger": True}),
-                        ("@ns1g1trig", {"nsplit": 1, "row_group": 1, "early_trigger": True}),
+                        ("@ns1trig", {"nsplit": 1, "early_trigger": True, "proj_first": False}),
+                        ("@ns1g1trig", {"nsplit": 1, "row_group": 1, "early_trigger": True, "proj_first": False}),
                         ("@ns1pftrig", {"nsplit": 1, "proj_first": True, "early_trigger": True})):
         cases.append((f"kda_conv_gate_step{tag}",
                       lambda kw_kda=kw_kda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm,

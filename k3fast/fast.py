@@ -317,7 +317,7 @@ class FastImpl:
         self.oproj_max_kp = oproj_max_kp     # the widest o_proj input the fused oproj_attnres takes (oproj_fused)
         self.inproj_blas = inproj_blas       # None: INPROJ_BLAS (cublasLt for the in_proj's cuBLAS GEMM); "fast-inmm"
         # None: kda_conv_gate_step.HEAD_PROJ_FIRST (v9.2: the state's bulk copies behind the first token's
-        # projection loads, in the one-CTA-per-head build); "fast-kdapf" turns it on
+        # projection loads, in the one-CTA-per-head build; on since s84); "fast-s24kda" turns it off
         self.kda_proj_first = kda_proj_first
         # None: kda_conv_gate_step.LATE_STORES (v5: write-backs after the last cluster barrier, no end fence behind
         # the early trigger); "fast-s17kda" keeps v3's order

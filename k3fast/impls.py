@@ -471,8 +471,10 @@ FAST_VARIANTS = {
     "fast-s22kda": {"kda_head_min": None},
     "fast-kdahead": {"kda_head_min": 192},
     "fast-kdahead48": {"kda_head_min": 48},
-    # kda_conv_gate_step v9.2 (session 24, opt-in): the one-CTA-per-head build's state copies behind the first
-    # token's projection loads
+    # kda_conv_gate_step v9.2 (the default since s84): the one-CTA-per-head build's state copies behind the first
+    # token's projection loads. "fast-s24kda" is the A/B (v9.1, the copies before the PDL wait); "fast-kdapf" the
+    # name s84's records give v9.2 (= fast since)
+    "fast-s24kda": {"kda_proj_first": False},
     "fast-kdapf": {"kda_proj_first": True},
     # rms_gemv v15 (session 23): the AttnRes norms that run as their own kernels (M >= 3: before v13's ring GEMV at
     # M 3..8, the in_proj's and o_proj's AttnRes #2 before cuBLAS above) as clusters of 4 CTAs per token, the default

@@ -250,7 +250,8 @@ Version log
       rank16 by ~2 us. The default from 192 request-heads since 6c06043 (HEAD_CTA_MIN; at 96 it was even, below
       slower); s72 (records-9daeda3-s72.json): attention half rank16 b64 62.1 -> 55.7 us (fast-s22kda -> fast;
       stock 93.7), rank8 b64 95.2 -> 83.8 (stock 126.4).
-  v9.2 (session 24; proj_first, HEAD_PROJ_FIRST, opt-in as "fast-kdapf", bench row kda_conv_gate_step@ns1pftrig)
+  v9.2 (session 24; proj_first, HEAD_PROJ_FIRST, the default since s84; measured as "fast-kdapf" and bench row
+      kda_conv_gate_step@ns1pftrig, "fast-s24kda" is the A/B)
       After the PDL wait every thread first requests the first token's projections (its q / k or v channel and its
       f_a vector), a CTA barrier, and only then does thread 0 issue the state's bulk copies (v9.1 issued them before
       the wait). Later tokens (T > 1) load as before. Same values in the same order: bit-identical to v9.1 (GPU test
@@ -267,6 +268,18 @@ Version log
       kernel bench @ns1pftrig against @ns1trig at b64 -2 to -5 us. If the bench moves (cold L2: the projections
       come from HBM there) and the layer does not, the layer's projection loads were L2 hits that the bulk traffic
       did not delay, and ncu's cold picture does not carry over to the graph.
+      Measured (s84 at 92d0ab6, kernels- and records-92d0ab6-s84.json, one run, copy 4.23 TB/s; GPU tests 12 passed:
+      bit-identical to v9.1 at B 3 / 5 / 16 / 64, T 1 / 4 / 8, both triggers, and the attention half with it at
+      rank16 b64 and rank8 b16). Kernel bench @ns1trig -> @ns1pftrig (cold L2): rank16 b64 21.1 -> 20.3 us, b16
+      (bench only: the layer runs the cluster build there) 12.1; rank8 b64 36.4 -> 34.5, b16 15.9 -> 15.4. In the
+      layer the KDA step: rank16 b64 17.9 -> 16.5 us, rank8 b64 32.4 -> 30.4, rank8 b16 12.5 -> 12.5. Attention
+      half (stock / fast / fast-kdapf): rank16 b64 91.3 / 54.0 / 53.3 (1.71x), rank8 b64 123.4 / 84.2 / 81.3
+      (1.52x), rank8 b16 101.6 / 58.4 / 58.4 (1.74x). MISSED: -0.7 where -2 to -4.5 was predicted at rank16 b64, 0
+      at rank8 b16 (-1 to -2), -2.9 at rank8 b64 (-3 to -6, at the edge); the bench moved -0.5 to -1.9 (-2 to -5
+      predicted). Not measured, so inference: the barrier's share in s80's samples came mostly from the
+      projection loads' latency under the bulk traffic, of which the earlier issue removes part; the rest of phase
+      A (the conv, the f_b reductions, alpha through shared memory) and the 0.97-wave grid's store drain remain. No
+      cell got slower and the kernel bench moved the same way at all four, so the default from s84.
 """
 from __future__ import annotations
 
@@ -296,9 +309,10 @@ DSMEM_TX = True
 HEAD_WARPS = 8
 HEAD_CHUNKS = 4             # bulk copies per 64 KB state (16 KB each), in and out
 HEAD_ROW_GROUP = 4          # state rows a warp loads before updating them (s70: 4 faster than 1, @ns1g1trig)
-# v9.2 (session 24; opt-in, "fast-kdapf", bench row kda_conv_gate_step@ns1pftrig): the first token's projections
-# before the state's bulk copies, the copies after the PDL wait (version log)
-HEAD_PROJ_FIRST = False
+# v9.2 (the default since s84; "fast-s24kda" is the A/B without it, bench rows kda_conv_gate_step@ns1trig (v9.1,
+# proj_first=False there) and @ns1pftrig): the first token's projections before the state's bulk copies, the copies
+# after the PDL wait. s84: attention half rank16 b64 -0.7 us, rank8 b64 -2.9, rank8 b16 +0.1 (version log)
+HEAD_PROJ_FIRST = True
 HEAD_CTA_MIN = 192
 NSPLITS = (1, 4, 8)
 

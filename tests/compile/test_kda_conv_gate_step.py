@@ -45,8 +45,10 @@ def test_head_build_occupancy():
 
 
 def test_nsplit_1_key_ignores_the_cluster_options():
-    key = kmod.compile_key(6, 1, 1) + ("early_trigger", "head") + (("rows4",) if kmod.HEAD_ROW_GROUP == 4 else ())
-    assert kmod.kernel_key(6, 1, 1, row_group=1) == kmod.compile_key(6, 1, 1) + ("head",)
+    pf = ("proj_first",) if kmod.HEAD_PROJ_FIRST else ()
+    key = (kmod.compile_key(6, 1, 1) + ("early_trigger", "head") + (("rows4",) if kmod.HEAD_ROW_GROUP == 4 else ())
+           + pf)
+    assert kmod.kernel_key(6, 1, 1, row_group=1) == kmod.compile_key(6, 1, 1) + ("head",) + pf
     with pytest.raises(ValueError, match="row_group"):
         kmod.kernel_key(6, 1, 1, row_group=3)
     for opts in ({}, {"preload": True}, {"late_stores": False}, {"dsmem_tx": True, "late_stores": True}):
@@ -258,12 +260,13 @@ def test_dsmem_tx_has_no_cluster_barrier_after_the_start(heads, batch, T):
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("T", [1, 3])
 def test_head_build_bulk_copies(early, T):
-    """v9.1: the state arrives as HEAD_CHUNKS bulk copies, each on its own mbarrier, all issued before the PDL wait
+    """v9.1 (proj_first=False since v9.2): the state arrives as HEAD_CHUNKS bulk copies, each on its own mbarrier, all
+    issued before the PDL wait
     and after the thread's own register loads; a chunk leaves by one bulk store (issued by the chunk's first lane,
     after a proxy fence and the chunk's named barrier), with no cluster instruction anywhere. Behind the early
     trigger the storers wait only for the stores' reads of shared memory; at the end trigger they wait for their
     completion and fence before the dependents launch (a second KDA step's pre-wait copies read the state)."""
-    key = kmod.kernel_key(6, T, 1, early_trigger=early)
+    key = kmod.kernel_key(6, T, 1, early_trigger=early, proj_first=False)
     lines = _ptx_lines(key)
     wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
     trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
@@ -293,7 +296,8 @@ def test_proj_first_issues_the_state_copies_after_the_projections(T):
     HEAD_CHUNKS bulk copies (after the wait, unlike v9.1, where they precede it); the key carries "proj_first" and
     the option belongs to the nsplit 1 build only."""
     key = kmod.kernel_key(6, T, 1, early_trigger=True, proj_first=True)
-    assert key == kmod.kernel_key(6, T, 1, early_trigger=True) + ("proj_first",)
+    assert key == kmod.kernel_key(6, T, 1, early_trigger=True, proj_first=False) + ("proj_first",)
+    assert kmod.kernel_key(6, T, 1, early_trigger=True) == key      # the default since s84
     assert kmod.kernel_key(6, T, 4, proj_first=True) == kmod.kernel_key(6, T, 4)
     lines = _ptx_lines(key)
     wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
                                   "fast-opfence", "fast-op32", "fast-inmma", "fast-inmmaet", "fast-opmma",
                                   "fast-mid", "fast-op8", "fast-op4", "fast-incublas",
                                   "fast-intiled", "fast-s22kda", "fast-kdahead48", "fast-normc1", "fast-normc9",
-                                  "fast-kdapf", "fast-inmm"])
+                                  "fast-s24kda", "fast-inmm"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -41,7 +41,7 @@ def test_fast_attention_half(tp, batch, impl):
         from k3fast.kda_conv_gate_step import choose_nsplit
         if choose_nsplit(batch, k3_rank(tp).kda_heads) == 8:
             pytest.skip(f"{impl} differs from fast only where choose_nsplit picks 4 or 1")
-    if impl in ("fast-s22kda", "fast-kdapf"):
+    if impl in ("fast-s22kda", "fast-s24kda"):
         from k3fast.kda_conv_gate_step import choose_nsplit
         if choose_nsplit(batch, k3_rank(tp).kda_heads) != 1:
             pytest.skip(f"{impl} differs from fast only where the KDA step runs v9.1 (B x H >= HEAD_CTA_MIN)")

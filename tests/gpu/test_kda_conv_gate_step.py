@@ -419,7 +419,7 @@ def test_head_build_is_bit_identical_to_nsplit4(H, B, T, early):
 def test_proj_first_is_bit_identical(H, B, T, early):
     """v9.2 only moves the state's bulk copies behind the first token's projection loads: y and both states equal
     v9.1's bit for bit, with a padded request, a bad slot and spare slots in the batch."""
-    res = run_builds_bitwise(H, B, T, early, 130 + B + T, {"ns1": {"nsplit": 1},
+    res = run_builds_bitwise(H, B, T, early, 130 + B + T, {"ns1": {"nsplit": 1, "proj_first": False},
                                                            "ns1pf": {"nsplit": 1, "proj_first": True}})
     for a, b in zip(res["ns1pf"], res["ns1"]):
         assert torch.equal(a, b)
