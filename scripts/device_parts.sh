@@ -2,12 +2,13 @@
 # Stage the H200 packages (../shared/device/prepare.sh), then re-split them into parts small enough to travel
 # beside this tree: one device run carries at most 64 MiB in all (tracked files + the carried part), the tree is
 # ~20 MB, and prepare.sh's 60 MB parts do not fit (session 13). Prints the run sequence for the new parts.
-#   bash scripts/device_parts.sh [--vllm] [MB per part, default 34: the tree is ~26 MB since session 17]
+#   bash scripts/device_parts.sh [--vllm] [MiB per part, default 26: the tree is ~33 MiB since session 24, and the
+#   limit counts disk blocks; 32 MiB parts left 0.2 MiB for new traces in session 24, 26 leave ~5]
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 flag=""; [ "${1:-}" = "--vllm" ] && { flag="--vllm"; shift; }
-mb=${1:-34}
+mb=${1:-26}
 rm -rf .device
 bash ../shared/device/prepare.sh $flag > /dev/null
 cd .device
