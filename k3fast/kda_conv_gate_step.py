@@ -258,9 +258,12 @@ Version log
       test_proj_first_is_bit_identical). ptxas (13.0, sm_90a): 80 registers at T = 1 as v9.1, 127 at T = 4 (128), no
       spills. v9.1's PTX is unchanged by the option (compared on the CPU).
       Why (s80 at c22210d, ncu-c22210d-s80/: v9.1 alone at rank16 b64, 19.1 us): 23.5 % of the stall samples wait at
-      the CTA barrier that ends phase A and 6.5 % on the first use of the projection loads, while the state's chunk
-      mbarriers are already complete when phase B starts (0.2 %). Phase A's inputs were requested after 25 MB of
-      bulk copies had been queued, so phase A, not the state stream, set the start of phase B. In the layer v9.1
+      the CTA barrier that ends phase A and ~10 % on first uses of register loads issued before the wait (conv
+      windows and weights: v9.1 issues them before the state's copies, yet thread 0 itself stalls on one before it
+      reaches the copies; the prediction below read the 6.5 % FMUL as a wait on the projections, which the SASS
+      listing does not support), while the state's chunk mbarriers are already complete when phase B starts (0.2 %).
+      Phase A's inputs all come back while 25 MB of bulk copies are in flight, so phase A, not the state stream,
+      set the start of phase B. In the layer v9.1
       runs from 192 request-heads (rank16 b32 / b64, rank8 b16+), behind cuBLAS's in_proj, which does not trigger
       early: the copies issued before the wait overlapped nothing there.
       Prediction: the KDA step in the layer at rank16 b64 17.5 -> ~13-15.5 us; attention half rank16 b64 -2 to -4.5

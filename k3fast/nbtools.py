@@ -245,3 +245,31 @@ def ncu_table(paths: list[str]) -> str:
         lines.append(f"{case:48s} {r.get('duration_us', nan):7.2f} us  DRAM {r.get('dram_pct', nan):5.1f} %"
                      f"  {r.get('cycles_per_issue', nan):5.2f} cyc/issue  [{stalls}]")
     return "\n".join(lines)
+
+
+def sass_hotspots(path: str, top: int = 6) -> dict:
+    """Where the warps waited, from an Nsight Compute source page per SASS instruction (``ncu --import R --page
+    source --csv --print-source sass``, gzipped; ``path`` relative to the repository): the total of the warp-stall
+    samples and the ``top`` instructions by samples, each with its index in the listing, its SASS text, its share
+    of all samples and its largest stall reason. A stall is charged to the instruction that waits to issue, so a
+    CTA barrier's wait shows on the instruction after the BAR."""
+    import csv
+    import gzip
+    with gzip.open(os.path.join(ROOT, path), "rt") as f:
+        rows = list(csv.reader(f))
+    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    names = rows[head]
+    body = [r for r in rows[head + 1:] if len(r) == len(names)]
+    col = {n: i for i, n in enumerate(names)}
+    samples = col["Warp Stall Sampling (All Samples)"]
+    reasons = [n for n in names if n.startswith("stall_") and "(Not Issued)" not in n]
+    total = sum(int(r[samples] or 0) for r in body)
+    out = []
+    for i in sorted(range(len(body)), key=lambda i: -int(body[i][samples] or 0))[:top]:
+        r = body[i]
+        why = max(reasons, key=lambda n: int(r[col[n]] or 0))
+        out.append({"index": i, "sass": r[col["Source"]].strip(), "samples": int(r[samples] or 0),
+                    "share": int(r[samples] or 0) / total if total else 0.0, "reason": why[len("stall_"):],
+                    "after_barrier": i > 0 and "BAR.SYNC" in " ".join(body[j][col["Source"]] for j in
+                                                                    range(max(0, i - 8), i))})
+    return {"source": path, "total_samples": total, "instructions": len(body), "top": out}
