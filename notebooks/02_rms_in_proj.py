@@ -615,3 +615,31 @@ for (shape, batch, impl), r in sorted(rec73.items()):
 assert all(rec73[(s, b, "fast")]["replay_us_median"] < rec73[(s, b, "fast-normc1")]["replay_us_median"]
            for (s, b, i) in rec73 if i == "fast-normc1")
 print("ok (the clusters faster than one CTA per token in every cell of s73)")
+
+# %% [markdown]
+# ## 17. Above batch 8: which cuBLAS kernel (session 24)
+# Above M = 8 the in_proj is one library GEMM after the norm kernel. Which kernel cuBLAS runs depends on how it is
+# called. `python -m k3fast.blas_probe` times the same product through torch's entry points on cold weights (two
+# GEMMs per CUDA graph, L2 flushed before each replay). At every shape of the attention half both BLAS libraries
+# pick the same kernel, except the rank16 in_proj at M = 64: cublas splits K over a 64x64-tile kernel and adds a
+# reduce kernel, cublasLt runs one 64x32 kernel over all of K. So the layer calls this one GEMM with cublasLt
+# preferred (`fast.INPROJ_BLAS`, `fast.blas_library`): a launch fewer, the in_proj 1.6 µs shorter in the layer, the
+# attention half -1.25 µs at rank16 b64 (s82; `fast-inmm` is torch's default library). Still 1.5x the GEMM's
+# byte floor: the next tool to build, not to pick.
+
+# %%
+with open(os.path.join(nbtools.ROOT, "traces/h200/blasprobe-7e1a15e-s81.json")) as f:
+    probe = json.load(f)
+print(f"blasprobe-7e1a15e-s81.json, copy {probe['copy_tbps']:.3f} TB/s: in_proj µs per GEMM (kernels)")
+cells = {(r["shape"], r["M"], r["form"]): r for r in probe["records"] if r["gemm"] == "in_proj"}
+for (shape, M, form), r in sorted(cells.items()):
+    if form in ("mm", "lt"):
+        names = ", ".join(n.split("_v_")[0].split("_h_")[0] for n in r["kernel_names"])
+        print(f"  {shape:10s} M={M:<3d} {form:3s} {r['us_median']:6.2f} ({r['kernels_per_gemm']:.0f})  floor "
+              f"{r['floor_us']:5.2f}  {names}")
+assert cells[("k3_rank16", 64, "mm")]["kernels_per_gemm"] == 2 and cells[("k3_rank16", 64, "lt")]["kernels_per_gemm"] == 1
+assert all(set(cells[(s, m, "mm")]["kernel_names"]) == set(cells[(s, m, "lt")]["kernel_names"])
+           for (s, m, f) in cells if f == "mm" and (s, m) != ("k3_rank16", 64))
+from k3fast import fast as fast_mod
+assert fast_mod.INPROJ_BLAS == "cublaslt"
+print(nbtools.ab_table("traces/h200/records-3b5c7d3-s82.json", "attn", ["stock", "fast", "fast-inmm"]))

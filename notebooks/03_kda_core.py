@@ -202,3 +202,43 @@ for shape in ("k3_rank16", "k3_rank8"):
 assert kmod.choose_nsplit(64, 6) == 1 and kmod.choose_nsplit(16, 12) == 1     # 384 and 192 request-heads
 assert kmod.choose_nsplit(8, 12) == 4 and kmod.choose_nsplit(16, 6) == 4      # 96: the cluster build
 print("ok")
+
+# %% [markdown]
+# ## 10. Reading where the warps wait, and moving the state's copies behind the projections (v9.2, session 24)
+# v9.1 still ran at 1.7x its byte floor at rank16 b64 (21 µs in the kernel bench, cold L2). Nsight Compute's
+# source page (`ncu-c22210d-s80/`, one report of v9.1 alone) charges every warp-stall sample to the instruction that
+# waits to issue. `nbtools.sass_hotspots` reads it back: a quarter of the samples sit right after the CTA barrier
+# that ends phase A (warps done with their conv and gate work waiting for the slowest), the next ones at the exit
+# (the bulk stores draining) and on register loads that were issued before the PDL wait. The state's chunk
+# mbarriers were already complete when phase B began, so phase A's loads, all returning while 25 MB of state
+# streamed in, set phase B's start, not the stream.
+#
+# A plan written the session before (rows spread over lane groups, to shorten phase B's shuffle chains) would have
+# traded a busier shared-memory pipe for chains that hold ~11 % of the samples: not written. v9.2 instead requests
+# the first token's projections right after the wait, then a CTA barrier, then issues the state's bulk copies.
+
+# %%
+hot = nbtools.sass_hotspots("traces/h200/ncu-c22210d-s80/kdav91-sass.csv.gz")
+print(f"{hot['source']}: {hot['total_samples']} samples over {hot['instructions']} SASS instructions")
+for t in hot["top"]:
+    print(f"  #{t['index']:<5d} {t['share']:6.1%}  {t['reason']:10s} {'(after a BAR) ' if t['after_barrier'] else ''}"
+          f"{t['sass']}")
+assert hot["top"][0]["reason"] == "barrier" and hot["top"][0]["after_barrier"] and hot["top"][0]["share"] > 0.2
+
+# %% [markdown]
+# Predicted before the run: the KDA step at rank16 b64 in the layer 17.5 -> ~13-15.5 µs, the attention half -2 to
+# -4.5 µs there, -3 to -6 at rank8 b64, -1 to -2 at rank8 b16. Measured (s84, one run): the kernel -0.5 to -1.9 µs,
+# the attention half -0.7 / -2.9 / 0. A miss, but faster or even in every cell, so the default (`fast-s24kda` is
+# v9.1). The rest of the barrier's quarter is phase A's own latency (its loads, the f_b reductions, alpha through
+# shared memory) and, after phase B, the store drain of a one-wave grid.
+
+# %%
+pf_rows, pf_ab = nbtools.kernel_ab("traces/h200/kernels-92d0ab6-s84.json", "kda_conv_gate_step@ns1pftrig",
+                                   "kda_conv_gate_step@ns1trig", (16, 64))
+print(pf_ab)
+for shape in ("k3_rank16", "k3_rank8"):
+    print(nbtools.ab_table("traces/h200/records-92d0ab6-s84.json", "attn", ["stock", "fast", "fast-kdapf"], shape))
+for shape in ("k3_rank16", "k3_rank8"):
+    assert pf_rows[("kda_conv_gate_step@ns1pftrig", shape, 64)] < pf_rows[("kda_conv_gate_step@ns1trig", shape, 64)]
+assert kmod.HEAD_PROJ_FIRST and "proj_first" in kmod.kernel_key(6, 1, 1)
+print("ok")
