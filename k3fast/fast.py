@@ -106,7 +106,10 @@ INPROJ_MID_TILED = False
 # k3fast.blas_probe (blasprobe-7e1a15e-s81.json, two GEMMs per graph on cold weights): at rank16 M = 64 cublasLt
 # picks nvjet 64x32 4x2 without split-K (one kernel, 14.8 us; replay 16.9 us per GEMM) where cublas picks the split-K
 # nvjet 64x64 + its reduce kernel (14.7 + 2.4 us; 19.5); at M 9 / 16 / 32 and at rank8 both libraries pick the same
-# kernels (and for o_proj at every M), so nothing else moves.
+# kernels (and for o_proj at every M), so nothing else moves. Measured (s82, records-3b5c7d3-s82.json, one run):
+# attention half rank16 b64 55.4 -> 54.1 us with one launch fewer (predicted -2.0 to -2.8: in the layer the
+# cublasLt kernel took 16.9 us, in the probe 14.8), rank16 b16 / rank8 b16 / b64 within +-0.7; full width the same
+# kernels and times (s83).
 INPROJ_BLAS = "cublaslt"
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
 # M <= 8; "fast-opmma" is the A/B with GEMV_DSL_MAX_M = 4, since at 8 no o_proj GEMV both runs apart and fits v13).
