@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -21,6 +23,9 @@
 # This notebook loads them on any machine; with a GPU it also captures a live one.
 
 # %%
+import json
+import os
+
 import torch
 
 from k3fast.report import load_records, table
@@ -79,6 +84,31 @@ for impl in ("stock", "fast"):
           f"Perfetto trace: {perfetto_file(r)}")
     if impl == "fast":
         print(nbtools.replay_timeline(r["source"], "layer", "fast"))
+
+# %% [markdown]
+# ## A baseline that depends on the process's history
+# A ratio against stock is only as good as the stock reading. fla's `causal_conv1d_update` is a Triton kernel
+# autotuned on (D, W): the batch is not in the key, so the config the first batch of a process picked serves every
+# later batch, and fla also writes it to Triton's on-disk autotune cache, so later processes inherit it. Below, the
+# stock attention half's conv step and total at rank8 in four runs: s74 ran b1 first (the conv step grew to 73 µs
+# at b64), s77 ran b64 first, s79 reset the in-memory tuners but missed fla's (behind `@triton.heuristics`) and the
+# disk cache, s82 resets both (`trace.reset_stock_autotuners`, recorded in each stock record's `stock_autotune`).
+# When you compare traces in Nsight Systems, look at this kernel first.
+
+# %%
+runs = [("s74", "records-8f4e39e-s74.json"), ("s77", "records-05e1140-s77.json"),
+        ("s79", "records-c22210d-s79.json"), ("s82", "records-3b5c7d3-s82.json")]
+conv = {}
+for tag, name in runs:
+    with open(os.path.join(nbtools.ROOT, "traces", "h200", name)) as f:
+        doc = json.load(f)
+    for r in doc["records"]:
+        if r["impl"] == "stock" and r["part"] == "attn" and r["shape"] == "k3_rank8" and r["batch"] in (8, 16, 64):
+            conv[(tag, r["batch"])] = (r["kernel_names"].get("causal_conv1d_update_kernel"), r["replay_us_median"],
+                                       r.get("stock_autotune") or "no reset")
+for (tag, b), (c, total, how) in sorted(conv.items()):
+    print(f"{tag} rank8 b{b:<3d} conv step {c:6.1f} µs   stock attention half {total:6.1f} µs   ({how})")
+assert conv[("s74", 64)][0] > 50 and all(conv[("s82", b)][0] < 4 for b in (8, 16, 64))
 
 # %% [markdown]
 # ## A live trace (GPU only)
