@@ -126,7 +126,9 @@ def _ptxas_version(ptxas: str) -> str:
 
 def _lower_version(ptx: str, ptxas: str, version: str | None = None) -> str:
     m = re.search(r"release (\d+)\.(\d+)", version or _ptxas_version(ptxas))
-    isa = {(12, 9): "8.8", (12, 8): "8.7"}.get((int(m.group(1)), int(m.group(2))) if m else (0, 0))
+    # the PTX ISA each ptxas release reads; the DSL emits a newer one (9.4 with cutlass 4.8.1). 13.0 was missing
+    # until session 24, when ptxas_resources failed on a machine with CUDA 13.0's ptxas
+    isa = {(13, 0): "9.0", (12, 9): "8.8", (12, 8): "8.7"}.get((int(m.group(1)), int(m.group(2))) if m else (0, 0))
     return re.sub(r"^\.version \S+", f".version {isa}", ptx, count=1, flags=re.M) if isa else ptx
 
 

@@ -412,3 +412,15 @@ def test_blas_library_is_scoped_and_checked():
     with pytest.raises(ValueError, match="expected None, 'default', 'cublas' or 'cublaslt'"):
         with blas_library("hipblaslt", torch.device("cuda")):
             pass
+
+
+def test_ptx_version_is_lowered_to_what_the_ptxas_reads():
+    """k3fast.ptxcheck assembles the DSL's PTX with whatever ptxas the machine has: the .version line is lowered to
+    the ISA that release reads (CUDA 13.0's ptxas refuses 9.4, the DSL's), and left alone for a release it does not
+    know."""
+    from k3fast.ptxcheck import _lower_version
+    ptx = ".version 9.4\n.target sm_90a\n.version 9.4 stays\n"
+    assert _lower_version(ptx, "", "Cuda compilation tools, release 13.0, V13.0.88").startswith(".version 9.0\n")
+    assert _lower_version(ptx, "", "release 12.8, V12.8.93").splitlines()[:3] == [".version 8.7", ".target sm_90a",
+                                                                                  ".version 9.4 stays"]
+    assert _lower_version(ptx, "", "release 14.2") == ptx
