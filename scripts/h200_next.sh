@@ -11,6 +11,21 @@ cd "$(dirname "$0")/.."
 : "${K3_COMMIT:?set K3_COMMIT to the commit the tree was sent at}"
 export K3_COMMIT
 export K3_TAG="${K3_TAG:-$K3_COMMIT-${1:-}}"      # records-<commit>-<step>.json and perfetto-<commit>-<step>/
+
+# Nsight Compute (--set full) of one k3fast.bench case at rank16 b64, the report kept on the device under /tmp/NAME
+# (the tree travels under a 64 MiB carry limit); its details page and its source page per SASS instruction come back
+# gzipped under $OUT as NAME-details.txt.gz and NAME-sass.csv.gz (nbtools.sass_hotspots reads the latter)
+ncu_sass() {      # ncu_sass <bench case> <name> <time-out s>
+  local o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+  timeout "$3" ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o "/tmp/$2" \
+    python3 scripts/ncu_cases.py bench --kernel "$1" --shape k3_rank16 --batch 64 > "$o/ncu.log" 2>&1
+  tail -3 "$o/ncu.log"
+  ncu --import "/tmp/$2.ncu-rep" --page source --csv --print-source sass > "$o/$2-sass.csv" 2>&1
+  ncu --import "/tmp/$2.ncu-rep" --print-details all > "$o/$2-details.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|Shared Memory|Achieved Occupancy|Registers Per|Waves Per SM" "$o/$2-details.txt" | head -20
+  gzip "$o/$2-sass.csv" "$o/$2-details.txt"
+}
+
 case "${1:-}" in
   tests)  K3_TEST_TIMEOUT=${K3_TEST_TIMEOUT:-540} bash scripts/h200_tests.sh ;;
   # the whole GPU tier in two calls (since 2026-11-29 it is ~9 min, past one call's limit with the start-up):
@@ -811,15 +826,7 @@ case "${1:-}" in
   # memory pipe. The report itself stays on the device (the tree is 0.5 MiB under the carry limit): its details and
   # the gzipped SASS source page come back. s79: the defaults beside stock at every rank16 / rank8 cell with the stock
   # libraries' autotuners reset before each stock cell (trace.reset_stock_autotuners) (both: stage with --vllm)
-  s78)    o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
-          timeout 200 ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o /tmp/kdav91 \
-            python3 scripts/ncu_cases.py bench --kernel kda_conv_gate_step@ns1trig --shape k3_rank16 --batch 64 \
-            > "$o/ncu.log" 2>&1
-          tail -3 "$o/ncu.log"
-          ncu --import /tmp/kdav91.ncu-rep --page source --csv --print-source sass > "$o/kdav91-sass.csv" 2>&1
-          ncu --import /tmp/kdav91.ncu-rep --print-details all > "$o/kdav91-details.txt" 2>&1
-          grep -E "Duration|DRAM Throughput|Shared Memory|Achieved Occupancy|Registers Per|Waves Per SM" "$o/kdav91-details.txt" | head -20
-          gzip "$o/kdav91-sass.csv" "$o/kdav91-details.txt" ;;
+  s78)    ncu_sass kda_conv_gate_step@ns1trig kdav91 200 ;;
   s79)    cells=""; for c in k3_rank16,1 k3_rank8,1 k3_rank16,2 k3_rank8,2 k3_rank16,8 k3_rank8,8 k3_rank16,16 k3_rank8,16 \
                              k3_rank16,64 k3_rank8,64; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast"; done
           K3_SWEEP_TIMEOUT=380 bash scripts/h200_sweep.sh $cells --budget-s 350 ;;
@@ -873,13 +880,6 @@ case "${1:-}" in
   s85)    K3_TEST_TIMEOUT=150 bash scripts/h200_tests.sh "tests/gpu/test_fast_layer.py::test_fast_attention_half_full_width_b8[fast]" || true
           cells=""; for b in 8 64; do cells="$cells --cell kda_moe,full,$b,0,fast+fast-s24kda"; done
           K3_SWEEP_TIMEOUT=220 bash scripts/h200_sweep.sh $cells --budget-s 200
-          o=${OUT:-out}; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
-          timeout 150 ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o /tmp/kdav92 \
-            python3 scripts/ncu_cases.py bench --kernel kda_conv_gate_step@ns1pftrig --shape k3_rank16 --batch 64 \
-            > "$o/ncu.log" 2>&1
-          tail -3 "$o/ncu.log"
-          ncu --import /tmp/kdav92.ncu-rep --page source --csv --print-source sass > "$o/kdav92-sass.csv" 2>&1
-          ncu --import /tmp/kdav92.ncu-rep --print-details all > "$o/kdav92-details.txt" 2>&1
-          gzip "$o/kdav92-sass.csv" "$o/kdav92-details.txt" ;;
+          ncu_sass kda_conv_gate_step@ns1pftrig kdav92 150 ;;
   *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85"; exit 2 ;;
 esac
