@@ -44,20 +44,20 @@ def gemm_shapes(shape: str) -> dict[str, tuple[int, int]]:
 
 @contextlib.contextmanager
 def form_context(form: str):
-    """The global cuBLAS settings of ``form`` around a capture (restored after)."""
+    """The global cuBLAS settings of ``form`` around a capture (restored after); the library switch is the layer's
+    own (fast.blas_library)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    from .fast import blas_library
     m = torch.backends.cuda.matmul
-    old_red, old_lib = m.allow_bf16_reduced_precision_reduction, torch.backends.cuda.preferred_blas_library()
+    old_red = m.allow_bf16_reduced_precision_reduction
     try:
-        if form == "lt":
-            torch.backends.cuda.preferred_blas_library("cublaslt")
         if form == "mm_fp32red":
             m.allow_bf16_reduced_precision_reduction = False
-        yield
+        with blas_library("cublaslt" if form == "lt" else None, torch.device("cuda")):
+            yield
     finally:
         m.allow_bf16_reduced_precision_reduction = old_red
-        torch.backends.cuda.preferred_blas_library(old_lib)
 
 
 def gemm(form: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, zero_bias: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ def gemm(form: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, zero_bias
 
 
 def probe(name: str, N: int, K: int, M: int, form: str, *, replays: int, copy_tbps: float) -> dict:
-    from .trace import L2_POLICY, capture, graph_events, profile_replays, replay_stats, time_replays
+    from .trace import capture, profile_replays, replay_stats, summarize_graph_events, time_replays
     g_ = torch.Generator(device="cuda").manual_seed(1000 * M + N % 997)
     ws = [(torch.randn(N, K, device="cuda", generator=g_) * K ** -0.5).to(torch.bfloat16) for _ in range(2)]
     x = torch.randn(M, K, device="cuda", generator=g_).to(torch.bfloat16)
@@ -82,10 +82,7 @@ def probe(name: str, N: int, K: int, M: int, form: str, *, replays: int, copy_tb
         g = capture(step)
     times = time_replays(g, lambda: None, replays)
     ev, l2 = profile_replays(g, lambda: None, replays=3)
-    kern = [e for e in ev if e.get("cat") == "kernel"]
-    names: dict[str, float] = {}
-    for e in kern:
-        names[e["name"][:120]] = round(names.get(e["name"][:120], 0.0) + e.get("dur", 0.0) / 6, 3)
+    per_gemm = summarize_graph_events(ev, 6)        # 3 replays x 2 GEMMs
     ref = x.double() @ ws[1].double().t()
     err = ((ys[1].double() - ref).norm() / ref.norm()).item()
     if not torch.isfinite(ys[1]).all():
@@ -93,9 +90,9 @@ def probe(name: str, N: int, K: int, M: int, form: str, *, replays: int, copy_tb
     nbytes = 2 * (N * K + M * K + M * N)
     st = replay_stats([t / 2 for t in times])
     return {"gemm": name, "N": N, "K": K, "M": M, "form": form, **st, "replays": replays,
-            "kernels_per_gemm": len(kern) / 6, "kernel_names": names, "bytes": nbytes,
+            "kernels_per_gemm": per_gemm["kernels"], "kernel_names": per_gemm["kernel_names"], "bytes": nbytes,
             "floor_us": round(nbytes / copy_tbps / 1e6, 3), "copy_tbps": copy_tbps,
-            "rel_err_vs_fp64": err, "l2": L2_POLICY if l2 == L2_POLICY else l2,
+            "rel_err_vs_fp64": err, "l2": l2,
             "timing": "CUDA-graph replay of two GEMMs on two weight copies, per GEMM (replay / 2), L2 flushed before "
                       "each replay"}
 

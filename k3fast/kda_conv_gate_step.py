@@ -879,7 +879,8 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
             # the head's 64 KB of state: HEAD_CHUNKS bulk copies of CHUNK_ROWS rows, each on its own mbarrier, so
             # that the warps of chunk c start as soon as it lands (v9.1). Issued after this thread's small loads
             # above: the conv windows and W_fb rows are what phase A waits for, and behind 25 MB of bulk traffic
-            # (rank16 b64) they came back only with the last of it (s70: 34 % of the stall samples there)
+            # (rank16 b64) they came back only with the last of it (s70: 34 % of the stall samples there). v9.2
+            # (proj_first) issues them later still, after the first token's projection loads (phase A below)
             if tid == 0:
                 for c in cutlass.range_constexpr(HEAD_CHUNKS):
                     cute.arch.mbarrier_init(mbar + c, 1)
@@ -903,27 +904,19 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
             p_gate = Float32(0.0)
             if const_expr(T == 1):
                 p_gate = mProj[b, 3 * P + h * D + tid % D].to(Float32)     # loaded with the rest of the row
-            x0_first = Float32(0.0)
-            x1_first = Float32(0.0)
-            if const_expr(proj_first):
-                # v9.2: the first token's projections are requested before the state's 64 KB, so that phase A's
-                # inputs (L2 hits: the in_proj just wrote them) do not queue behind 25 MB of bulk copies (rank16
-                # b64); the CTA barrier makes every warp's requests precede thread 0's copies
-                x0_first = mProj[b * T, c0].to(Float32)
-                x1_first = mProj[b * T, c1].to(Float32)
-                cute.autovec_copy(cute.local_tile(mProj[b * T, None], (8,), (4 * P // 8 + jv,)), rFa)
-                cute.arch.barrier()
-                if tid == 0:
-                    if valid:
-                        self.load_state(mRecState, sS, mbar, slot_w, h)
             for t in cutlass.range_constexpr(T):
                 row = b * T + t
-                x0 = x0_first
-                x1 = x1_first
-                if const_expr(not proj_first or t > 0):
-                    x0 = mProj[row, c0].to(Float32)
-                    x1 = mProj[row, c1].to(Float32)
-                    cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
+                x0 = mProj[row, c0].to(Float32)
+                x1 = mProj[row, c1].to(Float32)
+                cute.autovec_copy(cute.local_tile(mProj[row, None], (8,), (4 * P // 8 + jv,)), rFa)
+                if const_expr(proj_first and t == 0):
+                    # v9.2: the first token's projections are requested before the state's 64 KB, so that phase
+                    # A's inputs do not queue behind 25 MB of bulk copies (rank16 b64); the CTA barrier makes every
+                    # warp's requests precede thread 0's copies
+                    cute.arch.barrier()
+                    if tid == 0:
+                        if valid:
+                            self.load_state(mRecState, sS, mbar, slot_w, h)
                 u0 = _conv_step(cw, win, 0, x0)
                 u1 = _conv_step(cw, win, 1, x1)
                 if is_qk:
