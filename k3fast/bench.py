@@ -126,6 +126,33 @@ def _cases(cfg, batch: int):
                                         early_trigger=et)
                 return gemv_ring_mma(xx, ww)
             cases.append((f"attnres_rms_gemv@ringmma{tag}", norm_ring, norm_cublas, w_in.numel() * 2 + M * d * 2 * 4))
+    from .gemm_wgmma_splitk import applicable as wgmma_applicable, gemm_wgmma
+    if 8 < M and wgmma_applicable(M, d, w_in.shape[0]):
+        # gemm_wgmma_splitk v1 (session 25): the WGMMA GEMM with a cluster K split where the layer's in_proj is
+        # cuBLAS (M 9..64), bare (the plan's split, and S = 4 where it is not the plan's) beside cublasLt, the library
+        # the layer calls there (fast.INPROJ_BLAS), and behind the AttnRes norm (its trigger at its end / after its
+        # wait) beside the norm + cublasLt pair
+        from .fast import blas_library
+        from .gemm_wgmma_splitk import plan as wgmma_plan
+
+        def lt_linear():
+            with blas_library("cublaslt", x.device):
+                return F.linear(x, w_in)
+
+        def norm_lt():
+            xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
+            with blas_library("cublaslt", x.device):
+                return F.linear(xx, w_in)
+        wbytes = w_in.numel() * 2 + M * d * 2
+        cases.append(("gemm_in_proj_plain@wgmma", lambda: gemm_wgmma(x, w_in), lt_linear, wbytes))
+        if wgmma_plan(w_in.shape[0], d)[1] != 4:
+            cases.append(("gemm_in_proj_plain@wgmma4", lambda: gemm_wgmma(x, w_in, ksplit=4), lt_linear, wbytes))
+        for tag, et in (("", False), ("et", True)):
+            def norm_wgmma(et=et):
+                xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,
+                                        early_trigger=et)
+                return gemm_wgmma(xx, w_in)
+            cases.append((f"attnres_rms_gemv@wgmma{tag}", norm_wgmma, norm_lt, w_in.numel() * 2 + M * d * 2 * 4))
     if M > 2:
         # rms_gemv v15 (session 23): the AttnRes norm alone as one CTA per token (cl1, before) and as clusters of 2 / 4
         # / 8 CTAs per token, with 1 and 8 mixed blocks; the baseline is the one-CTA build

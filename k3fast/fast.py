@@ -111,6 +111,13 @@ INPROJ_MID_TILED = False
 # cublasLt kernel took 16.9 us, in the probe 14.8), rank16 b16 / rank8 b16 / b64 within +-0.7; full width the same
 # kernels and times (s83).
 INPROJ_BLAS = "cublaslt"
+# Session 25: where the in_proj's GEMM would be that cuBLAS call (8 < M <= 64), "wgmma" runs the AttnRes norm and
+# then gemm_wgmma_splitk (v1: WGMMA with a cluster K split, W streamed through a TMA ring and prefetched before its
+# PDL wait, so that its weights move while the norm runs); INPROJ_WIDE_EARLY: the norm launches it right after its
+# own wait. "cublas" keeps the cuBLAS GEMM (INPROJ_BLAS). "fast-inwg" / "fast-inwglate" are the opt-ins until
+# measured (gemm_wgmma_splitk.py's version log has the prediction).
+INPROJ_WIDE = "cublas"
+INPROJ_WIDE_EARLY = True
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
 # M <= 8; "fast-opmma" is the A/B with GEMV_DSL_MAX_M = 4, since at 8 no o_proj GEMV both runs apart and fits v13).
 OPROJ_MID = "cublas"
@@ -148,7 +155,7 @@ def blas_library(lib: str | None, device: torch.device):
 
 def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_write, partial_out,
                     early_trigger=None, engine=None, mma=None, joint=None, mid=None, mid_early=None, w_tiled=None,
-                    norm_cluster=None, blas=None, **fma_options):
+                    norm_cluster=None, blas=None, wide=None, wide_early=None, **fma_options):
     """AttnRes #1 + input RMSNorm + packed in_proj as the layer runs it: rms_gemv_ring (one launch) at M <= 2 when
     ``engine`` (None = INPROJ_ENGINE) is "ring"; otherwise rms_gemv.attnres_rms_gemv, fused at M <= 2, its
     tensor-core GEMV up to INPROJ_DSL_MAX_M and cuBLAS above (``mma`` None = that rule; fma_options are
@@ -159,8 +166,10 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     the norm launching it after its wait when ``mid_early`` (None = INPROJ_MID_EARLY); ``w_tiled``, w's
     rms_gemv_ring.mma_tile_weight copy, makes that GEMV v14 (the same bits). ``norm_cluster``: CTAs per token of
     attnres_rmsnorm where it runs apart (None = rms_gemv.norm_cluster(M), v15). ``blas``: the BLAS library of the
-    cuBLAS GEMM where one runs (None = INPROJ_BLAS, "default" = torch's; blas_library). Returns (y, partial_out)."""
-    from . import rms_gemv, rms_gemv_ring
+    cuBLAS GEMM where one runs (None = INPROJ_BLAS, "default" = torch's; blas_library). ``wide`` (None = INPROJ_WIDE):
+    where that cuBLAS GEMM would run at M in gemm_wgmma_splitk's range, "wgmma" runs attnres_rmsnorm (its trigger after
+    its wait when ``wide_early``, None = INPROJ_WIDE_EARLY) + gemm_wgmma_splitk instead. Returns (y, partial_out)."""
+    from . import gemm_wgmma_splitk, rms_gemv, rms_gemv_ring
     M = partial.shape[0]
     if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
         return rms_gemv_ring.attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps,
@@ -176,6 +185,13 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
                                                   early_trigger=INPROJ_MID_EARLY if mid_early is None else mid_early,
                                                   cluster=norm_cluster)
         return rms_gemv_ring.gemv_ring_mma(x, w if w_tiled is None else w_tiled), partial_out
+    if (mma == "cublas" and (INPROJ_WIDE if wide is None else wide) == "wgmma" and partial.dim() == 2
+            and gemm_wgmma_splitk.applicable(M, w.shape[1], w.shape[0])):
+        x, partial_out = rms_gemv.attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
+                                                  block_write=block_write, partial_out=partial_out,
+                                                  early_trigger=INPROJ_WIDE_EARLY if wide_early is None else wide_early,
+                                                  cluster=norm_cluster)
+        return gemm_wgmma_splitk.gemm_wgmma(x, w), partial_out
     with blas_library((INPROJ_BLAS if blas is None else blas) if mma == "cublas" else None, partial.device):
         return rms_gemv.attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps,
                                          block_write=block_write, partial_out=partial_out, mma=mma,
@@ -242,7 +258,8 @@ class FastImpl:
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
                  inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None,
                  oproj_max_kp: int = OPROJ_FUSED_MAX_KP, inproj_blas: str | None = None,
-                 kda_proj_first: bool | None = None):
+                 kda_proj_first: bool | None = None, inproj_wide: str | None = None,
+                 inproj_wide_early: bool | None = None):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -349,6 +366,10 @@ class FastImpl:
             if v not in (None, "cublas", "ring"):
                 raise ValueError(f"{name} must be None, 'cublas' or 'ring', got {v!r}")
         self.inproj_mid, self.inproj_mid_early, self.oproj_mid = inproj_mid, inproj_mid_early, oproj_mid
+        # None: INPROJ_WIDE / INPROJ_WIDE_EARLY (the in_proj's GEMM at 8 < M <= 64 on cuBLAS or gemm_wgmma_splitk)
+        if inproj_wide not in (None, "cublas", "wgmma"):
+            raise ValueError(f"inproj_wide must be None, 'cublas' or 'wgmma', got {inproj_wide!r}")
+        self.inproj_wide, self.inproj_wide_early = inproj_wide, inproj_wide_early
         # None: INPROJ_MID_TILED. The tiled copy exists only where the v13 path can run (M 3..8 within max_batch)
         self.inproj_tiled = INPROJ_MID_TILED if inproj_tiled is None else inproj_tiled
         self.in_proj_tiled = None
@@ -396,6 +417,8 @@ class FastImpl:
                         + ("" if norm_cluster_min_m is None else f", AttnRes norm clusters from M={norm_cluster_min_m}")
                         + ("" if oproj_max_kp == OPROJ_FUSED_MAX_KP else f", fused o_proj up to K={oproj_max_kp}")
                         + ("" if inproj_blas is None else f", in_proj BLAS {inproj_blas}")
+                        + ("" if inproj_wide is None else f", in_proj GEMM at M 9-64 {inproj_wide}")
+                        + ("" if inproj_wide_early is None else f", its norm's trigger {'early' if inproj_wide_early else 'late'}")
                         + ("" if kda_proj_first is None else f", KDA proj first {'on' if kda_proj_first else 'off'}")
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
@@ -480,7 +503,8 @@ class FastImpl:
                                       w_tiled=self.in_proj_tiled,
                                       mma=self.gemv_mma if io.partial.shape[0] <= self.inproj_dsl_max_m else "cublas",
                                       fused_groups=self.gemv_groups, pin_loads=self.gemv_pin,
-                                      prefetch_groups=self.gemv_prefetch, norm_cluster=norm_cl, blas=self.inproj_blas)
+                                      prefetch_groups=self.gemv_prefetch, norm_cluster=norm_cl, blas=self.inproj_blas,
+                                      wide=self.inproj_wide, wide_early=self.inproj_wide_early)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,

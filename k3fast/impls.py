@@ -476,6 +476,10 @@ FAST_VARIANTS = {
     # name s84's records give v9.2 (= fast since)
     "fast-s24kda": {"kda_proj_first": False},
     "fast-kdapf": {"kda_proj_first": True},
+    # gemm_wgmma_splitk v1 (session 25, opt-in until measured): the in_proj's GEMM at 8 < M <= 64 on WGMMA with a
+    # cluster K split instead of cublasLt, behind the AttnRes norm (its trigger after its wait / at its end)
+    "fast-inwg": {"inproj_wide": "wgmma", "inproj_wide_early": True},
+    "fast-inwglate": {"inproj_wide": "wgmma", "inproj_wide_early": False},
     # rms_gemv v15 (session 23): the AttnRes norms that run as their own kernels (M >= 3: before v13's ring GEMV at
     # M 3..8, the in_proj's and o_proj's AttnRes #2 before cuBLAS above) as clusters of 4 CTAs per token, the default
     # since s74. "fast-normc1" is the A/B (one CTA per token, as before); "fast-normc9" the clusters only above M = 8

@@ -881,5 +881,18 @@ case "${1:-}" in
           cells=""; for b in 8 64; do cells="$cells --cell kda_moe,full,$b,0,fast+fast-s24kda"; done
           K3_SWEEP_TIMEOUT=220 bash scripts/h200_sweep.sh $cells --budget-s 200
           ncu_sass kda_conv_gate_step@ns1pftrig kdav92 150 ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85"; exit 2 ;;
+  # written in session 25: gemm_wgmma_splitk v1 (the in_proj's GEMM at M 9..64 on WGMMA with a cluster K split) with
+  # its GPU tests and the attention half with it (fast-inwg: the norm's trigger after its wait; fast-inwglate: at its
+  # end), then the kernel bench of its rows beside cublasLt. s87 (a warm follow-up): the cells where it runs, beside
+  # stock and fast (stage with --vllm)
+  s86)    ids=$(for c in 16-16 16-8 64-16 64-8; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$c-fast-inwg]"; done)
+          K3_TEST_TIMEOUT=170 bash scripts/h200_tests.sh tests/gpu/test_gemm_wgmma_splitk.py $ids \
+            "tests/gpu/test_fast_layer.py::test_fast_attention_half[64-16-fast-inwglate]" || true
+          K3_SWEEP_TIMEOUT=100 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 16 64 --kernels gemm_in_proj_plain@wgmma \
+            gemm_in_proj_plain@wgmma4 attnres_rms_gemv@wgmma attnres_rms_gemv@wgmmaet" K3_BENCH_TIMEOUT=90 \
+            bash scripts/h200_sweep.sh --cell kda_moe,k3_rank16,64,0,fast+fast-inwg --budget-s 60 ;;
+  s87)    cells=""; for c in k3_rank16,64 k3_rank8,64 k3_rank16,16 k3_rank8,16; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-inwg+fast-inwglate"; done
+          K3_SWEEP_TIMEOUT=330 bash scripts/h200_sweep.sh $cells --budget-s 300 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s87"; exit 2 ;;
 esac

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
                                   "fast-opfence", "fast-op32", "fast-inmma", "fast-inmmaet", "fast-opmma",
                                   "fast-mid", "fast-op8", "fast-op4", "fast-incublas",
                                   "fast-intiled", "fast-s22kda", "fast-kdahead48", "fast-normc1", "fast-normc9",
-                                  "fast-s24kda", "fast-inmm"])
+                                  "fast-s24kda", "fast-inmm", "fast-inwg", "fast-inwglate"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -52,6 +52,10 @@ def test_fast_attention_half(tp, batch, impl):
         if choose_nsplit(batch, k3_rank(tp).kda_heads, head_min) != 1:
             pytest.skip(f"{impl} differs from fast only where B x H >= {head_min} (the KDA step's v9)")
     if impl == "fast-inmm":
+        from k3fast.rms_gemv_ring import MMA_MAX_M
+        if batch <= MMA_MAX_M:
+            pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
+    if impl in ("fast-inwg", "fast-inwglate"):
         from k3fast.rms_gemv_ring import MMA_MAX_M
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")

@@ -1,0 +1,318 @@
+"""The in_proj's GEMM at 8 < M <= 64 on WGMMA: y = bf16(x @ W^T), W streamed once through a TMA ring, the K range
+split over a thread-block cluster and the fp32 partials added through distributed shared memory.
+
+Replaces the reference op of k3-spec.md section 7.2 step 1 (y = x @ W_in^T, x the normed MLP-side input
+``rms_gemv.attnres_rmsnorm`` wrote) where the layer ran cuBLAS (fast.INPROJ_BLAS, cublasLt's nvjet 64x32 at rank16
+M = 64, 16.9 us for 46 MB: 1.5x its floor, s81) and nothing of it could start before the norm kernel ended.
+
+Design (v1)
+-----------
+* GEMM orientation: the tokens are WGMMA's m64 (A = x, K-major, rows past M zero-filled by the TMA unit), a CTA's BN
+  rows of W are its n (B = W, K-major, as stored). Both come through one ring of D stages, each stage an x tile
+  [64 x 64] and a W tile [BN x 64] with the 128-byte swizzle the WGMMA descriptors read, on one "full" mbarrier
+  (the producer's arrive.expect_tx + both copies' complete_tx) and one "empty" mbarrier (an arrive per consumer
+  warp). Warp 4 is the producer (one elected lane); warps 0-3 are one warpgroup, the consumer: per stage four
+  m64nBNk16 WGMMAs into fp32 registers (BN / 2 per thread), the stage released once the next stage's group was
+  committed and the previous one waited (wgmma.wait_group 1).
+* Grid [S, ceil(N / BN)], cluster [S, 1, 1]: the S CTAs of a cluster share a W row tile and take contiguous
+  slices of the K / 64 k-tiles. Why a K split: at M = 64 one W row tile per SM needs BN ~ 24 rows, so x (the whole
+  K range, 917 KB at M = 64) would be re-read from L2 for every 24 rows of W; with S = 8 a CTA reads 1 / 8 of x per
+  208 rows. The plan (``plan``) picks S and BN so that every cluster is co-resident in one wave at one CTA per SM
+  (15 clusters of 8, 32 of 4: measured in session 9, LOG.md "only 15 clusters of 8 are co-resident").
+* The W tiles do not depend on the predecessor (the norm kernel): the producer fills the whole ring with W before
+  griddepcontrol.wait, and the x tiles of those stages after it (each stage's barrier expects both).
+* Epilogue: each CTA writes its fp32 tile into its own (drained) ring, a cluster barrier publishes it, CTA r reads
+  rows [r 64 / S, (r + 1) 64 / S) of every CTA's tile with ld.shared::cluster in rank order (deterministic; the
+  same bits for any scheduling), rounds once to bf16 and stores rows < M, columns < N. A second cluster barrier
+  keeps every CTA's shared memory alive until the last remote read.
+* PDL: launched with the programmatic-serialization attribute; its dependent is launched after the main loop.
+
+Contracts: x [M, K] and W [N, K] bf16, contiguous, 16-byte aligned, K a multiple of 64 with K / 64 >= S, 8 < M <= 64
+(any M in 1..64 is correct; at M <= 8 rms_gemv_ring v13 reads W faster), N even. y [M, N] bf16. Not bit-identical to
+cuBLAS (a different K order), identical between runs.
+
+Version log
+-----------
+v1 (session 25; CPU-compiled, measured by h200_next s86)
+    Prediction (written before any GPU run): the bare GEMM at rank16 M = 64 (N 3086, K 7168, 44.2 MB of W) 11.5-13 us
+    against cublasLt's 14.8-16.9 in the same run (15 clusters of 8 x BN 208 = 120 SMs streaming with ~170 KB of W
+    in flight each; the M <= 2 ring reached 3.45 TB/s with ~200 KB); at rank8 M = 64 (N 6172, 88.5 MB) 23-25.5 us
+    against ~27. In the layer (norm + this GEMM, PDL-chained, W prefetched while the norm runs) the attention half
+    at rank16 b64 53.3 -> 48.5-50.5 us (1.8x stock needs ~50.7), rank8 b64 81.3 -> 77-79, rank8 b16 58.4 ->
+    55.5-57.5. If the bare GEMM is no faster than cuBLAS, the per-SM in-flight bytes (one CTA of ~200 KB) are not
+    what limits it, and the next probe is the ring depth against S.
+"""
+from __future__ import annotations
+
+import math
+
+from ._dsl import SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+
+BM = 64                 # WGMMA's m: the tokens, zero-padded by the TMA unit past M
+BK = 64                 # one 128-byte swizzle row of bf16 per stage and operand
+MIN_M, MAX_M = 1, 64
+# Clusters of S CTAs (one CTA per SM, ~200 KB of shared memory) co-resident in one wave on the H200's 132 SMs:
+# 15 of 8 and 32 of 4 measured (LOG.md session 9, the experts kernel); 66 of 2 from the SM count.
+CLUSTERS_RESIDENT = {8: 15, 4: 32, 2: 66, 1: 132}
+PRODUCER_WARP = 4
+NTHREADS = 32 * (PRODUCER_WARP + 1)
+BARRIER_BYTES = 1024
+
+
+def stage_bytes(BN: int) -> int:
+    return (BM + BN) * BK * 2
+
+
+def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None) -> tuple[int, int, int]:
+    """(BN, S, D): the W rows per CTA, the cluster's K split and the ring depth for y = x @ W^T, W [N, K].
+
+    Among the splits whose clusters are all co-resident in one wave, the one with the fewest ring bytes in the
+    busiest CTA (its W tile plus its x tile per k-tile, times its k-tiles); ties go to the larger S (fewer re-reads
+    of x). ``ksplit`` / ``bn`` pin S / BN (the A/B cells of the benchmark)."""
+    if K % BK:
+        raise ValueError(f"w: K must be a multiple of {BK}, got {K}")
+    KT = K // BK
+    best = None
+    for S in ((ksplit,) if ksplit else (8, 4, 2, 1)):
+        if S not in CLUSTERS_RESIDENT:
+            raise ValueError(f"ksplit must be one of {sorted(CLUSTERS_RESIDENT)}, got {S}")
+        if KT < S:
+            continue
+        BN = bn or max(16, 16 * math.ceil(N / CLUSTERS_RESIDENT[S] / 16))
+        if BN % 16 or not 16 <= BN <= 256 or math.ceil(N / BN) > CLUSTERS_RESIDENT[S]:
+            continue
+        cost = (BN + BM) * math.ceil(KT / S)
+        if best is None or cost < best[0]:
+            best = (cost, BN, S)
+    if best is None:
+        raise ValueError(f"w: no cluster K split fits [N, K] = [{N}, {K}] in one wave (ksplit={ksplit}, bn={bn}); "
+                         f"BN must be a multiple of 16 in 16..256 (the DSL's WGMMA builds abort at n = 200 / 216 "
+                         f"when compiled) and ceil(N / BN) clusters co-resident")
+    _, BN, S = best
+    D = (SMEM_PER_CTA_MAX - BARRIER_BYTES) // stage_bytes(BN)
+    if D * stage_bytes(BN) < BM * (BN + 4) * 4:
+        raise ValueError(f"BN = {BN}: the fp32 tile does not fit in the drained ring")
+    return BN, S, D
+
+
+def applicable(M: int, K: int, N: int) -> bool:
+    """Whether gemm_wgmma takes y[M, N] = x[M, K] @ W[N, K]^T (M in 1..64, N even, a one-wave plan)."""
+    if not MIN_M <= M <= MAX_M or N % 2 or N <= 0:
+        return False
+    try:
+        plan(N, K)
+    except ValueError:
+        return False
+    return True
+
+
+def _build_class():
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.cutlass_dsl import T
+    from cutlass._mlir.dialects import llvm
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass.tensor_utils import LayoutEnum
+
+    def ld_cluster_v4(addr, rank):
+        """Four fp32 at shared address ``addr`` of cluster CTA ``rank`` (ld.shared::cluster through mapa)."""
+        st = llvm.StructType.get_literal([T.f32()] * 4)
+        r = llvm.inline_asm(st, [Int32(addr).ir_value(), Int32(rank).ir_value()],
+                            "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $4, $5;\n"
+                            "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [ra];\n}",
+                            "=f,=f,=f,=f,r,r", has_side_effects=True, is_align_stack=False,
+                            asm_dialect=llvm.AsmDialect.AD_ATT)
+        return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+
+    class SplitKWgmma:
+        def __init__(self, BN, S, K, D):
+            self.BN, self.S, self.K, self.D = BN, S, K, D
+            self.KT = K // BK
+            self.BNP = BN + 4          # fp32 tile row pitch: 16-byte rows, the fragment stores off one bank group
+
+        @cute.jit
+        def __call__(self, mX, mW, mY, stream):
+            BN, D = self.BN, self.D
+            tiler = (BM, BN, BK)
+            tiled_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+                                                    LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), Float32, (1, 1, 1),
+                                                    tiler_mn=(BM, BN))
+            a_lay = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, BFloat16, D)
+            b_lay = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, BFloat16, D)
+            tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
+                                                    cute.slice_(a_lay, (None, None, 0)), (BM, BK))
+            tma_b, tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
+                                                    cute.slice_(b_lay, (None, None, 0)), (BN, BK))
+            ntiles = (cute.size(mW, mode=[0]) + BN - 1) // BN
+            self.kernel(tma_a, tA, tma_b, tB, mY, tiled_mma, a_lay, b_lay).launch(
+                grid=[self.S, ntiles, 1], block=[NTHREADS, 1, 1], cluster=[self.S, 1, 1], stream=stream,
+                use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, tma_a, mA, tma_b, mB, mY, tiled_mma, a_lay, b_lay):
+            BN, S, D, KT, BNP = self.BN, self.S, self.D, self.KT, self.BNP
+            tid = cute.arch.thread_idx()[0]
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            rank = cute.arch.block_idx()[0]          # = the CTA's rank in its [S, 1, 1] cluster
+            nt = cute.arch.block_idx()[1]
+            M = cute.size(mY, mode=[0])
+            N = cute.size(mY, mode=[1])
+            k0 = rank * KT // S
+            nkt = (rank + 1) * KT // S - k0
+
+            smem = cutlass.memory.SmemAllocator()
+            mbar = smem.allocate_array(Int64, 2 * D)          # full[0..D), empty[D..2D)
+            sA = smem.allocate_tensor(BFloat16, a_lay.outer, 1024, a_lay.inner)
+            sB = smem.allocate_tensor(BFloat16, b_lay.outer, 1024, b_lay.inner)
+            # the fp32 tile of the epilogue overlays the drained ring (sA, then sB: one contiguous run)
+            # (a plain pointer from the address: sA's iterator carries its swizzle, which the fp32 tile must not)
+            sC = cute.make_tensor(cute.make_ptr(Float32, sA.iterator.toint(), cute.AddressSpace.smem, assumed_align=1024),
+                                  cute.make_layout((BM, BN), stride=(BNP, 1)))
+            if warp == PRODUCER_WARP:
+                cpasync.prefetch_descriptor(tma_a)
+                cpasync.prefetch_descriptor(tma_b)
+            if tid == 0:
+                for s in cutlass.range_constexpr(D):
+                    cute.arch.mbarrier_init(mbar + s, 1)
+                    cute.arch.mbarrier_init(mbar + D + s, 4)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            gA = cute.local_tile(mA, (BM, BK), (0, None))          # (BM, BK, KT)
+            gB = cute.local_tile(mB, (BN, BK), (nt, None))         # (BN, BK, KT)
+            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                               cute.group_modes(gA, 0, 2))
+            tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                               cute.group_modes(gB, 0, 2))
+            thr_mma = tiled_mma.get_slice(tid)
+            tCsC = thr_mma.partition_C(sC)
+            acc = cute.make_rmem_tensor(tCsC.shape, Float32)
+
+            if warp == PRODUCER_WARP:
+                with cute.arch.elect_one():
+                    npre = cutlass.min(D, nkt)
+                    # W does not depend on the predecessor: the whole ring of it goes out before the PDL wait
+                    for q in cutlass.range(npre, unroll=1):
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + q, stage_bytes(BN))
+                        cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, q)], tma_bar_ptr=mbar + q)
+                    cute.arch.griddepcontrol_wait()
+                    for q in cutlass.range(npre, unroll=1):
+                        cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, q)], tma_bar_ptr=mbar + q)
+                    for q in cutlass.range(D, nkt, unroll=1):
+                        s = q % D
+                        cute.arch.mbarrier_wait(mbar + D + s, (q // D - 1) % 2)
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, stage_bytes(BN))
+                        cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, s)], tma_bar_ptr=mbar + s)
+                        cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, s)], tma_bar_ptr=mbar + s)
+            else:
+                # y is written below: nothing of this warpgroup's global traffic may precede the predecessor's end
+                cute.arch.griddepcontrol_wait()
+                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                for q in cutlass.range(nkt, unroll=1):
+                    s = q % D
+                    cute.arch.mbarrier_wait(mbar + s, (q // D) % 2)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(BK // 16):
+                        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, s)], tCrB[(None, None, kb, s)], acc)
+                    warpgroup.commit_group()
+                    # at most this stage's group in flight: the previous stage's operands are read
+                    warpgroup.wait_group(1)
+                    if q > 0 and lane == 0:
+                        cute.arch.mbarrier_arrive(mbar + D + (q - 1) % D)
+                warpgroup.wait_group(0)
+                # every warp of the group past its last WGMMA before the ring is overwritten
+                cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                for i in cutlass.range(cute.size(acc), unroll_full=True):
+                    tCsC[i] = acc[i]
+            cute.arch.griddepcontrol_launch_dependents()
+
+            R = BM // S
+            VPR = BN // 4
+            base = sC.iterator.toint()
+            if const_expr(S > 1):
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            else:
+                cute.arch.sync_threads()
+            for v in cutlass.range(tid, R * VPR, NTHREADS):
+                i = v // VPR
+                c4 = (v - i * VPR) * 4
+                row = rank * R + i
+                if row < M:
+                    addr = base + (row * BNP + c4) * 4
+                    t0, t1, t2, t3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+                    for r in cutlass.range_constexpr(S):
+                        p = ld_cluster_v4(addr, r)
+                        t0, t1, t2, t3 = t0 + p[0], t1 + p[1], t2 + p[2], t3 + p[3]
+                    col = nt * BN + c4
+                    tot = (t0, t1, t2, t3)
+                    for e in cutlass.range_constexpr(4):
+                        if col + e < N:
+                            mY[row, col + e] = tot[e].to(BFloat16)
+            if const_expr(S > 1):
+                # no CTA leaves (freeing its shared memory) before the last remote read of it
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+
+    return SplitKWgmma
+
+
+_CLS = None
+
+
+def _cls():
+    global _CLS
+    if _CLS is None:
+        _CLS = _build_class()
+    return _CLS
+
+
+def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None) -> tuple:
+    return ("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn) + (K,)
+
+
+def _build(BN, S, D, K, options=TVM_FFI):
+    cutlass, cute = import_cute()
+    BF = cutlass.BFloat16
+    M, N = cute.sym_int(), cute.sym_int(divisibility=2)
+    x = fake_tensor(BF, (M, K))
+    w = fake_tensor(BF, (N, K))
+    y = fake_tensor(BF, (M, N), align=4)
+    return cute.compile(_cls()(BN, S, K, D), x, w, y, fake_stream(), options=options)
+
+
+def _compile(key):
+    _, BN, S, D, K = key
+    return compile_cached(key, lambda: _build(BN, S, D, K))
+
+
+def gemm_ptx(N: int, K: int = 7168, ksplit: int | None = None, bn: int | None = None) -> str:
+    """PTX of the build that ``plan`` picks for [N, K] (uncached; for reading and the CPU tests)."""
+    from .ptxcheck import compiled_ptx
+    BN, S, D = plan(N, K, ksplit, bn)
+    return compiled_ptx(lambda: _build(BN, S, D, K, options=TVM_FFI + " --keep-ptx"))
+
+
+def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = None):
+    """y[M, N] = bf16(x[M, K] @ w[N, K]^T) with fp32 accumulation, M in 1..64: the cluster K-split WGMMA GEMM.
+    ``ksplit`` / ``bn``: pin the plan's S / BN (benchmark cells)."""
+    import torch
+    check_tensor("x", x, dtype=torch.bfloat16)
+    check_tensor("w", w, dtype=torch.bfloat16, device=x.device)
+    if x.dim() != 2 or not MIN_M <= x.shape[0] <= MAX_M:
+        raise ValueError(f"x: expected [M, K] with M in {MIN_M}..{MAX_M}, got {list(x.shape)}")
+    if w.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] % 2 or w.shape[0] == 0:
+        raise ValueError(f"w: expected [N (even, > 0), K = {x.shape[1]}], got {list(w.shape)}")
+    M, K = x.shape
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    else:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=x.device, align=4)
+    _compile(compile_key(N, K, ksplit, bn))(x, w, out)
+    return out

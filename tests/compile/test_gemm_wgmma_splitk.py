@@ -1,0 +1,83 @@
+"""k3fast.gemm_wgmma_splitk on the CPU: the split plan for the K3 in_proj widths, every compile key the layer needs,
+the PTX's order (W requested before the PDL wait, x after it; the partials summed through DSMEM between two cluster
+barriers), registers without spills, and clear errors for inputs it does not take."""
+import math
+
+import pytest
+import torch
+
+from k3fast import gemm_wgmma_splitk as G
+from k3fast._dsl import SMEM_PER_CTA_MAX, dsl_available
+from k3fast.kda_conv_gate_step import proj_width
+from k3ref.config import k3_rank
+
+pytestmark = pytest.mark.compile
+needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm_ffi not importable")
+
+K = 7168
+IN_PROJ = {tp: proj_width(k3_rank(tp).kda_heads) for tp in (16, 8)}
+
+
+def test_plan_for_the_in_proj_widths():
+    assert IN_PROJ == {16: 3216, 8: 6288}
+    assert G.plan(IN_PROJ[16], K) == (224, 8, 6)      # 15 clusters of 8
+    assert G.plan(IN_PROJ[8], K) == (208, 4, 6)       # 31 clusters of 4
+    assert G.plan(IN_PROJ[16], K, ksplit=4) == (112, 4, 10)
+    for N in (IN_PROJ[16], IN_PROJ[8], 1000, 48):
+        BN, S, D = G.plan(N, K)
+        assert math.ceil(N / BN) <= G.CLUSTERS_RESIDENT[S]          # one wave
+        assert D * G.stage_bytes(BN) + G.BARRIER_BYTES <= SMEM_PER_CTA_MAX
+        assert D * G.stage_bytes(BN) >= G.BM * (BN + 4) * 4        # the fp32 tile fits the drained ring
+        assert BN % 16 == 0 and 16 <= BN <= 256
+
+
+def test_full_width_stays_on_cublas():
+    # 49376 rows need BN > 256 even at 32 clusters of 4
+    assert not G.applicable(64, K, 49376)
+    assert G.applicable(64, K, IN_PROJ[16]) and G.applicable(9, K, IN_PROJ[8])
+    assert not G.applicable(65, K, IN_PROJ[16]) and not G.applicable(16, K, 3001)
+
+
+def test_bad_inputs_are_refused():
+    w = torch.zeros(64, 1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="M in 1..64"):
+        G.gemm_wgmma(torch.zeros(65, 1024, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="K = 1024"):
+        G.gemm_wgmma(torch.zeros(16, 1024, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="even"):
+        G.gemm_wgmma(torch.zeros(16, 1024, dtype=torch.bfloat16), torch.zeros(63, 1024, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="dtype"):
+        G.gemm_wgmma(torch.zeros(16, 1024), w)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        G.plan(64, 1000)
+    with pytest.raises(ValueError, match="ksplit"):
+        G.plan(64, 1024, ksplit=3)
+    with pytest.raises(ValueError, match="one wave"):
+        G.plan(49376, K)
+
+
+@needs_dsl
+@pytest.mark.parametrize("tp,ks", [(16, None), (8, None), (16, 4)])
+def test_compiles_for_the_layer(tp, ks):
+    G._compile(G.compile_key(IN_PROJ[tp], K, ks))
+
+
+@needs_dsl
+def test_ptx_order_and_registers():
+    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    ptx = G.gemm_ptx(IN_PROJ[16])
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
+    tma = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.tensor")]
+    # the W prefetch loop (one copy) before the producer's wait, the x copies of the prefetched stages after it
+    assert len(waits) == 2 and len(tma) == 4 and tma[0] < waits[0] < tma[1]
+    assert sum("wgmma.mma_async" in ln and "m64n224k16" in ln for ln in lines) == 4
+    clusters = [i for i, ln in enumerate(lines) if ln.startswith("barrier.cluster.wait")]
+    remote = [i for i, ln in enumerate(lines) if ln.startswith("ld.shared::cluster")]
+    assert len(clusters) == 2 and len(remote) == 8 and clusters[0] < min(remote) and max(remote) < clusters[1]
+    trig = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents"))
+    assert trig < clusters[0]
+    tools = find_sass_tools()
+    if tools is not None:
+        res = ptxas_resources(ptx, tools[0])
+        assert res["spill_store_bytes"] == 0 and res["registers"] <= 168, res

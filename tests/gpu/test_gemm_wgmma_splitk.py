@@ -1,0 +1,103 @@
+"""k3fast.gemm_wgmma_splitk (the in_proj's GEMM at 8 < M <= 64 on WGMMA with a cluster K split) on the GPU.
+
+References (tolerances.py): against F.linear in fp32 ("bf16_kernel": one bf16 rounding of an fp32 sum) and against
+cuBLAS on the same bf16 operands ("bf16_kernel_pair": a different K order, 1 bf16 ulp where the fp32 sums round
+differently). Outputs are poisoned with NaN first, so an element the kernel skips fails."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnres_cases import EPS, K, N_RANK8, N_RANK16, make_inputs, make_w, ref_attnres
+from tolerances import assert_close
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def G():
+    from k3fast import gemm_wgmma_splitk
+    return gemm_wgmma_splitk
+
+
+# the layer's two in_proj widths (the plan: S = 8 x BN 224 / S = 4 x BN 208), S = 4 pinned at rank16, and a small
+# shape whose last row tile is partial (1000 rows, K = 1024: 16 k-tiles over 8 CTAs)
+SHAPES = [(N_RANK16, K, None), (N_RANK8, K, None), (N_RANK16, K, 4), (1000, 1024, None)]
+
+
+@pytest.mark.parametrize("M", [9, 16, 33, 64, 1, 8])
+@pytest.mark.parametrize("N,Kw,ks", SHAPES)
+def test_gemm_wgmma(G, seed, M, N, Kw, ks):
+    x = torch.randn(M, Kw, device="cuda").to(torch.bfloat16)
+    w = make_w(N, Kw)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = G.gemm_wgmma(x, w, out=out, ksplit=ks)
+    torch.cuda.synchronize()
+    assert y.data_ptr() == out.data_ptr()
+    assert_close("gemm_wgmma", y, F.linear(x.float(), w.float()), "bf16_kernel")
+    assert_close("gemm_wgmma vs cuBLAS", y, F.linear(x, w), "bf16_kernel_pair")
+    assert torch.equal(G.gemm_wgmma(x, w, ksplit=ks), y)        # deterministic: fixed split, rank-order sum
+    # a token's row does not depend on the other tokens (its own WGMMA row, the same K split)
+    assert torch.equal(G.gemm_wgmma(x[-1:].contiguous(), w, ksplit=ks)[0], y[-1])
+
+
+def test_gemm_wgmma_nan_poisons_its_token_only(G, seed):
+    x = torch.randn(20, K, device="cuda").to(torch.bfloat16)
+    w = make_w(N_RANK16)
+    y0 = G.gemm_wgmma(x, w)
+    x[7, 3000] = float("nan")
+    y = G.gemm_wgmma(x, w)
+    torch.cuda.synchronize()
+    assert y[7].isnan().all()
+    keep = torch.arange(20, device="cuda") != 7
+    assert torch.equal(y[keep], y0[keep])
+
+
+def test_gemm_wgmma_neighbours_untouched(G, seed):
+    # out is the head of a bigger buffer: nothing past its M x N elements changes (the last row tile is partial)
+    big = torch.full((40, 1000), 7.0, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(33, 1024, device="cuda").to(torch.bfloat16)
+    w = make_w(1000, 1024)
+    out = big.view(-1)[: 33 * 1000].view(33, 1000)
+    G.gemm_wgmma(x, w, out=out)
+    torch.cuda.synchronize()
+    assert (big.view(-1)[33 * 1000:] == 7.0).all()
+    assert_close("gemm_wgmma", out, F.linear(x.float(), w.float()), "bf16_kernel")
+
+
+@pytest.mark.parametrize("M", [16, 64])
+@pytest.mark.parametrize("early", [True, False])
+def test_norm_then_wgmma_in_a_graph(G, seed, M, early):
+    """fast.attnres_in_proj's wide path (attnres_rmsnorm, its trigger early or late, then gemm_wgmma): p' exact,
+    y against the fp32 reference and equal to the norm + gemm_wgmma called apart; captured once and replayed on new
+    inputs, each replay equals an eager call."""
+    from k3fast import rms_gemv as R
+    from k3fast.fast import attnres_in_proj
+    n_blocks = 3
+    blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, True)
+    w = make_w(N_RANK8)
+    pout = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+
+    def call(po):
+        return attnres_in_proj(blocks, n_blocks, p, delta, u, w_ln, w, eps=EPS, block_write=-1, partial_out=po,
+                               wide="wgmma", wide_early=early)
+
+    y, po = call(pout)
+    x_ref, p2_ref = ref_attnres(blocks, n_blocks, p, delta, u, w_ln)
+    torch.cuda.synchronize()
+    assert_close("p'", po, p2_ref, "exact")
+    assert_close("attnres_in_proj (wgmma)", y, F.linear(x_ref, w.float()), "bf16_kernel")
+    x_n, p_n = R.attnres_rmsnorm(blocks, n_blocks, p, delta, u, w_ln, eps=EPS, early_trigger=not early)
+    assert torch.equal(p_n, po)
+    assert torch.equal(G.gemm_wgmma(x_n, w), y)              # the norm's trigger placement changes no bit
+    holder = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        holder["y"], _ = call(pout)
+    for _ in range(2):
+        for t in (blocks, p, delta):
+            t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        y_e, _ = call(torch.empty_like(pout))
+        torch.cuda.synchronize()
+        assert torch.equal(holder["y"], y_e)
