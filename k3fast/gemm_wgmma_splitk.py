@@ -191,21 +191,25 @@ def _build_class():
             acc = cute.make_rmem_tensor(tCsC.shape, Float32)
 
             if warp == PRODUCER_WARP:
-                with cute.arch.elect_one():
-                    npre = cutlass.min(D, nkt)
-                    # W does not depend on the predecessor: the whole ring of it goes out before the PDL wait
-                    for q in cutlass.range(npre, unroll=1):
+                # the whole warp runs the producer loop: cute.copy of a TMA atom elects its issuing lane itself (an
+                # elect.sync nested in elect_one would wait for lanes that never arrive), the barrier's arrive.expect_tx
+                # is one lane's
+                npre = cutlass.min(D, nkt)
+                # W does not depend on the predecessor: the whole ring of it goes out before the PDL wait
+                for q in cutlass.range(npre, unroll=1):
+                    with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar + q, stage_bytes(BN))
-                        cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, q)], tma_bar_ptr=mbar + q)
-                    cute.arch.griddepcontrol_wait()
-                    for q in cutlass.range(npre, unroll=1):
-                        cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, q)], tma_bar_ptr=mbar + q)
-                    for q in cutlass.range(D, nkt, unroll=1):
-                        s = q % D
-                        cute.arch.mbarrier_wait(mbar + D + s, (q // D - 1) % 2)
+                    cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, q)], tma_bar_ptr=mbar + q)
+                cute.arch.griddepcontrol_wait()
+                for q in cutlass.range(npre, unroll=1):
+                    cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, q)], tma_bar_ptr=mbar + q)
+                for q in cutlass.range(D, nkt, unroll=1):
+                    s = q % D
+                    cute.arch.mbarrier_wait(mbar + D + s, (q // D - 1) % 2)
+                    with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, stage_bytes(BN))
-                        cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, s)], tma_bar_ptr=mbar + s)
-                        cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, s)], tma_bar_ptr=mbar + s)
+                    cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, s)], tma_bar_ptr=mbar + s)
+                    cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, s)], tma_bar_ptr=mbar + s)
             else:
                 # y is written below: nothing of this warpgroup's global traffic may precede the predecessor's end
                 cute.arch.griddepcontrol_wait()
