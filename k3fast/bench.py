@@ -145,6 +145,8 @@ def _cases(cfg, batch: int):
                 return F.linear(xx, w_in)
         wbytes = w_in.numel() * 2 + M * d * 2
         cases.append(("gemm_in_proj_plain@wgmma", lambda: gemm_wgmma(x, w_in), lt_linear, wbytes))
+        # v1's 64-wide stages (6 of them) with v1.1's epilogue
+        cases.append(("gemm_in_proj_plain@wgmmak64", lambda: gemm_wgmma(x, w_in, bk=64), lt_linear, wbytes))
         if wgmma_plan(w_in.shape[0], d)[1] != 4:
             cases.append(("gemm_in_proj_plain@wgmma4", lambda: gemm_wgmma(x, w_in, ksplit=4), lt_linear, wbytes))
         for tag, et in (("", False), ("et", True)):

@@ -33,14 +33,34 @@ cuBLAS (a different K order), identical between runs.
 
 Version log
 -----------
-v1 (session 25; CPU-compiled, measured by h200_next s86)
-    Prediction (written before any GPU run): the bare GEMM at rank16 M = 64 (N 3086, K 7168, 44.2 MB of W) 11.5-13 us
-    against cublasLt's 14.8-16.9 in the same run (15 clusters of 8 x BN 208 = 120 SMs streaming with ~170 KB of W
-    in flight each; the M <= 2 ring reached 3.45 TB/s with ~200 KB); at rank8 M = 64 (N 6172, 88.5 MB) 23-25.5 us
+v1 (session 25; measured by h200_next s86 / s87 at 076be23; BK = 64 per stage, 6 stages; "bk=64" reproduces it)
+    Prediction (written before any GPU run): the bare GEMM at rank16 M = 64 (N 3216, K 7168, 46 MB of W) 11.5-13 us
+    against cublasLt's 14.8-16.9 in the same run (15 clusters of 8 x BN 224 = 120 SMs streaming with ~170 KB of W
+    in flight each; the M <= 2 ring reached 3.45 TB/s with ~200 KB); at rank8 M = 64 (N 6288, 90 MB) 23-25.5 us
     against ~27. In the layer (norm + this GEMM, PDL-chained, W prefetched while the norm runs) the attention half
     at rank16 b64 53.3 -> 48.5-50.5 us (1.8x stock needs ~50.7), rank8 b64 81.3 -> 77-79, rank8 b16 58.4 ->
     55.5-57.5. If the bare GEMM is no faster than cuBLAS, the per-SM in-flight bytes (one CTA of ~200 KB) are not
     what limits it, and the next probe is the ring depth against S.
+    The first build hung (926354c, s86): the producer's loop sat in elect_one and cute.copy of a TMA atom elects its
+    own lane, an elect.sync that the other 31 lanes never reached. Fixed at 076be23 (the loop on the whole warp).
+    Measured (kernels- / records-076be23-s86 / -s87.json; GPU tests 35 passed; copy 4.07 TB/s). Kernel bench, us
+    (cublasLt in the same run): bare rank16 b16 / b64 20.3 / 22.4 (20.6 / 20.2), S = 4 19.8 / 20.8; rank8 b16 / b64
+    36.9 / 39.6 (29.4 / 29.9). Attention half (stock / fast / fast-inwg / fast-inwglate): rank16 b16 84.3 / 42.7 /
+    38.8 / 40.1 (2.17x with fast-inwg: cuBLAS runs split-K + its reduce there), rank16 b64 91.1 / 53.2 / 53.0 /
+    53.7, rank8 b16 102.3 / 58.3 / 63.1 / 62.9, rank8 b64 128.4 / 81.4 / 88.1 / 89.6. In the layer's timeline the
+    GEMM takes 18.6 us at rank16 (cublasLt 16.6) and 36.0 at rank8 (26.8): ~2.5 TB/s at every M, against the 3.3-3.4
+    predicted. Missed everywhere but rank16 b16. Two suspects, not separated by these runs: (a) every stage asks each
+    W row for 128 bytes and the next 128 bytes of that row come a stage (~0.7 us) later, so the DRAM sees up to
+    ~26k row streams advancing 128 bytes at a time (cuBLAS's 64-row tiles: ~6k, each advancing 3x as often); (b) the
+    epilogue (the KDA step launched ~4.5 us before this kernel ended at rank16, but the trigger was per warp and the
+    producer warp, done D stages early, may have fired it).
+v1.1 (session 25; measured by h200_next s88) BK = 128 per stage (two boxes per operand issued back to back: each W
+    row arrives 256 bytes at a time, 3 stages of 74 / 70 KB), the dependent launched after the first cluster barrier
+    (all of the cluster's main loops done), and the epilogue's remote loads unrolled over a static trip count (3 rounds
+    of 8 at rank16). Prediction: if (a) holds, the bare GEMM at rank8 b64 39.6 -> ~30-33 us (cuBLAS ~30) and the
+    layer's GEMM 36.0 -> ~27-30, rank16 18.6 -> ~14-15.5 (the attention half 53.0 -> ~49-51); if it does not move,
+    the limit is the ring depth or the epilogue, and the "@wgmmak64" bench row (v1's stages with v1.1's epilogue)
+    says which of the two changes moved what.
 """
 from __future__ import annotations
 
@@ -49,7 +69,8 @@ import math
 from ._dsl import SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
 
 BM = 64                 # WGMMA's m: the tokens, zero-padded by the TMA unit past M
-BK = 64                 # one 128-byte swizzle row of bf16 per stage and operand
+BK_ATOM = 64            # one 128-byte swizzle row of bf16 (the TMA box's inner extent)
+BK = 128                # k per ring stage (v1.1): two boxes per operand, so each W row arrives 256 bytes at a time
 MIN_M, MAX_M = 1, 64
 # Clusters of S CTAs (one CTA per SM, ~200 KB of shared memory) co-resident in one wave on the H200's 132 SMs:
 # 15 of 8 and 32 of 4 measured (LOG.md session 9, the experts kernel); 66 of 2 from the SM count.
@@ -59,19 +80,24 @@ NTHREADS = 32 * (PRODUCER_WARP + 1)
 BARRIER_BYTES = 1024
 
 
-def stage_bytes(BN: int) -> int:
-    return (BM + BN) * BK * 2
+def stage_bytes(BN: int, bk: int = BK) -> int:
+    return (BM + BN) * bk * 2
 
 
-def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None) -> tuple[int, int, int]:
-    """(BN, S, D): the W rows per CTA, the cluster's K split and the ring depth for y = x @ W^T, W [N, K].
+def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None
+         ) -> tuple[int, int, int, int]:
+    """(BN, S, D, BK): the W rows per CTA, the cluster's K split, the ring depth and the k per stage for
+    y = x @ W^T, W [N, K].
 
     Among the splits whose clusters are all co-resident in one wave, the one with the fewest ring bytes in the
     busiest CTA (its W tile plus its x tile per k-tile, times its k-tiles); ties go to the larger S (fewer re-reads
-    of x). ``ksplit`` / ``bn`` pin S / BN (the A/B cells of the benchmark)."""
-    if K % BK:
-        raise ValueError(f"w: K must be a multiple of {BK}, got {K}")
-    KT = K // BK
+    of x). ``ksplit`` / ``bn`` / ``bk`` pin S / BN / BK (the A/B cells of the benchmark)."""
+    bk = bk or BK
+    if bk not in (64, 128):
+        raise ValueError(f"bk must be 64 or 128, got {bk}")
+    if K % bk:
+        raise ValueError(f"w: K must be a multiple of {bk}, got {K}")
+    KT = K // bk
     best = None
     for S in ((ksplit,) if ksplit else (8, 4, 2, 1)):
         if S not in CLUSTERS_RESIDENT:
@@ -89,10 +115,10 @@ def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None) -> tu
                          f"BN must be a multiple of 16 in 16..256 (the DSL's WGMMA builds abort at n = 200 / 216 "
                          f"when compiled) and ceil(N / BN) clusters co-resident")
     _, BN, S = best
-    D = (SMEM_PER_CTA_MAX - BARRIER_BYTES) // stage_bytes(BN)
-    if D * stage_bytes(BN) < BM * (BN + 4) * 4:
-        raise ValueError(f"BN = {BN}: the fp32 tile does not fit in the drained ring")
-    return BN, S, D
+    D = (SMEM_PER_CTA_MAX - BARRIER_BYTES) // stage_bytes(BN, bk)
+    if D < 2 or D * stage_bytes(BN, bk) < BM * (BN + 4) * 4:
+        raise ValueError(f"BN = {BN}, BK = {bk}: fewer than two ring stages, or the fp32 tile does not fit the ring")
+    return BN, S, D, bk
 
 
 def applicable(M: int, K: int, N: int) -> bool:
@@ -126,14 +152,14 @@ def _build_class():
         return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
 
     class SplitKWgmma:
-        def __init__(self, BN, S, K, D):
-            self.BN, self.S, self.K, self.D = BN, S, K, D
-            self.KT = K // BK
+        def __init__(self, BN, S, K, D, BKS):
+            self.BN, self.S, self.K, self.D, self.BKS = BN, S, K, D, BKS
+            self.KT = K // BKS
             self.BNP = BN + 4          # fp32 tile row pitch: 16-byte rows, the fragment stores off one bank group
 
         @cute.jit
         def __call__(self, mX, mW, mY, stream):
-            BN, D = self.BN, self.D
+            BN, D, BK = self.BN, self.D, self.BKS
             tiler = (BM, BN, BK)
             tiled_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
                                                     LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), Float32, (1, 1, 1),
@@ -151,7 +177,7 @@ def _build_class():
 
         @cute.kernel
         def kernel(self, tma_a, mA, tma_b, mB, mY, tiled_mma, a_lay, b_lay):
-            BN, S, D, KT, BNP = self.BN, self.S, self.D, self.KT, self.BNP
+            BN, S, D, KT, BNP, BK = self.BN, self.S, self.D, self.KT, self.BNP, self.BKS
             tid = cute.arch.thread_idx()[0]
             lane = cute.arch.lane_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -198,7 +224,7 @@ def _build_class():
                 # W does not depend on the predecessor: the whole ring of it goes out before the PDL wait
                 for q in cutlass.range(npre, unroll=1):
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + q, stage_bytes(BN))
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + q, stage_bytes(BN, BK))
                     cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, q)], tma_bar_ptr=mbar + q)
                 cute.arch.griddepcontrol_wait()
                 for q in cutlass.range(npre, unroll=1):
@@ -207,7 +233,7 @@ def _build_class():
                     s = q % D
                     cute.arch.mbarrier_wait(mbar + D + s, (q // D - 1) % 2)
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, stage_bytes(BN))
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, stage_bytes(BN, BK))
                     cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, s)], tma_bar_ptr=mbar + s)
                     cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, s)], tma_bar_ptr=mbar + s)
             else:
@@ -233,8 +259,6 @@ def _build_class():
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
                 for i in cutlass.range(cute.size(acc), unroll_full=True):
                     tCsC[i] = acc[i]
-            cute.arch.griddepcontrol_launch_dependents()
-
             R = BM // S
             VPR = BN // 4
             base = sC.iterator.toint()
@@ -243,11 +267,16 @@ def _build_class():
                 cute.arch.cluster_wait()
             else:
                 cute.arch.sync_threads()
-            for v in cutlass.range(tid, R * VPR, NTHREADS):
+            # every CTA of the cluster is past its main loop: the dependent may launch (v1 triggered per warp, so the
+            # producer warp, done D stages before its consumers, launched it early)
+            cute.arch.griddepcontrol_launch_dependents()
+            # a static trip count, unrolled, so that the remote loads of all of a thread's vectors are in flight at once
+            for it in cutlass.range_constexpr((R * VPR + NTHREADS - 1) // NTHREADS):
+                v = tid + it * NTHREADS
                 i = v // VPR
                 c4 = (v - i * VPR) * 4
                 row = rank * R + i
-                if row < M:
+                if v < R * VPR and row < M:
                     addr = base + (row * BNP + c4) * 4
                     t0, t1, t2, t3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
                     for r in cutlass.range_constexpr(S):
@@ -276,35 +305,35 @@ def _cls():
     return _CLS
 
 
-def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None) -> tuple:
-    return ("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn) + (K,)
+def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None) -> tuple:
+    return ("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk) + (K,)
 
 
-def _build(BN, S, D, K, options=TVM_FFI):
+def _build(BN, S, D, BKS, K, options=TVM_FFI):
     cutlass, cute = import_cute()
     BF = cutlass.BFloat16
     M, N = cute.sym_int(), cute.sym_int(divisibility=2)
     x = fake_tensor(BF, (M, K))
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (M, N), align=4)
-    return cute.compile(_cls()(BN, S, K, D), x, w, y, fake_stream(), options=options)
+    return cute.compile(_cls()(BN, S, K, D, BKS), x, w, y, fake_stream(), options=options)
 
 
 def _compile(key):
-    _, BN, S, D, K = key
-    return compile_cached(key, lambda: _build(BN, S, D, K))
+    _, BN, S, D, BKS, K = key
+    return compile_cached(key, lambda: _build(BN, S, D, BKS, K))
 
 
-def gemm_ptx(N: int, K: int = 7168, ksplit: int | None = None, bn: int | None = None) -> str:
+def gemm_ptx(N: int, K: int = 7168, ksplit: int | None = None, bn: int | None = None, bk: int | None = None) -> str:
     """PTX of the build that ``plan`` picks for [N, K] (uncached; for reading and the CPU tests)."""
     from .ptxcheck import compiled_ptx
-    BN, S, D = plan(N, K, ksplit, bn)
-    return compiled_ptx(lambda: _build(BN, S, D, K, options=TVM_FFI + " --keep-ptx"))
+    BN, S, D, BKS = plan(N, K, ksplit, bn, bk)
+    return compiled_ptx(lambda: _build(BN, S, D, BKS, K, options=TVM_FFI + " --keep-ptx"))
 
 
-def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = None):
+def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = None, bk: int | None = None):
     """y[M, N] = bf16(x[M, K] @ w[N, K]^T) with fp32 accumulation, M in 1..64: the cluster K-split WGMMA GEMM.
-    ``ksplit`` / ``bn``: pin the plan's S / BN (benchmark cells)."""
+    ``ksplit`` / ``bn`` / ``bk``: pin the plan's S / BN / BK (benchmark cells)."""
     import torch
     check_tensor("x", x, dtype=torch.bfloat16)
     check_tensor("w", w, dtype=torch.bfloat16, device=x.device)
@@ -318,5 +347,5 @@ def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = No
         out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=x.device, align=4)
-    _compile(compile_key(N, K, ksplit, bn))(x, w, out)
+    _compile(compile_key(N, K, ksplit, bn, bk))(x, w, out)
     return out

@@ -20,14 +20,15 @@ IN_PROJ = {tp: proj_width(k3_rank(tp).kda_heads) for tp in (16, 8)}
 
 def test_plan_for_the_in_proj_widths():
     assert IN_PROJ == {16: 3216, 8: 6288}
-    assert G.plan(IN_PROJ[16], K) == (224, 8, 6)      # 15 clusters of 8
-    assert G.plan(IN_PROJ[8], K) == (208, 4, 6)       # 31 clusters of 4
-    assert G.plan(IN_PROJ[16], K, ksplit=4) == (112, 4, 10)
+    assert G.plan(IN_PROJ[16], K) == (224, 8, 3, 128)      # 15 clusters of 8
+    assert G.plan(IN_PROJ[8], K) == (208, 4, 3, 128)       # 31 clusters of 4
+    assert G.plan(IN_PROJ[16], K, ksplit=4) == (112, 4, 5, 128)
+    assert G.plan(IN_PROJ[16], K, bk=64) == (224, 8, 6, 64)  # v1's stages
     for N in (IN_PROJ[16], IN_PROJ[8], 1000, 48):
-        BN, S, D = G.plan(N, K)
+        BN, S, D, BK = G.plan(N, K)
         assert math.ceil(N / BN) <= G.CLUSTERS_RESIDENT[S]          # one wave
-        assert D * G.stage_bytes(BN) + G.BARRIER_BYTES <= SMEM_PER_CTA_MAX
-        assert D * G.stage_bytes(BN) >= G.BM * (BN + 4) * 4        # the fp32 tile fits the drained ring
+        assert D * G.stage_bytes(BN, BK) + G.BARRIER_BYTES <= SMEM_PER_CTA_MAX
+        assert D * G.stage_bytes(BN, BK) >= G.BM * (BN + 4) * 4    # the fp32 tile fits the drained ring
         assert BN % 16 == 0 and 16 <= BN <= 256
 
 
@@ -48,8 +49,10 @@ def test_bad_inputs_are_refused():
         G.gemm_wgmma(torch.zeros(16, 1024, dtype=torch.bfloat16), torch.zeros(63, 1024, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="dtype"):
         G.gemm_wgmma(torch.zeros(16, 1024), w)
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(ValueError, match="multiple of 128"):
         G.plan(64, 1000)
+    with pytest.raises(ValueError, match="bk must be"):
+        G.plan(64, 1024, bk=256)
     with pytest.raises(ValueError, match="ksplit"):
         G.plan(64, 1024, ksplit=3)
     with pytest.raises(ValueError, match="one wave"):
@@ -57,9 +60,9 @@ def test_bad_inputs_are_refused():
 
 
 @needs_dsl
-@pytest.mark.parametrize("tp,ks", [(16, None), (8, None), (16, 4)])
-def test_compiles_for_the_layer(tp, ks):
-    G._compile(G.compile_key(IN_PROJ[tp], K, ks))
+@pytest.mark.parametrize("tp,ks,bk", [(16, None, None), (8, None, None), (16, 4, None), (16, None, 64), (8, None, 64)])
+def test_compiles_for_the_layer(tp, ks, bk):
+    G._compile(G.compile_key(IN_PROJ[tp], K, ks, bk=bk))
 
 
 @needs_dsl
@@ -69,14 +72,16 @@ def test_ptx_order_and_registers():
     lines = [ln.strip() for ln in ptx.splitlines()]
     waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
     tma = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.tensor")]
-    # the W prefetch loop (one copy) before the producer's wait, the x copies of the prefetched stages after it
-    assert len(waits) == 2 and len(tma) == 4 and tma[0] < waits[0] < tma[1]
-    assert sum("wgmma.mma_async" in ln and "m64n224k16" in ln for ln in lines) == 4
+    # the W prefetch loop (two boxes per stage) before the producer's wait, the x copies of the prefetched stages
+    # after it, two boxes each per stage in the steady loop
+    assert len(waits) == 2 and len(tma) == 8 and tma[1] < waits[0] < tma[2]
+    assert sum("wgmma.mma_async" in ln and "m64n224k16" in ln for ln in lines) == 8
     clusters = [i for i, ln in enumerate(lines) if ln.startswith("barrier.cluster.wait")]
     remote = [i for i, ln in enumerate(lines) if ln.startswith("ld.shared::cluster")]
-    assert len(clusters) == 2 and len(remote) == 8 and clusters[0] < min(remote) and max(remote) < clusters[1]
+    # R x BN / 4 = 8 x 56 vectors over 160 threads: 3 unrolled rounds of 8 remote loads, between the barriers
+    assert len(clusters) == 2 and len(remote) == 24 and clusters[0] < min(remote) and max(remote) < clusters[1]
     trig = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents"))
-    assert trig < clusters[0]
+    assert clusters[0] < trig < min(remote)
     tools = find_sass_tools()
     if tools is not None:
         res = ptxas_resources(ptx, tools[0])
