@@ -145,10 +145,16 @@ def _cases(cfg, batch: int):
                 return F.linear(xx, w_in)
         wbytes = w_in.numel() * 2 + M * d * 2
         cases.append(("gemm_in_proj_plain@wgmma", lambda: gemm_wgmma(x, w_in), lt_linear, wbytes))
-        # v1's 64-wide stages (6 of them) with v1.1's epilogue
-        cases.append(("gemm_in_proj_plain@wgmmak64", lambda: gemm_wgmma(x, w_in, bk=64), lt_linear, wbytes))
-        if wgmma_plan(w_in.shape[0], d)[1] != 4:
-            cases.append(("gemm_in_proj_plain@wgmma4", lambda: gemm_wgmma(x, w_in, ksplit=4), lt_linear, wbytes))
+        # the plan's variants (session 25): 128-wide stages (v1.1), rings small enough for two CTAs per SM (d3 / d2),
+        # fewer clusters than the plan's (8 x BN 256: 13 of them at rank16; 4 x BN 128: 26), 8 x BN 256 at two per SM
+        for tag, kw in (("k128", dict(bk=128)), ("d3", dict(stages=3)), ("d2", dict(stages=2)),
+                        ("8bn256", dict(ksplit=8, bn=256)), ("4bn128", dict(ksplit=4, bn=128)),
+                        ("8bn256d2", dict(ksplit=8, bn=256, stages=2))):
+            try:
+                wgmma_plan(w_in.shape[0], d, **kw)
+            except ValueError:
+                continue
+            cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda kw=kw: gemm_wgmma(x, w_in, **kw), lt_linear, wbytes))
         for tag, et in (("", False), ("et", True)):
             def norm_wgmma(et=et):
                 xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,

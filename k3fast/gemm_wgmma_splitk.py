@@ -70,7 +70,7 @@ from ._dsl import SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_
 
 BM = 64                 # WGMMA's m: the tokens, zero-padded by the TMA unit past M
 BK_ATOM = 64            # one 128-byte swizzle row of bf16 (the TMA box's inner extent)
-BK = 128                # k per ring stage (v1.1): two boxes per operand, so each W row arrives 256 bytes at a time
+BK = 64                 # k per ring stage (v1.1's 128, two boxes per operand, was no faster: s88)
 MIN_M, MAX_M = 1, 64
 # Clusters of S CTAs (one CTA per SM, ~200 KB of shared memory) co-resident in one wave on the H200's 132 SMs:
 # 15 of 8 and 32 of 4 measured (LOG.md session 9, the experts kernel); 66 of 2 from the SM count.
@@ -84,14 +84,18 @@ def stage_bytes(BN: int, bk: int = BK) -> int:
     return (BM + BN) * bk * 2
 
 
-def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None
-         ) -> tuple[int, int, int, int]:
+SM_SMEM = 233472       # shared memory per SM (228 KB), 1 KB of it reserved per resident CTA
+
+
+def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
+         stages: int | None = None) -> tuple[int, int, int, int]:
     """(BN, S, D, BK): the W rows per CTA, the cluster's K split, the ring depth and the k per stage for
     y = x @ W^T, W [N, K].
 
     Among the splits whose clusters are all co-resident in one wave, the one with the fewest ring bytes in the
     busiest CTA (its W tile plus its x tile per k-tile, times its k-tiles); ties go to the larger S (fewer re-reads
-    of x). ``ksplit`` / ``bn`` / ``bk`` pin S / BN / BK (the A/B cells of the benchmark)."""
+    of x). ``ksplit`` / ``bn`` / ``bk`` / ``stages`` pin S / BN / BK / D (the A/B cells of the benchmark); a ring small
+    enough for two CTAs per SM doubles the clusters counted as co-resident."""
     bk = bk or BK
     if bk not in (64, 128):
         raise ValueError(f"bk must be 64 or 128, got {bk}")
@@ -104,8 +108,12 @@ def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: i
             raise ValueError(f"ksplit must be one of {sorted(CLUSTERS_RESIDENT)}, got {S}")
         if KT < S:
             continue
-        BN = bn or max(16, 16 * math.ceil(N / CLUSTERS_RESIDENT[S] / 16))
-        if BN % 16 or not 16 <= BN <= 256 or math.ceil(N / BN) > CLUSTERS_RESIDENT[S]:
+        per_sm = 1
+        if stages:
+            per_sm = 2 if 2 * (stages * stage_bytes(bn or 256, bk) + BARRIER_BYTES + 1024) <= SM_SMEM else 1
+        resident = CLUSTERS_RESIDENT[S] * per_sm
+        BN = bn or max(16, 16 * math.ceil(N / resident / 16))
+        if BN % 16 or not 16 <= BN <= 256 or math.ceil(N / BN) > resident:
             continue
         cost = (BN + BM) * math.ceil(KT / S)
         if best is None or cost < best[0]:
@@ -115,18 +123,19 @@ def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: i
                          f"BN must be a multiple of 16 in 16..256 (the DSL's WGMMA builds abort at n = 200 / 216 "
                          f"when compiled) and ceil(N / BN) clusters co-resident")
     _, BN, S = best
-    D = (SMEM_PER_CTA_MAX - BARRIER_BYTES) // stage_bytes(BN, bk)
-    if D < 2 or D * stage_bytes(BN, bk) < BM * (BN + 4) * 4:
-        raise ValueError(f"BN = {BN}, BK = {bk}: fewer than two ring stages, or the fp32 tile does not fit the ring")
+    D = stages or (SMEM_PER_CTA_MAX - BARRIER_BYTES) // stage_bytes(BN, bk)
+    if D < 2 or D * stage_bytes(BN, bk) + BARRIER_BYTES > SMEM_PER_CTA_MAX or D * stage_bytes(BN, bk) < BM * (BN + 4) * 4:
+        raise ValueError(f"BN = {BN}, BK = {bk}, D = {D}: fewer than two ring stages, more than fit, or the fp32 tile "
+                         f"does not fit the ring")
     return BN, S, D, bk
 
 
-def applicable(M: int, K: int, N: int) -> bool:
-    """Whether gemm_wgmma takes y[M, N] = x[M, K] @ W[N, K]^T (M in 1..64, N even, a one-wave plan)."""
+def applicable(M: int, K: int, N: int, **pins) -> bool:
+    """Whether gemm_wgmma takes y[M, N] = x[M, K] @ W[N, K]^T (M in 1..64, N even, a one-wave plan; ``pins``: plan's)."""
     if not MIN_M <= M <= MAX_M or N % 2 or N <= 0:
         return False
     try:
-        plan(N, K)
+        plan(N, K, **pins)
     except ValueError:
         return False
     return True
@@ -305,8 +314,9 @@ def _cls():
     return _CLS
 
 
-def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None) -> tuple:
-    return ("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk) + (K,)
+def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
+                stages: int | None = None) -> tuple:
+    return ("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk, stages) + (K,)
 
 
 def _build(BN, S, D, BKS, K, options=TVM_FFI):
@@ -331,9 +341,10 @@ def gemm_ptx(N: int, K: int = 7168, ksplit: int | None = None, bn: int | None = 
     return compiled_ptx(lambda: _build(BN, S, D, BKS, K, options=TVM_FFI + " --keep-ptx"))
 
 
-def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = None, bk: int | None = None):
+def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
+               stages: int | None = None):
     """y[M, N] = bf16(x[M, K] @ w[N, K]^T) with fp32 accumulation, M in 1..64: the cluster K-split WGMMA GEMM.
-    ``ksplit`` / ``bn`` / ``bk``: pin the plan's S / BN / BK (benchmark cells)."""
+    ``ksplit`` / ``bn`` / ``bk`` / ``stages``: pin the plan's S / BN / BK / D (benchmark cells)."""
     import torch
     check_tensor("x", x, dtype=torch.bfloat16)
     check_tensor("w", w, dtype=torch.bfloat16, device=x.device)
@@ -347,5 +358,5 @@ def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = No
         out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=x.device, align=4)
-    _compile(compile_key(N, K, ksplit, bn, bk))(x, w, out)
+    _compile(compile_key(N, K, ksplit, bn, bk, stages))(x, w, out)
     return out

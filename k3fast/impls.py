@@ -480,6 +480,9 @@ FAST_VARIANTS = {
     # cluster K split instead of cublasLt, behind the AttnRes norm (its trigger after its wait / at its end)
     "fast-inwg": {"inproj_wide": "wgmma", "inproj_wide_early": True},
     "fast-inwglate": {"inproj_wide": "wgmma", "inproj_wide_early": False},
+    # ... with rings of 3 / 2 stages (two CTAs fit per SM, so the plan may count twice the co-resident clusters)
+    "fast-inwgd3": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 3}},
+    "fast-inwgd2": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 2}},
     # rms_gemv v15 (session 23): the AttnRes norms that run as their own kernels (M >= 3: before v13's ring GEMV at
     # M 3..8, the in_proj's and o_proj's AttnRes #2 before cuBLAS above) as clusters of 4 CTAs per token, the default
     # since s74. "fast-normc1" is the A/B (one CTA per token, as before); "fast-normc9" the clusters only above M = 8

@@ -909,9 +909,22 @@ y = g(x, w); torch.cuda.synchronize(); print('smoke: max |y - ref|', (y.float() 
           K3_SWEEP_TIMEOUT=200 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 16 64 --kernels gemm_in_proj_plain@wgmma \
             gemm_in_proj_plain@wgmmak64 attnres_rms_gemv@wgmmaet" K3_BENCH_TIMEOUT=80 \
             bash scripts/h200_sweep.sh $cells --budget-s 180 ;;
+  # written in session 25 after s88 (v1.1's 128-wide stages no faster; the KDA launch after the cluster barrier showed
+  # the epilogue takes ~1.6 us, so the main loop itself runs at ~2.7 TB/s): whether the one-wave co-residency the plan
+  # assumes holds. Rings of 3 / 2 stages fit two CTAs per SM; 13 clusters of 8 / 26 of 4 leave margin (stage with --vllm)
+  s89)    bash scripts/h200_next.sh s86smoke || exit 1
+          K3_TEST_TIMEOUT=110 bash scripts/h200_tests.sh tests/gpu/test_gemm_wgmma_splitk.py \
+            "tests/gpu/test_fast_layer.py::test_fast_attention_half[64-16-fast-inwgd2]" \
+            "tests/gpu/test_fast_layer.py::test_fast_attention_half[64-8-fast-inwgd2]" || true
+          cells="--cell kda_moe,k3_rank16,64,0,stock+fast+fast-inwg+fast-inwgd3+fast-inwgd2"
+          for c in k3_rank8,64 k3_rank16,16 k3_rank8,16; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,fast+fast-inwgd3+fast-inwgd2"; done
+          K3_SWEEP_TIMEOUT=140 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 64 --kernels gemm_in_proj_plain@wgmma \
+            gemm_in_proj_plain@wgmmad3 gemm_in_proj_plain@wgmmad2 gemm_in_proj_plain@wgmma8bn256 \
+            gemm_in_proj_plain@wgmma4bn128 gemm_in_proj_plain@wgmma8bn256d2" K3_BENCH_TIMEOUT=75 \
+            bash scripts/h200_sweep.sh $cells --budget-s 120 ;;
   s86smoke) timeout 60 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g
 x = torch.randn(64, 7168, device='cuda').bfloat16(); w = torch.randn(3216, 7168, device='cuda').bfloat16()
 y = g(x, w); torch.cuda.synchronize(); print('smoke: max |y - ref|', (y.float() - x.float() @ w.float().T).abs().max().item())" \
             || { echo "smoke failed: gemm_wgmma did not finish"; exit 1; } ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89"; exit 2 ;;
 esac

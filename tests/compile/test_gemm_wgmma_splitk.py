@@ -20,10 +20,12 @@ IN_PROJ = {tp: proj_width(k3_rank(tp).kda_heads) for tp in (16, 8)}
 
 def test_plan_for_the_in_proj_widths():
     assert IN_PROJ == {16: 3216, 8: 6288}
-    assert G.plan(IN_PROJ[16], K) == (224, 8, 3, 128)      # 15 clusters of 8
-    assert G.plan(IN_PROJ[8], K) == (208, 4, 3, 128)       # 31 clusters of 4
-    assert G.plan(IN_PROJ[16], K, ksplit=4) == (112, 4, 5, 128)
-    assert G.plan(IN_PROJ[16], K, bk=64) == (224, 8, 6, 64)  # v1's stages
+    assert G.plan(IN_PROJ[16], K) == (224, 8, 6, 64)       # 15 clusters of 8
+    assert G.plan(IN_PROJ[8], K) == (208, 4, 6, 64)        # 31 clusters of 4
+    assert G.plan(IN_PROJ[16], K, ksplit=4) == (112, 4, 10, 64)
+    assert G.plan(IN_PROJ[16], K, bk=128) == (224, 8, 3, 128)  # v1.1's stages
+    # a ring of two stages fits two CTAs per SM, which doubles the co-resident clusters the plan may use
+    assert G.plan(IN_PROJ[8], K, stages=2) == (224, 8, 2, 64)
     for N in (IN_PROJ[16], IN_PROJ[8], 1000, 48):
         BN, S, D, BK = G.plan(N, K)
         assert math.ceil(N / BN) <= G.CLUSTERS_RESIDENT[S]          # one wave
@@ -49,8 +51,10 @@ def test_bad_inputs_are_refused():
         G.gemm_wgmma(torch.zeros(16, 1024, dtype=torch.bfloat16), torch.zeros(63, 1024, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="dtype"):
         G.gemm_wgmma(torch.zeros(16, 1024), w)
-    with pytest.raises(ValueError, match="multiple of 128"):
+    with pytest.raises(ValueError, match="multiple of 64"):
         G.plan(64, 1000)
+    with pytest.raises(ValueError, match="D = 9"):
+        G.plan(IN_PROJ[16], K, stages=9)
     with pytest.raises(ValueError, match="bk must be"):
         G.plan(64, 1024, bk=256)
     with pytest.raises(ValueError, match="ksplit"):
@@ -60,9 +64,10 @@ def test_bad_inputs_are_refused():
 
 
 @needs_dsl
-@pytest.mark.parametrize("tp,ks,bk", [(16, None, None), (8, None, None), (16, 4, None), (16, None, 64), (8, None, 64)])
-def test_compiles_for_the_layer(tp, ks, bk):
-    G._compile(G.compile_key(IN_PROJ[tp], K, ks, bk=bk))
+@pytest.mark.parametrize("tp,kw", [(16, {}), (8, {}), (16, dict(ksplit=4)), (16, dict(bk=128)), (8, dict(stages=2)),
+                                   (16, dict(ksplit=8, bn=256, stages=2))])
+def test_compiles_for_the_layer(tp, kw):
+    G._compile(G.compile_key(IN_PROJ[tp], K, **kw))
 
 
 @needs_dsl
@@ -72,10 +77,10 @@ def test_ptx_order_and_registers():
     lines = [ln.strip() for ln in ptx.splitlines()]
     waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
     tma = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.tensor")]
-    # the W prefetch loop (two boxes per stage) before the producer's wait, the x copies of the prefetched stages
-    # after it, two boxes each per stage in the steady loop
-    assert len(waits) == 2 and len(tma) == 8 and tma[1] < waits[0] < tma[2]
-    assert sum("wgmma.mma_async" in ln and "m64n224k16" in ln for ln in lines) == 8
+    # the W prefetch loop (one box per stage) before the producer's wait, the x copies of the prefetched stages
+    # after it, one box each per stage in the steady loop
+    assert len(waits) == 2 and len(tma) == 4 and tma[0] < waits[0] < tma[1]
+    assert sum("wgmma.mma_async" in ln and "m64n224k16" in ln for ln in lines) == 4
     clusters = [i for i, ln in enumerate(lines) if ln.startswith("barrier.cluster.wait")]
     remote = [i for i, ln in enumerate(lines) if ln.startswith("ld.shared::cluster")]
     # R x BN / 4 = 8 x 56 vectors over 160 threads: 3 unrolled rounds of 8 remote loads, between the barriers

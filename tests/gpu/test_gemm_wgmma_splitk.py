@@ -19,25 +19,26 @@ def G():
     return gemm_wgmma_splitk
 
 
-# the layer's two in_proj widths (the plan: S = 8 x BN 224 / S = 4 x BN 208), S = 4 pinned at rank16, and a small
-# shape whose last row tile is partial (1000 rows, K = 1024: 16 k-tiles over 8 CTAs)
-SHAPES = [(N_RANK16, K, None), (N_RANK8, K, None), (N_RANK16, K, 4), (1000, 1024, None)]
+# the layer's two in_proj widths (the plan: S = 8 x BN 224 / S = 4 x BN 208), S = 4 pinned at rank16, a small shape
+# whose last row tile is partial (1000 rows, K = 1024: 16 k-tiles over 8 CTAs), a two-stage ring, 128-wide stages
+SHAPES = [(N_RANK16, K, {}), (N_RANK8, K, {}), (N_RANK16, K, dict(ksplit=4)), (1000, 1024, {}),
+          (N_RANK8, K, dict(stages=2)), (N_RANK16, K, dict(bk=128))]
 
 
 @pytest.mark.parametrize("M", [9, 16, 33, 64, 1, 8])
-@pytest.mark.parametrize("N,Kw,ks", SHAPES)
-def test_gemm_wgmma(G, seed, M, N, Kw, ks):
+@pytest.mark.parametrize("N,Kw,kw", SHAPES)
+def test_gemm_wgmma(G, seed, M, N, Kw, kw):
     x = torch.randn(M, Kw, device="cuda").to(torch.bfloat16)
     w = make_w(N, Kw)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-    y = G.gemm_wgmma(x, w, out=out, ksplit=ks)
+    y = G.gemm_wgmma(x, w, out=out, **kw)
     torch.cuda.synchronize()
     assert y.data_ptr() == out.data_ptr()
     assert_close("gemm_wgmma", y, F.linear(x.float(), w.float()), "bf16_kernel")
     assert_close("gemm_wgmma vs cuBLAS", y, F.linear(x, w), "bf16_kernel_pair")
-    assert torch.equal(G.gemm_wgmma(x, w, ksplit=ks), y)        # deterministic: fixed split, rank-order sum
+    assert torch.equal(G.gemm_wgmma(x, w, **kw), y)             # deterministic: fixed split, rank-order sum
     # a token's row does not depend on the other tokens (its own WGMMA row, the same K split)
-    assert torch.equal(G.gemm_wgmma(x[-1:].contiguous(), w, ksplit=ks)[0], y[-1])
+    assert torch.equal(G.gemm_wgmma(x[-1:].contiguous(), w, **kw)[0], y[-1])
 
 
 def test_gemm_wgmma_nan_poisons_its_token_only(G, seed):
