@@ -155,6 +155,11 @@ def _cases(cfg, batch: int):
             except ValueError:
                 continue
             cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda kw=kw: gemm_wgmma(x, w_in, **kw), lt_linear, wbytes))
+        # v2 (session 25): the tiled copy of the weight, each stage's W tile one contiguous run; the plan's ring and d3
+        from .gemm_wgmma_splitk import tile_weight
+        w_wt = tile_weight(w_in)
+        cases.append(("gemm_in_proj_plain@wgmmatiled", lambda: gemm_wgmma(x, w_wt), lt_linear, wbytes))
+        cases.append(("gemm_in_proj_plain@wgmmatiledd3", lambda: gemm_wgmma(x, w_wt, stages=3), lt_linear, wbytes))
         for tag, et in (("", False), ("et", True)):
             def norm_wgmma(et=et):
                 xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,

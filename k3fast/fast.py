@@ -155,7 +155,8 @@ def blas_library(lib: str | None, device: torch.device):
 
 def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_write, partial_out,
                     early_trigger=None, engine=None, mma=None, joint=None, mid=None, mid_early=None, w_tiled=None,
-                    norm_cluster=None, blas=None, wide=None, wide_early=None, wide_plan=None, **fma_options):
+                    norm_cluster=None, blas=None, wide=None, wide_early=None, wide_plan=None, wide_w=None,
+                    **fma_options):
     """AttnRes #1 + input RMSNorm + packed in_proj as the layer runs it: rms_gemv_ring (one launch) at M <= 2 when
     ``engine`` (None = INPROJ_ENGINE) is "ring"; otherwise rms_gemv.attnres_rms_gemv, fused at M <= 2, its
     tensor-core GEMV up to INPROJ_DSL_MAX_M and cuBLAS above (``mma`` None = that rule; fma_options are
@@ -169,7 +170,8 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     cuBLAS GEMM where one runs (None = INPROJ_BLAS, "default" = torch's; blas_library). ``wide`` (None = INPROJ_WIDE):
     where that cuBLAS GEMM would run at M in gemm_wgmma_splitk's range, "wgmma" runs attnres_rmsnorm (its trigger after
     its wait when ``wide_early``, None = INPROJ_WIDE_EARLY) + gemm_wgmma_splitk instead (``wide_plan``: its plan's
-    pins, gemm_wgmma's keyword arguments). Returns (y, partial_out)."""
+    pins, gemm_wgmma's keyword arguments; ``wide_w``: w's gemm_wgmma_splitk.tile_weight copy, its v2, the same bits).
+    Returns (y, partial_out)."""
     from . import gemm_wgmma_splitk, rms_gemv, rms_gemv_ring
     M = partial.shape[0]
     if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
@@ -192,7 +194,7 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
                                                   block_write=block_write, partial_out=partial_out,
                                                   early_trigger=INPROJ_WIDE_EARLY if wide_early is None else wide_early,
                                                   cluster=norm_cluster)
-        return gemm_wgmma_splitk.gemm_wgmma(x, w, **(wide_plan or {})), partial_out
+        return gemm_wgmma_splitk.gemm_wgmma(x, w if wide_w is None else wide_w, **(wide_plan or {})), partial_out
     with blas_library((INPROJ_BLAS if blas is None else blas) if mma == "cublas" else None, partial.device):
         return rms_gemv.attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps,
                                          block_write=block_write, partial_out=partial_out, mma=mma,
@@ -260,7 +262,8 @@ class FastImpl:
                  inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None,
                  oproj_max_kp: int = OPROJ_FUSED_MAX_KP, inproj_blas: str | None = None,
                  kda_proj_first: bool | None = None, inproj_wide: str | None = None,
-                 inproj_wide_early: bool | None = None, inproj_wide_plan: dict | None = None):
+                 inproj_wide_early: bool | None = None, inproj_wide_plan: dict | None = None,
+                 inproj_wide_tiled: bool = False):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -371,6 +374,12 @@ class FastImpl:
         if inproj_wide not in (None, "cublas", "wgmma"):
             raise ValueError(f"inproj_wide must be None, 'cublas' or 'wgmma', got {inproj_wide!r}")
         self.inproj_wide, self.inproj_wide_early, self.inproj_wide_plan = inproj_wide, inproj_wide_early, inproj_wide_plan
+        # gemm_wgmma_splitk v2: its own copy of the in_proj, each ring stage's tile one contiguous run
+        self.in_proj_wide_tiled = None
+        if inproj_wide_tiled and self.stock_attn is None and (INPROJ_WIDE if inproj_wide is None else inproj_wide) == "wgmma":
+            from .gemm_wgmma_splitk import tile_weight
+            self.in_proj_wide_tiled = tile_weight(self.in_proj, **({"bk": inproj_wide_plan["bk"]}
+                                                                   if inproj_wide_plan and "bk" in inproj_wide_plan else {}))
         # None: INPROJ_MID_TILED. The tiled copy exists only where the v13 path can run (M 3..8 within max_batch)
         self.inproj_tiled = INPROJ_MID_TILED if inproj_tiled is None else inproj_tiled
         self.in_proj_tiled = None
@@ -421,6 +430,7 @@ class FastImpl:
                         + ("" if inproj_wide is None else f", in_proj GEMM at M 9-64 {inproj_wide}")
                         + ("" if inproj_wide_early is None else f", its norm's trigger {'early' if inproj_wide_early else 'late'}")
                         + ("" if inproj_wide_plan is None else f", its plan {inproj_wide_plan}")
+                        + (", its tiled weight" if inproj_wide_tiled else "")
                         + ("" if kda_proj_first is None else f", KDA proj first {'on' if kda_proj_first else 'off'}")
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")
@@ -507,7 +517,7 @@ class FastImpl:
                                       fused_groups=self.gemv_groups, pin_loads=self.gemv_pin,
                                       prefetch_groups=self.gemv_prefetch, norm_cluster=norm_cl, blas=self.inproj_blas,
                                       wide=self.inproj_wide, wide_early=self.inproj_wide_early,
-                                      wide_plan=self.inproj_wide_plan)
+                                      wide_plan=self.inproj_wide_plan, wide_w=self.in_proj_wide_tiled)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                    io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,

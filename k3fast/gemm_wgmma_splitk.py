@@ -161,8 +161,8 @@ def _build_class():
         return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
 
     class SplitKWgmma:
-        def __init__(self, BN, S, K, D, BKS):
-            self.BN, self.S, self.K, self.D, self.BKS = BN, S, K, D, BKS
+        def __init__(self, BN, S, K, D, BKS, tiled=False):
+            self.BN, self.S, self.K, self.D, self.BKS, self.tiled = BN, S, K, D, BKS, tiled
             self.KT = K // BKS
             self.BNP = BN + 4          # fp32 tile row pitch: 16-byte rows, the fragment stores off one bank group
 
@@ -177,6 +177,12 @@ def _build_class():
             b_lay = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, BFloat16, D)
             tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
                                                     cute.slice_(a_lay, (None, None, 0)), (BM, BK))
+            if const_expr(self.tiled):
+                # the tiled weight [K / BK, N, BK] read as the [N, K] matrix it holds: column k of row n at
+                # (k // BK) N BK + n BK + k % BK, so that the box of rows [n0, n0 + BN) of one k-tile is one
+                # contiguous run of BN x BK x 2 bytes
+                N = cute.size(mW, mode=[1])
+                mW = cute.make_tensor(mW.iterator, cute.make_layout((N, (BK, self.KT)), stride=(BK, (1, N * BK))))
             tma_b, tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                     cute.slice_(b_lay, (None, None, 0)), (BN, BK))
             ntiles = (cute.size(mW, mode=[0]) + BN - 1) // BN
@@ -315,48 +321,81 @@ def _cls():
 
 
 def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
-                stages: int | None = None) -> tuple:
-    return ("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk, stages) + (K,)
+                stages: int | None = None, tiled: bool = False) -> tuple:
+    """A tiled weight (tile_weight) is its own build; the key then ends with "tiled"."""
+    return ("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk, stages) + (K,) + (("tiled",) if tiled else ())
 
 
-def _build(BN, S, D, BKS, K, options=TVM_FFI):
+def _build(BN, S, D, BKS, K, tiled=False, options=TVM_FFI):
     cutlass, cute = import_cute()
     BF = cutlass.BFloat16
     M, N = cute.sym_int(), cute.sym_int(divisibility=2)
     x = fake_tensor(BF, (M, K))
-    w = fake_tensor(BF, (N, K))
+    w = fake_tensor(BF, (K // BKS, N, BKS)) if tiled else fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (M, N), align=4)
-    return cute.compile(_cls()(BN, S, K, D, BKS), x, w, y, fake_stream(), options=options)
+    return cute.compile(_cls()(BN, S, K, D, BKS, tiled), x, w, y, fake_stream(), options=options)
 
 
 def _compile(key):
-    _, BN, S, D, BKS, K = key
-    return compile_cached(key, lambda: _build(BN, S, D, BKS, K))
+    _, BN, S, D, BKS, K = key[:6]
+    return compile_cached(key, lambda: _build(BN, S, D, BKS, K, key[6:] == ("tiled",)))
 
 
-def gemm_ptx(N: int, K: int = 7168, ksplit: int | None = None, bn: int | None = None, bk: int | None = None) -> str:
+class WgmmaTiledWeight:
+    """W [N, K] re-laid for the GEMM's v2 (tile_weight): ``data`` is [K / bk, N, bk], k-tile kt's rows in order, so that
+    the bk-wide piece of BN consecutive rows that one ring stage asks for is one contiguous run (in [N, K] it is BN
+    pieces of bk x 2 bytes, K x 2 bytes apart). A type of its own, so that a plain weight cannot be read as tiled."""
+
+    def __init__(self, data, N: int, K: int, bk: int):
+        self.data, self.N, self.K, self.bk = data, N, K, bk
+
+    @property
+    def shape(self):
+        return (self.N, self.K)
+
+
+def tile_weight(w, bk: int = BK) -> WgmmaTiledWeight:
+    """The tiled copy of a bf16 weight [N, K] (N even, K a multiple of bk) that gemm_wgmma reads as v2."""
+    import torch
+    check_tensor("w", w, dtype=torch.bfloat16)
+    if w.dim() != 2 or w.shape[0] % 2 or w.shape[0] == 0 or w.shape[1] % bk:
+        raise ValueError(f"w: expected [N (even, > 0), K (a multiple of {bk})], got {list(w.shape)}")
+    N, K = w.shape
+    return WgmmaTiledWeight(w.view(N, K // bk, bk).permute(1, 0, 2).contiguous(), N, K, bk)
+
+
+def gemm_ptx(N: int, K: int = 7168, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
+             tiled: bool = False) -> str:
     """PTX of the build that ``plan`` picks for [N, K] (uncached; for reading and the CPU tests)."""
     from .ptxcheck import compiled_ptx
     BN, S, D, BKS = plan(N, K, ksplit, bn, bk)
-    return compiled_ptx(lambda: _build(BN, S, D, BKS, K, options=TVM_FFI + " --keep-ptx"))
+    return compiled_ptx(lambda: _build(BN, S, D, BKS, K, tiled, options=TVM_FFI + " --keep-ptx"))
 
 
 def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
                stages: int | None = None):
     """y[M, N] = bf16(x[M, K] @ w[N, K]^T) with fp32 accumulation, M in 1..64: the cluster K-split WGMMA GEMM.
+    w: the [N, K] weight, or its WgmmaTiledWeight (v2: each stage's W tile one contiguous run; the same bits).
     ``ksplit`` / ``bn`` / ``bk`` / ``stages``: pin the plan's S / BN / BK / D (benchmark cells)."""
     import torch
+    tiled = isinstance(w, WgmmaTiledWeight)
     check_tensor("x", x, dtype=torch.bfloat16)
-    check_tensor("w", w, dtype=torch.bfloat16, device=x.device)
+    if tiled:
+        if bk not in (None, w.bk):
+            raise ValueError(f"bk: the tiled weight was laid out for bk = {w.bk}, got {bk}")
+        bk = w.bk
+        check_tensor("w.data", w.data, dtype=torch.bfloat16, shape=(w.K // w.bk, w.N, w.bk), device=x.device)
+    else:
+        check_tensor("w", w, dtype=torch.bfloat16, device=x.device)
     if x.dim() != 2 or not MIN_M <= x.shape[0] <= MAX_M:
         raise ValueError(f"x: expected [M, K] with M in {MIN_M}..{MAX_M}, got {list(x.shape)}")
-    if w.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] % 2 or w.shape[0] == 0:
+    N, Kw = w.shape
+    if (not tiled and w.dim() != 2) or Kw != x.shape[1] or N % 2 or N == 0:
         raise ValueError(f"w: expected [N (even, > 0), K = {x.shape[1]}], got {list(w.shape)}")
     M, K = x.shape
-    N = w.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=x.device, align=4)
-    _compile(compile_key(N, K, ksplit, bn, bk, stages))(x, w, out)
+    _compile(compile_key(N, K, ksplit, bn, bk, stages, tiled))(x, w.data if tiled else w, out)
     return out

@@ -483,6 +483,10 @@ FAST_VARIANTS = {
     # ... with rings of 3 / 2 stages (two CTAs fit per SM, so the plan may count twice the co-resident clusters)
     "fast-inwgd3": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 3}},
     "fast-inwgd2": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 2}},
+    # ... v2: reading its own tiled copy of the in_proj (each ring stage's W tile one contiguous run)
+    "fast-inwgtiled": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_tiled": True},
+    "fast-inwgtiledd3": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_tiled": True,
+                         "inproj_wide_plan": {"stages": 3}},
     # rms_gemv v15 (session 23): the AttnRes norms that run as their own kernels (M >= 3: before v13's ring GEMV at
     # M 3..8, the in_proj's and o_proj's AttnRes #2 before cuBLAS above) as clusters of 4 CTAs per token, the default
     # since s74. "fast-normc1" is the A/B (one CTA per token, as before); "fast-normc9" the clusters only above M = 8

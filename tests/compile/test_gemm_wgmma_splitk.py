@@ -70,6 +70,25 @@ def test_compiles_for_the_layer(tp, kw):
     G._compile(G.compile_key(IN_PROJ[tp], K, **kw))
 
 
+def test_tile_weight_layout():
+    w = torch.randn(6, 256).to(torch.bfloat16)
+    tw = G.tile_weight(w)
+    assert tw.shape == (6, 256) and tw.data.shape == (4, 6, 64) and tw.data.is_contiguous()
+    for kt in range(4):      # k-tile kt holds every row's columns [64 kt, 64 kt + 64), rows in order
+        assert torch.equal(tw.data[kt], w[:, 64 * kt:64 * kt + 64])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        G.tile_weight(torch.zeros(6, 100, dtype=torch.bfloat16))
+
+
+@needs_dsl
+def test_tiled_build_reads_w_as_one_3d_box():
+    ptx = G.gemm_ptx(IN_PROJ[16], tiled=True)
+    tma = [ln.strip() for ln in ptx.splitlines() if ln.strip().startswith("cp.async.bulk.tensor")]
+    # W through a 3-D tensor map (columns of a k-tile, rows, k-tiles), x as before
+    assert sum(".3d." in t for t in tma) == 2 and sum(".2d." in t for t in tma) == 2
+    G._compile(G.compile_key(IN_PROJ[16], K, tiled=True))
+
+
 @needs_dsl
 def test_ptx_order_and_registers():
     from k3fast.ptxcheck import find_sass_tools, ptxas_resources

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.gpu
                                   "fast-opfence", "fast-op32", "fast-inmma", "fast-inmmaet", "fast-opmma",
                                   "fast-mid", "fast-op8", "fast-op4", "fast-incublas",
                                   "fast-intiled", "fast-s22kda", "fast-kdahead48", "fast-normc1", "fast-normc9",
-                                  "fast-s24kda", "fast-inmm", "fast-inwg", "fast-inwglate", "fast-inwgd3", "fast-inwgd2"])
+                                  "fast-s24kda", "fast-inmm", "fast-inwg", "fast-inwglate", "fast-inwgd3", "fast-inwgd2",
+                                  "fast-inwgtiled"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -55,7 +56,7 @@ def test_fast_attention_half(tp, batch, impl):
         from k3fast.rms_gemv_ring import MMA_MAX_M
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
-    if impl in ("fast-inwg", "fast-inwglate", "fast-inwgd3", "fast-inwgd2"):
+    if impl in ("fast-inwg", "fast-inwglate", "fast-inwgd3", "fast-inwgd2", "fast-inwgtiled"):
         from k3fast.rms_gemv_ring import MMA_MAX_M
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")

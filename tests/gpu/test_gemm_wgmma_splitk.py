@@ -41,6 +41,23 @@ def test_gemm_wgmma(G, seed, M, N, Kw, kw):
     assert torch.equal(G.gemm_wgmma(x[-1:].contiguous(), w, **kw)[0], y[-1])
 
 
+@pytest.mark.parametrize("M", [9, 64])
+@pytest.mark.parametrize("N,Kw,kw", [(N_RANK16, K, {}), (N_RANK8, K, dict(stages=3)), (1000, 1024, {}),
+                                     (N_RANK16, K, dict(bk=128))])
+def test_tiled_weight_gives_the_same_bits(G, seed, M, N, Kw, kw):
+    """v2 on tile_weight's copy: the same tiles reach the same shared-memory places, so the same bits; every output
+    written (poisoned first)."""
+    x = torch.randn(M, Kw, device="cuda").to(torch.bfloat16)
+    w = make_w(N, Kw)
+    tw = G.tile_weight(w, **({"bk": kw["bk"]} if "bk" in kw else {}))
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    G.gemm_wgmma(x, tw, out=out, **{k: v for k, v in kw.items() if k != "bk"})
+    torch.cuda.synchronize()
+    assert torch.equal(out, G.gemm_wgmma(x, w, **kw))
+    with pytest.raises(ValueError, match="laid out for bk"):
+        G.gemm_wgmma(x, tw, bk=128 if tw.bk == 64 else 64)
+
+
 def test_gemm_wgmma_nan_poisons_its_token_only(G, seed):
     x = torch.randn(20, K, device="cuda").to(torch.bfloat16)
     w = make_w(N_RANK16)
