@@ -54,13 +54,42 @@ v1 (session 25; measured by h200_next s86 / s87 at 076be23; BK = 64 per stage, 6
     ~26k row streams advancing 128 bytes at a time (cuBLAS's 64-row tiles: ~6k, each advancing 3x as often); (b) the
     epilogue (the KDA step launched ~4.5 us before this kernel ended at rank16, but the trigger was per warp and the
     producer warp, done D stages early, may have fired it).
-v1.1 (session 25; measured by h200_next s88) BK = 128 per stage (two boxes per operand issued back to back: each W
-    row arrives 256 bytes at a time, 3 stages of 74 / 70 KB), the dependent launched after the first cluster barrier
-    (all of the cluster's main loops done), and the epilogue's remote loads unrolled over a static trip count (3 rounds
-    of 8 at rank16). Prediction: if (a) holds, the bare GEMM at rank8 b64 39.6 -> ~30-33 us (cuBLAS ~30) and the
-    layer's GEMM 36.0 -> ~27-30, rank16 18.6 -> ~14-15.5 (the attention half 53.0 -> ~49-51); if it does not move,
-    the limit is the ring depth or the epilogue, and the "@wgmmak64" bench row (v1's stages with v1.1's epilogue)
-    says which of the two changes moved what.
+v1.1 (session 25; measured by h200_next s88 at 24cb2aa) BK = 128 per stage (two boxes per operand issued back to back:
+    each W row arrives 256 bytes at a time, 3 stages of 74 / 70 KB), the dependent launched after the first cluster
+    barrier (all of the cluster's main loops done), and the epilogue's remote loads unrolled over a static trip count
+    (3 rounds of 8 at rank16). Prediction: if (a) holds, the bare GEMM at rank8 b64 39.6 -> ~30-33 us (cuBLAS ~30)
+    and the layer's GEMM 36.0 -> ~27-30, rank16 18.6 -> ~14-15.5 (the attention half 53.0 -> ~49-51); if it does not
+    move, the limit is the ring depth or the epilogue, and the "@wgmmak64" bench row (v1's stages with v1.1's
+    epilogue) says which of the two changes moved what.
+    Measured (kernels- / records-24cb2aa-s88.json; GPU tests 34 passed; copy 4.18 TB/s): bare, us, 128-wide / 64-wide
+    stages / cublasLt: rank16 b16 20.3 / 20.6 / 20.0, b64 22.7 / 22.4 / 19.6; rank8 b16 40.1 / 37.9 / 29.1, b64 42.3 /
+    39.7 / 29.6. Attention half (stock / fast / fast-inwg): rank16 b16 85.5 / 43.1 / 40.1, b64 92.1 / 53.2 / 53.5;
+    rank8 b16 102.9 / 58.2 / 65.7, b64 123.6 / 81.5 / 89.9. (a) is refuted: 256-byte pieces are no faster (rank8
+    slower: 3 stages in flight instead of 6). (b) is small: with the trigger after the cluster barrier the KDA step
+    starts 1.6 us before this kernel ends at rank16 b64 (20.5 against 22.1 in the timeline), so the epilogue is ~1.6
+    us and the main loop itself streams ~46 MB in ~17 us: ~2.7 TB/s. BK back to 64 (the default since 40ec5cc).
+Plan variants (session 25; measured by h200_next s89 at 40ec5cc, kernels- / records-40ec5cc-s89.json; GPU tests 44
+    passed; copy 4.20 TB/s). Question: does the one-wave co-residency that ``plan`` assumes hold? Bare GEMM at b64, us
+    (cublasLt 19.2-19.7 / 29.8-30.1 in the same run):
+                          plan (D6)  d3    d2    13 x 8 (BN 256)  26 x 4 (BN 128)  8 x BN 256, d2
+        rank16 (15 x 8)     21.8     22.6  25.7       22.6            21.7              28.0
+        rank8  (31 x 4)     40.3     35.1  35.8        --              --               36.5
+    At rank16 fewer clusters than the limit (13 of 8, 26 of 4) change nothing and smaller rings are slower: the plan's
+    wave is not the limit there. At rank8 a ring small enough for two CTAs per SM gains 5 us (d3), so 31 clusters of 4
+    at one CTA per SM probably do not all fit in one wave; still 5 us behind cuBLAS. In the layer (fast / d3 / d2):
+    rank16 b64 53.0 / 55.6 / 59.0, b16 42.6 / 41.5 / 44.3; rank8 b64 81.8 / 85.2 / 86.5, b16 59.2 / 60.4 / 60.6.
+    What is left: at ~2.7 TB/s with ~220 KB in flight per SM, Little's law puts each stage's round trip near 10 us,
+    which is queueing behind a memory system that delivers this access pattern slowly, not a latency the ring could
+    hide. The pattern: ~27k concurrent row streams (120 CTAs x 224 rows), each a 128-byte piece per stage, 14 KB
+    apart. Not measured: Nsight Compute of this kernel (DRAM throughput and row-buffer behaviour against cuBLAS's).
+v2 (session 25; CPU-compiled, not run: the session's device time ran out) tile_weight's copy [K / BK, N, BK] read
+    through a 3-D tensor map (columns of a k-tile, rows, k-tiles): the [BN x 64] tile of one stage is one contiguous
+    run of BN x 128 bytes instead of BN pieces 14 KB apart; rows past N are the map's out-of-bounds fill, as before.
+    The same tiles land in the same shared-memory places, so the same bits (GPU test written). Prediction: if the
+    access pattern is the limit, the bare GEMM at rank16 b64 21.8 -> ~15-17 us and rank8 (d3) 35.1 -> ~26-29 (the
+    M <= 2 ring's contiguous chunks stream at 3.45 TB/s); the attention half at rank16 b64 53.0 -> ~49-50.5. If it
+    does not move, the row pieces are not the limit either, and the next step is Nsight Compute of v1 beside cuBLAS
+    (h200_next s90q measures it; s90 / s91 are the full steps). Cost: FastImpl then holds the in_proj twice.
 """
 from __future__ import annotations
 

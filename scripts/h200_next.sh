@@ -15,10 +15,10 @@ export K3_TAG="${K3_TAG:-$K3_COMMIT-${1:-}}"      # records-<commit>-<step>.json
 # Nsight Compute (--set full) of one k3fast.bench case at rank16 b64, the report kept on the device under /tmp/NAME
 # (the tree travels under a 64 MiB carry limit); its details page and its source page per SASS instruction come back
 # gzipped under $OUT as NAME-details.txt.gz and NAME-sass.csv.gz (nbtools.sass_hotspots reads the latter)
-ncu_sass() {      # ncu_sass <bench case> <name> <time-out s>
+ncu_sass() {      # ncu_sass <bench case> <name> <time-out s> [extra ncu_cases.py args, e.g. "--stock 1"]
   local o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
   timeout "$3" ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o "/tmp/$2" \
-    python3 scripts/ncu_cases.py bench --kernel "$1" --shape k3_rank16 --batch 64 > "$o/ncu.log" 2>&1
+    python3 scripts/ncu_cases.py bench --kernel "$1" --shape k3_rank16 --batch 64 ${4:-} > "$o/ncu.log" 2>&1
   tail -3 "$o/ncu.log"
   ncu --import "/tmp/$2.ncu-rep" --page source --csv --print-source sass > "$o/$2-sass.csv" 2>&1
   ncu --import "/tmp/$2.ncu-rep" --print-details all > "$o/$2-details.txt" 2>&1
@@ -932,9 +932,22 @@ y = g(x, w); yt = g(x, t(w)); torch.cuda.synchronize(); print('tiled == plain:',
             --kernels gemm_in_proj_plain@wgmma gemm_in_proj_plain@wgmmatiled gemm_in_proj_plain@wgmmad3 \
             gemm_in_proj_plain@wgmmatiledd3 > "$o/bench.log" 2>&1
           grep -o '"kernel": "[^"]*", "shape": "[^"]*"\|"fast_us_median": [0-9.]*\|"stock_us_median": [0-9.]*' "$o/bench.log" | paste - - - - ;;
+  # written in session 25 for the next session (not run; stage with --vllm). s90: v2 (the tiled weight) with its bitwise
+  # tests and in the attention half, the kernel bench of the plain / tiled layouts at both ring depths, and the four
+  # cells beside stock and fast. s91 (a warm follow-up): Nsight Compute of v1 at rank16 b64 (DRAM throughput, stalls)
+  s90)    bash scripts/h200_next.sh s86smoke || exit 1
+          ids=$(for c in 16-16 64-16 16-8 64-8; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$c-fast-inwgtiled]"; done)
+          K3_TEST_TIMEOUT=130 bash scripts/h200_tests.sh tests/gpu/test_gemm_wgmma_splitk.py $ids || true
+          cells=""; for c in k3_rank16,64 k3_rank8,64 k3_rank16,16 k3_rank8,16; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-inwg+fast-inwgtiled+fast-inwgtiledd3"; done
+          K3_SWEEP_TIMEOUT=230 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 16 64 --kernels gemm_in_proj_plain@wgmma \
+            gemm_in_proj_plain@wgmmad3 gemm_in_proj_plain@wgmmatiled gemm_in_proj_plain@wgmmatiledd3" K3_BENCH_TIMEOUT=90 \
+            bash scripts/h200_sweep.sh $cells --budget-s 210 ;;
+  s91)    ncu_sass gemm_in_proj_plain@wgmma wgmmav1 170
+          ncu_sass gemm_in_proj_plain@wgmma cublaslt64 120 "--stock 1" ;;
   s86smoke) timeout 60 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g
 x = torch.randn(64, 7168, device='cuda').bfloat16(); w = torch.randn(3216, 7168, device='cuda').bfloat16()
 y = g(x, w); torch.cuda.synchronize(); print('smoke: max |y - ref|', (y.float() - x.float() @ w.float().T).abs().max().item())" \
             || { echo "smoke failed: gemm_wgmma did not finish"; exit 1; } ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89|s90q"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89|s90q|s90|s91"; exit 2 ;;
 esac
