@@ -643,3 +643,83 @@ assert all(set(cells[(s, m, "mm")]["kernel_names"]) == set(cells[(s, m, "lt")]["
 from k3fast import fast as fast_mod
 assert fast_mod.INPROJ_BLAS == "cublaslt"
 print(nbtools.ab_table("traces/h200/records-3b5c7d3-s82.json", "attn", ["stock", "fast", "fast-inmm"]))
+
+# %% [markdown]
+# ## 18. Writing that tool: a WGMMA GEMM with a cluster K split (session 25; opt-in)
+# `k3fast/gemm_wgmma_splitk.py` turns the skinny product around: the tokens are WGMMA's m64 (x's rows past M are
+# zero-filled by the TMA unit), and a CTA's BN rows of W are its n. Both operands come through one TMA ring of
+# 128-byte-swizzled stages. One warp produces; one warpgroup consumes. At M = 64 one W tile per SM would be ~24 rows,
+# so x (917 KB) would be re-read from L2 for every 24 rows. Instead the K range is split over a cluster of S CTAs.
+# Their fp32 partials are added in rank order through distributed shared memory, so every run gives the same bits.
+# W does not depend on the norm kernel before it, so the whole ring of W is requested before the PDL wait.
+#
+# The plan picks S and BN so that every cluster is co-resident in one wave: 15 clusters of 8 x 224 rows at rank16,
+# 31 of 4 x 208 at rank8.
+
+# %%
+from k3fast import gemm_wgmma_splitk as gw
+for tp, N in ((16, N16), (8, kmod.proj_width(k3_rank(8).kda_heads))):
+    BN, S, D, BK = gw.plan(N, 7168)
+    print(f"rank{tp}: N = {N}: {-(-N // BN)} clusters of S = {S} CTAs, BN = {BN} rows, a ring of {D} x "
+          f"{gw.stage_bytes(BN, BK) // 1024} KB; per CTA {BN} rows x {7168 // S} columns")
+if dsl_available():
+    lines = [ln.strip() for ln in gw.gemm_ptx(N16).splitlines()]
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    print("TMA copies before the producer's PDL wait:", sum(ln.startswith("cp.async.bulk.tensor") for ln in lines[:wait]),
+          "(the W prefetch loop); WGMMAs per stage:", sum(ln.startswith("wgmma.mma_async") for ln in lines),
+          "; remote loads in the epilogue:", sum(ln.startswith("ld.shared::cluster") for ln in lines))
+else:
+    print("CuTe DSL not installed: PTX view skipped")
+
+# %% [markdown]
+# The prediction was 11.5-13 µs for the bare GEMM at rank16 b64 (3.3-3.4 TB/s; the M <= 2 ring streams at 3.45).
+# On the H200 it streams at ~2.5-2.7 TB/s at every batch and width. Each row below is one kernel-bench run, with
+# cublasLt in the same run:
+# * v1: 64-wide stages, 6 of them.
+# * v1.1: 128-wide stages, so each W row arrives 256 bytes at a time; 3 of them.
+# * Rings small enough for two CTAs per SM (`d3`, `d2`).
+# * Fewer clusters than the wave allows (`8bn256`: 13 clusters of 8; `4bn128`: 26 of 4).
+#
+# The row `wgmma` is the default build of its commit: v1 in s86, v1.1 in s88 (where `wgmmak64` has v1's stages), and
+# in s89 v1's stages again, with v1.1's epilogue.
+
+# %%
+for f in ("kernels-076be23-s86.json", "kernels-24cb2aa-s88.json", "kernels-40ec5cc-s89.json"):
+    with open(os.path.join(nbtools.ROOT, "traces/h200", f)) as fh:
+        doc = json.load(fh)
+    print(f"{f} (copy {doc['copy_tbps']:.2f} TB/s): bare GEMM µs / TB/s, cublasLt in the same run")
+    for r in doc["records"]:
+        if r["kernel"].startswith("gemm_in_proj_plain@wgmma"):
+            print(f"  {r['kernel'][19:]:16s} {r['shape']:10s} b{r['batch']:<3d} {r['fast_us_median']:6.1f} "
+                  f"{r['achieved_tbps']:5.2f}   cublasLt {r['stock_us_median']:6.1f}")
+
+# %% [markdown]
+# What the variants rule out:
+# * x's re-reads: b16 and b64 take the same time.
+# * The piece size: 256-byte pieces (v1.1) are no faster.
+# * The wave at rank16: fewer clusters change nothing.
+#
+# At rank8, a ring small enough for two CTAs per SM gains 5 µs, so not all 31 clusters of 4 fit at one CTA per SM.
+# In the layer only one cell gains, rank16 b16, where cuBLAS runs split-K plus a reduce kernel. The timelines
+# below are from the records of s87. The epilogue is short: with v1.1's trigger after the cluster barrier, the KDA
+# step starts ~1.6 µs before the GEMM ends (records-24cb2aa-s88.json). So the main loop itself is slow.
+#
+# v2 reads the weight from its tiled copy (`tile_weight`), so each stage's W tile is one contiguous run. It is
+# written but not run yet (`h200_next.sh s90`).
+
+# %%
+print(nbtools.ab_table("traces/h200/records-076be23-s87.json", "attn", ["stock", "fast", "fast-inwg", "fast-inwglate"]))
+print(nbtools.ab_table("traces/h200/records-076be23-s87.json", "attn", ["stock", "fast", "fast-inwg"], shape="k3_rank8"))
+for impl in ("fast", "fast-inwg"):
+    print(nbtools.replay_timeline("traces/h200/records-076be23-s87.json", "attn", impl, batch=16))
+rec = nbtools.recorded_gpu_tests("test_gemm_wgmma_splitk")
+print(f"recorded H200 tests of the GEMM: {rec['passed']} passed, {rec['failed']} failed ({rec['source']})")
+assert rec["failed"] == 0 and rec["passed"] > 0
+if torch.cuda.is_available():
+    xg = torch.randn(64, 7168, device="cuda").to(torch.bfloat16)
+    wgt = (torch.randn(N16, 7168, device="cuda") * 7168 ** -0.5).to(torch.bfloat16)
+    yg = gw.gemm_wgmma(xg, wgt)
+    ref = xg.float() @ wgt.float().T
+    err = float((yg.float() - ref).norm() / ref.norm())
+    print(f"live: rel err vs fp32 {err:.2e}; {nbtools.time_live(lambda: gw.gemm_wgmma(xg, wgt)):.1f} µs (warm L2)")
+    assert err < 1e-2
