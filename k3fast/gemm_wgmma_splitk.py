@@ -11,21 +11,24 @@ Design (v1)
   rows of W are its n (B = W, K-major, as stored). Both come through one ring of D stages, each stage an x tile
   [64 x 64] and a W tile [BN x 64] with the 128-byte swizzle the WGMMA descriptors read, on one "full" mbarrier
   (the producer's arrive.expect_tx + both copies' complete_tx) and one "empty" mbarrier (an arrive per consumer
-  warp). Warp 4 is the producer (one elected lane); warps 0-3 are one warpgroup, the consumer: per stage four
+  warp). Warp 4 is the producer (the whole warp runs its loop; one lane arrives on the barriers, and each TMA copy
+  elects its own lane); warps 0-3 are one warpgroup, the consumer: per stage four
   m64nBNk16 WGMMAs into fp32 registers (BN / 2 per thread), the stage released once the next stage's group was
   committed and the previous one waited (wgmma.wait_group 1).
 * Grid [S, ceil(N / BN)], cluster [S, 1, 1]: the S CTAs of a cluster share a W row tile and take contiguous
   slices of the K / 64 k-tiles. Why a K split: at M = 64 one W row tile per SM needs BN ~ 24 rows, so x (the whole
   K range, 917 KB at M = 64) would be re-read from L2 for every 24 rows of W; with S = 8 a CTA reads 1 / 8 of x per
-  208 rows. The plan (``plan``) picks S and BN so that every cluster is co-resident in one wave at one CTA per SM
-  (15 clusters of 8, 32 of 4: measured in session 9, LOG.md "only 15 clusters of 8 are co-resident").
+  224 rows. The plan (``plan``) picks S and BN so that every cluster is co-resident in one wave at one CTA per SM
+  (15 clusters of 8, 32 of 4: LOG.md, fourth session: "only 15 clusters of 8 are co-resident").
 * The W tiles do not depend on the predecessor (the norm kernel): the producer fills the whole ring with W before
   griddepcontrol.wait, and the x tiles of those stages after it (each stage's barrier expects both).
 * Epilogue: each CTA writes its fp32 tile into its own (drained) ring, a cluster barrier publishes it, CTA r reads
   rows [r 64 / S, (r + 1) 64 / S) of every CTA's tile with ld.shared::cluster in rank order (deterministic; the
   same bits for any scheduling), rounds once to bf16 and stores rows < M, columns < N. A second cluster barrier
   keeps every CTA's shared memory alive until the last remote read.
-* PDL: launched with the programmatic-serialization attribute; its dependent is launched after the main loop.
+* PDL: launched with the programmatic-serialization attribute; its dependent is launched after the first cluster
+  barrier, when all of the cluster's main loops are done (v1.1; v1 triggered per warp, so the producer warp fired it
+  D stages early).
 
 Contracts: x [M, K] and W [N, K] bf16, contiguous, 16-byte aligned, K a multiple of 64 with K / 64 >= S, 8 < M <= 64
 (any M in 1..64 is correct; at M <= 8 rms_gemv_ring v13 reads W faster), N even. y [M, N] bf16. Not bit-identical to
@@ -33,7 +36,7 @@ cuBLAS (a different K order), identical between runs.
 
 Version log
 -----------
-v1 (session 25; measured by h200_next s86 / s87 at 076be23; BK = 64 per stage, 6 stages; "bk=64" reproduces it)
+v1 (session 25; measured by h200_next s86 / s87 at 076be23; BK = 64 per stage, 6 stages: today's main loop)
     Prediction (written before any GPU run): the bare GEMM at rank16 M = 64 (N 3216, K 7168, 46 MB of W) 11.5-13 us
     against cublasLt's 14.8-16.9 in the same run (15 clusters of 8 x BN 224 = 120 SMs streaming with ~170 KB of W
     in flight each; the M <= 2 ring reached 3.45 TB/s with ~200 KB); at rank8 M = 64 (N 6288, 90 MB) 23-25.5 us
@@ -98,11 +101,12 @@ import math
 from ._dsl import SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
 
 BM = 64                 # WGMMA's m: the tokens, zero-padded by the TMA unit past M
-BK_ATOM = 64            # one 128-byte swizzle row of bf16 (the TMA box's inner extent)
 BK = 64                 # k per ring stage (v1.1's 128, two boxes per operand, was no faster: s88)
 MIN_M, MAX_M = 1, 64
 # Clusters of S CTAs (one CTA per SM, ~200 KB of shared memory) co-resident in one wave on the H200's 132 SMs:
-# 15 of 8 and 32 of 4 measured (LOG.md session 9, the experts kernel); 66 of 2 from the SM count.
+# 15 of 8 and 32 of 4 as LOG.md's fourth session states them (the experts kernel); 66 of 2 from the SM count. s89 says
+# the 4s are optimistic for this kernel: 31 clusters of 4 at one CTA per SM ran 5 us slower than the same clusters
+# with a ring small enough for two CTAs per SM (see the version log).
 CLUSTERS_RESIDENT = {8: 15, 4: 32, 2: 66, 1: 132}
 PRODUCER_WARP = 4
 NTHREADS = 32 * (PRODUCER_WARP + 1)

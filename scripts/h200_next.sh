@@ -885,10 +885,7 @@ case "${1:-}" in
   # its GPU tests and the attention half with it (fast-inwg: the norm's trigger after its wait; fast-inwglate: at its
   # end), then the kernel bench of its rows beside cublasLt. s87 (a warm follow-up): the cells where it runs, beside
   # stock and fast (stage with --vllm)
-  s86)    timeout 60 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g
-x = torch.randn(64, 7168, device='cuda').bfloat16(); w = torch.randn(3216, 7168, device='cuda').bfloat16()
-y = g(x, w); torch.cuda.synchronize(); print('smoke: max |y - ref|', (y.float() - x.float() @ w.float().T).abs().max().item())" \
-            || { echo "smoke failed: gemm_wgmma did not finish"; exit 1; }
+  s86)    bash scripts/h200_next.sh s86smoke || exit 1
           ids=$(for c in 16-16 16-8 64-16 64-8; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$c-fast-inwg]"; done)
           K3_TEST_TIMEOUT=170 bash scripts/h200_tests.sh tests/gpu/test_gemm_wgmma_splitk.py $ids \
             "tests/gpu/test_fast_layer.py::test_fast_attention_half[64-16-fast-inwglate]" || true
