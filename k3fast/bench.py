@@ -147,9 +147,12 @@ def _cases(cfg, batch: int):
         cases.append(("gemm_in_proj_plain@wgmma", lambda: gemm_wgmma(x, w_in), lt_linear, wbytes))
         # the plan's variants (session 25): 128-wide stages (v1.1), rings small enough for two CTAs per SM (d3 / d2),
         # fewer clusters than the plan's (8 x BN 256: 13 of them at rank16; 4 x BN 128: 26), 8 x BN 256 at two per SM
+        # cuBLAS's own tilings without a K split (1bn32: nvjet 64x32 at rank16, 1bn64: 64x64 at rank8; few rows
+        # walked fast instead of 224 walked slowly), and a split of 2 x 64 rows
         for tag, kw in (("k128", dict(bk=128)), ("d3", dict(stages=3)), ("d2", dict(stages=2)),
                         ("8bn256", dict(ksplit=8, bn=256)), ("4bn128", dict(ksplit=4, bn=128)),
-                        ("8bn256d2", dict(ksplit=8, bn=256, stages=2))):
+                        ("8bn256d2", dict(ksplit=8, bn=256, stages=2)), ("1bn32", dict(ksplit=1, bn=32)),
+                        ("1bn64", dict(ksplit=1, bn=64)), ("2bn64", dict(ksplit=2, bn=64))):
             try:
                 wgmma_plan(w_in.shape[0], d, **kw)
             except ValueError:

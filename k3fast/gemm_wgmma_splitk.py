@@ -93,6 +93,11 @@ v2 (session 25; CPU-compiled, not run: the session's device time ran out) tile_w
     M <= 2 ring's contiguous chunks stream at 3.45 TB/s); the attention half at rank16 b64 53.0 -> ~49-50.5. If it
     does not move, the row pieces are not the limit either, and the next step is Nsight Compute of v1 beside cuBLAS
     (h200_next s90q measures it; s90 / s91 are the full steps). Cost: FastImpl then holds the in_proj twice.
+    The same runs carry bench rows of cuBLAS's own tilings without a K split (1bn32 at rank16 = nvjet 64x32's 101
+    CTAs x 32 rows over all of K; 1bn64 at rank8 = 64x64's 99 CTAs) and a split of 2 x 64 rows. Hypothesis: the K
+    split walks 224 rows per CTA slowly (a 128-byte piece of each row per ~1.3 us), cuBLAS 32-64 rows fast; if the
+    DRAM side pays per row visited, 1bn32 / 1bn64 stream at cuBLAS's rate (2.8 / 3.3 TB/s, bench ~19 / ~30 us at
+    b64) where the plan's split does not, and v2 (contiguous tiles) should too.
 """
 from __future__ import annotations
 

@@ -919,15 +919,17 @@ case "${1:-}" in
             gemm_in_proj_plain@wgmmad3 gemm_in_proj_plain@wgmmad2 gemm_in_proj_plain@wgmma8bn256 \
             gemm_in_proj_plain@wgmma4bn128 gemm_in_proj_plain@wgmma8bn256d2" K3_BENCH_TIMEOUT=75 \
             bash scripts/h200_sweep.sh $cells --budget-s 120 ;;
-  # written in session 25 for its last ~3 device-minutes (stage WITHOUT vLLM: 4 parts): v2 (the tiled weight) against
-  # the plain layout in the kernel bench at b64, both widths, after an equality check of the two
+  # written in session 25 for its last ~3 device-minutes (refused: too little time to start a machine; stage WITHOUT
+  # vLLM: 4 parts): v2 (the tiled weight) against the plain layout in the kernel bench at b64, both widths, after an
+  # equality check of the two, and cuBLAS's own tilings without a K split (1bn32 / 1bn64) and a split of 2 x 64 rows
   s90q)   o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
           timeout 40 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g, tile_weight as t
 x = torch.randn(64, 7168, device='cuda').bfloat16(); w = torch.randn(3216, 7168, device='cuda').bfloat16()
 y = g(x, w); yt = g(x, t(w)); torch.cuda.synchronize(); print('tiled == plain:', torch.equal(y, yt))" || exit 1
           timeout 90 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 64 \
             --kernels gemm_in_proj_plain@wgmma gemm_in_proj_plain@wgmmatiled gemm_in_proj_plain@wgmmad3 \
-            gemm_in_proj_plain@wgmmatiledd3 > "$o/bench.log" 2>&1
+            gemm_in_proj_plain@wgmmatiledd3 gemm_in_proj_plain@wgmma1bn32 gemm_in_proj_plain@wgmma1bn64 \
+            gemm_in_proj_plain@wgmma2bn64 > "$o/bench.log" 2>&1
           grep -o '"kernel": "[^"]*", "shape": "[^"]*"\|"fast_us_median": [0-9.]*\|"stock_us_median": [0-9.]*' "$o/bench.log" | paste - - - - ;;
   # written in session 25 for the next session (not run; stage with --vllm). s90: v2 (the tiled weight) with its bitwise
   # tests and in the attention half, the kernel bench of the plain / tiled layouts at both ring depths, and the four
@@ -938,7 +940,8 @@ y = g(x, w); yt = g(x, t(w)); torch.cuda.synchronize(); print('tiled == plain:',
           cells=""; for c in k3_rank16,64 k3_rank8,64 k3_rank16,16 k3_rank8,16; do
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-inwg+fast-inwgtiled+fast-inwgtiledd3"; done
           K3_SWEEP_TIMEOUT=230 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 16 64 --kernels gemm_in_proj_plain@wgmma \
-            gemm_in_proj_plain@wgmmad3 gemm_in_proj_plain@wgmmatiled gemm_in_proj_plain@wgmmatiledd3" K3_BENCH_TIMEOUT=90 \
+            gemm_in_proj_plain@wgmmad3 gemm_in_proj_plain@wgmmatiled gemm_in_proj_plain@wgmmatiledd3 \
+            gemm_in_proj_plain@wgmma1bn32 gemm_in_proj_plain@wgmma1bn64 gemm_in_proj_plain@wgmma2bn64" K3_BENCH_TIMEOUT=100 \
             bash scripts/h200_sweep.sh $cells --budget-s 210 ;;
   s91)    ncu_sass gemm_in_proj_plain@wgmma wgmmav1 170
           ncu_sass gemm_in_proj_plain@wgmma cublaslt64 120 "--stock 1" ;;
