@@ -111,7 +111,8 @@ MIN_M, MAX_M = 1, 64
 # Clusters of S CTAs (one CTA per SM, ~200 KB of shared memory) co-resident in one wave on the H200's 132 SMs:
 # 15 of 8 and 32 of 4 as LOG.md's fourth session states them (the experts kernel); 66 of 2 from the SM count. s89 says
 # the 4s are optimistic for this kernel: 31 clusters of 4 at one CTA per SM ran 5 us slower than the same clusters
-# with a ring small enough for two CTAs per SM (see the version log).
+# with a ring small enough for two CTAs per SM (see the version log). `python -m k3fast.cluster_probe` measures the
+# co-resident clusters at these footprints (written in session 25, not run yet).
 CLUSTERS_RESIDENT = {8: 15, 4: 32, 2: 66, 1: 132}
 PRODUCER_WARP = 4
 NTHREADS = 32 * (PRODUCER_WARP + 1)

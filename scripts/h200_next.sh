@@ -926,6 +926,7 @@ case "${1:-}" in
           timeout 40 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g, tile_weight as t
 x = torch.randn(64, 7168, device='cuda').bfloat16(); w = torch.randn(3216, 7168, device='cuda').bfloat16()
 y = g(x, w); yt = g(x, t(w)); torch.cuda.synchronize(); print('tiled == plain:', torch.equal(y, yt))" || exit 1
+          timeout 60 python3 -m k3fast.cluster_probe --out "$o" --tag "$K3_TAG" 2>&1 | tail -10
           timeout 90 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 64 \
             --kernels gemm_in_proj_plain@wgmma gemm_in_proj_plain@wgmmatiled gemm_in_proj_plain@wgmmad3 \
             gemm_in_proj_plain@wgmmatiledd3 gemm_in_proj_plain@wgmma1bn32 gemm_in_proj_plain@wgmma1bn64 \
@@ -935,8 +936,9 @@ y = g(x, w); yt = g(x, t(w)); torch.cuda.synchronize(); print('tiled == plain:',
   # tests and in the attention half, the kernel bench of the plain / tiled layouts at both ring depths, and the four
   # cells beside stock and fast. s91 (a warm follow-up): Nsight Compute of v1 at rank16 b64 (DRAM throughput, stalls)
   s90)    bash scripts/h200_next.sh s86smoke || exit 1
+          o=${OUT:-out}; mkdir -p "$o"; timeout 60 python3 -m k3fast.cluster_probe --out "$o" --tag "$K3_TAG" 2>&1 | tail -10
           ids=$(for c in 16-16 64-16 16-8 64-8; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$c-fast-inwgtiled]"; done)
-          K3_TEST_TIMEOUT=130 bash scripts/h200_tests.sh tests/gpu/test_gemm_wgmma_splitk.py $ids || true
+          K3_TEST_TIMEOUT=130 bash scripts/h200_tests.sh tests/gpu/test_gemm_wgmma_splitk.py tests/gpu/test_cluster_probe.py $ids || true
           cells=""; for c in k3_rank16,64 k3_rank8,64 k3_rank16,16 k3_rank8,16; do
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-inwg+fast-inwgtiled+fast-inwgtiledd3"; done
           K3_SWEEP_TIMEOUT=230 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 16 64 --kernels gemm_in_proj_plain@wgmma \
