@@ -163,6 +163,9 @@ def _cases(cfg, batch: int):
         w_wt = tile_weight(w_in)
         cases.append(("gemm_in_proj_plain@wgmmatiled", lambda: gemm_wgmma(x, w_wt), lt_linear, wbytes))
         cases.append(("gemm_in_proj_plain@wgmmatiledd3", lambda: gemm_wgmma(x, w_wt, stages=3), lt_linear, wbytes))
+        # diagnostic (session 25): the plan's ring with consumers that release each stage without a WGMMA (output
+        # zeros): the stream's rate alone. As fast as the GEMM: the memory side sets it; much faster: the consumer
+        cases.append(("gemm_in_proj_plain@wgmmanomma", lambda: gemm_wgmma(x, w_in, diag="nomma"), lt_linear, wbytes))
         for tag, et in (("", False), ("et", True)):
             def norm_wgmma(et=et):
                 xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,

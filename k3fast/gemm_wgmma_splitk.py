@@ -98,6 +98,8 @@ v2 (session 25; CPU-compiled, not run: the session's device time ran out) tile_w
     split walks 224 rows per CTA slowly (a 128-byte piece of each row per ~1.3 us), cuBLAS 32-64 rows fast; if the
     DRAM side pays per row visited, 1bn32 / 1bn64 stream at cuBLAS's rate (2.8 / 3.3 TB/s, bench ~19 / ~30 us at
     b64) where the plan's split does not, and v2 (contiguous tiles) should too.
+    And a diagnostic row, "@wgmmanomma": the plan's ring whose consumers release each stage without a WGMMA. If it
+    streams no faster than the GEMM, the memory side sets the rate; if much faster, the consumer does.
 """
 from __future__ import annotations
 
@@ -200,8 +202,8 @@ def _build_class():
         return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
 
     class SplitKWgmma:
-        def __init__(self, BN, S, K, D, BKS, tiled=False):
-            self.BN, self.S, self.K, self.D, self.BKS, self.tiled = BN, S, K, D, BKS, tiled
+        def __init__(self, BN, S, K, D, BKS, tiled=False, nomma=False):
+            self.BN, self.S, self.K, self.D, self.BKS, self.tiled, self.nomma = BN, S, K, D, BKS, tiled, nomma
             self.KT = K // BKS
             self.BNP = BN + 4          # fp32 tile row pitch: 16-byte rows, the fragment stores off one bank group
 
@@ -300,12 +302,13 @@ def _build_class():
                 for q in cutlass.range(nkt, unroll=1):
                     s = q % D
                     cute.arch.mbarrier_wait(mbar + s, (q // D) % 2)
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(BK // 16):
-                        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, s)], tCrB[(None, None, kb, s)], acc)
-                    warpgroup.commit_group()
-                    # at most this stage's group in flight: the previous stage's operands are read
-                    warpgroup.wait_group(1)
+                    if const_expr(not self.nomma):
+                        warpgroup.fence()
+                        for kb in cutlass.range_constexpr(BK // 16):
+                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, s)], tCrB[(None, None, kb, s)], acc)
+                        warpgroup.commit_group()
+                        # at most this stage's group in flight: the previous stage's operands are read
+                        warpgroup.wait_group(1)
                     if q > 0 and lane == 0:
                         cute.arch.mbarrier_arrive(mbar + D + (q - 1) % D)
                 warpgroup.wait_group(0)
@@ -360,24 +363,29 @@ def _cls():
 
 
 def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
-                stages: int | None = None, tiled: bool = False) -> tuple:
-    """A tiled weight (tile_weight) is its own build; the key then ends with "tiled"."""
-    return ("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk, stages) + (K,) + (("tiled",) if tiled else ())
+                stages: int | None = None, tiled: bool = False, diag: str | None = None) -> tuple:
+    """A tiled weight (tile_weight) is its own build; the key then ends with "tiled". ``diag="nomma"``: the
+    diagnostic build whose consumers wait for each stage and release it without a WGMMA (its output is zeros): the
+    ring's streaming rate alone, for the benchmark."""
+    if diag not in (None, "nomma"):
+        raise ValueError(f"diag must be None or 'nomma', got {diag!r}")
+    return (("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk, stages) + (K,) + (("tiled",) if tiled else ())
+            + ((diag,) if diag else ()))
 
 
-def _build(BN, S, D, BKS, K, tiled=False, options=TVM_FFI):
+def _build(BN, S, D, BKS, K, tiled=False, options=TVM_FFI, nomma=False):
     cutlass, cute = import_cute()
     BF = cutlass.BFloat16
     M, N = cute.sym_int(), cute.sym_int(divisibility=2)
     x = fake_tensor(BF, (M, K))
     w = fake_tensor(BF, (K // BKS, N, BKS)) if tiled else fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (M, N), align=4)
-    return cute.compile(_cls()(BN, S, K, D, BKS, tiled), x, w, y, fake_stream(), options=options)
+    return cute.compile(_cls()(BN, S, K, D, BKS, tiled, nomma), x, w, y, fake_stream(), options=options)
 
 
 def _compile(key):
     _, BN, S, D, BKS, K = key[:6]
-    return compile_cached(key, lambda: _build(BN, S, D, BKS, K, key[6:] == ("tiled",)))
+    return compile_cached(key, lambda: _build(BN, S, D, BKS, K, "tiled" in key[6:], nomma="nomma" in key[6:]))
 
 
 class WgmmaTiledWeight:
@@ -412,10 +420,11 @@ def gemm_ptx(N: int, K: int = 7168, ksplit: int | None = None, bn: int | None = 
 
 
 def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
-               stages: int | None = None):
+               stages: int | None = None, diag: str | None = None):
     """y[M, N] = bf16(x[M, K] @ w[N, K]^T) with fp32 accumulation, M in 1..64: the cluster K-split WGMMA GEMM.
     w: the [N, K] weight, or its WgmmaTiledWeight (v2: each stage's W tile one contiguous run; the same bits).
-    ``ksplit`` / ``bn`` / ``bk`` / ``stages``: pin the plan's S / BN / BK / D (benchmark cells)."""
+    ``ksplit`` / ``bn`` / ``bk`` / ``stages``: pin the plan's S / BN / BK / D (benchmark cells); ``diag="nomma"``:
+    the diagnostic build without WGMMAs (compile_key), whose output is zeros."""
     import torch
     tiled = isinstance(w, WgmmaTiledWeight)
     check_tensor("x", x, dtype=torch.bfloat16)
@@ -436,5 +445,5 @@ def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = No
         out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=x.device, align=4)
-    _compile(compile_key(N, K, ksplit, bn, bk, stages, tiled))(x, w.data if tiled else w, out)
+    _compile(compile_key(N, K, ksplit, bn, bk, stages, tiled, diag))(x, w.data if tiled else w, out)
     return out

@@ -930,7 +930,7 @@ y = g(x, w); yt = g(x, t(w)); torch.cuda.synchronize(); print('tiled == plain:',
           timeout 90 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 64 \
             --kernels gemm_in_proj_plain@wgmma gemm_in_proj_plain@wgmmatiled gemm_in_proj_plain@wgmmad3 \
             gemm_in_proj_plain@wgmmatiledd3 gemm_in_proj_plain@wgmma1bn32 gemm_in_proj_plain@wgmma1bn64 \
-            gemm_in_proj_plain@wgmma2bn64 > "$o/bench.log" 2>&1
+            gemm_in_proj_plain@wgmma2bn64 gemm_in_proj_plain@wgmmanomma > "$o/bench.log" 2>&1
           grep -o '"kernel": "[^"]*", "shape": "[^"]*"\|"fast_us_median": [0-9.]*\|"stock_us_median": [0-9.]*' "$o/bench.log" | paste - - - - ;;
   # written in session 25 for the next session (not run; stage with --vllm). s90: v2 (the tiled weight) with its bitwise
   # tests and in the attention half, the kernel bench of the plain / tiled layouts at both ring depths, and the four
@@ -943,7 +943,8 @@ y = g(x, w); yt = g(x, t(w)); torch.cuda.synchronize(); print('tiled == plain:',
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-inwg+fast-inwgtiled+fast-inwgtiledd3"; done
           K3_SWEEP_TIMEOUT=230 K3_BENCH="--shapes k3_rank16 k3_rank8 --batches 16 64 --kernels gemm_in_proj_plain@wgmma \
             gemm_in_proj_plain@wgmmad3 gemm_in_proj_plain@wgmmatiled gemm_in_proj_plain@wgmmatiledd3 \
-            gemm_in_proj_plain@wgmma1bn32 gemm_in_proj_plain@wgmma1bn64 gemm_in_proj_plain@wgmma2bn64" K3_BENCH_TIMEOUT=100 \
+            gemm_in_proj_plain@wgmma1bn32 gemm_in_proj_plain@wgmma1bn64 gemm_in_proj_plain@wgmma2bn64 \
+            gemm_in_proj_plain@wgmmanomma" K3_BENCH_TIMEOUT=110 \
             bash scripts/h200_sweep.sh $cells --budget-s 210 ;;
   s91)    ncu_sass gemm_in_proj_plain@wgmma wgmmav1 170
           ncu_sass gemm_in_proj_plain@wgmma cublaslt64 120 "--stock 1" ;;

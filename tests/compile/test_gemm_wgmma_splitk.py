@@ -91,6 +91,20 @@ def test_tiled_build_reads_w_as_one_3d_box():
 
 
 @needs_dsl
+def test_diagnostic_build_streams_without_wgmma():
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    BN, S, D, BK = G.plan(IN_PROJ[16], K)
+    ptx = compiled_ptx(lambda: G._build(BN, S, D, BK, K, options=TVM_FFI + " --keep-ptx", nomma=True))
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    assert not any(ln.startswith("wgmma.mma_async") for ln in lines)
+    assert sum(ln.startswith("cp.async.bulk.tensor") for ln in lines) == 4      # the same ring
+    assert G.compile_key(IN_PROJ[16], K, diag="nomma")[-1] == "nomma"
+    with pytest.raises(ValueError, match="diag"):
+        G.compile_key(IN_PROJ[16], K, diag="fast")
+
+
+@needs_dsl
 def test_ptx_order_and_registers():
     from k3fast.ptxcheck import find_sass_tools, ptxas_resources
     ptx = G.gemm_ptx(IN_PROJ[16])
