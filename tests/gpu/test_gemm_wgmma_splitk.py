@@ -120,3 +120,14 @@ def test_norm_then_wgmma_in_a_graph(G, seed, M, early):
         y_e, _ = call(torch.empty_like(pout))
         torch.cuda.synchronize()
         assert torch.equal(holder["y"], y_e)
+
+
+def test_diagnostic_build_runs_the_ring_and_writes_zeros(G, seed):
+    """diag="nomma" (the benchmark's stream-only build): the same ring and epilogue without WGMMAs finishes and writes
+    every output (poisoned first) as zero."""
+    x = torch.randn(64, K, device="cuda").to(torch.bfloat16)
+    w = make_w(N_RANK16)
+    out = torch.full((64, N_RANK16), float("nan"), device="cuda", dtype=torch.bfloat16)
+    G.gemm_wgmma(x, w, out=out, diag="nomma")
+    torch.cuda.synchronize()
+    assert (out == 0).all()
