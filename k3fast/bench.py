@@ -128,36 +128,31 @@ def _cases(cfg, batch: int):
             cases.append((f"attnres_rms_gemv@ringmma{tag}", norm_ring, norm_cublas, w_in.numel() * 2 + M * d * 2 * 4))
     from .gemm_wgmma_splitk import applicable as wgmma_applicable, gemm_wgmma
     if 8 < M and wgmma_applicable(M, d, w_in.shape[0]):
-        # gemm_wgmma_splitk v1 (session 25): the WGMMA GEMM with a cluster K split where the layer's in_proj is
-        # cuBLAS (M 9..64), bare (the plan's split, and S = 4 where it is not the plan's) beside cublasLt, the library
-        # the layer calls there (fast.INPROJ_BLAS), and behind the AttnRes norm (its trigger at its end / after its
-        # wait) beside the norm + cublasLt pair
+        # gemm_wgmma_splitk (session 25): the WGMMA GEMM with a cluster K split where the layer's in_proj is cuBLAS
+        # (M 9..64), bare beside cublasLt, the library the layer calls there (fast.INPROJ_BLAS), and behind the AttnRes
+        # norm (its trigger at its end / after its wait) beside the norm + cublasLt pair
         from .fast import blas_library
-        from .gemm_wgmma_splitk import plan as wgmma_plan
 
-        def lt_linear():
-            with blas_library("cublaslt", x.device):
-                return F.linear(x, w_in)
-
-        def norm_lt():
-            xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
+        def lt_linear(xx=x):
             with blas_library("cublaslt", x.device):
                 return F.linear(xx, w_in)
+
+        def norm_lt():
+            return lt_linear(attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm,
+                                             partial_out=p_out)[0])
         wbytes = w_in.numel() * 2 + M * d * 2
         cases.append(("gemm_in_proj_plain@wgmma", lambda: gemm_wgmma(x, w_in), lt_linear, wbytes))
-        # the plan's variants (session 25): 128-wide stages (v1.1), rings small enough for two CTAs per SM (d3 / d2),
-        # fewer clusters than the plan's (8 x BN 256: 13 of them at rank16; 4 x BN 128: 26), 8 x BN 256 at two per SM
+        # the plan's variants: 128-wide stages (v1.1), rings small enough for two CTAs per SM (d3 / d2), fewer
+        # clusters than the plan's (8 x BN 256: 13 of them at rank16; 4 x BN 128: 26), 8 x BN 256 at two per SM,
         # cuBLAS's own tilings without a K split (1bn32: nvjet 64x32 at rank16, 1bn64: 64x64 at rank8; few rows
         # walked fast instead of 224 walked slowly), and a split of 2 x 64 rows
         for tag, kw in (("k128", dict(bk=128)), ("d3", dict(stages=3)), ("d2", dict(stages=2)),
                         ("8bn256", dict(ksplit=8, bn=256)), ("4bn128", dict(ksplit=4, bn=128)),
                         ("8bn256d2", dict(ksplit=8, bn=256, stages=2)), ("1bn32", dict(ksplit=1, bn=32)),
                         ("1bn64", dict(ksplit=1, bn=64)), ("2bn64", dict(ksplit=2, bn=64))):
-            try:
-                wgmma_plan(w_in.shape[0], d, **kw)
-            except ValueError:
-                continue
-            cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda kw=kw: gemm_wgmma(x, w_in, **kw), lt_linear, wbytes))
+            if wgmma_applicable(M, d, w_in.shape[0], **kw):
+                cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda kw=kw: gemm_wgmma(x, w_in, **kw), lt_linear,
+                              wbytes))
         # v2 (session 25): the tiled copy of the weight, each stage's W tile one contiguous run; the plan's ring and d3
         from .gemm_wgmma_splitk import tile_weight
         w_wt = tile_weight(w_in)

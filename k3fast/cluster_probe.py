@@ -16,6 +16,7 @@ co-resident: the probe reports it in clusters. The counter is reset by the host 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -67,14 +68,9 @@ def _build_class():
     return ClusterProbe
 
 
-_CLS = None
-
-
+@functools.cache
 def _cls():
-    global _CLS
-    if _CLS is None:
-        _CLS = _build_class()
-    return _CLS
+    return _build_class()
 
 
 def _build(S, smem, timeout_us, options=TVM_FFI):

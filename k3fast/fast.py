@@ -114,8 +114,9 @@ INPROJ_BLAS = "cublaslt"
 # Session 25: where the in_proj's GEMM would be that cuBLAS call (8 < M <= 64), "wgmma" runs the AttnRes norm and
 # then gemm_wgmma_splitk (v1: WGMMA with a cluster K split, W streamed through a TMA ring and prefetched before its
 # PDL wait, so that its weights move while the norm runs); INPROJ_WIDE_EARLY: the norm launches it right after its
-# own wait. "cublas" keeps the cuBLAS GEMM (INPROJ_BLAS). "fast-inwg" / "fast-inwglate" are the opt-ins until
-# measured (gemm_wgmma_splitk.py's version log has the prediction).
+# own wait. "cublas" keeps the cuBLAS GEMM (INPROJ_BLAS). Measured (s86-s89, the module's version log): it streams at
+# ~2.5-2.7 TB/s, faster in the layer only at rank16 b16 (38.8 against 42.7 us, s87), even at rank16 b64, slower at
+# rank8; so cuBLAS stays, and "fast-inwg" (plus its -late / -d3 / -d2 / -tiled variants) is the opt-in.
 INPROJ_WIDE = "cublas"
 INPROJ_WIDE_EARLY = True
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
@@ -373,13 +374,14 @@ class FastImpl:
         # None: INPROJ_WIDE / INPROJ_WIDE_EARLY (the in_proj's GEMM at 8 < M <= 64 on cuBLAS or gemm_wgmma_splitk)
         if inproj_wide not in (None, "cublas", "wgmma"):
             raise ValueError(f"inproj_wide must be None, 'cublas' or 'wgmma', got {inproj_wide!r}")
-        self.inproj_wide, self.inproj_wide_early, self.inproj_wide_plan = inproj_wide, inproj_wide_early, inproj_wide_plan
+        self.inproj_wide, self.inproj_wide_early = inproj_wide, inproj_wide_early
+        self.inproj_wide_plan = inproj_wide_plan
         # gemm_wgmma_splitk v2: its own copy of the in_proj, each ring stage's tile one contiguous run
         self.in_proj_wide_tiled = None
-        if inproj_wide_tiled and self.stock_attn is None and (INPROJ_WIDE if inproj_wide is None else inproj_wide) == "wgmma":
-            from .gemm_wgmma_splitk import tile_weight
-            self.in_proj_wide_tiled = tile_weight(self.in_proj, **({"bk": inproj_wide_plan["bk"]}
-                                                                   if inproj_wide_plan and "bk" in inproj_wide_plan else {}))
+        if (inproj_wide_tiled and self.stock_attn is None
+                and (INPROJ_WIDE if inproj_wide is None else inproj_wide) == "wgmma"):
+            from .gemm_wgmma_splitk import BK, tile_weight
+            self.in_proj_wide_tiled = tile_weight(self.in_proj, (inproj_wide_plan or {}).get("bk", BK))
         # None: INPROJ_MID_TILED. The tiled copy exists only where the v13 path can run (M 3..8 within max_batch)
         self.inproj_tiled = INPROJ_MID_TILED if inproj_tiled is None else inproj_tiled
         self.in_proj_tiled = None
@@ -428,7 +430,8 @@ class FastImpl:
                         + ("" if oproj_max_kp == OPROJ_FUSED_MAX_KP else f", fused o_proj up to K={oproj_max_kp}")
                         + ("" if inproj_blas is None else f", in_proj BLAS {inproj_blas}")
                         + ("" if inproj_wide is None else f", in_proj GEMM at M 9-64 {inproj_wide}")
-                        + ("" if inproj_wide_early is None else f", its norm's trigger {'early' if inproj_wide_early else 'late'}")
+                        + ("" if inproj_wide_early is None
+                           else f", its norm's trigger {'early' if inproj_wide_early else 'late'}")
                         + ("" if inproj_wide_plan is None else f", its plan {inproj_wide_plan}")
                         + (", its tiled weight" if inproj_wide_tiled else "")
                         + ("" if kda_proj_first is None else f", KDA proj first {'on' if kda_proj_first else 'off'}")

@@ -49,3 +49,46 @@ def make_inputs(M, n_blocks, with_delta, dev="cuda"):
 
 def make_w(N, Kw=K, dev="cuda"):
     return (torch.randn(N, Kw, device=dev) * Kw ** -0.5).to(torch.bfloat16)
+
+
+def check_norm_then_gemm_in_a_graph(M, bare_gemm, label, **path):
+    """fast.attnres_in_proj with ``path`` (its options that pick a norm + GEMM pair, the norm's trigger early or late)
+    against k3ref's AttnRes + RMSNorm: p' exact, y against the fp32 reference ("bf16_kernel") and equal to the norm
+    (trigger the other way) + ``bare_gemm`` called apart (the trigger placement changes no bit); then captured once
+    and replayed on new inputs, each replay (its y poisoned first) equal to an eager call, p' included. Returns
+    (call, inputs, w): call(partial_out) runs the path on the inputs as they are now."""
+    import torch.nn.functional as F
+    from k3fast import rms_gemv as R
+    from k3fast.fast import attnres_in_proj
+    from tolerances import assert_close
+    n_blocks = 3
+    blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, True)
+    w = make_w(N_RANK8)
+    pout = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+    early = path[next(k for k in path if k.endswith("_early"))]
+
+    def call(po):
+        return attnres_in_proj(blocks, n_blocks, p, delta, u, w_ln, w, eps=EPS, block_write=-1, partial_out=po, **path)
+
+    y, po = call(pout)
+    x_ref, p2_ref = ref_attnres(blocks, n_blocks, p, delta, u, w_ln)
+    torch.cuda.synchronize()
+    assert_close("p'", po, p2_ref, "exact")
+    assert_close(label, y, F.linear(x_ref, w.float()), "bf16_kernel")
+    x_n, p_n = R.attnres_rmsnorm(blocks, n_blocks, p, delta, u, w_ln, eps=EPS, early_trigger=not early)
+    assert torch.equal(p_n, po)
+    assert torch.equal(bare_gemm(x_n, w), y)                # the norm's trigger placement changes no bit
+    holder = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        holder["y"], _ = call(pout)
+    for _ in range(3):
+        b2, p2, d2, _, _ = make_inputs(M, n_blocks, True)
+        blocks.copy_(b2), p.copy_(p2), delta.copy_(d2)
+        holder["y"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        y_e, p_e = call(torch.empty_like(pout))
+        torch.cuda.synchronize()
+        assert torch.equal(holder["y"], y_e) and torch.equal(pout, p_e)
+    return call, (blocks, n_blocks, p, delta, u, w_ln), w

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnres_cases import EPS, K, N_RANK8, N_RANK16, make_inputs, make_w, ref_attnres
+from attnres_cases import K, N_RANK8, N_RANK16, check_norm_then_gemm_in_a_graph, make_w
 from tolerances import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -88,38 +88,8 @@ def test_gemm_wgmma_neighbours_untouched(G, seed):
 def test_norm_then_wgmma_in_a_graph(G, seed, M, early):
     """fast.attnres_in_proj's wide path (attnres_rmsnorm, its trigger early or late, then gemm_wgmma): p' exact,
     y against the fp32 reference and equal to the norm + gemm_wgmma called apart; captured once and replayed on new
-    inputs, each replay equals an eager call."""
-    from k3fast import rms_gemv as R
-    from k3fast.fast import attnres_in_proj
-    n_blocks = 3
-    blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, True)
-    w = make_w(N_RANK8)
-    pout = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
-
-    def call(po):
-        return attnres_in_proj(blocks, n_blocks, p, delta, u, w_ln, w, eps=EPS, block_write=-1, partial_out=po,
-                               wide="wgmma", wide_early=early)
-
-    y, po = call(pout)
-    x_ref, p2_ref = ref_attnres(blocks, n_blocks, p, delta, u, w_ln)
-    torch.cuda.synchronize()
-    assert_close("p'", po, p2_ref, "exact")
-    assert_close("attnres_in_proj (wgmma)", y, F.linear(x_ref, w.float()), "bf16_kernel")
-    x_n, p_n = R.attnres_rmsnorm(blocks, n_blocks, p, delta, u, w_ln, eps=EPS, early_trigger=not early)
-    assert torch.equal(p_n, po)
-    assert torch.equal(G.gemm_wgmma(x_n, w), y)              # the norm's trigger placement changes no bit
-    holder = {}
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        holder["y"], _ = call(pout)
-    for _ in range(2):
-        for t in (blocks, p, delta):
-            t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
-        graph.replay()
-        torch.cuda.synchronize()
-        y_e, _ = call(torch.empty_like(pout))
-        torch.cuda.synchronize()
-        assert torch.equal(holder["y"], y_e)
+    inputs, each replay equals an eager call (attnres_cases.check_norm_then_gemm_in_a_graph)."""
+    check_norm_then_gemm_in_a_graph(M, G.gemm_wgmma, "attnres_in_proj (wgmma)", wide="wgmma", wide_early=early)
 
 
 def test_diagnostic_build_runs_the_ring_and_writes_zeros(G, seed):
