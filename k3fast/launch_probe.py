@@ -141,7 +141,7 @@ def measure(nodes, warm_kb: int = 0, n: int = 200, replays: int = 5) -> dict:
     for c in calls:                                    # compile and warm up outside the capture
         c()
     torch.cuda.synchronize()
-    if out.tolist() != list(range(sms)):
+    if any(nd[0] == "dsl" for nd in nodes) and out.tolist() != list(range(sms)):
         raise RuntimeError("launch_probe: the empty kernel did not write its block indices")
     warm = (lambda: None) if not warm_kb else (lambda f=empty_kernel(warm_kb * 1024): f(out))
     g = torch.cuda.CUDAGraph()
