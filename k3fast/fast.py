@@ -422,7 +422,7 @@ class FastImpl:
                         + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")
                         + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}")
                         + ("" if tail_dsl_max_m == TAIL_DSL_MAX_M else f", moe_tail up to M={tail_dsl_max_m}")
-                        + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", in_proj GEMV up to M={gemv_dsl_max_m}")
+                        + ("" if gemv_dsl_max_m == GEMV_DSL_MAX_M else f", o_proj fused (oproj_attnres) up to M={gemv_dsl_max_m}")
                         + ("" if inproj_dsl_max_m == INPROJ_DSL_MAX_M else f", in_proj DSL GEMV up to M={inproj_dsl_max_m}")
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
                         + ("" if kda_head_min == "module" else f", KDA one CTA per head from {kda_head_min} request-heads")

@@ -528,6 +528,10 @@ FAST_VARIANTS = {
     "fast-mid": {"gemv_dsl_max_m": 4, "inproj_mid": "ring", "inproj_mid_early": True, "oproj_mid": "ring"},  # = fast-opmma
     "fast-op8": {"gemv_dsl_max_m": 8},         # = fast since session 21 (oproj_attnres, the fused AttnRes #2, to M = 8)
     "fast-op4": {"gemv_dsl_max_m": 4},         # o_proj on cuBLAS + attnres_rmsnorm at M 5..8 (before session 21)
+    # session 26: oproj_attnres (the fused AttnRes #2) at M 9..16 too, where o_proj is cuBLAS + attnres_rmsnorm (the
+    # fused kernel's GPU tests cover M = 16; its M = 64 build took 23.6 us against cuBLAS's 8.6, kernels-11595c4.json)
+    "fast-opm16": {"gemv_dsl_max_m": 16},
+    "fast-inwg-opm16": {"inproj_wide": "wgmma", "inproj_wide_early": True, "gemv_dsl_max_m": 16},
     "fast-intiled": {"inproj_tiled": True},    # the in_proj's ring at M 3..8 on its tiled weight (v14)
     # (fast-inmmatrig / fast-intiledtrig, that ring launching the KDA step right after its wait, were measured at
     # 561d389 (s68), slower at all four b4 / b8 cells, and removed)
