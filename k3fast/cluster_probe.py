@@ -106,7 +106,8 @@ def coresident_clusters(S: int, smem: int, clusters: int, timeout_us: int = 200)
 
 
 # gemm_wgmma_splitk's footprints: (S, shared memory bytes of its plans, clusters its plans launch)
-CASES = [(8, 222 * 1024, 15), (8, 222 * 1024, 16), (4, 211 * 1024, 31), (4, 211 * 1024, 32), (4, 106 * 1024, 32),
+CASES = [(8, 222 * 1024, 15), (8, 222 * 1024, 16), (4, 211 * 1024, 31), (4, 211 * 1024, 32), (4, 222 * 1024, 30),
+         (4, 222 * 1024, 31), (4, 106 * 1024, 32),
          (4, 106 * 1024, 64), (8, 106 * 1024, 30), (2, 211 * 1024, 66), (1, 222 * 1024, 132)]
 
 

@@ -116,9 +116,29 @@ INPROJ_BLAS = "cublaslt"
 # PDL wait, so that its weights move while the norm runs); INPROJ_WIDE_EARLY: the norm launches it right after its
 # own wait. "cublas" keeps the cuBLAS GEMM (INPROJ_BLAS). Measured (s86-s89, the module's version log): it streams at
 # ~2.5-2.7 TB/s, faster in the layer only at rank16 b16 (38.8 against 42.7 us, s87), even at rank16 b64, slower at
-# rank8; so cuBLAS stays, and "fast-inwg" (plus its -late / -d3 / -d2 / -tiled variants) is the opt-in.
-INPROJ_WIDE = "cublas"
+# rank8; so cuBLAS stayed, and "fast-inwg" (plus its -late / -d3 / -d2 / -tiled variants) is the opt-in.
+# Session 26: "auto", the default: gemm_wgmma_splitk where it won in every run, M <= INPROJ_WIDE_MAX_M (there cuBLAS
+# splits K and adds its reduce kernel) and N <= INPROJ_WIDE_MAX_N (rank16's 3216, whose 15 clusters of 8 are
+# co-resident; at rank8's 6288 it lost in every run), cuBLAS elsewhere. Rank16 b16, fast-inwg against the then
+# default in one run each: 38.8 / 42.7 us (s87), 40.1 / 43.1 (s88), 39.9 / 42.1 (s90c, records-111bb49-s90c.json).
+# "fast-inwgoff" is the A/B (cuBLAS at every M).
+INPROJ_WIDE = "auto"
+INPROJ_WIDE_MAX_M = 16
+INPROJ_WIDE_MAX_N = 4096
 INPROJ_WIDE_EARLY = True
+
+
+def inproj_wide_choice(M: int, N: int, wide: str | None = None) -> str:
+    """"cublas" or "wgmma": the in_proj's GEMM engine at M tokens and N output rows where it would be cuBLAS, for
+    ``wide`` (None = INPROJ_WIDE; "auto" = the measured rule above, which leaves M <= rms_gemv_ring.MMA_MAX_M to the
+    v13 ring where that applies and to cuBLAS where not)."""
+    w = INPROJ_WIDE if wide is None else wide
+    if w not in ("auto", "cublas", "wgmma"):
+        raise ValueError(f"inproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {w!r}")
+    if w == "auto":
+        from .rms_gemv_ring import MMA_MAX_M
+        return "wgmma" if MMA_MAX_M < M <= INPROJ_WIDE_MAX_M and N <= INPROJ_WIDE_MAX_N else "cublas"
+    return w
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
 # M <= 8; "fast-opmma" is the A/B with GEMV_DSL_MAX_M = 4, since at 8 no o_proj GEMV both runs apart and fits v13).
 OPROJ_MID = "cublas"
@@ -168,8 +188,8 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     the norm launching it after its wait when ``mid_early`` (None = INPROJ_MID_EARLY); ``w_tiled``, w's
     rms_gemv_ring.mma_tile_weight copy, makes that GEMV v14 (the same bits). ``norm_cluster``: CTAs per token of
     attnres_rmsnorm where it runs apart (None = rms_gemv.norm_cluster(M), v15). ``blas``: the BLAS library of the
-    cuBLAS GEMM where one runs (None = INPROJ_BLAS, "default" = torch's; blas_library). ``wide`` (None = INPROJ_WIDE):
-    where that cuBLAS GEMM would run at M in gemm_wgmma_splitk's range, "wgmma" runs attnres_rmsnorm (its trigger after
+    cuBLAS GEMM where one runs (None = INPROJ_BLAS, "default" = torch's; blas_library). ``wide`` (None = INPROJ_WIDE;
+    "auto": inproj_wide_choice's rule): where that cuBLAS GEMM would run at M in gemm_wgmma_splitk's range, "wgmma" runs attnres_rmsnorm (its trigger after
     its wait when ``wide_early``, None = INPROJ_WIDE_EARLY) + gemm_wgmma_splitk instead (``wide_plan``: its plan's
     pins, gemm_wgmma's keyword arguments; ``wide_w``: w's gemm_wgmma_splitk.tile_weight copy, its v2, the same bits).
     Returns (y, partial_out)."""
@@ -189,7 +209,7 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
                                                   early_trigger=INPROJ_MID_EARLY if mid_early is None else mid_early,
                                                   cluster=norm_cluster)
         return rms_gemv_ring.gemv_ring_mma(x, w if w_tiled is None else w_tiled), partial_out
-    if (mma == "cublas" and (INPROJ_WIDE if wide is None else wide) == "wgmma" and partial.dim() == 2
+    if (mma == "cublas" and inproj_wide_choice(M, w.shape[0], wide) == "wgmma" and partial.dim() == 2
             and gemm_wgmma_splitk.applicable(M, w.shape[1], w.shape[0], **(wide_plan or {}))):
         x, partial_out = rms_gemv.attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
                                                   block_write=block_write, partial_out=partial_out,
@@ -372,8 +392,8 @@ class FastImpl:
                 raise ValueError(f"{name} must be None, 'cublas' or 'ring', got {v!r}")
         self.inproj_mid, self.inproj_mid_early, self.oproj_mid = inproj_mid, inproj_mid_early, oproj_mid
         # None: INPROJ_WIDE / INPROJ_WIDE_EARLY (the in_proj's GEMM at 8 < M <= 64 on cuBLAS or gemm_wgmma_splitk)
-        if inproj_wide not in (None, "cublas", "wgmma"):
-            raise ValueError(f"inproj_wide must be None, 'cublas' or 'wgmma', got {inproj_wide!r}")
+        if inproj_wide not in (None, "auto", "cublas", "wgmma"):
+            raise ValueError(f"inproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {inproj_wide!r}")
         self.inproj_wide, self.inproj_wide_early = inproj_wide, inproj_wide_early
         self.inproj_wide_plan = inproj_wide_plan
         # gemm_wgmma_splitk v2: its own copy of the in_proj, each ring stage's tile one contiguous run

@@ -111,12 +111,12 @@ from ._dsl import SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_
 BM = 64                 # WGMMA's m: the tokens, zero-padded by the TMA unit past M
 BK = 64                 # k per ring stage (v1.1's 128, two boxes per operand, was no faster: s88)
 MIN_M, MAX_M = 1, 64
-# Clusters of S CTAs (one CTA per SM, ~200 KB of shared memory) co-resident in one wave on the H200's 132 SMs:
-# 15 of 8 and 32 of 4 as LOG.md's fourth session states them (the experts kernel); 66 of 2 from the SM count. s89 says
-# the 4s are optimistic for this kernel: 31 clusters of 4 at one CTA per SM ran 5 us slower than the same clusters
-# with a ring small enough for two CTAs per SM (see the version log). `python -m k3fast.cluster_probe` measures the
-# co-resident clusters at these footprints (written in session 25, not run yet).
-CLUSTERS_RESIDENT = {8: 15, 4: 32, 2: 66, 1: 132}
+# Clusters of S CTAs (one CTA per SM, ~200 KB of shared memory) co-resident in one wave on the H200's 132 SMs, as
+# k3fast.cluster_probe measured them at this kernel's footprints (clusterprobe-81d3be3-s90q.json): 15 of 8 at 222 KB,
+# 30 of 4 at 211 KB (not the 32 that LOG.md's fourth session read off the experts kernel: the rank8 plan's 31
+# clusters of 4 ran a second wave, which is why its 3-stage ring ran 5 us faster in s89), 66 of 2 and 132 of 1 (all
+# that the probe launched).
+CLUSTERS_RESIDENT = {8: 15, 4: 30, 2: 66, 1: 132}
 PRODUCER_WARP = 4
 NTHREADS = 32 * (PRODUCER_WARP + 1)
 BARRIER_BYTES = 1024

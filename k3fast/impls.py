@@ -479,6 +479,7 @@ FAST_VARIANTS = {
     # gemm_wgmma_splitk v1 (session 25, opt-in until measured): the in_proj's GEMM at 8 < M <= 64 on WGMMA with a
     # cluster K split instead of cublasLt, behind the AttnRes norm (its trigger after its wait / at its end)
     "fast-inwg": {"inproj_wide": "wgmma", "inproj_wide_early": True},
+    "fast-inwgoff": {"inproj_wide": "cublas"},   # the in_proj's GEMM on cuBLAS at every M > 8 (the default before s26)
     "fast-inwglate": {"inproj_wide": "wgmma", "inproj_wide_early": False},
     # ... with rings of 3 / 2 stages (two CTAs fit per SM, so the plan may count twice the co-resident clusters)
     "fast-inwgd3": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 3}},

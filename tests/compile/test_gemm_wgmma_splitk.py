@@ -21,7 +21,7 @@ IN_PROJ = {tp: proj_width(k3_rank(tp).kda_heads) for tp in (16, 8)}
 def test_plan_for_the_in_proj_widths():
     assert IN_PROJ == {16: 3216, 8: 6288}
     assert G.plan(IN_PROJ[16], K) == (224, 8, 6, 64)       # 15 clusters of 8
-    assert G.plan(IN_PROJ[8], K) == (208, 4, 6, 64)        # 31 clusters of 4
+    assert G.plan(IN_PROJ[8], K) == (224, 4, 6, 64)        # 29 clusters of 4 (30 co-resident, s90q)
     assert G.plan(IN_PROJ[16], K, ksplit=4) == (112, 4, 10, 64)
     assert G.plan(IN_PROJ[16], K, bk=128) == (224, 8, 3, 128)  # v1.1's stages
     # a ring of two stages fits two CTAs per SM, which doubles the co-resident clusters the plan may use
@@ -125,3 +125,17 @@ def test_ptx_order_and_registers():
     if tools is not None:
         res = ptxas_resources(ptx, tools[0])
         assert res["spill_store_bytes"] == 0 and res["registers"] <= 168, res
+
+
+def test_layer_rule_picks_wgmma_only_where_it_was_measured_faster():
+    """fast.inproj_wide_choice ("auto", the default since session 26): the WGMMA GEMM at rank16's width for M 9..16
+    (faster than cuBLAS's split-K pair in s87 / s88 / s90c), cuBLAS at rank8's width, at M = 64 and at full width."""
+    from k3fast.fast import INPROJ_WIDE, inproj_wide_choice
+    assert INPROJ_WIDE == "auto"
+    assert ([inproj_wide_choice(M, IN_PROJ[16]) for M in (3, 8, 9, 16, 17, 64)]
+            == ["cublas", "cublas", "wgmma", "wgmma", "cublas", "cublas"])
+    assert {inproj_wide_choice(M, N) for M in (9, 16, 64) for N in (IN_PROJ[8], 49376)} == {"cublas"}
+    assert inproj_wide_choice(64, IN_PROJ[16], "wgmma") == "wgmma"
+    assert inproj_wide_choice(16, IN_PROJ[16], "cublas") == "cublas"
+    with pytest.raises(ValueError, match="inproj_wide"):
+        inproj_wide_choice(16, IN_PROJ[16], "cutlass")

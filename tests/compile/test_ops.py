@@ -114,6 +114,10 @@ def _recorders(monkeypatch):
 
     monkeypatch.setattr(rg, "attnres_rms_gemv", rec("in_proj", lambda *a, **kw: (bf(a[2].shape[0], a[6].shape[0]),
                                                                                    None)))
+    import k3fast.gemm_wgmma_splitk as gw
+    monkeypatch.setattr(rg, "attnres_rmsnorm", rec("in_norm", lambda *a, **kw: (bf(a[2].shape[0], a[2].shape[1]),
+                                                                               None)))
+    monkeypatch.setattr(gw, "gemm_wgmma", rec("in_proj_wide", lambda x, w, **kw: bf(x.shape[0], w.shape[0])))
     monkeypatch.setattr(rr, "attnres_rms_gemv_ring", rec("in_proj_ring",
                                                          lambda *a, **kw: (bf(a[2].shape[0], a[6].shape[0]), None)))
     monkeypatch.setattr(oa, "oproj_attnres", rec("oproj", two))
@@ -127,7 +131,8 @@ def _recorders(monkeypatch):
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 64])
 def test_ops_follow_fastimpls_batch_dispatch(M, monkeypatch):
-    from k3fast.fast import FRONT_DSL_MAX_M, GEMV_DSL_MAX_M, INPROJ_DSL_MAX_M, INPROJ_ENGINE, TAIL_DSL_MAX_M
+    from k3fast.fast import (FRONT_DSL_MAX_M, GEMV_DSL_MAX_M, INPROJ_DSL_MAX_M, INPROJ_ENGINE, TAIL_DSL_MAX_M,
+                             inproj_wide_choice)
     from k3fast.router_down_topk import kernel_path
     calls = _recorders(monkeypatch)
     ops, H, E, dL, Is = torch.ops.k3fast, 64, 32, 48, 16
@@ -141,16 +146,22 @@ def test_ops_follow_fastimpls_batch_dispatch(M, monkeypatch):
     names = [n for n, _ in calls]
     fused_front = M <= FRONT_DSL_MAX_M and kernel_path(M) == "fma"
     ring = INPROJ_ENGINE == "ring" and M <= 2
-    assert names == ["in_proj_ring" if ring else "in_proj", "oproj" if M <= GEMV_DSL_MAX_M else "oproj_cublas",
+    # the in_proj's GEMM where it would be cuBLAS: gemm_wgmma_splitk behind the AttnRes norm where the rule says so
+    wide = M > INPROJ_DSL_MAX_M and inproj_wide_choice(M, 40) == "wgmma"
+    if wide:
+        assert names[:2] == ["in_norm", "in_proj_wide"], names
+        names = names[1:]
+        calls = calls[1:]
+    assert names == ["in_proj_ring" if ring else "in_proj_wide" if wide else "in_proj",
+                     "oproj" if M <= GEMV_DSL_MAX_M else "oproj_cublas",
                      "front" if M <= FRONT_DSL_MAX_M else "front_cublas", "front" if fused_front else "front_cublas",
                      "tail" if M <= TAIL_DSL_MAX_M else "tail_cublas"], names
     # the op runs the layer's in_proj: each engine's own trigger (the ring resolves None to its EARLY_TRIGGER, at its
     # end since s47; the FMA kernels right after their wait) and the ring's default prologue
     if ring:
         assert calls[0][1]["early_trigger"] is None and calls[0][1]["joint"] is None
-    else:
+    elif not wide:
         assert calls[0][1]["early_trigger"]
-    if not ring:
         assert calls[0][1]["mma"] == ("v2" if M <= INPROJ_DSL_MAX_M else "cublas")
     assert calls[3][1]["shared"] == Is
 

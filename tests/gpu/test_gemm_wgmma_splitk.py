@@ -19,7 +19,7 @@ def G():
     return gemm_wgmma_splitk
 
 
-# the layer's two in_proj widths (the plan: S = 8 x BN 224 / S = 4 x BN 208), S = 4 pinned at rank16, a small shape
+# the layer's two in_proj widths (the plan: S = 8 x BN 224 / S = 4 x BN 224), S = 4 pinned at rank16, a small shape
 # whose last row tile is partial (1000 rows, K = 1024: 16 k-tiles over 8 CTAs), a two-stage ring, 128-wide stages,
 # and no split (S = 1: no cluster, the epilogue reads its own tile)
 SHAPES = [(N_RANK16, K, {}), (N_RANK8, K, {}), (N_RANK16, K, dict(ksplit=4)), (1000, 1024, {}),
