@@ -946,8 +946,11 @@ y = g(x, w); yt = g(x, t(w)); torch.cuda.synchronize(); print('tiled == plain:',
             gemm_in_proj_plain@wgmma1bn32 gemm_in_proj_plain@wgmma1bn64 gemm_in_proj_plain@wgmma2bn64 \
             gemm_in_proj_plain@wgmmanomma" K3_BENCH_TIMEOUT=110 \
             bash scripts/h200_sweep.sh $cells --budget-s 210 ;;
-  s91)    ncu_sass gemm_in_proj_plain@wgmma wgmmav1 170
-          ncu_sass gemm_in_proj_plain@wgmma cublaslt64 120 "--stock 1" ;;
+  # (session 26, after s90q showed the ring without WGMMAs as slow as with them; stage WITHOUT vLLM: 4 parts) the
+  # plan's kernel, its diagnostic ring and cublasLt at rank16 b64 under Nsight Compute
+  s91)    ncu_sass gemm_in_proj_plain@wgmma wgmmav1 150
+          ncu_sass gemm_in_proj_plain@wgmmanomma wgmmanomma 130
+          ncu_sass gemm_in_proj_plain@wgmma cublaslt64 110 "--stock 1" ;;
   # written in session 26 after s90q (the ring without WGMMAs as slow as with them: the GEMM's time is not its consumer's):
   # where the fast path's extra ~2.5 us of replay outside its kernels comes from (stage WITHOUT vLLM: 4 parts)
   s90b)   o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
