@@ -19,7 +19,8 @@ Design (v1)
   slices of the K / 64 k-tiles. Why a K split: at M = 64 one W row tile per SM needs BN ~ 24 rows, so x (the whole
   K range, 917 KB at M = 64) would be re-read from L2 for every 24 rows of W; with S = 8 a CTA reads 1 / 8 of x per
   224 rows. The plan (``plan``) picks S and BN so that every cluster is co-resident in one wave at one CTA per SM
-  (15 clusters of 8, 32 of 4: LOG.md, fourth session: "only 15 clusters of 8 are co-resident").
+  (15 clusters of 8, 30 of 4: measured by k3fast.cluster_probe in s90q; the first table's 32 was read off another
+  kernel).
 * The W tiles do not depend on the predecessor (the norm kernel): the producer fills the whole ring with W before
   griddepcontrol.wait, and the x tiles of those stages after it (each stage's barrier expects both).
 * Epilogue: each CTA writes its fp32 tile into its own (drained) ring, a cluster barrier publishes it, CTA r reads
@@ -98,6 +99,38 @@ v2 (session 25; CPU-compiled, not run: the session's device time ran out) tile_w
     split walks 224 rows per CTA slowly (a 128-byte piece of each row per ~1.3 us), cuBLAS 32-64 rows fast; if the
     DRAM side pays per row visited, 1bn32 / 1bn64 stream at cuBLAS's rate (2.8 / 3.3 TB/s, bench ~19 / ~30 us at
     b64) where the plan's split does not, and v2 (contiguous tiles) should too.
+    Measured (s90q at 81d3be3, kernels-81d3be3-s90q.json, clusterprobe-81d3be3-s90q.json, a staging without vLLM;
+    copy 4.21 TB/s). tile_weight's copy gave bit-equal outputs (torch.equal on the H200). Bare GEMM at b64, us
+    (cublasLt 19.4-19.6 / 29.8-30.0 in the same run):
+                          plan (D6)  tiled  d3    tiledd3  1bn32  1bn64  2bn64  nomma
+        rank16 (15 x 8)     21.7     21.8   22.6   21.6    27.8   29.0   21.7   21.3
+        rank8  (31 x 4)     40.3     39.7   34.9   33.0     --    33.0    --    37.5
+    Every hypothesis of v2's entry is refuted: contiguous tiles stream no faster (21.8 / 39.7), cuBLAS's own tilings
+    without a split are slower (27.8 / 33.0), and the ring without a single WGMMA (the diagnostic build) takes 21.3 us:
+    the consumer is not the limit, the memory side is. The probe also measured the plan's table wrong at S = 4: 30
+    clusters of 4 are co-resident at 211 KB per CTA, not 32 (15 of 8 at 222 KB, 132 of 1 as assumed), so the rank8
+    plan's 31 clusters ran a second wave, which is what s89's d3 gain was.
+v2.1 (session 26; the plan's table as measured, CLUSTERS_RESIDENT[4] = 30; rank8 now 29 clusters of 4 x BN 224)
+    Prediction: rank8 bare b64 40.3 -> ~34-35 us (d3's 34.9), the attention half with fast-inwg at rank8 b16 / b64
+    63-66 / 88-90 -> ~60-61 / ~84-85. Measured (s90d at ce064f2, kernels- / records-ce064f2-s90d.json; GPU tests 76
+    passed, 6 skipped): bare rank8 b16 / b64 32.4 / 34.9 us (cublasLt 27.6 / 29.6); attention half fast / fast-inwg
+    rank8 b16 58.0 / 58.4, b64 81.9 / 83.4 (stock 101.2 / 123.9). Met: rank8 is now within 0.4-1.5 us of cuBLAS in
+    the layer, where it lost 5-8.
+    The layer default from this session (fast.inproj_wide_choice, INPROJ_WIDE "auto"): this kernel at rank16 M 9..16,
+    the one place it won in every run (s87 / s88 / s90c / s90d: 38.8 / 40.1 / 39.9 / 40.1 us against cuBLAS's split-K
+    pair at 42.7 / 43.1 / 42.1 / 42.2; 2.10x stock in s90d, 2.00x with "fast-inwgoff", the A/B).
+    Nsight Compute at rank16 b64 (s91 at 84e377e, ncu-84e377e-s91/, cold caches, alone): this kernel 19.6 us, DRAM 52 %
+    busy (47 MB read, 2.40 TB/s); its ring without WGMMAs 18.3 us, 56 %; cublasLt's nvjet 64x32 (384 threads, clusters
+    of 8, 104 CTAs) 16.7 us, 62 %. SM active cycles: 72 % of the elapsed ones here (120 of 132 SMs busy), 64 % for
+    cuBLAS (104 busy), so a busy CTA of this kernel runs ~15.6 us for its 401 KB of W (~26 GB/s) where cuBLAS's run
+    ~12.9 us for 917 KB of W rows (inference from its name and grid, not measured: 64-row W tiles over all of K, the two token halves on a CTA pair that shares each W tile by multicast). Stall samples (per SASS instruction):
+    54 % on the consumers' full-barrier wait (NANOSLEEP.SYNCS after mbarrier.try_wait), 6 % on the producer's
+    empty-barrier wait, i.e. the producer finds all six stages still in flight ~40 % of its time: the ring depth binds,
+    with a round trip of several microseconds per stage at 52 % DRAM utilisation. Not separated: whether that round
+    trip is the TMA unit's issue of 288 128-byte rows per stage, the L2-to-SM fabric (x adds 22 % to every stage; cuBLAS
+    halves its W traffic per SM by multicast), or DRAM. Lead for the next session: fewer SM-side bytes per W byte
+    (x loaded once per CTA at M <= 16 and fed from registers, so that the ring carries W alone and one stage more fits;
+    or a cluster shape whose CTAs share W tiles by multicast, as cuBLAS's does).
     And a diagnostic row, "@wgmmanomma": the plan's ring whose consumers release each stage without a WGMMA. If it
     streams no faster than the GEMM, the memory side sets the rate; if much faster, the consumer does.
 """

@@ -137,6 +137,16 @@ v1.6 (session 19; opt-in split_rows / SPLIT_ROWS, impl "fast-op32", bench row op
     step got shorter, o_proj ended later, the attention half longer. The same run repeated v1.6 against fast:
     rank8 b1 41.7 -> 42.7 us (+1.0; s60 -0.4), b2 46.6 -> 46.0 (-0.6; s60 -1.1), the KDA step 6.2 -> 9.2 and o_proj
     8.2 -> 5.2 us after it. At b1 the two runs disagree in sign: no gain that one run can tell. Stays opt-in.
+M 9..16 (session 26; impls "fast-opm16" / "fast-inwg-opm16", fast.GEMV_DSL_MAX_M 8 -> 16 for o_proj; no new code)
+    Where o_proj is cuBLAS + the separate AttnRes #2 kernel (rank8 b16: 8.3 + 3.9 us and three launch gaps, 12.8 us
+    after the KDA step in s90c), this kernel at its M = 16 bucket. Prediction: o_proj + norm after the KDA step 12.8
+    -> ~10 us, attention half rank8 b16 59.1 -> ~56-57 (1.8x of stock needs ~56.3), rank16 b16 42.1 -> ~40-41.
+    Measured (s90c at 111bb49, kernels- / records-111bb49-s90c.json, one run beside stock; GPU tests 54 passed, this
+    kernel at M = 16 and the attention half with it): attention half (stock / fast / fast-opm16) rank8 b16 101.4 /
+    59.1 / 60.6, rank16 b16 86.8 / 42.1 / 41.6; kernel bench at M = 16 13.2 / 16.3 us (rank16 / rank8; cuBLAS's
+    o_proj alone 8.1 / 11.1). MISSED: in the rank8 timeline o_proj now ends 11.9 us after the KDA step (12.9 before),
+    but its CTAs start during the KDA step and take its bandwidth: the KDA step 11.8 -> 15.2 us. The same trade as
+    v1.3 / v1.4 / v1.6. Not the default; the impls stay as the A/B.
 
 What it replaces (k3-spec.md sections 4.2 steps 3-5, 4.3 "attn_res #2", 5, 6, 13.2 item 1)
 -----------------------------------------------------------------------------------------

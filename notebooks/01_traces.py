@@ -111,6 +111,25 @@ for (tag, b), (c, total, how) in sorted(conv.items()):
 assert conv[("s74", 64)][0] > 50 and all(conv[("s82", b)][0] < 4 for b in (8, 16, 64))
 
 # %% [markdown]
+# ## What a replay costs outside its kernels
+# A record's replay time (CUDA events around one graph replay) is longer than its CUPTI span (first kernel start to
+# last kernel end). In the records the fast path's difference is 2.6-4.4 µs and stock's 0.4-1.8, which looked like
+# ~2.5 µs that only the fast path pays. `python -m k3fast.launch_probe` times graphs of empty kernels that differ in
+# one property at a time (torch or CuTe DSL, PDL, shared memory, a cluster, a warm shared-memory split) exactly as
+# the traces time a part. Every graph pays the same ~3.5-4.2 µs, whatever its kernels are: the graph launch, the
+# same for both paths. That stock's difference reads smaller is, by inference, its CUPTI span: 17-21 kernels profiled
+# one after another stretch the span more than 3-5 do (not measured).
+
+# %%
+with open(os.path.join(nbtools.ROOT, "traces", "h200", "launchprobe-3db9b9f-s90b.json")) as f:
+    probe = json.load(f)
+for r in probe["records"]:
+    print(f"{r['case']:32s} replay {r['replay_us_median']:5.2f} µs  span {r['span_us']:5.2f}  "
+          f"outside the kernels {r['outside_kernels_us']:4.2f}")
+outside = [r["outside_kernels_us"] for r in probe["records"]]
+assert max(outside) - min(outside) < 1.0 and min(outside) > 3.0
+
+# %% [markdown]
 # ## A live trace (GPU only)
 
 # %%

@@ -654,7 +654,8 @@ print(nbtools.ab_table("traces/h200/records-3b5c7d3-s82.json", "attn", ["stock",
 # W does not depend on the norm kernel before it, so the whole ring of W is requested before the PDL wait.
 #
 # The plan picks S and BN so that every cluster is co-resident in one wave: 15 clusters of 8 x 224 rows at rank16,
-# 31 of 4 x 208 at rank8.
+# 29 of 4 x 224 at rank8 (31 of 4 x 208 until session 26, when `k3fast.cluster_probe` measured 30 co-resident
+# clusters of 4 where the table said 32).
 
 # %%
 from k3fast import gemm_wgmma_splitk as gw
@@ -684,7 +685,8 @@ else:
 # in s89 v1's stages again, with v1.1's epilogue.
 
 # %%
-for f in ("kernels-076be23-s86.json", "kernels-24cb2aa-s88.json", "kernels-40ec5cc-s89.json"):
+for f in ("kernels-076be23-s86.json", "kernels-24cb2aa-s88.json", "kernels-40ec5cc-s89.json",
+          "kernels-81d3be3-s90q.json"):
     with open(os.path.join(nbtools.ROOT, "traces/h200", f)) as fh:
         doc = json.load(fh)
     print(f"{f} (copy {doc['copy_tbps']:.2f} TB/s): bare GEMM µs / TB/s, cublasLt in the same run")
@@ -704,8 +706,10 @@ for f in ("kernels-076be23-s86.json", "kernels-24cb2aa-s88.json", "kernels-40ec5
 # below are from the records of s87. The epilogue is short: with v1.1's trigger after the cluster barrier, the KDA
 # step starts ~1.6 µs before the GEMM ends (records-24cb2aa-s88.json). So the main loop itself is slow.
 #
-# v2 reads the weight from its tiled copy (`tile_weight`), so each stage's W tile is one contiguous run. It is
-# written but not run yet (`h200_next.sh s90`).
+# v2 reads the weight from its tiled copy (`tile_weight`), so each stage's W tile is one contiguous run. s90q (the
+# last block of rows above) ran it: no faster (`tiled`, `tiledd3`). Neither are cuBLAS's own tilings without a K
+# split (`1bn32`, `1bn64`). And the ring with its WGMMAs taken out (`nomma`) is as slow as the GEMM: the memory side
+# sets the pace, not the tensor cores. §19 has what Nsight Compute added.
 
 # %%
 print(nbtools.ab_table("traces/h200/records-076be23-s87.json", "attn", ["stock", "fast", "fast-inwg", "fast-inwglate"]))
@@ -723,3 +727,33 @@ if torch.cuda.is_available():
     err = float((yg.float() - ref).norm() / ref.norm())
     print(f"live: rel err vs fp32 {err:.2e}; {nbtools.time_live(lambda: gw.gemm_wgmma(xg, wgt)):.1f} µs (warm L2)")
     assert err < 1e-2
+
+# %% [markdown]
+# ## 19. Where it stands, and the one place it is the default (session 26)
+# Nsight Compute at rank16 b64 (s91, each kernel alone, cold caches): this GEMM 19.6 µs with DRAM 52 % busy, its
+# ring without WGMMAs 18.3 µs (56 %), cublasLt's kernel 16.7 µs (62 %). Half of this kernel's warp-stall samples are
+# its consumers waiting for a full stage, and its producer finds all six stages still in flight ~40 % of its time: the
+# ring depth binds while the DRAM is half busy. Each stage carries x's tile too (22 % of its bytes); cuBLAS's tiling
+# (by inference from its name and grid) shares each W tile between two CTAs by multicast. Both are leads, not
+# measurements of a fix.
+#
+# Where it already wins is rank16 at batch 9..16: there cuBLAS runs split-K plus a reduce kernel, and this kernel's
+# prefetch overlaps the norm. Four runs put it ahead there (38.8 / 40.1 / 39.9 / 40.1 µs against 42.7 / 43.1 / 42.1 /
+# 42.2), so since session 26 `fast.inproj_wide_choice` picks it at M 9..16 for widths up to 4096 and cuBLAS elsewhere.
+# `fast-inwgoff` is the A/B.
+
+# %%
+from k3fast.fast import inproj_wide_choice
+print({M: inproj_wide_choice(M, N16) for M in (9, 16, 17, 64)},
+      {M: inproj_wide_choice(M, kmod.proj_width(k3_rank(8).kda_heads)) for M in (9, 16, 64)})
+assert inproj_wide_choice(16, N16) == "wgmma" and inproj_wide_choice(64, N16) == "cublas"
+S90D = "traces/h200/records-ce064f2-s90d.json"
+print(nbtools.ab_table(S90D, "attn", ["stock", "fast", "fast-inwgoff"]))
+print(nbtools.ab_table(S90D, "attn", ["stock", "fast", "fast-inwg"], shape="k3_rank8"))
+hot = nbtools.sass_hotspots("traces/h200/ncu-84e377e-s91/wgmmav1-sass.csv.gz", 3)
+for t in hot["top"]:
+    print(f"{t['share']:5.1%}  {t['sass']:40s} {t['reason']}")
+with open(os.path.join(nbtools.ROOT, "traces/h200/records-ce064f2-s90d.json")) as fh:
+    s90d = {(r["shape"], r["batch"], r["impl"]): r["replay_us_median"] for r in json.load(fh)["records"]
+            if r["part"] == "attn"}
+assert s90d[("k3_rank16", 16, "fast")] < s90d[("k3_rank16", 16, "fast-inwgoff")]

@@ -267,3 +267,20 @@ assert s76[("full", 8, "fast")]["replay_us_median"] < s76[("full", 8, "stock")][
     < s76[("full", 8, "fast-opfull")]["replay_us_median"]
 from k3fast.fast import oproj_fused
 assert oproj_fused(8, 1536) and not oproj_fused(8, 12288) and not oproj_fused(9, 768)
+
+
+# %% [markdown]
+# ## Batch 16 (session 26): the same trade again
+# Above batch 8, o_proj runs as cuBLAS + the AttnRes #2 kernel: at rank8 b16 that is 12.8 µs after the KDA step, and
+# the attention half needs ~3 µs less for 1.8x stock. `fast-opm16` runs this kernel up to M = 16 instead (no new
+# code: its M = 16 build is tested). Predicted: rank8 b16 59.1 -> ~56-57 µs. Measured in s90c: 60.6. o_proj now ends
+# 11.9 µs after the KDA step, but its CTAs start during it and the KDA step takes 15.2 µs instead of 11.8: the trade
+# v1.3, v1.4 and v1.6 measured. Not the default.
+
+# %%
+S90C = "traces/h200/records-111bb49-s90c.json"
+print(nbtools.ab_table(S90C, "attn", ["stock", "fast", "fast-opm16"], "k3_rank8"))
+print(nbtools.replay_timeline(S90C, "attn", "fast-opm16", shape="k3_rank8", batch=16))
+s90c = attn_us(S90C)
+assert s90c[("k3_rank8", 16, "fast-opm16")]["replay_us_median"] > s90c[("k3_rank8", 16, "fast")]["replay_us_median"]
+assert oproj_fused(16, 1536, max_m=16) and not oproj_fused(16, 1536)
