@@ -142,6 +142,12 @@ def inproj_wide_choice(M: int, N: int, wide: str | None = None) -> str:
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
 # M <= 8; "fast-opmma" is the A/B with GEMV_DSL_MAX_M = 4, since at 8 no o_proj GEMV both runs apart and fits v13).
 OPROJ_MID = "cublas"
+# Session 26: o_proj's GEMM where it runs apart from its AttnRes #2 kernel (M > GEMV_DSL_MAX_M): "wgmma" runs
+# gemm_wgmma_splitk (o_proj's W does not depend on the KDA step, so its ring stages are requested before the PDL
+# wait: at rank16 / rank8 the plan's ring holds all / 5 of 6 of a CTA's k-tiles; the norm kernel is launched after
+# the GEMM's cluster barrier) instead of cuBLAS, which starts only after the KDA step ends and launches the norm at its
+# own end. "cublas" until measured ("fast-opwg" and its -d3 / -d2 ring variants are the A/B).
+OPROJ_WIDE = "cublas"
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + the TopkFromLogits kernel (router_down_topk_cublas): at rank16 b64 the fused kernel
 # took 63.2 us in the layer against the stock router + down at 35.5 us (records-e384fbf-rot.json); at b8 36.5
@@ -223,16 +229,23 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
 
 
 def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, boundary, zeros=None, out_x=None,
-                         out_partial=None, gemv=None, norm_cluster=None):
+                         out_partial=None, gemv=None, norm_cluster=None, wide=None, wide_plan=None):
     """oproj_attnres's contract above GEMV_DSL_MAX_M: a = bf16(y W_o^T) on cuBLAS (oproj_attnres's GEMV is 1.5-2x
     cuBLAS there, kernels-11595c4.json), then the same AttnRes #2 + RMSNorm as in_proj's prologue with p' =
     bf16(p1 + a), or a itself at a block boundary (p' then starts the new block: p1 := 0). ``zeros``: a zero tensor
     shaped like p1 for the boundary case (FastImpl passes one it owns, so nothing is allocated in a graph).
     ``gemv`` (None = OPROJ_MID): "ring" takes a from rms_gemv_ring's tensor-core ring GEMV (v13) where M <= 8.
-    ``norm_cluster``: the AttnRes #2 kernel's CTAs per token (None = rms_gemv.norm_cluster(M), v15)."""
+    ``norm_cluster``: the AttnRes #2 kernel's CTAs per token (None = rms_gemv.norm_cluster(M), v15). ``wide`` (None =
+    OPROJ_WIDE): "wgmma" takes a from gemm_wgmma_splitk where it applies (``wide_plan``: its plan's pins)."""
+    from . import gemm_wgmma_splitk
     from .rms_gemv import attnres_rmsnorm
     from .rms_gemv_ring import gemv_ring_mma, mma_applicable
-    if (OPROJ_MID if gemv is None else gemv) == "ring" and mma_applicable(y.shape[0], w_o.shape[1], w_o.shape[0]):
+    if wide not in (None, "cublas", "wgmma"):
+        raise ValueError(f"wide must be None, 'cublas' or 'wgmma', got {wide!r}")
+    if ((OPROJ_WIDE if wide is None else wide) == "wgmma"
+            and gemm_wgmma_splitk.applicable(y.shape[0], w_o.shape[1], w_o.shape[0], **(wide_plan or {}))):
+        a = gemm_wgmma_splitk.gemm_wgmma(y, w_o, **(wide_plan or {}))
+    elif (OPROJ_MID if gemv is None else gemv) == "ring" and mma_applicable(y.shape[0], w_o.shape[1], w_o.shape[0]):
         a = gemv_ring_mma(y, w_o)
     else:
         a = F.linear(y, w_o)
@@ -280,6 +293,7 @@ class FastImpl:
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
                  inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
+                 oproj_wide: str | None = None, oproj_wide_plan: dict | None = None,
                  inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None,
                  oproj_max_kp: int = OPROJ_FUSED_MAX_KP, inproj_blas: str | None = None,
                  kda_proj_first: bool | None = None, inproj_wide: str | None = None,
@@ -391,6 +405,10 @@ class FastImpl:
             if v not in (None, "cublas", "ring"):
                 raise ValueError(f"{name} must be None, 'cublas' or 'ring', got {v!r}")
         self.inproj_mid, self.inproj_mid_early, self.oproj_mid = inproj_mid, inproj_mid_early, oproj_mid
+        # None: OPROJ_WIDE (o_proj's GEMM before its separate AttnRes #2 kernel on cuBLAS or gemm_wgmma_splitk)
+        if oproj_wide not in (None, "cublas", "wgmma"):
+            raise ValueError(f"oproj_wide must be None, 'cublas' or 'wgmma', got {oproj_wide!r}")
+        self.oproj_wide, self.oproj_wide_plan = oproj_wide, oproj_wide_plan
         # None: INPROJ_WIDE / INPROJ_WIDE_EARLY (the in_proj's GEMM at 8 < M <= 64 on cuBLAS or gemm_wgmma_splitk)
         if inproj_wide not in (None, "auto", "cublas", "wgmma"):
             raise ValueError(f"inproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {inproj_wide!r}")
@@ -482,6 +500,8 @@ class FastImpl:
                         + ("" if inproj_mid_early is None else
                            f", AttnRes norm trigger {'early' if inproj_mid_early else 'at its end'} before it")
                         + ("" if oproj_mid is None else f", o_proj GEMV at M 5-8 {oproj_mid}")
+                        + ("" if oproj_wide is None else f", o_proj GEMM apart from its norm {oproj_wide}"
+                           + ("" if not oproj_wide_plan else f" {oproj_wide_plan}"))
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
@@ -559,7 +579,8 @@ class FastImpl:
                 oproj_attnres_cublas(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
                                      zeros=self._zeros("p0", p1), out_x=io.x_mlp, out_partial=io.partial,
-                                     gemv=self.oproj_mid, norm_cluster=norm_cl)
+                                     gemv=self.oproj_mid, norm_cluster=norm_cl, wide=self.oproj_wide,
+                                     wide_plan=self.oproj_wide_plan)
 
     def moe(self, io) -> None:
         from .moe_mxfp4_experts import moe_mxfp4_experts

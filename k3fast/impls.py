@@ -480,6 +480,11 @@ FAST_VARIANTS = {
     # cluster K split instead of cublasLt, behind the AttnRes norm (its trigger after its wait / at its end)
     "fast-inwg": {"inproj_wide": "wgmma", "inproj_wide_early": True},
     "fast-inwgoff": {"inproj_wide": "cublas"},   # the in_proj's GEMM on cuBLAS at every M > 8 (the default before s26)
+    # session 26: o_proj's GEMM above M = 8 on gemm_wgmma_splitk (its W ring requested before the PDL wait, during the
+    # KDA step's tail) instead of cuBLAS; -d3 / -d2: rings of 3 / 2 stages, which leave room beside the KDA CTAs
+    "fast-opwg": {"oproj_wide": "wgmma"},
+    "fast-opwgd3": {"oproj_wide": "wgmma", "oproj_wide_plan": {"stages": 3}},
+    "fast-opwgd2": {"oproj_wide": "wgmma", "oproj_wide_plan": {"stages": 2}},
     "fast-inwglate": {"inproj_wide": "wgmma", "inproj_wide_early": False},
     # ... with rings of 3 / 2 stages (two CTAs fit per SM, so the plan may count twice the co-resident clusters)
     "fast-inwgd3": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 3}},

@@ -34,6 +34,16 @@ def test_plan_for_the_in_proj_widths():
         assert BN % 16 == 0 and 16 <= BN <= 256
 
 
+def test_plan_for_o_proj():
+    """o_proj (session 26's opt-in "fast-opwg"): N 7168, K = 768 / 1536 (rank16 / rank8): 30 clusters of 4 x 240 rows,
+    a ring that holds all 3 / 5 of a CTA's 3 / 6 k-tiles, so nearly all of W is requested before the PDL wait."""
+    for Kp in (768, 1536):
+        BN, S, D, BK = G.plan(7168, Kp)
+        assert (BN, S, D, BK) == (240, 4, 5, 64) and math.ceil(7168 / BN) == 30
+        assert G.applicable(16, Kp, 7168) and G.applicable(64, Kp, 7168)
+    assert G.plan(7168, 768, stages=3) == (240, 4, 3, 64) and G.plan(7168, 768, stages=2) == (128, 4, 2, 64)
+
+
 def test_full_width_stays_on_cublas():
     # 49376 rows need BN > 256 even at 32 clusters of 4
     assert not G.applicable(64, K, 49376)
@@ -69,6 +79,13 @@ def test_bad_inputs_are_refused():
                                    (8, dict(ksplit=1, bn=64))])
 def test_compiles_for_the_layer(tp, kw):
     G._compile(G.compile_key(IN_PROJ[tp], K, **kw))
+
+
+@needs_dsl
+@pytest.mark.parametrize("Kp,kw", [(768, {}), (1536, {}), (768, dict(stages=3)), (1536, dict(stages=3)),
+                                   (768, dict(stages=2)), (1536, dict(stages=2))])
+def test_compiles_for_o_proj(Kp, kw):
+    G._compile(G.compile_key(7168, Kp, **kw))
 
 
 def test_tile_weight_layout():

@@ -23,7 +23,9 @@ def G():
 # whose last row tile is partial (1000 rows, K = 1024: 16 k-tiles over 8 CTAs), a two-stage ring, 128-wide stages,
 # and no split (S = 1: no cluster, the epilogue reads its own tile)
 SHAPES = [(N_RANK16, K, {}), (N_RANK8, K, {}), (N_RANK16, K, dict(ksplit=4)), (1000, 1024, {}),
-          (N_RANK8, K, dict(stages=2)), (N_RANK16, K, dict(bk=128)), (N_RANK16, K, dict(ksplit=1, bn=32))]
+          (N_RANK8, K, dict(stages=2)), (N_RANK16, K, dict(bk=128)), (N_RANK16, K, dict(ksplit=1, bn=32)),
+          (7168, 768, {}), (7168, 1536, {}), (7168, 768, dict(stages=2)), (7168, 1536, dict(stages=3))]
+# (the last four: o_proj at rank16 / rank8, "fast-opwg" and its ring variants, session 26)
 
 
 @pytest.mark.parametrize("M", [9, 16, 33, 64, 1, 8])
