@@ -146,8 +146,26 @@ OPROJ_MID = "cublas"
 # gemm_wgmma_splitk (o_proj's W does not depend on the KDA step, so its ring stages are requested before the PDL
 # wait: at rank16 / rank8 the plan's ring holds all / 5 of 6 of a CTA's k-tiles; the norm kernel is launched after
 # the GEMM's cluster barrier) instead of cuBLAS, which starts only after the KDA step ends and launches the norm at its
-# own end. "cublas" until measured ("fast-opwg" and its -d3 / -d2 ring variants are the A/B).
-OPROJ_WIDE = "cublas"
+# own end. "auto", the default: the WGMMA GEMM where o_proj's input width is OPROJ_WIDE_KP (rank8's 1536), the width
+# where it gained in both runs; cuBLAS at rank16's 768 (even) and at full width (not measured). Attention half, fast
+# (cuBLAS) / fast-opwg, µs: rank8 b16 60.0 / 58.5 (s90e), 59.9 / 58.0 (s90f); rank8 b64 81.8 / 79.9, 82.0 / 80.5;
+# rank16 b64 53.4 / 52.6, 53.4 / 53.3; rank16 b16 39.6 / 40.4, 40.0 / 39.4 (records-833d5e0-s90e.json,
+# records-f3d976a-s90f.json). The timelines: the GEMM's CTAs cannot sit beside the KDA step's (its shared memory is
+# full at b64), so most of W still streams after it; the gain is the norm kernel launched from the GEMM's cluster
+# barrier instead of after its end, and one launch gap. "fast-opwgoff" is the A/B (cuBLAS everywhere).
+OPROJ_WIDE = "auto"
+OPROJ_WIDE_KP = 1536
+
+
+def oproj_wide_choice(Kp: int, wide: str | None = None) -> str:
+    """"cublas" or "wgmma": o_proj's GEMM engine where it runs apart from its AttnRes #2 kernel, for o_proj input width
+    Kp and ``wide`` (None = OPROJ_WIDE; "auto" = the measured rule above)."""
+    w = OPROJ_WIDE if wide is None else wide
+    if w not in ("auto", "cublas", "wgmma"):
+        raise ValueError(f"oproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {w!r}")
+    if w == "auto":
+        return "wgmma" if Kp == OPROJ_WIDE_KP else "cublas"
+    return w
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + the TopkFromLogits kernel (router_down_topk_cublas): at rank16 b64 the fused kernel
 # took 63.2 us in the layer against the stock router + down at 35.5 us (records-e384fbf-rot.json); at b8 36.5
@@ -236,13 +254,12 @@ def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, bo
     shaped like p1 for the boundary case (FastImpl passes one it owns, so nothing is allocated in a graph).
     ``gemv`` (None = OPROJ_MID): "ring" takes a from rms_gemv_ring's tensor-core ring GEMV (v13) where M <= 8.
     ``norm_cluster``: the AttnRes #2 kernel's CTAs per token (None = rms_gemv.norm_cluster(M), v15). ``wide`` (None =
-    OPROJ_WIDE): "wgmma" takes a from gemm_wgmma_splitk where it applies (``wide_plan``: its plan's pins)."""
+    OPROJ_WIDE; "auto": oproj_wide_choice's rule): "wgmma" takes a from gemm_wgmma_splitk where it applies
+    (``wide_plan``: its plan's pins)."""
     from . import gemm_wgmma_splitk
     from .rms_gemv import attnres_rmsnorm
     from .rms_gemv_ring import gemv_ring_mma, mma_applicable
-    if wide not in (None, "cublas", "wgmma"):
-        raise ValueError(f"wide must be None, 'cublas' or 'wgmma', got {wide!r}")
-    if ((OPROJ_WIDE if wide is None else wide) == "wgmma"
+    if (oproj_wide_choice(w_o.shape[1], wide) == "wgmma"
             and gemm_wgmma_splitk.applicable(y.shape[0], w_o.shape[1], w_o.shape[0], **(wide_plan or {}))):
         a = gemm_wgmma_splitk.gemm_wgmma(y, w_o, **(wide_plan or {}))
     elif (OPROJ_MID if gemv is None else gemv) == "ring" and mma_applicable(y.shape[0], w_o.shape[1], w_o.shape[0]):
@@ -406,8 +423,8 @@ class FastImpl:
                 raise ValueError(f"{name} must be None, 'cublas' or 'ring', got {v!r}")
         self.inproj_mid, self.inproj_mid_early, self.oproj_mid = inproj_mid, inproj_mid_early, oproj_mid
         # None: OPROJ_WIDE (o_proj's GEMM before its separate AttnRes #2 kernel on cuBLAS or gemm_wgmma_splitk)
-        if oproj_wide not in (None, "cublas", "wgmma"):
-            raise ValueError(f"oproj_wide must be None, 'cublas' or 'wgmma', got {oproj_wide!r}")
+        if oproj_wide not in (None, "auto", "cublas", "wgmma"):
+            raise ValueError(f"oproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {oproj_wide!r}")
         self.oproj_wide, self.oproj_wide_plan = oproj_wide, oproj_wide_plan
         # None: INPROJ_WIDE / INPROJ_WIDE_EARLY (the in_proj's GEMM at 8 < M <= 64 on cuBLAS or gemm_wgmma_splitk)
         if inproj_wide not in (None, "auto", "cublas", "wgmma"):

@@ -31,6 +31,8 @@ Design (v1)
   barrier, when all of the cluster's main loops are done (v1.1; v1 triggered per warp, so the producer warp fired it
   D stages early).
 
+Also o_proj's GEMM at rank8 above M = 8 (fast.oproj_wide_choice, session 26; version log "o_proj").
+
 Contracts: x [M, K] and W [N, K] bf16, contiguous, 16-byte aligned, K a multiple of 64 with K / 64 >= S, 8 < M <= 64
 (any M in 1..64 is correct; at M <= 8 rms_gemv_ring v13 reads W faster), N even. y [M, N] bf16. Not bit-identical to
 cuBLAS (a different K order), identical between runs.
@@ -131,6 +133,19 @@ v2.1 (session 26; the plan's table as measured, CLUSTERS_RESIDENT[4] = 30; rank8
     halves its W traffic per SM by multicast), or DRAM. Lead for the next session: fewer SM-side bytes per W byte
     (x loaded once per CTA at M <= 16 and fed from registers, so that the ring carries W alone and one stage more fits;
     or a cluster shape whose CTAs share W tiles by multicast, as cuBLAS's does).
+o_proj (session 26; fast.OPROJ_WIDE, impls "fast-opwg" / -d3 / -d2; the default at rank8's width since then)
+    The same kernel for o_proj where it runs apart from its AttnRes #2 norm (M > 8): N 7168, K 768 / 1536, 30
+    clusters of 4 x BN 240, a ring that holds all / 5 of 6 of a CTA's k-tiles, so W is requested before the PDL wait
+    (during the KDA step's tail) and the norm kernel is launched from the cluster barrier. 146 registers, no spills.
+    Prediction: o_proj + norm after the KDA step rank16 b64 11.4 -> ~8-9 us, rank8 b16 12.9 -> ~9-10 (the attention
+    half 53.4 -> ~50.5-51.5, 58.0 -> ~55-56). Measured (s90e at 833d5e0 beside stock, s90f at f3d976a without;
+    GPU tests 30 passed: these shapes at M 1..64 against fp32 and cuBLAS, the attention half with it at b16 / b64 on
+    both ranks). Attention half fast / fast-opwg (s90e; s90f): rank8 b16 60.0 / 58.5 (59.9 / 58.0), rank8 b64 81.8 /
+    79.9 (82.0 / 80.5), rank16 b64 53.4 / 52.6 (53.4 / 53.3), rank16 b16 39.6 / 40.4 (40.0 / 39.4); -d3 at s90e rank16
+    b64 52.6, rank8 b16 58.3; -d2 slower (54.7 / 63.1). MISSED (-1.5 to -1.9 at rank8, -0.1 to -0.8 at rank16 b64,
+    against -2.5 to -4.5): at b64 the KDA step's CTAs fill the SMs' shared memory, so this kernel's CTAs land as the
+    KDA CTAs leave and most of W streams after the KDA step (rank16 b64: the GEMM ends 5.7 us after it, cuBLAS 6.6);
+    what it gains is the norm launched from its cluster barrier and one launch gap.
     And a diagnostic row, "@wgmmanomma": the plan's ring whose consumers release each stage without a WGMMA. If it
     streams no faster than the GEMM, the memory side sets the rate; if much faster, the consumer does.
 """

@@ -481,8 +481,10 @@ FAST_VARIANTS = {
     "fast-inwg": {"inproj_wide": "wgmma", "inproj_wide_early": True},
     "fast-inwgoff": {"inproj_wide": "cublas"},   # the in_proj's GEMM on cuBLAS at every M > 8 (the default before s26)
     # session 26: o_proj's GEMM above M = 8 on gemm_wgmma_splitk (its W ring requested before the PDL wait, during the
-    # KDA step's tail) instead of cuBLAS; -d3 / -d2: rings of 3 / 2 stages, which leave room beside the KDA CTAs
+    # KDA step's tail) instead of cuBLAS at every width; -d3 / -d2: rings of 3 / 2 stages, which leave room beside the
+    # KDA CTAs. The default since session 26 at rank8's width (fast.oproj_wide_choice); "fast-opwgoff" the A/B
     "fast-opwg": {"oproj_wide": "wgmma"},
+    "fast-opwgoff": {"oproj_wide": "cublas"},
     "fast-opwgd3": {"oproj_wide": "wgmma", "oproj_wide_plan": {"stages": 3}},
     "fast-opwgd2": {"oproj_wide": "wgmma", "oproj_wide_plan": {"stages": 2}},
     "fast-inwglate": {"inproj_wide": "wgmma", "inproj_wide_early": False},

@@ -284,3 +284,23 @@ print(nbtools.replay_timeline(S90C, "attn", "fast-opm16", shape="k3_rank8", batc
 s90c = attn_us(S90C)
 assert s90c[("k3_rank8", 16, "fast-opm16")]["replay_us_median"] > s90c[("k3_rank8", 16, "fast")]["replay_us_median"]
 assert oproj_fused(16, 1536, max_m=16) and not oproj_fused(16, 1536)
+
+# %% [markdown]
+# What did help at rank8 is the other half of the idea: keep o_proj apart from the norm, but run it on the WGMMA GEMM
+# of notebook 02 (`fast-opwg`). Its weight is requested before its PDL wait and it launches the norm kernel from its
+# cluster barrier instead of at its end. The timelines show why the gain is smaller than predicted (-2.5 to -4.5 µs):
+# at b64 the KDA step's CTAs fill the SMs' shared memory, so the GEMM's CTAs land only as they leave and most of W
+# still streams after the KDA step. What is left is the norm's earlier launch and one gap: -1.5 to -1.9 µs at rank8 in
+# two runs (s90e, s90f), even at rank16. So since session 26 `fast.oproj_wide_choice` picks it at rank8's width only.
+
+# %%
+S90E = "traces/h200/records-833d5e0-s90e.json"
+print(nbtools.ab_table(S90E, "attn", ["stock", "fast", "fast-opwg", "fast-opwgd3", "fast-opwgd2"], "k3_rank8"))
+print(nbtools.ab_table(S90E, "attn", ["stock", "fast", "fast-opwg", "fast-opwgd3", "fast-opwgd2"]))
+print(nbtools.replay_timeline(S90E, "attn", "fast-opwg", shape="k3_rank16", batch=64))
+s90e, s90f = attn_us(S90E), attn_us("traces/h200/records-f3d976a-s90f.json")
+for runs in (s90e, s90f):
+    for b in (16, 64):
+        assert runs[("k3_rank8", b, "fast-opwg")]["replay_us_median"] < runs[("k3_rank8", b, "fast")]["replay_us_median"]
+from k3fast.fast import oproj_wide_choice
+assert oproj_wide_choice(1536) == "wgmma" and oproj_wide_choice(768) == "cublas"

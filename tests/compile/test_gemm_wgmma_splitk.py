@@ -156,3 +156,15 @@ def test_layer_rule_picks_wgmma_only_where_it_was_measured_faster():
     assert inproj_wide_choice(16, IN_PROJ[16], "cublas") == "cublas"
     with pytest.raises(ValueError, match="inproj_wide"):
         inproj_wide_choice(16, IN_PROJ[16], "cutlass")
+
+
+def test_o_proj_rule_picks_wgmma_at_rank8_width_only():
+    """fast.oproj_wide_choice ("auto", the default since session 26): o_proj's GEMM apart from its norm on WGMMA at
+    rank8's input width (1536: -1.5 to -1.9 us in s90e and s90f at b16 / b64), cuBLAS at rank16's (768: even) and at
+    full width (12288: not measured)."""
+    from k3fast.fast import OPROJ_WIDE, oproj_wide_choice
+    assert OPROJ_WIDE == "auto"
+    assert [oproj_wide_choice(kp) for kp in (768, 1536, 12288)] == ["cublas", "wgmma", "cublas"]
+    assert oproj_wide_choice(768, "wgmma") == "wgmma" and oproj_wide_choice(1536, "cublas") == "cublas"
+    with pytest.raises(ValueError, match="oproj_wide"):
+        oproj_wide_choice(1536, "ring")
