@@ -120,7 +120,8 @@ INPROJ_BLAS = "cublaslt"
 # Session 26: "auto", the default: gemm_wgmma_splitk where it won in every run, M <= INPROJ_WIDE_MAX_M (there cuBLAS
 # splits K and adds its reduce kernel) and N <= INPROJ_WIDE_MAX_N (rank16's 3216, whose 15 clusters of 8 are
 # co-resident; at rank8's 6288 it lost in every run), cuBLAS elsewhere. Rank16 b16, fast-inwg against the then
-# default in one run each: 38.8 / 42.7 us (s87), 40.1 / 43.1 (s88), 39.9 / 42.1 (s90c, records-111bb49-s90c.json).
+# default in one run each: 38.8 / 42.7 us (s87), 40.1 / 43.1 (s88), 39.9 / 42.1 (s90c, records-111bb49-s90c.json);
+# with this rule as the default, fast / fast-inwgoff 40.1 / 42.2 (s90d, records-ce064f2-s90d.json; stock 84.2: 2.10x).
 # "fast-inwgoff" is the A/B (cuBLAS at every M).
 INPROJ_WIDE = "auto"
 INPROJ_WIDE_MAX_M = 16
@@ -213,8 +214,9 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     rms_gemv_ring.mma_tile_weight copy, makes that GEMV v14 (the same bits). ``norm_cluster``: CTAs per token of
     attnres_rmsnorm where it runs apart (None = rms_gemv.norm_cluster(M), v15). ``blas``: the BLAS library of the
     cuBLAS GEMM where one runs (None = INPROJ_BLAS, "default" = torch's; blas_library). ``wide`` (None = INPROJ_WIDE;
-    "auto": inproj_wide_choice's rule): where that cuBLAS GEMM would run at M in gemm_wgmma_splitk's range, "wgmma" runs attnres_rmsnorm (its trigger after
-    its wait when ``wide_early``, None = INPROJ_WIDE_EARLY) + gemm_wgmma_splitk instead (``wide_plan``: its plan's
+    "auto": inproj_wide_choice's rule): where that cuBLAS GEMM would run at M in gemm_wgmma_splitk's range, "wgmma"
+    runs attnres_rmsnorm (its trigger after its wait when ``wide_early``, None = INPROJ_WIDE_EARLY) + gemm_wgmma_splitk
+    instead (``wide_plan``: its plan's
     pins, gemm_wgmma's keyword arguments; ``wide_w``: w's gemm_wgmma_splitk.tile_weight copy, its v2, the same bits).
     Returns (y, partial_out)."""
     from . import gemm_wgmma_splitk, rms_gemv, rms_gemv_ring
@@ -247,7 +249,7 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
 
 
 def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, boundary, zeros=None, out_x=None,
-                         out_partial=None, gemv=None, norm_cluster=None, wide=None, wide_plan=None):
+                         out_partial=None, gemv=None, norm_cluster=None, wide=None, wide_plan=None, pre_blocks=False):
     """oproj_attnres's contract above GEMV_DSL_MAX_M: a = bf16(y W_o^T) on cuBLAS (oproj_attnres's GEMV is 1.5-2x
     cuBLAS there, kernels-11595c4.json), then the same AttnRes #2 + RMSNorm as in_proj's prologue with p' =
     bf16(p1 + a), or a itself at a block boundary (p' then starts the new block: p1 := 0). ``zeros``: a zero tensor
@@ -255,7 +257,8 @@ def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, bo
     ``gemv`` (None = OPROJ_MID): "ring" takes a from rms_gemv_ring's tensor-core ring GEMV (v13) where M <= 8.
     ``norm_cluster``: the AttnRes #2 kernel's CTAs per token (None = rms_gemv.norm_cluster(M), v15). ``wide`` (None =
     OPROJ_WIDE; "auto": oproj_wide_choice's rule): "wgmma" takes a from gemm_wgmma_splitk where it applies
-    (``wide_plan``: its plan's pins)."""
+    (``wide_plan``: its plan's pins). ``pre_blocks`` (v16 of the norm, opt-in): the norm reads the blocks that earlier
+    layers wrote before its PDL wait (not the one this layer's AttnRes #1 wrote at a boundary)."""
     from . import gemm_wgmma_splitk
     from .rms_gemv import attnres_rmsnorm
     from .rms_gemv_ring import gemv_ring_mma, mma_applicable
@@ -268,7 +271,7 @@ def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, bo
         a = F.linear(y, w_o)
     p = (zeros if zeros is not None else torch.zeros_like(p1)) if boundary else p1
     return attnres_rmsnorm(blocks, n_blocks, p, a, u_mlp, w_post, eps=eps, out=out_x, partial_out=out_partial,
-                           cluster=norm_cluster)
+                           cluster=norm_cluster, pre_blocks=n_blocks - int(boundary) if pre_blocks else 0)
 
 
 def moe_tail_cublas(r, w_norm, w_up, h, w_sd, *, eps, out=None, fused_norm: bool = True):
@@ -310,7 +313,7 @@ class FastImpl:
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
                  inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
-                 oproj_wide: str | None = None, oproj_wide_plan: dict | None = None,
+                 oproj_wide: str | None = None, oproj_wide_plan: dict | None = None, norm2_pre: bool = False,
                  inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None,
                  oproj_max_kp: int = OPROJ_FUSED_MAX_KP, inproj_blas: str | None = None,
                  kda_proj_first: bool | None = None, inproj_wide: str | None = None,
@@ -426,6 +429,7 @@ class FastImpl:
         if oproj_wide not in (None, "auto", "cublas", "wgmma"):
             raise ValueError(f"oproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {oproj_wide!r}")
         self.oproj_wide, self.oproj_wide_plan = oproj_wide, oproj_wide_plan
+        self.norm2_pre = bool(norm2_pre)       # the AttnRes #2 norm's earlier layers' blocks before its wait (v16)
         # None: INPROJ_WIDE / INPROJ_WIDE_EARLY (the in_proj's GEMM at 8 < M <= 64 on cuBLAS or gemm_wgmma_splitk)
         if inproj_wide not in (None, "auto", "cublas", "wgmma"):
             raise ValueError(f"inproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {inproj_wide!r}")
@@ -519,6 +523,7 @@ class FastImpl:
                         + ("" if oproj_mid is None else f", o_proj GEMV at M 5-8 {oproj_mid}")
                         + ("" if oproj_wide is None else f", o_proj GEMM apart from its norm {oproj_wide}"
                            + ("" if not oproj_wide_plan else f" {oproj_wide_plan}"))
+                        + (", AttnRes #2 norm reads earlier blocks before its wait" if norm2_pre else "")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
@@ -597,7 +602,7 @@ class FastImpl:
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
                                      zeros=self._zeros("p0", p1), out_x=io.x_mlp, out_partial=io.partial,
                                      gemv=self.oproj_mid, norm_cluster=norm_cl, wide=self.oproj_wide,
-                                     wide_plan=self.oproj_wide_plan)
+                                     wide_plan=self.oproj_wide_plan, pre_blocks=self.norm2_pre)
 
     def moe(self, io) -> None:
         from .moe_mxfp4_experts import moe_mxfp4_experts

@@ -485,6 +485,11 @@ FAST_VARIANTS = {
     # KDA CTAs. The default since session 26 at rank8's width (fast.oproj_wide_choice); "fast-opwgoff" the A/B
     "fast-opwg": {"oproj_wide": "wgmma"},
     "fast-opwgoff": {"oproj_wide": "cublas"},
+    # session 26 (written after its last device run, not measured): the AttnRes #2 norm (where it runs apart, M > 8)
+    # reads the blocks earlier layers wrote before its PDL wait (rms_gemv v16), alone and with o_proj on WGMMA
+    # everywhere (whose early trigger launches the norm while o_proj still runs)
+    "fast-n2pre": {"norm2_pre": True},
+    "fast-opwg-n2pre": {"oproj_wide": "wgmma", "norm2_pre": True},
     "fast-opwgd3": {"oproj_wide": "wgmma", "oproj_wide_plan": {"stages": 3}},
     "fast-opwgd2": {"oproj_wide": "wgmma", "oproj_wide_plan": {"stages": 2}},
     "fast-inwglate": {"inproj_wide": "wgmma", "inproj_wide_early": False},
