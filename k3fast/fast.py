@@ -129,13 +129,20 @@ INPROJ_WIDE_MAX_N = 4096
 INPROJ_WIDE_EARLY = True
 
 
+def _wide_engine(name: str, wide: str | None, default: str) -> str:
+    """``wide`` with None resolved to ``default``, checked: one of the GEMM engine settings "auto" / "cublas" /
+    "wgmma" (inproj_wide / oproj_wide, in the choices below and in FastImpl's arguments)."""
+    w = default if wide is None else wide
+    if w not in ("auto", "cublas", "wgmma"):
+        raise ValueError(f"{name} must be None, 'auto', 'cublas' or 'wgmma', got {wide!r}")
+    return w
+
+
 def inproj_wide_choice(M: int, N: int, wide: str | None = None) -> str:
     """"cublas" or "wgmma": the in_proj's GEMM engine at M tokens and N output rows where it would be cuBLAS, for
     ``wide`` (None = INPROJ_WIDE; "auto" = the measured rule above, which leaves M <= rms_gemv_ring.MMA_MAX_M to the
     v13 ring where that applies and to cuBLAS where not)."""
-    w = INPROJ_WIDE if wide is None else wide
-    if w not in ("auto", "cublas", "wgmma"):
-        raise ValueError(f"inproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {w!r}")
+    w = _wide_engine("inproj_wide", wide, INPROJ_WIDE)
     if w == "auto":
         from .rms_gemv_ring import MMA_MAX_M
         return "wgmma" if MMA_MAX_M < M <= INPROJ_WIDE_MAX_M and N <= INPROJ_WIDE_MAX_N else "cublas"
@@ -161,9 +168,7 @@ OPROJ_WIDE_KP = 1536
 def oproj_wide_choice(Kp: int, wide: str | None = None) -> str:
     """"cublas" or "wgmma": o_proj's GEMM engine where it runs apart from its AttnRes #2 kernel, for o_proj input width
     Kp and ``wide`` (None = OPROJ_WIDE; "auto" = the measured rule above)."""
-    w = OPROJ_WIDE if wide is None else wide
-    if w not in ("auto", "cublas", "wgmma"):
-        raise ValueError(f"oproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {w!r}")
+    w = _wide_engine("oproj_wide", wide, OPROJ_WIDE)
     if w == "auto":
         return "wgmma" if Kp == OPROJ_WIDE_KP else "cublas"
     return w
@@ -426,13 +431,11 @@ class FastImpl:
                 raise ValueError(f"{name} must be None, 'cublas' or 'ring', got {v!r}")
         self.inproj_mid, self.inproj_mid_early, self.oproj_mid = inproj_mid, inproj_mid_early, oproj_mid
         # None: OPROJ_WIDE (o_proj's GEMM before its separate AttnRes #2 kernel on cuBLAS or gemm_wgmma_splitk)
-        if oproj_wide not in (None, "auto", "cublas", "wgmma"):
-            raise ValueError(f"oproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {oproj_wide!r}")
+        _wide_engine("oproj_wide", oproj_wide, OPROJ_WIDE)
         self.oproj_wide, self.oproj_wide_plan = oproj_wide, oproj_wide_plan
         self.norm2_pre = bool(norm2_pre)       # the AttnRes #2 norm's earlier layers' blocks before its wait (v16)
         # None: INPROJ_WIDE / INPROJ_WIDE_EARLY (the in_proj's GEMM at 8 < M <= 64 on cuBLAS or gemm_wgmma_splitk)
-        if inproj_wide not in (None, "auto", "cublas", "wgmma"):
-            raise ValueError(f"inproj_wide must be None, 'auto', 'cublas' or 'wgmma', got {inproj_wide!r}")
+        _wide_engine("inproj_wide", inproj_wide, INPROJ_WIDE)
         self.inproj_wide, self.inproj_wide_early = inproj_wide, inproj_wide_early
         self.inproj_wide_plan = inproj_wide_plan
         # gemm_wgmma_splitk v2: its own copy of the in_proj, each ring stage's tile one contiguous run

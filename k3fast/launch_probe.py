@@ -133,7 +133,7 @@ def measure(nodes, warm_kb: int = 0, n: int = 200, replays: int = 5) -> dict:
     """Capture ``nodes`` as one graph, time ``n`` replays as the traces do and profile ``replays`` of them: the replay
     median, its CUPTI span and their difference (the launch cost outside the kernels)."""
     import torch
-    from .trace import L2_POLICY, profile_replays, replay_timeline, time_replays
+    from .trace import profile_replays, replay_timeline, time_replays
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = torch.full((sms,), -1, dtype=torch.int32, device="cuda")
     scratch = torch.zeros(sms * NTHREADS, dtype=torch.int32, device="cuda")
@@ -160,7 +160,7 @@ def measure(nodes, warm_kb: int = 0, n: int = 200, replays: int = 5) -> dict:
     return {"replay_us_median": round(med, 3), "replay_us_p10": round(sorted(us)[len(us) // 10], 3),
             "replay_us_p90": round(sorted(us)[9 * len(us) // 10], 3), "span_us": span,
             "outside_kernels_us": None if span is None else round(med - span, 3),
-            "kernels": len(tl.get("kernels", [])), "timeline": tl.get("kernels"), "l2": l2 if l2 else L2_POLICY}
+            "kernels": len(tl.get("kernels", [])), "timeline": tl.get("kernels"), "l2": l2}
 
 
 def main(argv=None) -> int:
