@@ -149,7 +149,10 @@ def _cases(cfg, batch: int):
         for tag, kw in (("k128", dict(bk=128)), ("d3", dict(stages=3)), ("d2", dict(stages=2)),
                         ("8bn256", dict(ksplit=8, bn=256)), ("4bn128", dict(ksplit=4, bn=128)),
                         ("8bn256d2", dict(ksplit=8, bn=256, stages=2)), ("1bn32", dict(ksplit=1, bn=32)),
-                        ("1bn64", dict(ksplit=1, bn=64)), ("2bn64", dict(ksplit=2, bn=64))):
+                        ("1bn64", dict(ksplit=1, bn=64)), ("2bn64", dict(ksplit=2, bn=64)),
+                        # session 27: every SM streaming (1bn48: 131 CTAs of 48 rows over all of K at rank8; 2bn96: 66
+                        # clusters of 2 x 96 rows), where at M = 16 the x tile is a quarter of the plan's stage bytes
+                        ("1bn48", dict(ksplit=1, bn=48)), ("2bn96", dict(ksplit=2, bn=96))):
             if wgmma_applicable(M, d, w_in.shape[0], **kw):
                 cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda kw=kw: gemm_wgmma(x, w_in, **kw), lt_linear,
                               wbytes))

@@ -254,7 +254,7 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
 
 
 def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, boundary, zeros=None, out_x=None,
-                         out_partial=None, gemv=None, norm_cluster=None, wide=None, wide_plan=None, pre_blocks=False):
+                         out_partial=None, gemv=None, norm_cluster=None, wide=None, wide_plan=None):
     """oproj_attnres's contract above GEMV_DSL_MAX_M: a = bf16(y W_o^T) on cuBLAS (oproj_attnres's GEMV is 1.5-2x
     cuBLAS there, kernels-11595c4.json), then the same AttnRes #2 + RMSNorm as in_proj's prologue with p' =
     bf16(p1 + a), or a itself at a block boundary (p' then starts the new block: p1 := 0). ``zeros``: a zero tensor
@@ -262,8 +262,7 @@ def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, bo
     ``gemv`` (None = OPROJ_MID): "ring" takes a from rms_gemv_ring's tensor-core ring GEMV (v13) where M <= 8.
     ``norm_cluster``: the AttnRes #2 kernel's CTAs per token (None = rms_gemv.norm_cluster(M), v15). ``wide`` (None =
     OPROJ_WIDE; "auto": oproj_wide_choice's rule): "wgmma" takes a from gemm_wgmma_splitk where it applies
-    (``wide_plan``: its plan's pins). ``pre_blocks`` (v16 of the norm, opt-in): the norm reads the blocks that earlier
-    layers wrote before its PDL wait (not the one this layer's AttnRes #1 wrote at a boundary)."""
+    (``wide_plan``: its plan's pins)."""
     from . import gemm_wgmma_splitk
     from .rms_gemv import attnres_rmsnorm
     from .rms_gemv_ring import gemv_ring_mma, mma_applicable
@@ -276,7 +275,7 @@ def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, bo
         a = F.linear(y, w_o)
     p = (zeros if zeros is not None else torch.zeros_like(p1)) if boundary else p1
     return attnres_rmsnorm(blocks, n_blocks, p, a, u_mlp, w_post, eps=eps, out=out_x, partial_out=out_partial,
-                           cluster=norm_cluster, pre_blocks=n_blocks - int(boundary) if pre_blocks else 0)
+                           cluster=norm_cluster)
 
 
 def moe_tail_cublas(r, w_norm, w_up, h, w_sd, *, eps, out=None, fused_norm: bool = True):
@@ -318,7 +317,7 @@ class FastImpl:
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
                  inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
-                 oproj_wide: str | None = None, oproj_wide_plan: dict | None = None, norm2_pre: bool = False,
+                 oproj_wide: str | None = None, oproj_wide_plan: dict | None = None,
                  inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None,
                  oproj_max_kp: int = OPROJ_FUSED_MAX_KP, inproj_blas: str | None = None,
                  kda_proj_first: bool | None = None, inproj_wide: str | None = None,
@@ -433,7 +432,6 @@ class FastImpl:
         # None: OPROJ_WIDE (o_proj's GEMM before its separate AttnRes #2 kernel on cuBLAS or gemm_wgmma_splitk)
         _wide_engine("oproj_wide", oproj_wide, OPROJ_WIDE)
         self.oproj_wide, self.oproj_wide_plan = oproj_wide, oproj_wide_plan
-        self.norm2_pre = bool(norm2_pre)       # the AttnRes #2 norm's earlier layers' blocks before its wait (v16)
         # None: INPROJ_WIDE / INPROJ_WIDE_EARLY (the in_proj's GEMM at 8 < M <= 64 on cuBLAS or gemm_wgmma_splitk)
         _wide_engine("inproj_wide", inproj_wide, INPROJ_WIDE)
         self.inproj_wide, self.inproj_wide_early = inproj_wide, inproj_wide_early
@@ -526,7 +524,6 @@ class FastImpl:
                         + ("" if oproj_mid is None else f", o_proj GEMV at M 5-8 {oproj_mid}")
                         + ("" if oproj_wide is None else f", o_proj GEMM apart from its norm {oproj_wide}"
                            + ("" if not oproj_wide_plan else f" {oproj_wide_plan}"))
-                        + (", AttnRes #2 norm reads earlier blocks before its wait" if norm2_pre else "")
                         + ("" if kda_preload is None else f", KDA proj preload {'on' if kda_preload else 'off'}")
                         + ("" if gemv_pin is None else f", in_proj loads pinned {'on' if gemv_pin else 'off'}")
                         + ("" if oproj_preload is None else f", o_proj w_post preload {'on' if oproj_preload else 'off'}")
@@ -605,7 +602,7 @@ class FastImpl:
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
                                      zeros=self._zeros("p0", p1), out_x=io.x_mlp, out_partial=io.partial,
                                      gemv=self.oproj_mid, norm_cluster=norm_cl, wide=self.oproj_wide,
-                                     wide_plan=self.oproj_wide_plan, pre_blocks=self.norm2_pre)
+                                     wide_plan=self.oproj_wide_plan)
 
     def moe(self, io) -> None:
         from .moe_mxfp4_experts import moe_mxfp4_experts

@@ -485,14 +485,17 @@ FAST_VARIANTS = {
     # KDA CTAs. The default since session 26 at rank8's width (fast.oproj_wide_choice); "fast-opwgoff" the A/B
     "fast-opwg": {"oproj_wide": "wgmma"},
     "fast-opwgoff": {"oproj_wide": "cublas"},
-    # session 26 (written after its last device run, not measured): the AttnRes #2 norm (where it runs apart, M > 8)
-    # reads the blocks earlier layers wrote before its PDL wait (rms_gemv v16), alone and with o_proj on WGMMA
-    # everywhere (whose early trigger launches the norm while o_proj still runs)
-    "fast-n2pre": {"norm2_pre": True},
-    "fast-opwg-n2pre": {"oproj_wide": "wgmma", "norm2_pre": True},
+    # (fast-n2pre / fast-opwg-n2pre, the AttnRes #2 norm reading earlier layers' blocks before its PDL wait (rms_gemv
+    # v16), were measured at 2009964 (s92), no faster, and removed)
     "fast-opwgd3": {"oproj_wide": "wgmma", "oproj_wide_plan": {"stages": 3}},
     "fast-opwgd2": {"oproj_wide": "wgmma", "oproj_wide_plan": {"stages": 2}},
     "fast-inwglate": {"inproj_wide": "wgmma", "inproj_wide_early": False},
+    # session 27: the in_proj's WGMMA GEMM with cuBLAS-like tiles instead of the plan's K split (at rank8 b16 the plan
+    # streamed W at ~3.1 TB/s against cuBLAS's ~3.5 in s90d's timeline): 64 / 48 rows per CTA over all of K, one CTA
+    # per SM (99 / 131 CTAs at rank8; 14 / 16 stages), and 66 clusters of 2 x 96 rows
+    "fast-inwg1bn64": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"ksplit": 1, "bn": 64}},
+    "fast-inwg1bn48": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"ksplit": 1, "bn": 48}},
+    "fast-inwg2bn96": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"ksplit": 2, "bn": 96}},
     # ... with rings of 3 / 2 stages (two CTAs fit per SM, so the plan may count twice the co-resident clusters)
     "fast-inwgd3": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 3}},
     "fast-inwgd2": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 2}},

@@ -304,22 +304,23 @@ Version log
       around them (launch, the DRAM round trip of the sources, the reductions and the stores) and not by the bytes one
       SM moves. Still faster in every cell, so the default, from M = 3 since s74 (s74 at 8f4e39e: fast-normc9 +0.2 /
       +0.5 us at rank16 / rank8 b8, fast-normc1 +1.1 / +0.4 at b64; records-8f4e39e-s74.json).
-  v16 (2026-12-01, session 26; opt-in pre_blocks, FastImpl norm2_pre, impls "fast-n2pre" / "fast-opwg-n2pre";
-      CPU-compiled, GPU tests written, not run: the session's device time was spent) attnres_rmsnorm reads the first
-      pre_blocks blocks (those earlier layers wrote) before its PDL wait and the partial / delta after it; the same
-      statistics in the same order (each source's sums are separate), so bit-identical; the default build's PTX is
-      unchanged (the pass split is compile-time; the ring's and the fused kernel's prologues too: compared on the
-      CPU). Safe because every kernel of the chain triggers its dependent only after its own wait, so every kernel but
-      the direct predecessor has completed when this one starts; the block AttnRes #1 writes at a boundary this layer
-      is not among them (FastImpl passes n_blocks - boundary). ptxas (13.0): 52 / 72 registers at nb 2 / 8 with
-      clusters of 4 (39 / 56 without), 64 with one CTA per token, no spills.
-      Why (s90e, records-833d5e0-s90e.json): with o_proj on gemm_wgmma_splitk the norm kernel is launched from the
-      GEMM's cluster barrier and sits at its wait ~2.6 us (rank16 b64: launched 40.9, o_proj ends 43.5), then takes
-      5.0 us; with cuBLAS it starts at o_proj's end and takes 4.6-4.8. Its chain after the wait starts with the
-      blocks' loads (L2 / HBM round trip) for all nb + 1 sources.
-      Prediction: the norm's time after its predecessor's end 5.0 -> ~3.5-4 us with fast-opwg-n2pre at rank16 b64
-      (attention half 52.6 -> ~51.5, 1.8x of s90e's stock needs 51.6) and rank8 b16 (58.5 -> ~57.5; needs 57.4); with
-      cuBLAS's o_proj (fast-n2pre) little, since the norm launches only at its predecessor's end.
+  v16 (session 26, written after its last device run; opt-in pre_blocks, FastImpl norm2_pre, impls "fast-n2pre" /
+      "fast-opwg-n2pre"; measured by s92 in session 27 and removed, the code is at 2009964) attnres_rmsnorm read the
+      first pre_blocks blocks (those earlier layers wrote) before its PDL wait and the partial / delta after it: the
+      same statistics in the same order, bit-identical (GPU test, passed in s92), the default build's PTX unchanged.
+      Why: with o_proj on gemm_wgmma_splitk the norm is launched from the GEMM's cluster barrier and sat at its wait
+      ~2.6 us, then took ~5 us after o_proj's end (s90e), its chain starting with the blocks' loads.
+      Prediction: the norm after its predecessor's end 5.0 -> ~3.5-4 us; attention half rank16 b64 with fast-opwg-n2pre
+      52.6 -> ~51.5 us, rank8 b16 with fast-n2pre 58.5 -> ~57.5.
+      Measured (s92 at 2009964, records-2009964-s92.json, one run beside stock, copy 4.07 TB/s; GPU tests 22 passed):
+      attention half rank16 b64 fast-opwg / fast-opwg-n2pre 52.6 / 52.5 us (fast 53.5, fast-n2pre 53.7; stock 91.6),
+      rank8 b16 fast / fast-n2pre 58.4 / 58.6 (stock 102.8), rank8 b64 80.1 / 80.0, rank16 b16 40.0 / 40.3. MISSED: no
+      median moved by more than 0.3 us. The one profiled replay per cell (replay_timeline) has the norm ending after
+      o_proj's end by 5.0 -> 3.7 us at rank16 b64 with the WGMMA o_proj, 4.2 -> 3.5 at rank8 b64, 3.2 -> 3.1 at rank8
+      b16, 3.8 -> 4.3 at rank16 b16 and 5.0 -> 5.0 behind cuBLAS: where the norm waits beside a still-running o_proj
+      the reads may take a little off its tail, but the medians of 50 replays do not show it, and the rest of the
+      norm's chain after the wait (p and a, its two cluster reductions, the stores) is what remains. Removed with its
+      impls and tests.
 
 Reference ops replaced (k3-spec.md):
   * section 6 + section 4.3 "attn_res #1": p' = bf16(p + delta); optional block write B[bw] = p'; the softmax
@@ -395,12 +396,6 @@ PREFETCH_GROUPS = 1  # v7 (opt-in, "fast-inpf2" / "fast-inpf3"): row groups of t
 def _vectors_per_lane(K: int, ks: int) -> int:
     """16-byte weight vectors per lane of one warp's k-slice (K split into ks slices, 32 lanes each)."""
     return -(-(-(-(K // 8) // ks)) // 32)
-
-
-def _source_passes(NS: int, pre: int) -> tuple:
-    """The AttnRes prologue's passes over its NS sources, [lo, hi) each: all at once, or (v16) the first ``pre``
-    blocks before the PDL wait and the rest after it."""
-    return ((0, NS),) if pre == 0 else ((0, pre), (pre, NS))
 
 
 def bucket_m(M: int) -> int:
@@ -532,8 +527,7 @@ def _build_kernels():
 
     @cute.jit
     def _attnres_tokens(self, ms, mBlocks, mP, mD, mPout, mU, mWln, dst, sV, sRedA, sRedB, tid, warp, lane,
-                        is_writer, hoist_wln: cutlass.Constexpr = False, split=None, pre: cutlass.Constexpr = 0,
-                        early_trigger: cutlass.Constexpr = False):
+                        is_writer, hoist_wln: cutlass.Constexpr = False, split=None):
         """The AttnRes mix + RMSNorm of the tokens ``ms`` (a tuple, one entry per token; _attnres_token's is
         ``(m,)``) by the whole CTA, jointly: each phase runs for every token before the next phase, so the tokens
         share one round of source loads and one CTA barrier per reduction instead of one each (rms_gemv_ring
@@ -550,13 +544,7 @@ def _build_kernels():
 
         The sources are staged in smem sV (a thread in range re-reads only what it wrote; one past the end reads
         its owner's vector after the reduction's barrier): holding them in registers made ptxas keep their fp32
-        copies live across the reduction and spill at the 128-register cap of a 512-thread CTA.
-
-        pre (v16, the norm kernel's opt-in pre_blocks): 0, the caller has waited on its PDL predecessor; or the number
-        of leading blocks read (staged, their statistics summed) BEFORE this function's own griddepcontrol_wait, which
-        it then issues (and the dependents' trigger after it when ``early_trigger``), then reads the other sources.
-        Each source's statistics are summed over this thread's vectors in the same order either way and u is the same
-        value, so the results are bit-identical to pre = 0."""
+        copies live across the reduction and spill at the 128-register cap of a 512-thread CTA."""
         NS = self.nb + 1
         NM = len(ms)
         VPT = self.vpt
@@ -577,45 +565,38 @@ def _build_kernels():
             for j in cutlass.range_constexpr(VPT):
                 cute.autovec_copy(gWl[None, _vec(self, split, tid + j * NT, nvec)[0]], rWl[None, j])
         stats = [[Float32(0.0)] * (2 * NS) for _ in range(NM)]
-        # sources [lo, hi) per pass: one pass over all of them, or (v16) the first `pre` blocks before the PDL wait
-        passes = _source_passes(NS, pre)
-        for ps in cutlass.range_constexpr(len(passes)):
-            if const_expr(ps == 1):
-                cute.arch.griddepcontrol_wait()
-                if const_expr(early_trigger):
-                    cute.arch.griddepcontrol_launch_dependents()
-            for j in cutlass.range_constexpr(VPT):
-                # threads past the end re-read the last vector (in bounds) with weight 0 and write nothing
-                v, sl, inb = _vec(self, split, tid + j * NT, nvec)
-                wgt = Float32(1.0)
-                if const_expr(split is not None or nvec % NT != 0):
-                    wgt = cutlass.select_(inb, Float32(1.0), Float32(0.0))
-                cute.autovec_copy(gU[None, v], rUj)
-                uv = rUj.load() * wgt
-                for mi in cutlass.range_constexpr(NM):
-                    m = ms[mi]
-                    for i in cutlass.range_constexpr(passes[ps][0], passes[ps][1]):
-                        if const_expr(i < self.nb):
-                            cute.autovec_copy(gB[0, 0, None, m, i, v], rT)
-                        else:
-                            cute.autovec_copy(gP[0, None, m, v], rT)
-                            if const_expr(self.has_delta):
-                                gD = cute.flat_divide(mD, (1, 8))
-                                cute.autovec_copy(gD[0, None, m, v], rD)
-                                # bf16(p + delta): fp32 add, one round to nearest-even (torch's bf16 add)
-                                rT.store((rT.load().to(Float32) + rD.load().to(Float32)).to(BFloat16))
-                            if is_writer:
-                                if inb:
-                                    cute.autovec_copy(rT, gPo[0, None, m, v])
-                                    if const_expr(self.bw >= 0):
-                                        cute.autovec_copy(rT, gB[0, 0, None, m, self.bw, v])
-                        # only the owner stages a vector: a thread past the end re-reads its owner's vector, which with
-                        # partial_out = partial (in place) the owner may already have overwritten with p'
-                        if inb:
-                            cute.autovec_copy(rT, sVv[0, None, mi * NS + i, sl])
-                        vf = rT.load().to(Float32)
-                        stats[mi][2 * i] = stats[mi][2 * i] + (vf * vf).reduce(ADD, Float32(0.0), 0) * wgt
-                        stats[mi][2 * i + 1] = stats[mi][2 * i + 1] + (vf * uv).reduce(ADD, Float32(0.0), 0)
+        for j in cutlass.range_constexpr(VPT):
+            # threads past the end re-read the last vector (in bounds) with weight 0 and write nothing
+            v, sl, inb = _vec(self, split, tid + j * NT, nvec)
+            wgt = Float32(1.0)
+            if const_expr(split is not None or nvec % NT != 0):
+                wgt = cutlass.select_(inb, Float32(1.0), Float32(0.0))
+            cute.autovec_copy(gU[None, v], rUj)
+            uv = rUj.load() * wgt
+            for mi in cutlass.range_constexpr(NM):
+                m = ms[mi]
+                for i in cutlass.range_constexpr(NS):
+                    if const_expr(i < self.nb):
+                        cute.autovec_copy(gB[0, 0, None, m, i, v], rT)
+                    else:
+                        cute.autovec_copy(gP[0, None, m, v], rT)
+                        if const_expr(self.has_delta):
+                            gD = cute.flat_divide(mD, (1, 8))
+                            cute.autovec_copy(gD[0, None, m, v], rD)
+                            # bf16(p + delta): fp32 add, one round to nearest-even (torch's bf16 add)
+                            rT.store((rT.load().to(Float32) + rD.load().to(Float32)).to(BFloat16))
+                        if is_writer:
+                            if inb:
+                                cute.autovec_copy(rT, gPo[0, None, m, v])
+                                if const_expr(self.bw >= 0):
+                                    cute.autovec_copy(rT, gB[0, 0, None, m, self.bw, v])
+                    # only the owner stages a vector: a thread past the end re-reads its owner's vector, which with
+                    # partial_out = partial (in place) the owner may already have overwritten with p'
+                    if inb:
+                        cute.autovec_copy(rT, sVv[0, None, mi * NS + i, sl])
+                    vf = rT.load().to(Float32)
+                    stats[mi][2 * i] = stats[mi][2 * i] + (vf * vf).reduce(ADD, Float32(0.0), 0) * wgt
+                    stats[mi][2 * i + 1] = stats[mi][2 * i + 1] + (vf * uv).reduce(ADD, Float32(0.0), 0)
         for mi in cutlass.range_constexpr(NM):
             for q in cutlass.range_constexpr(2 * NS):
                 t = cute.arch.warp_reduction_sum(stats[mi][q])
@@ -1012,11 +993,9 @@ def _build_kernels():
 
     # ------------------------------------------------------------ AttnRes + RMSNorm, one CTA (or cluster) per token
     class _AttnResNorm:
-        def __init__(self, K, nb, has_delta, bw, eps, early_trigger=False, cl=1, pre=0):
+        def __init__(self, K, nb, has_delta, bw, eps, early_trigger=False, cl=1):
             self.K, self.nb, self.has_delta, self.bw, self.eps = K, nb, has_delta, bw, eps
             self.early_trigger = early_trigger
-            # v16 (opt-in): the first `pre` blocks read before the PDL wait (_attnres_tokens issues the wait)
-            self.pre = pre
             self.cl = cl
             nvec = K // 8
             # v15: a cluster of cl CTAs per token, each over vpc vectors with one thread per vector (up to 16 warps)
@@ -1059,14 +1038,12 @@ def _build_kernels():
                 split = (cute.arch.block_idx()[0], sX, sY)
                 # the cluster's start barrier (waited for before the first push into a peer's shared memory)
                 cute.arch.cluster_arrive_relaxed()
-            if cutlass.const_expr(self.pre == 0):
-                cute.arch.griddepcontrol_wait()
-                if cutlass.const_expr(self.early_trigger):
-                    # the dependent's pre-wait work (a ring GEMV's weight chunks) runs on the SMs this grid leaves idle
-                    cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.early_trigger):
+                # the dependent's pre-wait work (a ring GEMV's weight chunks) runs on the SMs this grid leaves idle
+                cute.arch.griddepcontrol_launch_dependents()
             _attnres_tokens(self, (m,), mBlocks, mP, mD, mPout, mU, mWln, cute.flat_divide(mX, (1, 8)), sV,
-                            sRedA, sRedB, tid, warp, lane, True, split=split, pre=self.pre,
-                            early_trigger=self.early_trigger)
+                            sRedA, sRedB, tid, warp, lane, True, split=split)
             if cutlass.const_expr(not self.early_trigger):
                 cute.arch.griddepcontrol_launch_dependents()
 
@@ -1127,23 +1104,23 @@ def _attn_fakes(cute, BF, M, K, has_delta, wln):
     return blocks, p, d, po, u, wl
 
 
-def norm_compile_key(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1, pre=0) -> tuple:
+def norm_compile_key(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1) -> tuple:
     return (("rms_gemv.norm", K, nb, has_delta, bw, wln, eps) + (("early",) if early_trigger else ())
-            + ((f"cl{cluster}",) if cluster > 1 else ()) + ((f"pre{pre}",) if pre else ()))
+            + ((f"cl{cluster}",) if cluster > 1 else ()))
 
 
-def _compile_norm(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1, pre=0, options=TVM_FFI):
+def _compile_norm(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1, options=TVM_FFI):
     def build():
         cutlass, cute, _, _, Norm = _kernels()
         BF = cutlass.BFloat16
         M = cute.sym_int()
         blocks, p, d, po, u, wl = _attn_fakes(cute, BF, M, K, has_delta, wln)
         x = fake_tensor(BF, (M, K))
-        return cute.compile(Norm(K, nb, has_delta, bw, eps, early_trigger, cluster, pre), blocks, p, d, po, u, wl,
-                            x, fake_stream(), options=options)
+        return cute.compile(Norm(K, nb, has_delta, bw, eps, early_trigger, cluster), blocks, p, d, po, u, wl, x,
+                            fake_stream(), options=options)
     if options != TVM_FFI:
         return build()
-    return compile_cached(norm_compile_key(K, nb, has_delta, bw, wln, eps, early_trigger, cluster, pre), build)
+    return compile_cached(norm_compile_key(K, nb, has_delta, bw, wln, eps, early_trigger, cluster), build)
 
 
 def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, options=TVM_FFI, G=1, early_trigger=False, pin=False,
@@ -1258,7 +1235,7 @@ def norm_cluster(M: int, min_m: int | None = None) -> int:
 
 
 def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, block_write=-1, out=None,
-                    partial_out=None, early_trigger=False, cluster=None, pre_blocks=0):
+                    partial_out=None, early_trigger=False, cluster=None):
     """x = bf16(RMSNorm_{w_ln}(AttnRes mix over {blocks[:, :n_blocks], p'})), p' = bf16(p + delta).
 
     Returns (x [M, K] bf16, partial_out); blocks[:, block_write] = p' when block_write >= 0.
@@ -1266,16 +1243,10 @@ def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, bloc
     none of this call's outputs before its own wait: rms_gemv_ring's tensor-core GEMV, v13).
     cluster: CTAs per token, 1, 2, 4 or 8 (None = norm_cluster(M)); above 1 each takes K / cluster of the columns
     and the statistics are summed over the cluster (v15; deterministic, not bit-identical to one CTA: its sums are
-    split differently).
-    pre_blocks (v16, opt-in): the first pre_blocks blocks are read before the PDL wait (bit-identical). The caller
-    vouches that no kernel still running may write them: true of blocks written by earlier layers, since every
-    kernel of the chain triggers its dependent only after its own wait, so all but the direct predecessor have
-    completed when this kernel starts (block_write is past n_blocks, so never among them)."""
+    split differently)."""
     import torch
     M, K, wln, partial_out = _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out,
                                             False)
-    if isinstance(pre_blocks, bool) or not isinstance(pre_blocks, int) or not 0 <= pre_blocks <= n_blocks:
-        raise ValueError(f"pre_blocks must be an int in 0..n_blocks = {n_blocks}, got {pre_blocks!r}")
     cl = norm_cluster(M) if cluster is None else cluster
     if cl not in NORM_CLUSTERS or K // 8 < cl:
         raise ValueError(f"cluster must be one of {NORM_CLUSTERS} (CTAs per token, at most K / 8 = {K // 8}), "
@@ -1284,8 +1255,7 @@ def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, bloc
         out = torch.empty(M, K, dtype=torch.bfloat16, device=partial.device)
     else:
         _check_2d("out", out, M, K, partial.device)
-    fn = _compile_norm(K, n_blocks, delta is not None, block_write, wln, float(eps), bool(early_trigger), cl,
-                       pre_blocks)
+    fn = _compile_norm(K, n_blocks, delta is not None, block_write, wln, float(eps), bool(early_trigger), cl)
     fn(blocks, partial, delta, partial_out, u, w_ln, out)
     return out, partial_out
 

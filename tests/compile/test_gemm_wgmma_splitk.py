@@ -76,7 +76,8 @@ def test_bad_inputs_are_refused():
 @needs_dsl
 @pytest.mark.parametrize("tp,kw", [(16, {}), (8, {}), (16, dict(ksplit=4)), (16, dict(bk=128)), (8, dict(stages=2)),
                                    (16, dict(ksplit=8, bn=256, stages=2)), (16, dict(ksplit=1, bn=32)),
-                                   (8, dict(ksplit=1, bn=64))])
+                                   (8, dict(ksplit=1, bn=64)), (8, dict(ksplit=1, bn=48)),
+                                   (8, dict(ksplit=2, bn=96))])
 def test_compiles_for_the_layer(tp, kw):
     G._compile(G.compile_key(IN_PROJ[tp], K, **kw))
 

@@ -60,41 +60,6 @@ def test_compile_attnres_rmsnorm_schedule():
 
 
 @needs_dsl
-@pytest.mark.parametrize("nb,pre,cl,early", [(2, 2, 4, False), (8, 7, 4, False), (3, 3, 1, False), (2, 2, 4, True)])
-def test_norm_pre_blocks_reads_blocks_before_the_wait(nb, pre, cl, early):
-    """v16 (opt-in): the first `pre` blocks' loads are issued before griddepcontrol.wait, the partial's and delta's
-    after it (with the early trigger right behind the wait); pre = 0 keeps the default build (its PTX is the one
-    before v16: the pass structure is compile-time only)."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
-    d = k3().hidden_size
-    ptx = compiled_ptx(lambda: R._compile_norm(d, nb, True, -1, "fp32", 1e-5, early, cl, pre,
-                                               options=TVM_FFI + " --keep-ptx"))
-    lines = [ln.strip() for ln in ptx.splitlines()]
-    waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
-    loads = [i for i, ln in enumerate(lines) if ln.startswith("ld.global")]
-    assert len(waits) == 1
-    before = [i for i in loads if i < waits[0]]
-    # u and each pre block per vector before the wait; p and delta (2 per vector) after it
-    assert len(before) >= pre + 1 and len(loads) - len(before) >= 2
-    trig = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")]
-    assert len(trig) == 1 and (trig[0] > waits[0])
-    if early:
-        assert not any(ln.startswith("ld.global") for ln in lines[waits[0]:trig[0]])
-    assert R.norm_compile_key(d, nb, True, -1, "fp32", 1e-5, early, cl, pre)[-1] == f"pre{pre}"
-
-
-def test_norm_pre_blocks_is_checked():
-    M, K = 2, 64
-    blocks, p, u, wl = torch.zeros(M, 8, K, dtype=torch.bfloat16), torch.zeros(M, K, dtype=torch.bfloat16), \
-        torch.zeros(K), torch.zeros(K)
-    with pytest.raises(ValueError, match="pre_blocks must be an int in 0..n_blocks = 2"):
-        R.attnres_rmsnorm(blocks, 2, p, p, u, wl, pre_blocks=3)
-    with pytest.raises(ValueError, match="pre_blocks must be an int"):
-        R.attnres_rmsnorm(blocks, 2, p, p, u, wl, pre_blocks=True)
-
-
-@needs_dsl
 def test_compile_attnres_rmsnorm_cluster():
     """v15: the cluster builds (2 / 4 / 8 CTAs per token) of the schedule's corner variants, each with its own key;
     compile_keys lists the cluster build the layer's batches from NORM_CLUSTER_MIN_M run."""

@@ -24,8 +24,10 @@ def G():
 # and no split (S = 1: no cluster, the epilogue reads its own tile)
 SHAPES = [(N_RANK16, K, {}), (N_RANK8, K, {}), (N_RANK16, K, dict(ksplit=4)), (1000, 1024, {}),
           (N_RANK8, K, dict(stages=2)), (N_RANK16, K, dict(bk=128)), (N_RANK16, K, dict(ksplit=1, bn=32)),
-          (7168, 768, {}), (7168, 1536, {}), (7168, 768, dict(stages=2)), (7168, 1536, dict(stages=3))]
-# (the last four: o_proj at rank16 / rank8, "fast-opwg" and its ring variants, session 26)
+          (7168, 768, {}), (7168, 1536, {}), (7168, 768, dict(stages=2)), (7168, 1536, dict(stages=3)),
+          (N_RANK8, K, dict(ksplit=1, bn=48)), (N_RANK8, K, dict(ksplit=2, bn=96))]
+# (7168 x 768 / 1536: o_proj at rank16 / rank8, "fast-opwg" and its ring variants, session 26; the last two: the
+# in_proj's cuBLAS-like tiles, session 27)
 
 
 @pytest.mark.parametrize("M", [9, 16, 33, 64, 1, 8])
