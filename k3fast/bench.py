@@ -152,7 +152,9 @@ def _cases(cfg, batch: int):
                         ("1bn64", dict(ksplit=1, bn=64)), ("2bn64", dict(ksplit=2, bn=64)),
                         # session 27: every SM streaming (1bn48: 131 CTAs of 48 rows over all of K at rank8; 2bn96: 66
                         # clusters of 2 x 96 rows), where at M = 16 the x tile is a quarter of the plan's stage bytes
-                        ("1bn48", dict(ksplit=1, bn=48)), ("2bn96", dict(ksplit=2, bn=96))):
+                        ("1bn48", dict(ksplit=1, bn=48)), ("2bn96", dict(ksplit=2, bn=96)),
+                        # v3 (session 27): x tiles of the token bucket's rows instead of a zero-filled 64-row box
+                        ("xa", dict(xrows="auto")), ("2bn96xa", dict(ksplit=2, bn=96, xrows="auto"))):
             if wgmma_applicable(M, d, w_in.shape[0], **kw):
                 cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda kw=kw: gemm_wgmma(x, w_in, **kw), lt_linear,
                               wbytes))

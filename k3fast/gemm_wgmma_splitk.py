@@ -170,8 +170,23 @@ NTHREADS = 32 * (PRODUCER_WARP + 1)
 BARRIER_BYTES = 1024
 
 
-def stage_bytes(BN: int, bk: int = BK) -> int:
-    return (BM + BN) * bk * 2
+X_ROWS = (16, 32, 64)    # x rows a ring stage loads (v3, ``xrows``): the token bucket; WGMMA's m stays 64
+
+
+def stage_bytes(BN: int, bk: int = BK, xrows: int = BM) -> int:
+    return (xrows + BN) * bk * 2
+
+
+def x_rows(M: int, xrows=None) -> int:
+    """The x rows a stage loads for M tokens: None = BM (v1: a 64-row box, the TMA unit zero-filling rows past M),
+    "auto" = the smallest of X_ROWS that holds M (v3), or an explicit member of X_ROWS (>= M)."""
+    if xrows is None:
+        return BM
+    if xrows == "auto":
+        return next(r for r in X_ROWS if M <= r)
+    if xrows not in X_ROWS or xrows < M:
+        raise ValueError(f"xrows must be None, 'auto' or one of {X_ROWS} holding M = {M}, got {xrows!r}")
+    return int(xrows)
 
 
 SM_SMEM = 233472       # shared memory per SM (228 KB), 1 KB of it reserved per resident CTA
@@ -179,7 +194,7 @@ SM_SMEM = 233472       # shared memory per SM (228 KB), 1 KB of it reserved per 
 
 @functools.lru_cache(maxsize=None)        # every call asks (applicable, then compile_key): the plan once per shape
 def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
-         stages: int | None = None) -> tuple[int, int, int, int]:
+         stages: int | None = None, xrows: int = BM) -> tuple[int, int, int, int]:
     """(BN, S, D, BK): the W rows per CTA, the cluster's K split, the ring depth and the k per stage for
     y = x @ W^T, W [N, K].
 
@@ -187,10 +202,13 @@ def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: i
     busiest CTA (its W tile plus its x tile per k-tile, times its k-tiles); ties go to the larger S (fewer re-reads
     of x). ``ksplit`` / ``bn`` / ``bk`` / ``stages`` pin S / BN / BK / D (the A/B cells of the benchmark); a ring small
     enough for two CTAs per SM doubles the clusters counted as co-resident (judged at the pinned BN, else at BN 256:
-    conservative, so the rows s89 measured keep their plans)."""
+    conservative, so the rows s89 measured keep their plans). ``xrows`` (v3): the x rows each stage loads; the ring's
+    x tiles then take xrows rows each, and the WGMMA's 64-row view of the last one reads (BM - xrows) rows past it."""
     bk = bk or BK
     if bk not in (64, 128):
         raise ValueError(f"bk must be 64 or 128, got {bk}")
+    if xrows not in X_ROWS or (xrows != BM and bk != BK):
+        raise ValueError(f"xrows must be one of {X_ROWS} (below {BM} only with bk = {BK}), got {xrows}")
     if K % bk:
         raise ValueError(f"w: K must be a multiple of {bk}, got {K}")
     KT = K // bk
@@ -215,21 +233,22 @@ def plan(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: i
                          f"BN must be a multiple of 16 in 16..256 (the DSL's WGMMA builds abort at n = 200 / 216 "
                          f"when compiled) and ceil(N / BN) clusters co-resident")
     _, BN, S = best
-    D = stages or (SMEM_PER_CTA_MAX - BARRIER_BYTES) // stage_bytes(BN, bk)
-    ring = D * stage_bytes(BN, bk)
+    tail = (BM - xrows) * bk * 2        # the 64-row WGMMA view of the last x tile reaches this far past it
+    D = stages or (SMEM_PER_CTA_MAX - BARRIER_BYTES - tail) // stage_bytes(BN, bk, xrows)
+    ring = D * stage_bytes(BN, bk, xrows) + tail
     if D < 2 or ring + BARRIER_BYTES > SMEM_PER_CTA_MAX or ring < BM * (BN + 4) * 4:
         raise ValueError(f"BN = {BN}, BK = {bk}, D = {D}: fewer than two ring stages, more than fit, or the fp32 tile "
                          f"does not fit the ring")
     return BN, S, D, bk
 
 
-def applicable(M: int, K: int, N: int, **pins) -> bool:
+def applicable(M: int, K: int, N: int, xrows=None, **pins) -> bool:
     """Whether gemm_wgmma takes y[M, N] = x[M, K] @ W[N, K]^T: M in 1..64, N even, and a one-wave plan (``pins``: the
-    plan's)."""
+    plan's; ``xrows``: gemm_wgmma's)."""
     if not MIN_M <= M <= MAX_M or N % 2 or N <= 0:
         return False
     try:
-        plan(N, K, **pins)
+        plan(N, K, xrows=x_rows(M, xrows), **pins)
     except ValueError:
         return False
     return True
@@ -255,8 +274,9 @@ def _build_class():
         return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
 
     class SplitKWgmma:
-        def __init__(self, BN, S, K, D, BKS, tiled=False, nomma=False):
+        def __init__(self, BN, S, K, D, BKS, tiled=False, nomma=False, BMX=BM):
             self.BN, self.S, self.K, self.D, self.BKS, self.tiled, self.nomma = BN, S, K, D, BKS, tiled, nomma
+            self.BMX = BMX
             self.KT = K // BKS
             self.BNP = BN + 4          # fp32 tile row pitch: 16-byte rows, the fragment stores off one bank group
 
@@ -269,8 +289,18 @@ def _build_class():
                                                     tiler_mn=(BM, BN))
             a_lay = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, BFloat16, D)
             b_lay = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, BFloat16, D)
+            # v3: the TMA writes BMX rows of x per stage into stages BMX rows apart, and the WGMMAs read each stage
+            # through the 64-row layout with that stage stride: rows >= BMX of a stage are the next stage's rows (or,
+            # past the last, the tail plan() reserved), which only make output rows >= BMX > M-1, never stored. With
+            # BMX = 64 both layouts are v1's (a 64-row box the TMA unit zero-fills past M: s93 timed that box at
+            # M = 16 as slow as at M = 64, and slower per W byte the more x boxes a W byte comes with)
+            ax_lay = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.BMX, BN, BK), BFloat16, D)
+            if const_expr(self.BMX < BM):
+                o = a_lay.outer
+                a_lay = cute.make_composed_layout(a_lay.inner, 0, cute.make_layout(
+                    o.shape, stride=(o.stride[0], o.stride[1], ax_lay.outer.stride[2])))
             tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
-                                                    cute.slice_(a_lay, (None, None, 0)), (BM, BK))
+                                                    cute.slice_(ax_lay, (None, None, 0)), (self.BMX, BK))
             if const_expr(self.tiled):
                 # the tiled weight [K / BK, N, BK] read as the [N, K] matrix it holds: column k of row n at
                 # (k // BK) N BK + n BK + k % BK, so that the box of rows [n0, n0 + BN) of one k-tile is one
@@ -280,13 +310,13 @@ def _build_class():
             tma_b, tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                     cute.slice_(b_lay, (None, None, 0)), (BN, BK))
             ntiles = (cute.size(mW, mode=[0]) + BN - 1) // BN
-            self.kernel(tma_a, tA, tma_b, tB, mY, tiled_mma, a_lay, b_lay).launch(
+            self.kernel(tma_a, tA, tma_b, tB, mY, tiled_mma, a_lay, b_lay, ax_lay).launch(
                 grid=[self.S, ntiles, 1], block=[NTHREADS, 1, 1], cluster=[self.S, 1, 1], stream=stream,
                 use_pdl=True)
 
         @cute.kernel
-        def kernel(self, tma_a, mA, tma_b, mB, mY, tiled_mma, a_lay, b_lay):
-            BN, S, D, KT, BNP, BK = self.BN, self.S, self.D, self.KT, self.BNP, self.BKS
+        def kernel(self, tma_a, mA, tma_b, mB, mY, tiled_mma, a_lay, b_lay, ax_lay):
+            BN, S, D, KT, BNP, BK, BMX = self.BN, self.S, self.D, self.KT, self.BNP, self.BKS, self.BMX
             tid = cute.arch.thread_idx()[0]
             lane = cute.arch.lane_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -315,9 +345,10 @@ def _build_class():
                 cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
 
-            gA = cute.local_tile(mA, (BM, BK), (0, None))          # (BM, BK, KT)
+            gA = cute.local_tile(mA, (BMX, BK), (0, None))         # (BMX, BK, KT)
             gB = cute.local_tile(mB, (BN, BK), (nt, None))         # (BN, BK, KT)
-            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+            sAx = cute.make_tensor(sA.iterator, ax_lay.outer)      # the TMA's view: BMX rows per stage
+            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sAx, 0, 2),
                                                cute.group_modes(gA, 0, 2))
             tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
                                                cute.group_modes(gB, 0, 2))
@@ -333,7 +364,7 @@ def _build_class():
                 # W does not depend on the predecessor: the whole ring of it goes out before the PDL wait
                 for q in cutlass.range(npre, unroll=1):
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + q, stage_bytes(BN, BK))
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + q, stage_bytes(BN, BK, BMX))
                     cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, q)], tma_bar_ptr=mbar + q)
                 cute.arch.griddepcontrol_wait()
                 for q in cutlass.range(npre, unroll=1):
@@ -342,7 +373,7 @@ def _build_class():
                     s = q % D
                     cute.arch.mbarrier_wait(mbar + D + s, (q // D - 1) % 2)
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, stage_bytes(BN, BK))
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, stage_bytes(BN, BK, BMX))
                     cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, s)], tma_bar_ptr=mbar + s)
                     cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, s)], tma_bar_ptr=mbar + s)
             else:
@@ -411,29 +442,31 @@ def _cls():
 
 
 def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
-                stages: int | None = None, tiled: bool = False, diag: str | None = None) -> tuple:
+                stages: int | None = None, tiled: bool = False, diag: str | None = None, xrows: int = BM) -> tuple:
     """A tiled weight (tile_weight) is its own build; the key then ends with "tiled". ``diag="nomma"``: the
     diagnostic build whose consumers wait for each stage and release it without a WGMMA (its output is zeros): the
-    ring's streaming rate alone, for the benchmark."""
+    ring's streaming rate alone, for the benchmark. ``xrows`` below BM (v3, x_rows): "x<rows>"."""
     if diag not in (None, "nomma"):
         raise ValueError(f"diag must be None or 'nomma', got {diag!r}")
-    return (("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk, stages) + (K,) + (("tiled",) if tiled else ())
-            + ((diag,) if diag else ()))
+    return (("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk, stages, xrows) + (K,) + (("tiled",) if tiled else ())
+            + ((diag,) if diag else ()) + ((f"x{xrows}",) if xrows != BM else ()))
 
 
-def _build(BN, S, D, BKS, K, tiled=False, options=TVM_FFI, nomma=False):
+def _build(BN, S, D, BKS, K, tiled=False, options=TVM_FFI, nomma=False, xrows=BM):
     cutlass, cute = import_cute()
     BF = cutlass.BFloat16
     M, N = cute.sym_int(), cute.sym_int(divisibility=2)
     x = fake_tensor(BF, (M, K))
     w = fake_tensor(BF, (K // BKS, N, BKS)) if tiled else fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (M, N), align=4)
-    return cute.compile(_cls()(BN, S, K, D, BKS, tiled, nomma), x, w, y, fake_stream(), options=options)
+    return cute.compile(_cls()(BN, S, K, D, BKS, tiled, nomma, xrows), x, w, y, fake_stream(), options=options)
 
 
 def _compile(key):
     _, BN, S, D, BKS, K = key[:6]
-    return compile_cached(key, lambda: _build(BN, S, D, BKS, K, "tiled" in key[6:], nomma="nomma" in key[6:]))
+    xrows = next((int(f[1:]) for f in key[6:] if f.startswith("x")), BM)
+    return compile_cached(key, lambda: _build(BN, S, D, BKS, K, "tiled" in key[6:], nomma="nomma" in key[6:],
+                                              xrows=xrows))
 
 
 class WgmmaTiledWeight:
@@ -460,19 +493,20 @@ def tile_weight(w, bk: int = BK) -> WgmmaTiledWeight:
 
 
 def gemm_ptx(N: int, K: int = 7168, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
-             tiled: bool = False) -> str:
+             tiled: bool = False, xrows: int = BM) -> str:
     """PTX of the build that ``plan`` picks for [N, K] (uncached; for reading and the CPU tests)."""
     from .ptxcheck import compiled_ptx
-    BN, S, D, BKS = plan(N, K, ksplit, bn, bk)
-    return compiled_ptx(lambda: _build(BN, S, D, BKS, K, tiled, options=TVM_FFI + " --keep-ptx"))
+    BN, S, D, BKS = plan(N, K, ksplit, bn, bk, xrows=xrows)
+    return compiled_ptx(lambda: _build(BN, S, D, BKS, K, tiled, options=TVM_FFI + " --keep-ptx", xrows=xrows))
 
 
 def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
-               stages: int | None = None, diag: str | None = None):
+               stages: int | None = None, diag: str | None = None, xrows=None):
     """y[M, N] = bf16(x[M, K] @ w[N, K]^T) with fp32 accumulation, M in 1..64: the cluster K-split WGMMA GEMM.
     w: the [N, K] weight, or its WgmmaTiledWeight (v2: each stage's W tile one contiguous run; the same bits).
     ``ksplit`` / ``bn`` / ``bk`` / ``stages``: pin the plan's S / BN / BK / D (benchmark cells); ``diag="nomma"``:
-    the diagnostic build without WGMMAs (compile_key), whose output is zeros."""
+    the diagnostic build without WGMMAs (compile_key), whose output is zeros. ``xrows`` (v3; x_rows): None loads a
+    64-row x box per stage, "auto" only the token bucket's 16 / 32 / 64 rows (the same sums: the same bits)."""
     import torch
     tiled = isinstance(w, WgmmaTiledWeight)
     check_tensor("x", x, dtype=torch.bfloat16)
@@ -493,5 +527,5 @@ def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = No
         out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=x.device, align=4)
-    _compile(compile_key(N, K, ksplit, bn, bk, stages, tiled, diag))(x, w.data if tiled else w, out)
+    _compile(compile_key(N, K, ksplit, bn, bk, stages, tiled, diag, x_rows(M, xrows)))(x, w.data if tiled else w, out)
     return out

@@ -496,6 +496,12 @@ FAST_VARIANTS = {
     "fast-inwg1bn64": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"ksplit": 1, "bn": 64}},
     "fast-inwg1bn48": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"ksplit": 1, "bn": 48}},
     "fast-inwg2bn96": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"ksplit": 2, "bn": 96}},
+    # gemm_wgmma_splitk v3 (session 27): each ring stage loads the token bucket's x rows (16 / 32 / 64) instead of a
+    # 64-row box the TMA unit zero-fills past M, one more stage of W where that frees it; in_proj, o_proj and both
+    "fast-inwgx": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"xrows": "auto"}},
+    "fast-opwgx": {"oproj_wide": "wgmma", "oproj_wide_plan": {"xrows": "auto"}},
+    "fast-inwgx-opwgx": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"xrows": "auto"},
+                         "oproj_wide": "wgmma", "oproj_wide_plan": {"xrows": "auto"}},
     # ... with rings of 3 / 2 stages (two CTAs fit per SM, so the plan may count twice the co-resident clusters)
     "fast-inwgd3": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 3}},
     "fast-inwgd2": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 2}},

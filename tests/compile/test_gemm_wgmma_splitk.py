@@ -34,6 +34,32 @@ def test_plan_for_the_in_proj_widths():
         assert BN % 16 == 0 and 16 <= BN <= 256
 
 
+def test_x_rows():
+    """v3: the x rows a stage loads are the token bucket's, and the ring they free holds one more stage of W at the
+    in_proj widths (a 16-row x tile: 30 KB stages instead of 36, plus the 64-row view's 6 KB tail once)."""
+    assert [G.x_rows(M) for M in (1, 16, 64)] == [64, 64, 64]                   # None: v1's 64-row box
+    assert [G.x_rows(M, "auto") for M in (1, 9, 16, 17, 32, 33, 64)] == [16, 16, 16, 32, 32, 64, 64]
+    assert G.x_rows(20, 64) == 64
+    for bad in (8, 48, "all"):
+        with pytest.raises(ValueError, match="xrows"):
+            G.x_rows(16, bad)
+    with pytest.raises(ValueError, match="xrows"):
+        G.x_rows(33, 32)                # rows past the tile would never be loaded
+    assert G.plan(IN_PROJ[16], K, xrows=16) == (224, 8, 7, 64)
+    assert G.plan(IN_PROJ[8], K, xrows=16) == (224, 4, 7, 64)
+    assert G.plan(IN_PROJ[8], K, xrows=32) == (224, 4, 6, 64)
+    assert G.plan(7168, 1536, xrows=16) == (240, 4, 6, 64)                    # o_proj: all 6 k-tiles in the ring
+    for N in (IN_PROJ[16], IN_PROJ[8], 7168):
+        for xr in G.X_ROWS:
+            BN, S, D, BK = G.plan(N, K, xrows=xr)
+            ring = D * G.stage_bytes(BN, BK, xr) + (G.BM - xr) * BK * 2
+            assert ring + G.BARRIER_BYTES <= SMEM_PER_CTA_MAX and ring >= G.BM * (BN + 4) * 4
+    with pytest.raises(ValueError, match="xrows"):
+        G.plan(IN_PROJ[16], K, bk=128, xrows=16)
+    assert G.applicable(16, K, IN_PROJ[8], xrows="auto") and not G.applicable(16, K, IN_PROJ[8], xrows=8)
+    assert G.compile_key(IN_PROJ[8], K, xrows=16)[-1] == "x16" and G.compile_key(IN_PROJ[8], K)[-1] == K
+
+
 def test_plan_for_o_proj():
     """o_proj (session 26's opt-in "fast-opwg"): N 7168, K = 768 / 1536 (rank16 / rank8): 30 clusters of 4 x 240 rows,
     a ring that holds all 3 / 5 of a CTA's 3 / 6 k-tiles, so nearly all of W is requested before the PDL wait."""
@@ -77,14 +103,15 @@ def test_bad_inputs_are_refused():
 @pytest.mark.parametrize("tp,kw", [(16, {}), (8, {}), (16, dict(ksplit=4)), (16, dict(bk=128)), (8, dict(stages=2)),
                                    (16, dict(ksplit=8, bn=256, stages=2)), (16, dict(ksplit=1, bn=32)),
                                    (8, dict(ksplit=1, bn=64)), (8, dict(ksplit=1, bn=48)),
-                                   (8, dict(ksplit=2, bn=96))])
+                                   (8, dict(ksplit=2, bn=96)), (16, dict(xrows=16)), (8, dict(xrows=16)),
+                                   (8, dict(xrows=32)), (8, dict(ksplit=2, bn=96, xrows=16))])
 def test_compiles_for_the_layer(tp, kw):
     G._compile(G.compile_key(IN_PROJ[tp], K, **kw))
 
 
 @needs_dsl
 @pytest.mark.parametrize("Kp,kw", [(768, {}), (1536, {}), (768, dict(stages=3)), (1536, dict(stages=3)),
-                                   (768, dict(stages=2)), (1536, dict(stages=2))])
+                                   (768, dict(stages=2)), (1536, dict(stages=2)), (1536, dict(xrows=16))])
 def test_compiles_for_o_proj(Kp, kw):
     G._compile(G.compile_key(7168, Kp, **kw))
 

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
                                   "fast-intiled", "fast-s22kda", "fast-kdahead48", "fast-normc1", "fast-normc9",
                                   "fast-s24kda", "fast-inmm", "fast-inwg", "fast-inwglate", "fast-inwgd3", "fast-inwgd2",
                                   "fast-inwgtiled", "fast-inwg1bn64", "fast-inwg1bn48", "fast-inwg2bn96",
+                                  "fast-inwgx", "fast-opwgx", "fast-inwgx-opwgx",
                                   "fast-opm16", "fast-inwg-opm16", "fast-opwg", "fast-opwgd3", "fast-opwgd2",
                                   "fast-opwgoff"])
 @pytest.mark.parametrize("tp", [16, 8])
@@ -59,7 +60,7 @@ def test_fast_attention_half(tp, batch, impl):
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
     if impl in ("fast-inwg", "fast-inwglate", "fast-inwgd3", "fast-inwgd2", "fast-inwgtiled", "fast-inwg1bn64",
-                "fast-inwg1bn48", "fast-inwg2bn96"):
+                "fast-inwg1bn48", "fast-inwg2bn96", "fast-inwgx", "fast-inwgx-opwgx"):
         from k3fast.rms_gemv_ring import MMA_MAX_M
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
@@ -75,7 +76,7 @@ def test_fast_attention_half(tp, batch, impl):
         pytest.skip(f"{impl} differs from fast only where the in_proj GEMV is cuBLAS and M <= 8")
     if impl in ("fast-opmma", "fast-op4") and not 4 < batch <= GEMV_DSL_MAX_M:
         pytest.skip(f"{impl} differs from fast only where it puts o_proj on a GEMV + attnres_rmsnorm (M 5..8)")
-    if impl in ("fast-opwg", "fast-opwgd3", "fast-opwgd2", "fast-opwgoff") and batch <= GEMV_DSL_MAX_M:
+    if impl in ("fast-opwg", "fast-opwgd3", "fast-opwgd2", "fast-opwgoff", "fast-opwgx") and batch <= GEMV_DSL_MAX_M:
         pytest.skip(f"{impl} differs from fast only where o_proj runs apart from its norm (M > GEMV_DSL_MAX_M)")
     if impl in ("fast-opm16", "fast-inwg-opm16") and not GEMV_DSL_MAX_M < batch <= 16:
         pytest.skip(f"{impl} differs from fast only for GEMV_DSL_MAX_M < M <= 16 (o_proj's fused kernel)")
