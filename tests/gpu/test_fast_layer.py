@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
                                   "fast-intiled", "fast-s22kda", "fast-kdahead48", "fast-normc1", "fast-normc9",
                                   "fast-s24kda", "fast-inmm", "fast-inwg", "fast-inwglate", "fast-inwgd3", "fast-inwgd2",
                                   "fast-inwgtiled", "fast-inwg1bn64", "fast-inwg1bn48", "fast-inwg2bn96",
-                                  "fast-inwgx", "fast-opwgx", "fast-inwgx-opwgx",
+                                  "fast-inwgx", "fast-opwgx", "fast-inwgx-opwgx", "fast-inwg2bn96x",
                                   "fast-opm16", "fast-inwg-opm16", "fast-opwg", "fast-opwgd3", "fast-opwgd2",
                                   "fast-opwgoff"])
 @pytest.mark.parametrize("tp", [16, 8])
@@ -60,7 +60,7 @@ def test_fast_attention_half(tp, batch, impl):
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
     if impl in ("fast-inwg", "fast-inwglate", "fast-inwgd3", "fast-inwgd2", "fast-inwgtiled", "fast-inwg1bn64",
-                "fast-inwg1bn48", "fast-inwg2bn96", "fast-inwgx", "fast-inwgx-opwgx"):
+                "fast-inwg1bn48", "fast-inwg2bn96", "fast-inwgx", "fast-inwgx-opwgx", "fast-inwg2bn96x"):
         from k3fast.rms_gemv_ring import MMA_MAX_M
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
