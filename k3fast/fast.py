@@ -123,9 +123,20 @@ INPROJ_BLAS = "cublaslt"
 # default in one run each: 38.8 / 42.7 us (s87), 40.1 / 43.1 (s88), 39.9 / 42.1 (s90c, records-111bb49-s90c.json);
 # with this rule as the default, fast / fast-inwgoff 40.1 / 42.2 (s90d, records-ce064f2-s90d.json; stock 84.2: 2.10x).
 # "fast-inwgoff" is the A/B (cuBLAS at every M).
+# Session 27: above INPROJ_WIDE_MAX_N up to INPROJ_WIDE_WIDE_MAX_N (rank8's 6288; full width not measured) "auto" also
+# takes the WGMMA GEMM, at M 9..64, with the plan
+# pinned to INPROJ_WIDE_PINS_WIDE: 66 clusters of 2 x 96 rows whose stages load only the token bucket's x rows
+# (gemm_wgmma_splitk v3; the plan's own 29 clusters of 4 x 224 rows lost there in every run). Bare at rank8 b16
+# 29.4 us against cublasLt's 28.5 (s94); attention half fast (cuBLAS) / fast-inwg2bn96x: rank8 b16 57.4 / 54.3
+# and 54.4 (s95, stock 101.6: 1.87x), 57.4 / 53.9, 57.6 / 54.4 (s95b); rank8 b64 80.7 / 78.3 (s95, stock 122.9),
+# 80.2 / 78.3, 80.1 / 78.4 (s95b), 80.0 / 78.9 with v1's 64-row x box (s93) (records-4d1a04c-s95.json,
+# records-4d1a04c-s95b.json, records-46083d7-s93.json). M 17..63 lie between the two measured batches.
 INPROJ_WIDE = "auto"
 INPROJ_WIDE_MAX_M = 16
 INPROJ_WIDE_MAX_N = 4096
+INPROJ_WIDE_WIDE_MAX_M = 64
+INPROJ_WIDE_WIDE_MAX_N = 8192
+INPROJ_WIDE_PINS_WIDE = {"ksplit": 2, "bn": 96, "xrows": "auto"}
 INPROJ_WIDE_EARLY = True
 
 
@@ -145,8 +156,23 @@ def inproj_wide_choice(M: int, N: int, wide: str | None = None) -> str:
     w = _wide_engine("inproj_wide", wide, INPROJ_WIDE)
     if w == "auto":
         from .rms_gemv_ring import MMA_MAX_M
-        return "wgmma" if MMA_MAX_M < M <= INPROJ_WIDE_MAX_M and N <= INPROJ_WIDE_MAX_N else "cublas"
+        if N <= INPROJ_WIDE_MAX_N:
+            return "wgmma" if MMA_MAX_M < M <= INPROJ_WIDE_MAX_M else "cublas"
+        if N <= INPROJ_WIDE_WIDE_MAX_N:
+            return "wgmma" if MMA_MAX_M < M <= INPROJ_WIDE_WIDE_MAX_M else "cublas"
+        return "cublas"
     return w
+
+
+def inproj_wide_pins(N: int, wide: str | None = None, plan: dict | None = None) -> dict:
+    """gemm_wgmma's plan pins for the in_proj's WGMMA GEMM at N output rows: ``plan`` where given, else under "auto"
+    INPROJ_WIDE_PINS_WIDE above INPROJ_WIDE_MAX_N (session 27) and the plan's own choice below; an explicit "wgmma"
+    (fast-inwg and its variants) keeps the plan's own choice, as it was measured."""
+    if plan is not None:
+        return dict(plan)
+    if _wide_engine("inproj_wide", wide, INPROJ_WIDE) == "auto" and INPROJ_WIDE_MAX_N < N <= INPROJ_WIDE_WIDE_MAX_N:
+        return dict(INPROJ_WIDE_PINS_WIDE)
+    return {}
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
 # M <= 8; "fast-opmma" is the A/B with GEMV_DSL_MAX_M = 4, since at 8 no o_proj GEMV both runs apart and fits v13).
 OPROJ_MID = "cublas"
@@ -240,13 +266,14 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
                                                   early_trigger=INPROJ_MID_EARLY if mid_early is None else mid_early,
                                                   cluster=norm_cluster)
         return rms_gemv_ring.gemv_ring_mma(x, w if w_tiled is None else w_tiled), partial_out
+    pins = inproj_wide_pins(w.shape[0], wide, wide_plan)
     if (mma == "cublas" and inproj_wide_choice(M, w.shape[0], wide) == "wgmma" and partial.dim() == 2
-            and gemm_wgmma_splitk.applicable(M, w.shape[1], w.shape[0], **(wide_plan or {}))):
+            and gemm_wgmma_splitk.applicable(M, w.shape[1], w.shape[0], **pins)):
         x, partial_out = rms_gemv.attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
                                                   block_write=block_write, partial_out=partial_out,
                                                   early_trigger=INPROJ_WIDE_EARLY if wide_early is None else wide_early,
                                                   cluster=norm_cluster)
-        return gemm_wgmma_splitk.gemm_wgmma(x, w if wide_w is None else wide_w, **(wide_plan or {})), partial_out
+        return gemm_wgmma_splitk.gemm_wgmma(x, w if wide_w is None else wide_w, **pins), partial_out
     with blas_library((INPROJ_BLAS if blas is None else blas) if mma == "cublas" else None, partial.device):
         return rms_gemv.attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps,
                                          block_write=block_write, partial_out=partial_out, mma=mma,

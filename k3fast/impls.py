@@ -499,7 +499,8 @@ FAST_VARIANTS = {
     # gemm_wgmma_splitk v3 (session 27): each ring stage loads the token bucket's x rows (16 / 32 / 64) instead of a
     # 64-row box the TMA unit zero-fills past M, one more stage of W where that frees it; in_proj, o_proj and both
     "fast-inwgx": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"xrows": "auto"}},
-    # ... with 66 clusters of 2 x 96 rows (s94: bare rank8 b16 29.4 us against the plan's 32.4 and cublasLt's 28.5)
+    # ... with 66 clusters of 2 x 96 rows (s94: bare rank8 b16 29.4 us against the plan's 32.4 and cublasLt's 28.5);
+    # the default at rank8 M 9..64 since s95 (fast.INPROJ_WIDE_PINS_WIDE), so = fast there; "fast-inwgoff" the A/B
     "fast-inwg2bn96x": {"inproj_wide": "wgmma", "inproj_wide_early": True,
                         "inproj_wide_plan": {"ksplit": 2, "bn": 96, "xrows": "auto"}},
     "fast-opwgx": {"oproj_wide": "wgmma", "oproj_wide_plan": {"xrows": "auto"}},

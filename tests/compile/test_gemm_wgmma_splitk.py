@@ -173,13 +173,21 @@ def test_ptx_order_and_registers():
 
 
 def test_layer_rule_picks_wgmma_only_where_it_was_measured_faster():
-    """fast.inproj_wide_choice ("auto", the default since session 26): the WGMMA GEMM at rank16's width for M 9..16
-    (faster than cuBLAS's split-K pair in s87 / s88 / s90c), cuBLAS at rank8's width, at M = 64 and at full width."""
-    from k3fast.fast import INPROJ_WIDE, inproj_wide_choice
+    """fast.inproj_wide_choice ("auto"): the WGMMA GEMM at rank16's width for M 9..16 (faster than cuBLAS's split-K
+    pair in s87 / s88 / s90c; session 26), at rank8's width for M 9..64 on 66 clusters of 2 x 96 rows with the bucket's
+    x rows (s95 / s95b; session 27), cuBLAS at rank16 above M = 16 and at full width (not measured)."""
+    from k3fast.fast import INPROJ_WIDE, inproj_wide_choice, inproj_wide_pins
     assert INPROJ_WIDE == "auto"
     assert ([inproj_wide_choice(M, IN_PROJ[16]) for M in (3, 8, 9, 16, 17, 64)]
             == ["cublas", "cublas", "wgmma", "wgmma", "cublas", "cublas"])
-    assert {inproj_wide_choice(M, N) for M in (9, 16, 64) for N in (IN_PROJ[8], 49376)} == {"cublas"}
+    assert ([inproj_wide_choice(M, IN_PROJ[8]) for M in (3, 8, 9, 16, 17, 64)]
+            == ["cublas", "cublas", "wgmma", "wgmma", "wgmma", "wgmma"])
+    assert {inproj_wide_choice(M, 49376) for M in (9, 16, 64)} == {"cublas"}
+    assert inproj_wide_pins(IN_PROJ[8]) == {"ksplit": 2, "bn": 96, "xrows": "auto"}
+    assert inproj_wide_pins(IN_PROJ[16]) == {} and inproj_wide_pins(IN_PROJ[8], "wgmma") == {}
+    assert inproj_wide_pins(IN_PROJ[8], None, {"stages": 3}) == {"stages": 3}
+    for M in (9, 16, 17, 33, 64):     # the pinned plan applies at every batch the rule gives it
+        assert G.applicable(M, K, IN_PROJ[8], **inproj_wide_pins(IN_PROJ[8]))
     assert inproj_wide_choice(64, IN_PROJ[16], "wgmma") == "wgmma"
     assert inproj_wide_choice(16, IN_PROJ[16], "cublas") == "cublas"
     with pytest.raises(ValueError, match="inproj_wide"):
