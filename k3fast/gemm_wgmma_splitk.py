@@ -148,6 +148,31 @@ o_proj (session 26; fast.OPROJ_WIDE, impls "fast-opwg" / -d3 / -d2; the default 
     what it gains is the norm launched from its cluster barrier and one launch gap.
     And a diagnostic row, "@wgmmanomma": the plan's ring whose consumers release each stage without a WGMMA. If it
     streams no faster than the GEMM, the memory side sets the rate; if much faster, the consumer does.
+cuBLAS-like tiles (session 27; bench rows 1bn48 / 2bn96, impls fast-inwg1bn64 / 1bn48 / 2bn96; measured by s93 at
+    46083d7) Why: in s90d's rank8 b16 timeline the plan streamed the in_proj at ~3.1 TB/s, cuBLAS's nvjet 64x16 (99
+    CTAs of 64 rows over all of K) at ~3.5. Predicted: 1bn48 / 1bn64 bare at rank8 b16 ~28-30 us against the plan's
+    ~32. Measured (kernels-46083d7-s93.json): plan / 1bn64 / 1bn48 / 2bn96 31.5 / 41.1 / 40.2 / 33.6 at rank8 b16, 33.8
+    / 33.5 / 31.5 / 32.3 at b64 (cublasLt 28.1-28.6 / 30.0). MISSED the other way at b16, and the table's pattern (the
+    tilings with a large x box next to a small W tile slower at M = 16 than at M = 64, which moves 4x the x bytes)
+    pointed at the one part of the kernel that depends on M: the 64-row x box, zero-filled past M by the TMA unit.
+v3 (session 27; xrows, x_rows; the layer default at rank8 since s95 / s96, fast.INPROJ_WIDE_PINS_WIDE) Each stage loads
+    only the token bucket's x rows (16 / 32 / 64: x_rows(M, "auto")) into stages that many rows apart; the WGMMAs read
+    each stage through the 64-row layout with that stage stride, so rows past the bucket come from the next stage (or
+    the tail plan() reserves after the last) and only make output rows that are never stored. The same sums in the
+    same order: bit-identical to v1 (GPU test test_x_rows_give_the_same_bits, s94: 54 passed with the reference and
+    layer tests). At M <= 16 the in_proj plan's stages shrink from 36 to 30 KB (7 instead of 6), o_proj's at rank8 hold
+    all 6 of a CTA's k-tiles. ptxas: 138 registers (plan), 74 (2 x 96), no spills.
+    Prediction: bare rank8 b16 31.5 -> ~28-29.5 us, rank16 b16 20.9 -> ~19-20; attention half rank8 b16 -1 to -2 us.
+    Measured (s94 at f19e2a9, kernels-f19e2a9-s94.json): bare, v1 / v3: plan rank8 b16 32.4 / 32.3, rank16 b16 20.6 /
+    20.5 (MISSED: the plan's x box is a fifth of its stage, and the 7th stage did not help either); 2 x 96 rows rank8
+    b16 33.1 / 29.4, rank16 b16 24.2 / 20.2 (cublasLt 28.5 / 20.3). The attention half with the plan (fast-inwgx)
+    moved within its spread (rank8 b16 56.4 against fast-inwg's 56.8 / 57.7). With 2 x 96 rows (fast-inwg2bn96x, s95 at
+    4d1a04c, one run beside stock and a repeat without): rank8 b16 fast (cuBLAS) 57.4 / 57.4 / 57.6 against 54.3 /
+    54.4 / 53.9 / 54.4 (stock 101.6: 1.87x), rank8 b64 80.7 / 80.2 / 80.1 against 78.3 / 78.3 / 78.4, rank16 b16
+    39.9 against 39.5. The default at rank8 M 9..64 from 51eab9f; s96 (records-51eab9f-s96.json): rank8 b16 stock /
+    fast / fast-inwgoff 102.2 / 54.9 / 57.4 (1.86x), b64 123.6 / 79.1 / 80.4 (1.56x), b8 (the v13 ring, unchanged)
+    95.2 / 51.7 (1.84x). Where the gain comes from, by the timelines (s95): the GEMM streams W from the norm's early
+    trigger at about cuBLAS's rate, so it ends ~2-3 us before cuBLAS's GEMM would, which starts only at the norm's end.
 """
 from __future__ import annotations
 
