@@ -739,14 +739,23 @@ if torch.cuda.is_available():
 #
 # Where it already wins is rank16 at batch 9..16: there cuBLAS runs split-K plus a reduce kernel, and this kernel's
 # prefetch overlaps the norm. Four runs put it ahead there (38.8 / 40.1 / 39.9 / 40.1 µs against 42.7 / 43.1 / 42.1 /
-# 42.2), so since session 26 `fast.inproj_wide_choice` picks it at M 9..16 for widths up to 4096 and cuBLAS elsewhere.
-# `fast-inwgoff` is the A/B.
+# 42.2), so since session 26 `fast.inproj_wide_choice` picks it at M 9..16 for widths up to 4096.
+#
+# Session 27 found what cuBLAS's tiling had over it at rank8's width. Each ring stage used to load a 64-row x box,
+# and at M = 16 the TMA unit zero-fills 48 of those rows. Tilings whose x box is large next to their W tile ran 30 %
+# slower at M = 16 than at M = 64. v3 (`xrows="auto"`) loads only the token bucket's rows. The WGMMA still reads 64
+# rows, but the extra rows only make output rows that are never stored. With 66 clusters of 2 x 96 rows, the bare GEMM
+# at rank8 b16 went 33.1 -> 29.4 µs (cublasLt 28.5). Since its weights stream while the norm runs, the rule now takes
+# it at rank8 for M 9..64 too (`fast.INPROJ_WIDE_PINS_WIDE`). `fast-inwgoff` is the A/B (cuBLAS at every M > 8).
 
 # %%
 from k3fast.fast import inproj_wide_choice
 print({M: inproj_wide_choice(M, N16) for M in (9, 16, 17, 64)},
       {M: inproj_wide_choice(M, kmod.proj_width(k3_rank(8).kda_heads)) for M in (9, 16, 64)})
 assert inproj_wide_choice(16, N16) == "wgmma" and inproj_wide_choice(64, N16) == "cublas"
+assert inproj_wide_choice(16, kmod.proj_width(k3_rank(8).kda_heads)) == "wgmma"
+S96 = "traces/h200/records-51eab9f-s96.json"
+print(nbtools.ab_table(S96, "attn", ["stock", "fast", "fast-inwgoff"], shape="k3_rank8"))
 S90D = "traces/h200/records-ce064f2-s90d.json"
 print(nbtools.ab_table(S90D, "attn", ["stock", "fast", "fast-inwgoff"]))
 print(nbtools.ab_table(S90D, "attn", ["stock", "fast", "fast-inwg"], shape="k3_rank8"))
