@@ -266,9 +266,9 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
                                                   early_trigger=INPROJ_MID_EARLY if mid_early is None else mid_early,
                                                   cluster=norm_cluster)
         return rms_gemv_ring.gemv_ring_mma(x, w if w_tiled is None else w_tiled), partial_out
-    pins = inproj_wide_pins(w.shape[0], wide, wide_plan)
-    if (mma == "cublas" and inproj_wide_choice(M, w.shape[0], wide) == "wgmma" and partial.dim() == 2
-            and gemm_wgmma_splitk.applicable(M, w.shape[1], w.shape[0], **pins)):
+    wide_gemm = mma == "cublas" and inproj_wide_choice(M, w.shape[0], wide) == "wgmma" and partial.dim() == 2
+    pins = inproj_wide_pins(w.shape[0], wide, wide_plan) if wide_gemm else None
+    if wide_gemm and gemm_wgmma_splitk.applicable(M, w.shape[1], w.shape[0], **pins):
         x, partial_out = rms_gemv.attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
                                                   block_write=block_write, partial_out=partial_out,
                                                   early_trigger=INPROJ_WIDE_EARLY if wide_early is None else wide_early,
