@@ -506,6 +506,26 @@ FAST_VARIANTS = {
     "fast-opwgx": {"oproj_wide": "wgmma", "oproj_wide_plan": {"xrows": "auto"}},
     "fast-inwgx-opwgx": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"xrows": "auto"},
                          "oproj_wide": "wgmma", "oproj_wide_plan": {"xrows": "auto"}},
+    # session 28: at b64 the AttnRes norm before the in_proj runs 256 CTAs (clusters of 4 per token, ~34 KB of shared
+    # memory each), and at rank16 b64 the plan's GEMM (15 clusters of 8 x 222 KB) started only as the norm ended
+    # (3.3-3.5 us into the step, s86-s89), so none of W moved during the norm although the norm triggers it right
+    # after its wait; at rank8 b64 the 2 x 96-row clusters started at 1.3 us (s96). The in_proj on clusters of 2 / 4
+    # (easier to place beside the norm's CTAs), or on the plan with a ring that fits beside two of them, each with
+    # o_proj's WGMMA GEMM (fast-opwg: -0.5 us at rank16 b64 in s90e / s90f / s92)
+    "fast-inwg2bn96x-opwg": {"inproj_wide": "wgmma", "inproj_wide_early": True,
+                             "inproj_wide_plan": {"ksplit": 2, "bn": 96, "xrows": "auto"}, "oproj_wide": "wgmma"},
+    "fast-inwg2bn64x-opwg": {"inproj_wide": "wgmma", "inproj_wide_early": True,
+                             "inproj_wide_plan": {"ksplit": 2, "bn": 64, "xrows": "auto"}, "oproj_wide": "wgmma"},
+    "fast-inwg4bn112x-opwg": {"inproj_wide": "wgmma", "inproj_wide_early": True,
+                              "inproj_wide_plan": {"ksplit": 4, "bn": 112, "xrows": "auto"}, "oproj_wide": "wgmma"},
+    "fast-inwg2bn64xd7-opwg": {"inproj_wide": "wgmma", "inproj_wide_early": True,
+                               "inproj_wide_plan": {"ksplit": 2, "bn": 64, "xrows": "auto", "stages": 7},
+                               "oproj_wide": "wgmma"},
+    "fast-inwgd4-opwg": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 4},
+                         "oproj_wide": "wgmma"},
+    # ... and at rank8 the default's 2 x 96-row clusters with 7 stages (140 KB at b64) instead of 11 (225 KB)
+    "fast-inwg2bn96xd7": {"inproj_wide": "wgmma", "inproj_wide_early": True,
+                          "inproj_wide_plan": {"ksplit": 2, "bn": 96, "xrows": "auto", "stages": 7}},
     # ... with rings of 3 / 2 stages (two CTAs fit per SM, so the plan may count twice the co-resident clusters)
     "fast-inwgd3": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 3}},
     "fast-inwgd2": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 2}},

@@ -104,7 +104,10 @@ def test_bad_inputs_are_refused():
                                    (16, dict(ksplit=8, bn=256, stages=2)), (16, dict(ksplit=1, bn=32)),
                                    (8, dict(ksplit=1, bn=64)), (8, dict(ksplit=1, bn=48)),
                                    (8, dict(ksplit=2, bn=96)), (16, dict(xrows=16)), (8, dict(xrows=16)),
-                                   (8, dict(xrows=32)), (8, dict(ksplit=2, bn=96, xrows=16))])
+                                   (8, dict(xrows=32)), (8, dict(ksplit=2, bn=96, xrows=16)),
+                                   (16, dict(ksplit=2, bn=64)), (16, dict(ksplit=2, bn=64, stages=7)),
+                                   (16, dict(ksplit=4, bn=112)), (16, dict(stages=4)),
+                                   (8, dict(ksplit=2, bn=96, stages=7)), (8, dict(ksplit=2, bn=96, xrows=16, stages=7))])
 def test_compiles_for_the_layer(tp, kw):
     G._compile(G.compile_key(IN_PROJ[tp], K, **kw))
 

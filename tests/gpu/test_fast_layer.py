@@ -20,7 +20,9 @@ pytestmark = pytest.mark.gpu
                                   "fast-inwgtiled", "fast-inwg1bn64", "fast-inwg1bn48", "fast-inwg2bn96",
                                   "fast-inwgx", "fast-opwgx", "fast-inwgx-opwgx", "fast-inwg2bn96x",
                                   "fast-opm16", "fast-inwg-opm16", "fast-opwg", "fast-opwgd3", "fast-opwgd2",
-                                  "fast-opwgoff"])
+                                  "fast-opwgoff", "fast-inwg2bn96x-opwg", "fast-inwg2bn64x-opwg",
+                                  "fast-inwg2bn64xd7-opwg", "fast-inwg4bn112x-opwg", "fast-inwgd4-opwg",
+                                  "fast-inwg2bn96xd7"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -60,7 +62,9 @@ def test_fast_attention_half(tp, batch, impl):
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
     if impl in ("fast-inwg", "fast-inwglate", "fast-inwgd3", "fast-inwgd2", "fast-inwgtiled", "fast-inwg1bn64",
-                "fast-inwg1bn48", "fast-inwg2bn96", "fast-inwgx", "fast-inwgx-opwgx", "fast-inwg2bn96x"):
+                "fast-inwg1bn48", "fast-inwg2bn96", "fast-inwgx", "fast-inwgx-opwgx", "fast-inwg2bn96x",
+                "fast-inwg2bn96x-opwg", "fast-inwg2bn64x-opwg", "fast-inwg2bn64xd7-opwg", "fast-inwg4bn112x-opwg",
+                "fast-inwgd4-opwg", "fast-inwg2bn96xd7"):
         from k3fast.rms_gemv_ring import MMA_MAX_M
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
