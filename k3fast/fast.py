@@ -131,12 +131,22 @@ INPROJ_BLAS = "cublaslt"
 # and 54.4 (s95, stock 101.6: 1.87x), 57.4 / 53.9, 57.6 / 54.4 (s95b); rank8 b64 80.7 / 78.3 (s95, stock 122.9),
 # 80.2 / 78.3, 80.1 / 78.4 (s95b), 80.0 / 78.9 with v1's 64-row x box (s93) (records-4d1a04c-s95.json,
 # records-4d1a04c-s95b.json, records-46083d7-s93.json). M 17..63 lie between the two measured batches.
+# Session 28: at rank16's width above INPROJ_WIDE_MAX_M (M 17..64) "auto" takes the WGMMA GEMM too, pinned to
+# INPROJ_WIDE_PINS_LARGE_M: 29 clusters of 4 x 112 rows (116 CTAs). At b64 the AttnRes norm before it is 256 CTAs
+# (clusters of 4 per token) and the plan's clusters of 8 were never placed beside them (its W did not move during
+# the norm: the s86-s89 timelines, and s97's 4-stage ring, 144 KB, started as late); what the WGMMA GEMM brings there
+# is the KDA step launched from its cluster barrier, ~1.8 us before the GEMM ends, where cuBLAS launches it at its end.
+# Attention half at rank16 b64 (s97, records-f8eaa2c-s97.json; with o_proj on WGMMA as well, OPROJ_WIDE_MIN_M_NARROW):
+# stock 93.6, fast (cuBLAS in_proj and o_proj) 53.5, fast-opwg 52.6 / 53.0, 4 x 112 rows 50.8 (1.84x), 2 x 96 rows
+# 51.1, 2 x 64 rows 51.7, the plan with 4 stages 52.5.
 INPROJ_WIDE = "auto"
 INPROJ_WIDE_MAX_M = 16
 INPROJ_WIDE_MAX_N = 4096
 INPROJ_WIDE_WIDE_MAX_M = 64
 INPROJ_WIDE_WIDE_MAX_N = 8192
 INPROJ_WIDE_PINS_WIDE = {"ksplit": 2, "bn": 96, "xrows": "auto"}
+INPROJ_WIDE_LARGE_MAX_M = 64
+INPROJ_WIDE_PINS_LARGE_M = {"ksplit": 4, "bn": 112, "xrows": "auto"}
 INPROJ_WIDE_EARLY = True
 
 
@@ -157,21 +167,25 @@ def inproj_wide_choice(M: int, N: int, wide: str | None = None) -> str:
     if w == "auto":
         from .rms_gemv_ring import MMA_MAX_M
         if N <= INPROJ_WIDE_MAX_N:
-            return "wgmma" if MMA_MAX_M < M <= INPROJ_WIDE_MAX_M else "cublas"
+            return "wgmma" if MMA_MAX_M < M <= INPROJ_WIDE_LARGE_MAX_M else "cublas"
         if N <= INPROJ_WIDE_WIDE_MAX_N:
             return "wgmma" if MMA_MAX_M < M <= INPROJ_WIDE_WIDE_MAX_M else "cublas"
         return "cublas"
     return w
 
 
-def inproj_wide_pins(N: int, wide: str | None = None, plan: dict | None = None) -> dict:
-    """gemm_wgmma's plan pins for the in_proj's WGMMA GEMM at N output rows: ``plan`` where given, else under "auto"
-    INPROJ_WIDE_PINS_WIDE above INPROJ_WIDE_MAX_N (session 27) and the plan's own choice below; an explicit "wgmma"
-    (fast-inwg and its variants) keeps the plan's own choice, as it was measured."""
+def inproj_wide_pins(N: int, wide: str | None = None, plan: dict | None = None, M: int | None = None) -> dict:
+    """gemm_wgmma's plan pins for the in_proj's WGMMA GEMM at N output rows and M tokens: ``plan`` where given, else
+    under "auto" INPROJ_WIDE_PINS_WIDE above INPROJ_WIDE_MAX_N (session 27), INPROJ_WIDE_PINS_LARGE_M at or below it
+    for M > INPROJ_WIDE_MAX_M (session 28; M None: not that case) and the plan's own choice elsewhere; an explicit
+    "wgmma" (fast-inwg and its variants) keeps the plan's own choice, as it was measured."""
     if plan is not None:
         return dict(plan)
-    if _wide_engine("inproj_wide", wide, INPROJ_WIDE) == "auto" and INPROJ_WIDE_MAX_N < N <= INPROJ_WIDE_WIDE_MAX_N:
-        return dict(INPROJ_WIDE_PINS_WIDE)
+    if _wide_engine("inproj_wide", wide, INPROJ_WIDE) == "auto":
+        if INPROJ_WIDE_MAX_N < N <= INPROJ_WIDE_WIDE_MAX_N:
+            return dict(INPROJ_WIDE_PINS_WIDE)
+        if N <= INPROJ_WIDE_MAX_N and M is not None and M > INPROJ_WIDE_MAX_M:
+            return dict(INPROJ_WIDE_PINS_LARGE_M)
     return {}
 # Above GEMV_DSL_MAX_M, o_proj's GEMV before the separate AttnRes #2 kernel: "cublas", or "ring" (v13 as above,
 # M <= 8; "fast-opmma" is the A/B with GEMV_DSL_MAX_M = 4, since at 8 no o_proj GEMV both runs apart and fits v13).
@@ -187,16 +201,24 @@ OPROJ_MID = "cublas"
 # records-f3d976a-s90f.json). The timelines: the GEMM's CTAs cannot sit beside the KDA step's (its shared memory is
 # full at b64), so most of W still streams after it; the gain is the norm kernel launched from the GEMM's cluster
 # barrier instead of after its end, and one launch gap. "fast-opwgoff" is the A/B (cuBLAS everywhere).
+# Session 28: also at rank16's width (OPROJ_WIDE_KP_NARROW) from OPROJ_WIDE_MIN_M_NARROW tokens, where the in_proj runs
+# on gemm_wgmma_splitk's 4 x 112-row clusters (INPROJ_WIDE_PINS_LARGE_M): fast-opwg 52.6 / 53.0 against fast 53.5 at
+# rank16 b64 in s97, as in s90e / s90f / s92 (52.6 / 53.3 / 52.6 against 53.4 / 53.4 / 53.5); rank16 b16 stays on
+# cuBLAS (mixed there).
 OPROJ_WIDE = "auto"
 OPROJ_WIDE_KP = 1536
+OPROJ_WIDE_KP_NARROW = 768
+OPROJ_WIDE_MIN_M_NARROW = INPROJ_WIDE_MAX_M + 1
 
 
-def oproj_wide_choice(Kp: int, wide: str | None = None) -> str:
+def oproj_wide_choice(Kp: int, wide: str | None = None, M: int | None = None) -> str:
     """"cublas" or "wgmma": o_proj's GEMM engine where it runs apart from its AttnRes #2 kernel, for o_proj input width
-    Kp and ``wide`` (None = OPROJ_WIDE; "auto" = the measured rule above)."""
+    Kp, M tokens (None: below every batch threshold) and ``wide`` (None = OPROJ_WIDE; "auto" = the measured rule
+    above)."""
     w = _wide_engine("oproj_wide", wide, OPROJ_WIDE)
     if w == "auto":
-        return "wgmma" if Kp == OPROJ_WIDE_KP else "cublas"
+        narrow = Kp == OPROJ_WIDE_KP_NARROW and M is not None and M >= OPROJ_WIDE_MIN_M_NARROW
+        return "wgmma" if Kp == OPROJ_WIDE_KP or narrow else "cublas"
     return w
 # Largest batch whose router + latent down-projection + top-k runs on router_down_topk (one launch); above it one
 # cuBLAS GEMM with fp32 output + the TopkFromLogits kernel (router_down_topk_cublas): at rank16 b64 the fused kernel
@@ -267,7 +289,7 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
                                                   cluster=norm_cluster)
         return rms_gemv_ring.gemv_ring_mma(x, w if w_tiled is None else w_tiled), partial_out
     wide_gemm = mma == "cublas" and inproj_wide_choice(M, w.shape[0], wide) == "wgmma" and partial.dim() == 2
-    pins = inproj_wide_pins(w.shape[0], wide, wide_plan) if wide_gemm else None
+    pins = inproj_wide_pins(w.shape[0], wide, wide_plan, M) if wide_gemm else None
     if wide_gemm and gemm_wgmma_splitk.applicable(M, w.shape[1], w.shape[0], **pins):
         x, partial_out = rms_gemv.attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
                                                   block_write=block_write, partial_out=partial_out,
@@ -293,7 +315,7 @@ def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, bo
     from . import gemm_wgmma_splitk
     from .rms_gemv import attnres_rmsnorm
     from .rms_gemv_ring import gemv_ring_mma, mma_applicable
-    if (oproj_wide_choice(w_o.shape[1], wide) == "wgmma"
+    if (oproj_wide_choice(w_o.shape[1], wide, y.shape[0]) == "wgmma"
             and gemm_wgmma_splitk.applicable(y.shape[0], w_o.shape[1], w_o.shape[0], **(wide_plan or {}))):
         a = gemm_wgmma_splitk.gemm_wgmma(y, w_o, **(wide_plan or {}))
     elif (OPROJ_MID if gemv is None else gemv) == "ring" and mma_applicable(y.shape[0], w_o.shape[1], w_o.shape[0]):

@@ -480,6 +480,8 @@ FAST_VARIANTS = {
     # cluster K split instead of cublasLt, behind the AttnRes norm (its trigger after its wait / at its end)
     "fast-inwg": {"inproj_wide": "wgmma", "inproj_wide_early": True},
     "fast-inwgoff": {"inproj_wide": "cublas"},   # the in_proj's GEMM on cuBLAS at every M > 8 (the default before s26)
+    # both GEMMs on cuBLAS wherever they run apart from their norms: at rank16 M > 16 the default before session 28
+    "fast-inwgoff-opwgoff": {"inproj_wide": "cublas", "oproj_wide": "cublas"},
     # session 26: o_proj's GEMM above M = 8 on gemm_wgmma_splitk (its W ring requested before the PDL wait, during the
     # KDA step's tail) instead of cuBLAS at every width; -d3 / -d2: rings of 3 / 2 stages, which leave room beside the
     # KDA CTAs. The default since session 26 at rank8's width (fast.oproj_wide_choice); "fast-opwgoff" the A/B

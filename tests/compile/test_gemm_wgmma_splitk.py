@@ -176,34 +176,47 @@ def test_ptx_order_and_registers():
 
 
 def test_layer_rule_picks_wgmma_only_where_it_was_measured_faster():
-    """fast.inproj_wide_choice ("auto"): the WGMMA GEMM at rank16's width for M 9..16 (faster than cuBLAS's split-K
-    pair in s87 / s88 / s90c; session 26), at rank8's width for M 9..64 on 66 clusters of 2 x 96 rows with the bucket's
-    x rows (s95 / s95b; session 27), cuBLAS at rank16 above M = 16 and at full width (not measured)."""
+    """fast.inproj_wide_choice ("auto"): the WGMMA GEMM at rank16's width for M 9..16 on the plan's own clusters of 8
+    (faster than cuBLAS's split-K pair in s87 / s88 / s90c; session 26) and for M 17..64 on 4 x 112-row clusters
+    (s97: the KDA step launched from its cluster barrier; session 28), at rank8's width for M 9..64 on 66 clusters of
+    2 x 96 rows with the bucket's x rows (s95 / s95b; session 27), cuBLAS at full width (not measured)."""
     from k3fast.fast import INPROJ_WIDE, inproj_wide_choice, inproj_wide_pins
     assert INPROJ_WIDE == "auto"
     assert ([inproj_wide_choice(M, IN_PROJ[16]) for M in (3, 8, 9, 16, 17, 64)]
-            == ["cublas", "cublas", "wgmma", "wgmma", "cublas", "cublas"])
+            == ["cublas", "cublas", "wgmma", "wgmma", "wgmma", "wgmma"])
     assert ([inproj_wide_choice(M, IN_PROJ[8]) for M in (3, 8, 9, 16, 17, 64)]
             == ["cublas", "cublas", "wgmma", "wgmma", "wgmma", "wgmma"])
     assert {inproj_wide_choice(M, 49376) for M in (9, 16, 64)} == {"cublas"}
     assert inproj_wide_pins(IN_PROJ[8]) == {"ksplit": 2, "bn": 96, "xrows": "auto"}
-    assert inproj_wide_pins(IN_PROJ[16]) == {} and inproj_wide_pins(IN_PROJ[8], "wgmma") == {}
+    assert inproj_wide_pins(IN_PROJ[8], None, None, 64) == {"ksplit": 2, "bn": 96, "xrows": "auto"}
+    assert inproj_wide_pins(IN_PROJ[16]) == {} and inproj_wide_pins(IN_PROJ[16], None, None, 16) == {}
+    assert [inproj_wide_pins(IN_PROJ[16], None, None, M) for M in (17, 64)] == [{"ksplit": 4, "bn": 112,
+                                                                                  "xrows": "auto"}] * 2
+    assert inproj_wide_pins(IN_PROJ[8], "wgmma") == {} and inproj_wide_pins(IN_PROJ[16], "wgmma", None, 64) == {}
     assert inproj_wide_pins(IN_PROJ[8], None, {"stages": 3}) == {"stages": 3}
-    for M in (9, 16, 17, 33, 64):     # the pinned plan applies at every batch the rule gives it
-        assert G.applicable(M, K, IN_PROJ[8], **inproj_wide_pins(IN_PROJ[8]))
+    for M in (9, 16, 17, 33, 64):     # the pinned plans apply at every batch the rule gives them
+        assert G.applicable(M, K, IN_PROJ[8], **inproj_wide_pins(IN_PROJ[8], None, None, M))
+        assert G.applicable(M, K, IN_PROJ[16], **inproj_wide_pins(IN_PROJ[16], None, None, M))
+    # 29 clusters of 4 x 112 rows at rank16 (116 CTAs, one wave of the 30 that fit)
+    assert G.plan(IN_PROJ[16], K, ksplit=4, bn=112)[:2] == (112, 4)
     assert inproj_wide_choice(64, IN_PROJ[16], "wgmma") == "wgmma"
     assert inproj_wide_choice(16, IN_PROJ[16], "cublas") == "cublas"
     with pytest.raises(ValueError, match="inproj_wide"):
         inproj_wide_choice(16, IN_PROJ[16], "cutlass")
 
 
-def test_o_proj_rule_picks_wgmma_at_rank8_width_only():
-    """fast.oproj_wide_choice ("auto", the default since session 26): o_proj's GEMM apart from its norm on WGMMA at
-    rank8's input width (1536: -1.5 to -1.9 us in s90e and s90f at b16 / b64), cuBLAS at rank16's (768: even) and at
+def test_o_proj_rule_picks_wgmma_where_it_was_measured_faster():
+    """fast.oproj_wide_choice ("auto"): o_proj's GEMM apart from its norm on WGMMA at rank8's input width (1536: -1.5 to
+    -1.9 us in s90e and s90f at b16 / b64; session 26) at every M, at rank16's (768) from M = 17 (beside the in_proj's
+    4 x 112-row clusters; session 28: -0.5 to -0.9 us at b64 in s90e / s90f / s92 / s97, mixed at b16), cuBLAS at
     full width (12288: not measured)."""
     from k3fast.fast import OPROJ_WIDE, oproj_wide_choice
     assert OPROJ_WIDE == "auto"
     assert [oproj_wide_choice(kp) for kp in (768, 1536, 12288)] == ["cublas", "wgmma", "cublas"]
+    assert [oproj_wide_choice(768, None, M) for M in (9, 16, 17, 64)] == ["cublas", "cublas", "wgmma", "wgmma"]
+    assert [oproj_wide_choice(1536, None, M) for M in (9, 64)] == ["wgmma", "wgmma"]
+    assert oproj_wide_choice(12288, None, 64) == "cublas"
     assert oproj_wide_choice(768, "wgmma") == "wgmma" and oproj_wide_choice(1536, "cublas") == "cublas"
+    assert oproj_wide_choice(768, "cublas", 64) == "cublas"
     with pytest.raises(ValueError, match="oproj_wide"):
         oproj_wide_choice(1536, "ring")

@@ -132,7 +132,8 @@ def _recorders(monkeypatch):
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 64])
 def test_ops_follow_fastimpls_batch_dispatch(M, monkeypatch):
     from k3fast.fast import (FRONT_DSL_MAX_M, GEMV_DSL_MAX_M, INPROJ_DSL_MAX_M, INPROJ_ENGINE, TAIL_DSL_MAX_M,
-                             inproj_wide_choice)
+                             inproj_wide_choice, inproj_wide_pins)
+    from k3fast.gemm_wgmma_splitk import applicable
     from k3fast.router_down_topk import kernel_path
     calls = _recorders(monkeypatch)
     ops, H, E, dL, Is = torch.ops.k3fast, 64, 32, 48, 16
@@ -147,7 +148,11 @@ def test_ops_follow_fastimpls_batch_dispatch(M, monkeypatch):
     fused_front = M <= FRONT_DSL_MAX_M and kernel_path(M) == "fma"
     ring = INPROJ_ENGINE == "ring" and M <= 2
     # the in_proj's GEMM where it would be cuBLAS: gemm_wgmma_splitk behind the AttnRes norm where the rule says so
-    wide = M > INPROJ_DSL_MAX_M and inproj_wide_choice(M, 40) == "wgmma"
+    # and its (pinned) plan applies (at M > 16 the 4-way K split needs 4 k-tiles: not at this K of 64, so cuBLAS)
+    wide = (M > INPROJ_DSL_MAX_M and inproj_wide_choice(M, 40) == "wgmma"
+            and applicable(M, H, 40, **inproj_wide_pins(40, None, None, M)))
+    from k3fast.rms_gemv_ring import MMA_MAX_M
+    assert wide == (MMA_MAX_M < M <= 16)
     if wide:
         assert names[:2] == ["in_norm", "in_proj_wide"], names
         names = names[1:]

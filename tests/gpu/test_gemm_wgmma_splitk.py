@@ -26,9 +26,11 @@ SHAPES = [(N_RANK16, K, {}), (N_RANK8, K, {}), (N_RANK16, K, dict(ksplit=4)), (1
           (N_RANK8, K, dict(stages=2)), (N_RANK16, K, dict(bk=128)), (N_RANK16, K, dict(ksplit=1, bn=32)),
           (7168, 768, {}), (7168, 1536, {}), (7168, 768, dict(stages=2)), (7168, 1536, dict(stages=3)),
           (N_RANK8, K, dict(ksplit=1, bn=48)), (N_RANK8, K, dict(ksplit=2, bn=96)),
-          (N_RANK16, K, dict(xrows="auto")), (N_RANK8, K, dict(xrows="auto")), (7168, 1536, dict(xrows="auto"))]
+          (N_RANK16, K, dict(xrows="auto")), (N_RANK8, K, dict(xrows="auto")), (7168, 1536, dict(xrows="auto")),
+          (N_RANK16, K, dict(ksplit=4, bn=112, xrows="auto"))]
 # (7168 x 768 / 1536: o_proj at rank16 / rank8, "fast-opwg" and its ring variants, session 26; the last two: the
-# in_proj's cuBLAS-like tiles, session 27; xrows "auto": v3's x tiles of the token bucket's rows)
+# in_proj's cuBLAS-like tiles, session 27; xrows "auto": v3's x tiles of the token bucket's rows; 4 x 112 rows: the
+# in_proj at rank16 M 17..64, session 28)
 
 
 @pytest.mark.parametrize("M", [9, 16, 33, 64, 1, 8])
@@ -66,7 +68,7 @@ def test_tiled_weight_gives_the_same_bits(G, seed, M, N, Kw, kw):
 
 @pytest.mark.parametrize("M", [9, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("N,Kw,kw", [(N_RANK16, K, {}), (N_RANK8, K, {}), (7168, 1536, {}),
-                                     (N_RANK8, K, dict(ksplit=2, bn=96))])
+                                     (N_RANK8, K, dict(ksplit=2, bn=96)), (N_RANK16, K, dict(ksplit=4, bn=112))])
 def test_x_rows_give_the_same_bits(G, seed, M, N, Kw, kw):
     """v3: a stage loads only the token bucket's x rows and the WGMMAs read the rest of their 64-row view from the
     next stage; the stored rows are the same sums in the same order as with v1's zero-filled 64-row box."""
