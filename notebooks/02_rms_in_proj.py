@@ -752,7 +752,7 @@ if torch.cuda.is_available():
 from k3fast.fast import inproj_wide_choice
 print({M: inproj_wide_choice(M, N16) for M in (9, 16, 17, 64)},
       {M: inproj_wide_choice(M, kmod.proj_width(k3_rank(8).kda_heads)) for M in (9, 16, 64)})
-assert inproj_wide_choice(16, N16) == "wgmma" and inproj_wide_choice(64, N16) == "cublas"
+assert inproj_wide_choice(16, N16) == "wgmma" and inproj_wide_choice(64, N16) == "wgmma"
 assert inproj_wide_choice(16, kmod.proj_width(k3_rank(8).kda_heads)) == "wgmma"
 S96 = "traces/h200/records-51eab9f-s96.json"
 print(nbtools.ab_table(S96, "attn", ["stock", "fast", "fast-inwgoff"], shape="k3_rank8"))
