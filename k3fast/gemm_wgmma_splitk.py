@@ -196,6 +196,7 @@ BARRIER_BYTES = 1024
 
 
 X_ROWS = (16, 32, 64)    # x rows a ring stage loads (v3, ``xrows``): the token bucket; WGMMA's m stays 64
+DIAGS = (None, "nomma", "nox")   # compile_key's diagnostic builds (benchmark rows only; their outputs are not y)
 
 
 def stage_bytes(BN: int, bk: int = BK, xrows: int = BM) -> int:
@@ -299,9 +300,11 @@ def _build_class():
         return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
 
     class SplitKWgmma:
-        def __init__(self, BN, S, K, D, BKS, tiled=False, nomma=False, BMX=BM):
+        def __init__(self, BN, S, K, D, BKS, tiled=False, nomma=False, BMX=BM, nox=False):
             self.BN, self.S, self.K, self.D, self.BKS, self.tiled, self.nomma = BN, S, K, D, BKS, tiled, nomma
             self.BMX = BMX
+            self.nox = nox            # diagnostic: the ring carries W only (x tiles never loaded; output garbage)
+            self.stage_tx = BN * BKS * 2 if nox else stage_bytes(BN, BKS, BMX)
             self.KT = K // BKS
             self.BNP = BN + 4          # fp32 tile row pitch: 16-byte rows, the fragment stores off one bank group
 
@@ -389,18 +392,20 @@ def _build_class():
                 # W does not depend on the predecessor: the whole ring of it goes out before the PDL wait
                 for q in cutlass.range(npre, unroll=1):
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + q, stage_bytes(BN, BK, BMX))
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + q, self.stage_tx)
                     cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, q)], tma_bar_ptr=mbar + q)
                 cute.arch.griddepcontrol_wait()
-                for q in cutlass.range(npre, unroll=1):
-                    cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, q)], tma_bar_ptr=mbar + q)
+                if const_expr(not self.nox):
+                    for q in cutlass.range(npre, unroll=1):
+                        cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, q)], tma_bar_ptr=mbar + q)
                 for q in cutlass.range(D, nkt, unroll=1):
                     s = q % D
                     cute.arch.mbarrier_wait(mbar + D + s, (q // D - 1) % 2)
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, stage_bytes(BN, BK, BMX))
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, self.stage_tx)
                     cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, s)], tma_bar_ptr=mbar + s)
-                    cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, s)], tma_bar_ptr=mbar + s)
+                    if const_expr(not self.nox):
+                        cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, s)], tma_bar_ptr=mbar + s)
             else:
                 # y is written below: nothing of this warpgroup's global traffic may precede the predecessor's end
                 cute.arch.griddepcontrol_wait()
@@ -470,28 +475,30 @@ def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None
                 stages: int | None = None, tiled: bool = False, diag: str | None = None, xrows: int = BM) -> tuple:
     """A tiled weight (tile_weight) is its own build; the key then ends with "tiled". ``diag="nomma"``: the
     diagnostic build whose consumers wait for each stage and release it without a WGMMA (its output is zeros): the
-    ring's streaming rate alone, for the benchmark. ``xrows`` below BM (v3, x_rows): "x<rows>"."""
-    if diag not in (None, "nomma"):
-        raise ValueError(f"diag must be None or 'nomma', got {diag!r}")
+    ring's streaming rate alone, for the benchmark. ``diag="nox"`` (session 28): the ring carries W only, the x tiles
+    are never loaded (the WGMMAs read whatever the x slots hold: the output is garbage): what x's share of the ring's
+    bytes costs. ``xrows`` below BM (v3, x_rows): "x<rows>"."""
+    if diag not in DIAGS:
+        raise ValueError(f"diag must be None, 'nomma' or 'nox', got {diag!r}")
     return (("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk, stages, xrows) + (K,) + (("tiled",) if tiled else ())
             + ((diag,) if diag else ()) + ((f"x{xrows}",) if xrows != BM else ()))
 
 
-def _build(BN, S, D, BKS, K, tiled=False, options=TVM_FFI, nomma=False, xrows=BM):
+def _build(BN, S, D, BKS, K, tiled=False, options=TVM_FFI, nomma=False, xrows=BM, nox=False):
     cutlass, cute = import_cute()
     BF = cutlass.BFloat16
     M, N = cute.sym_int(), cute.sym_int(divisibility=2)
     x = fake_tensor(BF, (M, K))
     w = fake_tensor(BF, (K // BKS, N, BKS)) if tiled else fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (M, N), align=4)
-    return cute.compile(_cls()(BN, S, K, D, BKS, tiled, nomma, xrows), x, w, y, fake_stream(), options=options)
+    return cute.compile(_cls()(BN, S, K, D, BKS, tiled, nomma, xrows, nox), x, w, y, fake_stream(), options=options)
 
 
 def _compile(key):
     _, BN, S, D, BKS, K = key[:6]
     xrows = next((int(f[1:]) for f in key[6:] if f.startswith("x")), BM)
     return compile_cached(key, lambda: _build(BN, S, D, BKS, K, "tiled" in key[6:], nomma="nomma" in key[6:],
-                                              xrows=xrows))
+                                              xrows=xrows, nox="nox" in key[6:]))
 
 
 class WgmmaTiledWeight:

@@ -150,6 +150,25 @@ def test_diagnostic_build_streams_without_wgmma():
     assert G.compile_key(IN_PROJ[16], K, diag="nomma")[-1] == "nomma"
     with pytest.raises(ValueError, match="diag"):
         G.compile_key(IN_PROJ[16], K, diag="fast")
+    assert G.DIAGS == (None, "nomma", "nox")
+
+
+@needs_dsl
+def test_diagnostic_build_without_x_streams_w_only():
+    """diag="nox" (session 28): the ring's stages expect and carry W's tile alone (x's TMA copies are not emitted), the
+    WGMMAs are the GEMM's; a key of its own."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    BN, S, D, BK = G.plan(IN_PROJ[16], K, ksplit=4, bn=112)
+    ptx = compiled_ptx(lambda: G._build(BN, S, D, BK, K, options=TVM_FFI + " --keep-ptx", nox=True))
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    tma = [ln for ln in lines if ln.startswith("cp.async.bulk.tensor")]
+    assert len(tma) == 2 and all(".2d." in t for t in tma)            # W's box in the prefetch and steady loops
+    assert sum("wgmma.mma_async" in ln and "m64n112k16" in ln for ln in lines) == 4
+    # the stage's transaction bytes (an immediate moved into the expect_tx operand): W's tile, not W's + x's
+    assert f", {BN * BK * 2};" in ptx and f", {G.stage_bytes(BN, BK)};" not in ptx
+    assert G.compile_key(IN_PROJ[16], K, ksplit=4, bn=112, diag="nox")[-1] == "nox"
+    G._compile(G.compile_key(IN_PROJ[16], K, ksplit=4, bn=112, diag="nox"))
 
 
 @needs_dsl
