@@ -173,6 +173,20 @@ v3 (session 27; xrows, x_rows; the layer default at rank8 since s95 / s96, fast.
     fast / fast-inwgoff 102.2 / 54.9 / 57.4 (1.86x), b64 123.6 / 79.1 / 80.4 (1.56x), b8 (the v13 ring, unchanged)
     95.2 / 51.7 (1.84x). Where the gain comes from, by the timelines (s95): the GEMM streams W from the norm's early
     trigger at about cuBLAS's rate, so it ends ~2-3 us before cuBLAS's GEMM would, which starts only at the norm's end.
+Placement beside the norm (session 28; the layer default at rank16 M 17..64 since s98, fast.INPROJ_WIDE_PINS_LARGE_M)
+    The s86-s89 timelines, re-read: at rank16 b64 the plan's GEMM started 3.3-3.5 us into the step, as the norm ended,
+    although the norm launches it right after its wait; at b64 the norm is 256 CTAs in clusters of 4. s97 (records-
+    f8eaa2c-s97.json) placed variants beside it: clusters of 2 (2 x 96 / 2 x 64 rows) started at 1.3-1.4 us, clusters
+    of 4 (4 x 112) and 8 (the plan with a 4-stage, 144 KB ring) at 3.5-3.6, whatever their shared memory. None ended
+    the GEMM sooner (20.8-21.0 us, cuBLAS 20.8: the early starters stream slower); what moved the attention half is
+    the KDA step launched from the GEMM's cluster barrier, ~1.5-1.8 us before its end (cuBLAS launches it at its end).
+    Attention half at rank16 b64 with o_proj on this GEMM as well: 4 x 112 rows 50.8 us, 2 x 96 51.1, 2 x 64 51.7, the
+    plan d4 52.5, against fast-opwg 52.6 / 53.0 and stock 93.6. The default since: 29 clusters of 4 x 112 rows at
+    rank16 M 17..64 (82 registers, 10 stages, no spills); s98 / s100: 51.2 / 51.6 (stock 90.9) and 50.6 / 50.8 (92.8).
+Diagnostic "nox" (session 28; bench rows @wgmma*nox, s99 at 5dfaf5c) The ring with W only (x never loaded). Written to
+    test whether x's re-reads (26 MB of x for 46 MB of W at 4 x 112 rows) bind the L2-to-SM side. Bare at rank16 b64:
+    plan 21.7 / nox 21.8, 4 x 112 rows 20.6 / 19.9 (nomma 19.9), 2 x 96 21.7 / 20.9; rank8 b64 plan 32.7 / 32.7, 2 x 96
+    31.8 / 30.9 (cublasLt 19.3-20.9 / 29.4-29.8). At most 0.9 us: not the x traffic; x multicast not built.
 """
 from __future__ import annotations
 

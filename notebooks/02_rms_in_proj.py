@@ -766,3 +766,48 @@ with open(os.path.join(nbtools.ROOT, "traces/h200/records-ce064f2-s90d.json")) a
     s90d = {(r["shape"], r["batch"], r["impl"]): r["replay_us_median"] for r in json.load(fh)["records"]
             if r["part"] == "attn"}
 assert s90d[("k3_rank16", 16, "fast")] < s90d[("k3_rank16", 16, "fast-inwgoff")]
+
+# %% [markdown]
+# ## 20. Where the GEMM starts, and what it launches (session 28)
+# Session 27's rule left rank16 above M = 16 on cuBLAS: there the plan's GEMM was even with cuBLAS in every run. Its
+# old timelines held the reason, unread until session 28: at b64 the AttnRes norm is 256 CTAs in clusters of 4, and the
+# plan's clusters of 8 started only as the norm ended (3.3-3.5 µs), although the norm launches them right after its
+# wait. s97 placed variants beside the norm: clusters of 2 started at 1.3-1.4 µs, clusters of 4 and 8 at ~3.5, whatever
+# their ring (a 144 KB ring started as late as a 222 KB one). So the scheduler's cluster placement, not shared memory,
+# decides whether W moves during the norm.
+#
+# And an early start did not end the in_proj sooner: every build ends it at 20.5-21 µs, as cuBLAS does. What moved the
+# attention half is the KDA step, launched from the GEMM's cluster barrier ~1.5 µs before the GEMM ends (cuBLAS
+# launches it at its end), with everything after it moving up by as much. Since session 28 the rule runs the in_proj
+# at rank16 M 17..64 on 29 clusters of 4 x 112 rows (`fast.INPROJ_WIDE_PINS_LARGE_M`) and o_proj there on the same
+# GEMM (`fast.oproj_wide_choice`, notebook 04). `fast-inwgoff-opwgoff` is the A/B.
+#
+# One account of the GEMM's ~2.2-2.4 TB/s (bare) was x's re-reads: 26 MB of x ride the 4 x 112-row rings beside 46 MB
+# of W. The diagnostic ring with W only (`diag="nox"`, s99) is at most 0.9 µs faster, so that is not it, and a cluster
+# sharing x by multicast (cuBLAS's shape, by inference) would not pay.
+
+# %%
+S97, S98, S100 = ("traces/h200/records-f8eaa2c-s97.json", "traces/h200/records-eb247aa-s98.json",
+                  "traces/h200/records-0be53b5-s100.json")
+print(nbtools.ab_table(S97, "attn", ["stock", "fast", "fast-opwg", "fast-inwg2bn96x-opwg", "fast-inwg2bn64x-opwg",
+                                     "fast-inwg4bn112x-opwg", "fast-inwgd4-opwg"]))
+print(nbtools.replay_timeline(S97, "attn", "fast-inwg2bn96x-opwg", batch=64))
+print(nbtools.replay_timeline(S97, "attn", "fast-inwg4bn112x-opwg", batch=64))
+print(nbtools.ab_table(S98, "attn", ["stock", "fast", "fast-inwgoff", "fast-inwgoff-opwgoff"]))
+print(nbtools.ab_table(S100, "attn", ["stock", "fast"]))
+s99, text = nbtools.kernel_ab("traces/h200/kernels-5dfaf5c-s99.json", "gemm_in_proj_plain@wgmma4bn112nox",
+                              "gemm_in_proj_plain@wgmma4bn112", [16, 64], shapes=("k3_rank16",))
+print(text)
+from k3fast.fast import inproj_wide_pins, oproj_wide_choice
+print(inproj_wide_pins(N16, None, None, 64), oproj_wide_choice(768, None, 64))
+assert inproj_wide_pins(N16, None, None, 64) == {"ksplit": 4, "bn": 112, "xrows": "auto"}
+s97 = {(r["impl"], r["batch"]): r for r in json.load(open(os.path.join(nbtools.ROOT, S97)))["records"]
+       if r["part"] == "attn" and r["shape"] == "k3_rank16"}
+start = {i: next(k[1] for k in s97[(i, 64)]["replay_timeline"]["kernels"] if "gemm_wgmma" in k[0])
+         for i in ("fast-inwg2bn96x-opwg", "fast-inwg4bn112x-opwg", "fast-inwgd4-opwg")}
+print({i: f"GEMM starts at {t:.2f} µs" for i, t in start.items()})
+assert start["fast-inwg2bn96x-opwg"] < 2 < 3 < start["fast-inwg4bn112x-opwg"] and start["fast-inwgd4-opwg"] > 3
+assert s97[("fast-inwg4bn112x-opwg", 64)]["replay_us_median"] < s97[("fast-opwg", 64)]["replay_us_median"]
+# the ring without x: under 1 µs faster at b64, where the x tiles are largest
+assert s99[("gemm_in_proj_plain@wgmma4bn112", "k3_rank16", 64)] - s99[("gemm_in_proj_plain@wgmma4bn112nox",
+                                                                         "k3_rank16", 64)] < 1.0

@@ -304,3 +304,17 @@ for runs in (s90e, s90f):
         assert runs[("k3_rank8", b, "fast-opwg")]["replay_us_median"] < runs[("k3_rank8", b, "fast")]["replay_us_median"]
 from k3fast.fast import oproj_wide_choice
 assert oproj_wide_choice(1536) == "wgmma" and oproj_wide_choice(768) == "cublas"
+assert oproj_wide_choice(768, None, 16) == "cublas" and oproj_wide_choice(768, None, 64) == "wgmma"
+
+# %% [markdown]
+# Session 28 added rank16 above M = 16. There the in_proj now runs on the same GEMM (notebook 02, section 20), which
+# launches the KDA step early, and o_proj's WGMMA GEMM had been 0.5-0.9 µs ahead of cuBLAS at rank16 b64 in every run
+# (s90e / s90f / s92 / s97). At b16 it was mixed, so rank16 b9..16 stays on cuBLAS (`fast.OPROJ_WIDE_MIN_M_NARROW`).
+
+# %%
+S98 = "traces/h200/records-eb247aa-s98.json"
+print(nbtools.ab_table(S98, "attn", ["stock", "fast", "fast-inwgoff", "fast-inwgoff-opwgoff"]))
+print(nbtools.replay_timeline(S98, "attn", "fast", shape="k3_rank16", batch=64))
+s98 = attn_us(S98)
+assert (s98[("k3_rank16", 64, "fast-inwgoff")]["replay_us_median"]
+        < s98[("k3_rank16", 64, "fast-inwgoff-opwgoff")]["replay_us_median"])
