@@ -513,7 +513,10 @@ FAST_VARIANTS = {
     # (3.3-3.5 us into the step, s86-s89), so none of W moved during the norm although the norm triggers it right
     # after its wait; at rank8 b64 the 2 x 96-row clusters started at 1.3 us (s96). The in_proj on clusters of 2 / 4
     # (easier to place beside the norm's CTAs), or on the plan with a ring that fits beside two of them, each with
-    # o_proj's WGMMA GEMM (fast-opwg: -0.5 us at rank16 b64 in s90e / s90f / s92)
+    # o_proj's WGMMA GEMM (fast-opwg: -0.5 us at rank16 b64 in s90e / s90f / s92). Measured (s97): only clusters of 2
+    # started beside the norm, none ended the GEMM sooner, and 4 x 112 rows was fastest (50.8 us against fast-opwg's
+    # 52.6 / 53.0) through the KDA step launched from its cluster barrier: the default at rank16 M 17..64 since s98
+    # (fast.INPROJ_WIDE_PINS_LARGE_M), so fast-inwg4bn112x-opwg = fast there
     "fast-inwg2bn96x-opwg": {"inproj_wide": "wgmma", "inproj_wide_early": True,
                              "inproj_wide_plan": {"ksplit": 2, "bn": 96, "xrows": "auto"}, "oproj_wide": "wgmma"},
     "fast-inwg2bn64x-opwg": {"inproj_wide": "wgmma", "inproj_wide_early": True,
