@@ -368,6 +368,7 @@ class FastImpl:
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
                  oproj_wide: str | None = None, oproj_wide_plan: dict | None = None,
                  inproj_tiled: bool | None = None, norm_cluster_min_m: int | None = None,
+                 norm2_cluster: int | None = None,
                  oproj_max_kp: int = OPROJ_FUSED_MAX_KP, inproj_blas: str | None = None,
                  kda_proj_first: bool | None = None, inproj_wide: str | None = None,
                  inproj_wide_early: bool | None = None, inproj_wide_plan: dict | None = None,
@@ -446,6 +447,14 @@ class FastImpl:
         # None: rms_gemv.NORM_CLUSTER_MIN_M (v15: the AttnRes norms that run as their own kernels as clusters of
         # NORM_CLUSTER CTAs per token from that batch, 3); "fast-normc1" never, "fast-normc9" above M = 8 only
         self.norm_cluster_min_m = norm_cluster_min_m
+        # the AttnRes #2 norm's CTAs per token where it runs apart from o_proj, when set (session 28, opt-in: at b64 a
+        # dependent grid of clusters of 4 was not placed beside a running one in s97, and the #2 norm's clusters of 4
+        # follow o_proj's clusters of 4); None: the rule both norms share
+        if norm2_cluster is not None:
+            from .rms_gemv import NORM_CLUSTERS
+            if norm2_cluster not in NORM_CLUSTERS:
+                raise ValueError(f"norm2_cluster must be None or one of {NORM_CLUSTERS}, got {norm2_cluster!r}")
+        self.norm2_cluster = norm2_cluster
         self.oproj_max_kp = oproj_max_kp     # the widest o_proj input the fused oproj_attnres takes (oproj_fused)
         self.inproj_blas = inproj_blas       # None: INPROJ_BLAS (cublasLt for the in_proj's cuBLAS GEMM); "fast-inmm"
         # None: kda_conv_gate_step.HEAD_PROJ_FIRST (v9.2: the state's bulk copies behind the first token's
@@ -536,6 +545,7 @@ class FastImpl:
                         + ("" if kda_nsplit is None else f", KDA nsplit {kda_nsplit}")
                         + ("" if kda_head_min == "module" else f", KDA one CTA per head from {kda_head_min} request-heads")
                         + ("" if norm_cluster_min_m is None else f", AttnRes norm clusters from M={norm_cluster_min_m}")
+                        + ("" if norm2_cluster is None else f", AttnRes #2 norm {norm2_cluster} CTAs per token")
                         + ("" if oproj_max_kp == OPROJ_FUSED_MAX_KP else f", fused o_proj up to K={oproj_max_kp}")
                         + ("" if inproj_blas is None else f", in_proj BLAS {inproj_blas}")
                         + ("" if inproj_wide is None else f", in_proj GEMM at M 9-64 {inproj_wide}")
@@ -650,7 +660,9 @@ class FastImpl:
                 oproj_attnres_cublas(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
                                      w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
                                      zeros=self._zeros("p0", p1), out_x=io.x_mlp, out_partial=io.partial,
-                                     gemv=self.oproj_mid, norm_cluster=norm_cl, wide=self.oproj_wide,
+                                     gemv=self.oproj_mid,
+                                     norm_cluster=norm_cl if self.norm2_cluster is None else self.norm2_cluster,
+                                     wide=self.oproj_wide,
                                      wide_plan=self.oproj_wide_plan)
 
     def moe(self, io) -> None:

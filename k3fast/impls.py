@@ -528,6 +528,10 @@ FAST_VARIANTS = {
                                "oproj_wide": "wgmma"},
     "fast-inwgd4-opwg": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_plan": {"stages": 4},
                          "oproj_wide": "wgmma"},
+    # ... the AttnRes #2 norm (after o_proj's GEMM, itself clusters of 4 at b64) as clusters of 2 / 8 CTAs per token
+    # instead of 4 (FastImpl norm2_cluster; s97: clusters of 2 were placed beside a running grid of clusters of 4)
+    "fast-n2c2": {"norm2_cluster": 2},
+    "fast-n2c8": {"norm2_cluster": 8},
     # ... and at rank8 the default's 2 x 96-row clusters with 7 stages (140 KB at b64) instead of 11 (225 KB)
     "fast-inwg2bn96xd7": {"inproj_wide": "wgmma", "inproj_wide_early": True,
                           "inproj_wide_plan": {"ksplit": 2, "bn": 96, "xrows": "auto", "stages": 7}},

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
                                   "fast-opm16", "fast-inwg-opm16", "fast-opwg", "fast-opwgd3", "fast-opwgd2",
                                   "fast-opwgoff", "fast-inwg2bn96x-opwg", "fast-inwg2bn64x-opwg",
                                   "fast-inwg2bn64xd7-opwg", "fast-inwg4bn112x-opwg", "fast-inwgd4-opwg",
-                                  "fast-inwg2bn96xd7", "fast-inwgoff-opwgoff"])
+                                  "fast-inwg2bn96xd7", "fast-inwgoff-opwgoff", "fast-n2c2", "fast-n2c8"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
@@ -80,7 +80,8 @@ def test_fast_attention_half(tp, batch, impl):
         pytest.skip(f"{impl} differs from fast only where the in_proj GEMV is cuBLAS and M <= 8")
     if impl in ("fast-opmma", "fast-op4") and not 4 < batch <= GEMV_DSL_MAX_M:
         pytest.skip(f"{impl} differs from fast only where it puts o_proj on a GEMV + attnres_rmsnorm (M 5..8)")
-    if (impl in ("fast-opwg", "fast-opwgd3", "fast-opwgd2", "fast-opwgoff", "fast-opwgx", "fast-inwgoff-opwgoff")
+    if (impl in ("fast-opwg", "fast-opwgd3", "fast-opwgd2", "fast-opwgoff", "fast-opwgx", "fast-inwgoff-opwgoff",
+                 "fast-n2c2", "fast-n2c8")
             and batch <= GEMV_DSL_MAX_M):
         pytest.skip(f"{impl} differs from fast only where o_proj runs apart from its norm (M > GEMV_DSL_MAX_M)")
     if impl in ("fast-opm16", "fast-inwg-opm16") and not GEMV_DSL_MAX_M < batch <= 16:
