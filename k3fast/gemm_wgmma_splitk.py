@@ -31,7 +31,8 @@ Design (v1)
   barrier, when all of the cluster's main loops are done (v1.1; v1 triggered per warp, so the producer warp fired it
   D stages early).
 
-Also o_proj's GEMM at rank8 above M = 8 (fast.oproj_wide_choice, session 26; version log "o_proj").
+Also o_proj's GEMM at rank8 above M = 8 and at rank16 above M = 16 (fast.oproj_wide_choice, sessions 26 / 28; version
+log "o_proj", "Placement beside the norm").
 
 Contracts: x [M, K] and W [N, K] bf16, contiguous, 16-byte aligned, K a multiple of 64 with K / 64 >= S, 8 < M <= 64
 (any M in 1..64 is correct; at M <= 8 rms_gemv_ring v13 reads W faster), N even. y [M, N] bf16. Not bit-identical to
