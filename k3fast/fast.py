@@ -138,7 +138,9 @@ INPROJ_BLAS = "cublaslt"
 # is the KDA step launched from its cluster barrier, ~1.8 us before the GEMM ends, where cuBLAS launches it at its end.
 # Attention half at rank16 b64 (s97, records-f8eaa2c-s97.json; with o_proj on WGMMA as well, OPROJ_WIDE_MIN_M_NARROW):
 # stock 93.6, fast (cuBLAS in_proj and o_proj) 53.5, fast-opwg 52.6 / 53.0, 4 x 112 rows 50.8 (1.84x), 2 x 96 rows
-# 51.1, 2 x 64 rows 51.7, the plan with 4 stages 52.5.
+# 51.1, 2 x 64 rows 51.7, the plan with 4 stages 52.5. As the default: 50.6-51.6 against stock 90.9-92.8 (s98, s100-
+# s102), fast-inwgoff-opwgoff 52.9 (s98). Measured at M = 64 only in the layer; M 17..63 (x tiles of 32 / 64 rows,
+# the GEMM tested at 17 / 32 / 33) lie between it and the plan's measured M = 16.
 INPROJ_WIDE = "auto"
 INPROJ_WIDE_MAX_M = 16
 INPROJ_WIDE_MAX_N = 4096
