@@ -156,8 +156,16 @@ def _cases(cfg, batch: int):
                         # v3 (session 27): x tiles of the token bucket's rows instead of a zero-filled 64-row box
                         ("xa", dict(xrows="auto")), ("2bn96xa", dict(ksplit=2, bn=96, xrows="auto")),
                         # session 28: the rank16 M 17..64 default (29 clusters of 4 x 112 rows)
-                        ("4bn112", dict(ksplit=4, bn=112))):
-            if wgmma_applicable(M, d, w_in.shape[0], **kw):
+                        ("4bn112", dict(ksplit=4, bn=112)),
+                        # diagnostics: the ring with consumers that release each stage without a WGMMA (session 25,
+                        # output zeros: as fast as the GEMM, the memory side sets its rate), and rings that carry W
+                        # only (session 28, x never loaded, output garbage: much faster than with x, x's share of the
+                        # SM-side traffic holds the GEMM below cuBLAS, whose clusters share x by multicast)
+                        ("nomma", dict(diag="nomma")), ("nox", dict(diag="nox")),
+                        ("4bn112nox", dict(ksplit=4, bn=112, diag="nox")),
+                        ("4bn112nomma", dict(ksplit=4, bn=112, diag="nomma")),
+                        ("2bn96nox", dict(ksplit=2, bn=96, diag="nox"))):
+            if wgmma_applicable(M, d, w_in.shape[0], **{k: v for k, v in kw.items() if k != "diag"}):
                 cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda kw=kw: gemm_wgmma(x, w_in, **kw), lt_linear,
                               wbytes))
         # v2 (session 25): the tiled copy of the weight, each stage's W tile one contiguous run; the plan's ring and d3
@@ -165,19 +173,6 @@ def _cases(cfg, batch: int):
         w_wt = tile_weight(w_in)
         cases.append(("gemm_in_proj_plain@wgmmatiled", lambda: gemm_wgmma(x, w_wt), lt_linear, wbytes))
         cases.append(("gemm_in_proj_plain@wgmmatiledd3", lambda: gemm_wgmma(x, w_wt, stages=3), lt_linear, wbytes))
-        # diagnostic (session 25): the plan's ring with consumers that release each stage without a WGMMA (output
-        # zeros): the stream's rate alone. As fast as the GEMM: the memory side sets it; much faster: the consumer
-        cases.append(("gemm_in_proj_plain@wgmmanomma", lambda: gemm_wgmma(x, w_in, diag="nomma"), lt_linear, wbytes))
-        # diagnostic (session 28): rings that carry W only (x never loaded; output garbage), for the plan, the 4 x 112-
-        # and 2 x 96-row clusters, and the 4 x 112-row ring without WGMMAs. If a ring without x streams much faster than
-        # with it, the x tiles' share of the SM-side traffic (x re-read by every column tile) is what holds the GEMM
-        # below cuBLAS (whose clusters share x by multicast), and a cluster that multicasts x is the build
-        for tag, kw in (("nox", dict(diag="nox")), ("4bn112nox", dict(ksplit=4, bn=112, diag="nox")),
-                        ("4bn112nomma", dict(ksplit=4, bn=112, diag="nomma")),
-                        ("2bn96nox", dict(ksplit=2, bn=96, diag="nox"))):
-            if wgmma_applicable(M, d, w_in.shape[0], **{k: v for k, v in kw.items() if k != "diag"}):
-                cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda kw=kw: gemm_wgmma(x, w_in, **kw), lt_linear,
-                              wbytes))
         for tag, et in (("", False), ("et", True)):
             def norm_wgmma(et=et):
                 xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,
