@@ -173,6 +173,15 @@ def _cases(cfg, batch: int):
         w_wt = tile_weight(w_in)
         cases.append(("gemm_in_proj_plain@wgmmatiled", lambda: gemm_wgmma(x, w_wt), lt_linear, wbytes))
         cases.append(("gemm_in_proj_plain@wgmmatiledd3", lambda: gemm_wgmma(x, w_wt, stages=3), lt_linear, wbytes))
+        # v4 (session 29): that tiled copy pre-swizzled and each stage's W tile one 1-D bulk copy, at the layer's pins
+        # (rank16 M 17..64: 4 x 112 rows; rank8: 2 x 96) and with W alone in the ring (nox, output garbage)
+        w_bk = tile_weight(w_in, swizzle=True)
+        for tag, kw in (("", {}), ("4bn112", dict(ksplit=4, bn=112)), ("4bn112xa", dict(ksplit=4, bn=112, xrows="auto")),
+                        ("4bn112nox", dict(ksplit=4, bn=112, diag="nox")), ("2bn96xa", dict(ksplit=2, bn=96, xrows="auto")),
+                        ("2bn96nox", dict(ksplit=2, bn=96, diag="nox"))):
+            if wgmma_applicable(M, d, w_in.shape[0], **{k: v for k, v in kw.items() if k != "diag"}):
+                cases.append((f"gemm_in_proj_plain@wgmmabulk{tag}", lambda kw=kw: gemm_wgmma(x, w_bk, **kw), lt_linear,
+                              wbytes))
         for tag, et in (("", False), ("et", True)):
             def norm_wgmma(et=et):
                 xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,

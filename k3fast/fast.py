@@ -374,7 +374,7 @@ class FastImpl:
                  oproj_max_kp: int = OPROJ_FUSED_MAX_KP, inproj_blas: str | None = None,
                  kda_proj_first: bool | None = None, inproj_wide: str | None = None,
                  inproj_wide_early: bool | None = None, inproj_wide_plan: dict | None = None,
-                 inproj_wide_tiled: bool = False):
+                 inproj_wide_tiled: bool | str = False):
         from . import kda_conv_gate_step as kda_mod
         from .moe_mxfp4_experts import prepare_mxfp4_experts
         from .moe_tail import prepare_shared_gate_up
@@ -496,12 +496,16 @@ class FastImpl:
         _wide_engine("inproj_wide", inproj_wide, INPROJ_WIDE)
         self.inproj_wide, self.inproj_wide_early = inproj_wide, inproj_wide_early
         self.inproj_wide_plan = inproj_wide_plan
-        # gemm_wgmma_splitk v2: its own copy of the in_proj, each ring stage's tile one contiguous run
+        # gemm_wgmma_splitk v2 (True): its own copy of the in_proj, each ring stage's tile one contiguous run; v4
+        # ("bulk"): that copy pre-swizzled, read by 1-D bulk copies (used wherever the engine rule picks the GEMM)
+        if inproj_wide_tiled not in (False, True, "bulk"):
+            raise ValueError(f"inproj_wide_tiled must be False, True or 'bulk', got {inproj_wide_tiled!r}")
         self.in_proj_wide_tiled = None
         if (inproj_wide_tiled and self.stock_attn is None
-                and (INPROJ_WIDE if inproj_wide is None else inproj_wide) == "wgmma"):
+                and (INPROJ_WIDE if inproj_wide is None else inproj_wide) in ("wgmma", "auto")):
             from .gemm_wgmma_splitk import BK, tile_weight
-            self.in_proj_wide_tiled = tile_weight(self.in_proj, (inproj_wide_plan or {}).get("bk", BK))
+            self.in_proj_wide_tiled = tile_weight(self.in_proj, (inproj_wide_plan or {}).get("bk", BK),
+                                                  swizzle=inproj_wide_tiled == "bulk")
         # None: INPROJ_MID_TILED. The tiled copy exists only where the v13 path can run (M 3..8 within max_batch)
         self.inproj_tiled = INPROJ_MID_TILED if inproj_tiled is None else inproj_tiled
         self.in_proj_tiled = None
@@ -554,7 +558,8 @@ class FastImpl:
                         + ("" if inproj_wide_early is None
                            else f", its norm's trigger {'early' if inproj_wide_early else 'late'}")
                         + ("" if inproj_wide_plan is None else f", its plan {inproj_wide_plan}")
-                        + (", its tiled weight" if inproj_wide_tiled else "")
+                        + ({False: "", True: ", its tiled weight", "bulk": ", its weight by bulk copies (v4)"}[
+                            inproj_wide_tiled])
                         + ("" if kda_proj_first is None else f", KDA proj first {'on' if kda_proj_first else 'off'}")
                         + ("" if kda_late_stores is None else f", KDA late stores {'on' if kda_late_stores else 'off'}")
                         + ("" if tail_ring is None else f", moe_tail ring {tail_ring}")

@@ -301,6 +301,7 @@ def _build_class():
     from cutlass.cute.nvgpu import cpasync, warpgroup
     from cutlass.cutlass_dsl import T
     from cutlass._mlir.dialects import llvm
+    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
     import cutlass.utils.hopper_helpers as sm90
     from cutlass.tensor_utils import LayoutEnum
 
@@ -315,10 +316,13 @@ def _build_class():
         return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
 
     class SplitKWgmma:
-        def __init__(self, BN, S, K, D, BKS, tiled=False, nomma=False, BMX=BM, nox=False):
+        def __init__(self, BN, S, K, D, BKS, tiled=False, nomma=False, BMX=BM, nox=False, bulk=False):
             self.BN, self.S, self.K, self.D, self.BKS, self.tiled, self.nomma = BN, S, K, D, BKS, tiled, nomma
             self.BMX = BMX
             self.nox = nox            # diagnostic: the ring carries W only (x tiles never loaded; output garbage)
+            # v4: W's tiles by 1-D cp.async.bulk from the pre-swizzled tiled copy (tile_weight(swizzle=True)); the
+            # tensor map of W is still built (from the tiled view) but never used
+            self.bulk = bulk
             self.stage_tx = BN * BKS * 2 if nox else stage_bytes(BN, BKS, BMX)
             self.KT = K // BKS
             self.BNP = BN + 4          # fp32 tile row pitch: 16-byte rows, the fragment stores off one bank group
@@ -344,7 +348,8 @@ def _build_class():
                     o.shape, stride=(o.stride[0], o.stride[1], ax_lay.outer.stride[2])))
             tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
                                                     cute.slice_(ax_lay, (None, None, 0)), (self.BMX, BK))
-            if const_expr(self.tiled):
+            mWb = mW
+            if const_expr(self.tiled or self.bulk):
                 # the tiled weight [K / BK, N, BK] read as the [N, K] matrix it holds: column k of row n at
                 # (k // BK) N BK + n BK + k % BK, so that the box of rows [n0, n0 + BN) of one k-tile is one
                 # contiguous run of BN x BK x 2 bytes
@@ -353,12 +358,34 @@ def _build_class():
             tma_b, tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                     cute.slice_(b_lay, (None, None, 0)), (BN, BK))
             ntiles = (cute.size(mW, mode=[0]) + BN - 1) // BN
-            self.kernel(tma_a, tA, tma_b, tB, mY, tiled_mma, a_lay, b_lay, ax_lay).launch(
+            self.kernel(tma_a, tA, tma_b, tB, mWb, mY, tiled_mma, a_lay, b_lay, ax_lay).launch(
                 grid=[self.S, ntiles, 1], block=[NTHREADS, 1, 1], cluster=[self.S, 1, 1], stream=stream,
                 use_pdl=True)
 
+        @cute.jit
+        def load_w(self, tma_b, tBgB, tBsB, mWb, sB, mbar, nt, kt, s, N):
+            """Arm stage s's full barrier and request k-tile kt of this CTA's W rows into it (the producer warp).
+            TMA: one 2-D box; the unit zero-fills rows past N and counts them. Bulk (v4): the rows < N of the tile,
+            one contiguous run of the pre-swizzled tiled copy, landing where the box's 128-byte swizzle would put
+            them; the slots of rows past N keep stale bytes, which only reach output columns >= N, never stored."""
+            BN, BK = self.BN, self.BKS
+            if const_expr(self.bulk):
+                rows = cutlass.min(BN, N - nt * BN)
+                wbytes = rows * (BK * 2)
+                tx = wbytes if const_expr(self.nox) else wbytes + self.BMX * BK * 2
+                src = mWb.iterator + (kt * N + nt * BN) * BK
+                dst = cute.make_ptr(BFloat16, sB.iterator.toint() + s * (BN * BK * 2), cute.AddressSpace.smem,
+                                    assumed_align=1024)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, tx)
+                    cp_async_bulk_shared_cluster_global(dst, src, mbar + s, wbytes)
+            else:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, self.stage_tx)
+                cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, s)], tma_bar_ptr=mbar + s)
+
         @cute.kernel
-        def kernel(self, tma_a, mA, tma_b, mB, mY, tiled_mma, a_lay, b_lay, ax_lay):
+        def kernel(self, tma_a, mA, tma_b, mB, mWb, mY, tiled_mma, a_lay, b_lay, ax_lay):
             BN, S, D, KT, BNP, BK, BMX = self.BN, self.S, self.D, self.KT, self.BNP, self.BKS, self.BMX
             tid = cute.arch.thread_idx()[0]
             lane = cute.arch.lane_idx()
@@ -406,9 +433,7 @@ def _build_class():
                 npre = cutlass.min(D, nkt)
                 # W does not depend on the predecessor: the whole ring of it goes out before the PDL wait
                 for q in cutlass.range(npre, unroll=1):
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + q, self.stage_tx)
-                    cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, q)], tma_bar_ptr=mbar + q)
+                    self.load_w(tma_b, tBgB, tBsB, mWb, sB, mbar, nt, k0 + q, q, N)
                 cute.arch.griddepcontrol_wait()
                 if const_expr(not self.nox):
                     for q in cutlass.range(npre, unroll=1):
@@ -416,9 +441,7 @@ def _build_class():
                 for q in cutlass.range(D, nkt, unroll=1):
                     s = q % D
                     cute.arch.mbarrier_wait(mbar + D + s, (q // D - 1) % 2)
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, self.stage_tx)
-                    cute.copy(tma_b, tBgB[(None, k0 + q)], tBsB[(None, s)], tma_bar_ptr=mbar + s)
+                    self.load_w(tma_b, tBgB, tBsB, mWb, sB, mbar, nt, k0 + q, s, N)
                     if const_expr(not self.nox):
                         cute.copy(tma_a, tAgA[(None, k0 + q)], tAsA[(None, s)], tma_bar_ptr=mbar + s)
             else:
@@ -487,70 +510,97 @@ def _cls():
 
 
 def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
-                stages: int | None = None, tiled: bool = False, diag: str | None = None, xrows: int = BM) -> tuple:
-    """A tiled weight (tile_weight) is its own build; the key then ends with "tiled". ``diag="nomma"``: the
+                stages: int | None = None, tiled: bool = False, diag: str | None = None, xrows: int = BM,
+                bulk: bool = False) -> tuple:
+    """A tiled weight (tile_weight) is its own build; the key then ends with "tiled", or "bulk" for the pre-swizzled
+    copy that v4 reads by 1-D bulk copies (tile_weight(swizzle=True); BK 64 only). ``diag="nomma"``: the
     diagnostic build whose consumers wait for each stage and release it without a WGMMA (its output is zeros): the
     ring's streaming rate alone, for the benchmark. ``diag="nox"`` (session 28): the ring carries W only, the x tiles
     are never loaded (the WGMMAs read whatever the x slots hold: the output is garbage): what x's share of the ring's
     bytes costs. ``xrows`` below BM (v3, x_rows): "x<rows>"."""
     if diag not in DIAGS:
         raise ValueError(f"diag must be None, 'nomma' or 'nox', got {diag!r}")
-    return (("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk, stages, xrows) + (K,) + (("tiled",) if tiled else ())
+    if bulk and (bk or BK) != BK:
+        raise ValueError(f"the bulk build (a pre-swizzled tiled weight) needs bk = {BK}: one 128-byte swizzle row per "
+                         f"W row and stage, got bk = {bk}")
+    return (("gemm_wgmma_splitk",) + plan(N, K, ksplit, bn, bk, stages, xrows) + (K,)
+            + (("bulk",) if bulk else ("tiled",) if tiled else ())
             + ((diag,) if diag else ()) + ((f"x{xrows}",) if xrows != BM else ()))
 
 
-def _build(BN, S, D, BKS, K, tiled=False, options=TVM_FFI, nomma=False, xrows=BM, nox=False):
+def _build(BN, S, D, BKS, K, tiled=False, options=TVM_FFI, nomma=False, xrows=BM, nox=False, bulk=False):
     cutlass, cute = import_cute()
     BF = cutlass.BFloat16
     M, N = cute.sym_int(), cute.sym_int(divisibility=2)
     x = fake_tensor(BF, (M, K))
-    w = fake_tensor(BF, (K // BKS, N, BKS)) if tiled else fake_tensor(BF, (N, K))
+    w = fake_tensor(BF, (K // BKS, N, BKS)) if tiled or bulk else fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (M, N), align=4)
-    return cute.compile(_cls()(BN, S, K, D, BKS, tiled, nomma, xrows, nox), x, w, y, fake_stream(), options=options)
+    return cute.compile(_cls()(BN, S, K, D, BKS, tiled, nomma, xrows, nox, bulk), x, w, y, fake_stream(),
+                        options=options)
 
 
 def _compile(key):
     _, BN, S, D, BKS, K = key[:6]
     xrows = next((int(f[1:]) for f in key[6:] if f.startswith("x")), BM)
     return compile_cached(key, lambda: _build(BN, S, D, BKS, K, "tiled" in key[6:], nomma="nomma" in key[6:],
-                                              xrows=xrows, nox="nox" in key[6:]))
+                                              xrows=xrows, nox="nox" in key[6:], bulk="bulk" in key[6:]))
 
 
 class WgmmaTiledWeight:
     """W [N, K] re-laid for the GEMM's v2 (tile_weight): ``data`` is [K / bk, N, bk], k-tile kt's rows in order, so that
     the bk-wide piece of BN consecutive rows that one ring stage asks for is one contiguous run (in [N, K] it is BN
-    pieces of bk x 2 bytes, K x 2 bytes apart). A type of its own, so that a plain weight cannot be read as tiled."""
+    pieces of bk x 2 bytes, K x 2 bytes apart). ``swizzled`` (v4): each row's eight 16-byte chunks already permuted
+    as the TMA unit's 128-byte swizzle places them in shared memory, so that a 1-D bulk copy lands the stage's tile
+    as the box would. A type of its own, so that a plain weight cannot be read as tiled."""
 
-    def __init__(self, data, N: int, K: int, bk: int):
-        self.data, self.N, self.K, self.bk = data, N, K, bk
+    def __init__(self, data, N: int, K: int, bk: int, swizzled: bool = False):
+        self.data, self.N, self.K, self.bk, self.swizzled = data, N, K, bk, swizzled
 
     @property
     def shape(self):
         return (self.N, self.K)
 
 
-def tile_weight(w, bk: int = BK) -> WgmmaTiledWeight:
-    """The tiled copy of a bf16 weight [N, K] (N even, K a multiple of bk) that gemm_wgmma reads as v2."""
+def swizzle128_chunks(n):
+    """Chunk order of the 128-byte swizzle for rows n (a LongTensor): position p of row n holds the row's 16-byte
+    chunk p ^ (n % 8). The hardware XORs address bits [4, 7) with bits [7, 10); a stage's tile starts on a 1024-byte
+    boundary and its rows are 128 bytes apart (BN a multiple of 8), so bits [7, 10) are the row index mod 8."""
+    import torch
+    return torch.arange(8, device=n.device).view(1, 8) ^ (n.view(-1, 1) % 8)
+
+
+def tile_weight(w, bk: int = BK, swizzle: bool = False) -> WgmmaTiledWeight:
+    """The tiled copy of a bf16 weight [N, K] (N even, K a multiple of bk) that gemm_wgmma reads as v2, or with
+    ``swizzle`` (bk 64) pre-swizzled for v4's 1-D bulk copies."""
     import torch
     check_tensor("w", w, dtype=torch.bfloat16)
     if w.dim() != 2 or w.shape[0] % 2 or w.shape[0] == 0 or w.shape[1] % bk:
         raise ValueError(f"w: expected [N (even, > 0), K (a multiple of {bk})], got {list(w.shape)}")
+    if swizzle and bk != BK:
+        raise ValueError(f"swizzle: the 128-byte swizzle row is {BK} bf16 columns, so bk must be {BK}, got {bk}")
     N, K = w.shape
-    return WgmmaTiledWeight(w.view(N, K // bk, bk).permute(1, 0, 2).contiguous(), N, K, bk)
+    data = w.view(N, K // bk, bk).permute(1, 0, 2).contiguous()
+    if swizzle:
+        idx = swizzle128_chunks(torch.arange(N, device=w.device))
+        data = torch.gather(data.view(K // bk, N, 8, 8), 2,
+                            idx.view(1, N, 8, 1).expand(K // bk, N, 8, 8)).view(K // bk, N, bk)
+    return WgmmaTiledWeight(data, N, K, bk, swizzled=swizzle)
 
 
 def gemm_ptx(N: int, K: int = 7168, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
-             tiled: bool = False, xrows: int = BM) -> str:
+             tiled: bool = False, xrows: int = BM, bulk: bool = False) -> str:
     """PTX of the build that ``plan`` picks for [N, K] (uncached; for reading and the CPU tests)."""
     from .ptxcheck import compiled_ptx
     BN, S, D, BKS = plan(N, K, ksplit, bn, bk, xrows=xrows)
-    return compiled_ptx(lambda: _build(BN, S, D, BKS, K, tiled, options=TVM_FFI + " --keep-ptx", xrows=xrows))
+    return compiled_ptx(lambda: _build(BN, S, D, BKS, K, tiled, options=TVM_FFI + " --keep-ptx", xrows=xrows,
+                                       bulk=bulk))
 
 
 def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
                stages: int | None = None, diag: str | None = None, xrows=None):
     """y[M, N] = bf16(x[M, K] @ w[N, K]^T) with fp32 accumulation, M in 1..64: the cluster K-split WGMMA GEMM.
-    w: the [N, K] weight, or its WgmmaTiledWeight (v2: each stage's W tile one contiguous run; the same bits).
+    w: the [N, K] weight, or its WgmmaTiledWeight (v2: each stage's W tile one contiguous run; v4 when swizzled: that
+    run by a 1-D bulk copy instead of the tensor map; the same bits either way).
     ``ksplit`` / ``bn`` / ``bk`` / ``stages``: pin the plan's S / BN / BK / D (benchmark cells); ``diag="nomma"``:
     the diagnostic build without WGMMAs (compile_key), whose output is zeros. ``xrows`` (v3; x_rows): None loads a
     64-row x box per stage, "auto" only the token bucket's 16 / 32 / 64 rows (the same sums: the same bits)."""
@@ -574,5 +624,7 @@ def gemm_wgmma(x, w, out=None, *, ksplit: int | None = None, bn: int | None = No
         out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=x.device, align=4)
-    _compile(compile_key(N, K, ksplit, bn, bk, stages, tiled, diag, x_rows(M, xrows)))(x, w.data if tiled else w, out)
+    bulk = tiled and w.swizzled
+    _compile(compile_key(N, K, ksplit, bn, bk, stages, tiled and not bulk, diag, x_rows(M, xrows), bulk))(
+        x, w.data if tiled else w, out)
     return out

@@ -542,6 +542,9 @@ FAST_VARIANTS = {
     "fast-inwgtiled": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_tiled": True},
     "fast-inwgtiledd3": {"inproj_wide": "wgmma", "inproj_wide_early": True, "inproj_wide_tiled": True,
                          "inproj_wide_plan": {"stages": 3}},
+    # ... v4 (session 29): the default engine rule and pins, W's tiles by 1-D bulk copies of a pre-swizzled tiled copy
+    # instead of the tensor map (the same bits); the question: does the TMA tensor path hold the ring at ~2.7 TB/s?
+    "fast-inwgbulk": {"inproj_wide_tiled": "bulk"},
     # rms_gemv v15 (session 23): the AttnRes norms that run as their own kernels (M >= 3: before v13's ring GEMV at
     # M 3..8, the in_proj's and o_proj's AttnRes #2 before cuBLAS above) as clusters of 4 CTAs per token, the default
     # since s74. "fast-normc1" is the A/B (one CTA per token, as before); "fast-normc9" the clusters only above M = 8

@@ -1090,9 +1090,25 @@ tests/gpu/test_ops.py::test_ops_match_the_direct_calls[eager-16-fast]"
           K3_SWEEP_TIMEOUT=240 bash scripts/h200_sweep.sh \
             --cell kda_moe,k3_rank16,64,0,stock+fast+fast-n2c2+fast-n2c8+fast+fast-n2c2 \
             --cell kda_moe,k3_rank8,64,0,fast+fast-n2c2 --cell kda_moe,k3_rank8,16,0,fast+fast-n2c2 --budget-s 200 ;;
+  # session 29: gemm_wgmma_splitk v4, W's tiles by 1-D bulk copies of a pre-swizzled tiled copy (the same bits as the
+  # tensor map), its tests and the bare GEMM beside the TMA builds at both in_proj widths; s103b: the layer A/B
+  s103)   ids="$(for k in 3216-7168-kw0 3216-7168-kw1 6288-7168-kw2 1000-1024-kw3 7168-768-kw4 3216-7168-kw5; do
+                   for M in 9 17 64; do echo "tests/gpu/test_gemm_wgmma_splitk.py::test_bulk_weight_gives_the_same_bits[$k-$M]"; done; done)
+$(for c in 64-16 64-8 16-16 16-8; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$c-fast-inwgbulk]"; done)"
+          K3_TEST_TIMEOUT=240 bash scripts/h200_tests.sh $ids || true
+          o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          timeout 170 python3 -m k3fast.bench --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 --batches 64 16 \
+            --kernels gemm_in_proj_plain@wgmma4bn112 gemm_in_proj_plain@wgmmabulk4bn112 gemm_in_proj_plain@wgmmabulk4bn112xa \
+            gemm_in_proj_plain@wgmma4bn112nox gemm_in_proj_plain@wgmmabulk4bn112nox gemm_in_proj_plain@wgmma2bn96xa \
+            gemm_in_proj_plain@wgmmabulk2bn96xa gemm_in_proj_plain@wgmma2bn96nox gemm_in_proj_plain@wgmmabulk2bn96nox \
+            gemm_in_proj_plain@wgmma gemm_in_proj_plain@wgmmabulk > "$o/bench.log" 2>&1
+          grep -o '"kernel": "[^"]*", "shape": "[^"]*", "batch": [0-9]*\|"fast_us_median": [0-9.]*\|"stock_us_median": [0-9.]*' "$o/bench.log" | paste - - - ;;
+  s103b)  K3_SWEEP_TIMEOUT=250 bash scripts/h200_sweep.sh \
+            --cell kda_moe,k3_rank16,64,0,stock+fast+fast-inwgbulk+fast+fast-inwgbulk \
+            --cell kda_moe,k3_rank8,64,0,fast+fast-inwgbulk --cell kda_moe,k3_rank8,16,0,fast+fast-inwgbulk --budget-s 230 ;;
   s86smoke) timeout 60 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g
 x = torch.randn(64, 7168, device='cuda').bfloat16(); w = torch.randn(3216, 7168, device='cuda').bfloat16()
 y = g(x, w); torch.cuda.synchronize(); print('smoke: max |y - ref|', (y.float() - x.float() @ w.float().T).abs().max().item())" \
             || { echo "smoke failed: gemm_wgmma did not finish"; exit 1; } ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89|s90q|s90|s91|s90b|s90c|s90d|s90e|s90f|s92|s93|s94|s95|s96|s97|s98|s99|s100|s101|s102"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89|s90q|s90|s91|s90b|s90c|s90d|s90e|s90f|s92|s93|s94|s95|s96|s97|s98|s99|s100|s101|s102|s103|s103b"; exit 2 ;;
 esac

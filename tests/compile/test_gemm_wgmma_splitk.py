@@ -138,6 +138,46 @@ def test_tiled_build_reads_w_as_one_3d_box():
     G._compile(G.compile_key(IN_PROJ[16], K, tiled=True))
 
 
+def test_swizzled_tile_weight_layout():
+    """tile_weight(swizzle=True): k-tile kt, row n holds the row's 16-byte chunks of columns [64 kt, 64 kt + 64) in the
+    order the 128-byte swizzle gives them in shared memory (position p <- chunk p ^ (n % 8))."""
+    w = torch.randn(18, 192).to(torch.bfloat16)
+    tw = G.tile_weight(w, swizzle=True)
+    assert tw.swizzled and tw.data.shape == (3, 18, 64) and tw.data.is_contiguous()
+    for kt in range(3):
+        for n in range(18):
+            for p in range(8):
+                c = p ^ (n % 8)
+                assert torch.equal(tw.data[kt, n, 8 * p:8 * p + 8], w[n, 64 * kt + 8 * c:64 * kt + 8 * c + 8])
+    assert not G.tile_weight(w).swizzled
+    with pytest.raises(ValueError, match="bk must be 64"):
+        G.tile_weight(torch.zeros(6, 256, dtype=torch.bfloat16), bk=128, swizzle=True)
+    with pytest.raises(ValueError, match="bulk build"):
+        G.compile_key(IN_PROJ[16], K, bk=128, bulk=True)
+
+
+@needs_dsl
+@pytest.mark.parametrize("tp,kw", [(16, dict(ksplit=4, bn=112, xrows=16)), (8, dict(ksplit=2, bn=96, xrows=16)),
+                                   (16, {})])
+def test_bulk_build_copies_w_without_a_tensor_map(tp, kw):
+    """v4: W's tiles by 1-D cp.async.bulk (one per stage: the prefetch loop before the producer's wait and the steady
+    loop), x's still by its 2-D box after the wait; the expect_tx bytes are a runtime value (the last row tile's rows)."""
+    from k3fast._dsl import TVM_FFI
+    from k3fast.ptxcheck import compiled_ptx
+    xrows = kw.pop("xrows", G.BM)
+    BN, S, D, BK = G.plan(IN_PROJ[tp], K, xrows=xrows, **kw)
+    ptx = compiled_ptx(lambda: G._build(BN, S, D, BK, K, options=TVM_FFI + " --keep-ptx", xrows=xrows, bulk=True))
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    bulk = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.shared::cluster.global")]
+    tma = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.tensor")]
+    waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
+    assert len(bulk) == 2 and len(tma) == 2 and all(".2d." in lines[i] for i in tma)
+    assert bulk[0] < waits[0] < tma[0] < bulk[1] < tma[1]
+    key = G.compile_key(IN_PROJ[tp], K, xrows=xrows, bulk=True, **kw)
+    assert key[6] == "bulk" and "tiled" not in key
+    G._compile(key)
+
+
 @needs_dsl
 def test_diagnostic_build_streams_without_wgmma():
     from k3fast._dsl import TVM_FFI

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.gpu
                                   "fast-opm16", "fast-inwg-opm16", "fast-opwg", "fast-opwgd3", "fast-opwgd2",
                                   "fast-opwgoff", "fast-inwg2bn96x-opwg", "fast-inwg2bn64x-opwg",
                                   "fast-inwg2bn64xd7-opwg", "fast-inwg4bn112x-opwg", "fast-inwgd4-opwg",
-                                  "fast-inwg2bn96xd7", "fast-inwgoff-opwgoff", "fast-n2c2", "fast-n2c8"])
+                                  "fast-inwg2bn96xd7", "fast-inwgoff-opwgoff", "fast-n2c2", "fast-n2c8",
+                                  "fast-inwgbulk"])
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 16, 64])
 def test_fast_attention_half(tp, batch, impl):
