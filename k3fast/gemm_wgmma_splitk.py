@@ -188,6 +188,21 @@ Diagnostic "nox" (session 28; bench rows @wgmma*nox, s99 at 5dfaf5c) The ring wi
     test whether x's re-reads (26 MB of x for 46 MB of W at 4 x 112 rows) bind the L2-to-SM side. Bare at rank16 b64:
     plan 21.7 / nox 21.8, 4 x 112 rows 20.6 / 19.9 (nomma 19.9), 2 x 96 21.7 / 20.9; rank8 b64 plan 32.7 / 32.7, 2 x 96
     31.8 / 30.9 (cublasLt 19.3-20.9 / 29.4-29.8). At most 0.9 us: not the x traffic; x multicast not built.
+v4 (session 29; ``bulk``, tile_weight(swizzle=True), impl fast-inwgbulk, opt-in) Each stage's W tile is one 1-D
+    cp.async.bulk of a pre-swizzled tiled copy (row n's 16-byte chunk p stored at p ^ (n % 8), the image the 128-byte
+    swizzle leaves in shared memory), instead of a TMA box: the question was whether the tensor-map path holds the ring
+    at ~2.7 TB/s when v12's 1-D ring reached 3.45. Bit-identical to the box (GPU test
+    test_bulk_weight_gives_the_same_bits, 18 cases incl. partial last tiles; s103: 22 passed). Predicted: rank16 b64
+    4 x 112 rows 20.6 -> 16-17.5 us if the tensor map were the limit. Measured (s103 at 3da9419, kernels-3da9419-s103
+    .json, copy 4.13 TB/s), box / bulk, us: rank16 b64 4 x 112 20.90 / 20.48, its nox 19.94 / 19.84, plan 21.92 /
+    21.86; rank16 b16 4 x 112 20.13 / 19.97 (bulk with the x bucket 18.88;
+    cublasLt 21.2); rank8 b64 2 x 96 x-bucket 32.10 / 31.26, plan 33.60 / 32.51; rank8 b16 2 x 96 x-bucket 30.18 / 28.16
+    (cublasLt 28.9), nox 29.28 / 27.81. MISSED at b64 (-0.1 to -0.8 us): the copy mode is not what holds the ring;
+    ~2 us (7 %) at rank8 b16. The attention half (s103b, records-3da9419-s103b.json): rank16 b64 fast / fast-inwgbulk
+    51.2 / 50.8 and 50.9 / 50.6 (stock 96.3), rank8 b64 78.0 / 77.2, rank8 b16 54.6 / 53.9. Not the default: the gain
+    (0.3-0.8 us) costs a second copy of the in_proj per layer (+46 MB at rank16, +90 MB at rank8), since the M <= 8
+    GEMVs read the row-major weight. Left between this ring and v12's: the grid (clusters of ~220 KB CTAs) and the
+    stage size (14 KB of W per stage against v12's 28 KB per copy).
 """
 from __future__ import annotations
 
