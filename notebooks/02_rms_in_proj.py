@@ -811,3 +811,40 @@ assert s97[("fast-inwg4bn112x-opwg", 64)]["replay_us_median"] < s97[("fast-opwg"
 # the ring without x: under 1 µs faster at b64, where the x tiles are largest
 assert s99[("gemm_in_proj_plain@wgmma4bn112", "k3_rank16", 64)] - s99[("gemm_in_proj_plain@wgmma4bn112nox",
                                                                          "k3_rank16", 64)] < 1.0
+
+# %% [markdown]
+# ## 21. The copy mode: a TMA box against one 1-D bulk copy (session 29; opt-in)
+# What is left of the ring's ~2.5 TB/s against the v12 ring's 3.45 (§13)? One difference is how W arrives: here a TMA
+# box through a tensor map, which also applies the 128-byte swizzle; there one 1-D `cp.async.bulk` of a contiguous
+# run. v4 (`bulk`) keeps everything but that copy. `tile_weight(w, swizzle=True)` stores each stage's tile as one
+# contiguous run, with row n's eight 16-byte chunks already in the order the swizzle would put them (chunk p at
+# p ^ (n % 8)). One bulk copy then leaves the same shared-memory image as the box, and the same WGMMAs read it: the
+# GPU tests find the same bits, partial last tiles included.
+#
+# The prediction: if the tensor-map path were the limit, the bare rank16 b64 GEMM would go from 20.6 to ~16-17.5 µs.
+# It went 20.9 -> 20.5. The copy mode is not what holds the ring; the grid (clusters of ~220 KB CTAs) and the stage size
+# (14 KB of W per barrier, against v12's 28 KB copies) are what no run has separated yet. In the layer bulk is
+# 0.3-0.8 µs faster. It stays opt-in (`fast-inwgbulk`): the GEMVs at M <= 8 read the row-major weight, so the layer
+# would hold the in_proj twice.
+
+# %%
+order = gw.swizzle128_chunks(torch.arange(4))
+print(order, "<- rows 0-3: the chunk each 16-byte position of the pre-swizzled copy holds")
+assert order[3].tolist() == [p ^ 3 for p in range(8)]
+S103 = "traces/h200/kernels-3da9419-s103.json"
+s103, text = nbtools.kernel_ab(S103, "gemm_in_proj_plain@wgmmabulk4bn112", "gemm_in_proj_plain@wgmma4bn112", [16, 64],
+                               shapes=("k3_rank16",), digits=2)
+print(text)
+s103x, text = nbtools.kernel_ab(S103, "gemm_in_proj_plain@wgmmabulk2bn96xa", "gemm_in_proj_plain@wgmma2bn96xa",
+                                [16, 64], digits=2)
+print(text)
+S103B = "traces/h200/records-3da9419-s103b.json"
+print(nbtools.ab_table(S103B, "attn", ["stock", "fast", "fast-inwgbulk"]))
+print(nbtools.ab_table(S103B, "attn", ["fast", "fast-inwgbulk"], shape="k3_rank8"))
+# the bulk build moved the bare rank16 b64 GEMM by less than 1.5 us, not the 3-4.5 us the tensor-map account needed
+box, blk = s103[("gemm_in_proj_plain@wgmma4bn112", "k3_rank16", 64)], \
+    s103[("gemm_in_proj_plain@wgmmabulk4bn112", "k3_rank16", 64)]
+assert 0 <= box - blk < 1.5, (box, blk)
+rec = nbtools.recorded_gpu_tests("test_gemm_wgmma_splitk")
+print(f"recorded H200 tests of the GEMM: {rec['passed']} passed, {rec['failed']} failed ({rec['source']})")
+assert rec["failed"] == 0 and rec["passed"] > 0
