@@ -1122,7 +1122,8 @@ $(for c in 64-16 64-8 16-16 16-8; do echo "tests/gpu/test_fast_layer.py::test_fa
           K3_SWEEP_TIMEOUT=260 bash scripts/h200_sweep.sh $cells --budget-s 220 ;;
   s104c)  cells=""; for c in k3_rank16,64 k3_rank16,8 k3_rank16,1 k3_rank8,64; do
                       cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-v5"; done
-          K3_SWEEP_TIMEOUT=190 bash scripts/h200_sweep.sh $cells --routing skewed --budget-s 150 ;;
+          K3_SWEEP_TIMEOUT=${K3_SWEEP_TIMEOUT:-190} bash scripts/h200_sweep.sh $cells --routing skewed \
+            --budget-s ${K3_BUDGET_S:-150} ;;
   s86smoke) timeout 60 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g
 x = torch.randn(64, 7168, device='cuda').bfloat16(); w = torch.randn(3216, 7168, device='cuda').bfloat16()
 y = g(x, w); torch.cuda.synchronize(); print('smoke: max |y - ref|', (y.float() - x.float() @ w.float().T).abs().max().item())" \
