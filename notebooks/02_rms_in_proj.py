@@ -835,8 +835,8 @@ S103 = "traces/h200/kernels-3da9419-s103.json"
 s103, text = nbtools.kernel_ab(S103, "gemm_in_proj_plain@wgmmabulk4bn112", "gemm_in_proj_plain@wgmma4bn112", [16, 64],
                                shapes=("k3_rank16",), digits=2)
 print(text)
-s103x, text = nbtools.kernel_ab(S103, "gemm_in_proj_plain@wgmmabulk2bn96xa", "gemm_in_proj_plain@wgmma2bn96xa",
-                                [16, 64], digits=2)
+_, text = nbtools.kernel_ab(S103, "gemm_in_proj_plain@wgmmabulk2bn96xa", "gemm_in_proj_plain@wgmma2bn96xa", [16, 64],
+                           digits=2)
 print(text)
 S103B = "traces/h200/records-3da9419-s103b.json"
 print(nbtools.ab_table(S103B, "attn", ["stock", "fast", "fast-inwgbulk"]))

@@ -1108,7 +1108,8 @@ $(for c in 64-16 64-8 16-16 16-8; do echo "tests/gpu/test_fast_layer.py::test_fa
             --cell kda_moe,k3_rank8,64,0,fast+fast-inwgbulk --cell kda_moe,k3_rank8,16,0,fast+fast-inwgbulk --budget-s 230 ;;
   # session 30, at the session's final code: today's defaults beside stock in one run at every rank16 / rank8 batch
   # of the issues' sweeps (s104), the default path's GPU tests and the full-width cells (s104b), the skewed routing
-  # at rank16 b1 / b8 / b64 and rank8 b64 (what the device budget left), with experts v5 (single passes as work items) as the A/B at rank16 / rank8 (s104c) (stage with --vllm)
+  # at rank16 b1 / b8 / b64 and rank8 b64 (what the device budget left), with experts v5 (single passes as work
+  # items) as the A/B (s104c) (stage with --vllm)
   s104)   cells=""; for b in 1 2 4 8 16 64; do for s in k3_rank16 k3_rank8; do
                       cells="$cells --cell kda_moe,$s,$b,0,stock+fast"; done; done
           K3_SWEEP_TIMEOUT=420 bash scripts/h200_sweep.sh $cells --budget-s 380 ;;
