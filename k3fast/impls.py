@@ -429,15 +429,17 @@ IMPLS = {"ref": RefImpl, "compiled": CompiledImpl, "stock": StockImpl}
 FAST_VARIANTS = {
     "fast": {},
     "fast-prev": {"experts_version": 3, "experts_cluster": cluster_before_20261129},  # experts before 2026-11-29
-    "fast-v5": {"experts_version": 5},          # experts v5: single passes as work items (opt-in)
+    "fast-v5": {"experts_version": 5},          # experts v5 at every bucket (the default above bucket 2 since s31)
     "fast-v6": {"experts_version": 6},          # experts v6: each expert over two clusters at buckets <= 2 (opt-in)
-    "fast-v7": {"experts_version": 7},          # experts v7: parts of I over clusters of 2 (<= 2; the default
-    #                                             there until session 18, still at bucket 2 and rank8 b1)
+    "fast-v7": {"experts_version": 7},          # experts v7: parts of I over clusters of 2 (buckets <= 8 since
+    #                                             session 31; the default at <= 2 until session 18, still at bucket 2
+    #                                             and rank8 b1)
     "fast-v8": {"experts_version": 8},          # experts v8 at buckets <= 2 (the default at bucket 1 since session
     #                                             18 where its row blocks are even; forced here at b2 and rank8 b1)
     "fast-v8tag": {"experts_version": 8, "experts_tagged": True},   # experts v8.3: h as tagged words (opt-in)
     "fast-xlean": {"experts_lean": True},     # experts lean_arrive: no per-thread fence before the arrivals (opt-in)
-    "fast-s13": {"experts_version": 4},         # experts v4 at every bucket (before session 8's v7 at buckets <= 2)
+    "fast-s13": {"experts_version": 4},         # experts v4 at every bucket (before session 8's v7 at buckets <= 2;
+    #                                             at buckets > 2 the default until session 31's v5)
     "fast-nibble": {"experts_layout": "nibble"},  # experts in the nibble layout (the default before 2026-11-29)
     "fast-w8": {"experts_warps": 8},            # experts at 8 warps per CTA (the default before 16)
     "fast-route1": {"experts_route_direct": True},  # experts route1: at M = 1 no counting sort (= fast since s11)

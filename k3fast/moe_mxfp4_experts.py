@@ -119,7 +119,8 @@ Version log
       Skewed routing (24 hot experts) got slower with C = 2: b64 170.9 -> 232.6 us.  With ~24 active experts only
       24 clusters have work, i.e. 48 SMs at C = 2 against 96 at C = 4.  Work items of one pass (expert, <= NT
       pairs) instead of one expert would spread those passes over all 66 clusters (v5).
-  v5  (2026-11-29; opt-in, version=5; CPU-compiled, not yet run on a GPU) v4 with single passes as work items.
+  v5  (2026-11-29; opt-in until session 31, the default above batch bucket 2 since, below) v4 with single passes
+      as work items.
       The prologue's block scan also counts passes (packed as passes << 21 | active << 11 | pairs: <= 1024, <= 896
       and <= 1024 fit), every CTA writes pass_off[] beside act_off[], and cluster q takes items q, q + Q, ...,
       finding its expert by an 11-step binary search over pass_off.  Same MMAs on the same pass boundaries, so
@@ -129,6 +130,18 @@ Version log
       Prediction: skewed rank16 b64 (24 hot experts, ~3 passes each, 72 items over 66 clusters) 232.6 -> ~90-120
       us, the kernel bench's moe_mxfp4_experts@v5:skewed row; uniform routing unchanged within noise (about one
       pass per expert).
+      Measured (kernels-50b6243.json / experts-50b6243.json, one run, L2 flushed): skewed rank16 b64 190.2 -> 110.3
+      us (inside the range; Marlin 114.5); uniform b1 / b8 / b64 25.9 / 66.8 / 344.7 against the default's 25.2 /
+      66.1 / 347.8 (within 1 %). Bit-identical to v4 on the GPU (test_v5_matches_v4_and_reference, 23 of 23 at
+      1f10ff5, logs/gpu-junit-1f10ff5-s27t.xml).
+      It stayed opt-in until the layer measured it: session 31's s105 / s105b (records-8d292c7-s105*.json, skewed
+      routing, one run per step beside stock) put the default (v4) below stock at every b64 cell, MoE half rank16 /
+      rank8 / full 246.3 / 324.2 / 1154.3 us against stock's 188.5 / 230.3 / 1040.1, and v5 at 167.1 / 208.4 /
+      823.2 (1.13x / 1.11x / 1.26x stock); b8 the same as v4 (85.6 / 101.9 / 384.0 against 85.8 / 101.8 / 382.2).
+      So v5 above bucket 2 (DEFAULT_VERSION; buckets <= 2 keep v7 / v8). What it leaves: full width b8 (~24 hot
+      experts, one pass each: 24 items on 66 clusters) stays below stock (382 against 317 us); only a split of
+      each item by parts of I (v7's, at larger buckets, with the part count chosen from the item count on the
+      device) would fill the idle clusters there.
   rot layout (2026-11-29; the default for v4/v5 when every E8M0 scale is <= 128, CPU-compiled, not yet run on a
       GPU).  The instruction cut that v4's measurements asked for, by layout rather than by a new version: the
       words are packed so that register j of a word is (rotl(w, r) & mask) over one piece (j = 0, 1, 2: r = 0, 4,
@@ -525,6 +538,21 @@ Version log
       in the layer: the v7 kernel's gain at b2 does not reach the MoE half, whose end is the tail's. Stays opt-in
       (a weaker ordering argument is not worth carrying for no measured gain in the layer).
       (bench_experts' rank8 rows did not run in s57: its 100 s timeout ended the bench after rank16 b2.)
+  v7 at buckets 4 / 8 (2026-12-05, session 31; opt-in through version=7, impl "fast-v7"; CPU-compiled, not yet run
+      on a GPU) v7 served buckets <= 2 only. Nothing in its kernel needs that: its items already loop over an
+      expert's passes, and at buckets <= 8 a pass holds NT = 8 pairs, one token's at most, so an expert is one pass.
+      What bounded it was bookkeeping: the part counters (PART_COUNTERS + pair * C + rank) fit the workspace's 512
+      counters up to 128 pairs at C = 2, i.e. bucket 8 (SPLIT_MAX_MB), and the fp32 partials plus the bf16 y_e rows
+      (2 NH + 1 rows of dL per pair, 16-bit units) fit workspace.y's 1024 rows up to NH = 3 at bucket 8. There
+      default_parts takes MID_BATCH_PARTS = 2: with n active experts on Q = 66 clusters, the items go from n whole
+      experts in ceil(n / 66) rounds to 2 n halves in ceil(2 n / 66) half rounds.
+      Why: session 31's s105b (records-8d292c7-s105b.json, skewed routing, 24 hot experts) put the full-width b8
+      MoE half at 382.2 us against stock's 317.3: its experts kernel ran 272 us (24 items on 66 clusters, 48 SMs
+      busy) against Marlin's 168 (109 + 59). Uniform b8 (~120 active) keeps 2 rounds of wholes -> 4 of halves.
+      Prediction (layer, fast-v7 against fast, one run): skewed b8 experts about halved -> MoE half full 382 ->
+      ~250-290 us (1.1-1.25x stock), rank16 85.8 -> ~70-78, rank8 101.8 -> ~80-90; uniform b8 within +-3 % (the
+      same rounds; per item one more part-reduction arrival and NH fp32 partial rows, ~2-3 MB at rank16). If
+      uniform b8 loses more than 3 %, the fixed costs per item dominate and v7 stays opt-in above bucket 2.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -605,14 +633,17 @@ PARK_OVERHEAD = 128 + 16    # its region's alignment and its mbarrier
 PROBES_WITH_COMBINE = ("", "stream")
 TOPK = 16
 # v7's part-reduction counters (pair * C + rank) sit after the combine's (token * C + rank < 64 * 4) in the
-# workspace's MAX_M * 8 counters; v7 serves buckets <= 2, so pair * C + rank < 32 * 8 fits
+# workspace's MAX_M * 8 counters; v7 serves buckets <= 8 at C = 2, so pair * C + rank < 128 * 2 fits. At buckets
+# 4 / 8 they overlap v8's h-exchange counters below: harmless, because every counter is back at 0 when its launch
+# ends (the last arrival re-arms it) and launches sharing a workspace run in stream order
 PART_COUNTERS = 256
 # v8's h-exchange counters (one per expert segment u < 32 at buckets <= 2: arrivals, then departures) follow them
 H_COUNTERS = 320
 # v8.3 (tagged): one arrival per (work item, CTA) after its poll; the last re-arms it and advances the epoch
 H_LAUNCH = H_COUNTERS + 32
 HG_MAX_WORDS = 2048     # workspace.hg: the epoch, then [32 pairs, I/2 <= 2048] tagged h words (I <= 4096)
-SPLIT_VERSIONS = (6, 7, 8)      # an expert split over several clusters by parts of I (batch buckets <= 2)
+SPLIT_VERSIONS = (6, 7, 8)      # an expert split over several clusters by parts of I
+SPLIT_MAX_MB = {6: 2, 7: 8, 8: 2}   # the largest batch bucket each serves (v7: its part counters, above)
 
 
 # ----------------------------------------------------------------------------------------------- host-side layout
@@ -852,7 +883,12 @@ def cluster_before_20261129(MB: int) -> int:
     return 8 if MB <= 8 else 4
 
 
-DEFAULT_VERSION = 4
+# v5 (single passes as work items) above batch bucket 2 since session 31: the same MMAs on the same pass boundaries as
+# v4 (bit-identical), as fast at uniform routing (experts-50b6243.json, rank16 b8 / b64 66.8 / 344.7 us against v4's
+# 66.1 / 347.8), and where few experts are hot it spreads their passes over every cluster instead of leaving most
+# idle (records-8d292c7-s105 / s105b, skewed: MoE half rank16 b64 246.3 -> 167.1 us, rank8 324.2 -> 208.4, full
+# 1154.3 -> 823.2; stock 188.5 / 230.3 / 1040.1). "fast-s13" (v4 at every bucket) is the A/B.
+DEFAULT_VERSION = 5
 # v7 serves batch buckets <= 2 by default since its H200 run (experts-ab2cffe-s13.json: rank16 b1 / b2 25.3 / 45.2 ->
 # 20.9 / 27.7 us, rank8 38.0 / 70.7 -> 27.0 / 41.4; version log)
 SMALL_BATCH_VERSION = 7
@@ -936,9 +972,9 @@ class KernelCfg:
             raise ValueError("K split does not divide the FC1 K steps")
         if self.version not in (2, 3, 4, 5, 6, 7, 8):
             raise ValueError(f"version must be 2, 3, 4, 5, 6, 7 or 8, got {self.version}")
-        if self.version in SPLIT_VERSIONS and self.MB > 2:
+        if self.version in SPLIT_VERSIONS and self.MB > SPLIT_MAX_MB[self.version]:
             raise ValueError(f"version {self.version} (an expert split over several clusters) serves batch buckets "
-                             f"<= 2, got {self.MB}")
+                             f"<= {SPLIT_MAX_MB[self.version]}, got {self.MB}")
         if self.tagged and self.version != 8:
             raise ValueError(f"tagged (v8.3's exchange) is a version 8 option, got version {self.version}")
         if self.version == 8 and self.Q < self.NH:
@@ -1975,10 +2011,20 @@ def park_max(cfg: KernelCfg) -> int:
     return free // PARK_CHUNK * PARK_CHUNK
 
 
+MID_BATCH_PARTS = 2     # v7's parts of I at buckets 4 / 8 (default_parts)
+
+
 def default_parts(I: int, MB: int, C: int, nsm: int = 132) -> int:
     """v7's (and v8's) parts of I per expert: the most parts (each a multiple of 64 outputs) whose work items, one per
     part of each of the bucket's 16 MB experts, all get a cluster of C at once: rank16 (I = 256) b1 4 (64 clusters
-    of 2 = 128 SMs), b2 2; rank8 (I = 384) b1 3."""
+    of 2 = 128 SMs), b2 2; rank8 (I = 384) b1 3.
+
+    Above bucket 2 no part count gives every possible expert a cluster, and the active ones are known only on the
+    device. There v7 takes MID_BATCH_PARTS: with n active experts over Q clusters the rounds go from ceil(n / Q)
+    whole experts to ceil(2 n / Q) halves, never more time for the weights (ceil(2n/Q) <= 2 ceil(n/Q)), and half
+    when few experts are hot (skewed routing: 24 experts on 66 clusters)."""
+    if MB > SMALL_BATCH_MAX_MB:
+        return MID_BATCH_PARTS if I % (64 * MID_BATCH_PARTS) == 0 else 1
     best = 1
     for p in range(1, I // 64 + 1):
         if I % (64 * p) == 0 and p * TOPK * MB * C <= nsm:
@@ -2137,7 +2183,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         raise ValueError(f"workspace.y: expected [>= {M * TOPK}, {dL}], got {list(workspace.y.shape)}")
     if version is None:
         version = default_version(m_bucket(M), I, dL, _num_sms(z.device))
-    if version in SPLIT_VERSIONS and m_bucket(M) > 2:
+    if version in SPLIT_VERSIONS and m_bucket(M) > SPLIT_MAX_MB[version]:
         version = DEFAULT_VERSION       # v6-v8 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,

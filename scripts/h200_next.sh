@@ -1133,9 +1133,28 @@ $(for c in 64-16 64-8 16-16 16-8; do echo "tests/gpu/test_fast_layer.py::test_fa
   s105b)  cells=""; for b in 64 8 1; do cells="$cells --cell kda_moe,full,$b,0,stock+fast+fast-v5"; done
           K3_SWEEP_TIMEOUT=${K3_SWEEP_TIMEOUT:-400} bash scripts/h200_sweep.sh $cells --routing skewed \
             --budget-s ${K3_BUDGET_S:-360} ;;
+  # s106 / s106b: experts v5 as the default above batch bucket 2 ("fast-s13" keeps v4 there) at b64, and v7 at
+  # bucket 8 (two parts of I, "fast-v7") at b8; skewed (s106), then uniform (s106b, after the GPU tests of both)
+  # beside stock in one run per step
+  s106)   cells=""; for c in k3_rank16,64 k3_rank8,64 full,64; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-s13"; done
+          for c in full,8 k3_rank16,8 k3_rank8,8; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-v7"; done
+          K3_SWEEP_TIMEOUT=${K3_SWEEP_TIMEOUT:-420} bash scripts/h200_sweep.sh $cells --routing skewed \
+            --budget-s ${K3_BUDGET_S:-380} ;;
+  s106b)  t=tests/gpu/test_moe_mxfp4_experts.py; f=tests/gpu/test_fast_layer.py
+          K3_TEST_TIMEOUT=260 bash scripts/h200_tests.sh $t::test_v7_matches_v4_and_reference \
+            $t::test_v5_matches_v4_and_reference $t::test_matches_reference $t::test_cuda_graph_replay_new_routing \
+            $t::test_split_versions_fall_back_above_batch_2_and_replay $t::test_ring_fit_is_bit_identical \
+            "$f::test_fast_moe_half_same_input[8-fast]" "$f::test_fast_moe_half_same_input[64-fast]" \
+            "$f::test_fast_moe_half_same_input[8-fast-v7]" \
+            $f::test_fast_layer_graph_replay_is_stable || true
+          cells=""; for c in k3_rank16,64 k3_rank8,64; do
+                      cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-s13"; done
+          for c in k3_rank16,8 k3_rank8,8 full,8; do cells="$cells --cell kda_moe,${c%,*},${c#*,},0,stock+fast+fast-v7"; done
+          K3_SWEEP_TIMEOUT=${K3_SWEEP_TIMEOUT:-250} bash scripts/h200_sweep.sh $cells --budget-s ${K3_BUDGET_S:-210} ;;
   s86smoke) timeout 60 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g
 x = torch.randn(64, 7168, device='cuda').bfloat16(); w = torch.randn(3216, 7168, device='cuda').bfloat16()
 y = g(x, w); torch.cuda.synchronize(); print('smoke: max |y - ref|', (y.float() - x.float() @ w.float().T).abs().max().item())" \
             || { echo "smoke failed: gemm_wgmma did not finish"; exit 1; } ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89|s90q|s90|s91|s90b|s90c|s90d|s90e|s90f|s92|s93|s94|s95|s96|s97|s98|s99|s100|s101|s102|s103|s103b|s104|s104b|s104c|s105|s105b"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89|s90q|s90|s91|s90b|s90c|s90d|s90e|s90f|s92|s93|s94|s95|s96|s97|s98|s99|s100|s101|s102|s103|s103b|s104|s104b|s104c|s105|s105b|s106|s106b"; exit 2 ;;
 esac

@@ -200,7 +200,7 @@ def test_compile_all_keys(cfg):
     assert {k.MB for k in keys} == set(mx.M_BUCKETS)
     for key in keys:
         small = 8 if key.MB == 1 and cfg.expert_intermediate != 384 else 7    # v8 at b1, even row blocks
-        assert key.version == mx.default_version(key.MB, key.I, key.dL) == (small if key.MB <= 2 else 4)
+        assert key.version == mx.default_version(key.MB, key.I, key.dL) == (small if key.MB <= 2 else 5)
         assert key.layout == "rot" and key.W == mx.DEFAULT_WARPS == 16
         assert key.C == (mx.V7_CLUSTER if key.version in (7, 8) else mx.default_cluster(key.MB))
         assert mx.get_kernel(key) is not None
@@ -446,7 +446,7 @@ def _cta_rows(c, t1_base, t2_base, t2n, koff):
 
 
 @pytest.mark.parametrize("I", [256, 384, 3072])
-@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("M", [1, 2, 8])
 def test_v7_index_math_covers_every_weight_row_once(I, M):
     """v7 (one expert = NH work items, one per part of I, clusters of 2): the kernel's FC1 and FC2 row arithmetic,
     replayed on CPU over every part, CTA rank, warp and step, reads each 16-byte w13 and w2 row of an expert exactly
@@ -458,6 +458,8 @@ def test_v7_index_math_covers_every_weight_row_once(I, M):
     assert c.C * c.T1 * NH == I // 8 and c.NKB2H * NH == c.NKB2
     if M == 1:
         assert NH > 1 and c.Q >= NH * 16
+    if M == 8:
+        assert NH == mx.MID_BATCH_PARTS == 2 and c.Q * c.C == 132
     fc1, fc2 = Counter(), Counter()
     for hI in range(NH):
         for rank in range(c.C):
@@ -473,14 +475,15 @@ def test_v7_parts_and_workspace_bounds():
     assert [mx.default_parts(256, mb, 2) for mb in (1, 2)] == [4, 2]
     assert [mx.default_parts(384, mb, 2) for mb in (1, 2)] == [3, 2]
     assert mx.default_parts(3072, 1, 2) == 4
+    assert [mx.default_parts(I, mb, 2) for I in (256, 384, 3072) for mb in (4, 8)] == [2] * 6   # MID_BATCH_PARTS
     for I in (256, 384, 3072):
-        for M in (1, 2):
+        for M in (1, 2, 3, 8):
             c = mx.compile_key(896, 3584, I, M, version=7)
             assert mx.PART_COUNTERS + c.PMAX * c.C <= mx.MAX_M * 8            # part counters inside the workspace's
             assert mx.PART_COUNTERS >= mx.MAX_M * 4                          # ... after every combine counter
             assert 2 * c.NH * M * 16 + M * 16 <= mx.MAX_M * 16               # fp32 parts + bf16 y_e in workspace.y
     with pytest.raises(ValueError, match="version 7"):
-        mx.compile_key(896, 3584, 256, 8, version=7)
+        mx.compile_key(896, 3584, 256, 9, version=7)                          # bucket 16: 256 pairs x 2 counters
     with pytest.raises(ValueError, match="parts"):
         mx.compile_key(896, 3584, 256, 1, version=4, parts=2)
     with pytest.raises(ValueError, match="parts"):
@@ -602,7 +605,7 @@ def test_v8_compiles_without_cluster_barriers(I):
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
 @pytest.mark.parametrize("I", [256, 384, 3072])
 def test_v7_compiles(I):
-    for M in (1, 2):
+    for M in (1, 2, 4, 8):
         mx.get_kernel(mx.compile_key(896, 3584, I, M, version=7))
 
 

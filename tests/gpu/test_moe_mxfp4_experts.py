@@ -318,10 +318,11 @@ def test_v6_matches_v4_and_reference(M, I, kind):
 
 @pytest.mark.parametrize("version", [6, 7, 8])
 def test_split_versions_fall_back_above_batch_2_and_replay(version):
-    """Above bucket 2 version=6 / 7 / 8 runs the default version; in a CUDA graph, v6 / v7 / v8 replay with new
-    routings and self-reset their counters (v7: both sets; v8: the combine's and the h exchange's)."""
-    ck, prep, z, ids, w, ws = case(8, 256, "uniform", 61 + 10 * (version - 6))
-    outs = run_variants(8, z, ids, w, prep, ws, dflt=dict(), split=dict(version=version))
+    """Above the buckets they serve (v6 / v8: 2, v7: 8) version=6 / 7 / 8 runs the default version; in a CUDA graph,
+    v6 / v7 / v8 replay with new routings and self-reset their counters (v7: both sets; v8: the combine's and the h
+    exchange's)."""
+    ck, prep, z, ids, w, ws = case(16, 256, "uniform", 61 + 10 * (version - 6))
+    outs = run_variants(16, z, ids, w, prep, ws, dflt=dict(), split=dict(version=version))
     assert same_bits(outs["split"], outs["dflt"])
     ck, prep, z, ids, w, ws = case(1, 256, "uniform", 62 + 10 * (version - 6))
     out = torch.full((1, DL), float("nan"), dtype=BF, device=DEV)
@@ -332,7 +333,11 @@ def test_split_versions_fall_back_above_batch_2_and_replay(version):
     replay_with_new_routings(g, out, z, ids, w, ws, ck, "uniform", 63 + 10 * (version - 6))
 
 
-V7_CASES = V6_CASES + [(2, 384, "uniform")]
+V8_CASES = V6_CASES + [(2, 384, "uniform")]
+# v7 at buckets 4 / 8 (two parts of I, since session 31): every routing kind, a few hot experts shared by every token
+# (skewed) included, and each shape's I
+V7_CASES = V8_CASES + [(m, 256, r) for m in (3, 8) for r in ("uniform", "shared", "skewed", "ties")] \
+    + [(8, 384, "skewed"), (5, 384, "uniform"), (8, 3072, "skewed")]
 
 
 @pytest.mark.parametrize("M,I,kind", V7_CASES)
@@ -349,7 +354,7 @@ def test_v7_matches_v4_and_reference(M, I, kind):
     assert same_bits(outs2["v7"], outs["v7"])
 
 
-@pytest.mark.parametrize("M,I,kind", V7_CASES)
+@pytest.mark.parametrize("M,I,kind", V8_CASES)
 def test_v8_is_v4_at_its_row_blocks(M, I, kind):
     """v8 keeps v7's parts of I for FC1 but splits FC2 by output rows over the expert's RB = NH x C CTAs, each over
     all of I, with h exchanged through global memory (publish, arrive, spin). Where RB divides the w2 tiles, its
