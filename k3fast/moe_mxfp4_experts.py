@@ -553,6 +553,19 @@ Version log
       ~250-290 us (1.1-1.25x stock), rank16 85.8 -> ~70-78, rank8 101.8 -> ~80-90; uniform b8 within +-3 % (the
       same rounds; per item one more part-reduction arrival and NH fp32 partial rows, ~2-3 MB at rank16). If
       uniform b8 loses more than 3 %, the fixed costs per item dominate and v7 stays opt-in above bucket 2.
+      Measured on an H100 (the device pool gave no H200 for it; s106 / s106b at d9027da, traces/h100/records-
+      d9027da-s106*.json, copy 2.98 / 2.61 TB/s; ratios within one run): GPU tests 90 passed (v7 within 2e-3 of v4
+      and inside the reference tolerance at M 3 / 5 / 8, every routing kind; logs/gpu-junit-d9027da-s106b.xml).
+      MoE half, fast -> fast-v7: skewed b8 full 430.2 -> 325.6 us (stock 363.6: 0.85x -> 1.12x), rank16 101.1 ->
+      95.9 (stock 126.1), rank8 119.2 -> 108.1 (136.8); uniform b8 rank16 136.2 -> 154.0 (+13 %), rank8 175.8 ->
+      193.1 (+10 %), full 866.0 -> 898.3 (+4 %). MISSED both ways (the prediction was in H200 us; as shares): the
+      skewed gains are -5 % at rank16 against -9 to -18 %, -9 % at rank8 against -12 to -21 %, -24 % at full
+      width against -24 to -35 % (the low end), and uniform b8 lost 4-13 % against +-3 %. Each half item repeats an item's fixed chain (the z staging, both
+      cluster barriers, the h exchange, FC2's ring fill) and adds the part reduction's round trip, and at rank16 /
+      rank8 an item is small (1.5 / 2.2 MB per expert) against that chain. So v7 stays opt-in above bucket 2:
+      uniform routing is the common case. The evidence points to a part count chosen on the device from the
+      number of active experts (halves only when 2 n <= Q, i.e. one round either way), which needs IH, the tiles
+      per CTA and the part reduction as runtime values: not built.
 
 Bytes that must be read (MXFP4 data + E8M0 scales, distinct experts only; MB = 1e6 B) and floors at 4.3 TB/s:
 
@@ -887,7 +900,9 @@ def cluster_before_20261129(MB: int) -> int:
 # v4 (bit-identical), as fast at uniform routing (experts-50b6243.json, rank16 b8 / b64 66.8 / 344.7 us against v4's
 # 66.1 / 347.8), and where few experts are hot it spreads their passes over every cluster instead of leaving most
 # idle (records-8d292c7-s105 / s105b, skewed: MoE half rank16 b64 246.3 -> 167.1 us, rank8 324.2 -> 208.4, full
-# 1154.3 -> 823.2; stock 188.5 / 230.3 / 1040.1). "fast-s13" (v4 at every bucket) is the A/B.
+# 1154.3 -> 823.2; stock 188.5 / 230.3 / 1040.1). "fast-s13" (v4 at every bucket) is the A/B. Confirmed as the
+# default on an H100 (traces/h100/records-d9027da-s106*.json): skewed b64 rank16 / rank8 / full 265.2 / 343.0 /
+# 1187.0 -> 184.2 / 227.7 / 867.1 us; uniform b64 rank16 440.2 -> 439.1, rank8 609.3 -> 626.1 (+2.8 %, the one cost).
 DEFAULT_VERSION = 5
 # v7 serves batch buckets <= 2 by default since its H200 run (experts-ab2cffe-s13.json: rank16 b1 / b2 25.3 / 45.2 ->
 # 20.9 / 27.7 us, rank8 38.0 / 70.7 -> 27.0 / 41.4; version log)
