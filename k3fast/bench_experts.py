@@ -20,9 +20,11 @@ causes give different signatures, and one run of this module separates them:
 * ``nibble`` the default kernel decoding the nibble layout (PRMT table, fp32 per-block scales): the default
              until the rot layout (2026-11-29), so the decode change is an A/B in one run;
 * ``v2 v3``  earlier versions (v3 is v4 without the copy-free ring) on the same inputs;
-* ``default`` the kernel the layer runs (since 2026-11-29: v4, C = 2 for M > 2, C = 4 for M <= 2), the reference
+* ``default`` the kernel the layer runs (v5 with C = 2 above batch 2 since session 31, v4 before; v7 / v8 at
+             batch buckets <= 2), the reference
              for ``max_abs_diff_vs_default``; ``v3C8 v3C4`` are the defaults of before;
-* ``v5 v5W16D8`` single passes (expert, <= NT pairs) as work items instead of whole experts (opt-in; it matters
+* ``v5 v5W16D8`` single passes (expert, <= NT pairs) as work items instead of whole experts (the default above
+             batch 2 since session 31; it matters
              with ``--routing skewed``, where ~24 experts hold every pair);
 * ``v6 v6probe`` (batch buckets <= 2) each expert split over two clusters by I: 32 clusters of 4 (128 SMs) at b1
              instead of 16 (64 SMs); opt-in, the version log has the prediction;

@@ -676,3 +676,46 @@ assert moe_us("traces/h200/records-f1f7f22-s55.json", "fast") < moe_us("traces/h
 stock55 = moe_us("traces/h200/records-f1f7f22-s55.json", "stock")
 assert moe_us("traces/h200/records-f1f7f22-s55.json", "fast") > stock55 / 2    # 2x at rank16 b1: still missed
 print("ok (park probe, v8)")
+
+# %% [markdown]
+# ## 22. A few hot experts: the skewed routing, v5 as the default above batch 2, v7 at bucket 8 (session 31)
+# Every record up to here used the router on random inputs: at b64 ~560 distinct experts, so whole experts as work
+# items (v4) fill the 66 clusters many times over. Real traffic can be skewed. `k3fast.trace --routing skewed` adds
+# a +8 selection-only bias to 24 hot experts, so every token picks 16 of the same 24. Then v4 has 24 work items for
+# 66 clusters, and at b64 each of them is ~3 passes of <= 16 pairs that one cluster runs in a row. v5 hands out the
+# passes instead (~72 items), with the same MMAs on the same pass boundaries, so bit-identical to v4.
+# The first table is the H200 run that found it (v4 the default then, `fast-v5` beside it); the second is the run
+# after v5 became the default, on an H100 (the pool gave no H200 that time; compare ratios inside one run only).
+
+# %%
+for shape in ("k3_rank16", "k3_rank8", "full"):
+    print(nbtools.ab_table("traces/h200/records-8d292c7-s105.json" if shape != "full"
+                           else "traces/h200/records-8d292c7-s105b.json", "moe", ["stock", "fast", "fast-v5"], shape=shape))
+for shape in ("k3_rank16", "k3_rank8", "full"):
+    print(nbtools.ab_table("traces/h100/records-d9027da-s106.json", "moe", ["stock", "fast", "fast-s13", "fast-v7"],
+                           shape=shape))
+
+# %% [markdown]
+# At b64 v4 was slower than stock at every shape (0.77x / 0.71x / 0.90x on the H200) and v5 is faster (1.13x /
+# 1.11x / 1.26x). On the uniform routing v5 costs nothing at rank16 b64 and 2.8 % at rank8 b64 (H100,
+# `records-d9027da-s106b.json`), so it is the default above batch 2. At b8 a token's pairs are one pass, so v5's
+# items are v4's: 24 items, and full width stays below stock (0.83x). Splitting each expert in two parts of I (v7,
+# now allowed up to bucket 8) gives 48 items and fixes that cell (1.12x), but on the uniform routing every half
+# repeats an item's fixed chain (z staging, two cluster barriers, the h exchange, the part reduction), and b8 gets
+# 4-13 % slower. A part count chosen on the device from the number of active experts would keep both; it is not
+# built, so v7 stays opt-in above batch 2.
+
+# %%
+def moe_cell(f, impl, batch, shape):
+    with open(os.path.join(nbtools.ROOT, f)) as fh:
+        return next(r["replay_us_median"] for r in json.load(fh)["records"]
+                    if (r["part"], r["impl"], r["batch"], r["shape"]) == ("moe", impl, batch, shape))
+s105, s106, s106b = ("traces/h200/records-8d292c7-s105.json", "traces/h100/records-d9027da-s106.json",
+                     "traces/h100/records-d9027da-s106b.json")
+for shape in ("k3_rank16", "k3_rank8"):
+    assert moe_cell(s105, "fast", 64, shape) > moe_cell(s105, "stock", 64, shape)      # v4 below stock, skewed b64
+    assert moe_cell(s105, "fast-v5", 64, shape) < moe_cell(s105, "stock", 64, shape)   # v5 above it
+    assert moe_cell(s106, "fast", 64, shape) < moe_cell(s106, "fast-s13", 64, shape)   # the new default, H100
+    assert moe_cell(s106b, "fast", 8, shape) < moe_cell(s106b, "fast-v7", 8, shape)    # v7's halves lose, uniform
+assert moe_cell(s106, "fast-v7", 8, "full") < moe_cell(s106, "stock", 8, "full") < moe_cell(s106, "fast", 8, "full")
+print("ok (skewed routing: v5 default above batch 2, v7 at bucket 8 opt-in)")
