@@ -357,7 +357,8 @@ def _cases(cfg, batch: int):
     n_sk = int(ids_sk.unique().numel())
     cases.append(("moe_mxfp4_experts:skewed", lambda: moe_mxfp4_experts(z, ids_sk, tw, prep, None, None, None, workspace=ws),
                   lambda: marlin(z, ids_sk, tw), n_sk * expert_bytes(cfg)))
-    # v5 (the default above batch 2 since session 31; forced here at every batch): single passes as work items, so the hot experts' passes spread over every cluster
+    # v5 (the default above batch 2 since session 31; forced here at every batch): single passes as work items, so
+    # the hot experts' passes spread over every cluster
     cases.append(("moe_mxfp4_experts@v5:skewed",
                   lambda: moe_mxfp4_experts(z, ids_sk, tw, prep, None, None, None, workspace=ws, version=5),
                   lambda: marlin(z, ids_sk, tw), n_sk * expert_bytes(cfg)))
