@@ -902,7 +902,8 @@ def cluster_before_20261129(MB: int) -> int:
 # idle (records-8d292c7-s105 / s105b, skewed: MoE half rank16 b64 246.3 -> 167.1 us, rank8 324.2 -> 208.4, full
 # 1154.3 -> 823.2; stock 188.5 / 230.3 / 1040.1). "fast-s13" (v4 at every bucket) is the A/B. Confirmed as the
 # default on an H100 (traces/h100/records-d9027da-s106*.json): skewed b64 rank16 / rank8 / full 265.2 / 343.0 /
-# 1187.0 -> 184.2 / 227.7 / 867.1 us; uniform b64 rank16 440.2 -> 439.1, rank8 609.3 -> 626.1 (+2.8 %, the one cost).
+# 1187.0 -> 184.2 / 227.7 / 867.1 us; uniform b64 rank16 440.2 -> 439.1, rank8 609.3 -> 626.1 (+2.8 %; +3.1 % again
+# in s106c: the one cost, k3fast/LOG.md).
 DEFAULT_VERSION = 5
 # v7 serves batch buckets <= 2 by default since its H200 run (experts-ab2cffe-s13.json: rank16 b1 / b2 25.3 / 45.2 ->
 # 20.9 / 27.7 us, rank8 38.0 / 70.7 -> 27.0 / 41.4; version log)
