@@ -28,7 +28,7 @@ causes give different signatures, and one run of this module separates them:
              with ``--routing skewed``, where ~24 experts hold every pair);
 * ``v6 v6probe`` (batch buckets <= 2) each expert split over two clusters by I: 32 clusters of 4 (128 SMs) at b1
              instead of 16 (64 SMs); opt-in, the version log has the prediction;
-* ``v7 v7probe v7P2`` (batch buckets <= 2) each expert split into NH parts of I over clusters of 2 (rank16 b1: 4
+* ``v7 v7probe v7P2`` (batch buckets <= 8; <= 2 until session 31) each expert split into NH parts of I over clusters of 2 (rank16 b1: 4
              parts, 64 clusters = 128 SMs, all co-resident), the parts' partials added by the pair's last part;
              ``v7P2`` takes 2 parts (64 SMs at b1, as the default) to separate the split's cost from the SMs';
 * ``R1 R1probe R1sortprobe`` (batch 1) route1: the token's 16 pairs as segments straight from the ids, no counting
