@@ -67,6 +67,25 @@ def fake_stream():
 
 TVM_FFI = "--enable-tvm-ffi"
 SMEM_PER_CTA_MAX = 227 * 1024      # sm_90's largest dynamic shared memory per CTA (232,448 B)
+# sm_90 splits each SM's 256 KB of L1 / shared memory in these steps (KB of shared memory); the driver takes the
+# smallest step that holds the resident CTAs' shared memory plus 1 KB reserved per CTA, and the rest is L1. The L1
+# is also where every global load's data lands on its way to the registers (L1::no_allocate too), so a kernel with
+# many loads in flight per SM can lose bandwidth when a few bytes more of shared memory take it one step up.
+SMEM_CARVEOUTS_KB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
+SMEM_RESERVED_PER_CTA = 1024
+
+
+def carveout_kb(smem_bytes: int, ctas_per_sm: int = 1) -> int:
+    """The shared-memory carve-out (KB) the driver picks for ``ctas_per_sm`` resident CTAs of ``smem_bytes`` each."""
+    if smem_bytes > SMEM_PER_CTA_MAX:
+        raise ValueError(f"{smem_bytes} B of shared memory per CTA: sm_90 allows at most {SMEM_PER_CTA_MAX} (227 KB)")
+    need = ctas_per_sm * (smem_bytes + SMEM_RESERVED_PER_CTA)
+    return next(k for k in SMEM_CARVEOUTS_KB if k * 1024 >= need)
+
+
+def l1_kb(smem_bytes: int, ctas_per_sm: int = 1) -> int:
+    """KB of L1 left on the SM beside that carve-out."""
+    return 256 - carveout_kb(smem_bytes, ctas_per_sm)
 
 
 def weight_load_atom(dtype):

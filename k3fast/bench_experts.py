@@ -45,6 +45,10 @@ causes give different signatures, and one run of this module separates them:
              reads into its unused shared memory (all that fits in 16 KB chunks, or <KB> KB), during the part
              reduction and the combine; the output is the default's. What parking the tail's weights in the
              experts kernel would cost its chain (k3fast/LOG.md, session 17);
+* ``pad<KB>`` (e.g. ``pad4``, ``v4pad4``) the same kernel asking for <KB> more shared memory that it never uses:
+             where that takes it to a larger carve-out step (k3fast._dsl.carveout_kb; rank8 b64 sits 80 B under the
+             196 KB step), the L1 left beside it drops (60 -> 28 KB there), and the row times what that L1 is
+             worth; each row records ``smem_bytes`` and ``l1_kb`` (version log v5.1);
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
              C = 2 is bound by loads in flight (time moves with D) or by issue (the probe is much faster than
              the kernel at every D).
@@ -69,7 +73,8 @@ from k3ref.weights import random_layer
 
 VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
             "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe",
-            "PARK", "PARK64", "v8", "v8probe", "v8fc1probe", "v8tag", "v8tagfc1probe", "LEAN", "v7LEAN")
+            "PARK", "PARK64", "v8", "v8probe", "v8fc1probe", "v8tag", "v8tagfc1probe", "LEAN", "v7LEAN", "pad4",
+            "v4pad4")
 
 
 def variant_cfg(name: str, base):
@@ -93,6 +98,9 @@ def variant_cfg(name: str, base):
         if base.version != 7:
             raise ValueError(f"PARK (the park probe) serves version 7 (batch buckets <= 2), got v{base.version}")
         return dataclasses.replace(base, park=int(park.group(1)) * 1024 if park.group(1) else park_max(base))
+    pad = re.fullmatch(r"(.*?)pad(\d+)", name)
+    if pad:                                  # e.g. pad4, v4pad4: <KB> of shared memory nobody uses (a larger carve-out)
+        return dataclasses.replace(variant_cfg(pad.group(1) or "default", base), smem_pad=int(pad.group(2)) * 1024)
     if name.endswith("LEAN"):                # lean_arrive: no per-thread fence before the arrivals (e.g. v7LEAN)
         return dataclasses.replace(variant_cfg(name[:-len("LEAN")] or "default", base), lean_arrive=True)
     if name.endswith("tag"):                 # v8.3: v8's h exchange through tagged words (e.g. v8tag)
@@ -202,6 +210,7 @@ def main(argv=None) -> int:
                        "floor_us": round(nbytes / (bw * 1e12) * 1e6, 3), "l2": L2_POLICY}
                 if name in kcfgs:
                     row["kernel_cfg"] = dataclasses.asdict(kcfgs[name])
+                    row["smem_bytes"], row["l1_kb"] = kcfgs[name].smem_bytes, kcfgs[name].l1_kb
                 try:
                     out = fn().clone()
                     if name == "default":

@@ -604,8 +604,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
-                   weight_load_atom)
+from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, carveout_kb, check_tensor, compile_cached, fake_stream, fake_tensor,
+                   import_cute, l1_kb, weight_load_atom)
 
 E2M1_MAG = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # bf16 bytes of the 8 magnitudes (hi = sign/exponent byte, lo = exponent lsb + mantissa byte), little-endian words
@@ -972,6 +972,9 @@ class KernelCfg:
     #                       directly; no arrival counter (version log v8.3; workspace.hg holds them)
     lean_arrive: bool = False  # opt-in (LEAN_ARRIVE; version log "lean_arrive"): no gpu-scope fence per thread before
     #                            the part reduction's and the combine's arrivals
+    smem_pad: int = 0  # diagnostic (bench_experts "pad<KB>"; outputs unchanged): bytes of shared memory the CTA asks
+    #                    for and never touches, to move it to a larger carve-out and time the L1 it takes away
+    #                    (version log v5.1)
 
     def __post_init__(self):
         if (self.version not in (7, 8) and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -1009,6 +1012,11 @@ class KernelCfg:
                              f"version {self.version}")
         if self.park and self.smem_bytes > SMEM_PER_CTA_MAX:
             raise ValueError(f"park={self.park}: {self.smem_bytes} B of shared memory per CTA, over {SMEM_PER_CTA_MAX}")
+        if self.smem_pad < 0 or self.smem_pad % 16:
+            raise ValueError(f"smem_pad: a multiple of 16 bytes >= 0, got {self.smem_pad}")
+        if self.smem_pad and self.smem_bytes > SMEM_PER_CTA_MAX:
+            raise ValueError(f"smem_pad={self.smem_pad}: {self.smem_bytes} B of shared memory per CTA, over "
+                             f"{SMEM_PER_CTA_MAX}")
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
@@ -1132,11 +1140,15 @@ class KernelCfg:
 
     @property
     def smem_bytes(self):
-        sizes = [4 * self.E, 4 * self.PMAX, 4 * (self.PMAX + 4), 4 * (self.PMAX + 4) if self.version == 5 else 0,
+        sizes = [4 * self.E, 4 * self.PMAX, 4 * (self.PMAX + 4),
                  4 * self.PMAX, 4 * self.PMAX, 4 * self.PMAX, 4 * 64, 4 * self.n_hz, 4 * self.n_stage,
                  4 * self.n_part]
         park = self.park + PARK_OVERHEAD if self.park else 0
-        return sum(-(-b // 16) * 16 for b in sizes) + 256 + park
+        return sum(-(-b // 16) * 16 for b in sizes) + 256 + park + self.smem_pad
+
+    @property
+    def l1_kb(self):        # the L1 the driver's carve-out leaves beside one CTA per SM (the grid's residency)
+        return l1_kb(self.smem_bytes)
 
 
 # ----------------------------------------------------------------------------------------------- the kernel
@@ -1376,8 +1388,6 @@ def _build_kernel_class():
             cnt_s = smem.allocate_tensor(Int32, cute.make_layout(c.E), 16)
             act_e = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             act_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16)
-            pass_off = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX + 4), 16) if const_expr(c.version == 5) \
-                else None
             slot_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             sorted_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             tmp_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
@@ -1442,16 +1452,15 @@ def _build_kernel_class():
                 # part and slot order, so the output keeps every bit.
                 if tid < TOPK:
                     act_e[tid] = mIds[0, tid]
+                    if const_expr(c.version == 5):
+                        act_e[tid] = mIds[0, tid] | (tid << 16)     # v5: one pair, one pass: pass offset tid
                     act_off[tid] = tid
                     sorted_s[tid] = tid
-                    if const_expr(c.version == 5):
-                        pass_off[tid] = tid             # v5's work items are passes: one pair, one pass
                 if tid == TOPK:
                     act_off[TOPK] = Int32(TOPK)
-                    if const_expr(c.version == 5):
-                        pass_off[TOPK] = Int32(TOPK)
                 cute.arch.barrier()
                 n_active = Int32(TOPK)
+                n_pass = Int32(TOPK)
             else:
                 for e in cutlass.range(tid, c.E, c.threads):
                     cnt_s[e] = Int32(0)
@@ -1499,18 +1508,21 @@ def _build_kernel_class():
                         n = cnt_s[e]
                         if n > 0:
                             act_e[ua] = e
+                            if const_expr(c.version == 5):
+                                # v5: the expert's first pass in the high half (e < 2^16, passes <= 1024); packed
+                                # here rather than in a table of its own, whose 4 KB put rank8 b64 over the 196 KB
+                                # carve-out step (version log, v5.1)
+                                act_e[ua] = e | (qa << 16)
+                                qa = qa + (n + NT - 1) // NT
                             act_off[ua] = pa
                             cnt_s[e] = pa + (n << 16)           # segment offset | length (both <= 1024)
-                            if const_expr(c.version == 5):
-                                pass_off[ua] = qa
-                                qa = qa + (n + NT - 1) // NT
                             ua = ua + 1
                             pa = pa + n
                 if tid == c.threads - 1:
                     scr[32] = ua
-                    act_off[ua] = pa
                     if const_expr(c.version == 5):
-                        pass_off[ua] = qa
+                        scr[32] = ua | (qa << 16)               # v5: #active | #passes << 16
+                    act_off[ua] = pa
                 cute.arch.barrier()
                 # The atomics above order an expert's pairs by arrival, which differs between the CTAs of a cluster
                 # once pairs of one expert come from different warps (P > 32).  Every CTA of a cluster must put the
@@ -1529,6 +1541,10 @@ def _build_kernel_class():
                         rk = rk + (tmp_s[k] < p).to(Int32)
                     sorted_s[o + rk] = p
                 n_active = scr[32]
+                n_pass = n_active
+                if const_expr(c.version == 5):
+                    n_active = scr[32] & 0xFFFF
+                    n_pass = scr[32] >> 16
                 cute.arch.barrier()
 
             # ---------------------------------------------------------------- expert loop
@@ -1549,7 +1565,7 @@ def _build_kernel_class():
             # Work items: whole active experts (v2-v4; a cluster runs all passes of its expert), or from v5 single
             # passes (expert, <= NT pairs), so that a few experts shared by many tokens (skewed routing) spread their
             # passes over every cluster.  Each pass reads the expert's weights once either way.
-            n_work = pass_off[n_active] if const_expr(c.version == 5) else n_active
+            n_work = n_pass if const_expr(c.version == 5) else n_active
             if const_expr(c.version in SPLIT_VERSIONS):
                 n_work = NH * n_active              # items (expert, part of I): wi = NH u + hI
             if const_expr(c.probe == "sort"):
@@ -1568,23 +1584,26 @@ def _build_kernel_class():
                     u = wi // NH
                     hI = wi - NH * u
                 if const_expr(c.version == 5):
-                    # the expert whose passes contain item wi: pass_off[lo] <= wi < pass_off[hi]
+                    # the expert whose passes contain item wi: first(lo) <= wi < first(hi), first(u) = act_e[u] >> 16
+                    # (mid < hi <= n_active: the search never reads past the last active expert)
                     lo = Int32(0)
                     hi = n_active
                     for _ in cutlass.range_constexpr(11):   # n_active <= 1024
                         mid = (lo + hi) // 2
-                        if pass_off[mid] <= wi:
+                        if (act_e[mid] >> 16) <= wi:
                             lo = mid
                         else:
                             hi = mid
                     u = lo
                 ex = act_e[u]
+                if const_expr(c.version == 5):
+                    ex = act_e[u] & 0xFFFF
                 off = act_off[u]
                 n_e = act_off[u + 1] - off
                 pb0 = Int32(0)
                 pb1 = n_e
                 if const_expr(c.version == 5):
-                    pb0 = (wi - pass_off[u]) * NT
+                    pb0 = (wi - (act_e[u] >> 16)) * NT
                     pb1 = pb0 + 1
                 # This expert's streams, based with a 64-bit offset: at full width w13 is 9.9 GB, past the reach
                 # of a 32-bit element index (v2 computed ex * rows in int32 and read out of bounds there).

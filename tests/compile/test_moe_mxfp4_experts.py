@@ -232,14 +232,34 @@ def test_compile_other_versions_for_ab_benchmarks():
         mx.compile_key(896, 3584, 256, 8, version=6)
 
 
-def test_smem_fits_with_pass_offsets():
-    # v5 adds pass_off[PMAX + 4]; every default key and its v5 twin must still fit 227 KB of shared memory
+def test_smem_fits_and_v5_keeps_v4s_carveout():
+    # every default key and its v5 twin fit 227 KB of shared memory, and v5 (pass offsets packed into act_e, no
+    # table of its own) asks for exactly v4's bytes, so it never lands in a larger carve-out with less L1 (v5 as
+    # first written was 32 B over the 196 KB step at rank8 b64: s106 / s106c, version log v5.1)
     import dataclasses
     for cfg in (k3_rank(16), k3_rank(8), k3()):
         for key in mx.compile_keys(cfg):
             for v in (key.version, 5):
                 k = dataclasses.replace(key, version=v, parts=key.parts if v == key.version else 1)
                 assert mx._kernel_class()(k).smem_bytes <= 227 * 1024, (k, mx._kernel_class()(k).smem_bytes)
+            if key.version in (4, 5):
+                k4, k5 = (dataclasses.replace(key, version=v) for v in (4, 5))
+                assert k4.smem_bytes == k5.smem_bytes, (k4, k5)
+                assert mx.l1_kb(k4.smem_bytes) == mx.l1_kb(k5.smem_bytes)
+
+
+def test_l1_left_by_the_carveout():
+    # sm_90's carve-out steps (KB) with 1 KB reserved per CTA: the smallest step that holds the CTA's bytes + 1 KB
+    assert mx.carveout_kb(0) == 8 and mx.l1_kb(0) == 248
+    assert mx.carveout_kb(195 * 1024) == 196 and mx.l1_kb(195 * 1024) == 60
+    assert mx.carveout_kb(195 * 1024 + 1) == 228 and mx.l1_kb(195 * 1024 + 1) == 28
+    assert mx.carveout_kb(131 * 1024) == 132 and mx.carveout_kb(131 * 1024 + 16) == 164
+    with pytest.raises(ValueError, match="227"):
+        mx.carveout_kb(227 * 1024 + 16)
+    # the rank8 b64 keys sit under the 196 KB step; the old v5 table (4 KB more) would not
+    k8 = mx.compile_key(896, 3584, 384, 64)
+    assert mx.l1_kb(k8.smem_bytes) == 60
+    assert mx.l1_kb(k8.smem_bytes + 4 * (k8.PMAX + 4)) == 28
 
 
 def test_v3_smem_holds_staged_z():
@@ -306,34 +326,38 @@ def test_v4_ring_carries_no_copies_of_inflight_loads(M):
 
 
 def _emulate_v5_items(ids, NT):
-    """The v5 prologue's bookkeeping in numpy int32 (block scan of packed counts, pass offsets, the 11-step binary
-    search of each work item): returns the (expert, first pair of the pass) of every item, in item order."""
+    """The v5 prologue's bookkeeping in numpy int32 (block scan of packed counts; each active expert's first pass
+    packed into act_e's high half, the totals into scr[32]; the 11-step binary search of each work item): returns
+    the (expert, first pair of the pass, pairs of the expert) of every item, in item order."""
     import numpy as np
     E = 896
     cnt = np.bincount(ids.ravel(), minlength=E).astype(np.int64)
     loc = cnt + ((cnt > 0).astype(np.int64) << 11) + (((cnt + NT - 1) // NT) << 21)
     excl = (np.cumsum(loc) - loc).astype(np.int64)
     assert loc.sum() < 2 ** 31, "packed scan overflows int32"
-    act_e, act_off, pass_off = [], [], []
+    act_e, act_off = [], []
     for e in range(E):
         if cnt[e]:
             assert (excl[e] >> 11) & 0x3FF == len(act_e)
-            act_e.append(e)
+            qa = int((excl[e] >> 21) & 0x7FF)
+            word = e | (qa << 16)
+            assert word < 2 ** 31 and word & 0xFFFF == e
+            act_e.append(word)
             act_off.append(int(excl[e] & 0x7FF))
-            pass_off.append(int((excl[e] >> 21) & 0x7FF))
-    n_active = len(act_e)
     act_off.append(int(cnt.sum()))
-    pass_off.append(int(((cnt + NT - 1) // NT).sum()))
+    scr32 = len(act_e) | (int(((cnt + NT - 1) // NT).sum()) << 16)
+    n_active, n_pass = scr32 & 0xFFFF, scr32 >> 16
     items = []
-    for wi in range(pass_off[n_active]):
+    for wi in range(n_pass):
         lo, hi = 0, n_active
         for _ in range(11):
             mid = (lo + hi) // 2
-            if pass_off[mid] <= wi:
+            assert mid < n_active          # the search never reads past the last active expert
+            if (act_e[mid] >> 16) <= wi:
                 lo = mid
             else:
                 hi = mid
-        items.append((act_e[lo], (wi - pass_off[lo]) * NT, act_off[lo + 1] - act_off[lo]))
+        items.append((act_e[lo] & 0xFFFF, (wi - (act_e[lo] >> 16)) * NT, act_off[lo + 1] - act_off[lo]))
     return items, cnt
 
 
