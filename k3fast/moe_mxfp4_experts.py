@@ -122,8 +122,9 @@ Version log
   v5  (2026-11-29; opt-in until session 31, the default above batch bucket 2 since, below) v4 with single passes
       as work items.
       The prologue's block scan also counts passes (packed as passes << 21 | active << 11 | pairs: <= 1024, <= 896
-      and <= 1024 fit), every CTA writes pass_off[] beside act_off[], and cluster q takes items q, q + Q, ...,
-      finding its expert by an 11-step binary search over pass_off.  Same MMAs on the same pass boundaries, so
+      and <= 1024 fit), every CTA writes each active expert's first pass (a pass_off[] table until v5.1, below),
+      and cluster q takes items q, q + Q, ..., finding its expert by an 11-step binary search over those first
+      passes.  Same MMAs on the same pass boundaries, so
       the output must be bit-identical to v4 (tests/gpu: test_v5_matches_v4_and_reference; the index math is
       replayed on CPU by tests/compile: test_v5_pass_items_cover_every_pass_once).  ptxas: rank16 M1 152, M8 146,
       M64 142 registers, 0 spills (v4: 128 with 28 B of spills at M1/M8, 142 at M64).
@@ -142,6 +143,23 @@ Version log
       experts, one pass each: 24 items on 66 clusters) stays below stock (382 against 317 us); only a split of
       each item by parts of I (v7's, at larger buckets, with the part count chosen from the item count on the
       device) would fill the idle clusters there.
+  v5.1 (2026-12-06, session 32; the default v5 from here) v5's pass offsets packed into act_e's high half (expert
+      id < 2^16 low, first pass <= 1024 high; the totals in scr[32] as #active | #passes << 16) instead of a
+      pass_off[PMAX + 4] table. Why: the table was v5's only cost (+2.8 % / +3.1 % at uniform rank8 b64 in s106b /
+      s106c, H100; rank16 equal), and it was neither the search nor the build. ptxas 12.9 (Triton's wheel):
+      rank8 M 64 v4 / v5 128 / 124 registers, 0 spill bytes, SASS per loop turn FC1 690 / 685, FC2 614 / 612. It
+      was the 4 KB: rank8 b64's CTA went from 195,600 B (80 B under sm_90's 196 KB carve-out step with its 1 KB
+      reserve: 60 KB of L1) to 199,712 B (the 228 KB step: 28 KB of L1), while this kernel keeps 16 warps x 32
+      lanes x 7 x 16 B = 56 KB of weight loads in flight per SM, whose data lands in L1 on its way to the
+      registers. rank16 (141 / 145 KB) and full width (185 / 189 KB) b64 stayed inside their steps. Now v5's
+      shared memory is v4's at every key (tests/compile test_smem_fits_and_v5_keeps_v4s_carveout; the carve-out
+      model is k3fast._dsl.carveout_kb / l1_kb, KernelCfg.l1_kb). v4's PTX is unchanged (compared); v5.1 rank8 M
+      64: 128 registers, 0 spills, FC1 / FC2 685 / 612 per turn. Bit-identical to v5 and v4 by construction (the
+      same items in the same order). The diagnostic KernelCfg.smem_pad (bench_experts "pad<KB>") asks for shared
+      memory nobody uses, to time what a carve-out step costs on any key.
+      Prediction (s107): bench rank8 b64 v5.1 within +-1 % of v4, pad4 / v4pad4 (28 KB of L1) 2-4 % slower;
+      rank16 b64 pad4 within +-1 % (no step), pad24 (92 -> 60 KB of L1, under its 64 KB in flight) 3-10 % slower,
+      its stream probe too; MoE half uniform rank8 b64 fast (v5.1) within +-1 % of fast-s13 (v4).
   rot layout (2026-11-29; the default for v4/v5 when every E8M0 scale is <= 128, CPU-compiled, not yet run on a
       GPU).  The instruction cut that v4's measurements asked for, by layout rather than by a new version: the
       words are packed so that register j of a word is (rotl(w, r) & mask) over one piece (j = 0, 1, 2: r = 0, 4,
