@@ -429,6 +429,18 @@ def main(argv=None) -> int:
         rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({W} warps)", "config": shape, "M": M,
                      "ctas": key.Q * key.C, "threads": key.threads, "smem_bytes": key.smem_bytes,
                      "registers_per_cta": key.threads * res["registers"], **res})
+    # experts v4 beside v5 (v5.1 since session 32) at b64: registers, spills, loop sizes and the shared memory that
+    # picks the carve-out (v5 as first written was 32 B over rank8's 196 KB step; version log v5.1)
+    for I_, shape in (((384, "k3_rank8"), (256, "k3_rank16"), (3072, "full")) if tools is not None else ()):
+        for v in (4, 5):
+            key = mx.compile_key(896, 3584, I_, 64, version=v)
+            ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
+            loops = sass_loop_opcodes(ptx, tools)
+            ver = loops.pop("ptxas")
+            rows.append({"kernel": f"moe_mxfp4_experts v{v} (b64 default key)", "config": shape, "M": 64,
+                         "smem_bytes": key.smem_bytes, "l1_kb": key.l1_kb, "ptxas": ver,
+                         "sass_loop_instructions": {k: sum(o.values()) for k, o in loops.items()},
+                         **ptxas_resources(ptx, tools[0])})
     if tools is not None:        # router_down_topk v2.2: the FMA path's occupancy hint and what ptxas made of it
         from . import router_down_topk as rdt
         old = rdt.TVM_FFI
