@@ -719,3 +719,26 @@ for shape in ("k3_rank16", "k3_rank8"):
     assert moe_cell(s106b, "fast", 8, shape) < moe_cell(s106b, "fast-v7", 8, shape)    # v7's halves lose, uniform
 assert moe_cell(s106, "fast-v7", 8, "full") < moe_cell(s106, "stock", 8, "full") < moe_cell(s106, "fast", 8, "full")
 print("ok (skewed routing: v5 default above batch 2, v7 at bucket 8 opt-in)")
+
+# %% [markdown]
+# ## 23. Four kilobytes of shared memory, and the L1 they cost (v5.1, session 32)
+# Section 22's one loss, v5 2.8-3.1 % slower than v4 at uniform rank8 b64 (two H100 runs), was neither v5's binary
+# search (~100 shared-memory loads per cluster) nor its build: ptxas gives both 124-128 registers, no spills, and
+# loop bodies within 1 % of each other (`traces/cpu/ptxcheck-*.json`, rows "b64 default key"). What changed was the
+# shared memory. An SM's 256 KB are split between shared memory and L1 in fixed steps, and the driver takes the
+# smallest step that holds the resident CTAs plus 1 KB each. v5's pass-offset table (4 KB) took rank8 b64 from 80 B
+# under the 196 KB step to 32 B over it: L1 60 -> 28 KB, in a kernel that keeps ~56 KB of weight loads in flight per
+# SM, whose data lands in L1 on the way to the registers. v5.1 packs the offsets into a table the kernel already had.
+
+# %%
+from k3fast import moe_mxfp4_experts as mx
+from k3fast._dsl import SMEM_CARVEOUTS_KB, carveout_kb
+print("sm_90 carve-out steps (KB of shared memory):", SMEM_CARVEOUTS_KB)
+print(f"{'shape':10} {'bucket':>6} {'version':>7} {'smem B':>8} {'carve-out':>9} {'L1 KB':>6} {'v5 table +4 KB -> L1':>21}")
+for shape, cfg in (("k3_rank16", k3_rank(16)), ("k3_rank8", k3_rank(8)), ("full", k3())):
+    for key in mx.compile_keys(cfg):
+        old_v5 = key.smem_bytes + 4 * (key.PMAX + 4) if key.version == 5 else None
+        print(f"{shape:10} {key.MB:>6} {key.version:>7} {key.smem_bytes:>8} {carveout_kb(key.smem_bytes):>9} "
+              f"{key.l1_kb:>6} {'' if old_v5 is None else mx.l1_kb(old_v5):>21}")
+k8 = mx.compile_key(896, 3584, 384, 64)
+assert (k8.l1_kb, mx.l1_kb(k8.smem_bytes + 4 * (k8.PMAX + 4))) == (60, 28)

@@ -1159,8 +1159,7 @@ $(for c in 64-16 64-8 16-16 16-8; do echo "tests/gpu/test_fast_layer.py::test_fa
   # it: the GPU tests (v5.1 bit-identical to v4), the kernel bench with shared-memory pads that move a key to a
   # larger carve-out (less L1), then the two uniform b64 cells in the layer, v5.1 beside v4 and stock
   s107)   t=tests/gpu/test_moe_mxfp4_experts.py; f=tests/gpu/test_fast_layer.py
-          K3_TEST_TIMEOUT=200 bash scripts/h200_tests.sh $t::test_v5_matches_v4_and_reference \
-            $t::test_matches_reference $t::test_cuda_graph_replay_new_routing \
+          K3_TEST_TIMEOUT=150 bash scripts/h200_tests.sh $t::test_v5_matches_v4_and_reference \
             "$f::test_fast_moe_half_same_input[64-fast]" || true
           o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
           timeout 150 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes k3_rank8 k3_rank16 \
