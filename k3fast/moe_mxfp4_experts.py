@@ -160,6 +160,12 @@ Version log
       Prediction (s107): bench rank8 b64 v5.1 within +-1 % of v4, pad4 / v4pad4 (28 KB of L1) 2-4 % slower;
       rank16 b64 pad4 within +-1 % (no step), pad24 (92 -> 60 KB of L1, under its 64 KB in flight) 3-10 % slower,
       its stream probe too; MoE half uniform rank8 b64 fast (v5.1) within +-1 % of fast-s13 (v4).
+      Measured (s107 at c3bd739 on an H100, traces/h100/experts- and records-c3bd739-s107.json, copy 2.98 TB/s; GPU
+      tests 24 passed, v5.1 bit-identical to v4): MoE half rank8 b64 v5.1 / v4 599.3 / 594.3 us (+0.8 %, was +2.8 %
+      / +3.1 %), rank16 434.6 / 433.0 (+0.4 %): as predicted. Bench rank8 b64 v5.1 / v4 577.2 / 571.5 (+1.0 %),
+      pad4 584.3 and v4pad4 582.2 (the 28 KB L1 costs 1.2-1.9 %, under the 2-4 % predicted; the probe 5.0 %);
+      rank16 b64 pad24 (60 KB of L1) +0.9 %, probe +0.8 %: MISSED (3-10 % predicted), 60 KB is enough there. What
+      is left of v5's cost, ~1 % in the bench at both shapes, is its own bookkeeping (LOG, session 32).
   rot layout (2026-11-29; the default for v4/v5 when every E8M0 scale is <= 128, CPU-compiled, not yet run on a
       GPU).  The instruction cut that v4's measurements asked for, by layout rather than by a new version: the
       words are packed so that register j of a word is (rotl(w, r) & mask) over one piece (j = 0, 1, 2: r = 0, 4,
@@ -921,7 +927,8 @@ def cluster_before_20261129(MB: int) -> int:
 # 1154.3 -> 823.2; stock 188.5 / 230.3 / 1040.1). "fast-s13" (v4 at every bucket) is the A/B. Confirmed as the
 # default on an H100 (traces/h100/records-d9027da-s106*.json): skewed b64 rank16 / rank8 / full 265.2 / 343.0 /
 # 1187.0 -> 184.2 / 227.7 / 867.1 us; uniform b64 rank16 440.2 -> 439.1, rank8 609.3 -> 626.1 (+2.8 %; +3.1 % again
-# in s106c: the one cost, k3fast/LOG.md).
+# in s106c). Most of that rank8 cost was v5's 4 KB table taking the CTA over the 196 KB carve-out step; v5.1 packs
+# it away (version log): uniform b64 against v4 +0.8 % at rank8, +0.4 % at rank16 (s107, H100).
 DEFAULT_VERSION = 5
 # v7 serves batch buckets <= 2 by default since its H200 run (experts-ab2cffe-s13.json: rank16 b1 / b2 25.3 / 45.2 ->
 # 20.9 / 27.7 us, rank8 38.0 / 70.7 -> 27.0 / 41.4; version log)
