@@ -10,6 +10,7 @@ causes give different signatures, and one run of this module separates them:
              faster, the time is in the load pipeline / barriers / combine, not in the arithmetic;
 * ``C2 C4 C8`` cluster size: if clusters of C CTAs cannot all be co-resident (GPCs of 16-18 SMs hold
              floor(n / C) clusters), the last clusters run as a second wave and the time doubles at some C;
+* ``C4N120`` (letter N) the SMs the grid may fill: 30 clusters of 4, all co-resident, where C4 asks for 33;
 * ``D4 D12`` register ring depth: loads in flight per lane; a latency-bound loop scales with D (D12 spills
              40-64 bytes, ptxas 4.8.1). At v7's b1 / b2 (experts-26465c5-s16.json, one run) D12 D16 W8D16 W8D28
              were all slower than D = 8 (rank16 b1 22.3 / 21.8 / 22.1 / 23.2 against 21.2 us; only rank8 b2 D12
@@ -120,9 +121,13 @@ def variant_cfg(name: str, base):
         if base.MB != 1:
             raise ValueError(f"S1 (route_direct off) differs from the default at batch bucket 1 only, got MB={base.MB}")
         return dataclasses.replace(base, route_direct=False)
-    parts = re.fullmatch(r"((?:[CDWvP]\d+)+)", name)
-    if parts:                # e.g. C2, D4, W16D4, v4, v4W16D4, v7P2: cluster size, ring depth, warps, version, parts
-        kw = {k: int(v) for k, v in re.findall(r"([CDWvP])(\d+)", name)}
+    parts = re.fullmatch(r"((?:[CDWvPN]\d+)+)", name)
+    if parts:                # e.g. C2, D4, W16D4, v4, v4W16D4, v7P2, C4N120: cluster size, ring depth, warps, version,
+        #                      parts, and N: the SMs the grid may fill (Q = N / C clusters: C4N120 is 30 clusters of 4,
+        #                      all co-resident, where C4 alone asks for 33)
+        kw = {k: int(v) for k, v in re.findall(r"([CDWvPN])(\d+)", name)}
+        if "N" in kw:
+            kw["nsm"] = kw.pop("N")
         if "v" in kw:
             kw["version"] = kw.pop("v")
             if kw["version"] < 4:            # versions 2-3: the nibble layout only, and 8 warps as they ran
