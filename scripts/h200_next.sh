@@ -1171,7 +1171,7 @@ $(for c in 64-16 64-8 16-16 16-8; do echo "tests/gpu/test_fast_layer.py::test_fa
   # or 33 clusters, and v7's halves, beside the default on the skewed and the uniform routing (kernel bench only)
   s107b)  o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
           for r in skewed uniform; do
-            timeout 200 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes full k3_rank16 \
+            timeout 170 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes full \
               --batches 8 --variants default C4 C4N120 v7 --replays 50 --routing $r > "$o/experts-$r.log" 2>&1
             grep -v -i warn "$o/experts-$r.log" | tail -10; done ;;
   s86smoke) timeout 60 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g
