@@ -78,9 +78,15 @@ def environment() -> dict:
     dirty = not os.environ.get("K3_COMMIT") and bool(run(["git", "-C", here, "status", "--porcelain",
                                                           "--untracked-files=no"]))
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    from .provenance import tree_digest
+    try:
+        digest = tree_digest()      # what actually ran: `python -m k3fast.provenance FILE` matches it to commits
+    except OSError:
+        digest = None
     return {"gpu": gpu, "driver": run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or None,
             "torch": torch.__version__, "cuda": torch.version.cuda, "cutlass": cutlass_v, "tvm_ffi": tvm_v,
-            "commit": commit + ("-dirty" if dirty else ""), "python": platform.python_version(),
+            "commit": commit + ("-dirty" if dirty else ""), "source_digest": digest,
+            "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if gpu else None}
 
