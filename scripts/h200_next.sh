@@ -8,6 +8,8 @@
 #   K3_COMMIT=<commit> bash scripts/h200_next.sh mla       # MLA+MoE stock (FlashMLA core) at every cell
 set -o pipefail
 cd "$(dirname "$0")/.."
+# K3_COMMIT: the commit the tree was sent at, written out on the CPU side (never `git rev-parse` on the device: its
+# copy's git metadata can be stale, s107). Each record's source_digest checks it: python -m k3fast.provenance FILE
 : "${K3_COMMIT:?set K3_COMMIT to the commit the tree was sent at}"
 export K3_COMMIT
 export K3_TAG="${K3_TAG:-$K3_COMMIT-${1:-}}"      # records-<commit>-<step>.json and perfetto-<commit>-<step>/
