@@ -628,8 +628,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, carveout_kb, check_tensor, compile_cached, fake_stream, fake_tensor,
-                   import_cute, l1_kb, weight_load_atom)
+from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
+                   l1_kb, weight_load_atom)
 
 E2M1_MAG = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # bf16 bytes of the 8 magnitudes (hi = sign/exponent byte, lo = exponent lsb + mantissa byte), little-endian words
@@ -1035,13 +1035,11 @@ class KernelCfg:
         if self.park and (self.version != 7 or self.park % PARK_CHUNK or self.park < 0):
             raise ValueError(f"park: a multiple of {PARK_CHUNK} bytes, version 7 only; got park={self.park}, "
                              f"version {self.version}")
-        if self.park and self.smem_bytes > SMEM_PER_CTA_MAX:
-            raise ValueError(f"park={self.park}: {self.smem_bytes} B of shared memory per CTA, over {SMEM_PER_CTA_MAX}")
+        if (self.park or self.smem_pad) and self.smem_bytes > SMEM_PER_CTA_MAX:
+            raise ValueError(f"park={self.park}, smem_pad={self.smem_pad}: {self.smem_bytes} B of shared memory per "
+                             f"CTA, over {SMEM_PER_CTA_MAX}")
         if self.smem_pad < 0 or self.smem_pad % 16:
             raise ValueError(f"smem_pad: a multiple of 16 bytes >= 0, got {self.smem_pad}")
-        if self.smem_pad and self.smem_bytes > SMEM_PER_CTA_MAX:
-            raise ValueError(f"smem_pad={self.smem_pad}: {self.smem_bytes} B of shared memory per CTA, over "
-                             f"{SMEM_PER_CTA_MAX}")
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
@@ -1476,9 +1474,10 @@ def _build_kernel_class():
                 # computes a segment does not change its arithmetic, and the part reduction and the combine sum in
                 # part and slot order, so the output keeps every bit.
                 if tid < TOPK:
-                    act_e[tid] = mIds[0, tid]
+                    ex0 = mIds[0, tid]
                     if const_expr(c.version == 5):
-                        act_e[tid] = mIds[0, tid] | (tid << 16)     # v5: one pair, one pass: pass offset tid
+                        ex0 = ex0 | (tid << 16)         # v5: one pair, one pass: pass offset tid
+                    act_e[tid] = ex0
                     act_off[tid] = tid
                     sorted_s[tid] = tid
                 if tid == TOPK:
@@ -1532,21 +1531,23 @@ def _build_kernel_class():
                     if e < c.E:
                         n = cnt_s[e]
                         if n > 0:
-                            act_e[ua] = e
                             if const_expr(c.version == 5):
                                 # v5: the expert's first pass in the high half (e < 2^16, passes <= 1024); packed
                                 # here rather than in a table of its own, whose 4 KB put rank8 b64 over the 196 KB
                                 # carve-out step (version log, v5.1)
                                 act_e[ua] = e | (qa << 16)
                                 qa = qa + (n + NT - 1) // NT
+                            else:
+                                act_e[ua] = e
                             act_off[ua] = pa
                             cnt_s[e] = pa + (n << 16)           # segment offset | length (both <= 1024)
                             ua = ua + 1
                             pa = pa + n
                 if tid == c.threads - 1:
-                    scr[32] = ua
                     if const_expr(c.version == 5):
                         scr[32] = ua | (qa << 16)               # v5: #active | #passes << 16
+                    else:
+                        scr[32] = ua
                     act_off[ua] = pa
                 cute.arch.barrier()
                 # The atomics above order an expert's pairs by arrival, which differs between the CTAs of a cluster
