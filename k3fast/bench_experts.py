@@ -24,6 +24,7 @@ causes give different signatures, and one run of this module separates them:
 * ``default`` the kernel the layer runs (v5 with C = 2 above batch 2 since session 31, v4 before; v7 / v8 at
              batch buckets <= 2), the reference
              for ``max_abs_diff_vs_default``; ``v3C8 v3C4`` are the defaults of before;
+* ``A0``     v5.1 (v5's passes only) where the default is v5.2 (buckets 4 / 8: v7's items when the passes are few);
 * ``v5 v5W16D8`` single passes (expert, <= NT pairs) as work items instead of whole experts (the default above
              batch 2 since session 31; it matters
              with ``--routing skewed``, where ~24 experts hold every pair);
@@ -72,7 +73,7 @@ import torch
 from k3ref import preset
 from k3ref.weights import random_layer
 
-VARIANTS = ("default", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
+VARIANTS = ("default", "A0", "nibble", "v3", "v5", "v6", "v6probe", "v7", "v7probe", "v7P2", "probe", "C2", "C4", "C8", "D4", "D12", "D16", "W8", "W16D4", "W16D8", "v5W16D8", "Dprobe4",
             "v3C8", "v3C4", "v2", "R1", "R1probe", "R1sortprobe", "S1", "S1probe", "S1sortprobe", "NRF", "NRFprobe",
             "PARK", "PARK64", "v8", "v8probe", "v8fc1probe", "v8tag", "v8tagfc1probe", "LEAN", "v7LEAN", "pad4",
             "v4pad4")
@@ -83,16 +84,16 @@ def variant_cfg(name: str, base):
     if name == "default":
         return base
     if name == "probe":
-        return dataclasses.replace(base, probe="stream")
+        return dataclasses.replace(base, probe="stream", alt_parts=0)     # (the probes time v5's passes)
     if name.endswith("nibble"):              # e.g. nibble, W16D8nibble: the same kernel on the nibble layout
         return dataclasses.replace(variant_cfg(name[:-len("nibble")] or "default", base), layout="nibble")
     stage = re.fullmatch(r"(.*?)(sort|fc1|fc2)probe", name)
     if stage:                                # e.g. fc1probe, v4sortprobe: the stream probe stopped after a stage
-        return dataclasses.replace(variant_cfg(stage.group(1) or "default", base), probe=stage.group(2))
+        return dataclasses.replace(variant_cfg(stage.group(1) or "default", base), probe=stage.group(2), alt_parts=0)
     if name.endswith("probe") and name != "probe":
-        return dataclasses.replace(variant_cfg(name[:-len("probe")], base), probe="stream")
+        return dataclasses.replace(variant_cfg(name[:-len("probe")], base), probe="stream", alt_parts=0)
     if name.startswith("Dprobe"):            # the stream probe at another ring depth, e.g. Dprobe4
-        return dataclasses.replace(base, probe="stream", D=int(name[len("Dprobe"):]))
+        return dataclasses.replace(base, probe="stream", D=int(name[len("Dprobe"):]), alt_parts=0)
     park = re.fullmatch(r"PARK(\d*)", name)
     if park:                                 # the park probe: PARK (all the free shared memory) or PARK<KB>
         from .moe_mxfp4_experts import park_max
@@ -121,13 +122,17 @@ def variant_cfg(name: str, base):
         if base.MB != 1:
             raise ValueError(f"S1 (route_direct off) differs from the default at batch bucket 1 only, got MB={base.MB}")
         return dataclasses.replace(base, route_direct=False)
-    parts = re.fullmatch(r"((?:[CDWvPN]\d+)+)", name)
-    if parts:                # e.g. C2, D4, W16D4, v4, v4W16D4, v7P2, C4N120: cluster size, ring depth, warps, version,
-        #                      parts, and N: the SMs the grid may fill (Q = N / C clusters: C4N120 is 30 clusters of 4,
-        #                      all co-resident, where C4 alone asks for 33)
-        kw = {k: int(v) for k, v in re.findall(r"([CDWvPN])(\d+)", name)}
+    parts = re.fullmatch(r"((?:[CDWvPNA]\d+)+)", name)
+    if parts:                # e.g. C2, D4, W16D4, v4, v4W16D4, v7P2, C4N120, A0: cluster size, ring depth, warps,
+        #                      version, parts, N: the SMs the grid may fill (Q = N / C clusters: C4N120 is 30 clusters
+        #                      of 4, all co-resident, where C4 alone asks for 33), and A: v5.2's parts (A0 is v5.1)
+        kw = {k: int(v) for k, v in re.findall(r"([CDWvPNA])(\d+)", name)}
         if "N" in kw:
             kw["nsm"] = kw.pop("N")
+        if "A" in kw:
+            kw["alt_parts"] = kw.pop("A")
+        elif kw.get("v", 5) != 5 or kw.get("C", base.C) != base.C:
+            kw["alt_parts"] = 0              # v5.2's v7 items belong to v5 on v7's clusters of 2 (alt_parts_rule)
         if "v" in kw:
             kw["version"] = kw.pop("v")
             if kw["version"] < 4:            # versions 2-3: the nibble layout only, and 8 warps as they ran

@@ -364,7 +364,7 @@ class FastImpl:
                  kda_late_stores: bool | None = None, tail_ring: int | None = None, kda_dsmem_tx: bool | None = None,
                  topk_split: bool | None = None, gemv_prefetch: int | None = None,
                  experts_route_direct: bool | None = None, experts_ring_fit: bool | None = None,
-                 experts_tagged: bool = False, experts_lean: bool | None = None,
+                 experts_tagged: bool = False, experts_lean: bool | None = None, experts_alt_parts: int | None = None,
                  tail_norm_fused: bool = True, inproj_engine: str | None = None,
                  inproj_early_trigger: bool | None = None, inproj_joint: bool | None = None,
                  inproj_mid: str | None = None, inproj_mid_early: bool | None = None, oproj_mid: str | None = None,
@@ -542,6 +542,8 @@ class FastImpl:
         self.experts_ring_fit = experts_ring_fit
         self.experts_tagged = experts_tagged    # v8.3's tagged h exchange (v8 only; version log)
         self.experts_lean = experts_lean        # None: moe_mxfp4_experts.LEAN_ARRIVE (version log "lean_arrive")
+        # None: moe_mxfp4_experts.alt_parts_rule (v5.2 at buckets 4 / 8 since session 33); 0: v5.1 ("fast-v51")
+        self.experts_alt_parts = experts_alt_parts
         self.variant = (("overlap-shared" if overlap_shared else "serial") + (f", experts v{self.experts_version}" if self.experts_version else ", experts default_version")
                         + ("" if experts_cluster is None else f", clusters {getattr(experts_cluster, '__name__', experts_cluster)}")
                         + ("" if gemv_mma == "v2" else f", in_proj mma {gemv_mma}")
@@ -572,6 +574,7 @@ class FastImpl:
                         + ("" if experts_ring_fit is None else f", experts ring fit {'on' if experts_ring_fit else 'off'}")
                         + (", experts v8 exchange tagged" if experts_tagged else "")
                         + ("" if experts_lean is None else f", experts lean arrivals {'on' if experts_lean else 'off'}")
+                        + ("" if experts_alt_parts is None else f", experts v5.2 parts {experts_alt_parts}")
                         + ("" if tail_norm_fused else ", cuBLAS tail norm in 3 kernels")
                         + ("" if shared_in_front or overlap_shared else ", shared gate/up apart from both fronts")
                         + ("" if shared_in_fma_front or not shared_in_front else ", shared gate/up apart from the fused front")
@@ -711,7 +714,7 @@ class FastImpl:
                                   version=self.experts_version, cluster=self._experts_cluster(x.shape[0]),
                                   warps=self.experts_warps, route_direct=self.experts_route_direct,
                                   ring_fit=self.experts_ring_fit, tagged=self.experts_tagged,
-                                  lean_arrive=self.experts_lean)
+                                  lean_arrive=self.experts_lean, alt_parts=self.experts_alt_parts)
         if late:
             with stage("k3.moe.shared"):
                 h = shared_expert_gate_up(x, self.shared_gu, early_trigger=True)

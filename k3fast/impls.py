@@ -430,6 +430,8 @@ FAST_VARIANTS = {
     "fast": {},
     "fast-prev": {"experts_version": 3, "experts_cluster": cluster_before_20261129},  # experts before 2026-11-29
     "fast-v5": {"experts_version": 5},          # experts v5 at every bucket (the default above bucket 2 since s31)
+    "fast-v51": {"experts_alt_parts": 0},       # experts v5.1: v5's passes only (v5.2, the default at buckets 4 / 8
+    #                                             since session 33, takes v7's items on the device when passes are few)
     "fast-v6": {"experts_version": 6},          # experts v6: each expert over two clusters at buckets <= 2 (opt-in)
     "fast-v7": {"experts_version": 7},          # experts v7: parts of I over clusters of 2 (buckets <= 8 since
     #                                             session 31; the default at <= 2 until session 18, still at bucket 2

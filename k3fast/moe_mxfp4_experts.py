@@ -166,6 +166,17 @@ Version log
       pad4 584.3 and v4pad4 582.2 (the 28 KB L1 costs 1.2-1.9 %, under the 2-4 % predicted; the probe 5.0 %);
       rank16 b64 pad24 (60 KB of L1) +0.9 %, probe +0.8 %: MISSED (3-10 % predicted), 60 KB is enough there. What
       is left of v5's cost, ~1 % in the bench at both shapes, is its own bookkeeping (LOG, session 32).
+  v5.2 (2026-12-06, session 33; the default at buckets 4 / 8) v5's kernel also carries v7's items (KernelCfg
+      alt_parts = 2 parts of I, the part reduction) and takes them when alt_parts x #passes <= Q, i.e. when every
+      part of every pass gets a cluster in one round. Why: at skewed routing (24 hot experts) b4-b16 run 24 passes
+      on 66 clusters of 2, so 84 of 132 SMs idle. Two fixes were measured first (s107b-d, H100 kernel bench): v7's
+      halves and clusters of 4 over 30 co-resident clusters (C4N120) each took 7-38 % off the skewed cells and
+      added 4-47 % at uniform routing (C4N120: 13-15 % at rank16 / rank8 b8, 3.6 % at full b8), and a launch-time
+      choice cannot see the routing. One branch per launch, on the pass count every CTA computed: the items loop is
+      a @cute.jit method instantiated for each cfg, the shared-memory regions are each the larger of the two (both
+      keys keep 156 KB of L1), the grid is v7's Q (66, >= v5's), and v5's y rows move to the bf16 rows mYb so that
+      mY holds v7's fp32 parts. The v7 branch is bit-identical to v7 itself (same items, act_e read through a
+      mask), the v5 branch to v5.1. Buckets >= 16 keep v5.1: v7's part counters stop at 128 pairs at C = 2.
   rot layout (2026-11-29; the default for v4/v5 when every E8M0 scale is <= 128, CPU-compiled, not yet run on a
       GPU).  The instruction cut that v4's measurements asked for, by layout rather than by a new version: the
       words are packed so that register j of a word is (rotl(w, r) & mask) over one piece (j = 0, 1, 2: r = 0, 4,
@@ -945,6 +956,11 @@ RING_FIT = True
 # lean_arrive (opt-in; s57, session 19: no gain in the layer; "fast-xlean" / bench_experts LEAN): version log
 LEAN_ARRIVE = False
 RING_FIT_VERSIONS = (4, 5, 7, 8)   # the versions whose loops take a fitted ring (v2 / v3 / v6 keep the full one)
+# v5.2 (the default at buckets 4 / 8 since session 33; "fast-v51" is the A/B, bench_experts "A0"): v5's kernel also
+# carries v7's items with ALT_PARTS parts of I and runs them when ALT_PARTS x #passes <= Q, i.e. when few experts
+# hold every pair (skewed routing: 24 passes on 66 clusters of 2). Measured before it was built (s107c / s107d, H100
+# kernel bench): v7 skewed b4 / b8 0.62-0.93x of v5.1, uniform 1.04-1.18x; the branch keeps the faster of the two.
+ALT_PARTS = 2
 
 
 # v8 (FC2 split by output rows; version log v8 / v8.1) at batch bucket 1 wherever its row blocks split the w2 tiles
@@ -1000,6 +1016,10 @@ class KernelCfg:
     smem_pad: int = 0  # diagnostic (bench_experts "pad<KB>"; outputs unchanged): bytes of shared memory the CTA asks
     #                    for and never touches, to move it to a larger carve-out and time the L1 it takes away
     #                    (version log v5.1)
+    alt_parts: int = 0  # v5.2 (v5 at buckets <= SPLIT_MAX_MB[7]; compile_key sets ALT_PARTS at buckets 4 / 8): when
+    #                     alt_parts x #passes <= Q the launch runs v7's items (alt_parts parts of I per expert and
+    #                     the part reduction) instead of v5's passes. The routing is known only on the device, so
+    #                     the kernel carries both item loops and every CTA takes the same branch (version log v5.2)
 
     def __post_init__(self):
         if (self.version not in (7, 8) and self.parts != 1) or self.parts < 1 or self.I % (64 * self.parts):
@@ -1040,6 +1060,11 @@ class KernelCfg:
                              f"CTA, over {SMEM_PER_CTA_MAX}")
         if self.smem_pad < 0 or self.smem_pad % 16:
             raise ValueError(f"smem_pad: a multiple of 16 bytes >= 0, got {self.smem_pad}")
+        if self.alt_parts and (self.version != 5 or self.alt_parts < 2 or self.MB > SPLIT_MAX_MB[7]
+                               or self.probe or self.park):
+            raise ValueError(f"alt_parts={self.alt_parts}: v7's items as v5's alternative need version 5, >= 2 parts, "
+                             f"batch bucket <= {SPLIT_MAX_MB[7]} and no probe; got version {self.version}, "
+                             f"MB={self.MB}, probe={self.probe!r}")
         if self.route_direct and self.MB != 1:
             raise ValueError(f"route_direct serves batch bucket 1 only (one token: its 16 pairs are the segments), "
                              f"got MB={self.MB}")
@@ -1125,7 +1150,15 @@ class KernelCfg:
         return TOPK * self.MB
 
     @property
+    def alt(self) -> "KernelCfg | None":    # v5.2: the v7 items this launch runs instead when the passes are few
+        if not self.alt_parts:
+            return None
+        return dataclasses.replace(self, version=7, parts=self.alt_parts, alt_parts=0)
+
+    @property
     def Q(self):            # clusters in the grid
+        if self.alt_parts:
+            return self.alt.Q   # >= v5's (NH x PMAX >= PMAX): v5's items stride over the same grid
         if self.version == 6:
             # two work items per expert; an even cluster count, because at C = 4 the 33rd cluster of a 132-SM
             # H200 is not co-resident (the version log, v4 measured)
@@ -1162,10 +1195,21 @@ class KernelCfg:
         return max(self.NT * self.HW, self.NT * self.ZW) if self.version >= 3 else self.NT * self.HW
 
     @property
+    def regions(self) -> tuple[int, int, int]:
+        """(n_hz, n_stage, n_part): the item loops' shared-memory regions, each the larger of v5's and v7's at v5.2
+        (one branch runs per launch, so they share the same bytes)."""
+        own = (self.n_hz, self.n_stage, self.n_part)
+        if not self.alt_parts:
+            return own
+        a = self.alt
+        return tuple(max(x, y) for x, y in zip(own, (a.n_hz, a.n_stage, a.n_part)))
+
+    @property
     def smem_bytes(self):
+        n_hz, n_stage, n_part = self.regions
         sizes = [4 * self.E, 4 * self.PMAX, 4 * (self.PMAX + 4),
-                 4 * self.PMAX, 4 * self.PMAX, 4 * self.PMAX, 4 * 64, 4 * self.n_hz, 4 * self.n_stage,
-                 4 * self.n_part]
+                 4 * self.PMAX, 4 * self.PMAX, 4 * self.PMAX, 4 * 64, 4 * n_hz, 4 * n_stage,
+                 4 * n_part]
         park = self.park + PARK_OVERHEAD if self.park else 0
         return sum(-(-b // 16) * 16 for b in sizes) + 256 + park + self.smem_pad
 
@@ -1380,7 +1424,7 @@ def _build_kernel_class():
             self.cfg = cfg
             c = cfg
             self.EPT = -(-c.E // c.threads)
-            self.n_part, self.n_stage, self.n_hz = c.n_part, c.n_stage, c.n_hz
+            self.n_hz, self.n_stage, self.n_part = c.regions
             self.smem_bytes = c.smem_bytes
             if self.smem_bytes > SMEM_PER_CTA_MAX:
                 raise ValueError(f"{cfg}: {self.smem_bytes} B of shared memory per CTA, over {SMEM_PER_CTA_MAX}")
@@ -1416,8 +1460,6 @@ def _build_kernel_class():
             tmp_s = smem.allocate_tensor(Int32, cute.make_layout(c.PMAX), 16)
             scr = smem.allocate_tensor(Int32, cute.make_layout(64), 16)
             hz_s = smem.allocate_tensor(Int32, cute.make_layout(self.n_hz), 16)
-            h_s = cute.make_tensor(hz_s.iterator, cute.make_layout((NT, c.HW), stride=(c.HW, 1)))
-            z_s = cute.make_tensor(hz_s.iterator, cute.make_layout((NT, c.ZW), stride=(c.ZW, 1)))
             stage_s = smem.allocate_tensor(Int32, cute.make_layout(self.n_stage), 16)
             part_s = smem.allocate_tensor(Float32, cute.make_layout(self.n_part), 16)
             park_s = park_bar = None
@@ -1427,43 +1469,6 @@ def _build_kernel_class():
                 if tid == 0:
                     cute.arch.mbarrier_init(park_bar, 1)
                     cute.arch.mbarrier_init_fence()
-
-            lut = [Int32(_LUT_HI[0]), Int32(_LUT_HI[1]), Int32(-1065353216), Int32(-1065336832)]
-            # (0xC0800000, 0xC0804000 as signed int32)
-
-            # views: 16-byte rows of the weight streams, 4-word chunks of z / h, 8-wide bf16 chunks of y / out
-            gZ = cute.flat_divide(mZ, (1, 4))            # (1, 4, M, dL/8)
-            gH = cute.flat_divide(h_s, (1, 4))           # (1, 4, NT, HW/4)
-            gZs = cute.flat_divide(z_s, (1, 4))          # (1, 4, NT, ZW/4)
-            wld = weight_load_atom(Int32)
-            zcp = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-                                      Int32, num_bits_per_copy=128)
-            gY = cute.flat_divide(mY, (1, 8))            # (1, 8, rows, dL/8)
-            gYb = cute.flat_divide(mYb, (1, 8))          # v7: the bf16 y_e rows the part reduction writes
-            gO = cute.flat_divide(mOut, (1, 8))
-            # y rows were written by other CTAs during this launch: read them from L2 (.cg), never from L1
-            ycg = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
-                                      load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
-            # v6: y holds fp32 half partials, rows 2 pair + half
-            ycg32 = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
-                                        load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
-            gY4 = cute.flat_divide(mY, (1, 4))           # (1, 4, rows, dL/4); v8: (1, 4, pairs, I/8) of hG
-            gHG = gY4                                    # v8: mY is hG, the pairs' h rows as bf16x2 words
-            hcg = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
-                                      load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
-            h4 = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-            y4a = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            y4b = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            ARRIVALS = 2 * TOPK if c.version == 6 else TOPK    # arrivals per (token, row chunk) and launch
-            NH = c.NH
-
-            stage_bf = cute.recast_tensor(stage_s, BFloat16)
-            ringW = cute.make_rmem_tensor(cute.make_layout((D, 4), stride=(4, 1)), Int32)
-            ringS = cute.make_rmem_tensor(cute.make_layout(D), Int32)
-            acc = cute.make_rmem_tensor(cute.make_layout(GMAX * 4), Float32)
-            zrow = cute.make_rmem_tensor(cute.make_layout(GMAX), Int32)
-            ypair = cute.make_rmem_tensor(cute.make_layout(GMAX * 2), Int32)
-            bv = cute.make_rmem_tensor(cute.make_layout(4), Int32)
 
             # ---------------------------------------------------------------- routing: counting sort by expert
             cute.arch.griddepcontrol_wait()
@@ -1573,6 +1578,76 @@ def _build_kernel_class():
                     n_pass = scr[32] >> 16
                 cute.arch.barrier()
 
+            # ---------------------------------------------------------------- the work items
+            if const_expr(c.alt_parts > 0):
+                # v5.2: every CTA counted the same passes, so the whole grid takes one branch (the cluster barriers
+                # and the arrival counters need that). v5's y rows go to the bf16 rows mYb; mY holds v7's fp32 parts.
+                if n_pass * c.alt_parts <= c.Q:
+                    self.items(c.alt, True, mZ, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut, act_e, act_off,
+                               sorted_s, scr, hz_s, stage_s, part_s, park_s, park_bar, n_active, n_pass)
+                else:
+                    self.items(c, True, mZ, mTw, mW13q, mW13s, mW2q, mW2s, mYb, mYb, mCnt, mOut, act_e, act_off,
+                               sorted_s, scr, hz_s, stage_s, part_s, park_s, park_bar, n_active, n_pass)
+            else:
+                self.items(c, c.version == 5, mZ, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut, act_e, act_off,
+                           sorted_s, scr, hz_s, stage_s, part_s, park_s, park_bar, n_active, n_pass)
+
+        @cute.jit
+        def items(self, c: cutlass.Constexpr, packed: cutlass.Constexpr, mZ, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb,
+                  mCnt, mOut, act_e, act_off, sorted_s, scr, hz_s, stage_s, part_s, park_s, park_bar, n_active,
+                  n_pass):
+            """The work items of one launch under cfg c, after the routing sort: FC1, the h exchange, FC2, the part
+            reduction (v7) and the combine. packed: act_e holds each expert's first pass in its high half (v5's
+            routing, also when v7's items run it at v5.2)."""
+            W, D, GMAX, NT, C = c.W, c.D, c.GMAX, c.NT, c.C
+            tid, _, _ = cute.arch.thread_idx()
+            bid, _, _ = cute.arch.block_idx()
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            g = lane // 4
+            t = lane % 4
+            rank = bid % C
+            qid = bid // C
+            M = cute.size(mZ, mode=[0])
+            h_s = cute.make_tensor(hz_s.iterator, cute.make_layout((NT, c.HW), stride=(c.HW, 1)))
+            z_s = cute.make_tensor(hz_s.iterator, cute.make_layout((NT, c.ZW), stride=(c.ZW, 1)))
+            lut = [Int32(_LUT_HI[0]), Int32(_LUT_HI[1]), Int32(-1065353216), Int32(-1065336832)]
+            # (0xC0800000, 0xC0804000 as signed int32)
+
+            # views: 16-byte rows of the weight streams, 4-word chunks of z / h, 8-wide bf16 chunks of y / out
+            gZ = cute.flat_divide(mZ, (1, 4))            # (1, 4, M, dL/8)
+            gH = cute.flat_divide(h_s, (1, 4))           # (1, 4, NT, HW/4)
+            gZs = cute.flat_divide(z_s, (1, 4))          # (1, 4, NT, ZW/4)
+            wld = weight_load_atom(Int32)
+            zcp = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                      Int32, num_bits_per_copy=128)
+            gY = cute.flat_divide(mY, (1, 8))            # (1, 8, rows, dL/8)
+            gYb = cute.flat_divide(mYb, (1, 8))          # v7: the bf16 y_e rows the part reduction writes
+            gO = cute.flat_divide(mOut, (1, 8))
+            # y rows were written by other CTAs during this launch: read them from L2 (.cg), never from L1
+            ycg = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
+                                      load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
+            # v6: y holds fp32 half partials, rows 2 pair + half
+            ycg32 = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
+                                        load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
+            gY4 = cute.flat_divide(mY, (1, 4))           # (1, 4, rows, dL/4); v8: (1, 4, pairs, I/8) of hG
+            gHG = gY4                                    # v8: mY is hG, the pairs' h rows as bf16x2 words
+            hcg = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
+                                      load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
+            h4 = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+            y4a = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            y4b = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            ARRIVALS = 2 * TOPK if c.version == 6 else TOPK    # arrivals per (token, row chunk) and launch
+            NH = c.NH
+
+            stage_bf = cute.recast_tensor(stage_s, BFloat16)
+            ringW = cute.make_rmem_tensor(cute.make_layout((D, 4), stride=(4, 1)), Int32)
+            ringS = cute.make_rmem_tensor(cute.make_layout(D), Int32)
+            acc = cute.make_rmem_tensor(cute.make_layout(GMAX * 4), Float32)
+            zrow = cute.make_rmem_tensor(cute.make_layout(GMAX), Int32)
+            ypair = cute.make_rmem_tensor(cute.make_layout(GMAX * 2), Int32)
+            bv = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+
             # ---------------------------------------------------------------- expert loop
             h_base = h_s.iterator.toint()
             h_flat = cute.make_tensor(h_s.iterator, cute.make_layout(NT * c.HW))
@@ -1622,7 +1697,7 @@ def _build_kernel_class():
                             hi = mid
                     u = lo
                 ex = act_e[u]
-                if const_expr(c.version == 5):
+                if const_expr(packed):
                     ex = act_e[u] & 0xFFFF
                 off = act_off[u]
                 n_e = act_off[u + 1] - off
@@ -2056,10 +2131,11 @@ def _compile(cfg: KernelCfg, options: str = TVM_FFI):
         fake_tensor(Int32, (S13,), align=4),                   # w13s words
         fake_tensor(Int32, (R2, 4)),
         fake_tensor(Int32, (S2,), align=4),
-        # y workspace [>= M*16 (v6 / v7: NH M*16), dL]; v8: hG, the pairs' h as bf16x2 words [>= M*16, I/2]
-        fake_tensor(Int64 if cfg.tagged else {6: Float32, 7: Float32, 8: Int32}.get(cfg.version, BFloat16),
+        # y workspace [>= M*16 (v6 / v7 / v5.2: NH M*16 fp32), dL]; v8: hG, the pairs' h as bf16x2 words [>= M*16, I/2]
+        fake_tensor(Int64 if cfg.tagged else Float32 if cfg.alt_parts else
+                    {6: Float32, 7: Float32, 8: Int32}.get(cfg.version, BFloat16),
                     (RY, cfg.I // 2 if cfg.version == 8 else cfg.dL)),
-        fake_tensor(BFloat16, (RYB, cfg.dL)),                  # v7 / v8: bf16 y_e rows [>= M*16, dL] (others: unused)
+        fake_tensor(BFloat16, (RYB, cfg.dL)),                  # v7 / v8 / v5.2: bf16 y_e rows [>= M*16, dL]
         fake_tensor(Int32, (MAX_M * 8,), align=4),             # combine counters
         fake_tensor(BFloat16, (M, cfg.dL)),                    # r
     )
@@ -2100,13 +2176,14 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 version: int | None = None, layout: str | None = None, W: int | None = None,
                 parts: int | None = None, route_direct: bool | None = None,
-                ring_fit: bool | None = None, tagged: bool = False, lean_arrive: bool | None = None) -> KernelCfg:
+                ring_fit: bool | None = None, tagged: bool = False, lean_arrive: bool | None = None,
+                alt_parts: int | None = None) -> KernelCfg:
     """layout None: "rot" for versions >= 4 (the default kernel), "nibble" for 2-3.  W None: DEFAULT_WARPS for
     versions >= 4 (measured, version log "rot layout"), 8 for 2-3.  C None: default_cluster, V7_CLUSTER for v7.
     parts None: default_parts for v7 / v8 (1 for the other versions).  version None: default_version(MB, I, dL).
     route_direct None: ROUTE_DIRECT at batch bucket 1 (route1; other buckets always sort).
     ring_fit None: RING_FIT at RING_FIT_VERSIONS (4 / 5 / 7); True / False: the same explicitly; other versions
-    never."""
+    never. alt_parts None: alt_parts_rule (v5.2's device-chosen v7 items at buckets 4 / 8); 0: v5.1."""
     MB = m_bucket(M)
     if version is None:
         version = default_version(MB, I, dL, nsm)
@@ -2119,11 +2196,22 @@ def compile_key(E: int, dL: int, I: int, M: int, *, C: int | None = None, D: int
     if parts is None:
         parts = default_parts(I, MB, C, nsm) if version in (7, 8) else 1
     direct = (ROUTE_DIRECT if route_direct is None else bool(route_direct)) and MB == 1
+    if alt_parts is None:
+        alt_parts = alt_parts_rule(version, MB, I, C)
     return KernelCfg(E=E, dL=dL, I=I, MB=MB, C=C, D=D, W=W, nsm=nsm,
                      situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta), version=version,
                      layout=layout, parts=parts, route_direct=direct,
                      ring_fit=ring_fit_rule(ring_fit, version), tagged=bool(tagged) and version == 8,
-                     lean_arrive=LEAN_ARRIVE if lean_arrive is None else bool(lean_arrive))
+                     lean_arrive=LEAN_ARRIVE if lean_arrive is None else bool(lean_arrive), alt_parts=alt_parts)
+
+
+def alt_parts_rule(version: int, MB: int, I: int, C: int) -> int:
+    """v5.2's parts of I (0: v5.1): ALT_PARTS at v5's buckets that v7's part counters serve (4 / 8), with v7's
+    clusters of 2 (a key with other clusters keeps v5.1: v7's items over clusters of 4 were never measured)."""
+    if version != 5 or not SMALL_BATCH_MAX_MB < MB <= SPLIT_MAX_MB[7] or C != V7_CLUSTER \
+            or I % (64 * ALT_PARTS) or not ALT_PARTS:
+        return 0
+    return ALT_PARTS
 
 
 def ring_fit_rule(ring_fit: bool | None, version: int) -> bool:
@@ -2208,7 +2296,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                       version: int | None = None, cluster: int | None = None,
                       kernel_cfg: KernelCfg | None = None, layout: str | None = None, warps: int | None = None,
                       route_direct: bool | None = None, ring_fit: bool | None = None, tagged: bool = False,
-                      lean_arrive: bool | None = None):
+                      lean_arrive: bool | None = None, alt_parts: int | None = None):
     """Routed-expert output r [M, dL] bf16 (see module docstring).
 
     w13_packed / w13_scale / w2_packed / w2_scale are the four tensors of prepare_mxfp4_experts (a PreparedExperts
@@ -2217,6 +2305,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
     that would need a host sync).  workspace: MoeWorkspace from make_workspace (allocated per call if None).
     route_direct: at M = 1, the 16 pairs as segments without the counting sort (route1; None = ROUTE_DIRECT).
     ring_fit: each loop's ring depth fitted to its K steps (None = RING_FIT, on; version log "ring_fit").
+    alt_parts: v5.2's v7 items, taken on the device when the passes are few (None = alt_parts_rule; 0 = v5.1).
     """
     if isinstance(w13_packed, PreparedExperts):
         prep = w13_packed
@@ -2248,7 +2337,8 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
         version = DEFAULT_VERSION       # v6-v8 split each expert over clusters where few experts leave SMs idle
     key = compile_key(E, dL, I, M, C=cluster, nsm=_num_sms(z.device), situ_beta=situ_beta,
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
-                      route_direct=route_direct, ring_fit=ring_fit, tagged=tagged, lean_arrive=lean_arrive)
+                      route_direct=route_direct, ring_fit=ring_fit, tagged=tagged, lean_arrive=lean_arrive,
+                      alt_parts=alt_parts)
     if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:
@@ -2272,16 +2362,17 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                                  f"[{key.PMAX + 1}, {I // 2}] on {z.device}, zeroed once (make_workspace), got "
                                  f"{None if hg is None else (hg.dtype, list(hg.shape), hg.device)}")
             y = hg.view(-1)[: (key.PMAX + 1) * (I // 2)].view(key.PMAX + 1, I // 2)
-    elif key.version in (6, 7):
+    elif key.version in (6, 7) or key.alt_parts:
         # the parts' fp32 partials, rows NH pair + part: NH x M x 16 x dL x 4 B, inside the bf16 workspace's
-        # MAX_M x 16 x dL x 2 B (MB <= 2, NH <= 8); v7's bf16 y_e rows follow them
-        n32 = key.NH * M * TOPK * dL
+        # MAX_M x 16 x dL x 2 B (MB <= 8, NH <= 3); v7's bf16 y_e rows follow them (v5.2: v5's y rows too)
+        split = key.alt or key
+        n32 = split.NH * M * TOPK * dL
         flat = workspace.y.view(-1)
-        y = flat.view(torch.float32)[:n32].view(key.NH * M * TOPK, dL)
-        if 2 * n32 + (M * TOPK * dL if key.version == 7 else 0) > flat.numel():
-            raise ValueError(f"version {key.version} with {key.NH} parts at M={M} needs more than the workspace's "
+        y = flat.view(torch.float32)[:n32].view(split.NH * M * TOPK, dL)
+        if 2 * n32 + (M * TOPK * dL if split.version == 7 else 0) > flat.numel():
+            raise ValueError(f"version {split.version} with {split.NH} parts at M={M} needs more than the workspace's "
                              f"{flat.numel()} y elements: use at most {flat.numel() // (2 * M * TOPK * dL) - 1} parts")
-        if key.version == 7:
+        if split.version == 7:
             yb = flat[2 * n32: 2 * n32 + M * TOPK * dL].view(M * TOPK, dL)
     fn(z.view(torch.int32), topk_ids, topk_w, prep.w13q.view(-1, 4), prep.w13s.view(-1), prep.w2q.view(-1, 4),
        prep.w2s.view(-1), y, yb, workspace.counters, out)

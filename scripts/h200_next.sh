@@ -1183,9 +1183,31 @@ $(for c in 64-16 64-8 16-16 16-8; do echo "tests/gpu/test_fast_layer.py::test_fa
             timeout 110 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 \
               --batches 8 --variants default C4N120 v7 --replays 50 --routing $r > "$o/experts-$r.log" 2>&1
             grep -v -i warn "$o/experts-$r.log" | tail -8; done ;;
+  # s108: experts v5.2 (v7's items chosen on the device when the passes are few; the default at buckets 4 / 8): its
+  # GPU tests, then the kernel bench at b4 / b8 beside v5.1 (A0) and v7, skewed and uniform (full width in its own
+  # process: rank16 / rank8 / full in one ran out of an H100's memory in s107d)
+  s108)   t=tests/gpu/test_moe_mxfp4_experts.py
+          K3_TEST_TIMEOUT=170 bash scripts/h200_tests.sh $t::test_v52_is_v7_when_the_passes_are_few_else_v51 \
+            $t::test_v52_one_graph_takes_both_branches $t::test_v5_matches_v4_and_reference || true
+          o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+          for r in skewed uniform; do
+            timeout 100 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 \
+              --batches 4 8 --variants default A0 v7 --replays 50 --routing $r > "$o/experts-$r.log" 2>&1
+            grep -v -i warn "$o/experts-$r.log" | tail -13; done
+          for r in skewed uniform; do
+            timeout 90 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG-full" --shapes full \
+              --batches 8 --variants default A0 v7 --replays 50 --routing $r > "$o/experts-full-$r.log" 2>&1
+            grep -v -i warn "$o/experts-full-$r.log" | tail -5; done ;;
+  # s108b: v5.2 in the layer: the MoE half at b8, skewed and uniform, stock / fast (v5.2) / fast-v51 in one run each
+  s108b)  cells=""; for s in k3_rank16 k3_rank8 full; do cells="$cells --cell kda_moe,$s,8,0,stock+fast+fast-v51"; done
+          K3_SWEEP_TIMEOUT=${K3_SWEEP_TIMEOUT:-250} bash scripts/h200_sweep.sh $cells --routing skewed \
+            --budget-s ${K3_BUDGET_S:-220}
+          mv "${OUT:-out}/sweep.log" "${OUT:-out}/sweep-skewed.log" 2>/dev/null
+          cells=""; for s in k3_rank16 k3_rank8; do cells="$cells --cell kda_moe,$s,8,0,stock+fast+fast-v51"; done
+          K3_TAG="$K3_TAG-uniform" K3_SWEEP_TIMEOUT=150 bash scripts/h200_sweep.sh $cells --budget-s 120 ;;
   s86smoke) timeout 60 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g
 x = torch.randn(64, 7168, device='cuda').bfloat16(); w = torch.randn(3216, 7168, device='cuda').bfloat16()
 y = g(x, w); torch.cuda.synchronize(); print('smoke: max |y - ref|', (y.float() - x.float() @ w.float().T).abs().max().item())" \
             || { echo "smoke failed: gemm_wgmma did not finish"; exit 1; } ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89|s90q|s90|s91|s90b|s90c|s90d|s90e|s90f|s92|s93|s94|s95|s96|s97|s98|s99|s100|s101|s102|s103|s103b|s104|s104b|s104c|s105|s105b|s106|s106b|s106c|s107|s107b|s107c"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89|s90q|s90|s91|s90b|s90c|s90d|s90e|s90f|s92|s93|s94|s95|s96|s97|s98|s99|s100|s101|s102|s103|s103b|s104|s104b|s104c|s105|s105b|s106|s106b|s106c|s107|s107b|s107c|s108|s108b"; exit 2 ;;
 esac

@@ -86,3 +86,14 @@ def test_variants_are_valid_keys(cfg):
 def test_stream_probe_compiles():
     base = mx.compile_key(896, 3584, 256, 8)
     assert mx.get_kernel(be.variant_cfg("probe", base)) is not None
+
+
+def test_v52_variants():
+    """At buckets 4 / 8 the default is v5.2; "A0" is v5.1 (the A/B), and a variant naming another version or
+    cluster size leaves v5.2's v7 items out (they belong to v5 on clusters of 2)."""
+    base = mx.compile_key(896, 3584, 256, 8)
+    assert base.alt_parts == 2 and be.variant_cfg("default", base) == base
+    assert be.variant_cfg("A0", base) == mx.compile_key(896, 3584, 256, 8, alt_parts=0)
+    for v in ("v4", "v7", "C4N120", "probe", "fc1probe"):
+        assert be.variant_cfg(v, base).alt_parts == 0, v
+    assert be.variant_cfg("pad4", base).alt_parts == 2

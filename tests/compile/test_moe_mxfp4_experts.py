@@ -240,12 +240,14 @@ def test_smem_fits_and_v5_keeps_v4s_carveout():
     for cfg in (k3_rank(16), k3_rank(8), k3()):
         for key in mx.compile_keys(cfg):
             for v in (key.version, 5):
-                k = dataclasses.replace(key, version=v, parts=key.parts if v == key.version else 1)
+                k = dataclasses.replace(key, version=v, parts=key.parts if v == key.version else 1,
+                                        alt_parts=key.alt_parts if v == key.version else 0)
                 assert mx._kernel_class()(k).smem_bytes <= 227 * 1024, (k, mx._kernel_class()(k).smem_bytes)
             if key.version in (4, 5):
-                k4, k5 = (dataclasses.replace(key, version=v) for v in (4, 5))
+                k4, k5 = (dataclasses.replace(key, version=v, alt_parts=0) for v in (4, 5))
                 assert k4.smem_bytes == k5.smem_bytes, (k4, k5)
-                assert mx.l1_kb(k4.smem_bytes) == mx.l1_kb(k5.smem_bytes)
+                # v5.2 (buckets 4 / 8) shares its regions with v7's items: more bytes, but the same carve-out step
+                assert mx.l1_kb(k4.smem_bytes) == mx.l1_kb(k5.smem_bytes) == key.l1_kb, (key, k4.smem_bytes)
 
 
 def test_l1_left_by_the_carveout():
@@ -348,6 +350,7 @@ def _emulate_v5_items(ids, NT):
     act_off.append(int(cnt.sum()))
     scr32 = len(act_e) | (int(((cnt + NT - 1) // NT).sum()) << 16)
     n_active, n_pass = scr32 & 0xFFFF, scr32 >> 16
+    _emulate_v5_items.last = (act_e, act_off)      # the routing tables, for v5.2's v7 items (below)
     items = []
     for wi in range(n_pass):
         lo, hi = 0, n_active
@@ -362,26 +365,93 @@ def _emulate_v5_items(ids, NT):
     return items, cnt
 
 
+def _routing_np(M, kind):
+    import numpy as np
+    rng = np.random.default_rng(1000 * M + len(kind))
+    if kind == "uniform":
+        return np.stack([rng.permutation(896)[:16] for _ in range(M)])
+    if kind == "shared":                 # one set of 16 for every token (drawn once), in different orders
+        base = rng.permutation(896)[:16]
+        return np.stack([rng.permutation(base) for _ in range(M)])
+    if kind == "skewed":
+        hot = rng.permutation(896)[:24]
+        return np.stack([hot[rng.permutation(24)[:16]] for _ in range(M)])
+    return np.full((M, 16), 5)
+
+
 @pytest.mark.parametrize("M", [1, 3, 8, 16, 64])
 @pytest.mark.parametrize("kind", ["uniform", "shared", "skewed", "one-expert"])
 def test_v5_pass_items_cover_every_pass_once(M, kind):
     """v5 hands out single passes (expert, <= NT pairs) as work items.  The index math, replayed on CPU for routings
     from all-distinct to one expert in every slot: every pass of every active expert is one item, in order."""
-    import numpy as np
-    rng = np.random.default_rng(1000 * M + len(kind))
-    if kind == "uniform":
-        ids = np.stack([rng.permutation(896)[:16] for _ in range(M)])
-    elif kind == "shared":
-        ids = np.stack([rng.permutation(rng.permutation(896)[:16]) for _ in range(M)])
-    elif kind == "skewed":
-        hot = rng.permutation(896)[:24]
-        ids = np.stack([hot[rng.permutation(24)[:16]] for _ in range(M)])
-    else:
-        ids = np.full((M, 16), 5)
+    ids = _routing_np(M, kind)
     NT = 8 * (1 if mx.m_bucket(M) <= 8 else 2)
     items, cnt = _emulate_v5_items(ids, NT)
     want = [(e, pb, int(cnt[e])) for e in range(896) if cnt[e] for pb in range(0, int(cnt[e]), NT)]
     assert items == want
+
+
+@pytest.mark.parametrize("M", [3, 8])
+@pytest.mark.parametrize("kind", ["uniform", "shared", "skewed", "one-expert"])
+def test_v52_branch_and_its_v7_items(M, kind):
+    """v5.2 routes as v5, then runs v7's items when alt_parts x #passes <= Q. Replayed on the CPU: the branch each
+    routing takes (few hot experts: v7's halves; uniform: v5's passes), and that v7's items read from v5's tables
+    (act_e masked to its low half, act_off) are exactly the items of v7's own routing: every active expert in
+    order, each in alt_parts parts, over its own pair segment."""
+    import numpy as np
+    key = mx.compile_key(896, 3584, 256, M)
+    assert key.version == 5 and key.alt_parts == 2 and key.alt.NH == 2
+    ids = _routing_np(M, kind)
+    items, cnt = _emulate_v5_items(ids, key.NT)
+    act_e, act_off = _emulate_v5_items.last
+    few = key.alt_parts * len(items) <= key.Q
+    assert few == (kind != "uniform"), (kind, len(items), key.Q)
+    if few:
+        v7_items = [(act_e[wi // 2] & 0xFFFF, wi % 2, act_off[wi // 2], act_off[wi // 2 + 1] - act_off[wi // 2])
+                    for wi in range(key.alt.NH * len(act_e))]
+        active = [e for e in range(896) if cnt[e]]
+        seg = np.concatenate([[0], np.cumsum([cnt[e] for e in active])])
+        assert v7_items == [(e, h, int(seg[u]), int(cnt[e])) for u, e in enumerate(active) for h in range(2)]
+
+
+def test_v52_keys_and_bounds():
+    """v5.2 at buckets 4 / 8 only (v7's part counters stop at bucket 8; buckets <= 2 run v7 / v8 themselves): one
+    grid for both item loops (v7's Q, >= v5's), the regions the larger of the two, the workspace holds v7's fp32
+    parts and the bf16 rows, and keys that cannot carry v7's items are refused."""
+    import dataclasses
+    for cfg in (k3_rank(16), k3_rank(8), k3()):
+        E, dL, I = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.expert_intermediate
+        for key in mx.compile_keys(cfg):
+            if key.MB not in (4, 8):
+                assert key.alt_parts == 0 and key.alt is None
+                continue
+            a, v51 = key.alt, dataclasses.replace(key, alt_parts=0)
+            assert key.alt_parts == 2 and a.version == 7 and a.NH == 2 and a.alt_parts == 0
+            sb = dict(situ_beta=key.situ_beta, situ_linear_beta=key.situ_linear_beta)
+            assert mx.compile_key(E, dL, I, key.MB, version=7, **sb) == a  # bit-identical to v7 itself (GPU test)
+            assert key.Q == a.Q >= v51.Q
+            assert key.regions == tuple(max(x, y) for x, y in zip(v51.regions, a.regions))
+            assert 2 * (2 * key.MB * 16 * dL) + key.MB * 16 * dL <= mx.MAX_M * 16 * dL
+            assert mx.compile_key(E, dL, I, key.MB, alt_parts=0, **sb) == v51
+    base = mx.compile_key(896, 3584, 256, 8)
+    for bad in (dict(version=4), dict(MB=16), dict(probe="stream"), dict(alt_parts=1)):
+        with pytest.raises(ValueError, match="alt_parts"):
+            dataclasses.replace(base, **bad)
+    assert mx.compile_key(896, 3584, 256, 8, C=4).alt_parts == 0
+
+
+@pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+def test_v52_carries_both_item_loops():
+    """The v5.2 binary holds v5's items and v7's: v7's part reduction adds its fence and atomics to v5.1's."""
+    import dataclasses
+    from k3fast.ptxcheck import compiled_ptx
+    key = mx.compile_key(896, 3584, 256, 8)
+    ptx = {k.alt_parts: compiled_ptx(lambda k=k: mx._compile(k, options="--enable-tvm-ffi --keep-ptx"))
+           for k in (key, dataclasses.replace(key, alt_parts=0))}
+    v7 = compiled_ptx(lambda: mx._compile(key.alt, options="--enable-tvm-ffi --keep-ptx"))
+    assert ptx[0].count("fence.acq_rel.gpu") == 1 and v7.count("fence.acq_rel.gpu") == 2
+    assert ptx[2].count("fence.acq_rel.gpu") == 3
+    assert ptx[2].count("atom.global") > ptx[0].count("atom.global")
 
 
 def test_loop_opcodes_counts_a_hand_written_loop():
@@ -708,12 +778,13 @@ def test_ring_fit_cuts_the_index_work(M):
                        key=lambda o: sum(o.values()))[:2]
         return ptx, [sum(o.values()) / o["mma"] for o in loops]
 
-    base = mx.compile_key(896, 3584, 384, M, ring_fit=False)
+    # (v5's loops alone: at bucket 8 the default v5.2 also carries v7's, whose ring_fit is tested below)
+    base = mx.compile_key(896, 3584, 384, M, ring_fit=False, alt_parts=0)
     _, old = per_mma(base)
     _, new = per_mma(dataclasses.replace(base, ring_fit=True))
     for o, n in zip(old, new):
         assert n < 0.8 * o, (old, new)
-    b16 = mx.compile_key(896, 3584, 256, M, ring_fit=False)
+    b16 = mx.compile_key(896, 3584, 256, M, ring_fit=False, alt_parts=0)
     assert per_mma(b16)[0] == per_mma(dataclasses.replace(b16, ring_fit=True))[0]
 
 

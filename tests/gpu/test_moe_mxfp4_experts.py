@@ -240,11 +240,54 @@ V5_CASES = [(m, 256, r) for m in (1, 3, 8, 16, 64) for r in ("uniform", "shared"
 @pytest.mark.parametrize("M,I,kind", V5_CASES)
 def test_v5_matches_v4_and_reference(M, I, kind):
     """v5 hands out single passes as work items instead of whole experts: the same MMAs on the same pass
-    boundaries, so the output is bit-identical to v4's; the counters reset; poisoned y rows are all rewritten."""
+    boundaries, so the output is bit-identical to v4's; the counters reset; poisoned y rows are all rewritten.
+    (v5.1, v5's passes only: at buckets 4 / 8 the default v5.2 may take v7's items, tested below.)"""
     ck, prep, z, ids, w, ws = case(M, I, kind, 4000 * M + I + len(kind))
-    outs = run_variants(M, z, ids, w, prep, ws, v4=dict(version=4), v5=dict(version=5))
+    outs = run_variants(M, z, ids, w, prep, ws, v4=dict(version=4), v5=dict(version=5, alt_parts=0))
     assert same_bits(outs["v5"], outs["v4"]), "v5 differs from v4"
     assert rel_rmse(outs["v5"], reference(z, ids, w, ck)) <= TOL
+
+
+# v5.2 (the default at buckets 4 / 8): the branch is chosen on the device from the pass count, so each shape's I at
+# both buckets, with routings on both sides of it ("ties" at M = 3 has ~32 passes: v7's side, M = 8 ~72: v5's)
+V52_CASES = [(m, 256, r) for m in (3, 8) for r in ("uniform", "shared", "skewed", "ties")] \
+    + [(4, 384, "skewed"), (8, 384, "skewed"), (8, 384, "uniform"), (8, 3072, "skewed"), (8, 3072, "uniform")]
+
+
+def n_passes(ids, NT):
+    cnt = torch.bincount(ids.flatten().long(), minlength=E)
+    return int(((cnt + NT - 1) // NT).sum())
+
+
+@pytest.mark.parametrize("M,I,kind", V52_CASES)
+def test_v52_is_v7_when_the_passes_are_few_else_v51(M, I, kind):
+    """v5.2 routes as v5 and runs v7's items when alt_parts x #passes <= Q: its output is then bit-identical to v7
+    itself (the same items on the same segments, act_e read through the mask), else to v5.1; either way within
+    v7's bound of v4 and the reference, with the counters reset and the poisoned workspace rewritten."""
+    ck, prep, z, ids, w, ws = case(M, I, kind, 5200 * M + I + len(kind))
+    key = mx.compile_key(E, DL, I, M)
+    assert key.alt_parts == 2
+    few = key.alt_parts * n_passes(ids, key.NT) <= key.Q
+    if kind in ("shared", "skewed", "uniform"):
+        assert few == (kind != "uniform")
+    outs = run_variants(M, z, ids, w, prep, ws, v52={}, v51=dict(alt_parts=0), v7=dict(version=7),
+                        v4=dict(version=4))
+    assert same_bits(outs["v52"], outs["v7" if few else "v51"]), ("v7" if few else "v5.1", kind)
+    assert rel_rmse(outs["v52"], outs["v4"]) <= 2e-3
+    assert rel_rmse(outs["v52"], reference(z, ids, w, ck)) <= TOL
+
+
+@pytest.mark.parametrize("I", [256, 384])
+def test_v52_one_graph_takes_both_branches(I):
+    """One captured graph at M = 8 replayed with routings on either side of v5.2's branch, in turn: each replay
+    matches the reference and resets the counters (the branch is taken per launch, from the ids in the graph)."""
+    M = 8
+    ck, prep, z, ids, w, ws = case(M, I, "skewed", 5300 + I)
+    mx.warmup((E, DL, I), [M])
+    run_variants(M, z, ids, w, prep, ws, v52={})
+    g, out = capture(M, z, ids, w, prep, ws)
+    for k, kind in enumerate(("uniform", "skewed", "uniform", "shared")):
+        replay_with_new_routings(g, out, z, ids, w, ws, ck, kind, 5301 + I + k, n=1)
 
 
 W16_CASES = [(m, 256, r) for m in (1, 8, 64) for r in ("uniform", "skewed")] + [(8, 384, "uniform"),
