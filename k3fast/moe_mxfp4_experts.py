@@ -177,6 +177,12 @@ Version log
       keys keep 156 KB of L1), the grid is v7's Q (66, >= v5's), and v5's y rows move to the bf16 rows mYb so that
       mY holds v7's fp32 parts. The v7 branch is bit-identical to v7 itself (same items, act_e read through a
       mask), the v5 branch to v5.1. Buckets >= 16 keep v5.1: v7's part counters stop at 128 pairs at C = 2.
+      Prediction (s108, H100): uniform b4 / b8 within +-1.5 % of v5.1, skewed within +-3 % of v7.
+      Measured (s108 / s108b / s108c at bde780b on an H100, traces/h100/*-bde780b-s108*.json; GPU tests 38 passed,
+      each branch bit-identical to its twin): kernel skewed rank16 b4 / b8 and full b8 33.5 / 38.6 / 166.8 us (v5.1
+      39.4 / 42.8 / 272.9, v7 33.2 / 37.7 / 165.5, Marlin 46.5 / 47.9 / 189.7); uniform -0.6 to +1.2 % of v5.1 except
+      rank16 b8, +4.3 % (83.2 against 79.7: MISSED, not explained; LOG, session 33). MoE half b8 skewed rank16 /
+      rank8 95.3 / 106.3 us against v5.1's 99.5 / 117.5 (stock 125.5 / 136.1); uniform +3.6 % / +1.2 %.
   rot layout (2026-11-29; the default for v4/v5 when every E8M0 scale is <= 128, CPU-compiled, not yet run on a
       GPU).  The instruction cut that v4's measurements asked for, by layout rather than by a new version: the
       words are packed so that register j of a word is (rotl(w, r) & mask) over one piece (j = 0, 1, 2: r = 0, 4,
@@ -959,7 +965,8 @@ RING_FIT_VERSIONS = (4, 5, 7, 8)   # the versions whose loops take a fitted ring
 # v5.2 (the default at buckets 4 / 8 since session 33; "fast-v51" is the A/B, bench_experts "A0"): v5's kernel also
 # carries v7's items with ALT_PARTS parts of I and runs them when ALT_PARTS x #passes <= Q, i.e. when few experts
 # hold every pair (skewed routing: 24 passes on 66 clusters of 2). Measured before it was built (s107c / s107d, H100
-# kernel bench): v7 skewed b4 / b8 0.62-0.93x of v5.1, uniform 1.04-1.18x; the branch keeps the faster of the two.
+# kernel bench): v7 skewed b4 / b8 0.62-0.93x of v5.1, uniform 1.04-1.18x. Measured (s108, H100): skewed at v7's
+# speed (full b8 272.9 -> 166.8 us), uniform within 1.2 % of v5.1 except rank16 b8 (+4.3 %, not explained).
 ALT_PARTS = 2
 
 
