@@ -764,3 +764,55 @@ print(nbtools.ab_table(s107l, "moe", ["stock", "fast", "fast-s13"], shape="k3_ra
 assert moe_cell(s107l, "fast", 64, "k3_rank8") < 1.01 * moe_cell(s107l, "fast-s13", 64, "k3_rank8")
 assert moe_cell(s106b, "fast", 64, "k3_rank8") > 1.02 * moe_cell(s106b, "fast-s13", 64, "k3_rank8")  # v5, before
 print("ok (v5.1: v5's table no longer costs the L1)")
+
+# %% [markdown]
+# ## 24. The part count chosen on the device (v5.2, session 33)
+# At b4-b16 under the skewed routing there are ~24 passes for 66 clusters of 2, so most SMs idle. Two launch-time
+# fixes were measured first (s107b-d, kernel bench, H100): clusters of 4 on 30 co-resident clusters (`C4N120`) and
+# v7's two parts of I per expert. Both win the skewed cells and lose the uniform ones, and a launch cannot see the
+# routing. v5.2 is one kernel that routes as v5 and then branches, in every CTA alike, on the pass count it just
+# computed: v7's items when `alt_parts x #passes <= Q`, else v5's. The items loop is a `@cute.jit` method
+# instantiated once per configuration; the shared-memory regions are each the larger of the two.
+
+# %%
+print(f"{'shape':10} {'bucket':>6} {'alt_parts':>9} {'Q':>3} {'smem B':>7} {'v5.1 smem B':>11} {'L1 KB':>6}")
+for shape, cfg in (("k3_rank16", k3_rank(16)), ("k3_rank8", k3_rank(8)), ("full", k3())):
+    for key in mx.compile_keys(cfg):
+        if key.alt_parts:
+            v51 = dataclasses.replace(key, alt_parts=0)
+            print(f"{shape:10} {key.MB:>6} {key.alt_parts:>9} {key.Q:>3} {key.smem_bytes:>7} {v51.smem_bytes:>11} "
+                  f"{key.l1_kb:>6}")
+            assert key.l1_kb == v51.l1_kb and key.alt.version == 7
+
+# %% [markdown]
+# Measured (s108, H100, one run per routing). Skewed, v5.2 runs at v7's speed; uniform, at v5.1's, except rank16
+# b8, which is 4.3 % slower and not explained yet (the LOG lists what differs in the binary). The full-width skewed
+# b8 cell, the one below stock, goes from 0.70x to 1.14x of Marlin in the kernel.
+
+# %%
+def bench_rows(f):
+    with open(os.path.join(nbtools.ROOT, f)) as fh:
+        return {(r["shape"], r["batch"], r["variant"]): r["us_median"] for r in json.load(fh)["records"]}
+s108 = {"skewed": {**bench_rows("traces/h100/experts-bde780b-s108-skewed.json"),
+                   **bench_rows("traces/h100/experts-bde780b-s108-full-skewed.json")},
+        "uniform": {**bench_rows("traces/h100/experts-bde780b-s108.json"),
+                    **bench_rows("traces/h100/experts-bde780b-s108-full.json")}}
+print(f"{'routing':8} {'shape':10} {'b':>2} {'marlin':>7} {'v5.2':>7} {'v5.1':>7} {'v7':>7} {'v5.2/v5.1':>9}")
+for routing, rows in s108.items():
+    for (shape, b, v), t in rows.items():
+        if v == "default":
+            print(f"{routing:8} {shape:10} {b:>2} {rows[(shape, b, 'marlin')]:7.1f} {t:7.1f} "
+                  f"{rows[(shape, b, 'A0')]:7.1f} {rows[(shape, b, 'v7')]:7.1f} {t / rows[(shape, b, 'A0')]:9.3f}")
+sk, un = s108["skewed"], s108["uniform"]
+for k in (("k3_rank16", 4), ("k3_rank16", 8), ("full", 8)):
+    assert sk[k + ("default",)] < 0.92 * sk[k + ("A0",)] and sk[k + ("default",)] < 1.03 * sk[k + ("v7",)]
+assert sk[("full", 8, "default")] < sk[("full", 8, "marlin")] < sk[("full", 8, "A0")]
+for k in (("k3_rank16", 4), ("k3_rank8", 4), ("k3_rank8", 8), ("full", 8)):
+    assert un[k + ("default",)] < 1.015 * un[k + ("A0",)]
+assert un[("k3_rank16", 8, "default")] > 1.03 * un[("k3_rank16", 8, "A0")]    # the miss, kept in view
+s108b, s108c = "traces/h100/records-bde780b-s108b.json", "traces/h100/records-bde780b-s108c.json"
+for shape in ("k3_rank16", "k3_rank8"):
+    print(nbtools.ab_table(s108b, "moe", ["stock", "fast", "fast-v51"], shape=shape))
+    assert moe_cell(s108b, "fast", 8, shape) < moe_cell(s108b, "fast-v51", 8, shape) < moe_cell(s108b, "stock", 8, shape)
+    assert moe_cell(s108c, "fast", 8, shape) < 1.04 * moe_cell(s108c, "fast-v51", 8, shape)
+print("ok (v5.2: v7's items on the device when the passes are few)")
