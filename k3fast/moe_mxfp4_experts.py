@@ -1586,18 +1586,18 @@ def _build_kernel_class():
                 cute.arch.barrier()
 
             # ---------------------------------------------------------------- the work items
+            weights = (mZ, mTw, mW13q, mW13s, mW2q, mW2s)
+            tables = (mCnt, mOut, act_e, act_off, sorted_s, scr, hz_s, stage_s, part_s, park_s, park_bar, n_active,
+                      n_pass)
             if const_expr(c.alt_parts > 0):
                 # v5.2: every CTA counted the same passes, so the whole grid takes one branch (the cluster barriers
                 # and the arrival counters need that). v5's y rows go to the bf16 rows mYb; mY holds v7's fp32 parts.
                 if n_pass * c.alt_parts <= c.Q:
-                    self.items(c.alt, True, mZ, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut, act_e, act_off,
-                               sorted_s, scr, hz_s, stage_s, part_s, park_s, park_bar, n_active, n_pass)
+                    self.items(c.alt, True, *weights, mY, mYb, *tables)
                 else:
-                    self.items(c, True, mZ, mTw, mW13q, mW13s, mW2q, mW2s, mYb, mYb, mCnt, mOut, act_e, act_off,
-                               sorted_s, scr, hz_s, stage_s, part_s, park_s, park_bar, n_active, n_pass)
+                    self.items(c, True, *weights, mYb, mYb, *tables)
             else:
-                self.items(c, c.version == 5, mZ, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut, act_e, act_off,
-                           sorted_s, scr, hz_s, stage_s, part_s, park_s, park_bar, n_active, n_pass)
+                self.items(c, c.version == 5, *weights, mY, mYb, *tables)
 
         @cute.jit
         def items(self, c: cutlass.Constexpr, packed: cutlass.Constexpr, mZ, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb,
