@@ -1446,17 +1446,11 @@ def _build_kernel_class():
         @cute.kernel
         def kernel(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut):
             c = self.cfg
-            W, D, GMAX, NT, C = c.W, c.D, c.GMAX, c.NT, c.C
+            W, NT = c.W, c.NT
             tid, _, _ = cute.arch.thread_idx()
-            bid, _, _ = cute.arch.block_idx()
             lane = cute.arch.lane_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            g = lane // 4
-            t = lane % 4
-            rank = bid % C
-            qid = bid // C
-            M = cute.size(mZ, mode=[0])
-            P = M * TOPK
+            P = cute.size(mZ, mode=[0]) * TOPK
 
             smem = cutlass.memory.SmemAllocator()
             cnt_s = smem.allocate_tensor(Int32, cute.make_layout(c.E), 16)
