@@ -21,7 +21,8 @@ causes give different signatures, and one run of this module separates them:
 * ``nibble`` the default kernel decoding the nibble layout (PRMT table, fp32 per-block scales): the default
              until the rot layout (2026-11-29), so the decode change is an A/B in one run;
 * ``v2 v3``  earlier versions (v3 is v4 without the copy-free ring) on the same inputs;
-* ``default`` the kernel the layer runs (v5 with C = 2 above batch 2 since session 31, v4 before; v7 / v8 at
+* ``default`` the kernel the layer runs (v5 with C = 2 above batch 2 since session 31, v4 before, as v5.2 at
+             buckets 4 / 8 since session 33; v7 / v8 at
              batch buckets <= 2), the reference
              for ``max_abs_diff_vs_default``; ``v3C8 v3C4`` are the defaults of before;
 * ``A0``     v5.1 (v5's passes only) where the default is v5.2 (buckets 4 / 8: v7's items when the passes are few);
