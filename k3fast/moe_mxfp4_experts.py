@@ -641,6 +641,7 @@ from __future__ import annotations
 
 import math
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -1156,7 +1157,7 @@ class KernelCfg:
     def PMAX(self):
         return TOPK * self.MB
 
-    @property
+    @functools.cached_property       # (computed once per key: Q, regions and the host's workspace views read it)
     def alt(self) -> "KernelCfg | None":    # v5.2: the v7 items this launch runs instead when the passes are few
         if not self.alt_parts:
             return None

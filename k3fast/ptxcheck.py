@@ -432,32 +432,29 @@ def main(argv=None) -> int:
                      "registers_per_cta": key.threads * res["registers"], **res})
     # experts v4 beside v5 (v5.1 since session 32) at b64: registers, spills, loop sizes and the shared memory that
     # picks the carve-out (v5 as first written was 32 B over rank8's 196 KB step; version log v5.1)
+    def experts_key_row(key, kernel, shape):
+        """A default experts key's binary: its shared memory and L1, and the instructions of each SASS loop."""
+        ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
+        loops = sass_loop_opcodes(ptx, tools)
+        row = {"kernel": kernel, "config": shape, "M": key.MB, "smem_bytes": key.smem_bytes, "l1_kb": key.l1_kb,
+               "ptxas": loops.pop("ptxas"), "sass_loop_instructions": {k: sum(o.values()) for k, o in loops.items()}}
+        return ptx, loops, row
+
     for I_, shape in (((384, "k3_rank8"), (256, "k3_rank16"), (3072, "full")) if tools is not None else ()):
         for v in (4, 5):
-            key = mx.compile_key(896, 3584, I_, 64, version=v)
-            ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
-            loops = sass_loop_opcodes(ptx, tools)
-            ver = loops.pop("ptxas")
-            rows.append({"kernel": f"moe_mxfp4_experts v{v} (b64 default key)", "config": shape, "M": 64,
-                         "smem_bytes": key.smem_bytes, "l1_kb": key.l1_kb, "ptxas": ver,
-                         "sass_loop_instructions": {k: sum(o.values()) for k, o in loops.items()},
-                         **ptxas_resources(ptx, tools[0])})
+            ptx, _, row = experts_key_row(mx.compile_key(896, 3584, I_, 64, version=v),
+                                          f"moe_mxfp4_experts v{v} (b64 default key)", shape)
+            rows.append({**row, **ptxas_resources(ptx, tools[0])})
     # experts v5.2 beside v5.1 at buckets 4 / 8 (session 33): what carrying v7's items beside v5's costs the binary
     # (registers, spills, code size, loop sizes) and the shared memory; s108 measured v5.2 +4.3 % at uniform rank16
     # b8 and -0.6 to +1.2 % elsewhere (LOG)
     for I_, shape in (((256, "k3_rank16"), (384, "k3_rank8"), (3072, "full")) if tools is not None else ()):
         for M in (4, 8):
             for alt in (2, 0):
-                key = mx.compile_key(896, 3584, I_, M, alt_parts=alt)
-                ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
-                loops = sass_loop_opcodes(ptx, tools)
-                ver = loops.pop("ptxas")
-                rows.append({"kernel": f"moe_mxfp4_experts v5.{2 if alt else 1} (b{M} default key)",
-                             "config": shape, "M": M, "smem_bytes": key.smem_bytes, "l1_kb": key.l1_kb,
-                             "ptxas": ver, "sass_loop_instructions": {k: sum(o.values()) for k, o in loops.items()},
-                             "sass_loop_local_memory": {k: o.get("LDL", 0) + o.get("STL", 0)
-                                                        for k, o in loops.items()},
-                             **sass_size(ptx, tools)})
+                ptx, loops, row = experts_key_row(mx.compile_key(896, 3584, I_, M, alt_parts=alt),
+                                                  f"moe_mxfp4_experts v5.{2 if alt else 1} (b{M} default key)", shape)
+                rows.append({**row, "sass_loop_local_memory": {k: o.get("LDL", 0) + o.get("STL", 0)
+                                                               for k, o in loops.items()}, **sass_size(ptx, tools)})
     if tools is not None:        # router_down_topk v2.2: the FMA path's occupancy hint and what ptxas made of it
         from . import router_down_topk as rdt
         old = rdt.TVM_FFI

@@ -331,7 +331,8 @@ def test_v4_ring_carries_no_copies_of_inflight_loads(M):
 def _emulate_v5_items(ids, NT):
     """The v5 prologue's bookkeeping in numpy int32 (block scan of packed counts; each active expert's first pass
     packed into act_e's high half, the totals into scr[32]; the 11-step binary search of each work item): returns
-    the (expert, first pair of the pass, pairs of the expert) of every item, in item order."""
+    the (expert, first pair of the pass, pairs of the expert) of every item, in item order, the expert counts and
+    the routing tables act_e / act_off (v5.2's v7 items read them)."""
     import numpy as np
     E = 896
     cnt = np.bincount(ids.ravel(), minlength=E).astype(np.int64)
@@ -350,7 +351,6 @@ def _emulate_v5_items(ids, NT):
     act_off.append(int(cnt.sum()))
     scr32 = len(act_e) | (int(((cnt + NT - 1) // NT).sum()) << 16)
     n_active, n_pass = scr32 & 0xFFFF, scr32 >> 16
-    _emulate_v5_items.last = (act_e, act_off)      # the routing tables, for v5.2's v7 items (below)
     items = []
     for wi in range(n_pass):
         lo, hi = 0, n_active
@@ -362,7 +362,7 @@ def _emulate_v5_items(ids, NT):
             else:
                 hi = mid
         items.append((act_e[lo] & 0xFFFF, (wi - (act_e[lo] >> 16)) * NT, act_off[lo + 1] - act_off[lo]))
-    return items, cnt
+    return items, cnt, act_e, act_off
 
 
 def _routing_np(M, kind):
@@ -386,7 +386,7 @@ def test_v5_pass_items_cover_every_pass_once(M, kind):
     from all-distinct to one expert in every slot: every pass of every active expert is one item, in order."""
     ids = _routing_np(M, kind)
     NT = 8 * (1 if mx.m_bucket(M) <= 8 else 2)
-    items, cnt = _emulate_v5_items(ids, NT)
+    items, cnt, _, _ = _emulate_v5_items(ids, NT)
     want = [(e, pb, int(cnt[e])) for e in range(896) if cnt[e] for pb in range(0, int(cnt[e]), NT)]
     assert items == want
 
@@ -402,8 +402,7 @@ def test_v52_branch_and_its_v7_items(M, kind):
     key = mx.compile_key(896, 3584, 256, M)
     assert key.version == 5 and key.alt_parts == 2 and key.alt.NH == 2
     ids = _routing_np(M, kind)
-    items, cnt = _emulate_v5_items(ids, key.NT)
-    act_e, act_off = _emulate_v5_items.last
+    items, cnt, act_e, act_off = _emulate_v5_items(ids, key.NT)
     few = key.alt_parts * len(items) <= key.Q
     assert few == (kind != "uniform"), (kind, len(items), key.Q)
     if few:
