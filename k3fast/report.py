@@ -3,6 +3,10 @@
     python -m k3fast.report                 # read traces/h200/records-*.json, write plots + README table
     python -m k3fast.report --check         # exit 1 if README's table is not what the records give
 
+README's closing-sweep block (the issue targets at one run per routing, each cell beside its byte-floor ceiling) is
+rebuilt from the globs its begin marker names, e.g. ``<!-- closing-sweep:begin
+traces/h100/records-340beb3-s110*.json experts=traces/h100/experts-*.json -->`` (one block per GPU).
+
 Everything shown comes from the JSON records; nothing is typed by hand.
 """
 from __future__ import annotations
@@ -225,6 +229,154 @@ def readme_block(records: list[dict], kernel_rows: list[dict] | None = None, exp
             + f"{END}")
 
 
+CLOSING_BEGIN, CLOSING_END = "<!-- closing-sweep:begin", "<!-- closing-sweep:end -->"
+# The issue targets the closing block checks (issue 4: attention half; issue 5: MoE half), as (issue, what, part,
+# shapes, batches, test). Each test reads one (stock, fast) pair of records from one run; "ceiling" is stock over
+# the floor: the ratio an implementation at the byte floor would reach against that stock.
+_ALL = ("k3_rank16", "k3_rank8", "full")
+TARGETS = (
+    ("4", "attention half in <= 3 launches", "attn", ("k3_rank16",), (1,), ("kernels", 3)),
+    ("4", "attention half within 1.3x of its floor", "attn", ("k3_rank16",), (1,), ("over_floor", 1.3)),
+    ("4", "attention half >= 1.8x stock", "attn", _ALL, (1, 8, 64), ("speedup", 1.8)),
+    ("5", "MoE half in <= 4 launches", "moe", ("k3_rank16",), (1,), ("kernels", 4)),
+    ("5", "MoE half >= 2x stock", "moe", ("k3_rank16",), (1,), ("speedup", 2.0)),
+    ("5", "MoE half >= 1.5x stock", "moe", _ALL, (64,), ("speedup", 1.5)),
+)
+
+
+def _one_run_pairs(records: list[dict]) -> dict:
+    """(routing label, shape, batch, part) -> {impl: record}, refusing two runs of one cell: the closing block
+    compares stock and fast only where one run measured both."""
+    cells: dict[tuple, dict] = defaultdict(dict)
+    for r in records:
+        cells[(_kind_label(r), r["shape"], r["batch"], r["part"])][r["impl"]] = r
+    for key, c in cells.items():
+        if len({r.get("source") for r in c.values()}) > 1:
+            raise SystemExit(f"{key}: records from several files; give the closing block one run per routing")
+    return cells
+
+
+def closing_cells_table(records: list[dict], part: str) -> str:
+    """Stock beside fast per cell of one run, with the byte floor and what the floor allows: ``stock / floor`` is
+    the largest stock / fast ratio any implementation could show on those bytes at the measured copy bandwidth."""
+    cells = _one_run_pairs(records)
+    order = {s: i for i, s in enumerate(_ALL)}
+    lines = ["| routing | shape | batch | floor µs | stock µs (kernels) | fast µs (kernels) | stock / fast | "
+             "fast / floor | stock / floor (ceiling) | fast TB/s (of copy) |", "|" + "---|" * 10]
+    for key in sorted((k for k in cells if k[3] == part), key=lambda k: (k[0], order.get(k[1], 9), k[2])):
+        st, fa = cells[key].get("stock"), cells[key].get("fast")
+        if not (st and fa):
+            continue
+        tbps = fa["bytes"] / fa["replay_us_median"] / 1e6
+        routing = "skewed" if key[0].endswith("skewed") else "uniform"
+        lines.append(f"| {routing} | {key[1]} | {key[2]} | {fa['floor_us']:.1f} | {st['replay_us_median']:.1f} "
+                     f"({st['kernels']:g}) | {fa['replay_us_median']:.1f} ({fa['kernels']:g}) | "
+                     f"{st['replay_us_median'] / fa['replay_us_median']:.2f}x | "
+                     f"{fa['replay_us_median'] / fa['floor_us']:.2f}x | {st['replay_us_median'] / st['floor_us']:.2f}x"
+                     f" | {tbps:.2f} ({tbps / fa['copy_tbps']:.0%}) |")
+    return "\n".join(lines)
+
+
+def closing_targets_table(records: list[dict], experts: list[dict] | None = None) -> str:
+    """Each issue target at each cell it names, from the records of one run per routing: measured, met or missed,
+    and the ceiling (stock over its floor) where the target is a ratio to stock. ``experts`` are
+    k3fast.bench_experts rows (uniform routing, the default kernel) for the routed-experts bandwidth target."""
+    cells = _one_run_pairs(records)
+    lines = ["| issue | target | routing | cell | measured | met | ceiling (stock / floor) |", "|" + "---|" * 7]
+    for issue, what, part, shapes, batches, (test, bound) in TARGETS:
+        for routing in sorted({k[0] for k in cells}):
+            if part == "attn" and routing.endswith("skewed"):
+                continue                                     # the attention half does not see the routing
+            for shape in shapes:
+                for b in batches:
+                    c = cells.get((routing, shape, b, part), {})
+                    st, fa = c.get("stock"), c.get("fast")
+                    if fa is None or (test == "speedup" and st is None):
+                        continue
+                    if test == "kernels":
+                        v, ok, shown = fa["kernels"], fa["kernels"] <= bound, f"{fa['kernels']:g}"
+                    elif test == "over_floor":
+                        v = fa["replay_us_median"] / fa["floor_us"]
+                        ok, shown = v <= bound, f"{v:.2f}x ({fa['replay_us_median']:.1f} / {fa['floor_us']:.1f} µs)"
+                    else:
+                        v = st["replay_us_median"] / fa["replay_us_median"]
+                        ok = v >= bound
+                        shown = f"{v:.2f}x ({st['replay_us_median']:.1f} / {fa['replay_us_median']:.1f} µs)"
+                    ceil = (f"{st['replay_us_median'] / st['floor_us']:.2f}x" if test == "speedup" else "")
+                    rt = "skewed" if routing.endswith("skewed") else "uniform"
+                    lines.append(f"| {issue} | {what} | {rt} | {shape} b{b} | {shown} | {'yes' if ok else 'no'} | "
+                                 f"{ceil} |")
+    for r in experts or []:
+        share = r["achieved_tbps"] / r["copy_tbps"]
+        lines.append(f"| 5 | routed experts >= 75% of copy | uniform | {r['shape']} b{r['batch']} | "
+                     f"{share:.0%} ({r['us_median']:.1f} µs, {r['achieved_tbps']:.2f} of {r['copy_tbps']:.2f} TB/s; "
+                     f"`{r['source']}`) | {'yes' if share >= 0.75 else 'no'} | |")
+    return "\n".join(lines)
+
+
+def latest_experts_default(pattern: str, batches=(8, 64)) -> list[dict]:
+    """The newest uniform-routing row of the default routed-experts kernel per (shape, batch) in the files of
+    ``pattern`` (k3fast.bench_experts), each with its source file."""
+    best: dict[tuple, dict] = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
+        with open(path) as f:
+            doc = json.load(f)
+        for r in doc["records"]:
+            if (r.get("variant") == "default" and r.get("routing", "uniform") == "uniform" and r["batch"] in batches
+                    and r.get("us_median")):
+                key = (r["shape"], r["batch"])
+                if key not in best or (r.get("date") or "") > (best[key].get("date") or ""):
+                    best[key] = {**r, "source": os.path.relpath(path, ROOT)}
+    order = {s: i for i, s in enumerate(_ALL)}
+    return [best[k] for k in sorted(best, key=lambda k: (k[1], order.get(k[0], 9)))]
+
+
+def closing_block(records_globs: list[str], experts_glob: str) -> str:
+    """One README closing-sweep block. Its begin marker names the record globs and ``experts=<glob>`` (relative to
+    the repository), so --check can rebuild it from the files alone."""
+    recs = [r for g in records_globs for r in load_records(os.path.join(ROOT, g))]
+    if not recs:
+        raise SystemExit(f"closing block: no records match {records_globs}")
+    probs = validate(recs)
+    if probs:
+        raise SystemExit("closing block: schema problems:\n  " + "\n  ".join(probs[:20]))
+    env = recs[0]
+    srcs = sorted({r["source"] for r in recs})
+    commits = " ".join(sorted({str(r["commit"])[:7] for r in recs}))
+    copies = ", ".join(f"{c:.2f}" for c in sorted({r["copy_tbps"] for r in recs}))
+    return (f"{CLOSING_BEGIN} {' '.join(records_globs)} experts={experts_glob} -->\n"
+            f"Generated by `python -m k3fast.report` from {', '.join(f'`{s}`' for s in srcs)} and the newest "
+            f"default rows of `{experts_glob}`. GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
+            f"cutlass {env['cutlass']}, commits {commits}; copy {copies} TB/s. Median CUDA-graph replay, L2 "
+            f"flushed before each replay; a row's stock and fast come from one run.\n\n"
+            f"**Targets**\n\n{closing_targets_table(recs, latest_experts_default(experts_glob))}\n\n"
+            f"**Attention half** (`part: attn`)\n\n{closing_cells_table(recs, 'attn')}\n\n"
+            f"**MoE half** (`part: moe`)\n\n{closing_cells_table(recs, 'moe')}\n\n"
+            f"**Whole layer** (`part: layer`)\n\n{closing_cells_table(recs, 'layer')}\n{CLOSING_END}")
+
+
+def update_closing(path: str = os.path.join(ROOT, "README.md"), check: bool = False) -> bool:
+    """Rebuild every closing-sweep block of README from the globs its begin marker names."""
+    with open(path) as f:
+        text = f.read()
+    out, pos = [], 0
+    while (i := text.find(CLOSING_BEGIN, pos)) >= 0:
+        j = text.index(CLOSING_END, i) + len(CLOSING_END)
+        words = text[i + len(CLOSING_BEGIN):text.index("-->", i)].split()
+        experts = [w[len("experts="):] for w in words if w.startswith("experts=")]
+        records = [w for w in words if not w.startswith("experts=")]
+        if len(experts) != 1 or not records:
+            raise SystemExit(f"{path}: a closing-sweep marker names record globs and one experts=<glob>")
+        out += [text[pos:i], closing_block(records, experts[0])]
+        pos = j
+    new = "".join(out) + text[pos:]
+    if check:
+        return new == text
+    with open(path, "w") as f:
+        f.write(new)
+    return True
+
+
 def plot(records: list[dict], out_dir: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -288,8 +440,11 @@ def main(argv=None) -> int:
     block = readme_block(recs, load_kernel_bench(), experts_probe_table())
     if args.check:
         ok = update_readme(block, check=True)
+        ok_closing = update_closing(check=True)
         print("README table is up to date" if ok else "README table differs from the records: run python -m k3fast.report")
-        return 0 if ok else 1
+        print("README closing block is up to date" if ok_closing else
+              "README closing block differs from its files: run python -m k3fast.report")
+        return 0 if ok and ok_closing else 1
     if args.print_only:
         print(table(recs) if recs else "no records")
         return 0
@@ -297,6 +452,7 @@ def main(argv=None) -> int:
         for p in plot(recs, os.path.join(ROOT, "traces", "h200", "plots")):
             print("wrote", os.path.relpath(p, ROOT))
     update_readme(block)
+    update_closing()
     print(table(recs) if recs else "no records")
     return 0
 

@@ -424,3 +424,65 @@ def test_ptx_version_is_lowered_to_what_the_ptxas_reads():
     assert _lower_version(ptx, "", "release 12.8, V12.8.93").splitlines()[:3] == [".version 8.7", ".target sm_90a",
                                                                                   ".version 9.4 stays"]
     assert _lower_version(ptx, "", "release 14.2") == ptx
+
+
+def _closing_records(commit, date, routing, cells):
+    """Schema-complete records for k3fast.report's closing block: cells are (shape, batch, part, impl, us,
+    kernels, floor_us)."""
+    from k3fast.trace import SCHEMA_FIELDS
+    out = []
+    for shape, b, part, impl, us, k, floor in cells:
+        r = {f: 1.0 for f in SCHEMA_FIELDS}
+        r.update(layer_kind="kda_moe", shape=shape, batch=b, part=part, impl=impl, gpu="H100", torch="t",
+                 cutlass="c", driver="v", commit=commit, date=date, routing=routing, replay_us_median=us,
+                 replay_us_p10=us * 0.99, replay_us_p90=us * 1.01, kernels=k, floor_us=floor, copy_tbps=3.0,
+                 bytes=floor * 3.0e6)
+        out.append(r)
+    return out
+
+
+def test_closing_block_targets_ceilings_and_one_run_rule(tmp_path):
+    from k3fast.report import closing_block, update_closing
+    from k3fast.trace import ROUTINGS
+    uni = _closing_records("aaaaaaa", "2026-12-06T10", ROUTINGS["random"], [
+        ("k3_rank16", 1, "attn", "stock", 72.0, 18, 20.0), ("k3_rank16", 1, "attn", "fast", 36.0, 3, 20.0),
+        ("k3_rank16", 1, "moe", "stock", 120.0, 17, 50.0), ("k3_rank16", 1, "moe", "fast", 60.0, 3, 50.0),
+        ("full", 64, "moe", "stock", 3900.0, 17, 3500.0), ("full", 64, "moe", "fast", 3600.0, 7, 3500.0)])
+    skw = _closing_records("aaaaaaa", "2026-12-06T11", ROUTINGS["skewed"], [
+        ("k3_rank16", 1, "attn", "stock", 70.0, 18, 20.0), ("k3_rank16", 1, "attn", "fast", 35.0, 3, 20.0)])
+    (tmp_path / "records-a-u.json").write_text(json.dumps({"records": uni}))
+    (tmp_path / "records-a-s.json").write_text(json.dumps({"records": skw}))
+    (tmp_path / "experts-a.json").write_text(json.dumps({"records": [
+        dict(shape="k3_rank8", batch=8, variant="default", routing="uniform", us_median=100.0, achieved_tbps=2.4,
+             copy_tbps=3.0, date="2026-12-06T09"),
+        dict(shape="k3_rank8", batch=8, variant="default", routing="skewed", us_median=40.0, achieved_tbps=1.0,
+             copy_tbps=3.0, date="2026-12-06T10")]}))
+    block = closing_block([str(tmp_path / "records-a-*.json")], str(tmp_path / "experts-*.json"))
+    rows = block.splitlines()
+    assert "| 4 | attention half >= 1.8x stock | uniform | k3_rank16 b1 | 2.00x (72.0 / 36.0 µs) | yes | 3.60x |" in rows
+    assert "| 4 | attention half within 1.3x of its floor | uniform | k3_rank16 b1 | 1.80x (36.0 / 20.0 µs) | no |  |" in rows
+    assert "| 5 | MoE half >= 2x stock | uniform | k3_rank16 b1 | 2.00x (120.0 / 60.0 µs) | yes | 2.40x |" in rows
+    # the ceiling says a floor-speed kernel could not meet 1.5x here: 3900 / 3500
+    assert "| 5 | MoE half >= 1.5x stock | uniform | full b64 | 1.08x (3900.0 / 3600.0 µs) | no | 1.11x |" in rows
+    assert not any("| 4 |" in ln and "| skewed |" in ln for ln in rows)        # attention ignores the routing
+    assert any("routed experts >= 75% of copy | uniform | k3_rank8 b8 | 80% (100.0 µs" in ln and "| yes |" in ln
+               for ln in rows)                                               # the skewed row is not the target's
+    assert "| uniform | full | 64 | 3500.0 | 3900.0 (17) | 3600.0 (7) | 1.08x | 1.03x | 1.11x | 2.92 (97%) |" in rows
+    # stock from one run beside fast from another is refused, not paired
+    later = _closing_records("bbbbbbb", "2026-12-07T10", ROUTINGS["random"], [
+        ("k3_rank16", 1, "attn", "fast", 30.0, 3, 20.0)])
+    (tmp_path / "records-b-u.json").write_text(json.dumps({"records": later}))
+    with pytest.raises(SystemExit, match="several files"):
+        closing_block([str(tmp_path / "records-*-u.json")], str(tmp_path / "experts-*.json"))
+    # README round trip: the marker names the globs; --check notices a hand edit
+    readme = tmp_path / "README.md"
+    marker = (f"<!-- closing-sweep:begin {tmp_path / 'records-a-*.json'} experts={tmp_path / 'experts-*.json'} -->"
+              "\nstale\n<!-- closing-sweep:end -->")
+    readme.write_text(f"# x\n\n{marker}\n\ntail\n")
+    assert not update_closing(str(readme), check=True)
+    update_closing(str(readme))
+    text = readme.read_text()
+    assert text.startswith("# x\n\n") and text.endswith("\n\ntail\n") and "stale" not in text
+    assert update_closing(str(readme), check=True)
+    readme.write_text(text.replace("2.00x (72.0", "2.10x (72.0"))
+    assert not update_closing(str(readme), check=True)
