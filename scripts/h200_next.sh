@@ -28,6 +28,16 @@ ncu_sass() {      # ncu_sass <bench case> <name> <time-out s> [extra ncu_cases.p
   gzip "$o/$2-sass.csv" "$o/$2-details.txt"
 }
 
+a0pad8_bench() {  # s109's experts bench (A0pad8 beside A0 and the default at rank16 / rank8 b8), uniform then
+  # skewed, each process under timeout $1; the two logs packed into one file (<= 8 files come back from $OUT)
+  o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+  for r in uniform skewed; do
+    timeout "$1" python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 \
+      --batches 8 --variants default A0 A0pad8 --replays 50 --routing $r > "$o/experts-$r.log" 2>&1
+    grep -v -i warn "$o/experts-$r.log" | tail -8; done
+  tar czf "$o/experts-logs.tgz" -C "$o" experts-uniform.log experts-skewed.log && rm -f "$o"/experts-*.log
+}
+
 s110_cells() {    # every issue cell, KDA layer: stock and fast, and fast-v51 (v5.2's A/B) at b8
   for s in k3_rank16 k3_rank8 full; do for b in 1 8 64; do
     i=stock+fast; [ $b = 8 ] && i=$i+fast-v51; echo "--cell kda_moe,$s,$b,0,$i"; done; done
@@ -1212,12 +1222,7 @@ $(for c in 64-16 64-8 16-16 16-8; do echo "tests/gpu/test_fast_layer.py::test_fa
   # s109: rank16 b8 uniform's +4 % under v5.2 (s108): v5.1 with v5.2's shared memory (A0pad8: 66,592 + 8,192 B,
   # v5.2 asks for 74,768) beside A0 and the default, uniform then skewed; then full width b8 in the layer, skewed
   # and uniform, stock / fast / fast-v51 (s108 had no room for it). <= 8 files come back: the bench logs are packed
-  s109)   o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
-          for r in uniform skewed; do
-            timeout 100 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 \
-              --batches 8 --variants default A0 A0pad8 --replays 50 --routing $r > "$o/experts-$r.log" 2>&1
-            grep -v -i warn "$o/experts-$r.log" | tail -8; done
-          tar czf "$o/experts-logs.tgz" -C "$o" experts-uniform.log experts-skewed.log && rm -f "$o"/experts-*.log
+  s109)   a0pad8_bench 100; o=${OUT:-out}
           K3_SWEEP_TIMEOUT=230 bash scripts/h200_sweep.sh --cell kda_moe,full,8,0,stock+fast+fast-v51 --routing skewed \
             --budget-s 200
           mv "$o/sweep.log" "$o/sweep-skewed.log"
@@ -1226,21 +1231,24 @@ $(for c in 64-16 64-8 16-16 16-8; do echo "tests/gpu/test_fast_layer.py::test_fa
   # s110a / s110b: the closing sweep at the current defaults, every issue-4 / issue-5 cell (rank16, rank8, full x
   # b1 / b8 / b64) stock beside fast in one run per routing, fast-v51 beside them at b8; s110a first runs s109's
   # experts bench (A0pad8: is rank16 b8's +4 % the shared memory?); s110b adds the layer-level GPU parity of fast.
-  s110a)  o=${OUT:-out}; mkdir -p "$o"; export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
-          for r in uniform skewed; do
-            timeout 90 python3 -m k3fast.bench_experts --out "$o" --tag "$K3_TAG" --shapes k3_rank16 k3_rank8 \
-              --batches 8 --variants default A0 A0pad8 --replays 50 --routing $r > "$o/experts-$r.log" 2>&1
-            grep -v -i warn "$o/experts-$r.log" | tail -8; done
-          tar czf "$o/experts-logs.tgz" -C "$o" experts-uniform.log experts-skewed.log && rm -f "$o"/experts-*.log
+  s110a)  a0pad8_bench 90
           K3_SWEEP_TIMEOUT=330 bash scripts/h200_sweep.sh $(s110_cells) --budget-s 300 ;;
   s110b)  ids=$(for c in 1-16 1-8 8-16 8-8 64-16 64-8; do echo "tests/gpu/test_fast_layer.py::test_fast_attention_half[$c-fast]"; done
                 for b in 1 3 8 17 64; do echo "tests/gpu/test_fast_layer.py::test_fast_moe_half_same_input[$b-fast]"; done)
           K3_TEST_TIMEOUT=170 bash scripts/h200_tests.sh $ids tests/gpu/test_fast_layer.py::test_fast_layer_graph_replay_is_stable \
             tests/gpu/test_fast_layer.py::test_fast_layer_full_width_b1 || true
           K3_SWEEP_TIMEOUT=360 bash scripts/h200_sweep.sh $(s110_cells) --routing skewed --budget-s 330 ;;
+  # s111: the closing GPU check at the code that closes issues 4 / 5: every per-kernel file of tests1, and the
+  # default path's attention half at b1 / 2 / 3 / 4 / 7 / 8 / 16 / 64 x rank16 / rank8 (and at a block boundary, full
+  # width b8), the MoE half on the same input, the graph replay and the full-width layer (3 files come back)
+  s111)   ids=$(python3 -m pytest -m gpu --collect-only -q tests/gpu/test_fast_layer.py 2>/dev/null \
+                | grep -E '^tests/.*(\[([^]]*-)?fast(-[0-9]+)?\]|_is_stable|_full_width_b1\[full\])$')
+          K3_TEST_TIMEOUT=470 bash scripts/h200_tests.sh tests/gpu/test_rms_gemv.py tests/gpu/test_gemv_splitk.py \
+            tests/gpu/test_oproj_attnres.py tests/gpu/test_kda_conv_gate_step.py tests/gpu/test_router_down_topk.py \
+            tests/gpu/test_moe_tail.py $ids ;;
   s86smoke) timeout 60 python3 -c "import torch; from k3fast.gemm_wgmma_splitk import gemm_wgmma as g
 x = torch.randn(64, 7168, device='cuda').bfloat16(); w = torch.randn(3216, 7168, device='cuda').bfloat16()
 y = g(x, w); torch.cuda.synchronize(); print('smoke: max |y - ref|', (y.float() - x.float() @ w.float().T).abs().max().item())" \
             || { echo "smoke failed: gemm_wgmma did not finish"; exit 1; } ;;
-  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89|s90q|s90|s91|s90b|s90c|s90d|s90e|s90f|s92|s93|s94|s95|s96|s97|s98|s99|s100|s101|s102|s103|s103b|s104|s104b|s104c|s105|s105b|s106|s106b|s106c|s107|s107b|s107c|s108|s108b|s109|s110a|s110b"; exit 2 ;;
+  *) echo "usage: K3_COMMIT=<commit> bash scripts/h200_next.sh tests|tests1|tests2|changed|changed5|kda|skewed|mla|cellsA|cellsB|cellsC|cellsD|cellsF|rot|rotperf|tests1x|kdaall|s5tests|s5perf|s5fix|s6tests|s6perf|s7tests|s7perf|kdaall2|s8|s9tests|s9perf|s10tests|s10perf|s11|rank8x|s12|s13|s14|s15|s16|s17|ncu1|s18|s19|ncu2|s20|s20b|s21|s21b|ncu3|s22|ncu4|s23|s24|s25|s26|s27|s27t|s28|s29|s29t|s30|s31|s32|s33|s34|s35|s38|s38t|s39|s40|s40t|s41|s42|s43|ncu5|s44|ncu6|s45|ncu7|s46|s47|s48|s49|s50|ncu8|s51|s51b|s52|s52b|s53|s54|s55|s56|ncu9|ncu10|s57|s58|s59|s60|s61|s62|s63|s64|s65|s66|s67|s68|s69|s70|s71|s72|s73|s74|s75|s76|s77|s78|s79|s80|s81|s82|s83|s84|s85|s86|s86smoke|s87|s88|s89|s90q|s90|s91|s90b|s90c|s90d|s90e|s90f|s92|s93|s94|s95|s96|s97|s98|s99|s100|s101|s102|s103|s103b|s104|s104b|s104c|s105|s105b|s106|s106b|s106c|s107|s107b|s107c|s108|s108b|s109|s110a|s110b|s111"; exit 2 ;;
 esac
