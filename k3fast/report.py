@@ -294,7 +294,7 @@ def closing_targets_table(records: list[dict], experts: list[dict] | None = None
                     if fa is None or (test == "speedup" and st is None):
                         continue
                     if test == "kernels":
-                        v, ok, shown = fa["kernels"], fa["kernels"] <= bound, f"{fa['kernels']:g}"
+                        ok, shown = fa["kernels"] <= bound, f"{fa['kernels']:g}"
                     elif test == "over_floor":
                         v = fa["replay_us_median"] / fa["floor_us"]
                         ok, shown = v <= bound, f"{v:.2f}x ({fa['replay_us_median']:.1f} / {fa['floor_us']:.1f} µs)"

@@ -486,3 +486,11 @@ def test_closing_block_targets_ceilings_and_one_run_rule(tmp_path):
     assert update_closing(str(readme), check=True)
     readme.write_text(text.replace("2.00x (72.0", "2.10x (72.0"))
     assert not update_closing(str(readme), check=True)
+
+
+def test_readme_closing_blocks_match_their_files():
+    # every figure in README's closing-sweep blocks is rebuilt from the JSON files their markers name
+    from k3fast.report import CLOSING_BEGIN, ROOT, update_closing
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert f.read().count(CLOSING_BEGIN) == 2
+    assert update_closing(check=True), "README's closing-sweep block differs from its files: python -m k3fast.report"
