@@ -816,3 +816,24 @@ for shape in ("k3_rank16", "k3_rank8"):
     assert moe_cell(s108b, "fast", 8, shape) < moe_cell(s108b, "fast-v51", 8, shape) < moe_cell(s108b, "stock", 8, shape)
     assert moe_cell(s108c, "fast", 8, shape) < 1.04 * moe_cell(s108c, "fast-v51", 8, shape)
 print("ok (v5.2: v7's items on the device when the passes are few)")
+
+# %% [markdown]
+# ## 25. The shared memory or the code? (A0pad8, session 34)
+# v5.2 asks for 74,768 B of shared memory where v5.1 asks for 66,592, and at rank16 b8 that is the one difference
+# in the launch. `A0pad8` is v5.1's kernel padded by 8,192 B to 74,784 B, 16 B over v5.2. If the shared memory were
+# the cause, A0pad8 would sit with the default; it sits with v5.1 (s110a, H100, one run per routing), so the
+# uniform rank16 b8 cost comes with v7's item path in the binary. The skewed rows show what that path buys.
+
+# %%
+s110 = {r: bench_rows(f"traces/h100/experts-340beb3-s110a{'-skewed' if r == 'skewed' else ''}.json")
+        for r in ("uniform", "skewed")}
+print(f"{'routing':8} {'shape':10} {'marlin':>7} {'v5.2':>7} {'v5.1':>7} {'A0pad8':>7} {'v5.2/v5.1':>9}")
+for routing, rows in s110.items():
+    for shape in ("k3_rank16", "k3_rank8"):
+        d, a0, pad = (rows[(shape, 8, v)] for v in ("default", "A0", "A0pad8"))
+        print(f"{routing:8} {shape:10} {rows[(shape, 8, 'marlin')]:7.1f} {d:7.1f} {a0:7.1f} {pad:7.1f} {d / a0:9.3f}")
+        assert abs(pad / a0 - 1) < 0.01                  # the padding alone moves nothing
+un, sk = s110["uniform"], s110["skewed"]
+assert un[("k3_rank16", 8, "default")] > 1.03 * un[("k3_rank16", 8, "A0pad8")]     # the miss is the code's
+assert sk[("k3_rank8", 8, "default")] < 0.9 * sk[("k3_rank8", 8, "A0")]           # and the code's gain
+print("ok (A0pad8 = v5.1: the shared memory is ruled out)")
