@@ -2,5 +2,5 @@
 trace/benchmark tooling and the bytes-and-floor reports.
 
 Importing k3fast needs neither a GPU nor CuTe DSL: kernel modules import ``cutlass`` lazily, at their
-first compile (k3fast._dsl pins CUTE_DSL_ARCH=sm_90a when nothing else was chosen).
+first compile (k3fast.kernels._dsl pins CUTE_DSL_ARCH=sm_90a when nothing else was chosen).
 """

@@ -43,12 +43,14 @@ def batch1_warmups():
     d = c.hidden_size
 
     def rms():
-        from . import kda_conv_gate_step as kmod, rms_gemv
+        from .kernels import kda_conv_gate_step as kmod
+        from .kernels import rms_gemv
         n = kmod.proj_width(c.kda_heads)
         rms_gemv.warmup([(n, d)], [1], attnres_K=d, attnres_N=(n,), n_blocks=[1], block_write=(-1,), deltas=(True,),
                         early_trigger=True)     # as the layer calls its in_proj (FastImpl attn_early_trigger)
     def ring():
-        from . import kda_conv_gate_step as kmod, rms_gemv_ring
+        from .kernels import kda_conv_gate_step as kmod
+        from .kernels import rms_gemv_ring
         key = rms_gemv_ring.compile_key(1, d, kmod.proj_width(c.kda_heads), True, 1, True, -1, "bf16", c.rms_norm_eps,
                                         early_trigger=True)
         rms_gemv_ring._compile(key)
@@ -56,21 +58,21 @@ def batch1_warmups():
         ("rms_gemv_ring", "AttnRes + RMSNorm + packed in_proj, weights through a bulk-copy ring (M <= 2)", ring),
         ("rms_gemv", "AttnRes + RMSNorm + packed in_proj GEMV", rms),
         ("kda_conv_gate_step", "KDA core (conv, gates, delta rule, gated norm)",
-         lambda: __import__("k3fast.kda_conv_gate_step", fromlist=["x"]).warmup(c.kda_heads, [1], early_trigger=True)),
+         lambda: __import__("k3fast.kernels.kda_conv_gate_step", fromlist=["x"]).warmup(c.kda_heads, [1], early_trigger=True)),
         ("oproj_attnres", "o_proj + partial sum + AttnRes #2 + RMSNorm",
-         lambda: __import__("k3fast.oproj_attnres", fromlist=["x"]).warmup([c.kda_proj], [2], [1])),
+         lambda: __import__("k3fast.kernels.oproj_attnres", fromlist=["x"]).warmup([c.kda_proj], [2], [1])),
         ("router_down_topk", "router + latent down + top-16",
-         lambda: __import__("k3fast.router_down_topk", fromlist=["x"]).warmup([1])),
+         lambda: __import__("k3fast.kernels.router_down_topk", fromlist=["x"]).warmup([1])),
         ("moe_mxfp4_experts", "MXFP4 routed experts + combine",
-         lambda: __import__("k3fast.moe_mxfp4_experts", fromlist=["x"]).warmup(c, [1], nsm=132)),
+         lambda: __import__("k3fast.kernels.moe_mxfp4_experts", fromlist=["x"]).warmup(c, [1], nsm=132)),
         ("moe_tail", "shared gate/up + SiTU; routed norm + up + shared down + add",
-         lambda: __import__("k3fast.moe_tail", fromlist=["x"]).warmup(c.shared_intermediate, [1])),
+         lambda: __import__("k3fast.kernels.moe_tail", fromlist=["x"]).warmup(c.shared_intermediate, [1])),
     ]
 
 
 def compile_kernels() -> None:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from k3fast._dsl import COMPILE_LOG, dsl_available
+    from k3fast.kernels._dsl import COMPILE_LOG, dsl_available
     if not dsl_available():
         print("  CuTe DSL (nvidia-cutlass-dsl + apache-tvm-ffi) not installed: skipping (pip install -e '.[gpu]')")
         return
@@ -89,11 +91,11 @@ def main() -> int:
     print("2. fused kernels")
     compile_kernels()
     print("3. recorded H200 traces")
-    from k3fast import report
+    from k3fast.measure import report
     report.main(["--print-only"])
     if torch.cuda.is_available():
         print("4. live trace (k3_rank16 KDA+MoE, batch 1)")
-        from k3fast import trace
+        from k3fast.measure import trace
         trace.main(["--kinds", "kda_moe", "--shapes", "k3_rank16", "--batches", "1", "--impls", "ref", "stock",
                     "--replays", "20", "--out", "traces/live"])
     return 0

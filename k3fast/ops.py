@@ -1,7 +1,7 @@
 """The fused kernels as torch custom ops (``torch.ops.k3fast.*``), so they compose with torch.compile, FX graphs
 and other libraries' ops.
 
-Each op calls the same host functions as the fused decode step (k3fast.fast.FastImpl: validation, compile-once
+Each op calls the same host functions as the fused decode step (k3fast.layer.FastImpl: validation, compile-once
 cache, TVM-FFI launch on torch's current stream), with its batch dispatch: above INPROJ_DSL_MAX_M the in_proj GEMV,
 above GEMV_DSL_MAX_M o_proj, above FRONT_DSL_MAX_M the front's GEMM and above TAIL_DSL_MAX_M the tail run on
 cuBLAS, as in FastImpl, so a layer written with the ops gives FastImpl's bits at every batch. Each op has a fake
@@ -33,7 +33,7 @@ _EXPERT_WS: dict = {}
 
 
 def _experts_workspace(dL: int, device: torch.device):
-    from .moe_mxfp4_experts import make_workspace
+    from .kernels.moe_mxfp4_experts import make_workspace
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (device, dL)
@@ -48,7 +48,7 @@ def _experts_workspace(dL: int, device: torch.device):
 def attnres_rms_gemv(blocks: torch.Tensor, n_blocks: int, partial: torch.Tensor, delta: torch.Tensor,
                      u: torch.Tensor, w_ln: torch.Tensor, w: torch.Tensor, eps: float, block_write: int,
                      partial_out: torch.Tensor) -> torch.Tensor:
-    from .fast import attnres_in_proj
+    from .layer import attnres_in_proj
     y, _ = attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps, block_write=block_write,
                            partial_out=partial_out)
     return y
@@ -63,7 +63,7 @@ def _(blocks, n_blocks, partial, delta, u, w_ln, w, eps, block_write, partial_ou
 def kda_conv_gate_step(proj: torch.Tensor, w_fb: torch.Tensor, conv_w: torch.Tensor, a_log: torch.Tensor,
                        dt_bias: torch.Tensor, o_norm: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
                        slots: torch.Tensor, heads: int, T: int, lower_bound: float, eps: float) -> torch.Tensor:
-    from .kda_conv_gate_step import kda_conv_gate_step as impl
+    from .kernels.kda_conv_gate_step import kda_conv_gate_step as impl
     return impl(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, heads=heads, T=T,
                 lower_bound=lower_bound, eps=eps, early_trigger=True)
 
@@ -77,8 +77,8 @@ def _(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, 
 def oproj_attnres(y: torch.Tensor, w_o: torch.Tensor, blocks: torch.Tensor, n_blocks: int, partial: torch.Tensor,
                   u_mlp: torch.Tensor, w_post: torch.Tensor, eps: float,
                   boundary: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from .fast import oproj_attnres_cublas, oproj_fused
-    from .oproj_attnres import oproj_attnres as impl
+    from .layer import oproj_attnres_cublas, oproj_fused
+    from .kernels.oproj_attnres import oproj_attnres as impl
     if not oproj_fused(y.shape[0], w_o.shape[1]):
         return oproj_attnres_cublas(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps=eps, boundary=boundary)
     return impl(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps=eps, boundary=boundary)
@@ -95,8 +95,8 @@ def _(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps, boundary):
 @torch.library.custom_op("k3fast::router_down_topk", mutates_args=())
 def router_down_topk(x: torch.Tensor, w_packed: torch.Tensor, e_bias: torch.Tensor, n_experts: int, top_k: int,
                      scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .fast import FRONT_DSL_MAX_M
-    from .router_down_topk import router_down_topk as impl, router_down_topk_cublas
+    from .layer import FRONT_DSL_MAX_M
+    from .kernels.router_down_topk import router_down_topk as impl, router_down_topk_cublas
     if x.shape[0] > FRONT_DSL_MAX_M:
         return router_down_topk_cublas(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
     return impl(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
@@ -115,8 +115,8 @@ def router_down_topk_shared(x: torch.Tensor, w_packed: torch.Tensor, e_bias: tor
                             shared: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """router_down_topk and shared_expert_gate_up from one pass over x: w_packed is prepare_front_shared_weight's
     [W_r; W_down; W_sg; W_su] and shared = Is (FastImpl's default front at every batch)."""
-    from .fast import FRONT_DSL_MAX_M
-    from .router_down_topk import kernel_path, router_down_topk as impl, router_down_topk_cublas
+    from .layer import FRONT_DSL_MAX_M
+    from .kernels.router_down_topk import kernel_path, router_down_topk as impl, router_down_topk_cublas
     if x.shape[0] <= FRONT_DSL_MAX_M and kernel_path(x.shape[0]) == "fma":
         return impl(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling, shared=shared)
     return router_down_topk_cublas(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling,
@@ -133,7 +133,7 @@ def _(x, w_packed, e_bias, n_experts, top_k, scaling, shared):
 
 @torch.library.custom_op("k3fast::shared_expert_gate_up", mutates_args=())
 def shared_expert_gate_up(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    from .moe_tail import shared_expert_gate_up as impl
+    from .kernels.moe_tail import shared_expert_gate_up as impl
     return impl(x, packed)
 
 
@@ -146,7 +146,7 @@ def _(x, packed):
 def moe_mxfp4_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, w13q: torch.Tensor,
                       w13s: torch.Tensor, w2q: torch.Tensor, w2s: torch.Tensor, situ_beta: float,
                       situ_linear_beta: float, layout: str) -> torch.Tensor:
-    from .moe_mxfp4_experts import moe_mxfp4_experts as impl
+    from .kernels.moe_mxfp4_experts import moe_mxfp4_experts as impl
     return impl(z, topk_ids, topk_w, w13q, w13s, w2q, w2s, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                 workspace=_experts_workspace(z.shape[1], z.device), layout=layout)
 
@@ -159,8 +159,8 @@ def _(z, topk_ids, topk_w, w13q, w13s, w2q, w2s, situ_beta, situ_linear_beta, la
 @torch.library.custom_op("k3fast::moe_tail", mutates_args=())
 def moe_tail(r: torch.Tensor, w_norm: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, w_sd: torch.Tensor,
              eps: float) -> torch.Tensor:
-    from .fast import TAIL_DSL_MAX_M, moe_tail_cublas
-    from .moe_tail import moe_tail as impl
+    from .layer import TAIL_DSL_MAX_M, moe_tail_cublas
+    from .kernels.moe_tail import moe_tail as impl
     if r.shape[0] > TAIL_DSL_MAX_M:
         return moe_tail_cublas(r, w_norm, w_up, h, w_sd, eps=eps)
     return impl(r, w_norm, w_up, h, w_sd, eps=eps)

@@ -19,7 +19,7 @@
 # A trace record answers four questions about one decode step of one layer: how many kernels ran, how long the
 # GPU spent in them, how long a CUDA-graph replay took end to end (median of many, L2 flushed before each), and
 # how that compares with the floor — the bytes the step must move over the copy bandwidth measured in the same
-# run. Records are produced on the H200 by `python -m k3fast.trace` and kept under `traces/h200/`.
+# run. Records are produced on the H200 by `python -m k3fast.measure.trace` and kept under `traces/h200/`.
 # This notebook loads them on any machine; with a GPU it also captures a live one.
 
 # %%
@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from k3fast.report import load_records, table
+from k3fast.measure.report import load_records, table
 
 records = load_records()
 print(len(records), "records")
@@ -68,11 +68,11 @@ if r:
 # Each record also keeps one replay's kernels with their start and end (`replay_timeline`, measured after the same
 # L2 flush as the timed replays), and at batch 1 a Perfetto trace of the eager step with its NVTX ranges. Open the
 # `.json.gz` in https://ui.perfetto.dev, or compare the same cell in Nsight Systems (`nsys profile` on
-# `python -m k3fast.trace`). Below, the newest records of one cell.
+# `python -m k3fast.measure.trace`). Below, the newest records of one cell.
 
 # %%
 from k3fast import nbtools  # noqa: E402
-from k3fast.report import perfetto_file  # noqa: E402
+from k3fast.measure.report import perfetto_file  # noqa: E402
 
 for impl in ("stock", "fast"):
     r = next((x for x in records if (x["layer_kind"], x["shape"], x["batch"], x["impl"], x["part"])
@@ -136,10 +136,10 @@ assert max(outside) - min(outside) < 1.0 and min(outside) > 3.0
 # (s110a / s110b, every issue cell, stock beside fast in one run per routing) was measured on an H100, whose copy
 # bandwidth (2.9-3.0 TB/s) is 0.7x the H200's. Byte-bound time grows on the slower card while stock's launch and
 # small-kernel costs do not, so every ceiling is lower there. README's "Closing sweep" block is this table, built by
-# `python -m k3fast.report`.
+# `python -m k3fast.measure.report`.
 
 # %%
-from k3fast.report import closing_targets_table, latest_experts_default
+from k3fast.measure.report import closing_targets_table, latest_experts_default
 
 sweep = load_records(os.path.join(nbtools.ROOT, "traces", "h100", "records-340beb3-s110*.json"))
 print(closing_targets_table(sweep, latest_experts_default("traces/h100/experts-*.json")))
@@ -157,7 +157,7 @@ assert len(full_attn_stock) == 6 and all(r["replay_us_median"] / r["floor_us"] <
 
 # %%
 if torch.cuda.is_available():
-    from k3fast import trace
+    from k3fast.measure import trace
     trace.main(["--kinds", "kda_moe", "--shapes", "k3_rank16", "--batches", "1", "--impls", "ref", "stock",
                 "--replays", "20", "--out", "traces/live"])
 else:
@@ -165,7 +165,7 @@ else:
 
 # %%
 # The assertion cell: every recorded number is self-consistent.
-from k3fast.report import validate
+from k3fast.measure.report import validate
 assert not validate(records), validate(records)[:5]
 for r in records:
     assert r["replay_us_median"] > 0 and r["kernels"] >= 1

@@ -31,7 +31,7 @@ from k3ref import Precision, ResidualStream, k3_rank, random_layer, tiny
 from k3ref.attnres import pre_attention
 from k3ref.kda import kda_projections
 
-from k3fast import nbtools
+from k3fast.measure import nbtools
 
 P = Precision.exact()
 cfg = tiny()
@@ -77,10 +77,10 @@ print(nbtools.stage_floors(("k3.kda.in_proj", "k3.attn_res")))
 # prologue, the weights through a bulk-copy shared-memory ring); sections 3-12 are the FMA kernel's story.
 
 # %%
-from k3fast import rms_gemv
+from k3fast.kernels import rms_gemv
 print(rms_gemv.__doc__.split("\n\n")[0])
 c16 = k3_rank(16)
-from k3fast import kda_conv_gate_step as kmod
+from k3fast.kernels import kda_conv_gate_step as kmod
 N16 = kmod.proj_width(c16.kda_heads)
 print(nbtools.compile_on_cpu(rms_gemv.warmup, [(N16, 7168)], [1], attnres_K=7168, attnres_N=(N16,), n_blocks=[1],
                              block_write=(-1,), deltas=(True,)))
@@ -95,8 +95,8 @@ print(nbtools.compile_on_cpu(rms_gemv.warmup, [(N16, 7168)], [1], attnres_K=7168
 # The measured effect is a question for the next H200 run (`k3fast/LOG.md`).
 
 # %%
-from k3fast._dsl import dsl_available
-from k3fast.ptxcheck import loop_issue_order
+from k3fast.kernels._dsl import dsl_available
+from k3fast.measure.ptxcheck import loop_issue_order
 if dsl_available():
     print("fused config (rows per CTA pass, k-slices, grid):", rms_gemv._fused_config(N16, 7168))
     for label, seq in loop_issue_order(rms_gemv.fused_ptx(N16), min_loads=2):
@@ -117,7 +117,7 @@ print(nbtools.bench_table(nbtools.recorded_kernel_bench("attnres_rms_gemv")))
 if torch.cuda.is_available():
     cg = k3_rank(16)
     wg = random_layer(cg, 1, seed=0, device="cuda")
-    from k3fast.impls import make_io
+    from k3fast.measure.impls import make_io
     io = make_io(cg, 1, 1)
     rows = torch.cat([wg.attn.q_proj, wg.attn.k_proj, wg.attn.v_proj, wg.attn.g_proj, wg.attn.f_a_proj, wg.attn.b_proj])
     Win = torch.cat([rows, rows.new_zeros(N16 - rows.shape[0], 7168)]).contiguous()
@@ -152,7 +152,7 @@ for key in sorted(split):
 
 # %% [markdown]
 # ## 7. What the layer does with that: dispatch by batch
-# A fused kernel earns its place per batch, by measurement. `k3fast.fast` keeps this kernel at M <= 4 (fused
+# A fused kernel earns its place per batch, by measurement. `k3fast.layer` keeps this kernel at M <= 4 (fused
 # prologue + FMA GEMV, one launch at M <= 2), and above `GEMV_DSL_MAX_M` it runs the same prologue followed by
 # cuBLAS, because both of our tensor-core GEMVs lost to it there (rows above; at b8 the layer A/B `fast-gemv0`
 # measured the attention half at 41.9 us against 46.7 with ours, records-cd4a730-s5perf.json). The same rule
@@ -160,7 +160,7 @@ for key in sorted(split):
 # CuTe kernel at every batch, so the choice is an A/B in one run.
 
 # %%
-from k3fast import fast as fast_mod
+from k3fast import layer as fast_mod
 print("in_proj: fused ring up to M = 2 | M 3..8:", fast_mod.INPROJ_MID, "GEMV after attnres_rmsnorm | above: cuBLAS")
 print("o_proj fused (oproj_attnres) up to M =", fast_mod.GEMV_DSL_MAX_M, "| router front up to M =",
       fast_mod.FRONT_DSL_MAX_M, "| MoE tail up to M =", fast_mod.TAIL_DSL_MAX_M)
@@ -177,7 +177,7 @@ print("o_proj fused (oproj_attnres) up to M =", fast_mod.GEMV_DSL_MAX_M, "| rout
 # v6 (`pin_loads=True`, impl `fast-gemvpin`, opt-in until the H200 measures it) ties the batch together. Each
 # weight scale gets `+ 0 * (w_0 + ... + w_6)` (the first weight of each vector): exactly 0 for finite weights, so
 # the output is bit-identical, but now every FMA depends on all 7 loads. ptxas then issues them together, at 128
-# registers instead of 82. `k3fast.ptxcheck` counts such "loads behind a use" for every kernel. Below, its record
+# registers instead of 82. `k3fast.measure.ptxcheck` counts such "loads behind a use" for every kernel. Below, its record
 # for this kernel, then (where a ptxas and nvdisasm are found) the loop's issue order compiled here:
 # L = global load, f = FFMA.
 
@@ -206,7 +206,7 @@ if tools is not None and dsl_available():
         ops = "".join("L" if "LDG.E.NA" in ln else "f" if "FFMA" in ln else "" for ln in sass.splitlines())
         print(f"pin={pin!s:5s} loop: {re.search(r'L[Lf]*', ops).group(0)[:48]}")
 else:
-    print("no ptxas / nvdisasm here (k3fast.ptxcheck.find_sass_tools): the recorded counts above are the evidence")
+    print("no ptxas / nvdisasm here (k3fast.measure.ptxcheck.find_sass_tools): the recorded counts above are the evidence")
 
 # %% [markdown]
 # Measured (session 7, one run): the pinned loads are bit-identical, and they took the fused kernel from 23.9 to
@@ -218,7 +218,7 @@ else:
 # The fused prologue serves M <= 2 (`FUSE_MAX_M`, section 6). At M = 3-4 the AttnRes + RMSNorm kernel runs on its
 # own, and the GEMV behind it needs no fusion, so the only question is which GEMV is fastest. At b4 the FMA kernel
 # took 37.7 µs in the bench, against cuBLAS's 19.7 (why the FMA kernel slows from 23 µs at b1 to 38 at b4 is not
-# analysed yet). So `k3fast.fast.INPROJ_DSL_MAX_M = 2`, and `fast-s10` is the A/B with the FMA kernel at M = 3-4. o_proj keeps its fused kernel to M = 4: there the fusion saves a launch and an AttnRes pass.
+# analysed yet). So `k3fast.layer.INPROJ_DSL_MAX_M = 2`, and `fast-s10` is the A/B with the FMA kernel at M = 3-4. o_proj keeps its fused kernel to M = 4: there the fusion saves a launch and an AttnRes pass.
 
 # %%
 print(nbtools.ab_table("traces/h200/records-84291ed-s9perf.json", "attn", ["stock", "fast", "fast-gemvpin"]))
@@ -238,7 +238,7 @@ print(nbtools.replay_timeline("traces/h200/records-0bc90c0-s11.json", "attn", "f
 # v8 (`x_fp32=True`, impl `fast-inxf`) widens x once into fp32 shared memory, with one zero vector past its end,
 # and the past-the-end lanes read that zero vector instead of multiplying their weights by 0. v6's pin, which
 # keeps the 7 loads issued together, then joins each accumulator once per batch (`acc + 0`) instead of each
-# weight's scale. The table is from `python -m k3fast.ptxcheck` (ptxas 12.9, recorded under `traces/cpu/`).
+# weight's scale. The table is from `python -m k3fast.measure.ptxcheck` (ptxas 12.9, recorded under `traces/cpu/`).
 
 # %%
 sass_rows, sass_src, newest = [], "", ""
@@ -428,7 +428,7 @@ with open(os.path.join(nbtools.ROOT, ncu5[1])) as f:
 # slots, which the producer fills after the prologue's last read, behind a proxy fence.
 
 # %%
-from k3fast import rms_gemv_ring
+from k3fast.kernels import rms_gemv_ring
 print("grid, busiest CTA's chunks (rank16 / rank8):", [(rms_gemv_ring.grid_for(n), rms_gemv_ring.chunks_max(n))
                                                       for n in (3216, 6288)])
 print("ring slots, filled before the prologue (M = 1, n_blocks = 1 / 8):",
@@ -640,7 +640,7 @@ for (shape, M, form), r in sorted(cells.items()):
 assert cells[("k3_rank16", 64, "mm")]["kernels_per_gemm"] == 2 and cells[("k3_rank16", 64, "lt")]["kernels_per_gemm"] == 1
 assert all(set(cells[(s, m, "mm")]["kernel_names"]) == set(cells[(s, m, "lt")]["kernel_names"])
            for (s, m, f) in cells if f == "mm" and (s, m) != ("k3_rank16", 64))
-from k3fast import fast as fast_mod
+from k3fast import layer as fast_mod
 assert fast_mod.INPROJ_BLAS == "cublaslt"
 print(nbtools.ab_table("traces/h200/records-3b5c7d3-s82.json", "attn", ["stock", "fast", "fast-inmm"]))
 
@@ -658,7 +658,7 @@ print(nbtools.ab_table("traces/h200/records-3b5c7d3-s82.json", "attn", ["stock",
 # clusters of 4 where the table said 32).
 
 # %%
-from k3fast import gemm_wgmma_splitk as gw
+from k3fast.kernels import gemm_wgmma_splitk as gw
 for tp, N in ((16, N16), (8, kmod.proj_width(k3_rank(8).kda_heads))):
     BN, S, D, BK = gw.plan(N, 7168)
     print(f"rank{tp}: N = {N}: {-(-N // BN)} clusters of S = {S} CTAs, BN = {BN} rows, a ring of {D} x "
@@ -749,7 +749,7 @@ if torch.cuda.is_available():
 # it at rank8 for M 9..64 too (`fast.INPROJ_WIDE_PINS_WIDE`). `fast-inwgoff` is the A/B (cuBLAS at every M > 8).
 
 # %%
-from k3fast.fast import inproj_wide_choice
+from k3fast.layer import inproj_wide_choice
 print({M: inproj_wide_choice(M, N16) for M in (9, 16, 17, 64)},
       {M: inproj_wide_choice(M, kmod.proj_width(k3_rank(8).kda_heads)) for M in (9, 16, 64)})
 assert inproj_wide_choice(16, N16) == "wgmma" and inproj_wide_choice(64, N16) == "wgmma"
@@ -798,7 +798,7 @@ print(nbtools.ab_table(S100, "attn", ["stock", "fast"]))
 s99, text = nbtools.kernel_ab("traces/h200/kernels-5dfaf5c-s99.json", "gemm_in_proj_plain@wgmma4bn112nox",
                               "gemm_in_proj_plain@wgmma4bn112", [16, 64], shapes=("k3_rank16",))
 print(text)
-from k3fast.fast import inproj_wide_pins, oproj_wide_choice
+from k3fast.layer import inproj_wide_pins, oproj_wide_choice
 print(inproj_wide_pins(N16, None, None, 64), oproj_wide_choice(768, None, 64))
 assert inproj_wide_pins(N16, None, None, 64) == {"ksplit": 4, "bn": 112, "xrows": "auto"}
 s97 = {(r["impl"], r["batch"]): r for r in json.load(open(os.path.join(nbtools.ROOT, S97)))["records"]

@@ -37,7 +37,7 @@ from k3ref import Precision, k3, k3_rank, random_layer, tiny
 from k3ref.bytes import floor_us, layer_bytes
 from k3ref.kda import gated_delta_rule_chunked, gated_delta_rule_recurrent, kda_core, kda_projections
 from k3ref.state import KDAState
-from k3fast import nbtools
+from k3fast.measure import nbtools
 
 # %% [markdown]
 # ## 1. The reference ops: one token through the core (tiny, fp64)
@@ -80,7 +80,7 @@ for name, c in (("k3_rank16", k3_rank(16)), ("k3_rank8", k3_rank(8)), ("full", k
 # ## 3. The fused kernel (`k3fast/kda_conv_gate_step.py`)
 
 # %%
-from k3fast import kda_conv_gate_step as kmod
+from k3fast.kernels import kda_conv_gate_step as kmod
 print(kmod.__doc__.split("\n\n")[0])
 print(nbtools.compile_on_cpu(kmod.warmup, 6, [1]))
 

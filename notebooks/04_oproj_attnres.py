@@ -31,7 +31,7 @@ import torch
 from k3ref import Precision, ResidualStream, k3_rank, random_layer, tiny
 from k3ref.attnres import attn_res_mix, attn_res_u, pre_mlp
 
-from k3fast import nbtools
+from k3fast.measure import nbtools
 
 cfg, P = tiny(), Precision.exact()
 w = random_layer(cfg, 3, seed=0)
@@ -68,7 +68,7 @@ print(nbtools.stage_floors(("k3.o_proj", "k3.attn_res_mlp")))
 # ## 3. The fused kernel (`k3fast/oproj_attnres.py`)
 
 # %%
-from k3fast import oproj_attnres as om
+from k3fast.kernels import oproj_attnres as om
 print(om.__doc__.split("\n\n")[0])
 print(nbtools.compile_on_cpu(om.warmup, [768], [2], [1]))
 
@@ -265,7 +265,7 @@ print(f"full b8: fused {s76[('full', 8, 'fast-opfull')]['replay_us_median']:.1f}
       f"(floor {s76[('full', 8, 'fast')]['floor_us']:.1f})")
 assert s76[("full", 8, "fast")]["replay_us_median"] < s76[("full", 8, "stock")]["replay_us_median"] \
     < s76[("full", 8, "fast-opfull")]["replay_us_median"]
-from k3fast.fast import oproj_fused
+from k3fast.layer import oproj_fused
 assert oproj_fused(8, 1536) and not oproj_fused(8, 12288) and not oproj_fused(9, 768)
 
 
@@ -302,7 +302,7 @@ s90e, s90f = attn_us(S90E), attn_us("traces/h200/records-f3d976a-s90f.json")
 for runs in (s90e, s90f):
     for b in (16, 64):
         assert runs[("k3_rank8", b, "fast-opwg")]["replay_us_median"] < runs[("k3_rank8", b, "fast")]["replay_us_median"]
-from k3fast.fast import oproj_wide_choice
+from k3fast.layer import oproj_wide_choice
 assert oproj_wide_choice(1536) == "wgmma" and oproj_wide_choice(768) == "cublas"
 assert oproj_wide_choice(768, None, 16) == "cublas" and oproj_wide_choice(768, None, 64) == "wgmma"
 

@@ -25,7 +25,7 @@ import torch
 from k3ref import Precision, k3_rank, random_layer, tiny
 from k3ref.bytes import floor_us, layer_bytes
 from k3ref.moe import route
-from k3fast import nbtools
+from k3fast.measure import nbtools
 
 cfg, P = tiny(), Precision.exact()
 w = random_layer(cfg, 1, seed=0).mlp
@@ -56,7 +56,7 @@ print(f"router + latent down: {nb / 1e6:.1f} MB, floor {floor_us(nb, 4.3):.1f} Â
 # the top-16 (a last-arriver counter, reset by the last arriver so graph replays need no memset).
 
 # %%
-from k3fast import router_down_topk as rm
+from k3fast.kernels import router_down_topk as rm
 print(rm.__doc__.split("\n\n")[0])
 print(nbtools.compile_on_cpu(rm.warmup, [1]))
 
@@ -118,12 +118,12 @@ for r in sizes:
 # CPU:
 
 # %%
-from k3fast._dsl import dsl_available  # noqa: E402
+from k3fast.kernels._dsl import dsl_available  # noqa: E402
 
 if dsl_available():
-    from k3fast import router_down_topk as rdt
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.kernels import router_down_topk as rdt
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx
     old, rdt.TVM_FFI = rdt.TVM_FFI, TVM_FFI + " --keep-ptx"
     try:
         ptx = compiled_ptx(lambda: rdt._build(0, 896, 3584, 7168, 16, rdt.UNROLL, shared=384))

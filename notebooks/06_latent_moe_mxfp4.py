@@ -29,7 +29,7 @@ from k3ref import Precision, k3, k3_rank, random_layer, tiny
 from k3ref.bytes import expected_distinct_experts, expert_bytes, floor_us
 from k3ref.moe import latent_moe, routed_experts, routed_experts_loop, route
 from k3ref.quant import dequant_mxfp4, unpack_e2m1
-from k3fast import nbtools
+from k3fast.measure import nbtools
 
 cfg, P = tiny(), Precision.exact()
 w = random_layer(cfg, 1, seed=0).mlp
@@ -67,7 +67,8 @@ for name, c in (("k3_rank16", k3_rank(16)), ("k3_rank8", k3_rank(8)), ("full", k
 # ## 4. The fused kernels (`k3fast/moe_mxfp4_experts.py`, `k3fast/moe_tail.py`)
 
 # %%
-from k3fast import moe_mxfp4_experts as mx, moe_tail as mt
+from k3fast.kernels import moe_mxfp4_experts as mx
+from k3fast.kernels import moe_tail as mt
 print(mx.__doc__.split("\n\n")[0])
 print(nbtools.compile_on_cpu(mx.warmup, k3_rank(16), [1], nsm=132))
 print(nbtools.compile_on_cpu(mt.warmup, k3_rank(16).shared_intermediate, [1]))
@@ -88,14 +89,14 @@ print(nbtools.bench_table(nbtools.recorded_kernel_bench("moe_mxfp4_experts")))
 # needs ~30 GB/s to saturate HBM. Version 3 read a slot, issued its refill, and only then decoded the old words.
 # The old and new values were then alive together, so the compiler copied every ring register at the loop head.
 # A copy of a register with a load in flight waits for that load: once every D steps, a full HBM round trip.
-# Version 4 decodes the slot first, then refills it. `k3fast.ptxcheck` counts such copies in the compiled PTX, so
+# Version 4 decodes the slot first, then refills it. `k3fast.measure.ptxcheck` counts such copies in the compiled PTX, so
 # the bug is visible on a CPU. On the H200 v4 was bit-identical to v3 and 1.4x faster at batch 8, but only 9 %
 # at batch 64: the copies were a cost, not *the* cost (section 7).
 
 # %%
 import dataclasses
-from k3fast._dsl import dsl_available
-from k3fast.ptxcheck import compiled_ptx, loop_copies_of_loads
+from k3fast.kernels._dsl import dsl_available
+from k3fast.measure.ptxcheck import compiled_ptx, loop_copies_of_loads
 if dsl_available():
     key = mx.compile_key(56, 3584, 256, 1, version=4)
     for v in (3, 4):
@@ -110,7 +111,7 @@ else:
 
 # %% [markdown]
 # ## 7. What the H200 said: clusters that do not fit at once
-# `python -m k3fast.bench_experts` times design variants of the kernel on the same inputs in one run. The kernel
+# `python -m k3fast.measure.bench_experts` times design variants of the kernel on the same inputs in one run. The kernel
 # is persistent: cluster q takes active experts q, q + Q, ... A cluster of C CTAs must fit inside one GPC (16-18
 # SMs), so a grid of 33 clusters of 4 does not fit at once, and the 33rd cluster runs its whole share after the
 # others: the time doubles. Clusters of 2 are TPC pairs, and all 66 fit. The `probe` rows replace decode and MMA
@@ -251,7 +252,7 @@ for shape in ("k3_rank16", "k3_rank8"):
 # each loop the deepest ring <= D that divides its steps or is divided by them: 7 and 6 at rank8. At rank16 (56
 # and 4 steps) that is 8 and 8, so the PTX does not change. The price is 7 / 6 loads in flight per lane instead of 8
 # where a loop waits on loads. Only when each row is loaded changes, so the outputs are bit-identical (GPU test).
-# The SASS counts below come from `k3fast.ptxcheck`'s CPU record (ptxas from Triton's wheel).
+# The SASS counts below come from `k3fast.measure.ptxcheck`'s CPU record (ptxas from Triton's wheel).
 
 # %%
 import glob  # noqa: E402
@@ -680,7 +681,7 @@ print("ok (park probe, v8)")
 # %% [markdown]
 # ## 22. A few hot experts: the skewed routing, v5 as the default above batch 2, v7 at bucket 8 (session 31)
 # Every record up to here used the router on random inputs: at b64 ~560 distinct experts, so whole experts as work
-# items (v4) fill the 66 clusters many times over. Real traffic can be skewed. `k3fast.trace --routing skewed` adds
+# items (v4) fill the 66 clusters many times over. Real traffic can be skewed. `k3fast.measure.trace --routing skewed` adds
 # a +8 selection-only bias to 24 hot experts, so every token picks 16 of the same 24. Then v4 has 24 work items for
 # 66 clusters, and at b64 each of them is ~3 passes of <= 16 pairs that one cluster runs in a row. v5 hands out the
 # passes instead (~72 items), with the same MMAs on the same pass boundaries, so bit-identical to v4.
@@ -731,8 +732,8 @@ print("ok (skewed routing: v5 default above batch 2, v7 at bucket 8 opt-in)")
 # SM, whose data lands in L1 on the way to the registers. v5.1 packs the offsets into a table the kernel already had.
 
 # %%
-from k3fast import moe_mxfp4_experts as mx
-from k3fast._dsl import SMEM_CARVEOUTS_KB, carveout_kb
+from k3fast.kernels import moe_mxfp4_experts as mx
+from k3fast.kernels._dsl import SMEM_CARVEOUTS_KB, carveout_kb
 print("sm_90 carve-out steps (KB of shared memory):", SMEM_CARVEOUTS_KB)
 print(f"{'shape':10} {'bucket':>6} {'version':>7} {'smem B':>8} {'carve-out':>9} {'L1 KB':>6} {'v5 table +4 KB -> L1':>21}")
 for shape, cfg in (("k3_rank16", k3_rank(16)), ("k3_rank8", k3_rank(8)), ("full", k3())):

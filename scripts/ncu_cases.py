@@ -22,7 +22,7 @@ import torch
 
 
 def kda_case(cfg, M: int, late_stores=None, early_trigger: bool = False, dev: str = "cuda"):
-    from k3fast.kda_conv_gate_step import kda_conv_gate_step, proj_width
+    from k3fast.kernels.kda_conv_gate_step import kda_conv_gate_step, proj_width
     H, D = cfg.kda_heads, cfg.kda_head_dim
     P = H * D
     g = torch.Generator(device=dev).manual_seed(1)
@@ -47,7 +47,7 @@ def experts_case(cfg, M: int, probe: str = ""):
     import dataclasses
 
     from k3ref.weights import random_layer
-    from k3fast.moe_mxfp4_experts import compile_key, make_workspace, moe_mxfp4_experts, prepare_mxfp4_experts
+    from k3fast.kernels.moe_mxfp4_experts import compile_key, make_workspace, moe_mxfp4_experts, prepare_mxfp4_experts
     m = random_layer(cfg, 1, seed=3, device="cuda").mlp
     prep = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
     ws = make_workspace(cfg.routed_expert_hidden_size, "cuda")
@@ -66,7 +66,7 @@ def experts_case(cfg, M: int, probe: str = ""):
 
 
 def tail_case(cfg, M: int, ring=None, dev: str = "cuda"):
-    from k3fast.moe_tail import moe_tail
+    from k3fast.kernels.moe_tail import moe_tail
     g = torch.Generator(device=dev).manual_seed(7)
     dL, Hd, Is = cfg.routed_expert_hidden_size, cfg.hidden_size, cfg.shared_intermediate
     r = torch.randn(M, dL, generator=g, device=dev).bfloat16()
@@ -78,21 +78,21 @@ def tail_case(cfg, M: int, ring=None, dev: str = "cuda"):
 
 
 def bench_case(cfg, M: int, name: str, stock: bool = False):
-    """Any case of k3fast.bench (the per-kernel bench's inputs and call), e.g. attnres_rms_gemv or
+    """Any case of k3fast.measure.bench (the per-kernel bench's inputs and call), e.g. attnres_rms_gemv or
     router_down_topk+shared; stock: the case's stock counterpart instead (e.g. cuBLAS's GEMV on the same x and
     weights for gemv_in_proj_plain)."""
-    from k3fast.bench import _cases
+    from k3fast.measure.bench import _cases
     cases, _ = _cases(cfg, M)
     found = {c[0]: c[2] if stock else c[1] for c in cases}
     if name not in found:
-        raise SystemExit(f"no k3fast.bench case {name!r} at this shape / batch; have: {sorted(found)}")
+        raise SystemExit(f"no k3fast.measure.bench case {name!r} at this shape / batch; have: {sorted(found)}")
     return found[name]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("case", choices=("kda", "experts", "tail", "bench"))
-    ap.add_argument("--kernel", default=None, help="bench: the k3fast.bench case name")
+    ap.add_argument("--kernel", default=None, help="bench: the k3fast.measure.bench case name")
     ap.add_argument("--shape", default="k3_rank16")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--late", type=int, choices=(0, 1), default=None, help="kda: v5's late write-backs off / on")
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         print("scripts/ncu_cases.py needs a CUDA GPU", file=sys.stderr)
         return 2
     sys.path.insert(0, ".")
-    from k3fast.bench import preset
+    from k3fast.measure.bench import preset
     cfg = preset(args.shape)
     if args.case == "kda":
         fn = kda_case(cfg, args.batch, None if args.late is None else bool(args.late), bool(args.trig))

@@ -58,8 +58,8 @@ def check_norm_then_gemm_in_a_graph(M, bare_gemm, label, **path):
     and replayed on new inputs, each replay (its y poisoned first) equal to an eager call, p' included. Returns
     (call, inputs, w): call(partial_out) runs the path on the inputs as they are now."""
     import torch.nn.functional as F
-    from k3fast import rms_gemv as R
-    from k3fast.fast import attnres_in_proj
+    from k3fast.kernels import rms_gemv as R
+    from k3fast.layer import attnres_in_proj
     from tolerances import assert_close
     n_blocks = 3
     blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, True)

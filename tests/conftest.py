@@ -28,6 +28,6 @@ def seed(request):
 def pytest_configure(config):
     """In CI the compile tier must run, not skip: a missing CuTe DSL install is an error there."""
     if os.environ.get("CI") and "compile" in (config.getoption("-m") or ""):
-        from k3fast._dsl import dsl_available
+        from k3fast.kernels._dsl import dsl_available
         if not dsl_available():
             raise pytest.UsageError("CI selected the compile tier but nvidia-cutlass-dsl / apache-tvm-ffi do not import")

@@ -1,9 +1,9 @@
-"""The experts design-space probe (k3fast.bench_experts): every variant is a valid key and the probe compiles."""
+"""The experts design-space probe (k3fast.measure.bench_experts): every variant is a valid key and the probe compiles."""
 import pytest
 
-from k3fast import bench_experts as be
-from k3fast import moe_mxfp4_experts as mx
-from k3fast._dsl import dsl_available
+from k3fast.measure import bench_experts as be
+from k3fast.kernels import moe_mxfp4_experts as mx
+from k3fast.kernels._dsl import dsl_available
 from k3ref import k3, k3_rank
 
 pytestmark = pytest.mark.compile

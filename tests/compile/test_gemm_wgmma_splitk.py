@@ -1,4 +1,4 @@
-"""k3fast.gemm_wgmma_splitk on the CPU: the split plan for the K3 in_proj widths, every compile key the layer needs,
+"""k3fast.kernels.gemm_wgmma_splitk on the CPU: the split plan for the K3 in_proj widths, every compile key the layer needs,
 the PTX's order (W requested before the PDL wait, x after it; the partials summed through DSMEM between two cluster
 barriers), registers without spills, and clear errors for inputs it does not take."""
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from k3fast import gemm_wgmma_splitk as G
-from k3fast._dsl import SMEM_PER_CTA_MAX, dsl_available
-from k3fast.kda_conv_gate_step import proj_width
+from k3fast.kernels import gemm_wgmma_splitk as G
+from k3fast.kernels._dsl import SMEM_PER_CTA_MAX, dsl_available
+from k3fast.kernels.kda_conv_gate_step import proj_width
 from k3ref.config import k3_rank
 
 pytestmark = pytest.mark.compile
@@ -162,8 +162,8 @@ def test_swizzled_tile_weight_layout():
 def test_bulk_build_copies_w_without_a_tensor_map(tp, kw):
     """v4: W's tiles by 1-D cp.async.bulk (one per stage: the prefetch loop before the producer's wait and the steady
     loop), x's still by its 2-D box after the wait; the expect_tx bytes are a runtime value (the last row tile's rows)."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx
     xrows = kw.pop("xrows", G.BM)
     BN, S, D, BK = G.plan(IN_PROJ[tp], K, xrows=xrows, **kw)
     ptx = compiled_ptx(lambda: G._build(BN, S, D, BK, K, options=TVM_FFI + " --keep-ptx", xrows=xrows, bulk=True))
@@ -180,8 +180,8 @@ def test_bulk_build_copies_w_without_a_tensor_map(tp, kw):
 
 @needs_dsl
 def test_diagnostic_build_streams_without_wgmma():
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx
     BN, S, D, BK = G.plan(IN_PROJ[16], K)
     ptx = compiled_ptx(lambda: G._build(BN, S, D, BK, K, options=TVM_FFI + " --keep-ptx", nomma=True))
     lines = [ln.strip() for ln in ptx.splitlines()]
@@ -197,8 +197,8 @@ def test_diagnostic_build_streams_without_wgmma():
 def test_diagnostic_build_without_x_streams_w_only():
     """diag="nox" (session 28): the ring's stages expect and carry W's tile alone (x's TMA copies are not emitted), the
     WGMMAs are the GEMM's; a key of its own."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx
     BN, S, D, BK = G.plan(IN_PROJ[16], K, ksplit=4, bn=112)
     ptx = compiled_ptx(lambda: G._build(BN, S, D, BK, K, options=TVM_FFI + " --keep-ptx", nox=True))
     lines = [ln.strip() for ln in ptx.splitlines()]
@@ -213,7 +213,7 @@ def test_diagnostic_build_without_x_streams_w_only():
 
 @needs_dsl
 def test_ptx_order_and_registers():
-    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    from k3fast.measure.ptxcheck import find_sass_tools, ptxas_resources
     ptx = G.gemm_ptx(IN_PROJ[16])
     lines = [ln.strip() for ln in ptx.splitlines()]
     waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
@@ -239,7 +239,7 @@ def test_layer_rule_picks_wgmma_only_where_it_was_measured_faster():
     (faster than cuBLAS's split-K pair in s87 / s88 / s90c; session 26) and for M 17..64 on 4 x 112-row clusters
     (s97: the KDA step launched from its cluster barrier; session 28), at rank8's width for M 9..64 on 66 clusters of
     2 x 96 rows with the bucket's x rows (s95 / s95b; session 27), cuBLAS at full width (not measured)."""
-    from k3fast.fast import INPROJ_WIDE, inproj_wide_choice, inproj_wide_pins
+    from k3fast.layer import INPROJ_WIDE, inproj_wide_choice, inproj_wide_pins
     assert INPROJ_WIDE == "auto"
     assert ([inproj_wide_choice(M, IN_PROJ[16]) for M in (3, 8, 9, 16, 17, 64)]
             == ["cublas", "cublas", "wgmma", "wgmma", "wgmma", "wgmma"])
@@ -269,7 +269,7 @@ def test_o_proj_rule_picks_wgmma_where_it_was_measured_faster():
     -1.9 us in s90e and s90f at b16 / b64; session 26) at every M, at rank16's (768) from M = 17 (beside the in_proj's
     4 x 112-row clusters; session 28: -0.5 to -0.9 us at b64 in s90e / s90f / s92 / s97, mixed at b16), cuBLAS at
     full width (12288: not measured)."""
-    from k3fast.fast import OPROJ_WIDE, oproj_wide_choice
+    from k3fast.layer import OPROJ_WIDE, oproj_wide_choice
     assert OPROJ_WIDE == "auto"
     assert [oproj_wide_choice(kp) for kp in (768, 1536, 12288)] == ["cublas", "wgmma", "cublas"]
     assert [oproj_wide_choice(768, None, M) for M in (9, 16, 17, 64)] == ["cublas", "cublas", "wgmma", "wgmma"]

@@ -1,10 +1,10 @@
-"""CPU-only checks of k3fast.kda_conv_gate_step: every compile key of the three K3 shapes compiles for
+"""CPU-only checks of k3fast.kernels.kda_conv_gate_step: every compile key of the three K3 shapes compiles for
 sm_90a, and the host entry point rejects bad inputs with clear errors (no GPU needed)."""
 import pytest
 import torch
 
-from k3fast import kda_conv_gate_step as kmod
-from k3fast._dsl import dsl_available
+from k3fast.kernels import kda_conv_gate_step as kmod
+from k3fast.kernels._dsl import dsl_available
 from k3ref.config import k3, k3_rank
 
 pytestmark = pytest.mark.compile
@@ -84,8 +84,8 @@ def test_compile_head_build(shape):
 
 def _ptx_lines(key) -> list[str]:
     """The stripped PTX lines of one compile key (compiled with --keep-ptx into a scratch directory)."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx
     old = kmod.TVM_FFI
     kmod.TVM_FFI = TVM_FFI + " --keep-ptx"
     try:

@@ -1,9 +1,9 @@
-"""CPU tests for k3fast.moe_mxfp4_experts: layout round trip (bit-exact), host checks, and sm_90a compiles."""
+"""CPU tests for k3fast.kernels.moe_mxfp4_experts: layout round trip (bit-exact), host checks, and sm_90a compiles."""
 import pytest
 import torch
 
-from k3fast import moe_mxfp4_experts as mx
-from k3fast._dsl import dsl_available
+from k3fast.kernels import moe_mxfp4_experts as mx
+from k3fast.kernels._dsl import dsl_available
 from k3ref.config import k3, k3_rank
 
 pytestmark = pytest.mark.compile
@@ -219,7 +219,7 @@ def test_default_cluster_keeps_every_busy_cluster_co_resident():
 
 @pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
 def test_compile_other_versions_for_ab_benchmarks():
-    # k3fast.bench / bench_experts time v2, v3 and the opt-in v5 beside the default on the same inputs
+    # k3fast.measure.bench / bench_experts time v2, v3 and the opt-in v5 beside the default on the same inputs
     for v in (2, 3, 5):
         for M in (8, 64):
             key = mx.compile_key(896, 3584, 256, M, version=v)
@@ -252,7 +252,7 @@ def test_smem_fits_and_v5_keeps_v4s_carveout():
 
 def test_l1_left_by_the_carveout():
     # sm_90's carve-out steps (KB) with 1 KB reserved per CTA: the smallest step that holds the CTA's bytes + 1 KB
-    from k3fast._dsl import carveout_kb
+    from k3fast.kernels._dsl import carveout_kb
     assert carveout_kb(0) == 8 and mx.l1_kb(0) == 248
     assert carveout_kb(195 * 1024) == 196 and mx.l1_kb(195 * 1024) == 60
     assert carveout_kb(195 * 1024 + 1) == 228 and mx.l1_kb(195 * 1024 + 1) == 28
@@ -316,7 +316,7 @@ def test_v4_ring_carries_no_copies_of_inflight_loads(M):
     """v3's weight ring made the compiler copy every ring register at the loop head (each copy waits for its
     load); v4 consumes a slot before refilling it. Checked on the PTX of the main loops (>= 8 global loads)."""
     import dataclasses
-    from k3fast.ptxcheck import compiled_ptx, loop_copies_of_loads
+    from k3fast.measure.ptxcheck import compiled_ptx, loop_copies_of_loads
     base = mx.compile_key(56, 3584, 256, M, version=4)
     stats = {}
     for v, layout in ((3, "nibble"), (4, "nibble"), (4, "rot")):
@@ -443,7 +443,7 @@ def test_v52_keys_and_bounds():
 def test_v52_carries_both_item_loops():
     """The v5.2 binary holds v5's items and v7's: v7's part reduction adds its fence and atomics to v5.1's."""
     import dataclasses
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.measure.ptxcheck import compiled_ptx
     key = mx.compile_key(896, 3584, 256, 8)
     ptx = {k.alt_parts: compiled_ptx(lambda k=k: mx._compile(k, options="--enable-tvm-ffi --keep-ptx"))
            for k in (key, dataclasses.replace(key, alt_parts=0))}
@@ -454,7 +454,7 @@ def test_v52_carries_both_item_loops():
 
 
 def test_loop_opcodes_counts_a_hand_written_loop():
-    from k3fast.ptxcheck import loop_opcodes
+    from k3fast.measure.ptxcheck import loop_opcodes
     ptx = "\n".join([
         "$L__BB0_7:",
         "\tld.global.nc.v4.u32 {%r1, %r2, %r3, %r4}, [%rd1];",
@@ -474,7 +474,7 @@ def test_rot_layout_shortens_the_main_loops(M):
     """The point of the rot layout: fewer instructions per weight step in the FC1/FC2 loops than the nibble
     layout's PRMT-table decode + fp32 scale FMAs (PTX, per MMA: both do the same MMAs; SASS figures in the module's
     version log)."""
-    from k3fast.ptxcheck import compiled_ptx, loop_opcodes
+    from k3fast.measure.ptxcheck import compiled_ptx, loop_opcodes
     per_load = {}
     for layout in ("nibble", "rot"):
         key = mx.compile_key(896, 3584, 256, M, layout=layout)
@@ -647,7 +647,7 @@ def test_lean_arrive_drops_the_arrival_fences(M, version, fences):
     """lean_arrive: the gpu-scope fences before the combine's (and v7's part reduction's) arrivals go, and nothing
     else changes: the same number of atomics, and the default (LEAN_ARRIVE off) keeps its fences."""
     import dataclasses
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.measure.ptxcheck import compiled_ptx
     base = mx.compile_key(896, 3584, 256, M, version=version)
     assert not base.lean_arrive and mx.compile_key(896, 3584, 256, M, version=version, lean_arrive=True).lean_arrive
     ptx = {lean: compiled_ptx(lambda lean=lean: mx._compile(dataclasses.replace(base, lean_arrive=lean),
@@ -665,7 +665,7 @@ def test_v8_tagged_exchange_ptx(I):
     workspace carries its zeroed epoch / word buffer."""
     import dataclasses
     import re
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.measure.ptxcheck import compiled_ptx
     for M in (1, 2):
         key = mx.compile_key(896, 3584, I, M, version=8, tagged=True)
         assert key.tagged and dataclasses.replace(key, tagged=False) == mx.compile_key(896, 3584, I, M, version=8)
@@ -685,7 +685,7 @@ def test_v8_tagged_exchange_ptx(I):
 def test_v8_compiles_without_cluster_barriers(I):
     """v8 builds at buckets 1 / 2; its h goes through global memory: no cluster barrier or DSMEM store in the PTX,
     one acquire spin on the segment's counter, and the PTX of v7 at the same key keeps both cluster barriers."""
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.measure.ptxcheck import compiled_ptx
     for M in (1, 2):
         key = mx.compile_key(896, 3584, I, M, version=8)
         ptx = compiled_ptx(lambda: mx._compile(key, options="--enable-tvm-ffi --keep-ptx"))
@@ -721,7 +721,7 @@ def test_route1_compiles_without_the_sort(I):
     """route1 (route_direct, batch bucket 1): the PTX has no shared-memory atomics (the counting sort's) and
     fewer CTA barriers than the sorted kernel; compile_key applies it only at bucket 1."""
     import dataclasses
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.measure.ptxcheck import compiled_ptx
     base = mx.compile_key(896, 3584, I, 1, route_direct=False)
     assert not base.route_direct and mx.compile_key(896, 3584, I, 1, route_direct=True).route_direct
     assert mx.compile_key(896, 3584, I, 1).route_direct == mx.ROUTE_DIRECT     # the default (on since session 11)
@@ -768,7 +768,7 @@ def test_ring_fit_cuts_the_index_work(M):
     """What ring_fit is for: at rank8 the weight loops' PTX instructions per MMA drop by over a fifth (the per-step
     divisions by 28 and 6 are gone); at rank16, where 8 already divides, the PTX is the default's."""
     import dataclasses
-    from k3fast.ptxcheck import compiled_ptx, loop_opcodes
+    from k3fast.measure.ptxcheck import compiled_ptx, loop_opcodes
 
     def per_mma(key):
         ptx = compiled_ptx(lambda: mx._compile(key, options="--enable-tvm-ffi --keep-ptx"))
@@ -792,7 +792,7 @@ def test_ring_fit_at_v7_cuts_the_index_work():
     """ring_fit at v7 (batch buckets <= 2, opt-in): at rank8 b2 (FC1 14 steps per unit, FC2 3 per tile) the two
     weight loops' PTX instructions per MMA drop by over a fifth; at rank8 b1 (28 and 2) both still drop."""
     import dataclasses
-    from k3fast.ptxcheck import compiled_ptx, loop_opcodes
+    from k3fast.measure.ptxcheck import compiled_ptx, loop_opcodes
 
     def per_mma(key):
         ptx = compiled_ptx(lambda: mx._compile(key, options="--enable-tvm-ffi --keep-ptx"))
@@ -811,7 +811,7 @@ def test_park_probe_cfg():
     """The park probe (KernelCfg.park): v7 only, whole 16 KB chunks, and park_max fills the shared memory the kernel
     leaves without passing the per-CTA limit."""
     import dataclasses
-    from k3fast._dsl import SMEM_PER_CTA_MAX
+    from k3fast.kernels._dsl import SMEM_PER_CTA_MAX
     for I in (256, 384):
         for M in (1, 2):
             base = mx.compile_key(896, 3584, I, M, version=7)
@@ -832,7 +832,7 @@ def test_park_probe_ptx(I):
     """The park probe's bulk copies (one per 16 KB chunk) come after every MMA of the kernel (after FC2, before the
     part reduction and the combine), on one mbarrier that the kernel waits on before it exits; park 0 has neither."""
     import dataclasses
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.measure.ptxcheck import compiled_ptx
     base = mx.compile_key(896, 3584, I, 1, version=7)
     park = dataclasses.replace(base, park=mx.park_max(base))
     lines = {k: [ln.strip() for ln in compiled_ptx(lambda k=k: mx._compile(k, options="--enable-tvm-ffi --keep-ptx"))

@@ -1,12 +1,12 @@
-"""Compile every k3fast.moe_tail kernel key on the CPU for sm_90a, and check the host-side input validation.
+"""Compile every k3fast.kernels.moe_tail kernel key on the CPU for sm_90a, and check the host-side input validation.
 
 The compile tests skip only when the CuTe DSL is not importable; the validation tests need neither a GPU nor
 cutlass (the checks run before any kernel is looked up)."""
 import pytest
 import torch
 
-from k3fast import moe_tail as mt
-from k3fast._dsl import dsl_available
+from k3fast.kernels import moe_tail as mt
+from k3fast.kernels._dsl import dsl_available
 
 pytestmark = pytest.mark.compile
 
@@ -145,8 +145,8 @@ def test_gate_up_trigger_placement(early):
     """The shared gate/up launches its PDL dependents once: after its main loop by default, and before its own
     griddepcontrol.wait with early_trigger (FastImpl shared_late: the tail launched behind it must still be able to
     prefetch during the routed experts). Checked in the PTX of the rank16 b1 key."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx
     old = mt.TVM_FFI
     mt.TVM_FFI = TVM_FFI + " --keep-ptx"
     try:
@@ -171,8 +171,8 @@ def test_tail_rejects_bad_ring():
 def test_ring_streams_weights_through_shared_memory(nt, inter, depth):
     """v5 (ring): the weight fragments arrive by cp.async (D stages in flight before the PDL wait, none by a register
     load), the activations stay plain loads, and (with ptxas) the build fits 4 CTAs per SM in registers."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx, find_sass_tools, ptxas_resources
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx, find_sass_tools, ptxas_resources
     old = mt.TVM_FFI
     mt.TVM_FFI = TVM_FFI + " --keep-ptx"
     try:

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from k3fast import oproj_attnres as oa
-from k3fast._dsl import dsl_available
+from k3fast.kernels import oproj_attnres as oa
+from k3fast.kernels._dsl import dsl_available
 
 pytestmark = pytest.mark.compile
 
@@ -65,8 +65,8 @@ def test_split_rows_rule():
 def test_compile_split_rows(nb):
     """The v1.6 build compiles (its own cache key); where ptxas is at hand it keeps 128 registers and no spills,
     so two of its 256-thread CTAs share an SM (the reason SPLIT_MAX_NB is 5)."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx, find_sass_tools, ptxas_resources
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx, find_sass_tools, ptxas_resources
     assert oa.get_kernel(1536, nb, 1, split_rows=True) is not oa.get_kernel(1536, nb, 1, split_rows=False)
     tools = find_sass_tools()
     if tools is None:
@@ -148,8 +148,8 @@ def test_lean_sync_drops_the_fences(kp, nb, tg):
     """v1.5 (lean_sync, the default): no gpu-scope fence is left (v1.4 has two: the GEMV threads' and the epilogue's
     after its spin), the arrival is still a release, and the departure is the last global access of the epilogue,
     after the stores of x."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx
     old = oa.TVM_FFI
     oa.TVM_FFI = TVM_FFI + " --keep-ptx"
     try:
@@ -170,8 +170,8 @@ def test_lean_sync_drops_the_fences(kp, nb, tg):
 def test_preload_wpost_moves_the_last_loads(nb):
     """v1.2 (preload_wpost): after the epilogue's last CTA reduction only stores of x remain (w_post was loaded
     before the PDL wait); by default each store of x follows a load of w_post."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx
     old = oa.TVM_FFI
     oa.TVM_FFI = TVM_FFI + " --keep-ptx"
     try:

@@ -88,12 +88,12 @@ def test_ops_appear_as_single_nodes_in_a_traced_graph():
 # batch, and with which arguments.
 
 def _recorders(monkeypatch):
-    import k3fast.fast as fast
-    import k3fast.moe_tail as mt
-    import k3fast.oproj_attnres as oa
-    import k3fast.rms_gemv as rg
-    import k3fast.rms_gemv_ring as rr
-    import k3fast.router_down_topk as rt
+    import k3fast.layer as fast
+    import k3fast.kernels.moe_tail as mt
+    import k3fast.kernels.oproj_attnres as oa
+    import k3fast.kernels.rms_gemv as rg
+    import k3fast.kernels.rms_gemv_ring as rr
+    import k3fast.kernels.router_down_topk as rt
     calls = []
 
     def rec(name, result):
@@ -114,7 +114,7 @@ def _recorders(monkeypatch):
 
     monkeypatch.setattr(rg, "attnres_rms_gemv", rec("in_proj", lambda *a, **kw: (bf(a[2].shape[0], a[6].shape[0]),
                                                                                    None)))
-    import k3fast.gemm_wgmma_splitk as gw
+    import k3fast.kernels.gemm_wgmma_splitk as gw
     monkeypatch.setattr(rg, "attnres_rmsnorm", rec("in_norm", lambda *a, **kw: (bf(a[2].shape[0], a[2].shape[1]),
                                                                                None)))
     monkeypatch.setattr(gw, "gemm_wgmma", rec("in_proj_wide", lambda x, w, **kw: bf(x.shape[0], w.shape[0])))
@@ -131,10 +131,10 @@ def _recorders(monkeypatch):
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 64])
 def test_ops_follow_fastimpls_batch_dispatch(M, monkeypatch):
-    from k3fast.fast import (FRONT_DSL_MAX_M, GEMV_DSL_MAX_M, INPROJ_DSL_MAX_M, INPROJ_ENGINE, TAIL_DSL_MAX_M,
+    from k3fast.layer import (FRONT_DSL_MAX_M, GEMV_DSL_MAX_M, INPROJ_DSL_MAX_M, INPROJ_ENGINE, TAIL_DSL_MAX_M,
                              inproj_wide_choice, inproj_wide_pins)
-    from k3fast.gemm_wgmma_splitk import applicable
-    from k3fast.router_down_topk import kernel_path
+    from k3fast.kernels.gemm_wgmma_splitk import applicable
+    from k3fast.kernels.router_down_topk import kernel_path
     calls = _recorders(monkeypatch)
     ops, H, E, dL, Is = torch.ops.k3fast, 64, 32, 48, 16
     r = lambda *s, dtype=BF: torch.randn(*s).to(dtype)
@@ -151,7 +151,7 @@ def test_ops_follow_fastimpls_batch_dispatch(M, monkeypatch):
     # and its (pinned) plan applies (at M > 16 the 4-way K split needs 4 k-tiles: not at this K of 64, so cuBLAS)
     wide = (M > INPROJ_DSL_MAX_M and inproj_wide_choice(M, 40) == "wgmma"
             and applicable(M, H, 40, **inproj_wide_pins(40, None, None, M)))
-    from k3fast.rms_gemv_ring import MMA_MAX_M
+    from k3fast.kernels.rms_gemv_ring import MMA_MAX_M
     assert wide == (MMA_MAX_M < M <= 16)
     if wide:
         assert names[:2] == ["in_norm", "in_proj_wide"], names
@@ -177,7 +177,7 @@ def test_moe_tail_above_the_dsl_bucket_runs_on_cpu(M):
     default norm (one torch RMSNorm on the BF16 r, session 13) against the model's rounding points in fp64, and
     against the three-kernel form it replaced (FP32 copy, norm, BF16 copy): r_hat within one BF16 ulp."""
     import torch.nn.functional as F
-    from k3fast.fast import TAIL_DSL_MAX_M, moe_tail_cublas
+    from k3fast.layer import TAIL_DSL_MAX_M, moe_tail_cublas
     from tolerances import assert_close
     assert M > TAIL_DSL_MAX_M
     g = torch.Generator().manual_seed(4100 + M)

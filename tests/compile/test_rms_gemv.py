@@ -1,9 +1,9 @@
-"""Compile every k3fast.rms_gemv kernel key the K3 shapes need (CPU, CUTE_DSL_ARCH=sm_90a) + host-check tests."""
+"""Compile every k3fast.kernels.rms_gemv kernel key the K3 shapes need (CPU, CUTE_DSL_ARCH=sm_90a) + host-check tests."""
 import pytest
 import torch
 
-from k3fast import rms_gemv as R
-from k3fast._dsl import COMPILE_LOG, dsl_available
+from k3fast.kernels import rms_gemv as R
+from k3fast.kernels._dsl import COMPILE_LOG, dsl_available
 from k3ref.config import k3, k3_rank
 from attnres_cases import k3_attnres_variants
 
@@ -185,7 +185,7 @@ def test_attnres_bad_inputs():
 def test_fused_two_groups_issue_all_loads_first(N, M):
     """v3 (fused_groups=2): the loop body issues both row groups' weight loads (2 x 7 per lane at ks = 4, K = 7168)
     before the first FMA, so one round trip serves two groups; v2's body issues one group's 7."""
-    from k3fast.ptxcheck import loop_issue_order
+    from k3fast.measure.ptxcheck import loop_issue_order
     for G, n in ((1, 7), (2, 14)):
         seqs = [seq for _, seq in loop_issue_order(R.fused_ptx(N, M=M, G=G), min_loads=2)]
         assert any(seq.lstrip("|").startswith("L" * n + "f") for seq in seqs), (G, seqs)
@@ -216,9 +216,9 @@ def test_fused_trigger_placement(early):
 @pytest.mark.parametrize("M", [1, 2])
 def test_pinned_loads_issue_together_in_sass(M):
     """v6 (pin): ptxas keeps each batch's weight loads together in the fused kernel's loop (v2's SASS issues 4, then
-    FMAs that wait for the first, then the other 3). SASS needs ptxas and nvdisasm (k3fast.ptxcheck.find_sass_tools);
+    FMAs that wait for the first, then the other 3). SASS needs ptxas and nvdisasm (k3fast.measure.ptxcheck.find_sass_tools);
     without them only the compile is checked."""
-    from k3fast.ptxcheck import _assemble, find_sass_tools
+    from k3fast.measure.ptxcheck import _assemble, find_sass_tools
     ptx = {pin: R.fused_ptx(3216, M=M, pin=pin) for pin in (False, True)}
     tools = find_sass_tools()
     if tools is None:

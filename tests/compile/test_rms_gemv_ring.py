@@ -1,11 +1,11 @@
-"""k3fast.rms_gemv_ring (rms_gemv v12) on the CPU: its ring plan, every compile key the K3 in_proj needs at M <= 2,
+"""k3fast.kernels.rms_gemv_ring (rms_gemv v12) on the CPU: its ring plan, every compile key the K3 in_proj needs at M <= 2,
 the order of its PTX (weights requested before the PDL wait, a proxy fence before the ring reuses the prologue's
 slots), registers without spills, and clear errors for inputs it does not take."""
 import pytest
 import torch
 
-from k3fast import rms_gemv_ring as G
-from k3fast._dsl import SMEM_PER_CTA_MAX, dsl_available
+from k3fast.kernels import rms_gemv_ring as G
+from k3fast.kernels._dsl import SMEM_PER_CTA_MAX, dsl_available
 from k3ref.config import k3, k3_rank
 from attnres_cases import k3_attnres_variants
 
@@ -65,7 +65,7 @@ def test_bad_inputs_are_refused():
 def test_compile_in_proj_keys(cfg, M):
     """Every AttnRes site of the layer schedule (n_blocks, delta, block write) at this in_proj width, fused, and the
     bare GEMV the benchmark runs."""
-    from k3fast.rms_gemv import k3_gemv_shapes
+    from k3fast.kernels.rms_gemv import k3_gemv_shapes
     N = k3_gemv_shapes(cfg)["in_proj"][0]
     G._compile(G.compile_key(M, 7168, N, False, early_trigger=False))
     for nb, hd, bw in k3_attnres_variants(cfg):
@@ -85,7 +85,7 @@ def test_ptx_order_and_registers():
     # the consumer loop reads weights as 16-byte shared loads and releases slots on the empty barriers
     assert sum("ld.shared.v4" in ln for ln in lines) >= 4
     assert any(ln.startswith("mbarrier.arrive.shared") for ln in lines)
-    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    from k3fast.measure.ptxcheck import find_sass_tools, ptxas_resources
     tools = find_sass_tools()
     if tools is None:
         pytest.skip("ptxas not found (registers / spills need it)")
@@ -142,7 +142,7 @@ def test_joint_prologue_ptx(M):
     assert len(bb) - len(bj) == 2 * (M - 1)
     # the loads between the wait and the first barrier: u, the sources, and (joint only) w_ln's
     assert sum(ln.startswith("ld.global") for ln in lj[wj:bj[0]]) > sum(ln.startswith("ld.global") for ln in lb[wb:bb[0]])
-    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    from k3fast.measure.ptxcheck import find_sass_tools, ptxas_resources
     tools = find_sass_tools()
     if tools is None:
         pytest.skip("ptxas not found (registers / spills need it)")
@@ -195,7 +195,7 @@ def test_mma_bad_inputs_are_refused():
 @pytest.mark.parametrize("cfg", [k3_rank(16), k3_rank(8), k3()], ids=["rank16", "rank8", "full"])
 def test_compile_mma_keys(cfg):
     """The layer's two GEMVs that v13 may serve at M 3..8: the in_proj and o_proj."""
-    from k3fast.rms_gemv import k3_gemv_shapes
+    from k3fast.kernels.rms_gemv import k3_gemv_shapes
     shapes = k3_gemv_shapes(cfg)
     for name in ("in_proj", "o_proj"):
         N, K = shapes[name]
@@ -221,7 +221,7 @@ def test_mma_ptx_order_and_registers(early):
     stores = [i for i, ln in enumerate(lines) if ln.startswith("st.global")]
     assert len(trig) == 1
     assert (wait < trig[0] < wait + 4) if early else trig[0] > max(stores)
-    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    from k3fast.measure.ptxcheck import find_sass_tools, ptxas_resources
     tools = find_sass_tools()
     if tools is None:
         pytest.skip("ptxas not found (registers / spills need it)")
@@ -285,7 +285,7 @@ def test_mma_tiled_ptx():
     assert sum(i < wait for i in bulk) == 1 and 2 <= sum(i > wait for i in bulk) <= 12
     assert sum(ln.startswith("mma.sync.aligned.m16n8k16") for ln in lines) == 3 * 14 * 2 * 2
     assert sum(ln.startswith("ld.shared.v4") for ln in lines) == 3 * 14 * 2 * 3     # A rows g, g + 8 and x
-    from k3fast.ptxcheck import find_sass_tools, ptxas_resources
+    from k3fast.measure.ptxcheck import find_sass_tools, ptxas_resources
     tools = find_sass_tools()
     if tools is None:
         pytest.skip("ptxas not found (registers / spills need it)")
@@ -298,11 +298,11 @@ def test_mma_tiled_ptx():
 def test_norm_trigger_placement(early):
     """attnres_rmsnorm launches its dependent after its last store by default, right after its wait when it
     serves v13 ("fast-inmmaet")."""
-    from k3fast import rms_gemv
-    from k3fast.ptxcheck import compiled_ptx
+    from k3fast.kernels import rms_gemv
+    from k3fast.measure.ptxcheck import compiled_ptx
     cutlass, cute, _, _, Norm = rms_gemv._kernels()
     BF = cutlass.BFloat16
-    from k3fast._dsl import fake_stream, fake_tensor, TVM_FFI
+    from k3fast.kernels._dsl import fake_stream, fake_tensor, TVM_FFI
     M = cute.sym_int()
     blocks, p, d, po, u, wl = rms_gemv._attn_fakes(cute, BF, M, 7168, True, "bf16")
     x = fake_tensor(BF, (M, 7168))

@@ -1,10 +1,10 @@
-"""CPU compile tests for k3fast.router_down_topk: every compile key for the K3 shapes, plus host-side input checks."""
+"""CPU compile tests for k3fast.kernels.router_down_topk: every compile key for the K3 shapes, plus host-side input checks."""
 import re
 
 import pytest
 import torch
 
-from k3fast import router_down_topk as rdt
+from k3fast.kernels import router_down_topk as rdt
 from k3ref.config import k3, k3_rank
 
 pytestmark = pytest.mark.compile
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.compile
 
 def _have_dsl():
     try:
-        from k3fast._dsl import dsl_available
+        from k3fast.kernels._dsl import dsl_available
         return dsl_available()
     except Exception:
         return False
@@ -46,9 +46,9 @@ def test_kernel_paths():
 def test_fma_occupancy_hint_reaches_ptx():
     """The A/B mechanism of v2.2 (bench row router_down_topk@minb9): an explicit min_blocks reaches ptxas as
     .minnctapersm; the defaults (v2.3: no hint, measured faster) and the mma path carry none."""
-    from k3fast._dsl import TVM_FFI
-    from k3fast.ptxcheck import compiled_ptx
-    import k3fast.router_down_topk as m
+    from k3fast.kernels._dsl import TVM_FFI
+    from k3fast.measure.ptxcheck import compiled_ptx
+    import k3fast.kernels.router_down_topk as m
     old = m.TVM_FFI
     m.TVM_FFI = TVM_FFI + " --keep-ptx"
     try:
@@ -154,8 +154,8 @@ def _topk_ptx(mb, rolled):
     """PTX of the front (mb >= 1; "1s": bucket 1 with the shared gate/up folded in, v2.7) or of TopkFromLogits (mb 0,
     shared gate/up folded in; "0s": with the top-k split over the 4 warps, v2.8), compiled once per test run."""
     if (mb, rolled) not in _PTX:
-        from k3fast._dsl import TVM_FFI
-        from k3fast.ptxcheck import compiled_ptx
+        from k3fast.kernels._dsl import TVM_FFI
+        from k3fast.measure.ptxcheck import compiled_ptx
         b, shared = {"1s": (1, 384), "0s": (0, 384)}.get(mb, (mb, 384 * (mb == 0)))
         old = rdt.TVM_FFI
         rdt.TVM_FFI = TVM_FFI + " --keep-ptx"

@@ -4,7 +4,7 @@ import torch
 
 from k3ref import k3_rank
 from k3ref.weights import random_layer
-from k3fast.impls import make_impl, make_io
+from k3fast.measure.impls import make_impl, make_io
 from tolerances import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.gpu
 def test_fast_attention_half(tp, batch, impl):
     if impl == "fast-splitk" and batch <= 4:
         pytest.skip("M <= 4 runs the FMA kernels in both")
-    from k3fast.fast import GEMV_DSL_MAX_M
+    from k3fast.layer import GEMV_DSL_MAX_M
     if impl == "fast-alldsl" and batch <= GEMV_DSL_MAX_M:
         pytest.skip("M <= GEMV_DSL_MAX_M: fast runs the same kernels")
     if impl == "fast-gemv0" and batch > GEMV_DSL_MAX_M:
@@ -45,37 +45,37 @@ def test_fast_attention_half(tp, batch, impl):
     if impl == "fast-s10" and not 2 < batch <= 4:
         pytest.skip("fast-s10 differs from fast only at M = 3-4 (the in_proj's FMA GEMV)")
     if impl == "fast-kdans8":
-        from k3fast.kda_conv_gate_step import choose_nsplit
+        from k3fast.kernels.kda_conv_gate_step import choose_nsplit
         if choose_nsplit(batch, k3_rank(tp).kda_heads) == 8:
             pytest.skip(f"{impl} differs from fast only where choose_nsplit picks 4 or 1")
     if impl in ("fast-s22kda", "fast-s24kda"):
-        from k3fast.kda_conv_gate_step import choose_nsplit
+        from k3fast.kernels.kda_conv_gate_step import choose_nsplit
         if choose_nsplit(batch, k3_rank(tp).kda_heads) != 1:
             pytest.skip(f"{impl} differs from fast only where the KDA step runs v9.1 (B x H >= HEAD_CTA_MIN)")
     if impl in ("fast-kdahead", "fast-kdahead48"):
-        from k3fast.impls import FAST_VARIANTS
-        from k3fast.kda_conv_gate_step import choose_nsplit
+        from k3fast.measure.impls import FAST_VARIANTS
+        from k3fast.kernels.kda_conv_gate_step import choose_nsplit
         head_min = FAST_VARIANTS[impl]["kda_head_min"]
         if choose_nsplit(batch, k3_rank(tp).kda_heads, head_min) != 1:
             pytest.skip(f"{impl} differs from fast only where B x H >= {head_min} (the KDA step's v9)")
     if impl == "fast-inmm":
-        from k3fast.rms_gemv_ring import MMA_MAX_M
+        from k3fast.kernels.rms_gemv_ring import MMA_MAX_M
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
     if impl in ("fast-inwg", "fast-inwglate", "fast-inwgd3", "fast-inwgd2", "fast-inwgtiled", "fast-inwg1bn64",
                 "fast-inwg1bn48", "fast-inwg2bn96", "fast-inwgx", "fast-inwgx-opwgx", "fast-inwg2bn96x",
                 "fast-inwg2bn96x-opwg", "fast-inwg2bn64x-opwg", "fast-inwg2bn64xd7-opwg", "fast-inwg4bn112x-opwg",
                 "fast-inwgd4-opwg", "fast-inwg2bn96xd7"):
-        from k3fast.rms_gemv_ring import MMA_MAX_M
+        from k3fast.kernels.rms_gemv_ring import MMA_MAX_M
         if batch <= MMA_MAX_M:
             pytest.skip(f"{impl} differs from fast only where the in_proj GEMM runs on cuBLAS (M > {MMA_MAX_M})")
     if impl in ("fast-normc1", "fast-normc9"):
-        from k3fast.impls import FAST_VARIANTS
-        from k3fast.rms_gemv import norm_cluster
+        from k3fast.measure.impls import FAST_VARIANTS
+        from k3fast.kernels.rms_gemv import norm_cluster
         m = FAST_VARIANTS[impl]["norm_cluster_min_m"]
         if batch <= 2 or norm_cluster(batch, m) == norm_cluster(batch):
             pytest.skip(f"{impl} differs from fast only where the AttnRes norm runs apart with another cluster size")
-    from k3fast.fast import INPROJ_DSL_MAX_M
+    from k3fast.layer import INPROJ_DSL_MAX_M
     if (impl in ("fast-inmma", "fast-inmmaet", "fast-mid", "fast-incublas", "fast-intiled")
             and not INPROJ_DSL_MAX_M < batch <= 8):
         pytest.skip(f"{impl} differs from fast only where the in_proj GEMV is cuBLAS and M <= 8")
@@ -214,7 +214,7 @@ def test_fast_moe_half_same_input(batch, impl):
 
 def test_fast_layer_graph_replay_is_stable():
     """Captured once, replayed with new inputs: each replay matches an eager run on the same inputs."""
-    from k3fast.trace import capture
+    from k3fast.measure.trace import capture
     cfg = k3_rank(16)
     w = random_layer(cfg, 1, seed=25, device="cuda")
     fast = make_impl("fast", cfg, w, max_batch=4)

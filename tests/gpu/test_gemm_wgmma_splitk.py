@@ -1,4 +1,4 @@
-"""k3fast.gemm_wgmma_splitk (the in_proj's GEMM at 8 < M <= 64 on WGMMA with a cluster K split) on the GPU.
+"""k3fast.kernels.gemm_wgmma_splitk (the in_proj's GEMM at 8 < M <= 64 on WGMMA with a cluster K split) on the GPU.
 
 References (tolerances.py): against F.linear in fp32 ("bf16_kernel": one bf16 rounding of an fp32 sum) and against
 cuBLAS on the same bf16 operands ("bf16_kernel_pair": a different K order, 1 bf16 ulp where the fp32 sums round
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def G():
-    from k3fast import gemm_wgmma_splitk
+    from k3fast.kernels import gemm_wgmma_splitk
     return gemm_wgmma_splitk
 
 

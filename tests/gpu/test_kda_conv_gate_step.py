@@ -1,4 +1,4 @@
-"""GPU checks of k3fast.kda_conv_gate_step against a plain float64 torch reference of k3-spec.md 7.2
+"""GPU checks of k3fast.kernels.kda_conv_gate_step against a plain float64 torch reference of k3-spec.md 7.2
 steps 2-8 (written here: k3ref has no single-step KDA decode op with this packed layout yet).
 
 Input note: the decay-gate input f = bf16(f_a @ W_fb^T) is a rounding point. A float64 reference and
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from k3fast import kda_conv_gate_step as kmod
+from k3fast.kernels import kda_conv_gate_step as kmod
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

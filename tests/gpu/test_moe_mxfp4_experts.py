@@ -1,4 +1,4 @@
-"""GPU tests of k3fast.moe_mxfp4_experts against a plain-torch reference written here (k3ref has no routed-expert
+"""GPU tests of k3fast.kernels.moe_mxfp4_experts against a plain-torch reference written here (k3ref has no routed-expert
 op with this contract yet):
 
     W = exact MXFP4 dequant of the CHECKPOINT layout (bf16, lossless)
@@ -190,7 +190,7 @@ def test_cuda_graph_replay_new_routing(M):
     ws = mx.make_workspace(DL, DEV)
     out = torch.empty(M, DL, dtype=BF, device=DEV)
     mx.warmup((E, DL, 256), [M])
-    from k3fast.trace import capture
+    from k3fast.measure.trace import capture
     graph = capture(lambda: mx.moe_mxfp4_experts(z, ids, w, prep, None, None, None, out=out, workspace=ws), warmup=1)
     for it, kind in enumerate(("uniform", "shared", "ties")):
         z.copy_(torch.randn(M, DL, generator=gen, device=DEV).to(BF))

@@ -1,4 +1,4 @@
-"""GPU tests of k3fast.moe_tail against a plain-torch fp32 reference with the model's rounding points.
+"""GPU tests of k3fast.kernels.moe_tail against a plain-torch fp32 reference with the model's rounding points.
 
 The reference is written here (k3ref has no stand-alone op for the MoE tail yet):
     a, c   = bf16(x W_g^T), bf16(x W_u^T);  h = bf16(4 tanh(a/4) sigmoid(a) * 25 tanh(c/25))     (fp32 math)
@@ -214,7 +214,7 @@ def test_cublas_tail_one_kernel_norm(m):
     r (session 13), against the reference here and against the three-kernel form it replaced; out poisoned. On the
     GPU the norm's r_hat may differ from the FP32 form's in its reduction order only: at most one BF16 ulp."""
     import torch.nn.functional as F
-    from k3fast.fast import moe_tail_cublas
+    from k3fast.layer import moe_tail_cublas
     w = weights(384)
     _, r, h = acts(m, 384, 4200 + m)
     want = ref_tail(r, w["w_norm"], w["w_up"], h, w["w_sd"])

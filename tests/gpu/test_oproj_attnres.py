@@ -1,4 +1,4 @@
-"""GPU checks of k3fast.oproj_attnres against a plain-torch fp32 reference written here.
+"""GPU checks of k3fast.kernels.oproj_attnres against a plain-torch fp32 reference written here.
 
 Reference (k3-spec.md sections 4.2 steps 3-5, 6): a = bf16(y @ w_o^T) with fp32 accumulation,
 p' = a (boundary) or bf16(p + a), AttnRes over blocks[:, :n_blocks] ++ [p'] in fp32, x =
@@ -8,7 +8,7 @@ reference for this step yet, so it is written here.
 import pytest
 import torch
 
-from k3fast import oproj_attnres as oa
+from k3fast.kernels import oproj_attnres as oa
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import torch
 from k3ref import k3_rank
 from k3ref.weights import random_layer
 import k3fast.ops  # noqa: F401  (registers torch.ops.k3fast.*)
-from k3fast.impls import make_impl, make_io
+from k3fast.measure.impls import make_impl, make_io
 
 pytestmark = pytest.mark.gpu
 

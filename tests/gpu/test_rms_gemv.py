@@ -1,4 +1,4 @@
-"""k3fast.rms_gemv on the GPU against a plain fp32 torch reference (attnres_cases.ref_attnres).
+"""k3fast.kernels.rms_gemv on the GPU against a plain fp32 torch reference (attnres_cases.ref_attnres).
 
 Reference (k3-spec.md section 6, vLLM semantics): p' = bf16(p + delta); sources = blocks[:n_blocks] then p';
 r_i = rsqrt(mean v_i^2 + eps); s_i = r_i * <v_i, u>; alpha = softmax(s); m = sum alpha_i v_i (fp32);
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def R():
-    from k3fast import rms_gemv
+    from k3fast.kernels import rms_gemv
     return rms_gemv
 
 
@@ -184,7 +184,7 @@ def test_cuda_graph_replay(R, seed, M):
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     xg = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     out2 = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    from k3fast.trace import capture
+    from k3fast.measure.trace import capture
 
     def step():
         R.attnres_rms_gemv(blocks, 3, p, delta, u, w_ln, w, out=out, partial_out=pout, block_write=3)

@@ -1,4 +1,4 @@
-"""k3fast.rms_gemv_ring (rms_gemv v12: weights through a bulk-copy shared-memory ring) on the GPU.
+"""k3fast.kernels.rms_gemv_ring (rms_gemv v12: weights through a bulk-copy shared-memory ring) on the GPU.
 
 References (tolerances.py): the bare GEMV against F.linear in fp32 ("bf16_kernel") and against rms_gemv.gemv on
 the same x ("bf16_kernel_pair"); the fused kernel against test_rms_gemv's fp32 AttnRes + RMSNorm + GEMV reference
@@ -20,13 +20,13 @@ WIDTHS = [N_RANK16, N_RANK8, 592, 48]
 
 @pytest.fixture(scope="module")
 def G():
-    from k3fast import rms_gemv_ring
+    from k3fast.kernels import rms_gemv_ring
     return rms_gemv_ring
 
 
 @pytest.fixture(scope="module")
 def R():
-    from k3fast import rms_gemv
+    from k3fast.kernels import rms_gemv
     return rms_gemv
 
 
@@ -212,7 +212,7 @@ def test_norm_then_ring_mma_in_a_graph(G, seed, M, early):
     the fp32 reference and equal to the norm + ring called apart; captured once and replayed on new inputs, each
     replay equals an eager call (attnres_cases.check_norm_then_gemm_in_a_graph). v14 on the tiled weight gives the
     same bits."""
-    from k3fast.fast import attnres_in_proj
+    from k3fast.layer import attnres_in_proj
     call, (blocks, n_blocks, p, delta, u, w_ln), w = check_norm_then_gemm_in_a_graph(
         M, G.gemv_ring_mma, "attnres_in_proj (v13)", mid="ring", mid_early=early)
     y, _ = call(torch.empty(M, K, device="cuda", dtype=torch.bfloat16))

@@ -1,4 +1,4 @@
-"""GPU tests for k3fast.router_down_topk against a plain-torch reference written here (k3-spec.md sections 10, 11).
+"""GPU tests for k3fast.kernels.router_down_topk against a plain-torch reference written here (k3-spec.md sections 10, 11).
 
 Reference: logits = F.linear(x.float(), W_r.float()) (fp32, no TF32), s = sigmoid, selection = stable descending
 sort of s + e_bias (ties: lower expert index first), weights from the unbiased s, z = bf16(F.linear fp32).
@@ -143,7 +143,7 @@ def run_checked(x, wr, wd, wp, bias, scaling=1.0, front="kernel"):
         z0, ids0, w0 = rdt.router_down_topk(x, wp, bias, scaling=scaling)
         assert torch.equal(z0, z) and torch.equal(ids0, ids) and torch.equal(w0, w)
         # and h is the separate gate/up kernel's (FastImpl's other paths), within the roundings of two fp32 orders
-        from k3fast.moe_tail import prepare_shared_gate_up, shared_expert_gate_up
+        from k3fast.kernels.moe_tail import prepare_shared_gate_up, shared_expert_gate_up
         h_sep = shared_expert_gate_up(x, prepare_shared_gate_up(wg, wu))
         assert rel_rmse(h.float(), h_sep.float()) <= 1e-2
     else:

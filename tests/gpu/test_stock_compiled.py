@@ -5,7 +5,7 @@ import torch
 
 from k3ref import k3_rank
 from k3ref.weights import random_layer
-from k3fast.impls import make_impl, make_io
+from k3fast.measure.impls import make_impl, make_io
 from tolerances import assert_close
 
 pytestmark = pytest.mark.gpu

@@ -1,11 +1,11 @@
-"""vLLM 0.33's fused ops as StockImpl(ops="vllm") calls them (k3fast.stock_vllm_ops) against their plain-torch
+"""vLLM 0.33's fused ops as StockImpl(ops="vllm") calls them (k3fast.stock.vllm_ops) against their plain-torch
 twins, at TP16-rank K3 shapes, and the vLLM-ops stock layer under CUDA-graph capture (GPU; run on the H200)."""
 import pytest
 import torch
 
 from k3ref import k3_rank
 from k3ref.weights import random_layer
-from k3fast import stock_vllm_ops as V
+from k3fast.stock import vllm_ops as V
 from tolerances import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -80,8 +80,8 @@ def test_router(M):
 @pytest.mark.parametrize("layer,batch", [(1, 1), (1, 8), (3, 1), (12, 3)])
 def test_stock_vllm_layer_graph(layer, batch):
     """The vLLM-ops stock layer runs, picks the vLLM variant, and replays a captured graph bit-identically."""
-    from k3fast.impls import make_impl, make_io
-    from k3fast.trace import capture
+    from k3fast.measure.impls import make_impl, make_io
+    from k3fast.measure.trace import capture
     w = random_layer(CFG, layer, seed=5, device="cuda")
     impl = make_impl("stock", CFG, w, max_batch=batch)
     assert impl.variant == "vllm-ops"

@@ -47,7 +47,7 @@ def test_distinct_experts_and_floor():
 
 
 def test_stage_summariser_attributes_kernels():
-    from k3fast.trace import summarize_graph_events, summarize_stages
+    from k3fast.measure.trace import summarize_graph_events, summarize_stages
     ev = [
         {"cat": "user_annotation", "name": "k3.attn_res", "ts": 0, "dur": 100},
         {"cat": "user_annotation", "name": "k3.kda.core", "ts": 100, "dur": 100},
@@ -69,8 +69,8 @@ def test_stage_summariser_attributes_kernels():
 
 
 def test_record_schema_validation(tmp_path):
-    from k3fast.report import load_records, table, validate
-    from k3fast.trace import SCHEMA_FIELDS
+    from k3fast.measure.report import load_records, table, validate
+    from k3fast.measure.trace import SCHEMA_FIELDS
     good = {k: 1.0 for k in SCHEMA_FIELDS}
     good.update(layer_kind="kda_moe", shape="k3_rank16", batch=1, impl="stock", part="layer", replay_us_p10=0.9,
                 replay_us_p90=1.1, gpu="H200", commit="x", date="d", torch="t", cutlass="c", driver="v")
@@ -85,8 +85,8 @@ def test_record_schema_validation(tmp_path):
 
 
 def test_report_latest_record_wins_and_ratio_only_within_one_run(tmp_path):
-    from k3fast.report import load_records, table
-    from k3fast.trace import SCHEMA_FIELDS
+    from k3fast.measure.report import load_records, table
+    from k3fast.measure.trace import SCHEMA_FIELDS
     base = {k: 1.0 for k in SCHEMA_FIELDS}
     base.update(layer_kind="kda_moe", shape="k3_rank16", batch=1, part="layer", gpu="H200", torch="t", cutlass="c",
                 driver="v", floor_us=10.0, kernels=3, replay_us_p10=1.0, replay_us_p90=500.0)
@@ -109,8 +109,8 @@ def test_report_latest_record_wins_and_ratio_only_within_one_run(tmp_path):
 
 def test_skewed_routing_forces_a_hot_set_and_is_reported_apart(tmp_path):
     import torch
-    from k3fast.report import load_records, table
-    from k3fast.trace import ROUTINGS, SCHEMA_FIELDS, skew_routing
+    from k3fast.measure.report import load_records, table
+    from k3fast.measure.trace import ROUTINGS, SCHEMA_FIELDS, skew_routing
     from k3ref import Precision, tiny
     from k3ref.moe import route
     from k3ref.weights import random_layer
@@ -135,14 +135,14 @@ def test_skewed_routing_forces_a_hot_set_and_is_reported_apart(tmp_path):
 
 def test_flush_l2_reads_the_whole_buffer_on_cpu():
     # the same code path as on the GPU (a bug here once cost a whole H200 sweep)
-    import k3fast.trace as tr
+    import k3fast.measure.trace as tr
     tr.flush_l2(device="cpu", nbytes=1 << 20)
     assert tr._FLUSH_OUT.item() == (1 << 20) // 4
     tr._FLUSH = tr._FLUSH_OUT = None
 
 
 def test_replay_stats_and_write_run(tmp_path):
-    from k3fast.trace import replay_stats, write_run
+    from k3fast.measure.trace import replay_stats, write_run
     st = replay_stats([float(x) for x in range(1, 102)], "fast_")
     assert st == {"fast_us_median": 51.0, "fast_us_p10": 11.0, "fast_us_p90": 91.0}
     p = tmp_path / "r.json"
@@ -152,7 +152,7 @@ def test_replay_stats_and_write_run(tmp_path):
 
 
 def test_kernel_and_experts_tables_come_from_the_json(tmp_path):
-    from k3fast.report import experts_probe_table, kernel_table, load_kernel_bench
+    from k3fast.measure.report import experts_probe_table, kernel_table, load_kernel_bench
     row = dict(kernel="moe_tail", shape="k3_rank16", batch=8, floor_us=10.0, fast_us_median=20.0,
                stock_us_median=40.0, commit="aaaaaaa", date="2026-11-29T09:00:00+00:00")
     newer = dict(row, fast_us_median=15.0, commit="bbbbbbb", date="2026-11-29T12:00:00+00:00")
@@ -183,7 +183,7 @@ def test_kernel_and_experts_tables_come_from_the_json(tmp_path):
 def test_trace_cell_spec_parses_and_rejects_bad_cells():
     import argparse
 
-    from k3fast.trace import parse_cell
+    from k3fast.measure.trace import parse_cell
     assert parse_cell("mla_moe,full,64,8192,ref+compiled") == ("mla_moe", "full", 64, 8192, ["ref", "compiled"])
     assert parse_cell("kda_moe,k3_rank16,1,0,stock") == ("kda_moe", "k3_rank16", 1, 0, ["stock"])
     for bad in ["mla_moe,full,64,ref", "gqa,full,1,0,ref", "kda_moe,k3_rank4,1,0,ref", "kda_moe,full,x,0,ref",
@@ -193,7 +193,7 @@ def test_trace_cell_spec_parses_and_rejects_bad_cells():
 
 
 def test_replay_timeline_splits_busy_and_idle():
-    from k3fast.trace import replay_timeline
+    from k3fast.measure.trace import replay_timeline
     ev = []
     for r, base in enumerate((0.0, 1000.0, 2000.0)):
         gap = (5.0, 30.0, 6.0)[r]                   # the middle replay has the median span
@@ -210,7 +210,7 @@ def test_replay_timeline_splits_busy_and_idle():
 def test_graph_events_keep_only_the_replays_kernels():
     """profile_replays flushes the L2 and resets the inputs between replays: those eager kernels and copies must not
     count as the graph's (kernel count, timeline), and a replay's kernels share its cudaGraphLaunch's correlation."""
-    from k3fast.trace import graph_events, replay_timeline, summarize_graph_events
+    from k3fast.measure.trace import graph_events, replay_timeline, summarize_graph_events
     ev = []
     for r, base in enumerate((0.0, 1000.0, 2000.0)):
         c = 10 * r
@@ -230,7 +230,7 @@ def test_graph_events_keep_only_the_replays_kernels():
 
 
 def test_serial_loads_counts_loads_behind_branches_and_stores():
-    from k3fast.ptxcheck import serial_loads
+    from k3fast.measure.ptxcheck import serial_loads
     sass = "\n".join(f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate([
         "LDG.E R0, desc[UR6][R2.64]", "LDG.E R1, desc[UR6][R2.64+0x4]",          # two in a row: not counted
         "MUFU.RCP R4, R0", "@P0 BRA `(.L_x_1)", "LDG.E R5, desc[UR6][R2.64+0x8]",  # behind a branch
@@ -251,9 +251,9 @@ PERFETTO_LINKS_LOST = {"records-5acc39b-a.json", "records-6316bd2-kda.json"}
 
 
 def test_every_recorded_perfetto_trace_is_found():
-    """Each record's Perfetto trace resolves to a file under traces/h200 (k3fast.report.perfetto_file), so the
+    """Each record's Perfetto trace resolves to a file under traces/h200 (k3fast.measure.report.perfetto_file), so the
     traces a reader opens in Perfetto or Nsight Systems are the ones the figures came from."""
-    from k3fast.report import ROOT, perfetto_file
+    from k3fast.measure.report import ROOT, perfetto_file
     missing = []
     for path in sorted(glob.glob(os.path.join(ROOT, "traces", "h200", "records-*.json"))):
         if os.path.basename(path) in PERFETTO_LINKS_LOST:
@@ -267,7 +267,7 @@ def test_every_recorded_perfetto_trace_is_found():
 
 
 def test_recorded_ncu_parses_headlines_and_orders_stalls(tmp_path):
-    from k3fast import nbtools
+    from k3fast.measure import nbtools
     (tmp_path / "meta.txt").write_text("NVIDIA H200, 580.159.04\ncommit abc\n")
     rep = tmp_path / "ncu-kda_case.txt"
     rep.write_text(
@@ -292,7 +292,7 @@ def test_recorded_ncu_parses_headlines_and_orders_stalls(tmp_path):
 def test_kernel_ab_reads_one_run(tmp_path, monkeypatch):
     """nbtools.kernel_ab: both rows from one kernels-*.json, keyed by (row, shape, batch), printed other -> base."""
     import json as _json
-    from k3fast import nbtools
+    from k3fast.measure import nbtools
     recs = [{"kernel": k, "shape": "k3_rank16", "batch": b, "fast_us_median": us, "copy_tbps": 4.1}
             for k, b, us in (("x", 1, 10.0), ("x@old", 1, 12.5), ("x", 8, 20.0), ("x@old", 8, 19.0), ("y", 1, 1.0))]
     (tmp_path / "k.json").write_text(_json.dumps({"records": recs}))
@@ -307,8 +307,8 @@ def test_every_fast_variant_names_fastimpl_options():
     """Each layer-level A/B (impls.FAST_VARIANTS) passes only keyword arguments FastImpl takes, so no variant in a
     sweep's --impls fails at construction on the GPU machine (session 10: fast-s17kda ran into a new default)."""
     import inspect
-    from k3fast.fast import FastImpl
-    from k3fast.impls import FAST_VARIANTS
+    from k3fast.layer import FastImpl
+    from k3fast.measure.impls import FAST_VARIANTS
     params = set(inspect.signature(FastImpl.__init__).parameters)
     for name, kw in FAST_VARIANTS.items():
         assert name.startswith("fast") and set(kw) <= params, (name, set(kw) - params)
@@ -317,8 +317,8 @@ def test_every_fast_variant_names_fastimpl_options():
 def test_every_fast_variant_builds_valid_kda_keys():
     """The KDA step's options of every variant make a valid kernel key (fast-s17kda's late_stores=False alone met
     v6's dsmem_tx default and was refused in every GPU test of the attention half, session 10)."""
-    from k3fast import kda_conv_gate_step as kmod
-    from k3fast.impls import FAST_VARIANTS
+    from k3fast.kernels import kda_conv_gate_step as kmod
+    from k3fast.measure.impls import FAST_VARIANTS
     for name, kw in FAST_VARIANTS.items():
         for ns in (4, 8):
             key = kmod.kernel_key(6, 1, ns, early_trigger=kw.get("attn_early_trigger", True),
@@ -328,14 +328,14 @@ def test_every_fast_variant_builds_valid_kda_keys():
 
 
 def test_reset_stock_autotuners_clears_only_stock_library_caches(monkeypatch):
-    """k3fast.trace.reset_stock_autotuners forgets the configs of Triton autotuners found in fla / vLLM modules (their
+    """k3fast.measure.trace.reset_stock_autotuners forgets the configs of Triton autotuners found in fla / vLLM modules (their
     keys omit the batch, so the first cell of a process chose them for every later cell), also behind a
     ``@triton.heuristics`` wrapper (fla's conv kernel), switches off their on-disk result cache, counts a tuner
     reachable twice once, touches no attribute of anything that is not a Triton kernel wrapper (a lazy module's
     getattr may import what is not installed), and leaves other modules alone."""
     import sys
     import types
-    from k3fast.trace import reset_stock_autotuners
+    from k3fast.measure.trace import reset_stock_autotuners
 
     class KernelInterface:                    # triton.runtime.jit.KernelInterface: JIT functions and their wrappers
         pass
@@ -378,7 +378,7 @@ def test_blas_probe_shapes_and_form_settings():
     padded as fast.FastImpl pads it, o_proj) and restores every global cuBLAS setting a form changes."""
     import torch
     from k3fast import blas_probe
-    from k3fast.kda_conv_gate_step import proj_width
+    from k3fast.kernels.kda_conv_gate_step import proj_width
     assert blas_probe.gemm_shapes("k3_rank16") == {"in_proj": (proj_width(6), 7168), "o_proj": (7168, 768)}
     assert blas_probe.gemm_shapes("k3_rank8")["o_proj"] == (7168, 1536)
     m = torch.backends.cuda.matmul
@@ -401,7 +401,7 @@ def test_blas_library_is_scoped_and_checked():
     """fast.blas_library changes torch's preferred BLAS library only inside the block, only for a CUDA device (a CPU
     build of torch refuses cublasLt), and rejects a name it does not know."""
     import torch
-    from k3fast.fast import blas_library
+    from k3fast.layer import blas_library
     before = torch.backends.cuda.preferred_blas_library()
     for lib in (None, "default", "cublaslt"):
         with blas_library(lib, torch.device("cpu")):
@@ -415,10 +415,10 @@ def test_blas_library_is_scoped_and_checked():
 
 
 def test_ptx_version_is_lowered_to_what_the_ptxas_reads():
-    """k3fast.ptxcheck assembles the DSL's PTX with whatever ptxas the machine has: the .version line is lowered to
+    """k3fast.measure.ptxcheck assembles the DSL's PTX with whatever ptxas the machine has: the .version line is lowered to
     the ISA that release reads (CUDA 13.0's ptxas refuses 9.4, the DSL's), and left alone for a release it does not
     know."""
-    from k3fast.ptxcheck import _lower_version
+    from k3fast.measure.ptxcheck import _lower_version
     ptx = ".version 9.4\n.target sm_90a\n.version 9.4 stays\n"
     assert _lower_version(ptx, "", "Cuda compilation tools, release 13.0, V13.0.88").startswith(".version 9.0\n")
     assert _lower_version(ptx, "", "release 12.8, V12.8.93").splitlines()[:3] == [".version 8.7", ".target sm_90a",
@@ -427,9 +427,9 @@ def test_ptx_version_is_lowered_to_what_the_ptxas_reads():
 
 
 def _closing_records(commit, date, routing, cells):
-    """Schema-complete records for k3fast.report's closing block: cells are (shape, batch, part, impl, us,
+    """Schema-complete records for k3fast.measure.report's closing block: cells are (shape, batch, part, impl, us,
     kernels, floor_us)."""
-    from k3fast.trace import SCHEMA_FIELDS
+    from k3fast.measure.trace import SCHEMA_FIELDS
     out = []
     for shape, b, part, impl, us, k, floor in cells:
         r = {f: 1.0 for f in SCHEMA_FIELDS}
@@ -442,8 +442,8 @@ def _closing_records(commit, date, routing, cells):
 
 
 def test_closing_block_targets_ceilings_and_one_run_rule(tmp_path):
-    from k3fast.report import closing_block, update_closing
-    from k3fast.trace import ROUTINGS
+    from k3fast.measure.report import closing_block, update_closing
+    from k3fast.measure.trace import ROUTINGS
     uni = _closing_records("aaaaaaa", "2026-12-06T10", ROUTINGS["random"], [
         ("k3_rank16", 1, "attn", "stock", 72.0, 18, 20.0), ("k3_rank16", 1, "attn", "fast", 36.0, 3, 20.0),
         ("k3_rank16", 1, "moe", "stock", 120.0, 17, 50.0), ("k3_rank16", 1, "moe", "fast", 60.0, 3, 50.0),
@@ -490,7 +490,7 @@ def test_closing_block_targets_ceilings_and_one_run_rule(tmp_path):
 
 def test_readme_closing_blocks_match_their_files():
     # every figure in README's closing-sweep blocks is rebuilt from the JSON files their markers name
-    from k3fast.report import CLOSING_BEGIN, ROOT, update_closing
+    from k3fast.measure.report import CLOSING_BEGIN, ROOT, update_closing
     with open(os.path.join(ROOT, "README.md")) as f:
         assert f.read().count(CLOSING_BEGIN) == 2
-    assert update_closing(check=True), "README's closing-sweep block differs from its files: python -m k3fast.report"
+    assert update_closing(check=True), "README's closing-sweep block differs from its files: python -m k3fast.measure.report"

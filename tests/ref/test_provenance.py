@@ -1,10 +1,10 @@
-"""k3fast.provenance: a record's source digest, recomputed from git, names the commits that could have made it."""
+"""k3fast.measure.provenance: a record's source digest, recomputed from git, names the commits that could have made it."""
 import os
 import subprocess
 
 import pytest
 
-from k3fast import provenance as pv
+from k3fast.measure import provenance as pv
 
 pytestmark = pytest.mark.ref
 

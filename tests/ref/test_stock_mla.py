@@ -1,4 +1,4 @@
-"""k3fast.stock_mla (the stock FlashMLA decode core) on CPU: FlashMLA itself is replaced by a plain-torch paged
+"""k3fast.stock.mla (the stock FlashMLA decode core) on CPU: FlashMLA itself is replaced by a plain-torch paged
 attention written here from its documented contract (vllm/third_party/flashmla/flash_mla_interface.py), so the
 paging, the cache append, the padding and the absorbed projections are checked against k3ref's mla_core."""
 import sys
@@ -51,7 +51,7 @@ def fake_flashmla(monkeypatch):
 
 @pytest.mark.parametrize("slots", [[0, 1, 2], [2, -1, 0], [-1, -1, 1]], ids=["all", "padded", "mostly-padded"])
 def test_flashmla_core_matches_mla_core(fake_flashmla, slots):
-    from k3fast.stock_mla import FlashMLADecodeCore
+    from k3fast.stock.mla import FlashMLADecodeCore
     cfg, P = tiny(), Precision.model()
     layer = next(l for l in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(l))
     w = random_layer(cfg, layer, seed=41)
@@ -81,7 +81,7 @@ def test_flashmla_core_matches_mla_core(fake_flashmla, slots):
 
 
 def test_flashmla_core_rejects_unpaged_pool(fake_flashmla):
-    from k3fast.stock_mla import FlashMLADecodeCore
+    from k3fast.stock.mla import FlashMLADecodeCore
     cfg, P = tiny(), Precision.model()
     layer = next(l for l in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(l))
     w = random_layer(cfg, layer, seed=41)
@@ -92,6 +92,6 @@ def test_flashmla_core_rejects_unpaged_pool(fake_flashmla):
 
 
 def test_flashmla_unavailable_without_vllm_or_gpu():
-    from k3fast.stock_mla import flashmla_available
+    from k3fast.stock.mla import flashmla_available
     ok, why = flashmla_available()
     assert not ok and why

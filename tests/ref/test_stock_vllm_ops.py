@@ -1,4 +1,4 @@
-"""k3fast.stock_vllm_ops on CPU: the module imports without vLLM, and the plain-torch twins of vLLM's fused ops
+"""k3fast.stock.vllm_ops on CPU: the module imports without vLLM, and the plain-torch twins of vLLM's fused ops
 (the arithmetic and rounding points of the kernels StockImpl(ops="vllm") runs) agree with k3ref. The real
 vLLM kernels are checked against these twins on the H200 (tests/gpu/test_stock_vllm_ops.py)."""
 import warnings
@@ -10,7 +10,7 @@ from k3ref import Precision, ResidualStream, random_layer, tiny
 from k3ref.attnres import pre_attention, pre_mlp
 from k3ref.moe import route
 from k3ref.norms import rms_norm, situ_glu
-from k3fast import stock_vllm_ops as V
+from k3fast.stock import vllm_ops as V
 from tolerances import assert_close
 
 pytestmark = pytest.mark.ref
@@ -97,7 +97,7 @@ def test_router_twin_matches_k3ref(seed):
 def test_stock_impl_falls_back_without_vllm():
     if V.vllm_available()[0]:
         pytest.skip("vLLM ops are available here")
-    from k3fast.impls import StockImpl
+    from k3fast.measure.impls import StockImpl
     w = random_layer(CFG, 0, seed=1)                      # dense layer: no Marlin experts to build
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

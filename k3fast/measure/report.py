@@ -1,7 +1,7 @@
 """Render recorded traces: a results table (markdown, into README.md) and one plot per layer kind.
 
-    python -m k3fast.report                 # read traces/h200/records-*.json, write plots + README table
-    python -m k3fast.report --check         # exit 1 if README's table is not what the records give
+    python -m k3fast.measure.report                 # read traces/h200/records-*.json, write plots + README table
+    python -m k3fast.measure.report --check         # exit 1 if README's table is not what the records give
 
 README's closing-sweep block (the issue targets at one run per routing, each cell beside its byte-floor ceiling) is
 rebuilt from the globs its begin marker names, e.g. ``<!-- closing-sweep:begin
@@ -40,7 +40,7 @@ def load_records(pattern: str | None = None) -> list[dict]:
 def perfetto_file(rec: dict) -> str | None:
     """The Perfetto trace of a record loaded by load_records (its "source" names the records file), or None.
 
-    k3fast.trace writes a run's traces to perfetto-<tag>/ beside records-<tag>.json and records that relative path.
+    k3fast.measure.trace writes a run's traces to perfetto-<tag>/ beside records-<tag>.json and records that relative path.
     Where one commit had several runs, the files were kept as records-<commit>-<step>.json with their traces in
     perfetto-<commit>-<step>/, so that folder is tried first. Records from before per-run folders (2026-11-28) name
     a bare file in traces/h200/perfetto/, which a later run of the same cell may have replaced."""
@@ -57,7 +57,7 @@ def perfetto_file(rec: dict) -> str | None:
 
 
 def _kind_label(r: dict) -> str:
-    """The layer kind, marked when the MoE routing was forced onto a hot set (k3fast.trace --routing skewed)."""
+    """The layer kind, marked when the MoE routing was forced onto a hot set (k3fast.measure.trace --routing skewed)."""
     return r["layer_kind"] + (" skewed" if str(r.get("routing", "")).startswith("skewed") else "")
 
 
@@ -117,7 +117,7 @@ KERNEL_ORDER = ("attnres_rms_gemv", "kda_conv_gate_step", "oproj_attnres", "rout
 
 
 def load_kernel_bench(pattern: str | None = None) -> list[dict]:
-    """Rows of traces/h200/kernels-*.json (k3fast.bench); for the same (kernel, shape, batch) the latest wins."""
+    """Rows of traces/h200/kernels-*.json (k3fast.measure.bench); for the same (kernel, shape, batch) the latest wins."""
     pattern = pattern or os.path.join(ROOT, "traces", "h200", "kernels-*.json")
     found = []
     for path in sorted(glob.glob(pattern)):
@@ -153,7 +153,7 @@ def kernel_table(rows: list[dict]) -> str:
 
 
 def latest_experts_probe(pattern: str | None = None, shape: str | None = None):
-    """(path, document) of the newest uniform-routing k3fast.bench_experts file (with records of ``shape``, when
+    """(path, document) of the newest uniform-routing k3fast.measure.bench_experts file (with records of ``shape``, when
     given), or (None, None)."""
     pattern = pattern or os.path.join(ROOT, "traces", "h200", "experts-*.json")
     best = None
@@ -171,7 +171,7 @@ def latest_experts_probe(pattern: str | None = None, shape: str | None = None):
 
 
 def experts_probe_table(pattern: str | None = None) -> str:
-    """Per shape, the newest uniform-routing k3fast.bench_experts file with that shape, as variant x batch (µs and
+    """Per shape, the newest uniform-routing k3fast.measure.bench_experts file with that shape, as variant x batch (µs and
     TB/s), Marlin included: one table per file, so every row of a table comes from one run."""
     pattern = pattern or os.path.join(ROOT, "traces", "h200", "experts-*.json")
     shapes = set()
@@ -221,10 +221,10 @@ def readme_block(records: list[dict], kernel_rows: list[dict] | None = None, exp
             f"{table(records, 'attn', ('kda_moe',))}\n\n"
             f"**MoE half** (`part: moe`, MLP input -> layer output), KDA layers\n\n"
             f"{table(records, 'moe', ('kda_moe',))}\n\n"
-            + (f"**Per kernel** (`python -m k3fast.bench`, `kernels-*.json`): each fused kernel alone as a one-kernel "
+            + (f"**Per kernel** (`python -m k3fast.measure.bench`, `kernels-*.json`): each fused kernel alone as a one-kernel "
                f"CUDA graph against its stock counterpart in the same run, and its time over its floor\n\n"
                f"{kernel_table(kernel_rows)}\n\n" if kernel_rows else "")
-            + (f"**Routed-experts design probe** (`python -m k3fast.bench_experts`; variants in its docstring)\n\n"
+            + (f"**Routed-experts design probe** (`python -m k3fast.measure.bench_experts`; variants in its docstring)\n\n"
                f"{experts}\n" if experts else "")
             + f"{END}")
 
@@ -280,7 +280,7 @@ def closing_cells_table(records: list[dict], part: str) -> str:
 def closing_targets_table(records: list[dict], experts: list[dict] | None = None) -> str:
     """Each issue target at each cell it names, from the records of one run per routing: measured, met or missed,
     and the ceiling (stock over its floor) where the target is a ratio to stock. ``experts`` are
-    k3fast.bench_experts rows (uniform routing, the default kernel) for the routed-experts bandwidth target."""
+    k3fast.measure.bench_experts rows (uniform routing, the default kernel) for the routed-experts bandwidth target."""
     cells = _one_run_pairs(records)
     lines = ["| issue | target | routing | cell | measured | met | ceiling (stock / floor) |", "|" + "---|" * 7]
     for issue, what, part, shapes, batches, (test, bound) in TARGETS:
@@ -316,7 +316,7 @@ def closing_targets_table(records: list[dict], experts: list[dict] | None = None
 
 def latest_experts_default(pattern: str, batches=(8, 64)) -> list[dict]:
     """The newest uniform-routing row of the default routed-experts kernel per (shape, batch) in the files of
-    ``pattern`` (k3fast.bench_experts), each with its source file."""
+    ``pattern`` (k3fast.measure.bench_experts), each with its source file."""
     best: dict[tuple, dict] = {}
     for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
         with open(path) as f:
@@ -345,7 +345,7 @@ def closing_block(records_globs: list[str], experts_glob: str) -> str:
     commits = " ".join(sorted({str(r["commit"])[:7] for r in recs}))
     copies = ", ".join(f"{c:.2f}" for c in sorted({r["copy_tbps"] for r in recs}))
     return (f"{CLOSING_BEGIN} {' '.join(records_globs)} experts={experts_glob} -->\n"
-            f"Generated by `python -m k3fast.report` from {', '.join(f'`{s}`' for s in srcs)} and the newest "
+            f"Generated by `python -m k3fast.measure.report` from {', '.join(f'`{s}`' for s in srcs)} and the newest "
             f"default rows of `{experts_glob}`. GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
             f"cutlass {env['cutlass']}, commits {commits}; copy {copies} TB/s. Median CUDA-graph replay, L2 "
             f"flushed before each replay; a row's stock and fast come from one run.\n\n"
@@ -441,9 +441,9 @@ def main(argv=None) -> int:
     if args.check:
         ok = update_readme(block, check=True)
         ok_closing = update_closing(check=True)
-        print("README table is up to date" if ok else "README table differs from the records: run python -m k3fast.report")
+        print("README table is up to date" if ok else "README table differs from the records: run python -m k3fast.measure.report")
         print("README closing block is up to date" if ok_closing else
-              "README closing block differs from its files: run python -m k3fast.report")
+              "README closing block differs from its files: run python -m k3fast.measure.report")
         return 0 if ok and ok_closing else 1
     if args.print_only:
         print(table(recs) if recs else "no records")

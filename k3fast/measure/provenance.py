@@ -7,7 +7,7 @@ before the code that ran (s107, ``traces/h100/records-c3bd739-s107.json``'s ``co
 ``SOURCE_DIRS``, computed from the bytes on disk. Git computes the same blob ids for a commit without checking it
 out, so the digest of any commit can be recomputed here and a record matched to the commits that could have made it.
 
-    python -m k3fast.provenance traces/h100/records-<commit>-<step>.json [--max-back 400]
+    python -m k3fast.measure.provenance traces/h100/records-<commit>-<step>.json [--max-back 400]
 
 prints the recorded commit, the digest and the commits whose tree gives that digest, and exits 1 where the recorded
 commit is not one of them. Untracked source files on the device (the copy carries untracked files that git does not

@@ -14,7 +14,7 @@ k3ref.mla.mla_core is the specification (section 8.3). It attends over each slot
 which copies [N, Lmax, 576]: correct, and ~10x slower than a paged kernel at 8K tokens. This module reads only
 the pages a request has.
 
-The cache pool [S, Lmax, 576] is viewed as pages of 64 tokens, so Lmax must be a multiple of 64 (k3fast.impls.make_io
+The cache pool [S, Lmax, 576] is viewed as pages of 64 tokens, so Lmax must be a multiple of 64 (k3fast.measure.impls.make_io
 rounds it). Page p of slot s is block s * Lmax/64 + p. Padded requests (slot < 0) attend over one row of slot 0,
 a read inside the pool, and their output rows are zeroed. They write nothing.
 """

@@ -1147,8 +1147,8 @@ def _compile_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, G=1, early_trigg
 def fused_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, G: int = 1, early_trigger: bool = False,
               pin: bool = False, pf: int = 1) -> str:
     """PTX of the fused AttnRes + RMSNorm + GEMV kernel for an [N, K] weight at batch M (uncached; for reading,
-    see k3fast.ptxcheck and notebook 02)."""
-    from .ptxcheck import compiled_ptx
+    see k3fast.measure.ptxcheck and notebook 02)."""
+    from ..measure.ptxcheck import compiled_ptx
     rpc, ks, _ = _fused_config(N, K)
     return compiled_ptx(lambda: _build_fused(M, K, n_blocks, True, -1, "bf16", 1e-5, rpc, ks,
                                              options=TVM_FFI + " --keep-ptx", G=G,
@@ -1168,7 +1168,7 @@ def gemv(x, w, out=None, *, mma: str = "v2", pin_loads=None):
     mma: the kernel for M > 4: "v2" (`_MmaGemv`, K split among a CTA's warps), "splitk" (k3fast.gemv_splitk:
     x staged in shared memory, K split across CTAs; opt-in, slower at b64 in its first H200 run (its version
     log); used only where gemv_splitk.applicable says so) or "cublas" (torch.mm at every M: where ours lose, see
-    k3fast.fast.GEMV_DSL_MAX_M and INPROJ_DSL_MAX_M). pin_loads: the FMA path's v6 (None = PIN_LOADS)."""
+    k3fast.layer.GEMV_DSL_MAX_M and INPROJ_DSL_MAX_M). pin_loads: the FMA path's v6 (None = PIN_LOADS)."""
     M, N, K, out = gemv_operands(x, w, out)
     if mma not in ("v2", "splitk", "cublas"):
         raise ValueError(f"mma must be 'v2', 'splitk' or 'cublas', got {mma!r}")
@@ -1277,7 +1277,7 @@ def _fused_args(M, K, N, n_blocks, has_delta, block_write, wln, eps, fused_ks=No
     """(the arguments of _compile_fused, grid) for the fused kernel these options run: one rule for the host entry
     and compile_keys, so warmup compiles exactly the builds the calls use."""
     rpc, ks, grid = _fused_config(N, K)
-    if fused_ks is not None:            # benchmarks of the k-split choice (k3fast.bench)
+    if fused_ks is not None:            # benchmarks of the k-split choice (k3fast.measure.bench)
         if fused_ks not in (1, 2, 4, 8) or (K // 8) // fused_ks < 64:
             raise ValueError(f"fused_ks must be 1, 2, 4 or 8 with >= 64 vectors per slice, got {fused_ks}")
         rpc, ks = FUSED_WARPS // fused_ks, fused_ks

@@ -1,9 +1,9 @@
 """Per-kernel benchmarks: each fused kernel against its byte floor and its stock counterpart, one run.
 
-    python -m k3fast.bench --shapes k3_rank16 k3_rank8 full --batches 1 8 64 --out traces/h200
+    python -m k3fast.measure.bench --shapes k3_rank16 k3_rank8 full --batches 1 8 64 --out traces/h200
 
 Each case captures ONE call in a CUDA graph and times replays exactly as the layer traces do
-(k3fast.trace.time_replays: L2 flushed before each replay, median/p10/p90). Bytes are what the call
+(k3fast.measure.trace.time_replays: L2 flushed before each replay, median/p10/p90). Bytes are what the call
 must move (weights + state read/written + activations); the floor uses the copy bandwidth measured
 in the same run. Records go to ``<out>/kernels-<tag>.json``.
 """
@@ -27,15 +27,15 @@ from .trace import L2_POLICY, L2_WARM, capture, parse_run, replay_stats, time_re
 
 def _cases(cfg, batch: int):
     """(name, fused callable, stock callable, bytes) for every fused kernel at this shape and batch."""
-    from . import kda_conv_gate_step as kmod
+    from ..kernels import kda_conv_gate_step as kmod
     from .impls import make_io
-    from .kda_conv_gate_step import kda_conv_gate_step
-    from .moe_mxfp4_experts import make_workspace, moe_mxfp4_experts, prepare_mxfp4_experts
-    from .moe_tail import moe_tail, prepare_shared_gate_up, shared_expert_gate_up
-    from .oproj_attnres import oproj_attnres
-    from .rms_gemv import attnres_rms_gemv
-    from .router_down_topk import prepare_front_weight, router_down_topk
-    from .stock_kda import stock_kda_core
+    from ..kernels.kda_conv_gate_step import kda_conv_gate_step
+    from ..kernels.moe_mxfp4_experts import make_workspace, moe_mxfp4_experts, prepare_mxfp4_experts
+    from ..kernels.moe_tail import moe_tail, prepare_shared_gate_up, shared_expert_gate_up
+    from ..kernels.oproj_attnres import oproj_attnres
+    from ..kernels.rms_gemv import attnres_rms_gemv
+    from ..kernels.router_down_topk import prepare_front_weight, router_down_topk
+    from ..stock.kda import stock_kda_core
     dev, d, M = "cuda", cfg.hidden_size, batch
     w = random_layer(cfg, 1, seed=3, device=dev)
     a, m = w.attn, w.mlp
@@ -58,7 +58,7 @@ def _cases(cfg, batch: int):
     # 1b. diagnostics of 1: our plain GEMV without the prologue (its cost = fused - plain), the unfused pair at
     # M <= 2 (the k-split rows @ks1/2/8 against the default ks = 4, first timed in kernels-ea0c850.json), and the split-K
     # tensor-core kernel at M > 4
-    from .rms_gemv import attnres_rmsnorm, gemv
+    from ..kernels.rms_gemv import attnres_rmsnorm, gemv
     cases.append(("gemv_in_proj_plain", lambda: gemv(x, w_in), lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2))
     if M <= 2:      # rms_gemv v3 (opt-in): two row groups per iteration of the fused kernel's loop
         cases.append(("attnres_rms_gemv@G2", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
@@ -88,7 +88,7 @@ def _cases(cfg, batch: int):
                       w_in.numel() * 2 + M * d * 2))
     if M <= 2:      # rms_gemv v12 (rms_gemv_ring, the layer's in_proj at M <= 2): a bulk-copy shared-memory ring, fused
         # and bare (the bare row beside gemv_in_proj_plain and cuBLAS on the same x and weights)
-        from .rms_gemv_ring import attnres_rms_gemv_ring, gemv_ring
+        from ..kernels.rms_gemv_ring import attnres_rms_gemv_ring, gemv_ring
         cases.append(("attnres_rms_gemv@ring", lambda: attnres_rms_gemv_ring(io.blocks, 1, io.partial, io.delta, u1,
                                                                              w.input_layernorm, w_in, partial_out=p_out),
                       lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
@@ -104,7 +104,7 @@ def _cases(cfg, batch: int):
             xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
             return gemv(xx, w_in)
         cases.append(("attnres_rms_gemv@unfused", unfused, lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    from .rms_gemv_ring import gemv_ring_mma, mma_applicable
+    from ..kernels.rms_gemv_ring import gemv_ring_mma, mma_applicable
     if 2 < M and mma_applicable(M, d, w_in.shape[0]):
         # rms_gemv_ring v13 (session 20): the tensor-core ring GEMV where the layer's in_proj is cuBLAS (M 3..8),
         # bare beside cuBLAS on the same x, and as the layer runs it behind the AttnRes norm kernel (the norm's
@@ -116,7 +116,7 @@ def _cases(cfg, batch: int):
             return F.linear(xx, w_in)
 
         # v14 (session 21): the same ring on the tiled copy of the weight (one 16 KB bulk copy per chunk)
-        from .rms_gemv_ring import mma_tile_weight
+        from ..kernels.rms_gemv_ring import mma_tile_weight
         w_tiled = mma_tile_weight(w_in)
         cases.append(("gemv_in_proj_plain@ringmmatiled", lambda: gemv_ring_mma(x, w_tiled), lambda: F.linear(x, w_in),
                       w_in.numel() * 2 + M * d * 2))
@@ -126,12 +126,12 @@ def _cases(cfg, batch: int):
                                         early_trigger=et)
                 return gemv_ring_mma(xx, ww)
             cases.append((f"attnres_rms_gemv@ringmma{tag}", norm_ring, norm_cublas, w_in.numel() * 2 + M * d * 2 * 4))
-    from .gemm_wgmma_splitk import applicable as wgmma_applicable, gemm_wgmma
+    from ..kernels.gemm_wgmma_splitk import applicable as wgmma_applicable, gemm_wgmma
     if 8 < M and wgmma_applicable(M, d, w_in.shape[0]):
         # gemm_wgmma_splitk (session 25): the WGMMA GEMM with a cluster K split where the layer's in_proj is cuBLAS
         # (M 9..64), bare beside cublasLt, the library the layer calls there (fast.INPROJ_BLAS), and behind the AttnRes
         # norm (its trigger at its end / after its wait) beside the norm + cublasLt pair
-        from .fast import blas_library
+        from ..layer import blas_library
 
         def lt_linear(xx=x):
             with blas_library("cublaslt", x.device):
@@ -169,7 +169,7 @@ def _cases(cfg, batch: int):
                 cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda kw=kw: gemm_wgmma(x, w_in, **kw), lt_linear,
                               wbytes))
         # v2 (session 25): the tiled copy of the weight, each stage's W tile one contiguous run; the plan's ring and d3
-        from .gemm_wgmma_splitk import tile_weight
+        from ..kernels.gemm_wgmma_splitk import tile_weight
         w_wt = tile_weight(w_in)
         cases.append(("gemm_in_proj_plain@wgmmatiled", lambda: gemm_wgmma(x, w_wt), lt_linear, wbytes))
         cases.append(("gemm_in_proj_plain@wgmmatiledd3", lambda: gemm_wgmma(x, w_wt, stages=3), lt_linear, wbytes))
@@ -219,7 +219,7 @@ def _cases(cfg, batch: int):
                               proj[:, 4 * Pw + D:4 * Pw + D + H], st.conv, st.recurrent, io.slots, kw, head_dim=D,
                               null_slot=st.num_slots - 1)
     kda_bytes = state_bytes + a.f_b_proj.numel() * 2 + M * (proj.shape[1] + Pw) * 2
-    from .kda_conv_gate_step import choose_nsplit
+    from ..kernels.kda_conv_gate_step import choose_nsplit
     ns_def = choose_nsplit(M, H, None)      # the cluster builds' split; @ns1trig is v9 (nsplit 1)
     ns_alt = 12 - ns_def
     # the default; v2 without the proj preload (T = 1, nsplit 8; v3 is the default since session 7); the other
@@ -271,14 +271,14 @@ def _cases(cfg, batch: int):
         return F.linear(x, m.down), ids
     cases.append(("router_down_topk", lambda: router_down_topk(x, front, bias), stock_front, front.numel() * 2 + M * d * 2))
     if M <= 2:      # the FMA path with v2.2's occupancy hint (9 / 7 CTAs per SM; measured slower, reverted in v2.3)
-        from .router_down_topk import FMA_MIN_BLOCKS_TRIED
+        from ..kernels.router_down_topk import FMA_MIN_BLOCKS_TRIED
         cases.append(("router_down_topk@minb9", lambda: router_down_topk(x, front, bias,
                                                                           fma_min_blocks=FMA_MIN_BLOCKS_TRIED[M]),
                       stock_front,
                       front.numel() * 2 + M * d * 2))
     # the cuBLAS front (fp32 GEMM over the packed weight) + TopkFromLogits, the path above FRONT_DSL_MAX_M, and the
     # same with the shared experts' gate/up folded in (stock: the router GEMMs + top-k, then the shared gate/up GEMM)
-    from .router_down_topk import prepare_front_shared_weight, router_down_topk_cublas
+    from ..kernels.router_down_topk import prepare_front_shared_weight, router_down_topk_cublas
     cases.append(("router_down_topk_cublas", lambda: router_down_topk_cublas(x, front, bias), stock_front,
                   front.numel() * 2 + M * d * 2))
     front_sh = prepare_front_shared_weight(m.gate, m.down, m.shared_gate, m.shared_up)
@@ -303,7 +303,7 @@ def _cases(cfg, batch: int):
     # TopkFromLogits alone on a precomputed y (~16 KB per token): unrolled / rolled top-k, with the L2 flushed and
     # (names ending "~warm") not flushed. If the unrolled kernel's ~16 us is cold instruction fetch (v2.4's
     # hypothesis), it drops a lot when warm and the rolled one flushed sits near the warm figure.
-    from .router_down_topk import topk_from_logits
+    from ..kernels.router_down_topk import topk_from_logits
     y_front = torch.mm(x, front_sh.t(), out_dtype=torch.float32)
     h_front = torch.empty(M, m.shared_gate.shape[0], dtype=torch.bfloat16, device=dev)
     # router v2.8 (opt-in, "@split"): the top-k over the CTA's 4 warps
@@ -327,7 +327,7 @@ def _cases(cfg, batch: int):
     ids = torch.stack([torch.randperm(cfg.num_experts, generator=g, device=dev)[:cfg.num_experts_per_token]
                        for _ in range(M)]).to(torch.int32)
     tw = torch.softmax(torch.randn(M, cfg.num_experts_per_token, generator=g, device=dev), -1)
-    from .stock_moe import MarlinMXFP4Experts
+    from ..stock.moe import MarlinMXFP4Experts
     built = {}
 
     def marlin(*args):
@@ -345,7 +345,7 @@ def _cases(cfg, batch: int):
                   lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
     # the default before the cluster fix on the same inputs (A/B in one run; see the module's version log): v3
     # with the cluster rule that assumed every cluster co-resident
-    from .moe_mxfp4_experts import cluster_before_20261129, m_bucket
+    from ..kernels.moe_mxfp4_experts import cluster_before_20261129, m_bucket
     cases.append(("moe_mxfp4_experts@prev",
                   lambda: moe_mxfp4_experts(z, ids, tw, prep_nib, None, None, None, workspace=ws, version=3,
                                             cluster=cluster_before_20261129(m_bucket(M))),
@@ -388,7 +388,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="+", default=None, help="only these case names (default: all)")
-    run = parse_run(ap, argv, "k3fast.bench")
+    run = parse_run(ap, argv, "k3fast.measure.bench")
     if run is None:
         return 2
     args, env, bw, tag = run

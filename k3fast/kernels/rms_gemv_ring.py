@@ -655,7 +655,7 @@ def _compile_mma(key):
 
 def ring_mma_ptx(N: int, K: int = 7168, M: int = 8, early_trigger: bool = False, tiled: bool = False) -> str:
     """PTX of the tensor-core ring GEMV (uncached; for reading and the CPU tests)."""
-    from .ptxcheck import compiled_ptx
+    from ..measure.ptxcheck import compiled_ptx
     return compiled_ptx(lambda: _build_mma(mma_bucket(M), K, mma_tiles_max(N), early_trigger, tiled,
                                            options=TVM_FFI + " --keep-ptx"))
 
@@ -766,7 +766,7 @@ def _compile(key):
 def ring_ptx(N: int, K: int = 7168, M: int = 1, n_blocks: int = 1, fused: bool = True,
              early_trigger: bool = True, joint: bool = False) -> str:
     """PTX of the ring kernel (uncached; for reading and the CPU tests)."""
-    from .ptxcheck import compiled_ptx
+    from ..measure.ptxcheck import compiled_ptx
     return compiled_ptx(lambda: _build(M, K, chunks_max(N), fused, n_blocks, True, -1, "bf16", 1e-5, early_trigger,
                                        joint=joint, options=TVM_FFI + " --keep-ptx"))
 

@@ -222,7 +222,7 @@ Contracts
 import math
 from typing import Iterable
 
-from k3fast._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
+from k3fast.kernels._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
                          weight_load_atom)
 
 D = 7168                 # hidden size

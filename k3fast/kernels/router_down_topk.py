@@ -191,7 +191,7 @@ Contracts
 
 import math
 
-from k3fast._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, sigmoid, situ_glu,
+from k3fast.kernels._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, sigmoid, situ_glu,
                          swapab_a_fragment, swapab_c_fragment_to, weight_load_atom)
 
 HIDDEN = 7168
@@ -211,7 +211,7 @@ UNROLL = 4
 # mechanism stays for the A/B (bench row router_down_topk@minb9); the version log has the analysis.
 FMA_MIN_BLOCKS: dict = {}
 # v2.4 (opt-in; measured no faster, see the version log): the top-k's 16 selection rounds as a loop, not unrolled
-# code; the compile key carries it. k3fast.fast's router_rolled / impl "fast-rolled" flip it.
+# code; the compile key carries it. k3fast.layer's router_rolled / impl "fast-rolled" flip it.
 TOPK_ROLLED = False
 # v2.8 (the default since session 8; impl "fast-s12" is the A/B without it): TopkFromLogits' top-k over its 4 warps
 # (a top-16 of each warp's 224 experts, then warp 0 merges the 64 candidates); the version log says why and what it
@@ -889,7 +889,7 @@ def router_down_topk(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=TOP_K, s
     fourth output h [M, Is] bf16 = the shared experts' SiTU-GLU (shared_expert_gate_up's contract) comes back, from
     the same pass over x.
 
-    fma_unroll: benchmarks only (k3fast.bench's @U4 row): the FMA path's vectors in flight per lane.
+    fma_unroll: benchmarks only (k3fast.measure.bench's @U4 row): the FMA path's vectors in flight per lane.
 
     x [M, 7168] bf16 (1 <= M <= 64), w_packed from prepare_front_weight, e_bias [n_experts] fp32.
     ids are ordered by descending s + e_bias, ties by ascending expert index (the lower index wins a tie).
@@ -957,7 +957,7 @@ def router_down_topk_cublas(x, w_packed, e_bias, *, n_experts=N_EXPERTS, top_k=T
                             rolled=None, split=None):
     """router_down_topk's outputs from one cuBLAS GEMM over the packed front weight (fp32 out: the router logits
     unrounded, z rounded once to bf16) and the TopkFromLogits kernel. For the larger batches, where the fused kernel
-    is slower than these library kernels (k3fast.fast.FRONT_DSL_MAX_M says by how much).
+    is slower than these library kernels (k3fast.layer.FRONT_DSL_MAX_M says by how much).
 
     shared = Is > 0: w_packed is prepare_front_shared_weight's [W_r; W_down; W_sg; W_su], and a fourth output h
     [M, Is] bf16 = SiTU-GLU of the shared experts (shared_expert_gate_up's contract) comes back.

@@ -23,7 +23,7 @@ def compiled_ptx(compile_fn: Callable[[], Any]) -> str:
     """Run ``compile_fn`` (a cute.compile with ``--keep-ptx``) and return its PTX text. --keep-ptx also writes a
     .ptx file into the DSL's dump directory (fixed when cutlass is imported, the working directory by default);
     for the duration of the call it points at a scratch directory instead, so nothing lands in the tree."""
-    from ._dsl import import_cute
+    from ..kernels._dsl import import_cute
     import_cute()
     from cutlass.cutlass_dsl import CuTeDSL
     env = CuTeDSL._get_dsl().envar
@@ -251,10 +251,14 @@ def code_sizes(tools: tuple[str, str]) -> list[dict]:
     the b8 bucket and as TopkFromLogits, unrolled and rolled)."""
     from contextlib import contextmanager
 
-    from . import kda_conv_gate_step as kda, moe_mxfp4_experts as mx, moe_tail, oproj_attnres as oa, rms_gemv
-    from . import rms_gemv_ring
-    from . import router_down_topk as rdt
-    from ._dsl import TVM_FFI
+    from ..kernels import kda_conv_gate_step as kda
+    from ..kernels import moe_mxfp4_experts as mx
+    from ..kernels import moe_tail
+    from ..kernels import oproj_attnres as oa
+    from ..kernels import rms_gemv
+    from ..kernels import rms_gemv_ring
+    from ..kernels import router_down_topk as rdt
+    from ..kernels._dsl import TVM_FFI
     from k3ref import k3_rank
     cfg = k3_rank(16)
 
@@ -352,16 +356,16 @@ def loop_issue_order(ptx: str, min_loads: int = 1) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> int:
-    """python -m k3fast.ptxcheck [--out traces/cpu]: the loop statistics this module's docstring talks about, for
+    """python -m k3fast.measure.ptxcheck [--out traces/cpu]: the loop statistics this module's docstring talks about, for
     the experts kernel (v3, v4) and the fused in_proj GEMV, written to ptxcheck-<commit>.json with the versions."""
     import argparse
     import dataclasses
     import json
     import os
 
-    from . import moe_mxfp4_experts as mx
-    from . import rms_gemv
-    from ._dsl import TVM_FFI, import_cute
+    from ..kernels import moe_mxfp4_experts as mx
+    from ..kernels import rms_gemv
+    from ..kernels._dsl import TVM_FFI, import_cute
     from .trace import environment
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--out", default="traces/cpu")
@@ -456,7 +460,7 @@ def main(argv=None) -> int:
                 rows.append({**row, "sass_loop_local_memory": {k: o.get("LDL", 0) + o.get("STL", 0)
                                                                for k, o in loops.items()}, **sass_size(ptx, tools)})
     if tools is not None:        # router_down_topk v2.2: the FMA path's occupancy hint and what ptxas made of it
-        from . import router_down_topk as rdt
+        from ..kernels import router_down_topk as rdt
         old = rdt.TVM_FFI
         rdt.TVM_FFI = TVM_FFI + " --keep-ptx"
         try:
@@ -488,7 +492,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"ptxcheck-{env['commit']}.json")
     with open(path, "w") as f:
-        json.dump({"environment": env, "command": "python -m k3fast.ptxcheck", "records": rows}, f, indent=1)
+        json.dump({"environment": env, "command": "python -m k3fast.measure.ptxcheck", "records": rows}, f, indent=1)
     for r in rows:
         print(r)
     print("wrote", path)

@@ -1,6 +1,6 @@
-"""Design-space probe of the routed-experts kernel (k3fast.moe_mxfp4_experts) on the GPU.
+"""Design-space probe of the routed-experts kernel (k3fast.kernels.moe_mxfp4_experts) on the GPU.
 
-    python -m k3fast.bench_experts --shapes k3_rank16 --batches 1 8 64 --out traces/h200
+    python -m k3fast.measure.bench_experts --shapes k3_rank16 --batches 1 8 64 --out traces/h200
 
 Why: v3 measured 0.6-1.2 TB/s where the issue asks for >= 75 % of the copy bandwidth, and the z-in-smem change
 predicted to fix it moved it by only 1-15 % (LOG.md). Each CTA streams ~6-7 GB/s at every batch. The candidate
@@ -49,7 +49,7 @@ causes give different signatures, and one run of this module separates them:
              reduction and the combine; the output is the default's. What parking the tail's weights in the
              experts kernel would cost its chain (k3fast/LOG.md, session 17);
 * ``pad<KB>`` (e.g. ``pad4``, ``v4pad4``) the same kernel asking for <KB> more shared memory that it never uses:
-             where that takes it to a larger carve-out step (k3fast._dsl.carveout_kb; rank8 b64 sits 80 B under the
+             where that takes it to a larger carve-out step (k3fast.kernels._dsl.carveout_kb; rank8 b64 sits 80 B under the
              196 KB step), the L1 left beside it drops (60 -> 28 KB there), and the row times what that L1 is
              worth; each row records ``smem_bytes`` and ``l1_kb`` (version log v5.1);
 * ``Dprobe4`` the stream probe at ring depth 4: with ``probe`` and ``D4 D12 D16`` it tells whether the loop at
@@ -57,7 +57,7 @@ causes give different signatures, and one run of this module separates them:
              the kernel at every D).
 
 Every variant runs on the same inputs (uniform routing) in one process; times are median CUDA-graph replays with
-the L2 flushed (k3fast.trace.time_replays); Marlin (the stock path) is timed beside them. Writes
+the L2 flushed (k3fast.measure.trace.time_replays); Marlin (the stock path) is timed beside them. Writes
 ``experts-<tag>.json``.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def variant_cfg(name: str, base):
         return dataclasses.replace(base, probe="stream", D=int(name[len("Dprobe"):]), alt_parts=0)
     park = re.fullmatch(r"PARK(\d*)", name)
     if park:                                 # the park probe: PARK (all the free shared memory) or PARK<KB>
-        from .moe_mxfp4_experts import park_max
+        from ..kernels.moe_mxfp4_experts import park_max
         if base.version != 7:
             raise ValueError(f"PARK (the park probe) serves version 7 (batch buckets <= 2), got v{base.version}")
         return dataclasses.replace(base, park=int(park.group(1)) * 1024 if park.group(1) else park_max(base))
@@ -114,7 +114,7 @@ def variant_cfg(name: str, base):
     if name == "R1":                         # route1 (batch 1's pairs as segments, no counting sort)
         return dataclasses.replace(base, route_direct=True)
     if name == "NRF":                        # ring_fit off: both rings at the full depth D
-        from .moe_mxfp4_experts import RING_FIT_VERSIONS
+        from ..kernels.moe_mxfp4_experts import RING_FIT_VERSIONS
         if base.version not in RING_FIT_VERSIONS:
             raise ValueError(f"NRF (ring_fit off) differs from the default at versions {RING_FIT_VERSIONS} only, "
                              f"got v{base.version}")
@@ -142,22 +142,22 @@ def variant_cfg(name: str, base):
         if "P" in kw:
             kw["parts"] = kw.pop("P")
         if kw.get("version") in (7, 8):      # v7 / v8's own cluster and parts defaults (compile_key's)
-            from .moe_mxfp4_experts import V7_CLUSTER, default_parts
+            from ..kernels.moe_mxfp4_experts import V7_CLUSTER, default_parts
             kw.setdefault("C", V7_CLUSTER)
             kw.setdefault("parts", default_parts(base.I, base.MB, kw["C"], base.nsm))
         elif "version" in kw:                # another version named: one part (only v7 / v8 split)
             kw["parts"] = 1
         if "version" in kw:                  # the named version's ring_fit default (compile_key's rule)
-            from .moe_mxfp4_experts import ring_fit_rule
+            from ..kernels.moe_mxfp4_experts import ring_fit_rule
             kw["ring_fit"] = ring_fit_rule(None, kw["version"])
         return dataclasses.replace(base, **kw)
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS} or letters C/D/W with numbers")
 
 
 def main(argv=None) -> int:
-    from .moe_mxfp4_experts import (compile_key, distinct_expert_bytes, make_workspace, moe_mxfp4_experts,
+    from ..kernels.moe_mxfp4_experts import (compile_key, distinct_expert_bytes, make_workspace, moe_mxfp4_experts,
                                     prepare_mxfp4_experts)
-    from .stock_moe import MarlinMXFP4Experts
+    from ..stock.moe import MarlinMXFP4Experts
     from .trace import L2_POLICY, capture, parse_run, replay_stats, time_replays, write_run
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["k3_rank16"])
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
                     help="skewed: every token draws its 16 experts from one hot set of 24")
-    run = parse_run(ap, argv, "k3fast.bench_experts")
+    run = parse_run(ap, argv, "k3fast.measure.bench_experts")
     if run is None:
         return 2
     args, env, bw, tag = run

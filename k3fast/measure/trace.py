@@ -1,6 +1,6 @@
 """Per-layer decode traces: kernel count, kernel time, graph-replay time, bytes and the byte floor.
 
-    python -m k3fast.trace --kinds kda_moe mla_moe --shapes k3_rank16 k3_rank8 full --batches 1 8 64 \
+    python -m k3fast.measure.trace --kinds kda_moe mla_moe --shapes k3_rank16 k3_rank8 full --batches 1 8 64 \
         --impls ref compiled stock --out traces/h200
 
 For each (layer kind, shape, batch, context, impl, part) one record:
@@ -45,7 +45,7 @@ from k3ref.compare import rel_rmse
 from k3ref.bytes import layer_bytes, part_bytes, floor_us, ATTN_STAGES
 from k3ref.weights import random_layer
 
-from .nvtx import STAGES
+from ..nvtx import STAGES
 
 SCHEMA_FIELDS = ("gpu", "driver", "torch", "cutlass", "commit", "date", "layer_kind", "shape", "batch", "impl", "part",
                  "kernels", "kernel_us_sum", "replay_us_median", "replay_us_p10", "replay_us_p90", "bytes", "floor_us",
@@ -80,7 +80,7 @@ def environment() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     from .provenance import tree_digest
     try:
-        digest = tree_digest()      # what actually ran: `python -m k3fast.provenance FILE` matches it to commits
+        digest = tree_digest()      # what actually ran: `python -m k3fast.measure.provenance FILE` matches it to commits
     except OSError:
         digest = None
     return {"gpu": gpu, "driver": run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or None,
@@ -548,8 +548,8 @@ def main(argv=None) -> int:
                     help="MoE routing: the router on random inputs, or skewed onto a hot set of 24 experts")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("k3fast.trace needs a CUDA GPU; on this machine render the recorded traces with "
-              "`python -m k3fast.report`", file=sys.stderr)
+        print("k3fast.measure.trace needs a CUDA GPU; on this machine render the recorded traces with "
+              "`python -m k3fast.measure.report`", file=sys.stderr)
         return 2
     env, bw, tag = start_run(args.out, args.tag)
     perfetto_dir = os.path.join(args.out, f"perfetto-{tag}")      # one folder per run: names repeat across runs

@@ -1,5 +1,5 @@
 """The fused decode step (``impl="fast"``): the CuTe DSL kernels chained with PDL, over the same static
-buffers as the other implementations (k3fast.impls.LayerIO).
+buffers as the other implementations (k3fast.measure.impls.LayerIO).
 
 Attention half of a KDA layer (3 launches at batch <= 2):
     attnres_rms_gemv      AttnRes #1 + input RMSNorm + packed in_proj [q|k|v|g|f_a|b]   (rms_gemv_ring.py at
@@ -36,7 +36,7 @@ from k3ref.weights import KDAWeights, LayerWeights, MoEWeights
 from .nvtx import stage
 
 
-# Largest batch whose MoE tail (routed_expert_norm + up + shared down + add) runs on k3fast.moe_tail; above it the
+# Largest batch whose MoE tail (routed_expert_norm + up + shared down + add) runs on k3fast.kernels.moe_tail; above it the
 # tail is RMSNorm + two cuBLAS GEMMs + add (3-4 kernels). moe_tail's swap-AB GEMV re-reads the activations from
 # L2 in every warp and holds two fp32 accumulator sets per n-tile, so past two n-tiles it falls far behind cuBLAS:
 # in the layer at rank16 b64 it took 124.4 us against the stock tail's ~25 us (records-e44cd14-kda.json, stages
@@ -167,7 +167,7 @@ def inproj_wide_choice(M: int, N: int, wide: str | None = None) -> str:
     v13 ring where that applies and to cuBLAS where not)."""
     w = _wide_engine("inproj_wide", wide, INPROJ_WIDE)
     if w == "auto":
-        from .rms_gemv_ring import MMA_MAX_M
+        from .kernels.rms_gemv_ring import MMA_MAX_M
         if N <= INPROJ_WIDE_MAX_N:
             return "wgmma" if MMA_MAX_M < M <= INPROJ_WIDE_LARGE_MAX_M else "cublas"
         if N <= INPROJ_WIDE_WIDE_MAX_N:
@@ -274,7 +274,9 @@ def attnres_in_proj(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps, block_
     instead (``wide_plan``: its plan's
     pins, gemm_wgmma's keyword arguments; ``wide_w``: w's gemm_wgmma_splitk.tile_weight copy, its v2, the same bits).
     Returns (y, partial_out)."""
-    from . import gemm_wgmma_splitk, rms_gemv, rms_gemv_ring
+    from .kernels import gemm_wgmma_splitk
+    from .kernels import rms_gemv
+    from .kernels import rms_gemv_ring
     M = partial.shape[0]
     if (INPROJ_ENGINE if engine is None else engine) == "ring" and partial.dim() == 2 and M <= 2:
         return rms_gemv_ring.attnres_rms_gemv_ring(blocks, n_blocks, partial, delta, u, w_ln, w, eps=eps,
@@ -314,9 +316,9 @@ def oproj_attnres_cublas(y, w_o, blocks, n_blocks, p1, u_mlp, w_post, *, eps, bo
     ``norm_cluster``: the AttnRes #2 kernel's CTAs per token (None = rms_gemv.norm_cluster(M), v15). ``wide`` (None =
     OPROJ_WIDE; "auto": oproj_wide_choice's rule): "wgmma" takes a from gemm_wgmma_splitk where it applies
     (``wide_plan``: its plan's pins)."""
-    from . import gemm_wgmma_splitk
-    from .rms_gemv import attnres_rmsnorm
-    from .rms_gemv_ring import gemv_ring_mma, mma_applicable
+    from .kernels import gemm_wgmma_splitk
+    from .kernels.rms_gemv import attnres_rmsnorm
+    from .kernels.rms_gemv_ring import gemv_ring_mma, mma_applicable
     if (oproj_wide_choice(w_o.shape[1], wide, y.shape[0]) == "wgmma"
             and gemm_wgmma_splitk.applicable(y.shape[0], w_o.shape[1], w_o.shape[0], **(wide_plan or {}))):
         a = gemm_wgmma_splitk.gemm_wgmma(y, w_o, **(wide_plan or {}))
@@ -375,10 +377,10 @@ class FastImpl:
                  kda_proj_first: bool | None = None, inproj_wide: str | None = None,
                  inproj_wide_early: bool | None = None, inproj_wide_plan: dict | None = None,
                  inproj_wide_tiled: bool | str = False):
-        from . import kda_conv_gate_step as kda_mod
-        from .moe_mxfp4_experts import prepare_mxfp4_experts
-        from .moe_tail import prepare_shared_gate_up
-        from .router_down_topk import prepare_front_shared_weight, prepare_front_weight
+        from .kernels import kda_conv_gate_step as kda_mod
+        from .kernels.moe_mxfp4_experts import prepare_mxfp4_experts
+        from .kernels.moe_tail import prepare_shared_gate_up
+        from .kernels.router_down_topk import prepare_front_shared_weight, prepare_front_weight
         self.cfg, self.w, self.P = cfg, w, Precision.model()
         P = self.P
         self.u_attn = attn_res_u(w.attn_res, P).float().contiguous()
@@ -392,7 +394,7 @@ class FastImpl:
             self.conv_w = torch.cat([a.q_conv, a.k_conv, a.v_conv]).view(-1, cfg.short_conv_kernel_size).float().contiguous()
             self.stock_attn = None
         else:
-            from .impls import StockImpl
+            from .measure.impls import StockImpl
             self.stock_attn = StockImpl(cfg, w, max_batch=max_batch)
         m = w.mlp
         if isinstance(m, MoEWeights):
@@ -428,7 +430,7 @@ class FastImpl:
         # sweep the whole layer was 7 % slower with it at rank16 b1, 2.7 % faster at rank8 b1 and within 2 %
         # elsewhere, i.e. no measured gain for a more complex graph (LOG.md).
         self.overlap_shared = overlap_shared
-        # k3fast.moe_mxfp4_experts version log. experts_cluster: None = default_cluster; a callable MB -> C selects
+        # k3fast.kernels.moe_mxfp4_experts version log. experts_cluster: None = default_cluster; a callable MB -> C selects
         # another rule (the "fast-prev" A/B runs the defaults before 2026-11-29: v3, C = 8 up to MB 8, else 4).
         # None: moe_mxfp4_experts.default_version per batch bucket (at buckets <= 2 v7 since session 8, v8 at b1 where
         # its row blocks split the w2 tiles evenly since session 18; else v4)
@@ -453,7 +455,7 @@ class FastImpl:
         # dependent grid of clusters of 4 was not placed beside a running one in s97, and the #2 norm's clusters of 4
         # follow o_proj's clusters of 4); None: the rule both norms share
         if norm2_cluster is not None:
-            from .rms_gemv import NORM_CLUSTERS
+            from .kernels.rms_gemv import NORM_CLUSTERS
             if norm2_cluster not in NORM_CLUSTERS:
                 raise ValueError(f"norm2_cluster must be None or one of {NORM_CLUSTERS}, got {norm2_cluster!r}")
         self.norm2_cluster = norm2_cluster
@@ -503,7 +505,7 @@ class FastImpl:
         self.in_proj_wide_tiled = None
         if (inproj_wide_tiled and self.stock_attn is None
                 and (INPROJ_WIDE if inproj_wide is None else inproj_wide) in ("wgmma", "auto")):
-            from .gemm_wgmma_splitk import BK, tile_weight
+            from .kernels.gemm_wgmma_splitk import BK, tile_weight
             self.in_proj_wide_tiled = tile_weight(self.in_proj, (inproj_wide_plan or {}).get("bk", BK),
                                                   swizzle=inproj_wide_tiled == "bulk")
         # None: INPROJ_MID_TILED. The tiled copy exists only where the v13 path can run (M 3..8 within max_batch)
@@ -511,7 +513,7 @@ class FastImpl:
         self.in_proj_tiled = None
         if (self.inproj_tiled and self.stock_attn is None and max_batch > inproj_dsl_max_m
                 and (INPROJ_MID if inproj_mid is None else inproj_mid) == "ring"):
-            from .rms_gemv_ring import mma_tile_weight
+            from .kernels.rms_gemv_ring import mma_tile_weight
             self.in_proj_tiled = mma_tile_weight(self.in_proj)
         # None: the in_proj engine's default when attn_early_trigger, else False. The ring launches the KDA step at
         # its end (rms_gemv_ring v12.1, the default since s47: with the early trigger the KDA CTAs sat beside the
@@ -605,18 +607,18 @@ class FastImpl:
     def _fma_front_shared(self, M: int, side) -> bool:
         """Router v2.7: the shared gate/up folded into the fused front (its FMA buckets only; not with the side
         stream, nor with fast-shlate, which moves the gate/up after the experts)."""
-        from .router_down_topk import kernel_path
+        from .kernels.router_down_topk import kernel_path
         return self.shared_in_fma_front and side is None and not self.shared_late and kernel_path(M) == "fma"
 
     def _experts_cluster(self, M: int):
         if self.experts_cluster is None:
             return None
-        from .moe_mxfp4_experts import m_bucket
+        from .kernels.moe_mxfp4_experts import m_bucket
         return self.experts_cluster(m_bucket(M))
 
     # ------------------------------------------------------------------------------------------ halves
     def _norm_cluster(self, io) -> int | None:
-        from .rms_gemv import norm_cluster
+        from .kernels.rms_gemv import norm_cluster
         m = self.norm_cluster_min_m
         return None if m is None else norm_cluster(io.partial.shape[0], m)
 
@@ -624,14 +626,14 @@ class FastImpl:
         """The KDA step's value-row split: kda_nsplit if set, else choose_nsplit with this impl's v9 threshold."""
         if self.kda_nsplit is not None or self.kda_head_min == "module":
             return self.kda_nsplit
-        from .kda_conv_gate_step import choose_nsplit
+        from .kernels.kda_conv_gate_step import choose_nsplit
         return choose_nsplit(batch, heads, self.kda_head_min)
 
     def attn(self, io) -> None:
         if self.stock_attn is not None:
             return self.stock_attn.attn(io)
-        from .kda_conv_gate_step import kda_conv_gate_step
-        from .oproj_attnres import oproj_attnres
+        from .kernels.kda_conv_gate_step import kda_conv_gate_step
+        from .kernels.oproj_attnres import oproj_attnres
         cfg, w, l = self.cfg, self.w, io.layer
         boundary = cfg.is_block_boundary(l)
         nb = cfg.num_blocks_before(l)
@@ -676,9 +678,9 @@ class FastImpl:
                                      wide_plan=self.oproj_wide_plan)
 
     def moe(self, io) -> None:
-        from .moe_mxfp4_experts import moe_mxfp4_experts
-        from .moe_tail import moe_tail, shared_expert_gate_up
-        from .router_down_topk import router_down_topk, router_down_topk_cublas
+        from .kernels.moe_mxfp4_experts import moe_mxfp4_experts
+        from .kernels.moe_tail import moe_tail, shared_expert_gate_up
+        from .kernels.router_down_topk import router_down_topk, router_down_topk_cublas
         cfg, m = self.cfg, self.w.mlp
         x = io.x_mlp
         side = self._side_stream() if self.overlap_shared else None
@@ -738,7 +740,7 @@ class FastImpl:
 
     def _workspace(self, x):
         if self._ws is None:            # allocated at the first (eager) call, before any graph capture
-            from .moe_mxfp4_experts import make_workspace
+            from .kernels.moe_mxfp4_experts import make_workspace
             self._ws = make_workspace(self.cfg.routed_expert_hidden_size, x.device)
         return self._ws
 

@@ -80,7 +80,7 @@ Version log
   v3 (2026-11-29, session 6; PRELOAD, the default since session 7; "fast-s8" is the A/B without it) At T = 1 and
       nsplit 8, every value a thread reads from proj is loaded right after the wait: the q/k/v conv inputs, the
       beta logit, the f_a vector and the output gate. In v2's SASS the beta and f_a loads sat behind the conv
-      sigmoids' division branches, and the gate load came after the last cluster barrier (k3fast.ptxcheck: 6
+      sigmoids' division branches, and the gate load came after the last cluster barrier (k3fast.measure.ptxcheck: 6
       loads behind a branch, 3 with the preload). Results are bit-identical. ptxas 12.9: 64 -> 71 registers at
       nsplit 8, no spills; nsplit 4 would spill 8 bytes, so it keeps v2 (traces/cpu/ptxcheck-cb84e2ba91f3.json). Prediction: the KDA step at b1 -1 to
       -1.5 us (2-3 L2 round trips), most of it on the attention half's critical path.

@@ -529,7 +529,7 @@ def _get(key: tuple):
         build = lambda: _build_tail(nt, inter, ring)                             # noqa: E731
     else:
         build = lambda: _build_gate_up(nt, inter, early_trigger=(op == "shared_gate_up_early"))  # noqa: E731
-    return compile_cached(("k3fast.moe_tail",) + key, build)
+    return compile_cached(("k3fast.kernels.moe_tail",) + key, build)
 
 
 def warmup(inter: int, batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64)) -> list[tuple]:

@@ -73,7 +73,7 @@ def kernel_ab(kernels_file: str, base: str, other: str, batches, shapes=("k3_ran
 
 
 def recorded_experts_probe(shape: str = "k3_rank16", file: str | None = None) -> tuple[str, dict]:
-    """The newest traces/h200/experts-*.json (k3fast.bench_experts), or ``file`` (a path under the repository):
+    """The newest traces/h200/experts-*.json (k3fast.measure.bench_experts), or ``file`` (a path under the repository):
     (source, {variant: {batch: us_median}})."""
     from .report import latest_experts_probe
     path, doc = latest_experts_probe(pattern=os.path.join(ROOT, file) if file else None, shape=shape)
@@ -117,7 +117,7 @@ def stage_floors(stages: tuple[str, ...], kind: str = "kda_moe", batch: int = 1)
 
 def compile_on_cpu(warmup_fn, *args, **kw) -> str:
     """Compile one kernel key for sm_90a (no GPU needed); returns a one-line report."""
-    from ._dsl import COMPILE_LOG, dsl_available
+    from ..kernels._dsl import COMPILE_LOG, dsl_available
     if not dsl_available():
         return "CuTe DSL not installed (pip install -e '.[gpu]'): compile skipped"
     n0, t = len(COMPILE_LOG), time.time()
@@ -135,7 +135,7 @@ def time_live(fn, replays: int = 50) -> float:
 
 def bench_table(rows: list[dict]) -> str:
     if not rows:
-        return "no recorded kernel benchmark yet (python -m k3fast.bench on the H200 writes traces/h200/kernels-*.json)"
+        return "no recorded kernel benchmark yet (python -m k3fast.measure.bench on the H200 writes traces/h200/kernels-*.json)"
     lines = ["shape      batch  floor µs   fast µs  stock µs  fast/floor  speed-up  run"]
     for r in rows:
         lines.append(f"{r['shape']:10s} {r['batch']:5d} {r['floor_us']:9.1f} {r.get('fast_us_median', float('nan')):9.1f} "
@@ -168,7 +168,7 @@ def ab_table(records_file: str, part: str, impls: list[str], shape: str = "k3_ra
 
 
 def recorded_code_sizes() -> tuple[str, list[dict]]:
-    """SASS code size per kernel (k3fast.ptxcheck's code_size rows) from the newest traces/cpu/ptxcheck-*.json that
+    """SASS code size per kernel (k3fast.measure.ptxcheck's code_size rows) from the newest traces/cpu/ptxcheck-*.json that
     has them: (source, rows)."""
     best = None
     for path in glob.glob(os.path.join(ROOT, "traces", "cpu", "ptxcheck-*.json")):
@@ -183,7 +183,7 @@ def recorded_code_sizes() -> tuple[str, list[dict]]:
 
 def replay_timeline(records_file: str, part: str, impl: str, batch: int = 1, shape: str = "k3_rank16",
                     kind: str = "kda_moe") -> str:
-    """One recorded replay of one half (k3fast.trace's replay_timeline: start and end of each kernel, µs from the
+    """One recorded replay of one half (k3fast.measure.trace's replay_timeline: start and end of each kernel, µs from the
     first kernel's start, under the L2 condition the record names), one kernel per line."""
     with open(os.path.join(ROOT, records_file)) as f:
         doc = json.load(f)

@@ -58,7 +58,7 @@ Version log
       the ~30 GB/s per SM the copy reaches, and the PTX FC1 loop is 134 instructions per 512-byte step (an issue
       ceiling near 3.5 TB/s).  The v2 row of this run (with v3's 64-bit per-expert base, i.e. simpler address
       arithmetic) is 22 % faster than v2 in the 6316bd2 run at b64, so the step is sensitive to per-step integer
-      work.  Open candidates, to separate with k3fast.bench_experts in one run: the 33 clusters of 4 at b64 not
+      work.  Open candidates, to separate with k3fast.measure.bench_experts in one run: the 33 clusters of 4 at b64 not
       all co-resident (GPCs hold floor(SMs / 4) clusters: 32 on 8 GPCs would leave one cluster for a second
       wave), per-pass fixed costs (ring fill twice per expert, two cluster barriers, DSMEM exchange, the gpu-scope
       fence before the combine), or the loop being latency-bound at 8 warps per SM (D and the stream probe tell).
@@ -78,8 +78,8 @@ Version log
       v2/v3/v4 paths re-checked.)
       Prediction: if this is the main cost, per-CTA streaming goes from 6-7 GB/s to 15-25 GB/s, i.e. rank16 b64
       922 -> ~300-450 us and b8 220 -> ~80-120 us (Marlin 408 / 103). If it barely moves, the stream probe and the
-      W16 variants of k3fast.bench_experts are the next evidence.
-      Measured (traces/h200/experts-ea0c850.json, k3fast.bench_experts, one run, L2 read-flushed): bit-identical to
+      W16 variants of k3fast.measure.bench_experts are the next evidence.
+      Measured (traces/h200/experts-ea0c850.json, k3fast.measure.bench_experts, one run, L2 read-flushed): bit-identical to
       v3 at every batch (max |diff| 0).  rank16 b1/b8/b64 at the then-default clusters (C = 8, 8, 4): v3 41.0 /
       239.4 / 1044.6 us, v4 29.9 / 167.8 / 953.5 us (Marlin 36.4 / 101.1 / 405.4).  PREDICTION PARTLY MISSED: b8
       moved 1.4x (predicted 2-3x), b64 9 % (predicted 2-3x).  The cluster-size rows found the main cost instead:
@@ -153,7 +153,7 @@ Version log
       lanes x 7 x 16 B = 56 KB of weight loads in flight per SM, whose data lands in L1 on its way to the
       registers. rank16 (141 / 145 KB) and full width (185 / 189 KB) b64 stayed inside their steps. Now v5's
       shared memory is v4's at every key (tests/compile test_smem_fits_and_v5_keeps_v4s_carveout; the carve-out
-      model is k3fast._dsl.carveout_kb / l1_kb, KernelCfg.l1_kb). v4's PTX is unchanged (compared); v5.1 rank8 M
+      model is k3fast.kernels._dsl.carveout_kb / l1_kb, KernelCfg.l1_kb). v4's PTX is unchanged (compared); v5.1 rank8 M
       64: 128 registers, 0 spills, FC1 / FC2 685 / 612 per turn. Bit-identical to v5 and v4 by construction (the
       same items in the same order). The diagnostic KernelCfg.smem_pad (bench_experts "pad<KB>") asks for shared
       memory nobody uses, to time what a carve-out step costs on any key.
@@ -193,7 +193,7 @@ Version log
       nibble layout's decode was 8 PRMTs (4 of them table look-ups whose table word ptxas re-materialised from a
       uniform register each time: 4 extra IMAD.U32) + 3 shifts + 5 LOP3 per word.  The FC1/FC2 step indices are
       also split once per D steps (step_split) instead of dividing by KS1 = 56 twice per step.
-      SASS of the main loops (ptxas 12.9 from the PTX, nvdisasm: `python -m k3fast.ptxcheck`, recorded in
+      SASS of the main loops (ptxas 12.9 from the PTX, nvdisasm: `python -m k3fast.measure.ptxcheck`, recorded in
       traces/cpu/ptxcheck-b70965984d93.json; k3_rank16, C = 2, D = 8, W = 8; instructions per 8-step loop
       body, FC1 / FC2; at W = 16 rot 720 / 679 and 933 / 893, nibble 1098 / 972 and 1367 / 1164):     nibble          rot
                                   M 8   1097 / 935     727 / 636   (-34 % / -32 %)
@@ -299,7 +299,7 @@ Version log
       PTX of every key without it is unchanged (instruction multisets compared). ptxas 12.9, 128 registers: rank16
       M1 (v7) 68 B of spills (72 without), M8 16 (24), M64 36 (52); rank8 M1 8 (44).
       Prediction: one round trip (~1-1.5 us) less per pass: rank16 b1 20.9 -> ~19.5-20 us, b8 66.8 -> ~64-65 (two
-      passes per cluster), b64 348 -> ~335-340 (~9). Bench rows X1 / X1probe (k3fast.bench_experts).
+      passes per cluster), b64 348 -> ~335-340 (~9). Bench rows X1 / X1probe (k3fast.measure.bench_experts).
       Measured (experts-3960ffc-s14.json, one run, copy 4.205 TB/s; bit-identical, GPU tests passed,
       logs/gpu-junit-3960ffc-s14.xml): rank16 b1 / b8 / b64 21.1 / 66.0 / 373.2 us against the default's 20.9 /
       66.3 / 346.8; probes 18.2 / 52.4 / 249.8 against 17.9 / 52.6 / 236.0. MISSED: no gain at b1 / b8, 7.6 %
@@ -368,7 +368,7 @@ Version log
       against rank16's 90 / 85 and 117 / 112. The kernel is issue-bound there: 630.9 us against its stream probe's
       399.4 at b64, 118.1 against 81.4 at b8 (experts-5f1f620-s21b.json), and Marlin took 564.7 at b64. The
       session-11 attempts (a carried divmod, a shift for S) cut at most 8.5 % and added spills.
-      CPU (ptxas 12.9 from Triton's wheel; python -m k3fast.ptxcheck, traces/cpu/ptxcheck-*.json rows "ring_fit"):
+      CPU (ptxas 12.9 from Triton's wheel; python -m k3fast.measure.ptxcheck, traces/cpu/ptxcheck-*.json rows "ring_fit"):
       SASS per step rank8 b64 FC1 133 -> 98.6 (690 per 7 steps), FC2 147 -> 102 (614 per 6 steps); b8 FC1 121 ->
       85, FC2 116 -> 77 (460 per 6); 128 registers, spill stores 16 -> 0 bytes (b64), 36 -> 20 (b8). PTX
       instructions per MMA in the two loops -29 to -35 % (tests/compile test_ring_fit_cuts_the_index_work). Bit-identical by construction
@@ -2341,7 +2341,7 @@ def moe_mxfp4_experts(z, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_
                       situ_linear_beta=situ_linear_beta, version=version, layout=prep.layout, W=warps,
                       route_direct=route_direct, ring_fit=ring_fit, tagged=tagged, lean_arrive=lean_arrive,
                       alt_parts=alt_parts)
-    if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.bench_experts)
+    if kernel_cfg is not None:          # benchmarks of other tile / cluster / ring choices (k3fast.measure.bench_experts)
         if (kernel_cfg.E, kernel_cfg.dL, kernel_cfg.I) != (E, dL, I) or kernel_cfg.MB < M \
                 or kernel_cfg.layout != prep.layout:
             raise ValueError(f"kernel_cfg {kernel_cfg} does not fit E={E}, dL={dL}, I={I}, M={M}")

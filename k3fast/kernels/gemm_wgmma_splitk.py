@@ -605,7 +605,7 @@ def tile_weight(w, bk: int = BK, swizzle: bool = False) -> WgmmaTiledWeight:
 def gemm_ptx(N: int, K: int = 7168, ksplit: int | None = None, bn: int | None = None, bk: int | None = None,
              tiled: bool = False, xrows: int = BM, bulk: bool = False) -> str:
     """PTX of the build that ``plan`` picks for [N, K] (uncached; for reading and the CPU tests)."""
-    from .ptxcheck import compiled_ptx
+    from ..measure.ptxcheck import compiled_ptx
     BN, S, D, BKS = plan(N, K, ksplit, bn, bk, xrows=xrows)
     return compiled_ptx(lambda: _build(BN, S, D, BKS, K, tiled, options=TVM_FFI + " --keep-ptx", xrows=xrows,
                                        bulk=bulk))

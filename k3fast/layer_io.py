@@ -1,0 +1,74 @@
+"""The static buffers of one layer's decode step, shared by every implementation (ref, compiled, stock, fast).
+
+Every implementation exposes ``attn(io)`` (layer input -> MLP input), ``moe(io)`` (MLP input -> layer output) and
+``layer(io)``, each reading and writing only ``io``'s static tensors, so each half can be captured as its own CUDA
+graph and replayed.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from k3ref import K3Config, ResidualStream
+from k3ref.state import KDAState, MLACache
+
+
+@dataclasses.dataclass
+class LayerIO:
+    """Static buffers of one decode step: the AttnRes stream in, the state, the MLP input, the output.
+    ``reset()`` restores the inputs that a step mutates (p, the block rows, the MLA lengths) so a
+    replayed graph sees the same step each time; the KDA state is left to evolve (bounded decay)."""
+    cfg: K3Config
+    layer: int
+    blocks: torch.Tensor
+    partial: torch.Tensor
+    delta: torch.Tensor | None
+    state: KDAState | MLACache
+    slots: torch.Tensor
+    x_mlp: torch.Tensor
+    out: torch.Tensor
+    _saved: dict = dataclasses.field(default_factory=dict)
+
+    def stream(self) -> ResidualStream:
+        return ResidualStream(self.blocks, self.partial, self.delta)
+
+    def snapshot(self) -> None:
+        self._saved = {"partial": self.partial.clone(), "blocks": self.blocks.clone()}
+        if isinstance(self.state, MLACache):
+            self._saved["lengths"] = self.state.lengths.clone()
+
+    def reset(self) -> None:
+        self.partial.copy_(self._saved["partial"])
+        self.blocks.copy_(self._saved["blocks"])
+        if "lengths" in self._saved:
+            self.state.lengths.copy_(self._saved["lengths"])
+
+
+def make_io(cfg: K3Config, layer: int, batch: int, *, context: int = 0, device="cuda", seed: int = 0,
+            slots: int | None = None) -> LayerIO:
+    """Fresh random inputs for one decode step of layer ``layer`` (never zeros): embeddings-scale
+    blocks and partial sums, an MLP-output-scale delta, a random KDA state (or an MLA cache filled with
+    ``context`` random rows per request)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    d = cfg.hidden_size
+    n_slots = (slots or batch) + 1                       # +1: a spare slot, the stock path's null slot
+    rnd = lambda *s, std=1.0: (torch.randn(*s, generator=g, device=device) * std).to(torch.bfloat16)
+    blocks = rnd(batch, cfg.max_blocks, d)
+    partial = rnd(batch, d)
+    delta = rnd(batch, d, std=0.5) if layer > 0 else None
+    if cfg.is_kda_layer(layer):
+        state = KDAState.allocate(cfg, n_slots, device=device)
+        state.conv.copy_(rnd(*state.conv.shape))
+        state.recurrent.normal_(0, 0.05, generator=g)
+    else:
+        # room for 16 more tokens, rounded to whole 64-token pages (the page size of the stock FlashMLA path)
+        state = MLACache.allocate(cfg, n_slots, -(-(context + 16) // 64) * 64, device=device)
+        state.kv[:, :context] = rnd(n_slots, context, cfg.kv_cache_dim)
+        state.lengths.fill_(context)
+    io = LayerIO(cfg, layer, blocks, partial, delta, state,
+                 slots=torch.arange(batch, device=device, dtype=torch.int32),
+                 x_mlp=torch.empty(batch, d, dtype=torch.bfloat16, device=device),
+                 out=torch.empty(batch, d, dtype=torch.bfloat16, device=device))
+    io.snapshot()
+    return io
