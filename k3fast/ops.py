@@ -1,10 +1,9 @@
 """The fused kernels as torch custom ops (``torch.ops.k3fast.*``), so they compose with torch.compile, FX graphs
 and other libraries' ops.
 
-Each op calls the same host functions as the fused decode step (k3fast.layer.FastImpl: validation, compile-once
-cache, TVM-FFI launch on torch's current stream), with its batch dispatch: above INPROJ_DSL_MAX_M the in_proj GEMV,
-above GEMV_DSL_MAX_M o_proj, above FRONT_DSL_MAX_M the front's GEMM and above TAIL_DSL_MAX_M the tail run on
-cuBLAS, as in FastImpl, so a layer written with the ops gives FastImpl's bits at every batch. Each op has a fake
+Each op calls the same stage functions as the fused decode step (k3fast.layer: validation, compile-once cache,
+TVM-FFI launch on torch's current stream) with the shipped DecodePlan's batch dispatch, so a layer written with the
+ops gives FastImpl's bits at every batch. Each op has a fake
 (meta) implementation that gives output shapes and dtypes without a GPU. Importing this module registers the ops
 and needs neither a GPU nor the CuTe DSL: the kernels are imported when an op first runs on CUDA tensors.
 
@@ -12,9 +11,8 @@ and needs neither a GPU nor the CuTe DSL: the kernels are imported when an op fi
     k3fast::attnres_rms_gemv             AttnRes #1 + input RMSNorm + packed KDA in_proj      partial_out, blocks
     k3fast::kda_conv_gate_step           conv, decay gate, delta rule, gated norm (section 7) conv_state, rec_state
     k3fast::oproj_attnres                o_proj + partial sum + AttnRes #2 + post-attn norm   -
-    k3fast::router_down_topk             router logits + latent down + top-k (sections 10-11) -
-    k3fast::router_down_topk_shared      the same + the shared experts' gate/up + SiTU         -
-    k3fast::shared_expert_gate_up        shared experts' gate/up + SiTU-GLU                   -
+    k3fast::router_down_topk             router logits + latent down + top-k + the shared     -
+                                         experts' gate/up + SiTU (sections 10-11)
     k3fast::moe_mxfp4_experts            routed MXFP4 experts + weighted combine (section 11) -
     k3fast::moe_tail                     routed norm + latent up + shared down + add          -
 
@@ -77,11 +75,8 @@ def _(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, 
 def oproj_attnres(y: torch.Tensor, w_o: torch.Tensor, blocks: torch.Tensor, n_blocks: int, partial: torch.Tensor,
                   u_mlp: torch.Tensor, w_post: torch.Tensor, eps: float,
                   boundary: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from .layer import oproj_attnres_cublas, oproj_fused
-    from .kernels.oproj_attnres import oproj_attnres as impl
-    if not oproj_fused(y.shape[0], w_o.shape[1]):
-        return oproj_attnres_cublas(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps=eps, boundary=boundary)
-    return impl(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps=eps, boundary=boundary)
+    from .layer import oproj_attnres_any
+    return oproj_attnres_any(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps=eps, boundary=boundary)
 
 
 @oproj_attnres.register_fake
@@ -94,52 +89,20 @@ def _(y, w_o, blocks, n_blocks, partial, u_mlp, w_post, eps, boundary):
 
 @torch.library.custom_op("k3fast::router_down_topk", mutates_args=())
 def router_down_topk(x: torch.Tensor, w_packed: torch.Tensor, e_bias: torch.Tensor, n_experts: int, top_k: int,
-                     scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .layer import FRONT_DSL_MAX_M
-    from .kernels.router_down_topk import router_down_topk as impl, router_down_topk_cublas
-    if x.shape[0] > FRONT_DSL_MAX_M:
-        return router_down_topk_cublas(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
-    return impl(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling)
+                     scaling: float,
+                     shared: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits + latent down + top-k + the shared experts' gate/up + SiTU from one pass over x: w_packed is
+    k3fast.kernels.router_down_topk.prepare_front_shared_weight's [W_r; W_down; shared gate/up] and shared = Is."""
+    from .layer import router_front
+    return router_front(x, w_packed, e_bias, shared=shared, n_experts=n_experts, top_k=top_k, scaling=scaling)
 
 
 @router_down_topk.register_fake
-def _(x, w_packed, e_bias, n_experts, top_k, scaling):
-    m = x.shape[0]
-    return (x.new_empty((m, w_packed.shape[0] - n_experts), dtype=torch.bfloat16),
-            x.new_empty((m, top_k), dtype=torch.int32), x.new_empty((m, top_k), dtype=torch.float32))
-
-
-@torch.library.custom_op("k3fast::router_down_topk_shared", mutates_args=())
-def router_down_topk_shared(x: torch.Tensor, w_packed: torch.Tensor, e_bias: torch.Tensor, n_experts: int,
-                            top_k: int, scaling: float,
-                            shared: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """router_down_topk and shared_expert_gate_up from one pass over x: w_packed is prepare_front_shared_weight's
-    [W_r; W_down; W_sg; W_su] and shared = Is (FastImpl's default front at every batch)."""
-    from .layer import FRONT_DSL_MAX_M
-    from .kernels.router_down_topk import kernel_path, router_down_topk as impl, router_down_topk_cublas
-    if x.shape[0] <= FRONT_DSL_MAX_M and kernel_path(x.shape[0]) == "fma":
-        return impl(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling, shared=shared)
-    return router_down_topk_cublas(x, w_packed, e_bias, n_experts=n_experts, top_k=top_k, scaling=scaling,
-                                   shared=shared)
-
-
-@router_down_topk_shared.register_fake
 def _(x, w_packed, e_bias, n_experts, top_k, scaling, shared):
     m = x.shape[0]
     return (x.new_empty((m, w_packed.shape[0] - n_experts - 2 * shared), dtype=torch.bfloat16),
             x.new_empty((m, top_k), dtype=torch.int32), x.new_empty((m, top_k), dtype=torch.float32),
             x.new_empty((m, shared), dtype=torch.bfloat16))
-
-
-@torch.library.custom_op("k3fast::shared_expert_gate_up", mutates_args=())
-def shared_expert_gate_up(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    from .kernels.moe_tail import shared_expert_gate_up as impl
-    return impl(x, packed)
-
-
-@shared_expert_gate_up.register_fake
-def _(x, packed):
-    return x.new_empty((x.shape[0], packed.shape[0] // 2), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("k3fast::moe_mxfp4_experts", mutates_args=())
@@ -159,11 +122,8 @@ def _(z, topk_ids, topk_w, w13q, w13s, w2q, w2s, situ_beta, situ_linear_beta, la
 @torch.library.custom_op("k3fast::moe_tail", mutates_args=())
 def moe_tail(r: torch.Tensor, w_norm: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, w_sd: torch.Tensor,
              eps: float) -> torch.Tensor:
-    from .layer import TAIL_DSL_MAX_M, moe_tail_cublas
-    from .kernels.moe_tail import moe_tail as impl
-    if r.shape[0] > TAIL_DSL_MAX_M:
-        return moe_tail_cublas(r, w_norm, w_up, h, w_sd, eps=eps)
-    return impl(r, w_norm, w_up, h, w_sd, eps=eps)
+    from .layer import moe_tail_any
+    return moe_tail_any(r, w_norm, w_up, h, w_sd, eps=eps)
 
 
 @moe_tail.register_fake
@@ -171,5 +131,4 @@ def _(r, w_norm, w_up, h, w_sd, eps):
     return r.new_empty((r.shape[0], w_up.shape[0]), dtype=torch.bfloat16)
 
 
-OPS = ("attnres_rms_gemv", "kda_conv_gate_step", "oproj_attnres", "router_down_topk", "router_down_topk_shared",
-       "shared_expert_gate_up", "moe_mxfp4_experts", "moe_tail")
+OPS = ("attnres_rms_gemv", "kda_conv_gate_step", "oproj_attnres", "router_down_topk", "moe_mxfp4_experts", "moe_tail")
