@@ -23,7 +23,7 @@ import sys
 
 SOURCE_DIRS = ("k3fast", "k3ref", "scripts")
 SOURCE_SUFFIXES = (".py", ".sh")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def blob_sha1(data: bytes) -> str:

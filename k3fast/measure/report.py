@@ -1,13 +1,11 @@
-"""Render recorded traces: a results table (markdown, into README.md) and one plot per layer kind.
+"""README's results table and headline figure, rendered from recorded layer traces; nothing is typed by hand.
 
-    python -m k3fast.measure.report                 # read traces/h200/records-*.json, write plots + README table
-    python -m k3fast.measure.report --check         # exit 1 if README's table is not what the records give
+    python -m k3fast.measure.report            # rebuild README's results block and docs/figures/headline.png
+    python -m k3fast.measure.report --check    # exit 1 if README's block is not what its record files give
 
-README's closing-sweep block (the issue targets at one run per routing, each cell beside its byte-floor ceiling) is
-rebuilt from the globs its begin marker names, e.g. ``<!-- closing-sweep:begin
-traces/h100/records-340beb3-s110*.json experts=traces/h100/experts-*.json -->`` (one block per GPU).
-
-Everything shown comes from the JSON records; nothing is typed by hand.
+README's block names its sources in its begin marker, one run per card:
+``<!-- results:begin H100=traces/h100/records-<tag>.json H200=traces/h200/records-<tag>.json -->``. Every row's
+stock and fast come from that one file, so each ratio is measured within one run on one card.
 """
 from __future__ import annotations
 
@@ -18,9 +16,12 @@ import os
 import sys
 from collections import defaultdict
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEGIN, END = "<!-- results-table:begin -->", "<!-- results-table:end -->"
-IMPL_ORDER = ("ref", "compiled", "stock", "fast", "fast-serial", "fast-overlap", "fast-v4", "fast-prev", "fast-splitk", "fast-v5", "fast-taildsl", "fast-nibble", "fast-alldsl", "fast-w8")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+IMPL_ORDER = ("ref", "compiled", "stock", "fast", "fast-v51", "fast-infma", "fast-cublas", "fast-front0",
+              "fast-taildsl")
+RESULTS_BEGIN, RESULTS_END = "<!-- results:begin", "<!-- results:end -->"
+HEADLINE = os.path.join("docs", "figures", "headline.png")
+SHAPES = ("k3_rank16", "k3_rank8", "full")
 
 
 def load_records(pattern: str | None = None) -> list[dict]:
@@ -112,8 +113,8 @@ def table(records: list[dict], part: str = "layer", kinds: tuple[str, ...] | Non
     return "\n".join(lines)
 
 
-KERNEL_ORDER = ("attnres_rms_gemv", "kda_conv_gate_step", "oproj_attnres", "router_down_topk", "shared_expert_gate_up",
-                "moe_mxfp4_experts", "moe_tail")
+KERNEL_ORDER = ("attnres_rms_gemv", "kda_conv_gate_step", "oproj_attnres", "router_down_topk", "moe_mxfp4_experts",
+                "moe_tail")
 
 
 def load_kernel_bench(pattern: str | None = None) -> list[dict]:
@@ -202,34 +203,6 @@ def experts_probe_table(pattern: str | None = None) -> str:
     return "\n\n".join(tables)
 
 
-def readme_block(records: list[dict], kernel_rows: list[dict] | None = None, experts: str | None = None) -> str:
-    if not records:
-        return f"{BEGIN}\n_No H200 records yet._\n{END}"
-    env = records[0]
-    srcs = sorted({r["source"] for r in records})
-    variants = sorted({r.get("stock_variant") or "torch-glue" for r in records if r["impl"] == "stock"})
-    l2 = sorted({r.get("l2") or "flushed (256 MB write) before each replay" for r in records})
-    return (f"{BEGIN}\nMedian CUDA-graph replay µs with the kernel count per replay; for each cell and implementation "
-            f"the most recent record. Floor = bytes / copy bandwidth measured in the same run "
-            f"({', '.join(f'{b:.2f}' for b in sorted({r['copy_tbps'] for r in records}))} TB/s in the runs). "
-            f"L2: {'; '.join(l2)} (see `k3fast/trace.py`). GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
-            f"cutlass {env['cutlass']}. Stock variant: {', '.join(variants) or 'none'}. "
-            f"`runs` names the commits the row's records come from; the stock/fast ratio is shown only when both come "
-            f"from one run. Sources: {', '.join(f'`{s}`' for s in srcs)}.\n\n"
-            f"**Whole layer** (`part: layer`)\n\n{table(records)}\n\n"
-            f"**Attention half** (`part: attn`, layer input -> MLP input), KDA layers\n\n"
-            f"{table(records, 'attn', ('kda_moe',))}\n\n"
-            f"**MoE half** (`part: moe`, MLP input -> layer output), KDA layers\n\n"
-            f"{table(records, 'moe', ('kda_moe',))}\n\n"
-            + (f"**Per kernel** (`python -m k3fast.measure.bench`, `kernels-*.json`): each fused kernel alone as a one-kernel "
-               f"CUDA graph against its stock counterpart in the same run, and its time over its floor\n\n"
-               f"{kernel_table(kernel_rows)}\n\n" if kernel_rows else "")
-            + (f"**Routed-experts design probe** (`python -m k3fast.measure.bench_experts`; variants in its docstring)\n\n"
-               f"{experts}\n" if experts else "")
-            + f"{END}")
-
-
-CLOSING_BEGIN, CLOSING_END = "<!-- closing-sweep:begin", "<!-- closing-sweep:end -->"
 # The issue targets the closing block checks (issue 4: attention half; issue 5: MoE half), as (issue, what, part,
 # shapes, batches, test). Each test reads one (stock, fast) pair of records from one run; "ceiling" is stock over
 # the floor: the ratio an implementation at the byte floor would reach against that stock.
@@ -331,52 +304,6 @@ def latest_experts_default(pattern: str, batches=(8, 64)) -> list[dict]:
     return [best[k] for k in sorted(best, key=lambda k: (k[1], order.get(k[0], 9)))]
 
 
-def closing_block(records_globs: list[str], experts_glob: str) -> str:
-    """One README closing-sweep block. Its begin marker names the record globs and ``experts=<glob>`` (relative to
-    the repository), so --check can rebuild it from the files alone."""
-    recs = [r for g in records_globs for r in load_records(os.path.join(ROOT, g))]
-    if not recs:
-        raise SystemExit(f"closing block: no records match {records_globs}")
-    probs = validate(recs)
-    if probs:
-        raise SystemExit("closing block: schema problems:\n  " + "\n  ".join(probs[:20]))
-    env = recs[0]
-    srcs = sorted({r["source"] for r in recs})
-    commits = " ".join(sorted({str(r["commit"])[:7] for r in recs}))
-    copies = ", ".join(f"{c:.2f}" for c in sorted({r["copy_tbps"] for r in recs}))
-    return (f"{CLOSING_BEGIN} {' '.join(records_globs)} experts={experts_glob} -->\n"
-            f"Generated by `python -m k3fast.measure.report` from {', '.join(f'`{s}`' for s in srcs)} and the newest "
-            f"default rows of `{experts_glob}`. GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
-            f"cutlass {env['cutlass']}, commits {commits}; copy {copies} TB/s. Median CUDA-graph replay, L2 "
-            f"flushed before each replay; a row's stock and fast come from one run.\n\n"
-            f"**Targets**\n\n{closing_targets_table(recs, latest_experts_default(experts_glob))}\n\n"
-            f"**Attention half** (`part: attn`)\n\n{closing_cells_table(recs, 'attn')}\n\n"
-            f"**MoE half** (`part: moe`)\n\n{closing_cells_table(recs, 'moe')}\n\n"
-            f"**Whole layer** (`part: layer`)\n\n{closing_cells_table(recs, 'layer')}\n{CLOSING_END}")
-
-
-def update_closing(path: str = os.path.join(ROOT, "README.md"), check: bool = False) -> bool:
-    """Rebuild every closing-sweep block of README from the globs its begin marker names."""
-    with open(path) as f:
-        text = f.read()
-    out, pos = [], 0
-    while (i := text.find(CLOSING_BEGIN, pos)) >= 0:
-        j = text.index(CLOSING_END, i) + len(CLOSING_END)
-        words = text[i + len(CLOSING_BEGIN):text.index("-->", i)].split()
-        experts = [w[len("experts="):] for w in words if w.startswith("experts=")]
-        records = [w for w in words if not w.startswith("experts=")]
-        if len(experts) != 1 or not records:
-            raise SystemExit(f"{path}: a closing-sweep marker names record globs and one experts=<glob>")
-        out += [text[pos:i], closing_block(records, experts[0])]
-        pos = j
-    new = "".join(out) + text[pos:]
-    if check:
-        return new == text
-    with open(path, "w") as f:
-        f.write(new)
-    return True
-
-
 def plot(records: list[dict], out_dir: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -412,12 +339,79 @@ def plot(records: list[dict], out_dir: str) -> list[str]:
     return paths
 
 
-def update_readme(block: str, path: str = os.path.join(ROOT, "README.md"), check: bool = False) -> bool:
+# ------------------------------------------------------------------------------------------ README's block
+
+def _one_run(path: str) -> list[dict]:
+    """The records of one file (one run on one card), refused when they do not validate."""
+    recs = load_records(os.path.join(ROOT, path))
+    if not recs:
+        raise SystemExit(f"results: no records in {path}")
+    probs = validate(recs)
+    if probs:
+        raise SystemExit(f"results: schema problems in {path}:\n  " + "\n  ".join(probs[:20]))
+    return recs
+
+
+def results_rows(card: str, recs: list[dict]) -> list[dict]:
+    """One row per (layer kind, shape, batch) of a run where both stock and fast measured the whole layer."""
+    cells: dict[tuple, dict] = defaultdict(dict)
+    for r in recs:
+        if r["part"] == "layer" and not str(r.get("routing", "")).startswith("skewed"):
+            cells[(r["layer_kind"], r["shape"], r["batch"], r.get("context") or 0)][r["impl"]] = r
+    rows = []
+    order = {s: i for i, s in enumerate(SHAPES)}
+    for key in sorted(cells, key=lambda k: (k[0], order.get(k[1], 9), k[2], k[3])):
+        st, fa = cells[key].get("stock"), cells[key].get("fast")
+        if st and fa:
+            rows.append(dict(card=card, kind=key[0], shape=key[1], batch=key[2], context=key[3],
+                             floor=fa["floor_us"], stock=st["replay_us_median"], fast=fa["replay_us_median"],
+                             k_stock=st["kernels"], k_fast=fa["kernels"], gpu=fa["gpu"], commit=fa.get("commit")))
+    return rows
+
+
+def results_block(sources: dict[str, str]) -> str:
+    """README's results block from {card: records file}: the table and the line that says where it comes from."""
+    rows, notes = [], []
+    for card, path in sources.items():
+        recs = _one_run(path)
+        rows += results_rows(card, recs)
+        e = recs[0]
+        notes.append(f"{card}: `{path}` ({e['gpu']}, driver {e['driver']}, torch {e['torch']}, cutlass "
+                     f"{e['cutlass']}, commit {str(e.get('commit'))[:7]}, copy "
+                     f"{', '.join(f'{c:.2f}' for c in sorted({r['copy_tbps'] for r in recs}))} TB/s)")
+    lines = ["| card | layer | shape | batch | floor µs | stock µs | fast µs | stock / fast | fast / floor | "
+             "kernels stock → fast |", "|" + "---|" * 10]
+    for r in rows:
+        kind = r["kind"] + (f" {r['context'] // 1024}K" if r["context"] else "")
+        lines.append(f"| {r['card']} | {kind} | {r['shape']} | {r['batch']} | {r['floor']:.1f} | {r['stock']:.1f} | "
+                     f"{r['fast']:.1f} | {r['stock'] / r['fast']:.2f}x | {r['fast'] / r['floor']:.2f}x | "
+                     f"{r['k_stock']:g} → {r['k_fast']:g} |")
+    marker = " ".join(f"{c}={p}" for c, p in sources.items())
+    return (f"{RESULTS_BEGIN} {marker} -->\n"
+            "Generated by `python -m k3fast.measure.report` from one run per card: " + "; ".join(notes) + ". "
+            "Median CUDA-graph replay of one decode step of one layer (uniform routing), L2 flushed before each "
+            "replay; floor = the bytes the step must move / the copy bandwidth measured in the same run.\n\n"
+            + "\n".join(lines) + f"\n{RESULTS_END}")
+
+
+def _sources(text: str) -> dict[str, str]:
+    i = text.find(RESULTS_BEGIN)
+    if i < 0:
+        raise SystemExit(f"README.md has no {RESULTS_BEGIN} ... --> marker")
+    words = text[i + len(RESULTS_BEGIN):text.index("-->", i)].split()
+    if not words or not all("=" in w for w in words):
+        raise SystemExit("the results marker names CARD=records-file pairs, e.g. H100=traces/h100/records-x.json")
+    return dict(w.split("=", 1) for w in words)
+
+
+def update_readme(path: str = os.path.join(ROOT, "README.md"), check: bool = False) -> bool:
+    """Rebuild README's results block from the files its marker names; with ``check``, only compare."""
     with open(path) as f:
         text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers")
-    new = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    i = text.find(RESULTS_BEGIN)
+    sources = _sources(text)
+    j = text.index(RESULTS_END, i) + len(RESULTS_END)
+    new = text[:i] + results_block(sources) + text[j:]
     if check:
         return new == text
     with open(path, "w") as f:
@@ -425,35 +419,54 @@ def update_readme(block: str, path: str = os.path.join(ROOT, "README.md"), check
     return True
 
 
+def headline_figure(sources: dict[str, str], out: str = os.path.join(ROOT, HEADLINE)) -> str:
+    """One figure per card: per (shape, batch) of the KDA + MoE layer, stock and fast µs against the floor, with
+    the stock / fast ratio above each pair."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cards = list(sources)
+    fig, axes = plt.subplots(1, len(cards), figsize=(6.5 * len(cards), 4.2), squeeze=False)
+    for ax, card in zip(axes[0], cards):
+        rows = [r for r in results_rows(card, _one_run(sources[card])) if r["kind"] == "kda_moe"]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["stock"] for r in rows], 0.4, label="stock", color="#b0b0b0")
+        ax.bar([x + 0.2 for x in xs], [r["fast"] for r in rows], 0.4, label="fast (k3fast)", color="#2a6fba")
+        for x, r in zip(xs, rows):
+            ax.plot([x - 0.45, x + 0.45], [r["floor"]] * 2, "k-", lw=1.5, label="byte floor" if x == 0 else None)
+            ax.text(x, max(r["stock"], r["fast"]) * 1.04, f"{r['stock'] / r['fast']:.2f}x", ha="center", fontsize=8)
+        ax.set_xticks(list(xs), [f"{r['shape'].replace('k3_', '')}\nb{r['batch']}" for r in rows], fontsize=8)
+        ax.set_yscale("log")
+        ax.set(ylabel="µs per decode step (log)", title=f"KDA + MoE layer, {card} ({rows[0]['gpu'] if rows else ''})")
+        ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--records", default=None, help="glob of record files (default traces/h200/records-*.json)")
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--print-only", action="store_true", help="print the table; write no plot and leave README alone")
+    ap.add_argument("--check", action="store_true", help="exit 1 when README's block differs from its files")
+    ap.add_argument("--no-figure", action="store_true", help="leave docs/figures/headline.png alone")
+    ap.add_argument("--print-only", action="store_true", help="print the table; write nothing")
     args = ap.parse_args(argv)
-    recs = load_records(args.records)
-    probs = validate(recs)
-    if probs:
-        print("schema problems:\n  " + "\n  ".join(probs[:20]))
-        return 1
-    block = readme_block(recs, load_kernel_bench(), experts_probe_table())
+    path = os.path.join(ROOT, "README.md")
+    with open(path) as f:
+        sources = _sources(f.read())
     if args.check:
-        ok = update_readme(block, check=True)
-        ok_closing = update_closing(check=True)
-        print("README table is up to date" if ok else "README table differs from the records: run python -m k3fast.measure.report")
-        print("README closing block is up to date" if ok_closing else
-              "README closing block differs from its files: run python -m k3fast.measure.report")
-        return 0 if ok and ok_closing else 1
+        ok = update_readme(path, check=True)
+        print("README results block is up to date" if ok else
+              "README results block differs from its files: run python -m k3fast.measure.report")
+        return 0 if ok else 1
     if args.print_only:
-        print(table(recs) if recs else "no records")
+        print(results_block(sources))
         return 0
-    if not args.no_plots and recs:
-        for p in plot(recs, os.path.join(ROOT, "traces", "h200", "plots")):
-            print("wrote", os.path.relpath(p, ROOT))
-    update_readme(block)
-    update_closing()
-    print(table(recs) if recs else "no records")
+    update_readme(path)
+    if not args.no_figure:
+        print("wrote", os.path.relpath(headline_figure(sources), ROOT))
+    print(results_block(sources))
     return 0
 
 
