@@ -192,6 +192,43 @@ def test_trace_cell_spec_parses_and_rejects_bad_cells():
             parse_cell(bad)
 
 
+def test_trace_presets_expand_to_valid_cells():
+    from k3fast.measure.trace import CONTENDERS, PRESETS, parse_cell, preset_table
+    assert {"smoke", "kda-sweep", "kda-sweep-skewed", "mla-sweep"} <= set(PRESETS)
+    kda = PRESETS["kda-sweep"].cells()
+    assert [(k, s, b) for k, s, b, _, _ in kda] == [("kda_moe", s, b) for s in ("k3_rank16", "k3_rank8", "full")
+                                                    for b in (1, 8, 64)]
+    assert all(c == 0 and impls == ["stock", "fast"] for _, _, _, c, impls in kda)
+    assert PRESETS["kda-sweep"].routing == "random" and PRESETS["kda-sweep-skewed"].routing == "skewed"
+    mla = PRESETS["mla-sweep"].cells()
+    assert len(mla) == 18 and {c for *_, c, _ in mla} == {1024, 8192}
+    for name, p in PRESETS.items():          # every preset's cells are cells --cell accepts
+        for kind, shape, b, c, impls in p.cells(contenders=["fast-x"]):
+            assert parse_cell(f"{kind},{shape},{b},{c},{'+'.join(impls)}") == (kind, shape, b, c, impls), name
+    # "contenders" stands for the registry's live ones, each once, after the names listed before it
+    assert PRESETS["kda-contenders"].impls[-1] == CONTENDERS
+    assert PRESETS["kda-contenders"].cells(contenders=["fast-a", "fast", "fast-b"])[0][4] == [
+        "stock", "fast", "fast-a", "fast-b"]
+    assert all(name in preset_table() for name in PRESETS)
+
+
+def test_trace_command_line_checks_its_arguments(capsys):
+    from k3fast.measure.trace import main
+    assert main(["--list-presets"]) == 0 and "kda-sweep-skewed" in capsys.readouterr().out
+    for bad in (["--preset", "kda-sweep", "--cell", "kda_moe,full,1,0,fast"], ["--preset", "nope"],
+                ["--kinds", "gqa_moe"], ["--batches", "0"], ["--shapes", "k3_rank4"]):
+        with pytest.raises(SystemExit):
+            main(bad)
+
+
+def test_card_folder_names_the_gpu_model():
+    from k3fast.measure.trace import card_folder
+    assert card_folder("NVIDIA H100 80GB HBM3") == os.path.join("traces", "h100")
+    assert card_folder("NVIDIA H200") == os.path.join("traces", "h200")
+    assert card_folder("NVIDIA A100-SXM4-80GB") == os.path.join("traces", "a100")
+    assert card_folder("") == os.path.join("traces", "cpu")
+
+
 def test_replay_timeline_splits_busy_and_idle():
     from k3fast.measure.trace import replay_timeline
     ev = []
@@ -303,30 +340,6 @@ def test_kernel_ab_reads_one_run(tmp_path, monkeypatch):
     assert "b1: 12.5 -> 10.0" in table and "b8: 19.0 -> 20.0" in table and "x@old -> x" in table
 
 
-def test_every_fast_variant_names_fastimpl_options():
-    """Each layer-level A/B (impls.FAST_VARIANTS) passes only keyword arguments FastImpl takes, so no variant in a
-    sweep's --impls fails at construction on the GPU machine (session 10: fast-s17kda ran into a new default)."""
-    import inspect
-    from k3fast.layer import FastImpl
-    from k3fast.measure.impls import FAST_VARIANTS
-    params = set(inspect.signature(FastImpl.__init__).parameters)
-    for name, kw in FAST_VARIANTS.items():
-        assert name.startswith("fast") and set(kw) <= params, (name, set(kw) - params)
-
-
-def test_every_fast_variant_builds_valid_kda_keys():
-    """The KDA step's options of every variant make a valid kernel key (fast-s17kda's late_stores=False alone met
-    v6's dsmem_tx default and was refused in every GPU test of the attention half, session 10)."""
-    from k3fast.kernels import kda_conv_gate_step as kmod
-    from k3fast.measure.impls import FAST_VARIANTS
-    for name, kw in FAST_VARIANTS.items():
-        for ns in (4, 8):
-            key = kmod.kernel_key(6, 1, ns, early_trigger=kw.get("attn_early_trigger", True),
-                                  preload=kw.get("kda_preload"), late_stores=kw.get("kda_late_stores"),
-                                  dsmem_tx=kw.get("kda_dsmem_tx"))
-            assert key[0] == "kda_conv_gate_step", name
-
-
 def test_reset_stock_autotuners_clears_only_stock_library_caches(monkeypatch):
     """k3fast.measure.trace.reset_stock_autotuners forgets the configs of Triton autotuners found in fla / vLLM modules (their
     keys omit the batch, so the first cell of a process chose them for every later cell), also behind a
@@ -373,43 +386,19 @@ def test_reset_stock_autotuners_clears_only_stock_library_caches(monkeypatch):
     assert other.kernel.cache and other.kernel.cache_results and stock.not_a_tuner == {"x": 1}
 
 
-def test_blas_probe_shapes_and_form_settings():
-    """k3fast.blas_probe times the attention half's cuBLAS GEMMs at the shapes FastImpl runs them (the packed in_proj
-    padded as fast.FastImpl pads it, o_proj) and restores every global cuBLAS setting a form changes."""
-    import torch
-    from k3fast import blas_probe
-    from k3fast.kernels.kda_conv_gate_step import proj_width
-    assert blas_probe.gemm_shapes("k3_rank16") == {"in_proj": (proj_width(6), 7168), "o_proj": (7168, 768)}
-    assert blas_probe.gemm_shapes("k3_rank8")["o_proj"] == (7168, 1536)
-    m = torch.backends.cuda.matmul
-    before = m.allow_bf16_reduced_precision_reduction
-    with blas_probe.form_context("mm_fp32red"):
-        assert m.allow_bf16_reduced_precision_reduction is False
-    assert m.allow_bf16_reduced_precision_reduction == before
-    with pytest.raises(ValueError, match="form must be one of"):
-        with blas_probe.form_context("cublas-magic"):
-            pass
-    x, w = torch.randn(3, 16), torch.randn(5, 16)
-    y0, y1 = torch.empty(3, 5), torch.empty(3, 5)
-    blas_probe.gemm("mm", x, w, y0, torch.zeros(5))
-    blas_probe.gemm("addmm0", x, w, y1, torch.zeros(5))
-    torch.testing.assert_close(y0, x @ w.t())
-    torch.testing.assert_close(y1, y0)
-
-
 def test_blas_library_is_scoped_and_checked():
-    """fast.blas_library changes torch's preferred BLAS library only inside the block, only for a CUDA device (a CPU
+    """k3fast.layer.blas_library changes torch's preferred BLAS library only inside the block, only for a CUDA device (a CPU
     build of torch refuses cublasLt), and rejects a name it does not know."""
     import torch
     from k3fast.layer import blas_library
     before = torch.backends.cuda.preferred_blas_library()
-    for lib in (None, "default", "cublaslt"):
+    for lib in (None, "cublaslt"):
         with blas_library(lib, torch.device("cpu")):
             assert torch.backends.cuda.preferred_blas_library() == before
     with blas_library("cublas", torch.device("cuda")):
         assert str(torch.backends.cuda.preferred_blas_library()).lower().endswith("cublas")
     assert torch.backends.cuda.preferred_blas_library() == before
-    with pytest.raises(ValueError, match="expected None, 'default', 'cublas' or 'cublaslt'"):
+    with pytest.raises(ValueError, match="expected None, 'cublas' or 'cublaslt'"):
         with blas_library("hipblaslt", torch.device("cuda")):
             pass
 
@@ -439,58 +428,3 @@ def _closing_records(commit, date, routing, cells):
                  bytes=floor * 3.0e6)
         out.append(r)
     return out
-
-
-def test_closing_block_targets_ceilings_and_one_run_rule(tmp_path):
-    from k3fast.measure.report import closing_block, update_closing
-    from k3fast.measure.trace import ROUTINGS
-    uni = _closing_records("aaaaaaa", "2026-12-06T10", ROUTINGS["random"], [
-        ("k3_rank16", 1, "attn", "stock", 72.0, 18, 20.0), ("k3_rank16", 1, "attn", "fast", 36.0, 3, 20.0),
-        ("k3_rank16", 1, "moe", "stock", 120.0, 17, 50.0), ("k3_rank16", 1, "moe", "fast", 60.0, 3, 50.0),
-        ("full", 64, "moe", "stock", 3900.0, 17, 3500.0), ("full", 64, "moe", "fast", 3600.0, 7, 3500.0)])
-    skw = _closing_records("aaaaaaa", "2026-12-06T11", ROUTINGS["skewed"], [
-        ("k3_rank16", 1, "attn", "stock", 70.0, 18, 20.0), ("k3_rank16", 1, "attn", "fast", 35.0, 3, 20.0)])
-    (tmp_path / "records-a-u.json").write_text(json.dumps({"records": uni}))
-    (tmp_path / "records-a-s.json").write_text(json.dumps({"records": skw}))
-    (tmp_path / "experts-a.json").write_text(json.dumps({"records": [
-        dict(shape="k3_rank8", batch=8, variant="default", routing="uniform", us_median=100.0, achieved_tbps=2.4,
-             copy_tbps=3.0, date="2026-12-06T09"),
-        dict(shape="k3_rank8", batch=8, variant="default", routing="skewed", us_median=40.0, achieved_tbps=1.0,
-             copy_tbps=3.0, date="2026-12-06T10")]}))
-    block = closing_block([str(tmp_path / "records-a-*.json")], str(tmp_path / "experts-*.json"))
-    rows = block.splitlines()
-    assert "| 4 | attention half >= 1.8x stock | uniform | k3_rank16 b1 | 2.00x (72.0 / 36.0 µs) | yes | 3.60x |" in rows
-    assert "| 4 | attention half within 1.3x of its floor | uniform | k3_rank16 b1 | 1.80x (36.0 / 20.0 µs) | no |  |" in rows
-    assert "| 5 | MoE half >= 2x stock | uniform | k3_rank16 b1 | 2.00x (120.0 / 60.0 µs) | yes | 2.40x |" in rows
-    # the ceiling says a floor-speed kernel could not meet 1.5x here: 3900 / 3500
-    assert "| 5 | MoE half >= 1.5x stock | uniform | full b64 | 1.08x (3900.0 / 3600.0 µs) | no | 1.11x |" in rows
-    assert not any("| 4 |" in ln and "| skewed |" in ln for ln in rows)        # attention ignores the routing
-    assert any("routed experts >= 75% of copy | uniform | k3_rank8 b8 | 80% (100.0 µs" in ln and "| yes |" in ln
-               for ln in rows)                                               # the skewed row is not the target's
-    assert "| uniform | full | 64 | 3500.0 | 3900.0 (17) | 3600.0 (7) | 1.08x | 1.03x | 1.11x | 2.92 (97%) |" in rows
-    # stock from one run beside fast from another is refused, not paired
-    later = _closing_records("bbbbbbb", "2026-12-07T10", ROUTINGS["random"], [
-        ("k3_rank16", 1, "attn", "fast", 30.0, 3, 20.0)])
-    (tmp_path / "records-b-u.json").write_text(json.dumps({"records": later}))
-    with pytest.raises(SystemExit, match="several files"):
-        closing_block([str(tmp_path / "records-*-u.json")], str(tmp_path / "experts-*.json"))
-    # README round trip: the marker names the globs; --check notices a hand edit
-    readme = tmp_path / "README.md"
-    marker = (f"<!-- closing-sweep:begin {tmp_path / 'records-a-*.json'} experts={tmp_path / 'experts-*.json'} -->"
-              "\nstale\n<!-- closing-sweep:end -->")
-    readme.write_text(f"# x\n\n{marker}\n\ntail\n")
-    assert not update_closing(str(readme), check=True)
-    update_closing(str(readme))
-    text = readme.read_text()
-    assert text.startswith("# x\n\n") and text.endswith("\n\ntail\n") and "stale" not in text
-    assert update_closing(str(readme), check=True)
-    readme.write_text(text.replace("2.00x (72.0", "2.10x (72.0"))
-    assert not update_closing(str(readme), check=True)
-
-
-def test_readme_closing_blocks_match_their_files():
-    # every figure in README's closing-sweep blocks is rebuilt from the JSON files their markers name
-    from k3fast.measure.report import CLOSING_BEGIN, ROOT, update_closing
-    with open(os.path.join(ROOT, "README.md")) as f:
-        assert f.read().count(CLOSING_BEGIN) == 2
-    assert update_closing(check=True), "README's closing-sweep block differs from its files: python -m k3fast.measure.report"

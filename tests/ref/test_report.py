@@ -1,0 +1,61 @@
+"""k3fast.measure.report: README's results block comes from one run per card, names its files, and --check notices a
+hand edit (CPU)."""
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.ref
+
+
+def _rec(impl, shape, batch, us, kernels, floor, part="layer", commit="aaaaaaa", gpu="NVIDIA H200"):
+    return dict(impl=impl, shape=shape, batch=batch, part=part, layer_kind="kda_moe", replay_us_median=us,
+                replay_us_p10=us * 0.98, replay_us_p90=us * 1.02, kernels=kernels, floor_us=floor, bytes=floor * 4.2e6,
+                copy_tbps=4.2, gpu=gpu, driver="580", torch="2.11", cutlass="4.8.1", commit=commit,
+                date="2026-12-07T05", context=0, routing="random")
+
+
+def _write(path, recs):
+    from k3fast.measure.trace import SCHEMA_FIELDS
+    full = [{**{k: r.get(k, 1) for k in SCHEMA_FIELDS}, **r} for r in recs]
+    path.write_text(json.dumps({"records": full}))
+
+
+def test_results_block_pairs_stock_and_fast_of_one_run(tmp_path, monkeypatch):
+    from k3fast.measure import report
+    monkeypatch.setattr(report, "ROOT", str(tmp_path))
+    _write(tmp_path / "records-a.json", [_rec("stock", "k3_rank16", 1, 160.0, 36, 50.0),
+                                         _rec("fast", "k3_rank16", 1, 80.0, 6, 50.0),
+                                         _rec("fast", "k3_rank16", 1, 30.0, 3, 20.0, part="attn"),
+                                         _rec("fast", "k3_rank8", 8, 190.0, 8, 129.0)])        # no stock: no row
+    block = report.results_block({"H200": "records-a.json"})
+    rows = [ln for ln in block.splitlines() if ln.startswith("| H200")]
+    assert rows == ["| H200 | kda_moe | k3_rank16 | 1 | 50.0 | 160.0 | 80.0 | 2.00x | 1.60x | 36 → 6 |"]
+    assert "`records-a.json` (NVIDIA H200" in block and block.startswith("<!-- results:begin H200=records-a.json -->")
+
+
+def test_readme_round_trip_and_check(tmp_path, monkeypatch):
+    from k3fast.measure import report
+    monkeypatch.setattr(report, "ROOT", str(tmp_path))
+    _write(tmp_path / "records-b.json", [_rec("stock", "full", 64, 4500.0, 38, 4100.0),
+                                         _rec("fast", "full", 64, 4300.0, 13, 4100.0)])
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n<!-- results:begin H100=records-b.json -->\nstale\n<!-- results:end -->\n\ntail\n")
+    assert not report.update_readme(str(readme), check=True)
+    report.update_readme(str(readme))
+    text = readme.read_text()
+    assert text.startswith("# x\n\n") and text.endswith("\n\ntail\n") and "stale" not in text
+    assert "| H100 | kda_moe | full | 64 | 4100.0 | 4500.0 | 4300.0 | 1.05x | 1.05x | 38 → 13 |" in text
+    assert report.update_readme(str(readme), check=True)
+    readme.write_text(text.replace("1.05x | 1.05x", "1.10x | 1.05x"))
+    assert not report.update_readme(str(readme), check=True)
+    readme.write_text("# no marker\n")
+    with pytest.raises(SystemExit, match="no <!-- results:begin"):
+        report.update_readme(str(readme), check=True)
+
+
+def test_readme_results_match_their_files():
+    """Every figure in README's results table is rebuilt from the record files its marker names."""
+    from k3fast.measure.report import HEADLINE, ROOT, update_readme
+    assert update_readme(check=True), "README's results block differs from its files: python -m k3fast.measure.report"
+    assert os.path.exists(os.path.join(ROOT, HEADLINE))
