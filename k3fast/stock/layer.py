@@ -1,22 +1,20 @@
-"""Implementations of one layer's decode step that the traces compare, over one set of static buffers.
+"""``stock``: what a serving stack runs on Hopper from library kernels, the peer the fused layer is measured against.
 
-* ``ref``      k3ref run as is on the GPU (model precision): the specification, not built for speed.
-* ``compiled`` ``torch.compile`` (inductor, mode "default", automatic dynamic shapes) of the same
-               reference halves, captured in a CUDA graph by the harness.
-* ``stock``    what a serving stack runs on Hopper today from library kernels: cuBLAS GEMMs through
-               torch (packed projections), fla 0.6.0's Triton KDA kernels (conv update, fused
-               recurrent with the in-kernel lower-bounded gate, gated RMSNorm), and vLLM 0.33's Marlin
-               W4A16 MoE for the MXFP4 experts (see notes/vllm_marlin_mxfp4.md). ``ops="vllm"``
-               (default; variant "vllm-ops") runs vLLM 0.33's own single fused kernels for AttnRes,
-               the router (GateLinear + fused grouped top-k), the shared SiTU, the RMSNorms and the MLA
-               gate (k3fast/stock_vllm_ops.py); ``ops="torch"`` (variant "torch-glue", also the
-               automatic fallback when vLLM cannot run) keeps the first version's torch-op glue. MLA:
-               packed GEMMs plus a torch absorbed attention over the latent cache (FlashMLA is not
-               in the image).
+* cuBLAS GEMMs through torch, packed the way vLLM packs them (one in_proj GEMM for q|k|v|g|f_a|b, one gate_up GEMM
+  for the shared experts, one q_a|kv_a|g GEMM for MLA);
+* fla's Triton KDA kernels: the conv update, the fused recurrent step with the in-kernel lower-bounded gate, the
+  gated RMSNorm;
+* vLLM 0.33's Marlin W4A16 MoE for the MXFP4 experts (docs/vllm-marlin-mxfp4.md);
+* ``ops="vllm"`` (variant "vllm-ops"): vLLM 0.33's own fused kernels for AttnRes, the router (GateLinear + fused
+  grouped top-k), the shared experts' SiTU, the RMSNorms and the MLA gate (k3fast.stock.vllm_ops); ``ops="torch"``
+  (variant "torch-glue", also the fallback where vLLM cannot run) composes those steps from torch ops;
+* MLA: packed GEMMs and a torch absorbed attention over the latent cache.
 
-Every implementation exposes ``attn(io)`` (layer input -> MLP input), ``moe(io)`` (MLP input ->
-layer output) and ``layer(io)``, each reading and writing only ``io``'s static tensors, so each can
-be captured as its own CUDA graph. Stages are marked with k3fast.nvtx ranges.
+This is our composition, not vLLM's layer itself: inside a vLLM 0.33 engine the KDA + MoE layer launches fewer
+kernels (its packed-decode KDA kernel and CuTe skinny GEMMs in the attention half).
+
+Like every implementation it exposes ``attn(io)``, ``moe(io)`` and ``layer(io)`` over k3fast.layer_io.LayerIO's
+static tensors; stages are marked with k3fast.nvtx ranges.
 """
 from __future__ import annotations
 
