@@ -14,159 +14,197 @@
 # ---
 
 # %% [markdown]
-# # 01 — Reading a per-layer decode trace
+# # 01 — Reading a decode trace
 #
-# A trace record answers four questions about one decode step of one layer: how many kernels ran, how long the
-# GPU spent in them, how long a CUDA-graph replay took end to end (median of many, L2 flushed before each), and
-# how that compares with the floor — the bytes the step must move over the copy bandwidth measured in the same
-# run. Records are produced on the H200 by `python -m k3fast.measure.trace` and kept under `traces/h200/`.
-# This notebook loads them on any machine; with a GPU it also captures a live one.
+# A trace record answers four questions about one decode step of one layer:
+# * how many kernels ran;
+# * how long the GPU spent in each NVTX stage (`k3.kda.in_proj`, `k3.moe.experts`, ...);
+# * how long a CUDA-graph replay took end to end (the median of many, with the L2 flushed before each);
+# * how that compares with the **floor**: the bytes the step must move over the copy bandwidth measured in the
+#   same run.
+#
+# `python -m k3fast.measure.trace` writes the records on a GPU, under `traces/<card>/`. This notebook reads them on
+# any machine. It uses the latest full sweep per card, named in one place: `nbtools.SWEEPS`.
 
 # %%
-import json
+import glob
 import os
 
 import torch
 
-from k3fast.measure.report import load_records, table
+from k3fast.measure import nbtools
 
-records = load_records()
-print(len(records), "records")
-if records:
-    r0 = records[0]
-    print({k: r0[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "copy_tbps")})
+print(nbtools.SWEEPS)
+recs = nbtools.sweep()
+print(len(recs), "records")
 
 # %% [markdown]
-# ## The whole layer, by implementation
-# `ref` is the readable reference run as is, `compiled` is `torch.compile` of it, `stock` is what a serving stack
-# runs on Hopper from library kernels (cuBLAS, fla's Triton KDA kernels, vLLM's Marlin MXFP4 MoE).
+# ## 1. One record
+# Every record carries its provenance: the GPU, the driver, the library versions and the commit it measured.
+# `part` says what was timed: the whole `layer`, the attention half `attn` (layer input to MLP input) or the
+# MoE half `moe`. `impl` is `stock` (what a serving stack runs on Hopper: cuBLAS, fla's Triton KDA kernels,
+# vLLM's Marlin MXFP4 MoE) or `fast` (this repository's fused kernels).
 
 # %%
-print(table(records, "layer") if records else "no records yet")
+r = nbtools.one(recs, card="H100", shape="k3_rank16", batch=1, part="layer", impl="fast", routing="uniform")
+for k in ("gpu", "driver", "torch", "cutlass", "commit", "copy_tbps", "l2", "routing", "kernels",
+          "replay_us_median", "replay_us_p10", "replay_us_p90", "bytes", "floor_us", "rel_err_vs_ref", "perfetto"):
+    print(f"{k:18s} {r[k]}")
 
 # %% [markdown]
-# ## Where the time goes: the stage breakdown
-# Each record also carries the same step run eagerly inside NVTX / profiler ranges (`k3.attn_res`, `k3.kda.core`,
-# `k3.moe.experts`, ...): kernels per stage and their GPU µs. The ranges have the same names in Nsight Systems.
+# ## 2. The whole layer, per card
+# One row per cell: stock and fast from the same run, the number of kernels in brackets.
+# `stock/fast` is the speed-up. `fast/floor` says how far the fused path is from what the bytes allow.
 
 # %%
-def stages(kind="kda_moe", shape="k3_rank16", batch=1, impl="stock"):
-    for r in records:
-        if (r["layer_kind"], r["shape"], r["batch"], r["impl"], r["part"]) == (kind, shape, batch, impl, "layer"):
-            return r
-    return None
-
-r = stages()
-if r:
-    print(f"{r['impl']} {r['layer_kind']} {r['shape']} b{r['batch']}: {r['kernels']:g} kernels, "
-          f"{r['replay_us_median']:.1f} µs replay, floor {r['floor_us']:.1f} µs")
-    for name, s in sorted(r["stages"].items(), key=lambda kv: -kv[1]["gpu_us"]):
-        print(f"  {name:18s} {s['kernels']:4d} kernels {s['gpu_us']:9.1f} µs")
+layer = nbtools.part_rows("layer", recs)
+nbtools.show(layer)
 
 # %% [markdown]
-# ## The fused step against stock, kernel by kernel
-# Each record also keeps one replay's kernels with their start and end (`replay_timeline`, measured after the same
-# L2 flush as the timed replays), and at batch 1 a Perfetto trace of the eager step with its NVTX ranges. Open the
-# `.json.gz` in https://ui.perfetto.dev, or compare the same cell in Nsight Systems (`nsys profile` on
-# `python -m k3fast.measure.trace`). Below, the newest records of one cell.
+# ## 3. Where the time goes: the stages
+# Each record also holds the same step run eagerly inside NVTX ranges: kernels and GPU µs per stage.
+# A fused kernel covers several stages; the fast path books it under the first one.
+# So we compare the two paths per **fusion** (`nbtools.FUSIONS`), each with the floor of its own bytes.
+#
+# One booking differs. At batch <= 4 the fused MoE front also computes the shared experts' gate/up, which
+# stock books under `k3.moe.shared` (counted here in `experts_tail`).
 
 # %%
-from k3fast import nbtools  # noqa: E402
-from k3fast.measure.report import perfetto_file  # noqa: E402
-
-for impl in ("stock", "fast"):
-    r = next((x for x in records if (x["layer_kind"], x["shape"], x["batch"], x["impl"], x["part"])
-              == ("kda_moe", "k3_rank16", 1, impl, "layer")), None)
-    if r is None:
-        print(f"no {impl} record for kda_moe k3_rank16 b1")
-        continue
-    print(f"{impl}: {r['kernels']:g} kernels, {r['replay_us_median']:.1f} µs replay (commit {r['commit']}), "
-          f"Perfetto trace: {perfetto_file(r)}")
-    if impl == "fast":
-        print(nbtools.replay_timeline(r["source"], "layer", "fast"))
+cell = nbtools.fusion_rows(recs, "k3_rank16", 1)
+for row in cell:
+    print(f"{row['card']}  {row['label']:13s} stock {row['stock_us']:6.1f} µs ({row['stock_kernels']:2d} kernels)"
+          f"  fast {row['fast_us']:6.1f} µs ({row['fast_kernels']} kernels)  floor {row['floor_us']:5.1f} µs")
 
 # %% [markdown]
-# ## A baseline that depends on the process's history
-# A ratio against stock is only as good as the stock reading. fla's `causal_conv1d_update` is a Triton kernel
-# autotuned on (D, W): the batch is not in the key, so the config the first batch of a process picked serves every
-# later batch, and fla also writes it to Triton's on-disk autotune cache, so later processes inherit it. Below, the
-# stock attention half's conv step and total at rank8 in four runs: s74 ran b1 first (the conv step grew to 73 µs
-# at b64), s77 ran b64 first, s79 reset the in-memory tuners but missed fla's (behind `@triton.heuristics`) and the
-# disk cache, s82 resets both (`trace.reset_stock_autotuners`, recorded in each stock record's `stock_autotune`).
-# When you compare traces in Nsight Systems, look at this kernel first.
-
-# %%
-runs = [("s74", "records-8f4e39e-s74.json"), ("s77", "records-05e1140-s77.json"),
-        ("s79", "records-c22210d-s79.json"), ("s82", "records-3b5c7d3-s82.json")]
-conv = {}
-for tag, name in runs:
-    with open(os.path.join(nbtools.ROOT, "traces", "h200", name)) as f:
-        doc = json.load(f)
-    for r in doc["records"]:
-        if r["impl"] == "stock" and r["part"] == "attn" and r["shape"] == "k3_rank8" and r["batch"] in (8, 16, 64):
-            conv[(tag, r["batch"])] = (r["kernel_names"].get("causal_conv1d_update_kernel"), r["replay_us_median"],
-                                       r.get("stock_autotune") or "no reset")
-for (tag, b), (c, total, how) in sorted(conv.items()):
-    print(f"{tag} rank8 b{b:<3d} conv step {c:6.1f} µs   stock attention half {total:6.1f} µs   ({how})")
-assert conv[("s74", 64)][0] > 50 and all(conv[("s82", b)][0] < 4 for b in (8, 16, 64))
+# A stage can come out a little *under* its floor. The floor uses the copy bandwidth, and a copy both reads
+# and writes. A kernel that only reads can stream somewhat faster. The replayed parts never do (section 7).
 
 # %% [markdown]
-# ## What a replay costs outside its kernels
-# A record's replay time (CUDA events around one graph replay) is longer than its CUPTI span (first kernel start to
-# last kernel end). In the records the fast path's difference is 2.6-4.4 µs and stock's 0.4-1.8, which looked like
-# ~2.5 µs that only the fast path pays. `python -m k3fast.launch_probe` times graphs of empty kernels that differ in
-# one property at a time (torch or CuTe DSL, PDL, shared memory, a cluster, a warm shared-memory split) exactly as
-# the traces time a part. Every graph pays the same ~3.5-4.2 µs, whatever its kernels are: the graph launch, the
-# same for both paths. That stock's difference reads smaller is, by inference, its CUPTI span: 17-21 kernels profiled
-# one after another stretch the span more than 3-5 do (not measured).
+# ## 4. One replay, kernel by kernel
+# `replay_timeline` is one graph replay after the same L2 flush as the timed ones: each kernel's start and
+# duration. With PDL (programmatic dependent launch) the next fused kernel starts before the previous one ends.
 
 # %%
-with open(os.path.join(nbtools.ROOT, "traces", "h200", "launchprobe-3db9b9f-s90b.json")) as f:
-    probe = json.load(f)
-for r in probe["records"]:
-    print(f"{r['case']:32s} replay {r['replay_us_median']:5.2f} µs  span {r['span_us']:5.2f}  "
-          f"outside the kernels {r['outside_kernels_us']:4.2f}")
-outside = [r["outside_kernels_us"] for r in probe["records"]]
-assert max(outside) - min(outside) < 1.0 and min(outside) > 3.0
+st, fa = (nbtools.one(recs, card="H100", shape="k3_rank16", batch=1, part="layer", impl=i, routing="uniform")
+          for i in ("stock", "fast"))
+for k in nbtools.replay_kernels(fa):
+    print(f"  {nbtools.short_name(k['name']):20s} {str(k['stage']):15s} {k['start']:6.1f} -> {k['start'] + k['dur']:6.1f} µs")
+print(f"stock: {len(nbtools.replay_kernels(st))} kernels in {st['replay_timeline']['span_us']:.1f} µs, "
+      f"idle between them {st['replay_timeline']['idle_us']:.1f} µs")
 
 # %% [markdown]
-# ## What a target allows: stock over its floor
-# A speed-up over stock is bounded by the bytes. An implementation at the floor would take `floor_us`, so no
-# implementation can beat stock by more than `stock / floor` in that cell: the **ceiling**. The closing sweep
-# (s110a / s110b, every issue cell, stock beside fast in one run per routing) was measured on an H100, whose copy
-# bandwidth (2.9-3.0 TB/s) is 0.7x the H200's. Byte-bound time grows on the slower card while stock's launch and
-# small-kernel costs do not, so every ceiling is lower there. README's "Closing sweep" block is this table, built by
-# `python -m k3fast.measure.report`.
+# ## 5. The Perfetto trace
+# At batch 1 each record also keeps a Perfetto trace of the eager step with its NVTX ranges
+# (`perfetto-*/…json.gz` beside the records file). Open it at https://ui.perfetto.dev.
+# With Nsight Systems, `nsys profile -t cuda,nvtx python -m k3fast.measure.trace ...` captures the same ranges.
+#
+# The eager step is not the replay: each launch waits for Python. The stages and the kernel order are the same.
 
 # %%
-from k3fast.measure.report import closing_targets_table, latest_experts_default
-
-sweep = load_records(os.path.join(nbtools.ROOT, "traces", "h100", "records-340beb3-s110*.json"))
-print(closing_targets_table(sweep, latest_experts_default("traces/h100/experts-*.json")))
-
-# %%
-# No fast cell beats its own ceiling (fast is never under its floor), and the full-width attention half's ceiling
-# sits under the 1.8x target: that target cannot be met there by any implementation on this card.
-for r in sweep:
-    assert r["replay_us_median"] >= r["floor_us"], (r["shape"], r["batch"], r["impl"], r["part"])
-full_attn_stock = [r for r in sweep if (r["shape"], r["part"], r["impl"]) == ("full", "attn", "stock")]
-assert len(full_attn_stock) == 6 and all(r["replay_us_median"] / r["floor_us"] < 1.8 for r in full_attn_stock)
+ev = nbtools.perfetto_events(fa)
+print(os.path.relpath(nbtools.perfetto_path(fa), nbtools.ROOT))
+print(sorted({e.get("cat") for e in ev if e.get("cat")}))
+for e in sorted((e for e in ev if e.get("cat") == "gpu_user_annotation"), key=lambda e: e["ts"]):
+    print(f"  {e['name']:16s} {e['dur']:7.1f} µs on the GPU")
 
 # %% [markdown]
-# ## A live trace (GPU only)
+# ## 6. What a target allows: stock over its floor
+# No implementation can beat stock by more than `stock / floor` in a cell: the **ceiling**.
+# The H100's copy bandwidth is ~0.7x the H200's. Byte-bound time grows on the slower card while stock's
+# launch costs do not, so every ceiling is lower there.
+#
+# Stock's Triton kernels autotune once per process. fla's conv kernel is keyed without the batch, so the first
+# batch a process ran used to set its speed at every later batch. Every stock record says how the autotuners
+# were reset before its cell (`stock_autotune`).
+
+# %%
+attn = nbtools.part_rows("attn", recs)
+for row in attn:
+    print(f"{row['card']} attention half {row['shape']:9s} b{row['batch']:<3d} "
+          f"stock/fast {row['stock_us'] / row['fast_us']:.2f}x   ceiling {row['stock_us'] / row['floor_us']:.2f}x")
+print({r["stock_autotune"] for r in recs if r["impl"] == "stock"})
+
+# %% [markdown]
+# ## 7. The assertion cell
+# Executing this notebook is a test. The assertions are structural, so a new sweep within a few per cent passes:
+# * every replayed part takes at least its floor, stock and fast;
+# * the fused layer is faster than stock in every cell, by 1.3x or more at batch 1;
+# * per rank, the fused attention half is 3 launches at batch 1, against 17 or more for stock;
+# * the attention half matches the reference (the records' relative error against `k3ref`).
+
+# %%
+from k3fast.measure.report import validate  # noqa: E402
+
+assert not validate(recs), validate(recs)[:5]
+for rec in recs:
+    assert rec["replay_us_median"] >= rec["floor_us"], (rec["card"], rec["shape"], rec["batch"], rec["impl"])
+for row in layer:
+    assert row["fast_us"] < row["stock_us"], row
+    if row["batch"] == 1:
+        assert 1.15 <= row["stock_us"] / row["fast_us"] <= 2.6, row
+for row in attn:
+    assert row["rel_err_vs_ref"] < 1e-2, row
+    if row["batch"] == 1 and row["shape"] != "full":
+        assert row["fast_kernels"] <= 3 < 17 <= row["stock_kernels"], row
+print("ok")
+
+# %% [markdown]
+# ## 8. A live trace (GPU only)
 
 # %%
 if torch.cuda.is_available():
     from k3fast.measure import trace
-    trace.main(["--kinds", "kda_moe", "--shapes", "k3_rank16", "--batches", "1", "--impls", "ref", "stock",
+    trace.main(["--kinds", "kda_moe", "--shapes", "k3_rank16", "--batches", "1", "--impls", "stock", "fast",
                 "--replays", "20", "--out", "traces/live"])
 else:
-    print("no GPU here: showing recorded traces only")
+    print("no GPU here: the recorded traces above are the evidence")
+
+# %% [markdown]
+# ## 9. Pictures
+# First, one replay at rank16 batch 1 on each card, stock above fast, each kernel coloured by its NVTX stage
+# (from the Perfetto trace). Stock runs ~35 small kernels; fast runs 6, overlapped by PDL.
 
 # %%
-# The assertion cell: every recorded number is self-consistent.
-from k3fast.measure.report import validate
-assert not validate(records), validate(records)[:5]
-for r in records:
-    assert r["replay_us_median"] > 0 and r["kernels"] >= 1
-print("ok")
+plt = nbtools.pyplot()
+fig, axes = plt.subplots(len(nbtools.SWEEPS), 1, figsize=(12, 2.6 * len(nbtools.SWEEPS)), squeeze=False)
+for ax, card in zip(axes[:, 0], nbtools.SWEEPS):
+    pair = [nbtools.one(recs, card=card, shape="k3_rank16", batch=1, part="layer", impl=i, routing="uniform")
+            for i in ("stock", "fast")]
+    nbtools.plot_timelines([(f"{p['impl']} ({p['kernels']:g})", nbtools.replay_kernels(p)) for p in pair],
+                           f"one graph replay, kda_moe rank16 b1, {card}", ax=ax)
+fig.tight_layout()
+
+# %% [markdown]
+# The Perfetto trace itself, on its own time axis: the eager step. Here the host sets the pace.
+# Each stock launch waits for Python, which is one reason serving stacks replay CUDA graphs.
+
+# %%
+nbtools.plot_timelines([(f"{p['impl']} (eager)", nbtools.perfetto_kernels(p)) for p in (st, fa)],
+                       "the Perfetto trace: one eager step, kda_moe rank16 b1, H100");
+
+# %% [markdown]
+# Per fusion at rank16 batch 1: stock and fast GPU µs against the floor of the same bytes.
+
+# %%
+nbtools.plot_stage_bars(cell, "rank16 b1 by fusion");
+
+# %% [markdown]
+# Over batch, per card: the bandwidth each path achieves (the layer's bytes over its replay) and the speed-up.
+# The fused path's edge is largest at small batch, where stock's launches and small kernels weigh most.
+
+# %%
+nbtools.plot_over_batch(layer, "the layer");
+
+# %% [markdown]
+# ## 10. A kernel profile (Nsight Compute through nsight-python)
+# `k3fast.measure.profile` records Nsight Compute metrics per kernel on a GPU into `traces/<card>/profile-*.json`
+# and draws them here on any machine.
+
+# %%
+profiles = sorted(glob.glob(os.path.join(nbtools.ROOT, "traces", "*", "profile-*.json")))
+if profiles:
+    from k3fast.measure.profile import load_profile, plot_profile
+    print(os.path.relpath(profiles[-1], nbtools.ROOT))
+    plot_profile(load_profile(profiles[-1]))
+else:
+    print("no nsight-python profile recorded yet (traces/<card>/profile-*.json)")

@@ -1,275 +1,327 @@
-"""Small helpers shared by the fusion notebooks: recorded H200 results (GPU test outcomes, kernel
-benchmarks, layer traces), a CPU compile of one kernel key, and a live timing when a GPU is present.
-Everything a notebook shows on a CPU comes from files under traces/, with their metadata."""
+"""What the notebooks share: the recorded sweeps they read (chosen in one place, ``SWEEPS``), stage times beside the
+byte floor of the same stages, a CPU compile of one kernel key, and the figures each notebook ends with.
+
+Everything a notebook shows on a CPU comes from files under traces/: a record carries its GPU, driver, commit and
+the copy bandwidth measured in the same run, so every floor below is the floor of that run."""
 from __future__ import annotations
 
-import glob
+import gzip
 import json
 import os
 import re
 import time
-import xml.etree.ElementTree as ET
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The latest full sweep per card (k3fast.measure.trace records: stock beside fast in one run per file). Every
+# measured number in the notebooks comes from these files; a new sweep replaces them here and nowhere else.
+SWEEPS: dict[str, tuple[str, ...]] = {
+    "H100": ("traces/h100/records-340beb3-s110a.json",     # uniform routing, rank16 / rank8 / full x b1 / b8 / b64
+             "traces/h100/records-340beb3-s110b.json"),    # the same cells, skewed routing
+    "H200": ("traces/h200/records-834a6ef-s104.json",      # rank16 / rank8 x b1 / b2 / b4 / b8 / b16 / b64
+             "traces/h200/records-834a6ef-s104b.json"),    # full width x b1 / b8 / b64
+}
+SHAPES = ("k3_rank16", "k3_rank8", "full")
+
+# Each fusion, by the NVTX ranges (= k3ref.bytes stages) it covers. The fast path books a fused kernel under the
+# range of its first stage, so a fusion is compared on the sum of its stages in both paths.
+FUSIONS: dict[str, tuple[str, ...]] = {
+    "in_proj": ("k3.attn_res", "k3.kda.in_proj"),
+    "kda_core": ("k3.kda.core",),
+    "o_proj": ("k3.o_proj", "k3.attn_res_mlp"),
+    "front": ("k3.router", "k3.moe.down"),
+    "experts_tail": ("k3.moe.experts", "k3.moe.shared", "k3.moe.up"),
+}
+STAGE_COLORS = {"k3.attn_res": "#9ecae1", "k3.kda.in_proj": "#3182bd", "k3.kda.core": "#31a354",
+                "k3.o_proj": "#756bb1", "k3.attn_res_mlp": "#bcbddc", "k3.router": "#e6550d", "k3.moe.down": "#fdae6b",
+                "k3.moe.experts": "#d62728", "k3.moe.shared": "#8c564b", "k3.moe.up": "#e377c2", None: "#999999"}
 
 
-def _junit_time(root) -> str:
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    return (suite.get("timestamp") if suite is not None else None) or ""
+def config(shape: str):
+    """The k3ref config a record's ``shape`` names."""
+    from k3ref import k3, k3_rank
+    return {"k3_rank16": k3_rank(16), "k3_rank8": k3_rank(8), "full": k3()}[shape]
 
 
-def recorded_gpu_tests(test_module: str) -> dict:
-    """Outcome of ``tests/gpu/<test_module>.py`` in the newest recorded H200 JUnit file that ran it (files are
-    ordered by their own timestamp, not by mtime, which a checkout resets)."""
-    out = {"passed": 0, "failed": 0, "skipped": 0, "source": None, "failures": []}
-    best = None
-    for path in glob.glob(os.path.join(ROOT, "traces", "h200", "logs", "gpu-junit-*.xml")):
-        root = ET.parse(path).getroot()
-        cases = [tc for tc in root.iter("testcase") if tc.get("classname", "").split(".")[-1] == test_module]
-        if cases and (best is None or _junit_time(root) > best[0]):
-            best = (_junit_time(root), path, cases)
-    if best is None:
-        return out
-    out["source"] = os.path.relpath(best[1], ROOT)
-    for tc in best[2]:
-        if tc.find("failure") is not None or tc.find("error") is not None:
-            out["failed"] += 1
-            out["failures"].append(tc.get("name"))
-        elif tc.find("skipped") is not None:
-            out["skipped"] += 1
-        else:
-            out["passed"] += 1
+def routing(rec: dict) -> str:
+    return "skewed" if str(rec.get("routing", "")).startswith("skewed") else "uniform"
+
+
+def sweep(card: str | None = None) -> list[dict]:
+    """The records of ``SWEEPS[card]`` (every card when None), each with "card" and "source" (its file) added."""
+    from .report import load_records
+    out = []
+    for c, files in SWEEPS.items():
+        if card is None or c == card:
+            for f in files:
+                out += [{**r, "card": c, "source": f} for r in load_records(os.path.join(ROOT, f))]
     return out
 
 
-def recorded_kernel_bench(kernel: str) -> list[dict]:
-    """Rows of traces/h200/kernels-*.json for one fused kernel: the most recent row per (shape, batch)."""
-    rows = {}
-    found = []
-    for path in sorted(glob.glob(os.path.join(ROOT, "traces", "h200", "kernels-*.json"))):
-        with open(path) as f:
-            doc = json.load(f)
-        found += [{**r, "source": os.path.relpath(path, ROOT)} for r in doc["records"] if r["kernel"] == kernel]
-    for r in sorted(found, key=lambda r: r.get("date") or ""):
-        rows[(r["shape"], r["batch"])] = r
-    order = {"k3_rank16": 0, "k3_rank8": 1, "full": 2}
-    return [rows[k] for k in sorted(rows, key=lambda k: (order.get(k[0], 9), k[1]))]
+def pick(recs: list[dict], **want) -> list[dict]:
+    """The records whose fields equal ``want`` ("routing" compares the uniform / skewed label)."""
+    return [r for r in recs if all((routing(r) if k == "routing" else r.get(k)) == v for k, v in want.items())]
 
 
-def kernel_ab(kernels_file: str, base: str, other: str, batches, shapes=("k3_rank16", "k3_rank8"),
-              digits: int = 1) -> tuple[dict, str]:
-    """Median µs of two rows of one kernel-bench run (``kernels_file``, a path under the repository), so the A/B is
-    measured in one run: ({(row, shape, batch): µs} for both rows, a printable table of ``other`` -> ``base``)."""
-    with open(os.path.join(ROOT, kernels_file)) as f:
-        doc = json.load(f)
-    rows = {(r["kernel"], r["shape"], r["batch"]): r["fast_us_median"] for r in doc["records"]
-            if r["kernel"] in (base, other)}
-    lines = [f"{kernels_file}, one run (copy {doc['records'][0]['copy_tbps']:.3f} TB/s): median µs, {other} -> {base}"]
-    for shape in shapes:
-        lines.append("  " + shape + "".join(f"   b{b}: {rows[(other, shape, b)]:.{digits}f} -> "
-                                            f"{rows[(base, shape, b)]:.{digits}f}" for b in batches
-                                            if (other, shape, b) in rows and (base, shape, b) in rows))
-    return rows, "\n".join(lines)
+def one(recs: list[dict], **want) -> dict:
+    found = pick(recs, **want)
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} records match {want}")
+    return found[0]
 
 
-def recorded_experts_probe(shape: str = "k3_rank16", file: str | None = None) -> tuple[str, dict]:
-    """The newest traces/h200/experts-*.json (k3fast.measure.bench_experts), or ``file`` (a path under the repository):
-    (source, {variant: {batch: us_median}})."""
-    from .report import latest_experts_probe
-    path, doc = latest_experts_probe(pattern=os.path.join(ROOT, file) if file else None, shape=shape)
-    if doc is None:
-        return "", {}
-    table: dict = {}
-    for r in doc["records"]:
-        if r["shape"] == shape and r.get("us_median") is not None:
-            table.setdefault(r["variant"], {})[r["batch"]] = r["us_median"]
-    return os.path.relpath(path, ROOT), table
+def cells(recs: list[dict], part: str = "layer", rt: str = "uniform") -> list[tuple[str, str, int]]:
+    """(card, shape, batch) of every cell measured for both stock and fast, in card / shape / batch order."""
+    have = {(r["card"], r["shape"], r["batch"], r["impl"]) for r in pick(recs, part=part, routing=rt)}
+    keys = {k[:3] for k in have if (*k[:3], "stock") in have and (*k[:3], "fast") in have}
+    return sorted(keys, key=lambda k: (k[0], SHAPES.index(k[1]), k[2]))
 
 
-def recorded_layer_parts(kind: str, part: str) -> list[dict]:
-    from .report import load_records
-    return [r for r in load_records() if r["layer_kind"] == kind and r["part"] == part]
+def stage_bytes(shape: str, batch: int, stages, distinct_experts: int | None = None) -> int:
+    """Bytes of the given k3ref.bytes stages of one decode step of a KDA + MoE layer."""
+    from k3ref.bytes import layer_bytes
+    st = {s.stage: s.total for s in layer_bytes(config(shape), "kda_moe", batch, distinct_experts=distinct_experts)}
+    return int(sum(st[s] for s in stages))
 
 
-def measured_copy_tbps() -> float | None:
-    """The copy bandwidth of the most recent recorded H200 run (traces/h200/records-*.json), if any."""
-    from .report import load_records
-    recs = load_records()
-    return max(recs, key=lambda r: r.get("date") or "")["copy_tbps"] if recs else None
+def stage_rows(stages, recs: list[dict], rt: str = "uniform") -> list[dict]:
+    """Per cell of ``recs``: GPU µs and kernels of the given NVTX stages in the stock and the fast eager step
+    (part "layer"), and the floor of those stages' bytes at the run's copy bandwidth."""
+    from k3ref.bytes import floor_us
+    rows = []
+    for card, shape, batch in cells(recs, "layer", rt):
+        st, fa = (one(recs, card=card, shape=shape, batch=batch, part="layer", impl=i, routing=rt)
+                  for i in ("stock", "fast"))
+        nb = stage_bytes(shape, batch, stages, fa["distinct_experts"])
+        row = {"card": card, "shape": shape, "batch": batch, "bytes": nb,
+               "floor_us": floor_us(nb, fa["copy_tbps"]), "copy_tbps": fa["copy_tbps"]}
+        for name, r in (("stock", st), ("fast", fa)):
+            row[f"{name}_us"] = sum(r["stages"].get(s, {}).get("gpu_us", 0.0) for s in stages)
+            row[f"{name}_kernels"] = sum(r["stages"].get(s, {}).get("kernels", 0) for s in stages)
+        rows.append(row)
+    return rows
 
 
-def stage_floors(stages: tuple[str, ...], kind: str = "kda_moe", batch: int = 1) -> str:
-    """Bytes of the given k3ref.bytes stages at each shape, with the floor at the spec's 4.3 TB/s and at the copy
-    bandwidth measured on the H200 (when recorded)."""
-    from k3ref import k3, k3_rank
-    from k3ref.bytes import floor_us, layer_bytes
-    bw = measured_copy_tbps()
-    lines = []
-    for name, c in (("k3_rank16", k3_rank(16)), ("k3_rank8", k3_rank(8)), ("full", k3())):
-        st = {x.stage: x for x in layer_bytes(c, kind, batch, distinct_experts=16)}
-        nb = sum(st[s].total for s in stages)
-        line = f"{name:10s} batch {batch}: {nb / 1e6:8.2f} MB  floor {floor_us(nb, 4.3):7.2f} µs at 4.3 TB/s"
-        if bw:
-            line += f", {floor_us(nb, bw):7.2f} µs at the measured {bw:.2f} TB/s"
-        lines.append(line)
-    return "\n".join(lines)
+def fusion_rows(recs: list[dict], shape: str, batch: int, rt: str = "uniform") -> list[dict]:
+    """stage_rows of one cell per card, one row per fusion of ``FUSIONS`` (its name in "label")."""
+    rows = []
+    for name, stages in FUSIONS.items():
+        rows += [{**r, "label": name} for r in stage_rows(stages, recs, rt)
+                 if (r["shape"], r["batch"]) == (shape, batch)]
+    return sorted(rows, key=lambda r: r["card"])
 
 
-def compile_on_cpu(warmup_fn, *args, **kw) -> str:
-    """Compile one kernel key for sm_90a (no GPU needed); returns a one-line report."""
+def part_rows(part: str, recs: list[dict], rt: str = "uniform") -> list[dict]:
+    """Per cell: the median graph-replay µs of one part ("layer", "attn", "moe") for stock and fast, their
+    kernels, the part's bytes and floor, and the achieved bandwidth (bytes over the replay)."""
+    rows = []
+    for card, shape, batch in cells(recs, part, rt):
+        st, fa = (one(recs, card=card, shape=shape, batch=batch, part=part, impl=i, routing=rt)
+                  for i in ("stock", "fast"))
+        rows.append({"card": card, "shape": shape, "batch": batch, "bytes": fa["bytes"], "floor_us": fa["floor_us"],
+                     "copy_tbps": fa["copy_tbps"], "stock_us": st["replay_us_median"],
+                     "fast_us": fa["replay_us_median"], "stock_kernels": st["kernels"], "fast_kernels": fa["kernels"],
+                     "fast_tbps": fa["bytes"] / fa["replay_us_median"] / 1e6,
+                     "stock_tbps": st["bytes"] / st["replay_us_median"] / 1e6, "rel_err_vs_ref": fa["rel_err_vs_ref"]})
+    return rows
+
+
+def show(rows: list[dict]) -> None:
+    """Print stage_rows / part_rows as a table: µs, kernels, the floor, stock / fast and fast / floor."""
+    print(f"{'card':5s} {'shape':10s} {'batch':>5s} {'floor µs':>9s} {'stock µs (k)':>14s} {'fast µs (k)':>13s} "
+          f"{'stock/fast':>10s} {'fast/floor':>10s}")
+    for r in rows:
+        print(f"{r['card']:5s} {r['shape']:10s} {r['batch']:5d} {r['floor_us']:9.1f} "
+              f"{r['stock_us']:9.1f} ({r['stock_kernels']:2g}) {r['fast_us']:8.1f} ({r['fast_kernels']:2g}) "
+              f"{r['stock_us'] / r['fast_us']:9.2f}x {r['fast_us'] / r['floor_us']:9.2f}x")
+
+
+def floors(stages, batches=(1,)) -> None:
+    """Print the bytes of the given stages per shape and batch, and their floor at each card's copy bandwidth (as
+    measured in its sweep; distinct experts at their expected number under uniform routing)."""
+    from k3ref.bytes import expected_distinct_experts, floor_us
+    bw = {c: min(r["copy_tbps"] for r in sweep(c)) for c in SWEEPS}
+    print(f"{'shape':10s} {'batch':>5s} {'MB':>9s}" + "".join(f"  {c + ' µs':>9s}" for c in bw)
+          + "   (" + ", ".join(f"{c} copy {t:.2f} TB/s" for c, t in bw.items()) + ")")
+    for shape in SHAPES:
+        for b in batches:
+            nb = stage_bytes(shape, b, stages, round(expected_distinct_experts(config(shape), b)))
+            print(f"{shape:10s} {b:5d} {nb / 1e6:9.2f}" + "".join(f"  {floor_us(nb, t):9.2f}" for t in bw.values()))
+
+
+def compile_on_cpu(warmup_fn, *args, **kw) -> list[tuple]:
+    """Compile the kernel keys ``warmup_fn(*args, **kw)`` needs for sm_90a (no GPU needed) and print each key with
+    its compile time. Returns [(key, seconds)], empty when the CuTe DSL is not installed."""
     from ..kernels._dsl import COMPILE_LOG, dsl_available
     if not dsl_available():
-        return "CuTe DSL not installed (pip install -e '.[gpu]'): compile skipped"
-    n0, t = len(COMPILE_LOG), time.time()
+        print("CuTe DSL not installed (pip install -e '.[gpu]'): compile skipped")
+        return []
+    n0, t = len(COMPILE_LOG), time.perf_counter()
     warmup_fn(*args, **kw)
-    keys = [k for k, _ in COMPILE_LOG[n0:]]
-    return f"compiled {len(keys)} kernel(s) for sm_90a in {time.time() - t:.1f} s: {keys}"
+    new = COMPILE_LOG[n0:]
+    print(f"{len(new)} kernel(s) compiled for sm_90a in {time.perf_counter() - t:.1f} s")
+    for key, s in new:
+        print(f"  {s:5.1f} s  {key}")
+    return list(new)
 
 
 def time_live(fn, replays: int = 50) -> float:
-    """Median µs of a CUDA-graph replay of ``fn`` with the L2 flushed before each (GPU only)."""
+    """Median µs of a CUDA-graph replay of ``fn`` with the L2 flushed before each replay (GPU only)."""
     from .trace import _pct, capture, time_replays
-    g = capture(fn)
-    return _pct(time_replays(g, lambda: None, replays), 0.5)
+    return _pct(time_replays(capture(fn), lambda: None, replays), 0.5)
 
 
-def bench_table(rows: list[dict]) -> str:
-    if not rows:
-        return "no recorded kernel benchmark yet (python -m k3fast.measure.bench on the H200 writes traces/h200/kernels-*.json)"
-    lines = ["shape      batch  floor µs   fast µs  stock µs  fast/floor  speed-up  run"]
-    for r in rows:
-        lines.append(f"{r['shape']:10s} {r['batch']:5d} {r['floor_us']:9.1f} {r.get('fast_us_median', float('nan')):9.1f} "
-                     f"{r.get('stock_us_median', float('nan')):9.1f} {r.get('fast_over_floor', float('nan')):10.2f} "
-                     f"{r.get('speedup_vs_stock', float('nan')):9.2f}  {str(r.get('commit', '?'))[:7]}")
-    return "\n".join(lines)
+# ------------------------------------------------------------------------------------------------ timelines
+
+_K3_MODULES = ("rms_gemv_ring", "rms_gemv", "gemm_wgmma_splitk", "kda_conv_gate_step", "oproj_attnres",
+               "router_down_topk", "moe_mxfp4_experts", "moe_tail")
 
 
-def ab_table(records_file: str, part: str, impls: list[str], shape: str = "k3_rank16", kind: str = "kda_moe") -> str:
-    """Median replay µs (kernels) per batch for several implementations of one recorded run (one records file, so
-    the ratios are measured in one run), with each implementation's speed-up over stock."""
-    with open(os.path.join(ROOT, records_file)) as f:
-        doc = json.load(f)
-    recs = [r for r in doc["records"] if r["part"] == part and r["shape"] == shape and r["layer_kind"] == kind]
-    cell = {(r["impl"], r["batch"]): r for r in recs}
-    batches = sorted({r["batch"] for r in recs})
-    lines = [f"{part} half, {kind} {shape}, {records_file} (copy {doc['records'][0]['copy_tbps']:.3f} TB/s)",
-             f"{'impl':14s}" + "".join(f"{'b' + str(b):>22s}" for b in batches)]
-    for impl in impls:
-        row = f"{impl:14s}"
-        for b in batches:
-            r, s = cell.get((impl, b)), cell.get(("stock", b))
-            if r is None:
-                row += f"{'—':>22s}"
-                continue
-            ratio = f" {s['replay_us_median'] / r['replay_us_median']:.2f}x" if s else ""
-            row += f"{r['replay_us_median']:9.1f} ({r['kernels']:.0f}){ratio:>9s}"
-        lines.append(row)
-    return "\n".join(lines)
+def short_name(kernel: str) -> str:
+    """A readable kernel name: the k3fast module for our kernels, the function name for library kernels."""
+    if "k3fast" in kernel:
+        return next((m for m in _K3_MODULES if m in kernel), "k3fast")
+    name = re.sub(r"^void\s+", "", kernel).split("<")[0].split("(")[0]
+    return name.split("::")[-1][:32]
 
 
-def recorded_code_sizes() -> tuple[str, list[dict]]:
-    """SASS code size per kernel (k3fast.measure.ptxcheck's code_size rows) from the newest traces/cpu/ptxcheck-*.json that
-    has them: (source, rows)."""
-    best = None
-    for path in glob.glob(os.path.join(ROOT, "traces", "cpu", "ptxcheck-*.json")):
-        with open(path) as f:
-            doc = json.load(f)
-        rows = [r for r in doc["records"] if r.get("code_size")]
-        date = doc.get("environment", {}).get("date") or ""
-        if rows and (best is None or date > best[0]):
-            best = (date, path, rows)
-    return (os.path.relpath(best[1], ROOT), best[2]) if best else ("", [])
+def perfetto_path(rec: dict) -> str | None:
+    """The Perfetto trace (absolute path) of a record, beside its records file, or None."""
+    if not rec.get("perfetto"):
+        return None
+    p = os.path.join(ROOT, os.path.dirname(rec["source"]), rec["perfetto"])
+    return p if os.path.exists(p) else None
 
 
-def replay_timeline(records_file: str, part: str, impl: str, batch: int = 1, shape: str = "k3_rank16",
-                    kind: str = "kda_moe") -> str:
-    """One recorded replay of one half (k3fast.measure.trace's replay_timeline: start and end of each kernel, µs from the
-    first kernel's start, under the L2 condition the record names), one kernel per line."""
-    with open(os.path.join(ROOT, records_file)) as f:
-        doc = json.load(f)
-    rec = next((r for r in doc["records"] if (r["part"], r["impl"], r["batch"], r["shape"], r["layer_kind"])
-                == (part, impl, batch, shape, kind)), None)
-    if rec is None or not rec.get("replay_timeline"):
-        return f"{records_file}: no {part} timeline for {impl} at {shape} b{batch}"
-    tl = rec["replay_timeline"]
-    what = "whole layer" if part == "layer" else f"{part} half"
-    lines = [f"{impl}, {what}, {shape} b{batch} ({records_file}; {tl.get('l2', 'L2 condition not recorded')}):"]
-    for name, start, dur in tl["kernels"]:
-        short = name.split("(")[0][:44]
-        if name.startswith("kernel_cutlass_kernel_k3fast"):      # a k3fast kernel: module (class)
-            mod = name[len("kernel_cutlass_kernel_k3fast"):].split("_build")[0].split("_kernel_class")[0]
-            cls = re.search(r"locals([A-Za-z0-9]+?)_obj", name)
-            short = f"{mod} ({cls.group(1)})" if cls else mod
-        lines.append(f"  {short:44s} {start:7.1f} -> {start + dur:7.1f} µs")
-    return "\n".join(lines)
+def perfetto_events(rec: dict) -> list[dict]:
+    path = perfetto_path(rec)
+    if path is None:
+        raise FileNotFoundError(f"no Perfetto trace for {rec['impl']} {rec['shape']} b{rec['batch']}")
+    with gzip.open(path, "rt") as f:
+        return json.load(f)["traceEvents"]
 
 
-_NCU_ROWS = {"Duration": "duration_us", "DRAM Throughput": "dram_pct", "Warp Cycles Per Issued Instruction":
-             "cycles_per_issue", "Achieved Occupancy": "occupancy_pct", "Registers Per Thread": "registers"}
-_NCU_STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio\s+\S+\s+([\d.]+)")
-
-
-def recorded_ncu(path: str, top: int = 4) -> dict:
-    """Headline rows of one Nsight Compute text report written by scripts/h200_ncu.sh (``path`` relative to the
-    repository): duration, DRAM busy %, cycles per issued instruction, occupancy, registers, and the ``top`` stall
-    reasons in cycles per issued instruction. Its meta.txt (GPU, driver, versions, commit) comes along as "meta"."""
-    full = os.path.join(ROOT, path)
-    with open(full) as f:
-        text = f.read()
-    out = {"source": path}
-    for line in text.splitlines():
-        parts = line.split()
-        for label, key in _NCU_ROWS.items():
-            if key not in out and line.strip().startswith(label + " ") and parts:
-                try:
-                    out[key] = float(parts[-1].replace(",", ""))
-                except ValueError:
-                    pass
-    stalls = sorted(((float(v), k) for k, v in _NCU_STALL.findall(text) if k != "selected"), reverse=True)
-    out["stalls"] = [(k, v) for v, k in stalls[:top]]
-    meta = os.path.join(os.path.dirname(full), "meta.txt")
-    if os.path.exists(meta):
-        with open(meta) as f:
-            out["meta"] = f.read().strip()
+def perfetto_kernels(rec: dict) -> list[dict]:
+    """The kernels of a record's Perfetto trace (one eager step) in start order: name, start and duration in µs
+    from the first kernel's start, and the NVTX stage (the GPU-side k3.* range around it)."""
+    ev = perfetto_events(rec)
+    ranges = [e for e in ev if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("k3.")]
+    kern = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    t0 = kern[0]["ts"]
+    out = []
+    for k in kern:
+        inner = [r for r in ranges if r["ts"] <= k["ts"] <= r["ts"] + r.get("dur", 0)]
+        stage = min(inner, key=lambda r: r.get("dur", 0))["name"] if inner else None
+        out.append({"name": k["name"], "start": k["ts"] - t0, "dur": k.get("dur", 0.0), "stage": stage})
     return out
 
 
-def ncu_table(paths: list[str]) -> str:
-    """One line per ncu report: the case (from the file name), duration, DRAM busy, cycles per issue and stalls."""
-    lines = []
-    for p in paths:
-        r = recorded_ncu(p)
-        case = os.path.basename(p)[len("ncu-"):-len(".txt")]
-        stalls = ", ".join(f"{k} {v:.2f}" for k, v in r["stalls"])
-        nan = float("nan")
-        lines.append(f"{case:48s} {r.get('duration_us', nan):7.2f} us  DRAM {r.get('dram_pct', nan):5.1f} %"
-                     f"  {r.get('cycles_per_issue', nan):5.2f} cyc/issue  [{stalls}]")
-    return "\n".join(lines)
+def replay_kernels(rec: dict) -> list[dict]:
+    """One recorded graph replay (the record's replay_timeline: cold L2, the median span of three), each kernel with
+    the NVTX stage its counterpart in the Perfetto trace ran under (the same kernels in the same order)."""
+    tl = rec["replay_timeline"]["kernels"]
+    try:
+        eager = perfetto_kernels(rec)
+    except FileNotFoundError:
+        eager = []
+    stages = [k["stage"] for k in eager] if len(eager) == len(tl) else [None] * len(tl)
+    return [{"name": n, "start": s, "dur": d, "stage": st} for (n, s, d), st in zip(tl, stages)]
 
 
-def sass_hotspots(path: str, top: int = 6) -> dict:
-    """Where the warps waited, from an Nsight Compute source page per SASS instruction (``ncu --import R --page
-    source --csv --print-source sass``, gzipped; ``path`` relative to the repository): the total of the warp-stall
-    samples and the ``top`` instructions by samples, each with its index in the listing, its SASS text, its share
-    of all samples and its largest stall reason. A stall is charged to the instruction that waits to issue, so a
-    CTA barrier's wait shows on the instruction after the BAR."""
-    import csv
-    import gzip
-    with gzip.open(os.path.join(ROOT, path), "rt") as f:
-        rows = list(csv.reader(f))
-    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
-    names = rows[head]
-    body = [r for r in rows[head + 1:] if len(r) == len(names)]
-    col = {n: i for i, n in enumerate(names)}
-    samples = col["Warp Stall Sampling (All Samples)"]
-    reasons = [n for n in names if n.startswith("stall_") and "(Not Issued)" not in n]
-    total = sum(int(r[samples] or 0) for r in body)
-    out = []
-    for i in sorted(range(len(body)), key=lambda i: -int(body[i][samples] or 0))[:top]:
-        r = body[i]
-        why = max(reasons, key=lambda n: int(r[col[n]] or 0))
-        out.append({"index": i, "sass": r[col["Source"]].strip(), "samples": int(r[samples] or 0),
-                    "share": int(r[samples] or 0) / total if total else 0.0, "reason": why[len("stall_"):],
-                    "after_barrier": i > 0 and "BAR.SYNC" in " ".join(body[j][col["Source"]] for j in
-                                                                    range(max(0, i - 8), i))})
-    return {"source": path, "total_samples": total, "instructions": len(body), "top": out}
+# ------------------------------------------------------------------------------------------------ figures
+
+def pyplot():
+    """matplotlib.pyplot, with the Agg backend outside a Jupyter kernel (where figures display inline)."""
+    import matplotlib
+    try:
+        from IPython import get_ipython
+        interactive = get_ipython() is not None
+    except ImportError:
+        interactive = False
+    if not interactive:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _by_card(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["card"], []).append(r)
+    return out
+
+
+def plot_stage_bars(rows: list[dict], title: str):
+    """Stock and fast µs per cell (stage_rows or part_rows), one panel per card, with each cell's floor as a black
+    bar: what the bytes allow at the copy bandwidth measured in that run."""
+    import numpy as np
+    plt = pyplot()
+    groups = _by_card(rows)
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 3.8), squeeze=False)
+    for ax, (card, rs) in zip(axes[0], groups.items()):
+        x = np.arange(len(rs))
+        ax.bar(x - 0.2, [r["stock_us"] for r in rs], 0.4, label="stock", color="#bbbbbb")
+        ax.bar(x + 0.2, [r["fast_us"] for r in rs], 0.4, label="fast", color="#3182bd")
+        ax.hlines([r["floor_us"] for r in rs], x - 0.42, x + 0.42, colors="k", label="byte floor")
+        ax.set_xticks(x, [r.get("label") or f"{r['shape'].replace('k3_', '')}\nb{r['batch']}" for r in rs],
+                      fontsize=8)
+        ax.set(yscale="log", ylabel="µs", title=f"{title}, {card}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_over_batch(rows: list[dict], title: str):
+    """Two rows of panels per card, over batch: the achieved bandwidth of stock and fast (bytes of the part over
+    its replay; dotted: the copy bandwidth of the run) and stock / fast (part_rows)."""
+    plt = pyplot()
+    groups = _by_card(rows)
+    fig, axes = plt.subplots(2, len(groups), figsize=(6 * len(groups), 6.5), squeeze=False, sharex=True)
+    colors = {"k3_rank16": "#3182bd", "k3_rank8": "#31a354", "full": "#e6550d"}
+    for j, (card, rs) in enumerate(groups.items()):
+        for shape in SHAPES:
+            pts = sorted((r for r in rs if r["shape"] == shape), key=lambda r: r["batch"])
+            if not pts:
+                continue
+            b = [r["batch"] for r in pts]
+            axes[0, j].plot(b, [r["fast_tbps"] for r in pts], "o-", color=colors[shape], label=f"{shape} fast")
+            axes[0, j].plot(b, [r["stock_tbps"] for r in pts], "s--", color=colors[shape], alpha=0.5,
+                            label=f"{shape} stock")
+            axes[1, j].plot(b, [r["stock_us"] / r["fast_us"] for r in pts], "o-", color=colors[shape], label=shape)
+        axes[0, j].axhline(min(r["copy_tbps"] for r in rs), color="k", ls=":", label="copy")
+        axes[0, j].set(xscale="log", ylabel="TB/s (bytes / replay)", title=f"{title}, {card}", ylim=(0, None))
+        axes[1, j].axhline(1.0, color="k", lw=0.8)
+        axes[1, j].set(xscale="log", xlabel="batch", ylabel="stock / fast")
+        batches = sorted({r["batch"] for r in rs})
+        axes[1, j].set_xticks(batches, [str(b) for b in batches])
+        axes[1, j].minorticks_off()
+        axes[0, j].legend(fontsize=7, ncol=2)
+        axes[1, j].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_timelines(rows: list[tuple[str, list[dict]]], title: str, ax=None):
+    """Kernels as bars on one time axis, one row per (label, kernels) from top to bottom, coloured by NVTX stage.
+    A kernel that starts before the previous one ends (PDL) is drawn in the row's lower lane."""
+    plt = pyplot()
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(12, 1.1 + 0.7 * len(rows)))
+    seen = set()
+    for i, (label, kern) in enumerate(rows):
+        y, end, lane = len(rows) - 1 - i, float("-inf"), 0
+        for k in kern:
+            lane = 1 - lane if k["start"] < end else 0
+            end = max(end, k["start"] + k["dur"]) if lane else k["start"] + k["dur"]
+            st = k["stage"]
+            ax.barh(y + (0.17 if lane == 0 else -0.17), k["dur"], left=k["start"], height=0.32,
+                    color=STAGE_COLORS.get(st, "#999999"), edgecolor="k", lw=0.3,
+                    label=None if st in seen else (st or "(no range)"))
+            seen.add(st)
+    ax.set_yticks(range(len(rows)), [label for label, _ in reversed(rows)])
+    ax.set(xlabel="µs from the first kernel's start", title=title)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    if fig is not None:
+        fig.tight_layout()
+    return fig if fig is not None else ax.figure
