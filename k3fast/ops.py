@@ -7,7 +7,7 @@ ops gives FastImpl's bits at every batch. Each op has a fake
 (meta) implementation that gives output shapes and dtypes without a GPU. Importing this module registers the ops
 and needs neither a GPU nor the CuTe DSL: the kernels are imported when an op first runs on CUDA tensors.
 
-    op                                   replaces (k3-spec.md)                               writes in place
+    op                                   replaces (docs/k3-layer.md)                               writes in place
     k3fast::attnres_rms_gemv             AttnRes #1 + input RMSNorm + packed KDA in_proj      partial_out, blocks
     k3fast::kda_conv_gate_step           conv, decay gate, delta rule, gated norm (section 7) conv_state, rec_state
     k3fast::oproj_attnres                o_proj + partial sum + AttnRes #2 + post-attn norm   -

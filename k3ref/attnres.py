@@ -1,4 +1,4 @@
-"""Attention Residuals: K3 has no ordinary residual stream (k3-spec.md sections 4 and 6).
+"""Attention Residuals: K3 has no ordinary residual stream (docs/k3-layer.md §4 and §6).
 
 Every sublayer output is added into a per-token partial block sum p; each sublayer's input is a
 learned softmax mixture over the completed blocks B and p, followed by the usual pre-norm:

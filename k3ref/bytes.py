@@ -1,4 +1,4 @@
-"""The bytes one decode step of one layer must move through HBM, stage by stage (k3-spec.md section 14).
+"""The bytes one decode step of one layer must move through HBM, stage by stage (docs/k3-layer.md §14).
 
 "Must move": every weight the step touches read once, every recurrent/conv state read and written
 once, the MLA latent cache read once per request, the routed experts that at least one token picked

@@ -1,6 +1,6 @@
 """HF-format safetensors checkpoints of K3 layers: write random ones, read real or random ones.
 
-Tensor names, shapes and dtypes are the released checkpoint's (k3-spec.md section 12), experts one
+Tensor names, shapes and dtypes are the released checkpoint's (docs/k3-layer.md §12), experts one
 tensor per expert, packed MXFP4 as uint8. A file that does not match raises ONE CheckpointError
 listing every problem.
 """

@@ -1,8 +1,8 @@
 """K3Config: the released Kimi K3 text configuration and the presets this repository runs.
 
-Values are from the published ``text_config`` (k3-spec.md section 1). A config describes the
+Values are from the published ``text_config`` (docs/k3-layer.md §1). A config describes the
 tensors that ONE process holds: ``tp`` is the tensor-parallel degree the shapes are sliced for
-(k3-spec.md section 13). ``k3()`` is the whole layer (TP1), ``k3_rank(t)`` is what one rank of t
+(docs/k3-layer.md §13). ``k3()`` is the whole layer (TP1), ``k3_rank(t)`` is what one rank of t
 holds and computes between its collectives, ``tiny()`` is for CPU tests and ``mini()`` is a small
 whole model for end-to-end runs on one GPU.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class K3Config:
-    # --- trunk (k3-spec.md section 1) ---
+    # --- trunk (docs/k3-layer.md §1) ---
     hidden_size: int = 7168
     num_hidden_layers: int = 93
     vocab_size: int = 163840
@@ -158,7 +158,7 @@ def k3() -> K3Config:
 
 
 def k3_rank(tp: int) -> K3Config:
-    """What one rank of a TP-``tp`` vLLM deployment holds (k3-spec.md section 13.1): attention heads,
+    """What one rank of a TP-``tp`` vLLM deployment holds (docs/k3-layer.md §13.1): attention heads,
     shared experts, expert intermediate and the dense MLP are sliced; AttnRes, norms, f_a, MLA
     q_a/kv_a, the router and the latent projections are replicated."""
     if tp not in (1, 2, 4, 8, 16):

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA) with a full-rank output gate and a lower-bounded decay (k3-spec.md section 7).
+"""Kimi Delta Attention (KDA) with a full-rank output gate and a lower-bounded decay (docs/k3-layer.md §7).
 
 Layout conventions (shared with k3fast and the vLLM plug-in):
 

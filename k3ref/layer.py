@@ -1,5 +1,5 @@
 """One K3 decoder layer: AttnRes -> KDA or Gated MLA -> AttnRes -> LatentMoE or dense MLP
-(k3-spec.md section 4).
+(docs/k3-layer.md §4).
 
     x      = RMSNorm_in( Mix(B, p + delta) )            pre_attention  (block write at boundaries)
     a      = Attn_l(x)                                  KDA or Gated MLA; a TP rank's partial sum

@@ -1,4 +1,4 @@
-"""Gated MLA: NoPE multi-head latent attention with a sigmoid output gate (k3-spec.md section 8).
+"""Gated MLA: NoPE multi-head latent attention with a sigmoid output gate (docs/k3-layer.md §8).
 
 The latent cache row of a token is C_s = [c_kv (512, after kv_a_layernorm) | k_pe (64, raw)] in BF16.
 ``mla_naive`` is the un-absorbed form as written in the HF model; ``mla_absorbed`` is the decode

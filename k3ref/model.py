@@ -1,4 +1,4 @@
-"""A whole K3 text model over the reference layers (k3-spec.md sections 2, 4.2, 12): embedding,
+"""A whole K3 text model over the reference layers (docs/k3-layer.md §2, §4.2, §12): embedding,
 the layer stack, the final AttnRes mix, ``model.norm`` and ``lm_head``. Used with ``mini()`` for
 end-to-end runs; at full size it is the same code with 93 layers.
 """

@@ -1,5 +1,5 @@
 """Router, Stable LatentMoE with MXFP4 experts, shared experts, and the dense layer-0 MLP
-(k3-spec.md sections 9, 10, 11).
+(docs/k3-layer.md §9, §10, §11).
 
     z      = x W_down^T                                   latent, 7168 -> 3584, no norm before the experts
     a, c   = z W1_e^T, z W3_e^T ;  y_e = SiTU(a, c) W2_e^T  16 routed MXFP4 experts in the latent

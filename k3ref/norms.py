@@ -1,4 +1,4 @@
-"""Norms and the SiTU-GLU activation (k3-spec.md sections 5 and 9).
+"""Norms and the SiTU-GLU activation (docs/k3-layer.md §5 and §9).
 
 All statistics are computed in the compute dtype (FP32 in the model). Each function returns the
 compute dtype; the caller rounds (``P.rnd``) where the model stores a BF16 activation.
@@ -23,7 +23,7 @@ def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
 
     o: [..., D] per head (norm over D), weight: [D] shared across heads, gate: [..., D].
     The norm comes first and the sigmoid gate second; the gate is sigmoid, not silu (the HF torch
-    fallback uses silu: difference D1 in section 17, an HF bug)."""
+    fallback uses silu: difference D1 in docs/k3-layer.md §18, an HF bug)."""
     return rms_norm(o, weight, eps) * torch.sigmoid(gate.to(o.dtype))
 
 

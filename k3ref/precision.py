@@ -1,7 +1,7 @@
 """Precision policy: where the released model rounds, and how tests switch rounding off.
 
 K3 keeps activations in BF16 between kernels and does its reductions, gates, softmaxes and
-recurrent state in FP32 (k3-spec.md section 15). The reference writes every one of those rounding
+recurrent state in FP32 (docs/k3-layer.md §15). The reference writes every one of those rounding
 points as an explicit ``P.act(x)`` call, so the same code runs
 
 * ``Precision.model()``: BF16 GEMMs with FP32 accumulation and BF16 outputs, FP32 elementwise

@@ -1,4 +1,4 @@
-"""Per-layer decode state (k3-spec.md sections 7.3 and 8.4) and its allocation.
+"""Per-layer decode state (docs/k3-layer.md §7.3 and §8.4) and its allocation.
 
 A pool of ``slots`` per layer: request n of a batch uses slot ``slots[n]``; a slot < 0 marks a
 padded row (no read, no write). Other requests' slots are never touched by a step.

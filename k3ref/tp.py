@@ -1,4 +1,4 @@
-"""Tensor parallelism for one layer, spelled out (k3-spec.md section 13).
+"""Tensor parallelism for one layer, spelled out (docs/k3-layer.md §13).
 
 ``slice_layer(w, cfg, rank, tp)`` cuts a full-width layer into what rank ``rank`` of ``tp`` holds
 under vLLM's standard layout: heads, shared experts, the expert intermediate and the dense MLP are

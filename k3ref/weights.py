@@ -1,6 +1,6 @@
 """Weights of one K3 decoder layer: typed containers, checkpoint names, random init, TP slicing.
 
-Every field is named after its checkpoint tensor (k3-spec.md section 12) under
+Every field is named after its checkpoint tensor (docs/k3-layer.md §12) under
 ``language_model.model.layers.{l}.``. Shapes are ``[out, in]``; dtypes are the checkpoint's: BF16
 except the FP32 conv weights, ``A_log``, ``dt_bias``, ``o_norm`` and ``e_score_correction_bias``, and
 the uint8 MXFP4 experts (stacked here over the expert axis; the checkpoint stores one tensor per

@@ -1,6 +1,6 @@
 """AttnRes + RMSNorm cases shared by the rms_gemv and rms_gemv_ring tests (CPU compile tier and GPU tier).
 
-The GPU reference (k3-spec.md section 6, vLLM semantics): p' = bf16(p + delta); sources = blocks[:n_blocks] then
+The GPU reference (docs/k3-layer.md §6, vLLM semantics): p' = bf16(p + delta); sources = blocks[:n_blocks] then
 p'; r_i = rsqrt(mean v_i^2 + eps); s_i = r_i * <v_i, u>; alpha = softmax(s); m = sum alpha_i v_i (fp32);
 x = w_ln * m * rsqrt(mean m^2 + eps) (fp32)."""
 import torch

@@ -1,6 +1,6 @@
 """CuTe DSL glue shared by every k3fast kernel: arch selection, lazy import, compile-once cache.
 
-Contracts (k3-spec-independent, hardware facts from ../shared/cutedsl-hopper.md):
+Contracts (hardware facts; docs/findings.md has the measurements):
 
 * ``CUTE_DSL_ARCH`` is read when ``cutlass`` is imported. On a machine without a GPU the DSL would
   default to sm_100a, so ``import_cute()`` sets ``sm_90a`` first unless the user chose otherwise.
@@ -105,7 +105,7 @@ def sigmoid(x):
 
 
 def situ_glu(a, c):
-    """SiTU-GLU of k3-spec.md section 9 in fp32, traced inside a kernel: [4 tanh(a/4) sigmoid(a)] * [25 tanh(c/25)],
+    """SiTU-GLU of docs/k3-layer.md §9 in fp32, traced inside a kernel: [4 tanh(a/4) sigmoid(a)] * [25 tanh(c/25)],
     with K3's betas (4 and 25). a and c are the gate and up values, already rounded as the bf16 Linear would."""
     from cutlass import Float32
     _, cute = import_cute()

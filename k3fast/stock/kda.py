@@ -1,6 +1,6 @@
 """Stock KDA decode core for Kimi K3 built from fla 0.6.0 library kernels (the Hopper baseline).
 
-What it computes (k3-spec.md section 7.2 steps 2-8, one decode token per sequence, one TP rank with H local
+What it computes (docs/k3-layer.md §7.2 steps 2-8, one decode token per sequence, one TP rank with H local
 heads, D = head_dim, P = H*D): short conv + SiLU on [q|k|v], q/k L2 norm (eps 1e-6) and q*D**-0.5, the
 lower-bounded decay lam = lower_bound*sigmoid(exp(A_log[h])*(f + dt_bias)), beta = sigmoid(b), the gated delta
 rule on the FP32 state S[v, k] (decay, e = v - S k, S += beta e k^T, o = S q), and the sigmoid-gated output
@@ -177,7 +177,7 @@ def _check(zq, zk, zv, g_out, f, b, conv_state, rec_state, slots, w, D):
     A_log = _field(w, "A_log")
     dt_bias = _field(w, "dt_bias")
     o_norm = _field(w, "o_norm")
-    # the checkpoint A_log has 128 entries of which the first 96 (per rank: H) are used (k3-spec 16.1).
+    # the checkpoint A_log has 128 entries of which the first 96 (per rank: H) are used (docs/k3-layer.md §16, item 1).
     if A_log is None or A_log.dim() != 1 or A_log.shape[0] < H or A_log.dtype != torch.float32:
         raise ValueError(f"w.A_log must be fp32 with at least H={H} entries")
     if dt_bias is None or dt_bias.numel() != P or dt_bias.dtype != torch.float32:

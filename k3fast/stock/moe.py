@@ -116,7 +116,7 @@ def reference_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     Only the experts that appear in ``topk_ids`` are dequantised. GEMMs are fp32 on exact weights.
 
     ``rounding``:
-      * ``"spec"`` (default; k3-spec sections 11 and 15): a, c -> bf16; SiTU in fp32 -> bf16;
+      * ``"spec"`` (default; docs/k3-layer.md §11 and §15): a, c -> bf16; SiTU in fp32 -> bf16;
         y_e -> bf16; r = bf16(sum_j w_j * fp32(y_e)) with an fp32 sum.
       * ``"marlin"``: the rounding points of the vLLM Marlin path: as "spec", but each weighted row
         is rounded, bf16(y_e * bf16(w_j)), before the fp32 sum (GEMM2 epilogue does __hmul2 in

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.ref
 
 
 def test_expert_bytes_hand_checked():
-    # k3-spec.md 11.1: 3 x (5,505,024 data + 344,064 scale) = 17,547,264 B per expert at full width
+    # docs/k3-layer.md §11.1: 3 x (5,505,024 data + 344,064 scale) = 17,547,264 B per expert at full width
     assert expert_bytes(k3()) == 17_547_264
     # TP16: padded 256-row slices: w1,w3 [256, 3584] + w2 [3584, 256], 4.25 bits per weight
     assert expert_bytes(k3_rank(16)) == 3 * (256 * 3584 // 2 + 256 * 3584 // 32)

@@ -1,4 +1,4 @@
-"""The configuration and schedule match k3-spec.md sections 1, 2, 13."""
+"""The configuration and schedule match docs/k3-layer.md §1, §2, §13."""
 import pytest
 
 from k3ref import k3, k3_rank, mini, tiny
