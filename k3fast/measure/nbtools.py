@@ -86,7 +86,8 @@ def stage_bytes(shape: str, batch: int, stages, distinct_experts: int | None = N
 
 def stage_rows(stages, recs: list[dict], rt: str = "uniform") -> list[dict]:
     """Per cell of ``recs``: GPU µs and kernels of the given NVTX stages in the stock and the fast eager step
-    (part "layer"), and the floor of those stages' bytes at the run's copy bandwidth."""
+    (part "layer"), the floor of those stages' bytes at the run's copy bandwidth, and the bandwidth each path
+    achieves on those bytes."""
     from k3ref.bytes import floor_us
     rows = []
     for card, shape, batch in cells(recs, "layer", rt):
@@ -98,6 +99,7 @@ def stage_rows(stages, recs: list[dict], rt: str = "uniform") -> list[dict]:
         for name, r in (("stock", st), ("fast", fa)):
             row[f"{name}_us"] = sum(r["stages"].get(s, {}).get("gpu_us", 0.0) for s in stages)
             row[f"{name}_kernels"] = sum(r["stages"].get(s, {}).get("kernels", 0) for s in stages)
+            row[f"{name}_tbps"] = nb / row[f"{name}_us"] / 1e6 if row[f"{name}_us"] else float("nan")
         rows.append(row)
     return rows
 
@@ -175,13 +177,16 @@ def time_live(fn, replays: int = 50) -> float:
 
 _K3_MODULES = ("rms_gemv_ring", "rms_gemv", "gemm_wgmma_splitk", "kda_conv_gate_step", "oproj_attnres",
                "router_down_topk", "moe_mxfp4_experts", "moe_tail")
+KERNEL_COLORS = {"rms_gemv_ring": "#3182bd", "rms_gemv": "#9ecae1", "gemm_wgmma_splitk": "#08519c",
+                 "kda_conv_gate_step": "#31a354", "oproj_attnres": "#756bb1", "router_down_topk": "#e6550d",
+                 "moe_mxfp4_experts": "#d62728", "moe_tail": "#e377c2"}
 
 
 def short_name(kernel: str) -> str:
     """A readable kernel name: the k3fast module for our kernels, the function name for library kernels."""
     if "k3fast" in kernel:
         return next((m for m in _K3_MODULES if m in kernel), "k3fast")
-    name = re.sub(r"^void\s+", "", kernel).split("<")[0].split("(")[0]
+    name = re.sub(r"^void\s+|\(anonymous namespace\)::", "", kernel).split("<")[0].split("(")[0]
     return name.split("::")[-1][:32]
 
 
@@ -272,11 +277,11 @@ def plot_stage_bars(rows: list[dict], title: str):
 
 
 def plot_over_batch(rows: list[dict], title: str):
-    """Two rows of panels per card, over batch: the achieved bandwidth of stock and fast (bytes of the part over
-    its replay; dotted: the copy bandwidth of the run) and stock / fast (part_rows)."""
+    """Two rows of panels per card, over batch: the bandwidth stock and fast achieve (bytes over time; dotted: the
+    copy bandwidth of the run) and stock / fast (part_rows or stage_rows)."""
     plt = pyplot()
     groups = _by_card(rows)
-    fig, axes = plt.subplots(2, len(groups), figsize=(6 * len(groups), 6.5), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(2, len(groups), figsize=(6 * len(groups), 6.5), squeeze=False, sharex="col")
     colors = {"k3_rank16": "#3182bd", "k3_rank8": "#31a354", "full": "#e6550d"}
     for j, (card, rs) in enumerate(groups.items()):
         for shape in SHAPES:
@@ -289,7 +294,7 @@ def plot_over_batch(rows: list[dict], title: str):
                             label=f"{shape} stock")
             axes[1, j].plot(b, [r["stock_us"] / r["fast_us"] for r in pts], "o-", color=colors[shape], label=shape)
         axes[0, j].axhline(min(r["copy_tbps"] for r in rs), color="k", ls=":", label="copy")
-        axes[0, j].set(xscale="log", ylabel="TB/s (bytes / replay)", title=f"{title}, {card}", ylim=(0, None))
+        axes[0, j].set(xscale="log", ylabel="TB/s (bytes / time)", title=f"{title}, {card}", ylim=(0, None))
         axes[1, j].axhline(1.0, color="k", lw=0.8)
         axes[1, j].set(xscale="log", xlabel="batch", ylabel="stock / fast")
         batches = sorted({r["batch"] for r in rs})
@@ -302,8 +307,8 @@ def plot_over_batch(rows: list[dict], title: str):
 
 
 def plot_timelines(rows: list[tuple[str, list[dict]]], title: str, ax=None):
-    """Kernels as bars on one time axis, one row per (label, kernels) from top to bottom, coloured by NVTX stage.
-    A kernel that starts before the previous one ends (PDL) is drawn in the row's lower lane."""
+    """Kernels as bars on one time axis, one row per (label, kernels) from top to bottom, coloured by NVTX stage
+    where the kernels carry one, else by k3fast module (library kernels in grey). A kernel that starts before the previous one ends (PDL) is drawn in the row's lower lane."""
     plt = pyplot()
     fig = None
     if ax is None:
@@ -314,11 +319,11 @@ def plot_timelines(rows: list[tuple[str, list[dict]]], title: str, ax=None):
         for k in kern:
             lane = 1 - lane if k["start"] < end else 0
             end = max(end, k["start"] + k["dur"]) if lane else k["start"] + k["dur"]
-            st = k["stage"]
-            ax.barh(y + (0.17 if lane == 0 else -0.17), k["dur"], left=k["start"], height=0.32,
-                    color=STAGE_COLORS.get(st, "#999999"), edgecolor="k", lw=0.3,
-                    label=None if st in seen else (st or "(no range)"))
-            seen.add(st)
+            key = k["stage"] or short_name(k["name"])
+            color = STAGE_COLORS[key] if key in STAGE_COLORS else KERNEL_COLORS.get(key, "#cccccc")
+            ax.barh(y + (0.17 if lane == 0 else -0.17), k["dur"], left=k["start"], height=0.32, color=color,
+                    edgecolor="k", lw=0.3, label=None if key in seen or color == "#cccccc" else key)
+            seen.add(key)
     ax.set_yticks(range(len(rows)), [label for label, _ in reversed(rows)])
     ax.set(xlabel="µs from the first kernel's start", title=title)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
