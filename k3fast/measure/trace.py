@@ -1,9 +1,12 @@
 """Per-layer decode traces: kernel count, kernel time, graph-replay time, bytes and the byte floor.
 
-    python -m k3fast.measure.trace --kinds kda_moe mla_moe --shapes k3_rank16 k3_rank8 full --batches 1 8 64 \
-        --impls ref compiled stock --out traces/h200
+    python -m k3fast.measure.trace --preset kda-sweep            # a named sweep (--list-presets shows them all)
+    python -m k3fast.measure.trace --kinds mla_moe --shapes full --batches 8 --impls stock fast
+    python -m k3fast.measure.trace --cell kda_moe,k3_rank16,64,0,stock+fast      # exactly these cells
+    python -m k3fast.measure.trace prune [--apply]               # what traces/ holds that nothing cites
 
-For each (layer kind, shape, batch, context, impl, part) one record:
+Records go to traces/<card>/records-<tag>.json (the card from the GPU's name: traces/h200, traces/h100), the batch-1
+layer traces to perfetto-<tag>/ beside it. For each (layer kind, shape, batch, context, impl, part) one record:
 
 * the part (``layer``, ``attn``: layer input -> MLP input, ``moe``: MLP input -> output) is captured
   as its own CUDA graph;
@@ -11,10 +14,9 @@ For each (layer kind, shape, batch, context, impl, part) one record:
   flushed by reading a 256 MB buffer before every replay (outside the timed events) and the step's
   mutated inputs restored, so weights and state come from HBM every time. A read, not a write: a
   write flush leaves the L2 full of dirty lines whose write-back is then charged to the timed replay
-  (up to ~50 MB of extra HBM traffic, ~12 µs on this GPU);
+  (up to ~50 MB of extra HBM traffic, ~12 µs on an H200);
 * ``kernels``, ``kernel_us_sum``, ``kernel_names``, ``replay_timeline``: torch.profiler (CUPTI) over a few
-  replays, each after the same flush and reset as the timed ones (``replay_timeline["l2"]`` says so; before
-  this, records profiled back-to-back replays with part of the weights still in L2);
+  replays, each after the same flush and reset as the timed ones (``replay_timeline["l2"]`` says so);
 * ``stages``: the same step run eagerly inside the k3fast.nvtx ranges, kernels attributed to the
   innermost range (kernel count and GPU µs per stage);
 * ``bytes`` and ``floor_us`` from k3ref.bytes, at ``copy_tbps`` measured by a device-to-device copy
@@ -26,12 +28,15 @@ collectives; the collectives themselves are not timed (``collectives: "not timed
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
 import datetime
+import gc
+import glob
 import gzip
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,10 +47,8 @@ import torch
 
 from k3ref import preset
 from k3ref.compare import rel_rmse
-from k3ref.bytes import layer_bytes, part_bytes, floor_us, ATTN_STAGES
+from k3ref.bytes import floor_us, layer_bytes, part_bytes
 from k3ref.weights import random_layer
-
-from ..nvtx import STAGES
 
 SCHEMA_FIELDS = ("gpu", "driver", "torch", "cutlass", "commit", "date", "layer_kind", "shape", "batch", "impl", "part",
                  "kernels", "kernel_us_sum", "replay_us_median", "replay_us_p10", "replay_us_p90", "bytes", "floor_us",
@@ -122,7 +125,7 @@ def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
     torch.cuda.synchronize()
     # A capture allocates from a private pool and may not free cached blocks (cudaFree is illegal while capturing):
     # with the eager runs' blocks still cached, a large graph (torch.compile's MoE at full width or batch 64) ran
-    # out of memory inside the capture, which surfaces as cudaErrorStreamCaptureInvalidated (cellsA/B at d53ff19).
+    # out of memory inside the capture, which surfaces as cudaErrorStreamCaptureInvalidated.
     gc.collect()
     torch.cuda.empty_cache()
     g = torch.cuda.CUDAGraph()
@@ -151,16 +154,8 @@ L2_WARM = "not flushed: the previous replay's weights, inputs and code stay in L
 
 
 def time_replays(g: torch.cuda.CUDAGraph, reset: Callable[[], None], n: int, *, flush: bool = True) -> list[float]:
-    """µs of each of ``n`` replays, each after an L2 flush (unless ``flush`` is False: L2_WARM) and an input reset
-    (neither is timed)."""
-    return time_eager(g.replay, n, setup=reset, flush=flush)
-
-
-def time_eager(measured: Callable[[], None], n: int, *, setup: Callable[[], None] = lambda: None,
-               flush: bool = True) -> list[float]:
-    """µs of each of ``n`` calls of ``measured`` (CUDA events around it only), each after an L2 flush (unless
-    ``flush`` is False) and ``setup()``, neither timed. time_replays times graph replays with it; the probes
-    (k3fast.l2probe, k3fast.overlap_probe) time eager calls whose setup runs on other streams."""
+    """µs of each of ``n`` replays (CUDA events around the replay only), each after an L2 flush (unless ``flush`` is
+    False: L2_WARM) and an input reset, neither timed."""
     flush_l2()                                # allocates the flush buffer outside the timed loop
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
@@ -169,9 +164,9 @@ def time_eager(measured: Callable[[], None], n: int, *, setup: Callable[[], None
     for i in range(n):
         if flush:
             flush_l2()
-        setup()
+        reset()
         starts[i].record()
-        measured()
+        g.replay()
         ends[i].record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
@@ -188,15 +183,26 @@ def start_run(out: str, tag: str | None) -> tuple[dict, float, str]:
     return env, bw, tag or f"{env['date'][:10]}-{env['commit']}"
 
 
+def card_folder(gpu_name: str | None = None) -> str:
+    """traces/<card>, where a run on this GPU keeps its records: the model in the GPU's name, lower case
+    ("NVIDIA H100 80GB HBM3" -> traces/h100, "NVIDIA H200" -> traces/h200)."""
+    name = gpu_name if gpu_name is not None else (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+    words = [w for w in re.split(r"[\s_-]+", name) if w and w.upper() != "NVIDIA"]
+    model = next((w for w in words if re.fullmatch(r"[A-Za-z]{1,3}\d{2,4}[A-Za-z]?", w)), None)
+    slug = (model or "-".join(words) or "cpu").lower()
+    return os.path.join("traces", re.sub(r"[^a-z0-9-]", "", slug) or "gpu")
+
+
 def parse_run(ap, argv, prog: str):
     """--out / --tag added to ``ap``, the arguments parsed, then start_run: (args, env, bw, tag), or None after a
-    message when there is no CUDA GPU. The command-line tools that write records under traces/h200 start with it."""
-    ap.add_argument("--out", default="traces/h200")
+    message when there is no CUDA GPU. The command-line tools that write records under traces/<card> start with it."""
+    ap.add_argument("--out", default=None, help="folder for the records (default: traces/<card>, e.g. traces/h200)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"{prog} needs a CUDA GPU", file=sys.stderr)
         return None
+    args.out = args.out or card_folder()
     return (args, *start_run(args.out, args.tag))
 
 
@@ -264,8 +270,7 @@ def graph_events(events: list[dict]) -> list[dict]:
 def profile_replays(g: "torch.cuda.CUDAGraph", reset: Callable[[], None], replays: int = 3) -> tuple[list[dict], str]:
     """CUPTI events of ``replays`` graph replays, each after an L2 flush and an input reset as in time_replays (so
     the kernel durations in replay_timeline are cold-L2 ones, like the timed replays; back-to-back replays keep
-    part of a <= 50 MB step's weights in L2, e.g. ~6 us of the rank16 attention half at b1 in
-    records-31884ea-s6perf.json). Returns (the graph's events, the L2 condition). Falls back to back-to-back
+    part of a <= 50 MB step's weights in L2, e.g. ~6 µs of the rank16 attention half at b1 on an H200). Returns (the graph's events, the L2 condition). Falls back to back-to-back
     replays (L2_WARM) when the trace carries no cudaGraphLaunch correlation to tell the replays' kernels apart."""
     def run():
         for _ in range(replays):
@@ -380,16 +385,15 @@ def reset_stock_autotuners(prefixes=("fla.", "vllm.")) -> int:
     tunes again at its own shapes. Returns how many autotuners were reset (0 without Triton).
 
     Why: fla's causal_conv1d_update is autotuned on (D, W), not on the batch, so the config it keeps is the one the
-    first batch of a process chose. In s74 the rank8 cells ran b1 first, and the stock conv step took 10.6 / 19.3 /
-    72.8 us at b8 / b16 / b64 (about 2 us when b64 ran first, s73); s77 ran rank8 first and rank16 b64's took 12.3.
-    Resetting before every stock cell lets each batch tune for itself: the best the stock path can do there, and
-    the same whatever the order of the cells.
+    first batch of a process chose. With b1 first, the stock conv step took 10.6 / 19.3 / 72.8 µs at b8 / b16 / b64
+    on an H200 (about 2 µs when b64 ran first). Resetting before every stock cell lets each batch tune for itself:
+    the best the stock path can do there, and the same whatever the order of the cells.
 
-    Two traps, both seen in s79 (session 24), where the first version of this reset still left rank8 b64's conv step
-    at 23.5 us: (1) fla stacks ``@triton.heuristics`` over its autotuner, so the module attribute is a Heuristics
-    whose ``.fn`` is the autotuner; the chain of ``.fn`` is walked. (2) fla 0.6 passes ``cache_results=True``
-    (FLA_CACHE_RESULTS defaults to 1), so an emptied in-memory cache is refilled from Triton's on-disk autotune
-    cache, whose key omits the batch just the same; the disk cache is switched off on every autotuner reset."""
+    Two traps (a reset that missed them left rank8 b64's conv step at 23.5 µs): (1) fla stacks
+    ``@triton.heuristics`` over its autotuner, so the module attribute is a Heuristics whose ``.fn`` is the
+    autotuner; the chain of ``.fn`` is walked. (2) fla 0.6 passes ``cache_results=True`` (FLA_CACHE_RESULTS
+    defaults to 1), so an emptied in-memory cache is refilled from Triton's on-disk autotune cache, whose key omits
+    the batch just the same; the disk cache is switched off on every autotuner reset."""
     import sys
     try:
         from triton.runtime.autotuner import Autotuner
@@ -401,8 +405,8 @@ def reset_stock_autotuners(prefixes=("fla.", "vllm.")) -> int:
         if mod is None or not name.startswith(prefixes):
             continue
         for obj in list(vars(mod).values()):
-            # only Triton's own wrappers are unwrapped: a getattr on anything else may run a lazy import (s81: vLLM's
-            # lazy modules imported runai_model_streamer, absent on the device, and every stock cell failed)
+            # only Triton's own wrappers are unwrapped: a getattr on anything else may run a lazy import (vLLM's lazy
+            # modules import runai_model_streamer, which a lean install lacks, and every stock cell would fail)
             while isinstance(obj, KernelInterface):
                 if isinstance(obj, Autotuner) and isinstance(getattr(obj, "cache", None), dict):
                     if id(obj) not in seen:
@@ -423,7 +427,7 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
     autotune_reset = None
     if impl_name == "stock":
         impl = make_impl(impl_name, cfg, w, max_batch=max(batch, 1), ops=stock_ops)
-        # the eager call below tunes at this cell's batch, before any capture (session 23)
+        # the eager call below tunes at this cell's batch, before any capture
         autotune_reset = reset_stock_autotuners()
     elif impl_name.startswith("fast"):
         impl = make_impl(impl_name, cfg, w, max_batch=max(batch, 1))
@@ -508,6 +512,9 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
     return records
 
 
+SHAPES = ("k3_rank16", "k3_rank8", "full")
+
+
 def parse_cell(spec: str) -> tuple[str, str, int, int, list[str]]:
     """``KIND,SHAPE,BATCH,CONTEXT,IMPL[+IMPL...]`` (one sweep cell with its implementations, e.g.
     ``mla_moe,full,64,8192,ref+compiled``) -> (kind, shape, batch, context, impls). KDA cells take context 0."""
@@ -517,7 +524,7 @@ def parse_cell(spec: str) -> tuple[str, str, int, int, list[str]]:
     kind, shape, batch, ctx, impls = parts
     if kind not in ("kda_moe", "mla_moe"):
         raise argparse.ArgumentTypeError(f"--cell kind must be kda_moe or mla_moe, got {kind!r}")
-    if shape not in ("k3_rank16", "k3_rank8", "full"):
+    if shape not in SHAPES:
         raise argparse.ArgumentTypeError(f"--cell shape must be k3_rank16, k3_rank8 or full, got {shape!r}")
     try:
         b, c = int(batch), int(ctx)
@@ -528,34 +535,315 @@ def parse_cell(spec: str) -> tuple[str, str, int, int, list[str]]:
     return kind, shape, b, c, [i for i in impls.split("+") if i]
 
 
+# ------------------------------------------------------------------------------------------------ presets
+
+CONTENDERS = "contenders"       # in Preset.impls: every live fast contender that k3fast.measure.impls registers
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named sweep: the cells kinds x shapes x batches (x contexts for MLA layers), in that order, each cell running
+    the same implementations. Any field can be overridden on the command line (--shapes, --batches, ...)."""
+    about: str
+    kinds: tuple[str, ...] = ("kda_moe",)
+    shapes: tuple[str, ...] = SHAPES
+    batches: tuple[int, ...] = (1, 8, 64)
+    contexts: tuple[int, ...] = (1024, 8192)
+    impls: tuple[str, ...] = ("stock", "fast")
+    routing: str = "random"
+    replays: int = 50
+
+    def cells(self, contenders: list[str] | None = None) -> list[tuple[str, str, int, int, list[str]]]:
+        """(kind, shape, batch, context, impls) per cell, as --cell gives them; CONTENDERS expands to
+        ``contenders`` (default: the registry's live ones)."""
+        impls = []
+        for name in self.impls:
+            if name != CONTENDERS:
+                impls.append(name)
+                continue
+            if contenders is None:
+                from .impls import impl_names
+                contenders = [n for n in impl_names() if n.startswith("fast-")]
+            impls += [n for n in contenders if n not in impls]
+        return [(k, s, b, c, list(impls)) for k in self.kinds for s in self.shapes for b in self.batches
+                for c in (self.contexts if k == "mla_moe" else (0,))]
+
+
+# The stock / fast comparisons the README and the design notes quote come from these presets: one run per card
+# and routing, every implementation of a cell in the same process (the copy bandwidth and the clocks are shared).
+PRESETS = {
+    "smoke": Preset("one cheap cell (KDA+MoE, rank16, batch 1), stock beside fast: the harness works on this machine",
+                    shapes=("k3_rank16",), batches=(1,), replays=20),
+    "kda-sweep": Preset("the KDA+MoE layer at rank16 / rank8 / full width x batch 1 / 8 / 64, stock beside fast, "
+                        "the router on random inputs (near-uniform over the experts)"),
+    "kda-sweep-skewed": Preset("kda-sweep with the routing skewed onto a hot set of 24 experts (every token picks "
+                               "16 of them)", routing="skewed"),
+    "kda-batches": Preset("the KDA+MoE layer at rank16 / rank8 over every batch bucket of the dispatch plan "
+                          "(1, 2, 4, 8, 16, 64), stock beside fast", shapes=("k3_rank16", "k3_rank8"),
+                          batches=(1, 2, 4, 8, 16, 64)),
+    "kda-contenders": Preset("fast beside each live contender and stock, KDA+MoE at rank16 / rank8 x batch 1 / 8 / 64",
+                             shapes=("k3_rank16", "k3_rank8"), impls=("stock", "fast", CONTENDERS)),
+    "mla-sweep": Preset("the MLA+MoE layer at rank16 / rank8 / full width x batch 1 / 8 / 64 x context 1024 / 8192 "
+                        "cached tokens, stock beside fast (whose attention half is the stock one)",
+                        kinds=("mla_moe",)),
+}
+# What a bare `python -m k3fast.measure.trace` runs: the peers (ref, compiled, stock) at every cell of both kinds.
+DEFAULT_SWEEP = Preset("the peers at every cell of both layer kinds", kinds=("kda_moe", "mla_moe"),
+                       impls=("ref", "compiled", "stock"))
+
+
+def preset_table() -> str:
+    """One line per preset: its name, its cell count and what it measures."""
+    return "\n".join(f"{name:17s} {len(p.cells(contenders=[])):3d} cells  {p.about}" for name, p in PRESETS.items())
+
+
+# ------------------------------------------------------------------------------------------------ what traces/ keeps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The documents whose citations keep a file under traces/. docs/lab-log.md is frozen history: it cites files that
+# now live in git history only, so it keeps nothing and is not checked.
+CITING = ("README.md", "notebooks/*.py", "docs/**/*.md", "traces/README.md")
+FROZEN = ("docs/lab-log.md",)
+# The kinds of file a bare name may cite (records-<tag>.json ...); a bare name counts only when its tag starts
+# with a commit id (7+ hex digits) or a wildcard, so output names in prose ("ncu-2.tgz") are not citations.
+FILE_KINDS = ("records", "kernels", "experts", "perfetto", "profile", "ptxcheck", "overlap", "l2probe",
+              "clusterprobe", "blasprobe", "launchprobe", "ncu", "gpu-junit", "gpu-tests", "gpu", "sweep", "bench")
+_PATH = r"[\w@.*{},/-]*"
+_CITE = re.compile(r"(?<![\w./-])(?:traces/" + _PATH + r"|(?:(?:logs|junit)/)?(?:" + "|".join(FILE_KINDS)
+                   + r")-(?:[0-9a-f]{7}|\*|\{)" + _PATH + ")")
+_EXT = re.compile(r"(\.(json|xml|txt|log|gz|tgz|png|svg|csv))+$")
+
+
+@dataclasses.dataclass
+class Citation:
+    source: str         # the citing file, relative to the repository
+    line: int
+    text: str           # as written
+    files: list[str]    # the tracked files it names (a folder: every file under it)
+    generic: bool       # names a kind of file (records-*.json, traces/h100/), not evidence: keeps nothing
+
+
+def _expand(text: str, line: str) -> list[tuple[list[str], str | None]]:
+    """Glob patterns for one cited text, as (patterns, fallback) pairs: {a,b} alternatives expanded; a format
+    placeholder ({t}, an unclosed f-string brace) filled with each quoted word of the same line, the fallback (the
+    placeholder as a wildcard) standing in only when none of those names a file."""
+    m = re.search(r"\{([^{}]*)\}", text)
+    if m and "," in m.group(1):
+        return [p for alt in m.group(1).split(",") for p in _expand(text[:m.start()] + alt + text[m.end():], line)]
+    if m or "{" in text:
+        start = m.start() if m else text.index("{")
+        rest = text[m.end():] if m else ""
+        words = re.findall(r"""["']([\w.-]*)["']""", line)      # '' too: f"...{'-skewed' if s else ''}"
+        return [([text[:start] + w + rest for w in words], text[:start] + "*" + rest)]
+    return [([text], None)]
+
+
+def _matches(pattern: str, tracked: set[str]) -> set[str]:
+    """The tracked files a cited pattern names: a full path under traces/, or a bare name under any card folder
+    (traces/*/ and one level below); a stem without a suffix ("overlap-*-s33") names the file with its suffix."""
+    pattern = pattern.rstrip("/")
+    full = [pattern] if pattern.split("/")[0] == "traces" else [f"traces/*/{pattern}", f"traces/*/*/{pattern}"]
+    if not _EXT.search(pattern):
+        full += [g + ".*" for g in full]
+    out = set()
+    for g in map(_glob_re, full):
+        out |= {t for t in tracked if g.fullmatch(t)}
+    return out
+
+
+def _generic(pattern: str) -> bool:
+    """True when nothing below the card folder is specific: a kind prefix, wildcards and an extension only."""
+    parts = [p for p in pattern.split("/") if p]
+    if parts[:1] == ["traces"]:
+        parts = parts[2:]
+    for part in parts:
+        stem = _EXT.sub("", part)
+        for kind in sorted(FILE_KINDS, key=len, reverse=True):
+            if stem.startswith(kind + "-"):
+                stem = stem[len(kind) + 1:]
+                break
+        if stem.strip("*-"):
+            return False
+    return True
+
+
+def _glob_re(pattern: str) -> re.Pattern:
+    """A glob over repository paths as a regex: ``*`` and ``?`` stay inside one path component; a folder matches
+    every file under it."""
+    body = "".join("[^/]*" if ch == "*" else "[^/]" if ch == "?" else re.escape(ch) for ch in pattern)
+    return re.compile(body + "(/.*)?")
+
+
+def _tracked(root: str) -> set[str]:
+    out = subprocess.run(["git", "-C", root, "ls-files", "traces"], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"git ls-files failed in {root}: {out.stderr.strip()}")
+    return set(out.stdout.split())
+
+
+def _ignored(root: str, path: str) -> bool:
+    """git ignores ``path`` (or, for a folder that does not exist, what would lie in it)."""
+    return any(subprocess.run(["git", "-C", root, "check-ignore", "-q", p]).returncode == 0
+               for p in (path, path.rstrip("/") + "/_"))
+
+
+def citations(root: str = ROOT, tracked: set[str] | None = None) -> list[Citation]:
+    """Every traces/ path or bare record name cited by the CITING documents (FROZEN left out), resolved against the
+    tracked files (_matches). Paths git ignores (a local output folder) and the folder after a command's --out are
+    not citations."""
+    tracked = _tracked(root) if tracked is None else tracked
+    docs = {os.path.relpath(p, root) for pat in CITING for p in glob.glob(os.path.join(root, pat), recursive=True)}
+    docs = sorted(docs - set(FROZEN))
+    out = []
+    for doc in docs:
+        with open(os.path.join(root, doc), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        for n, line in enumerate(lines, 1):
+            marker = "<!--" in line          # a generated block's marker names the files its generator reads
+            for m in _CITE.finditer(line):
+                text = m.group(0).rstrip(".,;:")
+                if re.search(r"--out[= ]$", line[:m.start()]) or (text.startswith("traces/") and _ignored(root, text)):
+                    continue                    # where a command writes, not what the tree holds
+                template = line[m.end():m.end() + 1] == "<"      # traces/<card>/, records-<tag>.json
+                files, used = set(), []
+                for pats, fallback in _expand(text + ("*" if template else ""), line):
+                    found = {f for p in pats for f in _matches(p, tracked)}
+                    if not found and fallback:
+                        pats, found = [fallback], _matches(fallback, tracked)
+                    files |= found
+                    used += pats
+                generic = not marker and all(_generic(p) for p in used)
+                out.append(Citation(doc, n, text, sorted(files), generic))
+    return out
+
+
+def unresolved(cites: list[Citation]) -> list[Citation]:
+    """The citations of evidence that name no tracked file (a generic pattern, a kind of file, may match none)."""
+    return [c for c in cites if not c.files and not c.generic]
+
+
+def _perfetto_of(root: str, records_file: str) -> set[str]:
+    """The Perfetto traces a records file's records point to (k3fast.measure.report.perfetto_file's lookup)."""
+    base = os.path.dirname(records_file)
+    stem = os.path.basename(records_file)[len("records-"):-len(".json")]
+    try:
+        with open(os.path.join(root, records_file)) as f:
+            recs = json.load(f).get("records", [])
+    except (OSError, ValueError):
+        return set()
+    out = set()
+    for r in recs:
+        if r.get("perfetto"):
+            name = os.path.basename(r["perfetto"])
+            out |= {os.path.normpath(os.path.join(base, d, name)) for d in (f"perfetto-{stem}", "perfetto")}
+            out.add(os.path.normpath(os.path.join(base, r["perfetto"])))
+    return out
+
+
+def prune_plan(root: str = ROOT) -> tuple[list[str], list[str], list[Citation]]:
+    """(kept, removable, unresolved citations) over the tracked files under traces/. Kept: traces/README.md, what a
+    CITING document names (a folder: everything under it; a generic pattern: nothing), the Perfetto traces of
+    every kept records file and the meta.txt beside any kept file of a run folder. traces/README.md names the
+    latest full sweep and GPU test run per card, so those are kept too."""
+    tracked = _tracked(root)
+    cites = citations(root, tracked)
+    kept = {"traces/README.md"} & tracked
+    for c in cites:
+        if not c.generic:
+            kept |= set(c.files)
+    for f in sorted(kept):
+        if os.path.basename(f).startswith("records-") and f.endswith(".json"):
+            kept |= _perfetto_of(root, f) & tracked
+        if f.count("/") > 2:                       # a file of a run folder keeps the folder's metadata beside it
+            kept |= {os.path.join(os.path.dirname(f), "meta.txt")} & tracked
+    return sorted(kept), sorted(tracked - kept), unresolved(cites)
+
+
+def _size(root: str, files: list[str]) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for f in files if os.path.exists(os.path.join(root, f)))
+
+
+def prune(apply: bool = False, root: str = ROOT, out=print) -> int:
+    """List (or, with ``apply``, git rm) every file under traces/ that prune_plan does not keep. Returns the
+    number of removable files."""
+    kept, removable, missing = prune_plan(root)
+    by_folder: dict[str, list[str]] = {}
+    for f in removable:
+        by_folder.setdefault("/".join(f.split("/")[:2]), []).append(f)
+    for f in removable:
+        out(f"remove {f}")
+    for c in missing:
+        out(f"warning: {c.source}:{c.line} cites {c.text}, which is not in the tree")
+    for folder, files in sorted(by_folder.items()):
+        out(f"{folder}: {len(files)} files, {_size(root, files) / 1e6:.1f} MB removable")
+    out(f"traces/: keep {len(kept)} files ({_size(root, kept) / 1e6:.1f} MB), remove {len(removable)} "
+        f"({_size(root, removable) / 1e6:.1f} MB)" + ("" if apply else "; --apply removes them with git rm"))
+    if apply and removable:
+        for i in range(0, len(removable), 200):
+            subprocess.run(["git", "-C", root, "rm", "-q", "--", *removable[i:i + 200]], check=True)
+    return len(removable)
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prune"]:
+        ap = argparse.ArgumentParser(prog="python -m k3fast.measure.trace prune",
+                                     description="List the files under traces/ that no document cites and that are "
+                                                 "not the latest sweep per card (traces/README.md names those).")
+        ap.add_argument("--apply", action="store_true", help="remove them with git rm")
+        prune(ap.parse_args(argv[1:]).apply)
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kinds", nargs="+", default=["kda_moe", "mla_moe"])
-    ap.add_argument("--shapes", nargs="+", default=["k3_rank16", "k3_rank8", "full"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
-    ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192], help="MLA cached tokens per request")
-    ap.add_argument("--impls", nargs="+", default=["ref", "compiled", "stock"])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="a named sweep (--list-presets); --kinds/--shapes/--batches/--contexts/--impls/--routing/"
+                         "--replays override its fields")
+    ap.add_argument("--list-presets", action="store_true", help="print the presets and exit")
+    ap.add_argument("--kinds", nargs="+", default=None, help=f"default {' '.join(DEFAULT_SWEEP.kinds)}")
+    ap.add_argument("--shapes", nargs="+", default=None, choices=SHAPES)
+    ap.add_argument("--batches", nargs="+", type=int, default=None, help="default 1 8 64")
+    ap.add_argument("--contexts", nargs="+", type=int, default=None,
+                    help="MLA cached tokens per request (default 1024 8192)")
+    ap.add_argument("--impls", nargs="+", default=None,
+                    help=f"default {' '.join(DEFAULT_SWEEP.impls)}; '{CONTENDERS}' stands for every live fast contender")
     ap.add_argument("--stock-ops", choices=["vllm", "torch"], default="vllm",
                     help="stock path: vLLM 0.33's fused ops (falls back to torch glue without vLLM) or torch glue")
-    ap.add_argument("--replays", type=int, default=50)
-    ap.add_argument("--out", default="traces/h200")
+    ap.add_argument("--replays", type=int, default=None, help="timed replays per part (default 50)")
+    ap.add_argument("--out", default=None, help="folder for the records (default: traces/<card>, e.g. traces/h200)")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cells after this many seconds")
     ap.add_argument("--cell", action="append", type=parse_cell, default=None, metavar="KIND,SHAPE,BATCH,CTX,IMPLS",
-                    help="run exactly these cells, in this order (repeatable; replaces --kinds/--shapes/--batches/"
-                         "--contexts/--impls), e.g. --cell mla_moe,full,64,8192,ref+compiled")
-    ap.add_argument("--routing", choices=sorted(ROUTINGS), default="random",
-                    help="MoE routing: the router on random inputs, or skewed onto a hot set of 24 experts")
+                    help="run exactly these cells, in this order (repeatable; replaces --preset/--kinds/--shapes/"
+                         "--batches/--contexts/--impls), e.g. --cell mla_moe,full,64,8192,ref+compiled")
+    ap.add_argument("--routing", choices=sorted(ROUTINGS), default=None,
+                    help="MoE routing: the router on random inputs (default), or skewed onto a hot set of 24 experts")
     args = ap.parse_args(argv)
+    if args.list_presets:
+        print(preset_table())
+        return 0
+    if args.cell and (args.preset or args.kinds or args.shapes or args.batches or args.contexts or args.impls):
+        ap.error("--cell names its cells: give it without --preset/--kinds/--shapes/--batches/--contexts/--impls")
+    bad = [k for k in args.kinds or () if k not in KIND_LAYER]
+    if bad:
+        ap.error(f"--kinds: unknown layer kind {bad[0]!r}; expected some of {sorted(KIND_LAYER)}")
+    if any(b < 1 for b in args.batches or ()) or any(c < 1 for c in args.contexts or ()):
+        ap.error("--batches and --contexts take integers >= 1")
+    base = PRESETS[args.preset] if args.preset else DEFAULT_SWEEP
+    sweep = dataclasses.replace(base, **{f: tuple(getattr(args, f)) for f in ("kinds", "shapes", "batches",
+                                                                          "contexts", "impls") if getattr(args, f)},
+                                **{f: getattr(args, f) for f in ("routing", "replays") if getattr(args, f)})
     if not torch.cuda.is_available():
         print("k3fast.measure.trace needs a CUDA GPU; on this machine render the recorded traces with "
               "`python -m k3fast.measure.report`", file=sys.stderr)
         return 2
-    env, bw, tag = start_run(args.out, args.tag)
-    perfetto_dir = os.path.join(args.out, f"perfetto-{tag}")      # one folder per run: names repeat across runs
-    cells = args.cell or [(k, s, b, c, args.impls) for k in args.kinds for s in args.shapes for b in args.batches
-                          for c in (args.contexts if k == "mla_moe" else [0])]
+    out = args.out or card_folder()
+    env, bw, tag = start_run(out, args.tag)
+    perfetto_dir = os.path.join(out, f"perfetto-{tag}")      # one folder per run: names repeat across runs
+    cells = args.cell or sweep.cells()
+    print(f"{args.preset or 'sweep'}: {len(cells)} cells, routing {sweep.routing}, {sweep.replays} replays", flush=True)
     records, t0 = [], time.time()
+    path = os.path.join(out, f"records-{tag}.json")
     try:
         from tqdm import tqdm
         it = tqdm(cells, desc="cells", file=sys.stdout, mininterval=5)
@@ -567,15 +855,14 @@ def main(argv=None) -> int:
             continue
         print(f"{kind} {shape} batch {batch} context {ctx}", flush=True)
         try:
-            records += run_cell(kind, shape, batch, impls, context=ctx, replays=args.replays, env=env, copy_tbps=bw,
+            records += run_cell(kind, shape, batch, impls, context=ctx, replays=sweep.replays, env=env, copy_tbps=bw,
                                 perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True),
-                                stock_ops=args.stock_ops, routing=args.routing)
+                                stock_ops=args.stock_ops, routing=sweep.routing)
         except Exception as ex:                     # e.g. out of memory building the cell's weights: next cell
             import traceback
             print(f"  cell FAILED {type(ex).__name__}: {str(ex)[:300]}\n" + traceback.format_exc()[-1500:], flush=True)
         gc.collect()
         torch.cuda.empty_cache()
-        path = os.path.join(args.out, f"records-{tag}.json")
         write_run(path, env, bw, records)
     print(f"wrote {len(records)} records to {path}")
     return 0
