@@ -1,4 +1,6 @@
-"""Compile every oproj_attnres key for the K3 shapes on the CPU (sm_90a), plus host-side input checks."""
+"""CPU-only checks of k3fast.kernels.oproj_attnres: every key the layer runs compiles for sm_90a (and one key of each
+other batch bucket and width the kernel accepts), the PTX has the synchronisation the design relies on, and the host
+entry point rejects bad inputs with clear errors."""
 import pytest
 import torch
 
@@ -11,7 +13,37 @@ needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ff
 
 # k3_rank16, k3_rank8, full width (k3ref.config: kda_proj = 96*128/t)
 SHAPES = {"k3_rank16": 768, "k3_rank8": 1536, "full": 12288}
-BATCH_BUCKETS = (1, 16, 32, 64)           # TG = 1, 2, 4, 8
+LAYER_BATCHES = range(1, 9)               # the layer runs the kernel at M <= 8 (one bucket, TG = 1) ...
+LAYER_SHAPES = ("k3_rank16", "k3_rank8")  # ... and o_proj input widths up to 1536
+
+
+@pytest.fixture(scope="module", autouse=True)
+def keep_ptx(tmp_path_factory):
+    """This module's compiles keep their PTX (in a scratch dump directory), so the PTX checks read the cached
+    builds instead of compiling them again."""
+    if not dsl_available():
+        yield
+        return
+    from k3fast.kernels._dsl import import_cute
+    import_cute()
+    from cutlass.cutlass_dsl import CuTeDSL
+    env = CuTeDSL._get_dsl().envar
+    old_dir, old_opts = env.dump_dir, oa.TVM_FFI
+    env.dump_dir = str(tmp_path_factory.mktemp("ptx"))
+    oa.TVM_FFI = old_opts + " --keep-ptx"
+    try:
+        yield
+    finally:
+        env.dump_dir, oa.TVM_FFI = old_dir, old_opts
+
+
+def _ptx_lines(kp, nb, m) -> list[str]:
+    """The stripped PTX lines of one build (the cached one when it kept its PTX, else a fresh compile)."""
+    ptx = getattr(getattr(oa.get_kernel(kp, nb, m), "artifacts", None), "PTX", None)
+    if not ptx:
+        from k3fast.measure.ptxcheck import compiled_ptx
+        ptx = compiled_ptx(lambda: oa._compile(kp, nb, oa._tg_bucket(m)))
+    return [ln.strip() for ln in ptx.splitlines()]
 
 
 def test_shapes_match_config():
@@ -28,8 +60,9 @@ def test_shapes_match_config():
 
 def test_compile_keys_and_buckets():
     assert [oa._tg_bucket(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
-    keys = oa.compile_keys(SHAPES.values(), range(1, 9), BATCH_BUCKETS)
-    assert len(keys) == 3 * 8 * 4
+    keys = oa.compile_keys(SHAPES.values(), range(1, 9), (1, 16, 32, 64))
+    assert len(keys) == len(set(keys)) == 3 * 8 * 4
+    assert oa.compile_keys([768], [1, 2], LAYER_BATCHES) == [oa.compile_key(768, 1, 1), oa.compile_key(768, 2, 1)]
     for kp in SHAPES.values():
         for tg in (1, 2, 4, 8):
             s = oa._stages(kp, tg)
@@ -37,53 +70,50 @@ def test_compile_keys_and_buckets():
 
 
 @needs_dsl
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("batch", BATCH_BUCKETS)
-def test_compile_all_n_blocks(shape, batch):
+@pytest.mark.parametrize("shape", LAYER_SHAPES)
+def test_compile_layer_keys(shape):
+    """Every build the layer runs: n_blocks 1..8 at M <= 8; the warm-up names the same keys."""
     kp = SHAPES[shape]
-    for nb in range(1, 9):
-        fn = oa.get_kernel(kp, nb, batch)
-        assert fn is not None
-
-
-def test_split_rows_rule():
-    """v1.6 takes 32-row CTAs exactly where 64 rows leave chunks for after the wait, 32 rows leave none, and the
-    build stays at 128 registers (ptxas: M <= 8, n_blocks <= SPLIT_MAX_NB): rank8 only."""
-    for kp in SHAPES.values():
-        for nb in range(9):
-            for tg in (1, 2, 4, 8):
-                want = 32 if (kp == 1536 and tg == 1 and nb <= oa.SPLIT_MAX_NB) else oa.ROWS
-                assert oa._rows(kp, nb, tg, True) == want, (kp, nb, tg)
-                assert oa._rows(kp, nb, tg, False) == oa.ROWS
-    # 64 rows: 24 chunks per warp, 12 in flight before the wait; 32 rows: 12 and 12
-    assert oa._stages(1536, 1) * 2 == 1536 // (oa.CHUNK * oa.KS)
-    assert oa._stages(1536, 1, 4) == 1536 // (oa.CHUNK * 4)
+    keys = oa.compile_keys([kp], range(1, 9), LAYER_BATCHES)
+    assert len(keys) == 8
+    for key in keys:
+        assert oa.get_kernel(kp, key[2], 1) is not None, key
+    assert oa.warmup([kp], range(1, 9), LAYER_BATCHES) == keys
 
 
 @needs_dsl
-@pytest.mark.parametrize("nb", [1, 5])
-def test_compile_split_rows(nb):
-    """The v1.6 build compiles (its own cache key); where ptxas is at hand it keeps 128 registers and no spills,
-    so two of its 256-thread CTAs share an SM (the reason SPLIT_MAX_NB is 5)."""
-    from k3fast.kernels._dsl import TVM_FFI
-    from k3fast.measure.ptxcheck import compiled_ptx, find_sass_tools, ptxas_resources
-    assert oa.get_kernel(1536, nb, 1, split_rows=True) is not oa.get_kernel(1536, nb, 1, split_rows=False)
-    tools = find_sass_tools()
-    if tools is None:
-        return
-    old = oa.TVM_FFI
-    oa.TVM_FFI = TVM_FFI + " --keep-ptx"
-    try:
-        ptx = compiled_ptx(lambda: oa._compile(1536, nb, 1, oa.PRELOAD_WPOST, oa.LEAN_SYNC, 32))
-    finally:
-        oa.TVM_FFI = old
-    res = ptxas_resources(ptx, tools[0])
-    assert res["registers"] <= 128 and res["spill_store_bytes"] == 0, res
+@pytest.mark.parametrize("kp,nb,m", [(768, 0, 1), (768, 8, 16), (1536, 8, 32), (768, 8, 64),
+                                     (12288, 8, 1), (12288, 8, 64)])
+def test_compile_other_keys(kp, nb, m):
+    """The rest of what the kernel accepts, one key each: no blocks, the larger token buckets (the most registers at
+    n_blocks 8), full width."""
+    assert oa.get_kernel(kp, nb, m) is not None
 
 
 @needs_dsl
-def test_compile_zero_blocks():
-    assert oa.get_kernel(768, 0, 1) is not None
+@pytest.mark.parametrize("kp,nb,m", [(768, 1, 1), (1536, 8, 1), (768, 8, 16)])
+def test_last_arriver_sync(kp, nb, m):
+    """No gpu-scope fence: the GEMV CTAs' arrival is a release add after a CTA barrier, the epilogue spins with
+    acquire loads, and its departure (a relaxed add) is its last global access, after the stores of x."""
+    lines = _ptx_lines(kp, nb, m)
+    assert not any(ln.startswith("fence.acq_rel.gpu") for ln in lines)
+    assert any(ln.startswith("atom.global.release.add") for ln in lines)
+    assert any(ln.startswith("ld.acquire.gpu") for ln in lines)
+    glob = [i for i, ln in enumerate(lines) if ln.startswith(("ld.global", "st.global", "atom.global"))]
+    last_atom = max(i for i, ln in enumerate(lines) if ln.startswith("atom.global") and "release" not in ln)
+    assert any(lines[i].startswith("st.global") for i in glob if i < last_atom)
+    assert not any(lines[i].startswith(("ld.global", "st.global")) for i in glob if i > last_atom)
+
+
+@needs_dsl
+@pytest.mark.parametrize("nb", [1, 8])
+def test_w_post_loaded_before_the_wait(nb):
+    """After the epilogue's last CTA reduction only stores of x remain: w_post was loaded before the PDL wait, so no
+    load waits behind a store of x."""
+    lines = _ptx_lines(768, nb, 1)
+    last_bar = max(i for i, ln in enumerate(lines) if ln.startswith("bar.sync"))
+    tail = [ln.split()[0] for ln in lines[last_bar:] if ln.startswith(("ld.global", "st.global"))]
+    assert tail and all(op.startswith("st.global") for op in tail)
 
 
 # ---------------------------------------------------------------- host-side checks (CPU tensors)
@@ -136,51 +166,6 @@ def test_bad_inputs(bad, exc, msg):
 
 def test_module_imports_without_cutlass_symbols():
     # the module must not import cutlass at import time (checked by name, cheap)
-    import importlib, sys
     src = open(oa.__file__).read()
     head = src.split("def _build")[0]
     assert "import cutlass" not in head
-
-
-@needs_dsl
-@pytest.mark.parametrize("kp,nb,tg", [(768, 1, 1), (1536, 8, 1), (768, 8, 2)])
-def test_lean_sync_drops_the_fences(kp, nb, tg):
-    """v1.5 (lean_sync, the default): no gpu-scope fence is left (v1.4 has two: the GEMV threads' and the epilogue's
-    after its spin), the arrival is still a release, and the departure is the last global access of the epilogue,
-    after the stores of x."""
-    from k3fast.kernels._dsl import TVM_FFI
-    from k3fast.measure.ptxcheck import compiled_ptx
-    old = oa.TVM_FFI
-    oa.TVM_FFI = TVM_FFI + " --keep-ptx"
-    try:
-        ptx = {lean: compiled_ptx(lambda lean=lean: oa._compile(kp, nb, tg, True, lean)) for lean in (False, True)}
-    finally:
-        oa.TVM_FFI = old
-    assert ptx[False].count("fence.acq_rel.gpu") == 2 and ptx[True].count("fence.acq_rel.gpu") == 0
-    assert "atom.global.release.add" in ptx[True] and "ld.acquire.gpu" in ptx[True]
-    lines = [ln.strip() for ln in ptx[True].splitlines()]
-    glob = [i for i, ln in enumerate(lines) if ln.startswith(("ld.global", "st.global", "atom.global"))]
-    last_atom = max(i for i, ln in enumerate(lines) if ln.startswith("atom.global") and "release" not in ln)
-    assert any(lines[i].startswith("st.global") for i in glob if i < last_atom)
-    assert not any(lines[i].startswith(("ld.global", "st.global")) for i in glob if i > last_atom)
-
-
-@needs_dsl
-@pytest.mark.parametrize("nb", [1, 8])
-def test_preload_wpost_moves_the_last_loads(nb):
-    """v1.2 (preload_wpost): after the epilogue's last CTA reduction only stores of x remain (w_post was loaded
-    before the PDL wait); by default each store of x follows a load of w_post."""
-    from k3fast.kernels._dsl import TVM_FFI
-    from k3fast.measure.ptxcheck import compiled_ptx
-    old = oa.TVM_FFI
-    oa.TVM_FFI = TVM_FFI + " --keep-ptx"
-    try:
-        tails = {}
-        for pre in (False, True):
-            lines = [ln.strip() for ln in compiled_ptx(lambda: oa._compile(768, nb, 1, pre)).splitlines()]
-            last_bar = max(i for i, ln in enumerate(lines) if ln.startswith("bar.sync"))
-            tails[pre] = [ln.split()[0] for ln in lines[last_bar:] if ln.startswith(("ld.global", "st.global"))]
-    finally:
-        oa.TVM_FFI = old
-    assert any(op.startswith("ld.global") for op in tails[False])
-    assert tails[True] and all(op.startswith("st.global") for op in tails[True])

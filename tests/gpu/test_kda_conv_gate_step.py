@@ -1,4 +1,4 @@
-"""GPU checks of k3fast.kernels.kda_conv_gate_step against a plain float64 torch reference of k3-spec.md 7.2
+"""GPU checks of k3fast.kernels.kda_conv_gate_step against a plain float64 torch reference of docs/k3-layer.md 7.2
 steps 2-8 (written here: k3ref has no single-step KDA decode op with this packed layout yet).
 
 Input note: the decay-gate input f = bf16(f_a @ W_fb^T) is a rounding point. A float64 reference and
@@ -98,6 +98,14 @@ def reference(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state,
     return y, conv_out, rec_out
 
 
+def step(*args, nsplit=None, **kw):
+    """The public entry point, or, with nsplit given, the same step with that build forced (the cluster builds and
+    the head build are all run at small sizes this way)."""
+    if nsplit is None:
+        return kmod.kda_conv_gate_step(*args, **kw)
+    return kmod._kda_step(*args, nsplit=nsplit, **kw)
+
+
 def make_slots(B, S, gen, pad_every=3):
     perm = torch.randperm(S, generator=gen)[:B].to(torch.int32)
     if B >= 3:
@@ -119,9 +127,8 @@ def check_step(B, T, H, seed=0, nsplit=None, slots=None, extra_slots=3, **opts):
                                          prm["o_norm"], conv, rec, slots, H, T)
     conv0, rec0 = conv.clone(), rec.clone()
     out = torch.full((B * T, H * D), float("nan"), dtype=torch.bfloat16, device=dev)
-    y = kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
-                                conv, rec, slots, heads=H, T=T, lower_bound=LB, eps=EPS, out=out, nsplit=nsplit,
-                                **opts)
+    y = step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv, rec, slots,
+             heads=H, T=T, lower_bound=LB, eps=EPS, out=out, nsplit=nsplit, **opts)
     torch.cuda.synchronize()
     assert y is out
     sl = slots.long().cpu()
@@ -158,6 +165,12 @@ def test_full_width_b1():
     check_step(1, 1, 96, extra_slots=1)
 
 
+@pytest.mark.parametrize("B,T,H", [(1, 1, 6), (7, 3, 6), (64, 1, 6), (8, 1, 12), (64, 1, 12), (2, 1, 96)])
+def test_layer_configuration(B, T, H):
+    """The early trigger, as the layer runs the step, at every split, against the reference."""
+    check_step(B, T, H, seed=9, early_trigger=True)
+
+
 @pytest.mark.parametrize("nsplit", [4, 8])
 def test_both_splits(nsplit):
     check_step(5, 2, 6, nsplit=nsplit)
@@ -177,8 +190,8 @@ def test_all_padding_and_bad_slot(nsplit):
     conv, rec = make_states(S, H, gen, dev)
     conv0, rec0 = conv.clone(), rec.clone()
     slots = torch.tensor([S + 5, -1, S], dtype=torch.int32, device=dev)
-    y = kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
-                                conv, rec, slots, heads=H, T=T, nsplit=nsplit)
+    y = step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv, rec, slots,
+             heads=H, T=T, nsplit=nsplit)
     torch.cuda.synchronize()
     assert torch.isnan(y[0].float()).all() and torch.isnan(y[2].float()).all() and (y[1] == 0).all()
     assert torch.equal(conv, conv0) and torch.equal(rec.view(torch.int32), rec0.view(torch.int32))
@@ -187,8 +200,8 @@ def test_all_padding_and_bad_slot(nsplit):
 @pytest.mark.parametrize("H,slots_list,nsplit", [(6, [2, 0, -1, 5], None), (12, [2, 0, -1, 5, 7, 1], 1)])
 def test_back_to_back_steps(H, slots_list, nsplit):
     """Two launches on the same slots with nothing in between (PDL pre-wait state loads of the second
-    must see the first's writes) equal two reference steps. For v9.1 (nsplit 1) the second's bulk state copies,
-    issued before its PDL wait, must see the first's bulk write-back."""
+    must see the first's writes) equal two reference steps. For the head build (nsplit 1) the second's pre-wait
+    loads and bulk state copies must see the first's bulk write-back."""
     dev = torch.device("cuda")
     B, T = len(slots_list), 1
     S = B + 2
@@ -204,11 +217,14 @@ def test_back_to_back_steps(H, slots_list, nsplit):
                                       conv_r, rec_r, slots, H, T)
         refs.append(yr)
     outs = [torch.full((B * T, H * D), float("nan"), dtype=torch.bfloat16, device=dev) for _ in projs]
-    kmod.warmup(H, [B], [T], head_min=None if nsplit is None else 1)
+    if nsplit is None:
+        kmod.warmup(H, [B], [T])
+    else:
+        kmod._get_compiled(kmod.compile_key(H, T, nsplit))
     torch.cuda.synchronize()
     for p, o in zip(projs, outs):
-        kmod.kda_conv_gate_step(p, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
-                                conv, rec, slots, heads=H, T=T, out=o, nsplit=nsplit)
+        step(p, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv, rec, slots, heads=H,
+             T=T, out=o, nsplit=nsplit)
     torch.cuda.synchronize()
     valid = slots >= 0
     for o, yr in zip(outs, refs):
@@ -219,10 +235,10 @@ def test_back_to_back_steps(H, slots_list, nsplit):
     assert torch.equal(conv[vs], conv_r[vs])
 
 
-@pytest.mark.parametrize("H,B,T,opts", [(6, 3, 1, {}), (12, 16, 4, {}),
-                                         # v9.1 (nsplit 1) with the early trigger, the layer's configuration
-                                         (6, 64, 1, {"nsplit": 1, "early_trigger": True}),
-                                         (12, 16, 4, {"nsplit": 1, "early_trigger": True})])
+@pytest.mark.parametrize("H,B,T,opts", [(6, 3, 1, {}), (12, 8, 4, {}), (12, 16, 4, {}),
+                                         # the head build with the early trigger, the layer's configuration
+                                         (6, 64, 1, {"early_trigger": True}),
+                                         (12, 16, 4, {"early_trigger": True})])
 def test_cuda_graph_replay(H, B, T, opts):
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(123 + B)
@@ -232,7 +248,7 @@ def test_cuda_graph_replay(H, B, T, opts):
     conv, rec = make_states(S, H, gen, dev)
     slots = make_slots(B, S, gen).to(dev)
     out = torch.empty((B * T, H * D), dtype=torch.bfloat16, device=dev)
-    kmod.warmup(H, [B], [T])
+    kmod.warmup(H, [B], [T], early_trigger=opts.get("early_trigger", False))
     call = lambda: kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
                                            prm["o_norm"], conv, rec, slots, heads=H, T=T, out=out, **opts)
     s = torch.cuda.Stream()
@@ -267,7 +283,7 @@ def test_cuda_graph_replay(H, B, T, opts):
 
 @pytest.mark.parametrize("H,B,T", [(6, 1, 1), (12, 1, 1), (6, 64, 1), (12, 64, 1), (6, 16, 4)])
 def test_timing_report(H, B, T):
-    """Not a pass/fail speed gate: prints the graph-replay time of both split counts against the
+    """Not a pass/fail speed gate: prints the graph-replay time of each build (nsplit 8, 4, 1) against the
     byte floor, so the nsplit policy (choose_nsplit) can be tuned from one run."""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(5)
@@ -280,8 +296,8 @@ def test_timing_report(H, B, T):
     P = H * D
     nbytes = B * (2 * H * D * D * 4 + 2 * 3 * P * 3 * 2 + T * (kmod.proj_width(H) + P) * 2) + P * D * 2
     for ns in (8, 4, 1):
-        call = lambda: kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"],
-                                               prm["o_norm"], conv, rec, slots, heads=H, T=T, out=out, nsplit=ns)
+        call = lambda: kmod._kda_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"],
+                                      conv, rec, slots, heads=H, T=T, out=out, nsplit=ns)
         call()
         torch.cuda.synchronize()
         n = 20
@@ -304,37 +320,10 @@ def test_timing_report(H, B, T):
         assert math.isfinite(us) and us > 0
 
 
-@pytest.mark.parametrize("H,B", [(6, 1), (6, 3), (12, 8), (96, 1)])
-def test_preload_is_bit_identical(H, B):
-    """v3 (preload, T = 1, nsplit 8) only moves the proj loads: y and both states equal v2's bit for bit, with a
-    padded slot in the batch when B > 1, and spare slots untouched."""
-    dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(50 + B)
-    prm = make_params(H, gen, dev)
-    S = B + 3
-    conv0, rec0 = make_states(S, H, gen, dev)
-    slots = torch.arange(B, dtype=torch.int32, device=dev) + 1
-    if B > 1:
-        slots[1] = -1
-    proj = make_proj(B, 1, H, gen, dev)
-    res = {}
-    for pre in (False, True):
-        conv, rec = conv0.clone(), rec0.clone()
-        y = torch.full((B, H * D), float("nan"), dtype=torch.bfloat16, device=dev)
-        kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv,
-                                rec, slots, heads=H, T=1, out=y, nsplit=8, early_trigger=True, preload=pre)
-        torch.cuda.synchronize()
-        res[pre] = (y, conv, rec)
-    for a, b in zip(res[False], res[True]):
-        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
-                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
-    assert torch.equal(res[True][2][0], rec0[0]) and torch.equal(res[True][1][0], conv0[0])   # slot 0: no request
-
-
-def run_builds_bitwise(H, B, T, early, seed, builds):
-    """Run each build (name -> kda_conv_gate_step options) on the same inputs and states: a padded request, a bad
-    slot (NaN rows, nothing written) and spare slots in the batch. Checks the first build's y rows and that the
-    spare slots' state is untouched; returns {name: (y, conv, rec)} as integer views for bitwise comparison."""
+def run_builds_bitwise(H, B, T, seed, builds):
+    """Run each build (name -> step options) on the same inputs and states: a padded request, a bad slot (NaN rows,
+    nothing written) and spare slots in the batch. Checks the first build's y rows and that the spare slots' state
+    is untouched; returns {name: (y, conv, rec)} as integer views for bitwise comparison."""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(seed)
     prm = make_params(H, gen, dev)
@@ -350,8 +339,8 @@ def run_builds_bitwise(H, B, T, early, seed, builds):
     for name, kw in builds.items():
         conv, rec = conv0.clone(), rec0.clone()
         y = torch.full((B * T, H * D), 7.0, dtype=torch.bfloat16, device=dev)
-        kmod.kda_conv_gate_step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv,
-                                rec, slots, heads=H, T=T, out=y, early_trigger=early, **kw)
+        step(proj, prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"], conv, rec, slots, heads=H,
+             T=T, out=y, **kw)
         torch.cuda.synchronize()
         res[name] = (y.view(torch.int16), conv.view(torch.int16), rec.view(torch.int32))
     first = res[next(iter(builds))]
@@ -369,34 +358,21 @@ def run_builds_bitwise(H, B, T, early, seed, builds):
     return res
 
 
-@pytest.mark.parametrize("H,B,T", [(6, 1, 1), (6, 64, 1), (12, 8, 1), (6, 5, 4), (96, 2, 1)])
-@pytest.mark.parametrize("early", [False, True])
-def test_late_stores_are_bit_identical(H, B, T, early):
-    """v5 (late_stores) only moves the conv-window and state write-backs after the last cluster barrier (and drops
-    the end fence behind the early trigger), and v6 (dsmem_tx) replaces the two cluster barriers by st.async +
-    mbarrier exchanges: y and both states equal v3's bit for bit, with a padded request, a bad slot (NaN rows,
-    nothing written) and spare slots in the batch."""
-    ns = kmod.choose_nsplit(B, H, None)        # the cluster builds these flags belong to (v9.1 takes b64 by default)
-    res = run_builds_bitwise(H, B, T, early, 70 + B + T, {
-        "v5": {"late_stores": True, "dsmem_tx": False, "nsplit": ns},
-        "v3": {"late_stores": False, "dsmem_tx": False, "nsplit": ns},
-        "v6": {"late_stores": True, "dsmem_tx": True, "nsplit": ns}})
-    for other in ("v3", "v6"):                  # v6 (dsmem_tx) moves the exchanges to st.async: the same bits
-        for a, b in zip(res[other], res["v5"]):
-            assert torch.equal(a, b), other
+@pytest.mark.parametrize("H,B,T", [(6, 1, 1), (6, 16, 1), (6, 64, 1), (12, 8, 1), (6, 5, 4), (96, 2, 1)])
+def test_trigger_placement_is_bit_identical(H, B, T):
+    """The early trigger only moves griddepcontrol.launch_dependents (and drops the end fence): y and both states
+    equal the end trigger's bit for bit, with a padded request, a bad slot (NaN rows, nothing written) and spare
+    slots in the batch."""
+    res = run_builds_bitwise(H, B, T, 70 + B + T, {"end": {"early_trigger": False}, "early": {"early_trigger": True}})
+    for a, b in zip(res["early"], res["end"]):
+        assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("B,T,H", [(1, 1, 6), (7, 3, 6), (64, 1, 12), (2, 1, 96)])
-def test_dsmem_tx_against_reference(B, T, H):
-    """v6 (st.async + mbarrier exchanges) against the float64 reference, with padded requests and spare slots."""
-    check_step(B, T, H, seed=9, dsmem_tx=True, nsplit=kmod.choose_nsplit(B, H, None))
-
-
-# ----------------------------------------------------------------------------- v9: nsplit 1 (state in shared memory)
+# ----------------------------------------------------------------------------- the head build (nsplit 1)
 @pytest.mark.parametrize("H", [6, 12])
 @pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (16, 1), (64, 1), (7, 4), (16, 8), (64, 2)])
 def test_head_build_against_reference(B, T, H):
-    """v9 (one CTA per request and head, the state bulk-copied through shared memory) against the float64
+    """The head build (one CTA per request and head, the state bulk-copied through shared memory) against the float64
     reference: padded requests, untouched spare slots, poisoned outputs (check_step)."""
     check_step(B, T, H, seed=31, nsplit=1)
 
@@ -404,22 +380,10 @@ def test_head_build_against_reference(B, T, H):
 @pytest.mark.parametrize("H,B,T", [(6, 1, 1), (6, 64, 1), (12, 64, 1), (12, 8, 1), (6, 5, 4), (12, 3, 8)])
 @pytest.mark.parametrize("early", [False, True])
 def test_head_build_is_bit_identical_to_nsplit4(H, B, T, early):
-    """v9 computes every row, channel and reduction as the nsplit 4 build does (the gated norm's sum of o^2 as its four
-    32-row partials in the same order): y and both states equal nsplit 4's bit for bit, with a padded request, a bad
-    slot and spare slots in the batch."""
-    res = run_builds_bitwise(H, B, T, early, 90 + B + T, {"ns4": {"nsplit": 4}, "ns1": {"nsplit": 1},
-                                                          "ns1g1": {"nsplit": 1, "row_group": 1}})
-    for other in ("ns1", "ns1g1"):
-        for a, b in zip(res[other], res["ns4"]):
-            assert torch.equal(a, b), other
-
-
-@pytest.mark.parametrize("H,B,T", [(6, 64, 1), (12, 16, 1), (6, 3, 1), (6, 5, 4), (12, 3, 8)])
-@pytest.mark.parametrize("early", [False, True])
-def test_proj_first_is_bit_identical(H, B, T, early):
-    """v9.2 only moves the state's bulk copies behind the first token's projection loads: y and both states equal
-    v9.1's bit for bit, with a padded request, a bad slot and spare slots in the batch."""
-    res = run_builds_bitwise(H, B, T, early, 130 + B + T, {"ns1": {"nsplit": 1, "proj_first": False},
-                                                           "ns1pf": {"nsplit": 1, "proj_first": True}})
-    for a, b in zip(res["ns1pf"], res["ns1"]):
+    """The head build computes every row, channel and reduction as the nsplit 4 build does (the gated norm's sum of
+    o^2 as its four 32-row partials in the same order): y and both states equal nsplit 4's bit for bit, with a
+    padded request, a bad slot and spare slots in the batch."""
+    res = run_builds_bitwise(H, B, T, 90 + B + T, {"ns4": {"nsplit": 4, "early_trigger": early},
+                                                   "ns1": {"nsplit": 1, "early_trigger": early}})
+    for a, b in zip(res["ns1"], res["ns4"]):
         assert torch.equal(a, b)
