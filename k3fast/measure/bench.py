@@ -219,25 +219,8 @@ def _cases(cfg, batch: int):
                               proj[:, 4 * Pw + D:4 * Pw + D + H], st.conv, st.recurrent, io.slots, kw, head_dim=D,
                               null_slot=st.num_slots - 1)
     kda_bytes = state_bytes + a.f_b_proj.numel() * 2 + M * (proj.shape[1] + Pw) * 2
-    from ..kernels.kda_conv_gate_step import choose_nsplit
-    ns_def = choose_nsplit(M, H, None)      # the cluster builds' split; @ns1trig is v9 (nsplit 1)
-    ns_alt = 12 - ns_def
-    # the default; v2 without the proj preload (T = 1, nsplit 8; v3 is the default since session 7); the other
-    # value-row split than choose_nsplit's (8 <-> 4), the A/B of "fast-kdans8"; v3's store order (v5, the late
-    # write-backs, is the default since session 9); v5's cluster-barrier exchanges (v6 is the default since
-    # session 10). The @...trig rows run with the early trigger, as in the layer (v7's occupancy hint, @occ6trig,
-    # was measured at 0e81145 and removed); @ns4trig / @ns8trig and @ns1trig are the cluster build and v9 (one CTA
-    # per request and head) side by side whatever HEAD_CTA_MIN says; @ns1g1trig is v9 with its rows one at a time
-    # (s70 measured row_group 4 as "@ns1g4trig", the default since); @ns1pftrig is v9.2 (the state's copies behind
-    # the first token's projection loads, the default since s84), @ns1trig / @ns1g1trig stay v9.1 / v9 as recorded
-    for tag, kw_kda in (("", {}), ("@v2", {"preload": False, "nsplit": ns_def}), (f"@ns{ns_alt}", {"nsplit": ns_alt}),
-                        ("@v3", {"late_stores": False, "nsplit": ns_def}), ("@trig", {"early_trigger": True}),
-                        ("@v3trig", {"late_stores": False, "early_trigger": True, "nsplit": ns_def}),
-                        ("@v5trig", {"dsmem_tx": False, "early_trigger": True, "nsplit": ns_def}),
-                        (f"@ns{ns_def}trig", {"nsplit": ns_def, "early_trigger": True}),
-                        ("@ns1trig", {"nsplit": 1, "early_trigger": True, "proj_first": False}),
-                        ("@ns1g1trig", {"nsplit": 1, "row_group": 1, "early_trigger": True, "proj_first": False}),
-                        ("@ns1pftrig", {"nsplit": 1, "proj_first": True, "early_trigger": True})):
+    # the default (the end trigger) and "@trig" with the early trigger, as the layer runs it
+    for tag, kw_kda in (("", {}), ("@trig", {"early_trigger": True})):
         cases.append((f"kda_conv_gate_step{tag}",
                       lambda kw_kda=kw_kda: kda_conv_gate_step(proj, a.f_b_proj, conv_w, a.A_log, a.dt_bias, a.o_norm,
                                                                st.conv, st.recurrent, io.slots, heads=H, **kw_kda),
@@ -246,17 +229,11 @@ def _cases(cfg, batch: int):
     y = rnd(M, Pw)
     u2 = attn_res_u(w.mlp_res, P).float().contiguous()
     xo, po = torch.empty(M, d, dtype=torch.bfloat16, device=dev), torch.empty(M, d, dtype=torch.bfloat16, device=dev)
-    # the default, then the A/B rows: "@v1.1" before v1.2 (w_post loaded before the PDL wait, the default since
-    # session 7; the "@wpost" row of kernels-84291ed.json), "@fenced" v1.4's arrival chain (v1.5's lean one is the
-    # default since session 19; s58 measured it as "@lean"), "@rows32" v1.6 (opt-in: 32-row GEMV CTAs where the whole
-    # slice then fits the register stages, rank8 M <= 8)
     oproj_bytes = a.o_proj.numel() * 2 + M * d * 2 * 5
-    for tag, kw_op in (("", {}), ("@v1.1", {"preload_wpost": False}), ("@fenced", {"lean_sync": False}),
-                       ("@rows32", {"split_rows": True})):
-        cases.append((f"oproj_attnres{tag}",
-                      lambda kw_op=kw_op: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2,
-                                                        w.post_attention_layernorm, out_x=xo, out_partial=po, **kw_op),
-                      lambda: F.linear(y, a.o_proj), oproj_bytes))
+    cases.append(("oproj_attnres",
+                  lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2, w.post_attention_layernorm,
+                                        out_x=xo, out_partial=po),
+                  lambda: F.linear(y, a.o_proj), oproj_bytes))
     if 2 < M and mma_applicable(M, a.o_proj.shape[1], a.o_proj.shape[0]):
         # v13 for o_proj's GEMV alone beside cuBLAS (the layer's o_proj above GEMV_DSL_MAX_M, "fast-opmma")
         cases.append(("gemv_o_proj_plain@ringmma", lambda: gemv_ring_mma(y, a.o_proj), lambda: F.linear(y, a.o_proj),
