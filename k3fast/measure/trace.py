@@ -655,7 +655,7 @@ def _generic(pattern: str) -> bool:
     """True when nothing below the card folder is specific: a kind prefix, wildcards and an extension only."""
     parts = [p for p in pattern.split("/") if p]
     if parts[:1] == ["traces"]:
-        parts = parts[2:]
+        parts = parts[1:] if len(parts) == 2 and "." in parts[1] else parts[2:]    # traces/README.md is a file
     for part in parts:
         stem = _EXT.sub("", part)
         for kind in sorted(FILE_KINDS, key=len, reverse=True):

@@ -32,6 +32,14 @@ def test_traces_readme_names_the_latest_sweep_of_every_card():
     assert cards and cards <= named, f"card folders without a named sweep in traces/README.md: {cards - named}"
 
 
+def test_the_notebooks_latest_sweeps_are_kept():
+    """The sweeps the notebooks read (k3fast.measure.nbtools.SWEEPS) are among the files prune keeps."""
+    from k3fast.measure import nbtools
+    kept = set(trace.prune_plan()[0])
+    named = [p for paths in getattr(nbtools, "SWEEPS", {}).values() for p in paths]
+    assert set(named) <= kept, f"name these in traces/README.md: {sorted(set(named) - kept)}"
+
+
 def _git(root, *args):
     subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
 
