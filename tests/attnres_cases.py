@@ -16,6 +16,19 @@ def k3_attnres_variants(cfg):
     return sorted(out)
 
 
+def k3_attnres2_variants(cfg):
+    """(n_blocks, has_delta, block_write) of every AttnRes #2 site (after o_proj: the blocks before the layer plus the
+    one a boundary layer starts; delta = o_proj's output; no block write)."""
+    return sorted({(cfg.num_blocks_before(l) + int(cfg.is_block_boundary(l)), True, -1)
+                   for l in range(cfg.num_hidden_layers)})
+
+
+# The corners of the schedule for the compile tier (the other sites change only unrolled trip counts): no blocks and
+# no delta with a write of block 0; one block; the rms_gemv_ring joint prologue's last site at M = 2 (3 blocks) and the
+# first it leaves to the token-by-token prologue (4); all 8 blocks.
+CORNER_SITES = [(0, False, 0), (1, True, -1), (3, True, 3), (4, True, 4), (8, True, -1)]
+
+
 EPS = 1e-5
 K = 7168
 N_RANK16, N_RANK8, N_FULL = 3216, 6288, 49376
@@ -51,33 +64,34 @@ def make_w(N, Kw=K, dev="cuda"):
     return (torch.randn(N, Kw, device=dev) * Kw ** -0.5).to(torch.bfloat16)
 
 
-def check_norm_then_gemm_in_a_graph(M, bare_gemm, label, **path):
-    """fast.attnres_in_proj with ``path`` (its options that pick a norm + GEMM pair, the norm's trigger early or late)
-    against k3ref's AttnRes + RMSNorm: p' exact, y against the fp32 reference ("bf16_kernel") and equal to the norm
-    (trigger the other way) + ``bare_gemm`` called apart (the trigger placement changes no bit); then captured once
-    and replayed on new inputs, each replay (its y poisoned first) equal to an eager call, p' included. Returns
-    (call, inputs, w): call(partial_out) runs the path on the inputs as they are now."""
+def check_norm_then_gemm_in_a_graph(M, gemm, label, **pins):
+    """The layer's in_proj above M = 2 (rms_gemv.attnres_rmsnorm with its trigger after its wait, then ``gemm(x, w,
+    **pins)``: rms_gemv_ring.gemv_ring_mma or gemm_wgmma_splitk.gemm_wgmma) against k3ref's AttnRes + RMSNorm: p'
+    exact, y against the fp32 reference ("bf16_kernel") and equal to the norm with its trigger at its end + the same
+    GEMM (the trigger placement changes no bit); then captured once and replayed on new inputs, each replay (its y
+    poisoned first) equal to an eager call, p' included. Returns (call, inputs, w): call(partial_out) runs the pair on
+    the inputs as they are now."""
     import torch.nn.functional as F
     from k3fast.kernels import rms_gemv as R
-    from k3fast.layer import attnres_in_proj
     from tolerances import assert_close
     n_blocks = 3
     blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, True)
     w = make_w(N_RANK8)
     pout = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
-    early = path[next(k for k in path if k.endswith("_early"))]
 
     def call(po):
-        return attnres_in_proj(blocks, n_blocks, p, delta, u, w_ln, w, eps=EPS, block_write=-1, partial_out=po, **path)
+        x, po = R.attnres_rmsnorm(blocks, n_blocks, p, delta, u, w_ln, eps=EPS, block_write=-1, partial_out=po,
+                                  early_trigger=True)
+        return gemm(x, w, **pins), po
 
     y, po = call(pout)
     x_ref, p2_ref = ref_attnres(blocks, n_blocks, p, delta, u, w_ln)
     torch.cuda.synchronize()
     assert_close("p'", po, p2_ref, "exact")
     assert_close(label, y, F.linear(x_ref, w.float()), "bf16_kernel")
-    x_n, p_n = R.attnres_rmsnorm(blocks, n_blocks, p, delta, u, w_ln, eps=EPS, early_trigger=not early)
+    x_n, p_n = R.attnres_rmsnorm(blocks, n_blocks, p, delta, u, w_ln, eps=EPS)
     assert torch.equal(p_n, po)
-    assert torch.equal(bare_gemm(x_n, w), y)                # the norm's trigger placement changes no bit
+    assert torch.equal(gemm(x_n, w, **pins), y)             # the norm's trigger placement changes no bit
     holder = {}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

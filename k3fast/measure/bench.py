@@ -25,6 +25,61 @@ from k3ref.weights import random_layer
 from .trace import L2_POLICY, L2_WARM, capture, parse_run, replay_stats, time_replays, write_run
 
 
+def _cublaslt(fn):
+    """fn with torch's preferred BLAS library set to cublasLt for the call (the library the layer's cuBLAS GEMMs
+    use above M = 2), then restored."""
+    def call():
+        old = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return fn()
+        finally:
+            torch.backends.cuda.preferred_blas_library(old)
+    return call
+
+
+def _in_proj_cases(io, w, w_in, u1, p_out, x, M: int):
+    """(name, fused callable, stock callable, bytes) of the in_proj rows: each kernel of the layer's in_proj path at
+    the batches where it runs, beside cuBLAS on the same bytes. M <= 2: the bulk-copy ring (the default) and the fused
+    FMA kernel (its contender); M 3..8: the norm (trigger after its wait) + the tensor-core ring, and that ring bare;
+    M 9..64: the norm + the WGMMA GEMM at each of the layer's pin sets that applies, and the GEMM bare. Above M = 2
+    "attnres_rms_gemv" is the norm + cuBLAS pair (the layer's path where no kernel of ours applies)."""
+    from ..kernels.gemm_wgmma_splitk import applicable as wgmma_applicable, gemm_wgmma
+    from ..kernels.rms_gemv import attnres_rms_gemv, attnres_rmsnorm
+    from ..kernels.rms_gemv_ring import attnres_rms_gemv_ring, gemv_ring_mma, mma_applicable
+    d, N = w_in.shape[1], w_in.shape[0]
+    fused_bytes = w_in.numel() * 2 + M * d * 2 * 4
+    bare_bytes = w_in.numel() * 2 + M * d * 2
+    cases = [("attnres_rms_gemv", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm,
+                                                           w_in, partial_out=p_out, early_trigger=True),
+              lambda: F.linear(x, w_in), fused_bytes)]
+
+    def norm(early):
+        return attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,
+                               early_trigger=early)[0]
+
+    def norm_cublas():
+        return _cublaslt(lambda: F.linear(norm(False), w_in))()
+    if M <= 2:
+        cases.append(("attnres_rms_gemv@ring",
+                      lambda: attnres_rms_gemv_ring(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
+                                                    partial_out=p_out),
+                      lambda: F.linear(x, w_in), fused_bytes))
+    if 2 < M and mma_applicable(M, d, N):
+        cases.append(("gemv_in_proj_plain@ringmma", lambda: gemv_ring_mma(x, w_in), lambda: F.linear(x, w_in),
+                      bare_bytes))
+        cases.append(("attnres_rms_gemv@ringmmaet", lambda: gemv_ring_mma(norm(True), w_in), norm_cublas, fused_bytes))
+    # the layer's pin sets: the plan's own, rank8's 2 x 96 rows, rank16's 4 x 112 rows above M = 16
+    for tag, pins in (("", {}), ("2bn96xa", dict(ksplit=2, bn=96, xrows="auto")),
+                      ("4bn112xa", dict(ksplit=4, bn=112, xrows="auto"))):
+        if 8 < M and wgmma_applicable(M, d, N, **pins):
+            cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda pins=pins: gemm_wgmma(x, w_in, **pins),
+                          _cublaslt(lambda: F.linear(x, w_in)), bare_bytes))
+            cases.append((f"attnres_rms_gemv@wgmmaet{tag}", lambda pins=pins: gemm_wgmma(norm(True), w_in, **pins),
+                          norm_cublas, fused_bytes))
+    return cases
+
+
 def _cases(cfg, batch: int):
     """(name, fused callable, stock callable, bytes) for every fused kernel at this shape and batch."""
     from ..kernels import kda_conv_gate_step as kmod
@@ -33,7 +88,6 @@ def _cases(cfg, batch: int):
     from ..kernels.moe_mxfp4_experts import make_workspace, moe_mxfp4_experts, prepare_mxfp4_experts
     from ..kernels.moe_tail import moe_tail, prepare_shared_gate_up, shared_expert_gate_up
     from ..kernels.oproj_attnres import oproj_attnres
-    from ..kernels.rms_gemv import attnres_rms_gemv
     from ..kernels.router_down_topk import prepare_front_weight, router_down_topk
     from ..stock.kda import stock_kda_core
     dev, d, M = "cuda", cfg.hidden_size, batch
@@ -52,161 +106,7 @@ def _cases(cfg, batch: int):
     u1 = attn_res_u(w.attn_res, P).float().contiguous()
     p_out = torch.empty_like(io.partial)
     x = rnd(M, d)
-    cases.append(("attnres_rms_gemv", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
-                                                               partial_out=p_out),
-                  lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    # 1b. diagnostics of 1: our plain GEMV without the prologue (its cost = fused - plain), the unfused pair at
-    # M <= 2 (the k-split rows @ks1/2/8 against the default ks = 4, first timed in kernels-ea0c850.json), and the split-K
-    # tensor-core kernel at M > 4
-    from ..kernels.rms_gemv import attnres_rmsnorm, gemv
-    cases.append(("gemv_in_proj_plain", lambda: gemv(x, w_in), lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2))
-    if M <= 2:      # rms_gemv v3 (opt-in): two row groups per iteration of the fused kernel's loop
-        cases.append(("attnres_rms_gemv@G2", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
-                                                                      w.input_layernorm, w_in, partial_out=p_out,
-                                                                      fused_groups=2),
-                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    if M <= 2:      # the fused kernel's k split again (ks = 4 since kernels-ea0c850.json, with v2's loop): ks = 1 takes
-        # each row in one warp (16 rows per group, no cross-warp sum per row), ks = 8 one eighth of it
-        for ks in (1, 2, 8):
-            cases.append((f"attnres_rms_gemv@ks{ks}",
-                          lambda ks=ks: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm,
-                                                         w_in, partial_out=p_out, fused_ks=ks),
-                          lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    if M <= 2:      # rms_gemv v7 (opt-in): 2 / 3 row groups of each CTA in L2 prefetch ahead, all before the PDL wait
-        for pf in (2, 3):
-            cases.append((f"attnres_rms_gemv@pf{pf}",
-                          lambda pf=pf: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm,
-                                                         w_in, partial_out=p_out, prefetch_groups=pf),
-                          lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    if M <= 4:      # rms_gemv v5, before v6 (the default since session 7: each batch of weight loads tied together;
-        # fused at M <= 2, plain above; measured as the "@pin" rows of kernels-84291ed.json)
-        cases.append(("attnres_rms_gemv@v5", lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1,
-                                                                      w.input_layernorm, w_in, partial_out=p_out,
-                                                                      pin_loads=False),
-                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-        cases.append(("gemv_in_proj_plain@v5", lambda: gemv(x, w_in, pin_loads=False), lambda: F.linear(x, w_in),
-                      w_in.numel() * 2 + M * d * 2))
-    if M <= 2:      # rms_gemv v12 (rms_gemv_ring, the layer's in_proj at M <= 2): a bulk-copy shared-memory ring, fused
-        # and bare (the bare row beside gemv_in_proj_plain and cuBLAS on the same x and weights)
-        from ..kernels.rms_gemv_ring import attnres_rms_gemv_ring, gemv_ring
-        cases.append(("attnres_rms_gemv@ring", lambda: attnres_rms_gemv_ring(io.blocks, 1, io.partial, io.delta, u1,
-                                                                             w.input_layernorm, w_in, partial_out=p_out),
-                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-        cases.append(("gemv_in_proj_plain@ring", lambda: gemv_ring(x, w_in), lambda: F.linear(x, w_in),
-                      w_in.numel() * 2 + M * d * 2))
-        # v12.2 (the default since s48; "@ringjoint" in kernels-d8196e2-s48.json): the token-by-token prologue
-        cases.append(("attnres_rms_gemv@ringnojoint",
-                      lambda: attnres_rms_gemv_ring(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
-                                                    partial_out=p_out, joint=False),
-                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    if M <= 2:
-        def unfused():
-            xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
-            return gemv(xx, w_in)
-        cases.append(("attnres_rms_gemv@unfused", unfused, lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
-    from ..kernels.rms_gemv_ring import gemv_ring_mma, mma_applicable
-    if 2 < M and mma_applicable(M, d, w_in.shape[0]):
-        # rms_gemv_ring v13 (session 20): the tensor-core ring GEMV where the layer's in_proj is cuBLAS (M 3..8),
-        # bare beside cuBLAS on the same x, and as the layer runs it behind the AttnRes norm kernel (the norm's
-        # trigger at its end / after its wait) beside the norm + cuBLAS pair
-        cases.append(("gemv_in_proj_plain@ringmma", lambda: gemv_ring_mma(x, w_in), lambda: F.linear(x, w_in),
-                      w_in.numel() * 2 + M * d * 2))
-        def norm_cublas():
-            xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out)
-            return F.linear(xx, w_in)
-
-        # v14 (session 21): the same ring on the tiled copy of the weight (one 16 KB bulk copy per chunk)
-        from ..kernels.rms_gemv_ring import mma_tile_weight
-        w_tiled = mma_tile_weight(w_in)
-        cases.append(("gemv_in_proj_plain@ringmmatiled", lambda: gemv_ring_mma(x, w_tiled), lambda: F.linear(x, w_in),
-                      w_in.numel() * 2 + M * d * 2))
-        for tag, et, ww in (("", False, w_in), ("et", True, w_in), ("ettiled", True, w_tiled)):
-            def norm_ring(et=et, ww=ww):
-                xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,
-                                        early_trigger=et)
-                return gemv_ring_mma(xx, ww)
-            cases.append((f"attnres_rms_gemv@ringmma{tag}", norm_ring, norm_cublas, w_in.numel() * 2 + M * d * 2 * 4))
-    from ..kernels.gemm_wgmma_splitk import applicable as wgmma_applicable, gemm_wgmma
-    if 8 < M and wgmma_applicable(M, d, w_in.shape[0]):
-        # gemm_wgmma_splitk (session 25): the WGMMA GEMM with a cluster K split where the layer's in_proj is cuBLAS
-        # (M 9..64), bare beside cublasLt, the library the layer calls there (fast.INPROJ_BLAS), and behind the AttnRes
-        # norm (its trigger at its end / after its wait) beside the norm + cublasLt pair
-        from ..layer import blas_library
-
-        def lt_linear(xx=x):
-            with blas_library("cublaslt", x.device):
-                return F.linear(xx, w_in)
-
-        def norm_lt():
-            return lt_linear(attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm,
-                                             partial_out=p_out)[0])
-        wbytes = w_in.numel() * 2 + M * d * 2
-        cases.append(("gemm_in_proj_plain@wgmma", lambda: gemm_wgmma(x, w_in), lt_linear, wbytes))
-        # the plan's variants: 128-wide stages (v1.1), rings small enough for two CTAs per SM (d3 / d2), fewer
-        # clusters than the plan's (8 x BN 256: 13 of them at rank16; 4 x BN 128: 26), 8 x BN 256 at two per SM,
-        # cuBLAS's own tilings without a K split (1bn32: nvjet 64x32 at rank16, 1bn64: 64x64 at rank8; few rows
-        # walked fast instead of 224 walked slowly), and a split of 2 x 64 rows
-        for tag, kw in (("k128", dict(bk=128)), ("d3", dict(stages=3)), ("d2", dict(stages=2)),
-                        ("8bn256", dict(ksplit=8, bn=256)), ("4bn128", dict(ksplit=4, bn=128)),
-                        ("8bn256d2", dict(ksplit=8, bn=256, stages=2)), ("1bn32", dict(ksplit=1, bn=32)),
-                        ("1bn64", dict(ksplit=1, bn=64)), ("2bn64", dict(ksplit=2, bn=64)),
-                        # session 27: every SM streaming (1bn48: 131 CTAs of 48 rows over all of K at rank8; 2bn96: 66
-                        # clusters of 2 x 96 rows), where at M = 16 the x tile is a quarter of the plan's stage bytes
-                        ("1bn48", dict(ksplit=1, bn=48)), ("2bn96", dict(ksplit=2, bn=96)),
-                        # v3 (session 27): x tiles of the token bucket's rows instead of a zero-filled 64-row box
-                        ("xa", dict(xrows="auto")), ("2bn96xa", dict(ksplit=2, bn=96, xrows="auto")),
-                        # session 28: the rank16 M 17..64 default (29 clusters of 4 x 112 rows)
-                        ("4bn112", dict(ksplit=4, bn=112)),
-                        # diagnostics: the ring with consumers that release each stage without a WGMMA (session 25,
-                        # output zeros: as fast as the GEMM, the memory side sets its rate), and rings that carry W
-                        # only (session 28, x never loaded, output garbage: much faster than with x, x's share of the
-                        # SM-side traffic holds the GEMM below cuBLAS, whose clusters share x by multicast)
-                        ("nomma", dict(diag="nomma")), ("nox", dict(diag="nox")),
-                        ("4bn112nox", dict(ksplit=4, bn=112, diag="nox")),
-                        ("4bn112nomma", dict(ksplit=4, bn=112, diag="nomma")),
-                        ("2bn96nox", dict(ksplit=2, bn=96, diag="nox"))):
-            if wgmma_applicable(M, d, w_in.shape[0], **{k: v for k, v in kw.items() if k != "diag"}):
-                cases.append((f"gemm_in_proj_plain@wgmma{tag}", lambda kw=kw: gemm_wgmma(x, w_in, **kw), lt_linear,
-                              wbytes))
-        # v2 (session 25): the tiled copy of the weight, each stage's W tile one contiguous run; the plan's ring and d3
-        from ..kernels.gemm_wgmma_splitk import tile_weight
-        w_wt = tile_weight(w_in)
-        cases.append(("gemm_in_proj_plain@wgmmatiled", lambda: gemm_wgmma(x, w_wt), lt_linear, wbytes))
-        cases.append(("gemm_in_proj_plain@wgmmatiledd3", lambda: gemm_wgmma(x, w_wt, stages=3), lt_linear, wbytes))
-        # v4 (session 29): that tiled copy pre-swizzled and each stage's W tile one 1-D bulk copy, at the layer's pins
-        # (rank16 M 17..64: 4 x 112 rows; rank8: 2 x 96) and with W alone in the ring (nox, output garbage)
-        w_bk = tile_weight(w_in, swizzle=True)
-        for tag, kw in (("", {}), ("4bn112", dict(ksplit=4, bn=112)), ("4bn112xa", dict(ksplit=4, bn=112, xrows="auto")),
-                        ("4bn112nox", dict(ksplit=4, bn=112, diag="nox")), ("2bn96xa", dict(ksplit=2, bn=96, xrows="auto")),
-                        ("2bn96nox", dict(ksplit=2, bn=96, diag="nox"))):
-            if wgmma_applicable(M, d, w_in.shape[0], **{k: v for k, v in kw.items() if k != "diag"}):
-                cases.append((f"gemm_in_proj_plain@wgmmabulk{tag}", lambda kw=kw: gemm_wgmma(x, w_bk, **kw), lt_linear,
-                              wbytes))
-        for tag, et in (("", False), ("et", True)):
-            def norm_wgmma(et=et):
-                xx, _ = attnres_rmsnorm(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, partial_out=p_out,
-                                        early_trigger=et)
-                return gemm_wgmma(xx, w_in)
-            cases.append((f"attnres_rms_gemv@wgmma{tag}", norm_wgmma, norm_lt, w_in.numel() * 2 + M * d * 2 * 4))
-    if M > 2:
-        # rms_gemv v15 (session 23): the AttnRes norm alone as one CTA per token (cl1, before) and as clusters of 2 / 4
-        # / 8 CTAs per token, with 1 and 8 mixed blocks; the baseline is the one-CTA build
-        for nb in (1, 8):
-            nbytes = (nb + 2 + 2) * M * d * 2       # sources, delta, then x and p' written
-            for cl in (1, 2, 4, 8):
-                cases.append((f"attnres_rmsnorm@nb{nb}cl{cl}",
-                              lambda nb=nb, cl=cl: attnres_rmsnorm(io.blocks, nb, io.partial, io.delta, u1,
-                                                                   w.input_layernorm, partial_out=p_out, cluster=cl),
-                              lambda nb=nb: attnres_rmsnorm(io.blocks, nb, io.partial, io.delta, u1,
-                                                            w.input_layernorm, partial_out=p_out, cluster=1),
-                              nbytes))
-        # the opt-in tensor-core kernel with x staged in shared memory and K split across CTAs (gemv_splitk)
-        cases.append(("gemv_in_proj_plain@splitk", lambda: gemv(x, w_in, mma="splitk"), lambda: F.linear(x, w_in),
-                      w_in.numel() * 2 + M * d * 2))
-        cases.append(("attnres_rms_gemv@splitk",
-                      lambda: attnres_rms_gemv(io.blocks, 1, io.partial, io.delta, u1, w.input_layernorm, w_in,
-                                               partial_out=p_out, mma="splitk"),
-                      lambda: F.linear(x, w_in), w_in.numel() * 2 + M * d * 2 * 4))
+    cases += _in_proj_cases(io, w, w_in, u1, p_out, x, M)
     # 2. KDA core
     proj = rnd(M, w_in.shape[0])
     conv_w = torch.cat([a.q_conv, a.k_conv, a.v_conv]).view(-1, 4).float().contiguous()
@@ -234,10 +134,11 @@ def _cases(cfg, batch: int):
                   lambda: oproj_attnres(y, a.o_proj, io.blocks, 2, io.partial, u2, w.post_attention_layernorm,
                                         out_x=xo, out_partial=po),
                   lambda: F.linear(y, a.o_proj), oproj_bytes))
-    if 2 < M and mma_applicable(M, a.o_proj.shape[1], a.o_proj.shape[0]):
-        # v13 for o_proj's GEMV alone beside cuBLAS (the layer's o_proj above GEMV_DSL_MAX_M, "fast-opmma")
-        cases.append(("gemv_o_proj_plain@ringmma", lambda: gemv_ring_mma(y, a.o_proj), lambda: F.linear(y, a.o_proj),
-                      a.o_proj.numel() * 2 + M * (d + Pw) * 2))
+    from ..kernels.gemm_wgmma_splitk import applicable as wgmma_applicable, gemm_wgmma
+    if 8 < M and wgmma_applicable(M, a.o_proj.shape[1], a.o_proj.shape[0]):
+        # o_proj's GEMM where the layer runs it apart from its AttnRes #2 kernel, beside cuBLAS (cublasLt)
+        cases.append(("gemm_o_proj_plain@wgmma", lambda: gemm_wgmma(y, a.o_proj),
+                      _cublaslt(lambda: F.linear(y, a.o_proj)), a.o_proj.numel() * 2 + M * (d + Pw) * 2))
     # 4. router + latent down + top-k
     front = prepare_front_weight(m.gate, m.down)
     bias = m.e_score_correction_bias.float().contiguous()
