@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -14,17 +16,28 @@
 # %% [markdown]
 # # 05 — Router logits + latent down-projection + top-16, one pass over x
 #
-# **Reference ops replaced** (k3-spec.md sections 10, 11): `ℓ = x W_rᵀ` in FP32, `s = σ(ℓ)`, the top-16 of
-# `s + e_score_correction_bias` (selection only), weights `s / Σ s` over the chosen; and `z = x W_downᵀ`, the latent
-# the experts run in. Both read the same MLP input, so their 896 + 3584 rows are packed into one weight
-# `[4480, 7168]` (64 MB, replicated on every TP rank) and streamed once.
+# **Reference ops replaced** (`docs/k3-layer.md` sections 10, 11, 12):
+# * `ℓ = x W_rᵀ` in FP32, `s = σ(ℓ)`;
+# * the top-16 of `s + e_score_correction_bias` (the bias is for selection only);
+# * the weights `s / Σ s` over the chosen experts;
+# * `z = x W_downᵀ`, the latent the experts run in;
+# * at M ≤ 4, the shared experts' gate/up and SiTU too.
+#
+# All of them read the same MLP input x. So their rows are packed into one weight, router rows first:
+# `[896 + 3584 + 2·Is, 7168]`, 64 MB (+ the shared rows), the same on every TP rank. It is streamed once.
+#
+# **The trick.** The top-16 needs all 896 logits of a token, spread over 224 router CTAs.
+# Each router CTA writes its logits, then bumps a device counter. The last CTA to arrive runs the top-16,
+# while the latent rows still stream in the other CTAs. It also resets the counter, so replays need no memset.
 
 # %%
 import torch
 
 from k3ref import Precision, k3_rank, random_layer, tiny
-from k3ref.bytes import floor_us, layer_bytes
+from k3ref.compare import rel_rmse
 from k3ref.moe import route
+
+from k3fast.kernels import router_down_topk as rm
 from k3fast.measure import nbtools
 
 cfg, P = tiny(), Precision.exact()
@@ -44,164 +57,135 @@ print("tokens whose expert set differs from the unbiased top-k:",
 
 # %% [markdown]
 # ## 2. Bytes and floor
+# The router (13 MB) and the latent down-projection (51 MB) do not shrink with tensor parallelism.
+# So this floor is the same at rank16, rank8 and full width.
 
 # %%
-c = k3_rank(16)
-st = {x.stage: x for x in layer_bytes(c, "kda_moe", 1, distinct_experts=16)}
-nb = st["k3.router"].total + st["k3.moe.down"].total
-print(f"router + latent down: {nb / 1e6:.1f} MB, floor {floor_us(nb, 4.3):.1f} µs (the same at every TP degree)")
+nbtools.floors(nbtools.FUSIONS["front"], batches=(1, 64))
 
 # %% [markdown]
-# ## 3. The fused kernel (`k3fast/router_down_topk.py`): one launch; the last CTAs to finish their router rows do
-# the top-16 (a last-arriver counter, reset by the last arriver so graph replays need no memset).
-
-# %%
-from k3fast.kernels import router_down_topk as rm
-print(rm.__doc__.split("\n\n")[0])
-print(nbtools.compile_on_cpu(rm.warmup, [1]))
-
-# %% [markdown]
-# ## 4-5. Against the reference (recorded on the H200) and the time
-
-# %%
-rec = nbtools.recorded_gpu_tests("test_router_down_topk")
-print(f"recorded H200 parity tests: {rec['passed']} passed, {rec['failed']} failed ({rec['source']})")
-if rec["failed"]:
-    print("failing:", rec["failures"], "(a test that assumed the bias alone orders the picks; fixed, to be re-run)")
-print(nbtools.bench_table(nbtools.recorded_kernel_bench("router_down_topk")))
-
-# %% [markdown]
-# ## 6. Above M = 4: one cuBLAS GEMM, then the top-k alone (`TopkFromLogits`)
-# At the tensor-core batches the fused kernel loses to a library GEMM over the same packed weight (fp32 output,
-# so the logits are never rounded). What is left is the top-k, and it matters how it is done. In torch ops it
-# took ~12 kernels, a 20 µs stable radix sort among them. `TopkFromLogits` is one CTA per token: warp 0 runs the
-# fused kernel's own top-k code, so the ties and weights are the same. It also rounds z, and forms the shared
-# experts' SiTU from their gate/up rows, which ride in the same GEMM. The layer A/B below comes from one run
-# (commit cd4a730). There `fast` took the cuBLAS front above M = 16 (today's `fast-front16`), `fast-front4` above
-# M = 4 (today's default, after this run) and `fast-front0` at every M. `fast-shapart` keeps the shared gate/up
-# as its own kernel.
-
-# %%
-print(nbtools.bench_table(nbtools.recorded_kernel_bench("router_down_topk_cublas")))
-print(nbtools.bench_table(nbtools.recorded_kernel_bench("router_down_topk_cublas+shared")))
-print(nbtools.ab_table("traces/h200/records-cd4a730-s5perf.json", "moe",
-                       ["stock", "fast", "fast-front0", "fast-front4", "fast-shapart"]))
-
-# %% [markdown]
-# ## 7. A hypothesis that failed: code size
-# `TopkFromLogits` took ~16 µs at every batch in that run, against a few µs of arithmetic. The first suspect was
-# the size of its machine code. With the 16 selection rounds unrolled, the top-k is most of the router kernels'
-# SASS, and one warp runs it once per token, so it would be fetched cold. Rolling the rounds into a loop (v2.4,
-# opt-in: `rolled=True`, impl `fast-rolled`) cut the code by more than half. The H200 said no (next section):
-# rolled and unrolled took the same time, and the same with the L2 warm or flushed.
-
-# %%
-src, sizes = nbtools.recorded_code_sizes()
-print(f"SASS per kernel ({src}):")
-for r in sizes:
-    print(f"  {r['kernel']:36s} {r['config']:32s} {r['sass_instructions']:5d} instructions = {r['code_kb']:5.1f} KB, "
-          f"{r['registers']} registers")
-
-# %% [markdown]
-# ## 8. What the machine code showed: 28 loads, one round trip each
-# Each lane of warp 0 reads 28 logits (896 / 32) and 28 biases. In v2.4 each logit went straight into its
-# sigmoid, `1 / (1 + exp(-l))`. An IEEE division (`div.rn.f32`) becomes, in SASS, a reciprocal, a range check and
-# a branch to a slow-path subroutine. ptxas does not move a load above a branch, so each of the 28 loads waited
-# for the previous logit's division, which waited for its load: 28 L2 round trips of ~0.5 µs in series, ~14 µs.
-# The SASS read `LDG, LDG, MUFU, branch, ..., LDG, LDG, MUFU, branch, ...`.
+# ## 3. The fused kernel and its trick
+# ### One launch at M ≤ 4
+# A warp streams one packed weight row with 16-byte loads and FMAs it against the M tokens of x.
+# * Router CTAs come first in the grid. Each writes its fp32 logits to a workspace and adds 1 to a counter
+#   (acquire-release). The CTA whose add returns the last count runs the top-16 of every token.
+# * The latent CTAs write `z`. The shared-expert CTAs meet each gate/up pair in shared memory and write `h`.
+# * The top-16 issues all its loads first, then the arithmetic: a sigmoid's division compiles to a branch, and
+#   ptxas does not move a load above a branch. Loads interleaved with sigmoids cost one L2 round trip each.
 #
-# v2.5 issues all 56 loads first, then the arithmetic. The results are bit-identical, since only the order
-# changed. The CPU test `test_topk_loads_issue_before_the_first_sigmoid` keeps it that way. The same pattern
-# then turned up in the z copy: a store waits for its load, and the next load is not hoisted above a store to
-# memory ptxas cannot prove disjoint. Below, the PTX of today's kernel as a string of operations (L = global
-# load, e = ex2, r = IEEE reciprocal `rcp.rn`, the division of the sigmoid; S = global store), compiled here on the
-# CPU:
-
-# %%
-from k3fast.kernels._dsl import dsl_available  # noqa: E402
-
-if dsl_available():
-    from k3fast.kernels import router_down_topk as rdt
-    from k3fast.kernels._dsl import TVM_FFI
-    from k3fast.measure.ptxcheck import compiled_ptx
-    old, rdt.TVM_FFI = rdt.TVM_FFI, TVM_FFI + " --keep-ptx"
-    try:
-        ptx = compiled_ptx(lambda: rdt._build(0, 896, 3584, 7168, 16, rdt.UNROLL, shared=384))
-    finally:
-        rdt.TVM_FFI = old
-    code = {"ld.global": "L", "ex2": "e", "rcp.rn": "r", "st.global": "S"}
-    seq = "".join(next((c for op, c in code.items() if ln.strip().startswith(op)), "") for ln in ptx.splitlines())
-    print(seq[:140], "...")
-    assert seq.index("e") > seq.rindex("L", 0, seq.index("e")) and seq[:seq.index("e")].count("L") >= 56
-else:
-    print("CuTe DSL not installed: PTX not shown")
-
-# %% [markdown]
-# Measured on the H200: the kernel alone, flushed and warm, across the three commits (v2.4, v2.5, then the
-# batched z copy), and the MoE half's A/B from the run that measured v2.5. The same run has the bulk-L2-prefetch
-# opt-ins, which were slower.
-
-# %%
-import json  # noqa: E402
-import os  # noqa: E402
-
-print(f"{'kernel bench, rank16, µs (flushed / warm)':48s}{'b1':14s}b8")
-for commit, what in (("31884ea", "v2.4"), ("1214f05", "v2.5"), ("001a431", "v2.5 + batched z")):
-    with open(os.path.join(nbtools.ROOT, "traces", "h200", f"kernels-{commit}.json")) as f:
-        rec = {(r["kernel"], r["batch"]): r["fast_us_median"] for r in json.load(f)["records"]}
-    cells = [f"{rec[('topk_from_logits', b)]:5.1f} / {rec[('topk_from_logits~warm', b)]:5.1f}" for b in (1, 8)]
-    print(f"  {'TopkFromLogits at ' + commit + ' (' + what + ')':46s}" + "   ".join(cells))
-print(nbtools.bench_table(nbtools.recorded_kernel_bench("router_down_topk")))
-print(nbtools.ab_table("traces/h200/records-31884ea-s6perf.json", "moe", ["stock", "fast", "fast-rolled"]))
-print(nbtools.ab_table("traces/h200/records-1214f05-s7perf.json", "moe",
-                       ["stock", "fast", "fast-rolled", "fast-tailpf", "fast-frontpf", "fast-pf"]))
-
-# %% [markdown]
-# ## 9. The shared experts in the same pass (v2.7)
-# The shared experts' gate/up (k3-spec.md section 12) reads the same x as the router and the latent
-# down-projection, and does not depend on the routing. Until session 7 it was its own kernel between the router
-# and the routed experts at M <= 4, and the experts, which wait for the kernel before them, waited for it too. The
-# timelines below are one flushed replay each, from the run that measured the change. The fused front now streams
-# the gate and up rows in its last CTAs. Each CTA owns two h columns: its warps 2p and 2p + 1 take the gate and
-# the up row of column 2c + p, so the SiTU pairs meet in shared memory. The front still ends at ~20 µs, because
-# the extra 11 MB stream while the last router CTA runs the top-k. The experts now start 7 µs earlier, and the
-# MoE half needs one launch fewer (`fast-s9front` is the layout before).
-
-# %%
-print(nbtools.bench_table(nbtools.recorded_kernel_bench("router_down_topk+shared")))
-print(nbtools.replay_timeline("traces/h200/records-9ac30a0-s10perf.json", "moe", "fast-s9front"))
-print(nbtools.replay_timeline("traces/h200/records-9ac30a0-s10perf.json", "moe", "fast"))
-print(nbtools.ab_table("traces/h200/records-9ac30a0-s10perf.json", "moe", ["stock", "fast", "fast-s9front"]))
-
-# %% [markdown]
-# ## 10. The top-k over four warps (v2.8)
-# Above M = 4 the front is a cuBLAS GEMM and `TopkFromLogits` (one CTA per token) does the selection. One warp ran
-# the 16 selection rounds over 28 keys per lane while the other three only copied z. v2.8 gives each warp 224
-# experts: a per-warp top-16 (7 keys per lane), then warp 0 merges the 64 candidates. The global top-16 lies in
-# the union of the per-warp top-16s under the same order (larger key, then lower expert), so the outputs are
-# bit-identical by construction; the H200 test compares them bit for bit, with exact ties across warps. Below,
-# the same argument on the CPU (split selection against one selection over all 896 keys), then the H200 run that
-# measured it (`fast-topk4` was the opt-in then, the default now; `fast-s12` keeps one warp).
+# ### Above M = 4: one cuBLAS GEMM, then the top-16 alone
+# A library GEMM over the same packed weight wins there (fp32 output, so the logits are never rounded).
+# Then `TopkFromLogits`, one CTA per token, selects: each of its 4 warps takes the top-16 of 224 experts,
+# and warp 0 merges the 64 candidates. The global top-16 lies in the union of the per-warp top-16s under the same
+# order (larger key, then lower expert), so the result is the same bits. Here is that argument on the CPU,
+# with many exact ties:
 
 # %%
 g10 = torch.Generator().manual_seed(10)
 keys = torch.randint(0, 40, (3, 896), generator=g10).double()          # few distinct values: many exact ties
-order = lambda k, idx: sorted(idx, key=lambda e: (-k[e].item(), e))[:16]   # larger key, then lower expert
-split_equal = True
-for row in keys:
-    per_warp = [e for w in range(4) for e in order(row, list(range(224 * w, 224 * (w + 1))))]
-    split_equal &= order(row, per_warp) == order(row, list(range(896)))
+
+
+def top16(k, idx):
+    return sorted(idx, key=lambda e: (-k[e].item(), e))[:16]          # larger key, then lower expert
+
+
+split_equal = all(top16(row, [e for wp in range(4) for e in top16(row, range(224 * wp, 224 * (wp + 1)))])
+                  == top16(row, range(896)) for row in keys)
 print("top-16 of the per-warp top-16s == top-16 of all 896 (with ties):", split_equal)
-with open(os.path.join(nbtools.ROOT, "traces", "h200", "kernels-5d32223-s12.json")) as f:
-    rec = {(r["kernel"], r["batch"]): r["fast_us_median"] for r in json.load(f)["records"]}
-for b in (1, 8, 64):
-    print(f"  TopkFromLogits b{b:<3d} one warp {rec[('topk_from_logits', b)]:5.1f} µs   four warps "
-          f"{rec[('topk_from_logits@split', b)]:5.1f} µs   (warm {rec[('topk_from_logits~warm', b)]:4.1f} / "
-          f"{rec[('topk_from_logits@split~warm', b)]:4.1f})")
-print(nbtools.ab_table("traces/h200/records-5d32223-s12.json", "moe", ["stock", "fast", "fast-topk4"]))
+
+# %% [markdown]
+# The builds at rank16 (shared width 384): one fused build per token bucket up to M = 4, then the top-k kernel,
+# whose build does not depend on M. One compiled on the CPU:
+
+# %%
+Is = k3_rank(16).shared_intermediate
+for key in rm.compile_keys(Is, [1, 2, 4, 8, 64]):
+    print(" ", key)
+compiled = nbtools.compile_on_cpu(rm.warmup, Is, [1])
+
+# %% [markdown]
+# ## 4. Against the reference
+# On the CPU: the selection order and the weights. With a GPU: the fused kernel against `k3ref` at rank16 b1.
+# `tests/gpu/test_router_down_topk.py` covers both paths, every bucket, and exact ties across warps.
 
 # %%
 assert split_equal
-assert torch.allclose(ws.sum(-1), torch.ones(4, dtype=torch.float64))
-assert torch.equal(ws, s.gather(1, ids) / s.gather(1, ids).sum(-1, keepdim=True))
+assert torch.allclose(ws.sum(-1), torch.full((4,), cfg.routed_scaling_factor, dtype=torch.float64))
+assert torch.equal(ws, s.gather(1, ids) / s.gather(1, ids).sum(-1, keepdim=True) * cfg.routed_scaling_factor)
+if torch.cuda.is_available():
+    cg = k3_rank(16)
+    m = random_layer(cg, 1, seed=0, device="cuda").mlp
+    xg = torch.randn(1, cg.hidden_size, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    xg = xg.bfloat16()
+    front = torch.cat([m.gate, m.down, m.shared_gate, m.shared_up]).contiguous()
+
+    def run():
+        return rm.router_down_topk(xg, front, m.e_score_correction_bias, shared=cg.shared_intermediate,
+                                   scaling=cg.routed_scaling_factor)
+    z, kid, kw, _ = run()
+    rid, rw = route(xg, m, cg, Precision.model())
+    z_err = rel_rmse(z.float(), xg.float() @ m.down.float().T)
+    print(f"live: same experts {torch.equal(kid.long(), rid)}, weights {rel_rmse(kw, rw.float()):.1e}, "
+          f"z {z_err:.1e}; {nbtools.time_live(run):.1f} µs per call (graph replay)")
+    assert torch.equal(kid.long(), rid) and z_err < 1e-2
+else:
+    print("no GPU here: the recorded records' rel_err_vs_ref is the GPU's word")
+
+# %% [markdown]
+# ## 5. Measured: beside stock and the floor
+# Stock runs the router GEMM, vLLM's top-k kernel and the latent GEMM (with a split-K reduce).
+# One booking differs: at M ≤ 4 our front also computes the shared experts' gate/up, which stock books under
+# `k3.moe.shared`. At full width those rows are 176 MB, so the front alone compares only at the ranks' widths.
+
+# %%
+recs = nbtools.sweep()
+rows = [r for r in nbtools.stage_rows(nbtools.FUSIONS["front"], recs) if r["shape"] != "full"]
+nbtools.show(rows)
+
+# %% [markdown]
+# At batch 1-2 the one fused launch beats stock's four kernels, although it also carries the shared gate/up.
+# From M = 4 the two paths are close. The MoE half as a whole (notebook 06) is where the front's early start pays.
+
+# %%
+for r in rows:
+    assert r["fast_us"] >= 0.8 * r["floor_us"], r
+    if r["batch"] <= 2:
+        assert 1.05 <= r["stock_us"] / r["fast_us"] <= 1.8, r
+moe = nbtools.part_rows("moe", recs)
+for r in moe:
+    if r["batch"] == 1:
+        assert r["stock_us"] / r["fast_us"] >= 1.2, r
 print("ok")
+
+# %% [markdown]
+# ## 6. What was tried
+# The design note, [router_down_topk.md](../docs/kernels/router_down_topk.md), holds the numbers, the runs and
+# the version table. Figures are H200 µs, kernel alone with the L2 flushed unless marked.
+#
+# | tried | measured | fate |
+# |---|---|---|
+# | the fused front above M = 4 | slower than one cuBLAS GEMM over the same weight | cuBLAS + `TopkFromLogits` there |
+# | the top-k in torch ops after the GEMM | ~12 kernels, a 20 µs stable sort among them | replaced by `TopkFromLogits` |
+# | the 16 selection rounds rolled into a loop (half the code) | the same time, L2 warm or flushed | removed |
+# | all 56 loads before the first sigmoid | `TopkFromLogits` 21.3 → 13.1 µs at b1 | kept |
+# | the z copy in batches (a store no longer waits for the next load) | 13.1 → 10.5 µs | kept |
+# | bulk L2 prefetches before the PDL wait (front, tail) | slower | removed |
+# | the shared experts' gate/up in the same pass (M ≤ 4) | the experts start 7 µs earlier, one launch fewer | kept |
+# | the top-16 over 4 warps, then a merge | 11.0 → 8.6 µs warm at b1, bit-identical | kept |
+
+# %% [markdown]
+# ## 7. Pictures
+# The front at the ranks' widths: stock and fast against the floor.
+
+# %%
+nbtools.plot_stage_bars(rows, "router + latent down");
+
+# %% [markdown]
+# One replay of the MoE half at rank16 on the H200, per batch. At M ≤ 4 the fused front is one kernel; at M = 8,
+# cuBLAS's GEMM (grey) and the top-k kernel. With PDL the experts kernel starts before the front ends.
+
+# %%
+h200 = nbtools.pick(recs, card="H200")
+nbtools.plot_timelines([(f"fast b{b}", nbtools.replay_kernels(nbtools.one(h200, shape="k3_rank16", batch=b,
+                                                                          part="moe", impl="fast")))
+                        for b in (1, 2, 4, 8)], "MoE half, rank16, H200: one replay per batch");
