@@ -604,12 +604,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # now live in git history only, so it keeps nothing and is not checked.
 CITING = ("README.md", "notebooks/*.py", "docs/**/*.md", "traces/README.md")
 FROZEN = ("docs/lab-log.md",)
-# The kinds of file a bare name may cite (records-<tag>.json ...); a bare name counts only when its tag starts
-# with a commit id (7+ hex digits) or a wildcard, so output names in prose ("ncu-2.tgz") are not citations.
+# The kinds of file a bare name may cite (records-<tag>.json, h200/records-<tag>.json ...); a bare name counts only
+# when its tag starts with a commit id (7+ hex digits) or a wildcard, so output names in prose ("ncu-2.tgz") are
+# not citations.
 FILE_KINDS = ("records", "kernels", "experts", "perfetto", "profile", "ptxcheck", "overlap", "l2probe",
               "clusterprobe", "blasprobe", "launchprobe", "ncu", "gpu-junit", "gpu-tests", "gpu", "sweep", "bench")
 _PATH = r"[\w@.*{},/-]*"
-_CITE = re.compile(r"(?<![\w./-])(?:traces/" + _PATH + r"|(?:(?:logs|junit)/)?(?:" + "|".join(FILE_KINDS)
+_CITE = re.compile(r"(?<![\w./-])(?:traces/" + _PATH + r"|(?:[\w-]+/)*(?:" + "|".join(FILE_KINDS)
                    + r")-(?:[0-9a-f]{7}|\*|\{)" + _PATH + ")")
 _EXT = re.compile(r"(\.(json|xml|txt|log|gz|tgz|png|svg|csv))+$")
 
@@ -639,10 +640,12 @@ def _expand(text: str, line: str) -> list[tuple[list[str], str | None]]:
 
 
 def _matches(pattern: str, tracked: set[str]) -> set[str]:
-    """The tracked files a cited pattern names: a full path under traces/, or a bare name under any card folder
-    (traces/*/ and one level below); a stem without a suffix ("overlap-*-s33") names the file with its suffix."""
+    """The tracked files a cited pattern names: a full path under traces/, or a name relative to traces/ (h200/...)
+    or to any card folder (traces/*/ and one level below); a stem without a suffix ("overlap-*-s33") names the file
+    with its suffix."""
     pattern = pattern.rstrip("/")
-    full = [pattern] if pattern.split("/")[0] == "traces" else [f"traces/*/{pattern}", f"traces/*/*/{pattern}"]
+    full = [pattern] if pattern.split("/")[0] == "traces" else [f"traces/{pattern}", f"traces/*/{pattern}",
+                                                                  f"traces/*/*/{pattern}"]
     if not _EXT.search(pattern):
         full += [g + ".*" for g in full]
     out = set()

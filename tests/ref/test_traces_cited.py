@@ -67,7 +67,8 @@ def tiny_repo(tmp_path):
                      "<!-- block:begin traces/h200/kernels-*.json -->\n",
         "notebooks/01_x.py": 'r = [load(f"traces/h100/experts-abcdef1-s2{\'-skewed\' if s else \'\'}.json") for s in (0, 1)]\n'
                              'a, b = (load(f"traces/h100/records-{t}.json") for t in ("abcdef1-s1",))\n',
-        "docs/kernels/x.md": "| v1 | ... | 1.0 | `records-abcdef1-s{1,2}.json` |\n",
+        "docs/kernels/x.md": "| v1 | ... | 1.0 | `records-abcdef1-s{1,2}.json` |\n"
+                             "Relative to traces/: `h200/kernels-7654321-s6.json`.\n",
         "docs/lab-log.md": "Old: `records-fedcba9-s0.json` (in git history only).\n",
         ".gitignore": "/traces/live/\n",
     }
@@ -84,6 +85,7 @@ def test_citations_resolve_bare_names_globs_braces_and_placeholders(tiny_repo):
     cites = {c.text: c for c in trace.citations(str(tiny_repo))}
     assert cites["records-abcdef1-s2.json"].files == ["traces/h100/records-abcdef1-s2.json"]
     assert cites["junit/gpu-junit-abcdef1-s4.xml"].files == ["traces/h100/junit/gpu-junit-abcdef1-s4.xml"]
+    assert cites["h200/kernels-7654321-s6.json"].files == ["traces/h200/kernels-7654321-s6.json"]
     assert cites["records-abcdef1-s{1,2}.json"].files == ["traces/h100/records-abcdef1-s1.json",
                                                           "traces/h100/records-abcdef1-s2.json"]
     # an f-string's expression and a placeholder filled from the same line's quoted words
