@@ -86,9 +86,10 @@ def _cases(cfg, batch: int):
     from .impls import make_io
     from ..kernels.kda_conv_gate_step import kda_conv_gate_step
     from ..kernels.moe_mxfp4_experts import make_workspace, moe_mxfp4_experts, prepare_mxfp4_experts
-    from ..kernels.moe_tail import moe_tail, prepare_shared_gate_up, shared_expert_gate_up
+    from ..kernels.moe_tail import moe_tail
     from ..kernels.oproj_attnres import oproj_attnres
-    from ..kernels.router_down_topk import prepare_front_weight, router_down_topk
+    from ..kernels.router_down_topk import (kernel_path, prepare_front_shared_weight, router_down_topk,
+                                            router_down_topk_cublas, topk_from_logits)
     from ..stock.kda import stock_kda_core
     dev, d, M = "cuda", cfg.hidden_size, batch
     w = random_layer(cfg, 1, seed=3, device=dev)
@@ -139,62 +140,30 @@ def _cases(cfg, batch: int):
         # o_proj's GEMM where the layer runs it apart from its AttnRes #2 kernel, beside cuBLAS (cublasLt)
         cases.append(("gemm_o_proj_plain@wgmma", lambda: gemm_wgmma(y, a.o_proj),
                       _cublaslt(lambda: F.linear(y, a.o_proj)), a.o_proj.numel() * 2 + M * (d + Pw) * 2))
-    # 4. router + latent down + top-k
-    front = prepare_front_weight(m.gate, m.down)
+    # 4. the MoE front: router + latent down + top-k + the shared experts' gate/up + SiTU over the packed weight.
+    # The fused kernel where the layer runs it (M <= 4), the cuBLAS GEMM + TopkFromLogits at every batch, and
+    # TopkFromLogits alone on a precomputed y (~16 KB per token) with the L2 flushed and (names ending "~warm") not.
+    # Stock: the router and down GEMMs + torch's top-k, then the shared gate/up GEMM.
+    Is = m.shared_gate.shape[0]
+    front = prepare_front_shared_weight(m.gate, m.down, m.shared_gate, m.shared_up)
     bias = m.e_score_correction_bias.float().contiguous()
+    sh_gu = torch.cat([m.shared_gate, m.shared_up]).contiguous()
 
     def stock_front():
         s = torch.sigmoid(F.linear(x, m.gate).float())
         ids = torch.topk(s + bias, cfg.num_experts_per_token, dim=-1).indices
-        return F.linear(x, m.down), ids
-    cases.append(("router_down_topk", lambda: router_down_topk(x, front, bias), stock_front, front.numel() * 2 + M * d * 2))
-    if M <= 2:      # the FMA path with v2.2's occupancy hint (9 / 7 CTAs per SM; measured slower, reverted in v2.3)
-        from ..kernels.router_down_topk import FMA_MIN_BLOCKS_TRIED
-        cases.append(("router_down_topk@minb9", lambda: router_down_topk(x, front, bias,
-                                                                          fma_min_blocks=FMA_MIN_BLOCKS_TRIED[M]),
-                      stock_front,
-                      front.numel() * 2 + M * d * 2))
-    # the cuBLAS front (fp32 GEMM over the packed weight) + TopkFromLogits, the path above FRONT_DSL_MAX_M, and the
-    # same with the shared experts' gate/up folded in (stock: the router GEMMs + top-k, then the shared gate/up GEMM)
-    from ..kernels.router_down_topk import prepare_front_shared_weight, router_down_topk_cublas
-    cases.append(("router_down_topk_cublas", lambda: router_down_topk_cublas(x, front, bias), stock_front,
-                  front.numel() * 2 + M * d * 2))
-    front_sh = prepare_front_shared_weight(m.gate, m.down, m.shared_gate, m.shared_up)
-    sh_gu = torch.cat([m.shared_gate, m.shared_up]).contiguous()
-    cases.append(("router_down_topk_cublas+shared",
-                  lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0]),
-                  lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
-    if M <= 4:      # router v2.7: the fused FMA front with the shared gate/up rows in its pass (FastImpl at M <= 4)
-        cases.append(("router_down_topk+shared",
-                      lambda: router_down_topk(x, front_sh, bias, shared=m.shared_gate.shape[0]),
-                      lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
-    # router v2.4 (opt-in): the top-k selection rounds as a loop (57 -> 25 KB of SASS), in both fronts
-    cases.append(("router_down_topk@rolled", lambda: router_down_topk(x, front, bias, rolled=True), stock_front,
-                  front.numel() * 2 + M * d * 2))
-    cases.append(("router_down_topk_cublas+shared@rolled",
-                  lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0], rolled=True),
-                  lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
-    cases.append(("router_down_topk_cublas+shared@split",        # router v2.8 (opt-in)
-                  lambda: router_down_topk_cublas(x, front_sh, bias, shared=m.shared_gate.shape[0], rolled=False,
-                                                  split=True),
-                  lambda: (stock_front(), F.linear(x, sh_gu)), front_sh.numel() * 2 + M * d * 2))
-    # TopkFromLogits alone on a precomputed y (~16 KB per token): unrolled / rolled top-k, with the L2 flushed and
-    # (names ending "~warm") not flushed. If the unrolled kernel's ~16 us is cold instruction fetch (v2.4's
-    # hypothesis), it drops a lot when warm and the rolled one flushed sits near the warm figure.
-    from ..kernels.router_down_topk import topk_from_logits
-    y_front = torch.mm(x, front_sh.t(), out_dtype=torch.float32)
-    h_front = torch.empty(M, m.shared_gate.shape[0], dtype=torch.bfloat16, device=dev)
-    # router v2.8 (opt-in, "@split"): the top-k over the CTA's 4 warps
-    for tag, r, sp in (("", False, False), ("@rolled", True, False), ("@split", False, True)):
-        for warm in ("", "~warm"):
-            cases.append((f"topk_from_logits{tag}{warm}",
-                          lambda r=r, sp=sp: topk_from_logits(y_front, bias, shared=m.shared_gate.shape[0],
-                                                              out_h=h_front, rolled=r, split=sp),
-                          lambda: torch.topk(torch.sigmoid(y_front[:, :m.gate.shape[0]]) + bias, 16),
-                          y_front.numel() * 4))
-    if M <= 2:      # a deeper FMA unroll (8 vectors per lane in flight; measured slower at e44cd14, LOG.md)
-        cases.append(("router_down_topk@U8", lambda: router_down_topk(x, front, bias, fma_unroll=8), stock_front,
-                      front.numel() * 2 + M * d * 2))
+        return F.linear(x, m.down), ids, F.linear(x, sh_gu)
+    front_bytes = front.numel() * 2 + M * d * 2
+    if kernel_path(M) == "fma":
+        cases.append(("router_down_topk", lambda: router_down_topk(x, front, bias, shared=Is), stock_front,
+                      front_bytes))
+    cases.append(("router_down_topk_cublas", lambda: router_down_topk_cublas(x, front, bias, shared=Is), stock_front,
+                  front_bytes))
+    y_front = torch.mm(x, front.t(), out_dtype=torch.float32)
+    for warm in ("", "~warm"):
+        cases.append((f"topk_from_logits{warm}", lambda: topk_from_logits(y_front, bias, shared=Is),
+                      lambda: torch.topk(torch.sigmoid(y_front[:, :m.gate.shape[0]]) + bias, 16),
+                      y_front.numel() * 4))
     # 5. routed experts (uniform routing: distinct experts per token)
     prep = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
     # the nibble layout (PRMT-table decode, fp32 per-block scales): the default until 2026-11-29, for the A/B rows
@@ -240,11 +209,8 @@ def _cases(cfg, batch: int):
     cases.append(("moe_mxfp4_experts@v5:skewed",
                   lambda: moe_mxfp4_experts(z, ids_sk, tw, prep, None, None, None, workspace=ws, version=5),
                   lambda: marlin(z, ids_sk, tw), n_sk * expert_bytes(cfg)))
-    # 6. shared gate/up and the tail
-    gu = prepare_shared_gate_up(m.shared_gate, m.shared_up)
-    gu_stock = torch.cat([m.shared_gate, m.shared_up]).contiguous()
-    cases.append(("shared_expert_gate_up", lambda: shared_expert_gate_up(x, gu), lambda: F.linear(x, gu_stock),
-                  gu.numel() * 2 + M * d * 2))
+    # 6. the tail: routed_expert_norm + latent up + shared down + add (the layer runs it at M <= 16; above, the
+    # fast-taildsl contender does)
     h = rnd(M, cfg.shared_intermediate)
     r = rnd(M, cfg.routed_expert_hidden_size)
     fo = torch.empty(M, d, dtype=torch.bfloat16, device=dev)
@@ -252,11 +218,8 @@ def _cases(cfg, batch: int):
     def stock_tail():
         rn = F.rms_norm(r.float(), (r.shape[-1],), m.norm.float(), cfg.rms_norm_eps).bfloat16()
         return F.linear(rn, m.up) + F.linear(h, m.shared_down)
-    # the default (v5's shared-memory weight ring at depth 2, M <= moe_tail.RING_MAX_M) and v1's register stages
-    for tag, ring in (("", None), ("@v1", 0)):
-        cases.append((f"moe_tail{tag}",
-                      lambda ring=ring: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo, ring=ring), stock_tail,
-                      (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
+    cases.append(("moe_tail", lambda: moe_tail(r, m.norm, m.up, h, m.shared_down, out=fo), stock_tail,
+                  (m.up.numel() + m.shared_down.numel()) * 2 + M * d * 2))
     return cases, io
 
 
