@@ -641,7 +641,7 @@ def _expand(text: str, line: str) -> list[tuple[list[str], str | None]]:
 
 def _matches(pattern: str, tracked: set[str]) -> set[str]:
     """The tracked files a cited pattern names: a full path under traces/, or a name relative to traces/ (h200/...)
-    or to any card folder (traces/*/ and one level below); a stem without a suffix ("overlap-*-s33") names the file
+    or to any card folder (traces/*/ and one level below); a stem without a suffix ("overlap-*-first") names the file
     with its suffix."""
     pattern = pattern.rstrip("/")
     full = [pattern] if pattern.split("/")[0] == "traces" else [f"traces/{pattern}", f"traces/*/{pattern}",
