@@ -54,9 +54,6 @@ WARPS = 4               # warps per CTA = rows per CTA = tokens per top-k CTA
 PRE = 4                 # 16-byte weight vectors per lane issued before griddepcontrol_wait
 UNROLL = 4              # 16-byte weight vectors per lane in flight in the main loop
 
-# ptxas report for the CPU compile (CUTE_DSL_COMPILER_OPT="remarks{ptx}", sm_90a): bucket -> (regs, spill bytes)
-REGISTER_LOG = {1: (80, 0), 2: (93, 0), 4: (116, 0)}
-
 _WORKSPACES: dict = {}
 
 
