@@ -38,8 +38,8 @@ BM = 64                 # WGMMA's m: the tokens (rows past M are zero-filled by 
 BK = 64                 # k per ring stage: one 128-byte swizzle row per operand row
 MIN_M, MAX_M = 1, 64
 # Clusters of S CTAs (one CTA per SM, ~200 KB of shared memory) co-resident in one wave on the 132 SMs, as measured at
-# this kernel's footprints (clusterprobe-81d3be3-s90q.json): 15 of 8 at 222 KB, 30 of 4 at 211 KB (a 31-cluster plan
-# ran a second wave and lost ~5 us), 66 of 2, 132 of 1.
+# this kernel's footprints: 15 of 8 at 222 KB, 30 of 4 at 211 KB (a 31-cluster plan ran a second wave and lost ~5 us),
+# 66 of 2, 132 of 1 (docs/kernels/gemm_wgmma_splitk.md).
 CLUSTERS_RESIDENT = {8: 15, 4: 30, 2: 66, 1: 132}
 PRODUCER_WARP = 4
 NTHREADS = 32 * (PRODUCER_WARP + 1)
