@@ -114,9 +114,9 @@ assert sum(rows) == N16 and vectors_per_lane * 8 * 32 * 7 == K
 # The recorded fast attention half shows which kernels ran at each batch:
 
 # %%
-h200 = nbtools.sweep("H200")
+recs = nbtools.sweep()
 for b in (1, 2, 4, 8, 16, 64):
-    r = nbtools.one(h200, shape="k3_rank16", batch=b, part="attn", impl="fast")
+    r = nbtools.one(recs, card="H200", shape="k3_rank16", batch=b, part="attn", impl="fast")
     print(f"b{b:<3d}", " -> ".join(nbtools.short_name(k["name"]) for k in nbtools.replay_kernels(r)))
 
 # %% [markdown]
@@ -164,7 +164,7 @@ else:
 # stock's `attn_res` kernel plus its in_proj GEMM(s), against our kernel(s) for the same two stages.
 
 # %%
-rows = nbtools.stage_rows(nbtools.FUSIONS["in_proj"], nbtools.sweep())
+rows = nbtools.stage_rows(nbtools.FUSIONS["in_proj"], recs)
 nbtools.show(rows)
 
 # %% [markdown]
@@ -179,7 +179,7 @@ for r in rows:
         assert r["fast_us"] < r["stock_us"], r
     if r["batch"] == 1 and r["shape"] == "k3_rank16":
         assert 1.3 <= r["stock_us"] / r["fast_us"] <= 2.2, r
-attn = nbtools.part_rows("attn", nbtools.sweep())
+attn = nbtools.part_rows("attn", recs)
 assert all(r["rel_err_vs_ref"] < 1e-2 for r in attn)
 print("ok")
 
@@ -217,9 +217,8 @@ nbtools.plot_stage_bars(rows, "AttnRes #1 + in_proj");
 # Stock's replay at batch 1 is on top, for scale. Library kernels are grey.
 
 # %%
-tl = [("stock b1", nbtools.replay_kernels(nbtools.one(h200, shape="k3_rank16", batch=1, part="attn", impl="stock")))]
-tl += [(f"fast b{b}", nbtools.replay_kernels(nbtools.one(h200, shape="k3_rank16", batch=b, part="attn", impl="fast")))
-       for b in (1, 4, 16, 64)]
+tl = nbtools.replay_rows(recs, "H200", "k3_rank16", "attn", (1,), "stock")
+tl += nbtools.replay_rows(recs, "H200", "k3_rank16", "attn", (1, 4, 16, 64))
 nbtools.plot_timelines(tl, "attention half, rank16, H200: one replay per batch");
 
 # %% [markdown]

@@ -189,10 +189,8 @@ nbtools.plot_stage_bars(rows, "o_proj + AttnRes #2");
 # Library kernels are grey.
 
 # %%
-h200 = nbtools.pick(recs, card="H200")
-nbtools.plot_timelines([(f"fast b{b}", nbtools.replay_kernels(nbtools.one(h200, shape="k3_rank8", batch=b,
-                                                                          part="attn", impl="fast")))
-                        for b in (1, 8, 16, 64)], "attention half, rank8, H200: one replay per batch");
+nbtools.plot_timelines(nbtools.replay_rows(recs, "H200", "k3_rank8", "attn", (1, 8, 16, 64)),
+                       "attention half, rank8, H200: one replay per batch");
 
 # %% [markdown]
 # The o_proj stages over batch, per card: the bandwidth each path achieves on their bytes, and the speed-up.

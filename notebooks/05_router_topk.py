@@ -185,7 +185,5 @@ nbtools.plot_stage_bars(rows, "router + latent down");
 # cuBLAS's GEMM (grey) and the top-k kernel. With PDL the experts kernel starts before the front ends.
 
 # %%
-h200 = nbtools.pick(recs, card="H200")
-nbtools.plot_timelines([(f"fast b{b}", nbtools.replay_kernels(nbtools.one(h200, shape="k3_rank16", batch=b,
-                                                                          part="moe", impl="fast")))
-                        for b in (1, 2, 4, 8)], "MoE half, rank16, H200: one replay per batch");
+nbtools.plot_timelines(nbtools.replay_rows(recs, "H200", "k3_rank16", "moe", (1, 2, 4, 8)),
+                       "MoE half, rank16, H200: one replay per batch");

@@ -233,6 +233,13 @@ def replay_kernels(rec: dict) -> list[dict]:
     return [{"name": n, "start": s, "dur": d, "stage": st} for (n, s, d), st in zip(tl, stages)]
 
 
+def replay_rows(recs: list[dict], card: str, shape: str, part: str, batches, impl: str = "fast",
+                rt: str = "uniform") -> list[tuple[str, list[dict]]]:
+    """(label, replay_kernels) of one part per batch, for plot_timelines."""
+    return [(f"{impl} b{b}", replay_kernels(one(recs, card=card, shape=shape, batch=b, part=part, impl=impl,
+                                                routing=rt))) for b in batches]
+
+
 # ------------------------------------------------------------------------------------------------ figures
 
 def pyplot():
