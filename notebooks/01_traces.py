@@ -197,14 +197,17 @@ nbtools.plot_over_batch(layer, "the layer");
 
 # %% [markdown]
 # ## 10. A kernel profile (Nsight Compute through nsight-python)
-# `k3fast.measure.profile` records Nsight Compute metrics per kernel on a GPU into `traces/<card>/profile-*.json`
-# and draws them here on any machine.
+# `python -m k3fast.measure.profile` runs Nsight Compute on every kernel of each half, stock beside fast, on a GPU.
+# It writes `traces/<card>/profile-*.json`, drawn here on any machine: each kernel alone with the caches flushed,
+# its time and the DRAM bandwidth it reached. The trace above shows the overlap; the profile shows each kernel.
 
 # %%
 profiles = sorted(glob.glob(os.path.join(nbtools.ROOT, "traces", "*", "profile-*.json")))
 if profiles:
-    from k3fast.measure.profile import load_profile, plot_profile
+    from k3fast.measure.profile import load_profile, plot_profile, profile_table
+    prof = load_profile(profiles[-1])
     print(os.path.relpath(profiles[-1], nbtools.ROOT))
-    plot_profile(load_profile(profiles[-1]))
+    print(profile_table(prof))
+    plot_profile(prof)
 else:
     print("no nsight-python profile recorded yet (traces/<card>/profile-*.json)")
