@@ -145,7 +145,7 @@ nbtools.show(rows)
 # %% [markdown]
 # The fused step is faster than stock everywhere, by 4-6x at the ranks' small batches.
 # It moves toward its floor as the batch grows. At batch 64 the state is most of the bytes, and the step streams
-# it within ~1.1-1.4x of the floor.
+# it within 1.0-1.4x of the floor.
 
 # %%
 for r in rows:

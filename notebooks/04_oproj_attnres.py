@@ -120,7 +120,7 @@ if torch.cuda.is_available():
     def run():
         return om.oproj_attnres(yg, wg.attn.o_proj, bl, 1, pg, ug, wg.post_attention_layernorm, eps=cg.rms_norm_eps)
     x_moe, _ = run()
-    ag = yg.float() @ wg.attn.o_proj.float().T
+    ag = (yg.float() @ wg.attn.o_proj.float().T).bfloat16()          # o_proj's output is rounded once
     x_ref = pre_mlp(ResidualStream(bl.clone(), pg.clone()), 1, ag, wg.mlp_res, wg.post_attention_layernorm, cg,
                     Precision.model())
     live_err = rel_rmse(x_moe.float(), x_ref.float())
