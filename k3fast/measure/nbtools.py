@@ -264,13 +264,14 @@ def _by_card(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def plot_stage_bars(rows: list[dict], title: str):
-    """Stock and fast µs per cell (stage_rows or part_rows), one panel per card, with each cell's floor as a black
-    bar: what the bytes allow at the copy bandwidth measured in that run."""
+    """Stock and fast µs per cell (stage_rows or part_rows), one panel per card (top to bottom), with each cell's
+    floor as a black bar: what the bytes allow at the copy bandwidth measured in that run."""
     import numpy as np
     plt = pyplot()
     groups = _by_card(rows)
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 3.8), squeeze=False)
-    for ax, (card, rs) in zip(axes[0], groups.items()):
+    width = max(7.0, 0.6 * max(len(rs) for rs in groups.values()))
+    fig, axes = plt.subplots(len(groups), 1, figsize=(width, 3.3 * len(groups)), squeeze=False)
+    for ax, (card, rs) in zip(axes[:, 0], groups.items()):
         x = np.arange(len(rs))
         ax.bar(x - 0.2, [r["stock_us"] for r in rs], 0.4, label="stock", color="#bbbbbb")
         ax.bar(x + 0.2, [r["fast_us"] for r in rs], 0.4, label="fast", color="#3182bd")
