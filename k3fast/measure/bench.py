@@ -164,11 +164,9 @@ def _cases(cfg, batch: int):
         cases.append((f"topk_from_logits{warm}", lambda: topk_from_logits(y_front, bias, shared=Is),
                       lambda: torch.topk(torch.sigmoid(y_front[:, :m.gate.shape[0]]) + bias, 16),
                       y_front.numel() * 4))
-    # 5. routed experts (uniform routing: distinct experts per token)
+    # 5. routed experts, uniform routing (distinct experts per token) and skewed (every token draws its 16 experts
+    # from one hot set of 24: heavy sharing, ~24 distinct); bench_experts times the open contender beside them
     prep = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
-    # the nibble layout (PRMT-table decode, fp32 per-block scales): the default until 2026-11-29, for the A/B rows
-    prep_nib = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale,
-                                     layout="nibble")
     ws = make_workspace(cfg.routed_expert_hidden_size, dev)
     z = rnd(M, cfg.routed_expert_hidden_size)
     ids = torch.stack([torch.randperm(cfg.num_experts, generator=g, device=dev)[:cfg.num_experts_per_token]
@@ -179,36 +177,18 @@ def _cases(cfg, batch: int):
 
     def marlin(*args):
         # built at its first (eager, warm-up) call: vLLM's Marlin needs vLLM, which a run of other --kernels need
-        # not stage (s43 at a0dda2a failed here)
+        # not stage
         if "fn" not in built:
             built["fn"] = MarlinMXFP4Experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed,
                                              m.w2_scale, max_batch=max(M, 1))
         return built["fn"](*args)
-    n_exp = int(ids.unique().numel())
-    cases.append(("moe_mxfp4_experts", lambda: moe_mxfp4_experts(z, ids, tw, prep, None, None, None, workspace=ws),
-                  lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
-    cases.append(("moe_mxfp4_experts@nibble",
-                  lambda: moe_mxfp4_experts(z, ids, tw, prep_nib, None, None, None, workspace=ws),
-                  lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
-    # the default before the cluster fix on the same inputs (A/B in one run; see the module's version log): v3
-    # with the cluster rule that assumed every cluster co-resident
-    from ..kernels.moe_mxfp4_experts import cluster_before_20261129, m_bucket
-    cases.append(("moe_mxfp4_experts@prev",
-                  lambda: moe_mxfp4_experts(z, ids, tw, prep_nib, None, None, None, workspace=ws, version=3,
-                                            cluster=cluster_before_20261129(m_bucket(M))),
-                  lambda: marlin(z, ids, tw), n_exp * expert_bytes(cfg)))
-    # skewed routing: every token draws its 16 experts from one hot set of 24 (heavy sharing, ~24 distinct)
     hot = torch.randperm(cfg.num_experts, generator=g, device=dev)[:24]
     ids_sk = torch.stack([hot[torch.randperm(24, generator=g, device=dev)[:cfg.num_experts_per_token]]
                           for _ in range(M)]).to(torch.int32)
-    n_sk = int(ids_sk.unique().numel())
-    cases.append(("moe_mxfp4_experts:skewed", lambda: moe_mxfp4_experts(z, ids_sk, tw, prep, None, None, None, workspace=ws),
-                  lambda: marlin(z, ids_sk, tw), n_sk * expert_bytes(cfg)))
-    # v5 (the default above batch 2 since session 31; forced here at every batch): single passes as work items, so
-    # the hot experts' passes spread over every cluster
-    cases.append(("moe_mxfp4_experts@v5:skewed",
-                  lambda: moe_mxfp4_experts(z, ids_sk, tw, prep, None, None, None, workspace=ws, version=5),
-                  lambda: marlin(z, ids_sk, tw), n_sk * expert_bytes(cfg)))
+    for tag, ids_r in (("", ids), (":skewed", ids_sk)):
+        cases.append((f"moe_mxfp4_experts{tag}",
+                      lambda ids_r=ids_r: moe_mxfp4_experts(z, ids_r, tw, prep, None, None, None, workspace=ws),
+                      lambda ids_r=ids_r: marlin(z, ids_r, tw), int(ids_r.unique().numel()) * expert_bytes(cfg)))
     # 6. the tail: routed_expert_norm + latent up + shared down + add (the layer runs it at M <= 16; above, the
     # fast-taildsl contender does)
     h = rnd(M, cfg.shared_intermediate)
