@@ -303,43 +303,6 @@ def test_every_recorded_perfetto_trace_is_found():
     assert not missing, missing[:5]
 
 
-def test_recorded_ncu_parses_headlines_and_orders_stalls(tmp_path):
-    from k3fast.measure import nbtools
-    (tmp_path / "meta.txt").write_text("NVIDIA H200, 580.159.04\ncommit abc\n")
-    rep = tmp_path / "ncu-kda_case.txt"
-    rep.write_text(
-        "    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio      inst         0.96\n"
-        "    smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio inst     33.28\n"
-        "    smsp__average_warps_issue_stalled_selected_per_issue_active.ratio     inst         1.00\n"
-        "    smsp__average_warps_issue_stalled_wait_per_issue_active.ratio         inst         1.29\n"
-        "    DRAM Throughput                   %        62.90\n"
-        "    Duration                         us        19.62\n"
-        "    Warp Cycles Per Issued Instruction             cycle        38.77\n"
-        "    Registers Per Thread             register/thread              64\n"
-        "    Achieved Occupancy                             %           41.30\n"
-        "    Duration                         us        99.00\n")
-    r = nbtools.recorded_ncu(str(rep), top=2)
-    assert r["duration_us"] == 19.62 and r["dram_pct"] == 62.9 and r["cycles_per_issue"] == 38.77
-    assert r["registers"] == 64 and r["occupancy_pct"] == 41.3
-    assert r["stalls"] == [("long_scoreboard", 33.28), ("wait", 1.29)]      # "selected" is not a stall
-    assert r["meta"].startswith("NVIDIA H200")
-    assert "kda_case" in nbtools.ncu_table([str(rep)])
-
-
-def test_kernel_ab_reads_one_run(tmp_path, monkeypatch):
-    """nbtools.kernel_ab: both rows from one kernels-*.json, keyed by (row, shape, batch), printed other -> base."""
-    import json as _json
-    from k3fast.measure import nbtools
-    recs = [{"kernel": k, "shape": "k3_rank16", "batch": b, "fast_us_median": us, "copy_tbps": 4.1}
-            for k, b, us in (("x", 1, 10.0), ("x@old", 1, 12.5), ("x", 8, 20.0), ("x@old", 8, 19.0), ("y", 1, 1.0))]
-    (tmp_path / "k.json").write_text(_json.dumps({"records": recs}))
-    monkeypatch.setattr(nbtools, "ROOT", str(tmp_path))
-    rows, table = nbtools.kernel_ab("k.json", "x", "x@old", (1, 8), shapes=("k3_rank16",))
-    assert rows == {("x", "k3_rank16", 1): 10.0, ("x@old", "k3_rank16", 1): 12.5, ("x", "k3_rank16", 8): 20.0,
-                    ("x@old", "k3_rank16", 8): 19.0}
-    assert "b1: 12.5 -> 10.0" in table and "b8: 19.0 -> 20.0" in table and "x@old -> x" in table
-
-
 def test_reset_stock_autotuners_clears_only_stock_library_caches(monkeypatch):
     """k3fast.measure.trace.reset_stock_autotuners forgets the configs of Triton autotuners found in fla / vLLM modules (their
     keys omit the batch, so the first cell of a process chose them for every later cell), also behind a
@@ -413,18 +376,3 @@ def test_ptx_version_is_lowered_to_what_the_ptxas_reads():
     assert _lower_version(ptx, "", "release 12.8, V12.8.93").splitlines()[:3] == [".version 8.7", ".target sm_90a",
                                                                                   ".version 9.4 stays"]
     assert _lower_version(ptx, "", "release 14.2") == ptx
-
-
-def _closing_records(commit, date, routing, cells):
-    """Schema-complete records for k3fast.measure.report's closing block: cells are (shape, batch, part, impl, us,
-    kernels, floor_us)."""
-    from k3fast.measure.trace import SCHEMA_FIELDS
-    out = []
-    for shape, b, part, impl, us, k, floor in cells:
-        r = {f: 1.0 for f in SCHEMA_FIELDS}
-        r.update(layer_kind="kda_moe", shape=shape, batch=b, part=part, impl=impl, gpu="H100", torch="t",
-                 cutlass="c", driver="v", commit=commit, date=date, routing=routing, replay_us_median=us,
-                 replay_us_p10=us * 0.99, replay_us_p90=us * 1.01, kernels=k, floor_us=floor, copy_tbps=3.0,
-                 bytes=floor * 3.0e6)
-        out.append(r)
-    return out
