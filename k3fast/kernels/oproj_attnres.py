@@ -85,7 +85,6 @@ MSTRIDE = ROWS + 4       # smem row pitch of the K-split tile: conflict-free fra
 VEC = 8                  # bf16 per 16-byte vector
 NVEC = D // VEC          # 896 vectors per row
 VPT = -(-NVEC // THREADS)            # 4 vectors per thread in the epilogue (last one partial)
-TAIL = NVEC - (VPT - 1) * THREADS    # 128 threads own a 4th vector
 MAX_M = 64
 KP_SUPPORTED = (768, 1536, 12288)
 
