@@ -436,7 +436,7 @@ class KernelCfg:
     def route_direct(self) -> bool:
         """Batch bucket 1: the token's 16 pairs are the segments, read from the ids without the counting sort (a
         repeated expert becomes two segments of one pair). Which CTA computes a segment does not change its
-        arithmetic, and the reductions sum in part and slot order: the output keeps every bit."""
+        arithmetic, and the reductions sum in part and slot order, so the output is the sorted routing's."""
         return self.MB == 1
 
     def _fit(self, K: int) -> int:
