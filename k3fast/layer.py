@@ -331,3 +331,69 @@ class FastImpl:
         if t is None or t.shape != like.shape:
             t = self._bufs[name] = torch.zeros_like(like) if zero else torch.empty_like(like)
         return t
+
+
+# ------------------------------------------------------------------------------------------------- warm-up
+
+def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, nsm: int = 132,
+           device=None) -> int:
+    """Compile every kernel FastImpl runs for these layer indices and batch sizes under ``plan`` (and, with
+    ``device``, allocate the kernels' per-device workspaces), so that nothing compiles on the hot path or inside a
+    CUDA-graph capture. Returns the number of kernels compiled by this call. Needs the CuTe DSL, not a GPU."""
+    from .kernels import (gemm_wgmma_splitk, kda_conv_gate_step, moe_mxfp4_experts, moe_tail, oproj_attnres,
+                          rms_gemv, rms_gemv_ring, router_down_topk)
+    from .kernels._dsl import COMPILE_LOG
+    n0 = len(COMPILE_LOG)
+    batches = sorted(set(batches))
+    if not batches or batches[0] < 1 or batches[-1] > 64:
+        raise ValueError(f"batches must lie in 1..64, got {batches}")
+    d, eps = cfg.hidden_size, cfg.rms_norm_eps
+    kda_layers = [l for l in layers if cfg.is_kda_layer(l)]
+    if kda_layers:
+        H = cfg.kda_heads
+        N, Kp = kda_conv_gate_step.proj_width(H), H * cfg.kda_head_dim
+        # the AttnRes sites: (blocks mixed, has a delta, block written) for AttnRes #1 and #2 of each layer
+        in_sites, out_sites = set(), set()
+        for l in kda_layers:
+            boundary, nb = cfg.is_block_boundary(l), cfg.num_blocks_before(l)
+            in_sites.add((nb, l > 0, l // cfg.attn_res_block_size if boundary else -1))
+            out_sites.add((nb + int(boundary), True, -1))
+        by_engine: dict[str, list[int]] = {}
+        for M in batches:
+            by_engine.setdefault(plan.in_proj_engine(M, d, N)[0], []).append(M)
+        for engine, ms in by_engine.items():
+            if engine == "ring":
+                rms_gemv_ring.warmup(ms, K=d, N=N, sites=sorted(in_sites), eps=eps)
+            elif engine == "fma":
+                rms_gemv.warmup(ms, K=d, N=(N,), sites=sorted(in_sites), eps=eps, early_trigger=True)
+            elif engine == "cublas":
+                rms_gemv.warmup(ms, K=d, N=(N,), sites=sorted(in_sites), eps=eps)
+            else:       # the norm kernel launching its GEMM right after its wait
+                rms_gemv.warmup(ms, K=d, sites=sorted(in_sites), eps=eps, norm_triggers=(True,))
+                if engine == "norm+ring_mma":
+                    rms_gemv_ring.warmup(ms, K=d, N=N, sites=(), eps=eps, mma_shapes=[(N, d)])
+                else:
+                    for M in ms:
+                        gemm_wgmma_splitk.warmup(N, d, [M], **plan.in_proj_engine(M, d, N)[1])
+        kda_conv_gate_step.warmup(H, batches, lower_bound=cfg.gate_lower_bound, eps=eps, early_trigger=True)
+        fused = [M for M in batches if plan.o_proj_engine(M, Kp, d) == "fused"]
+        apart = [M for M in batches if M not in fused]
+        if fused:
+            oproj_attnres.warmup([Kp], sorted({s[0] for s in out_sites}), fused, device=device)
+        if apart:
+            rms_gemv.warmup(apart, K=d, sites=sorted(out_sites), eps=eps)
+            wide = [M for M in apart if plan.o_proj_engine(M, Kp, d) == "wgmma"]
+            if wide:
+                gemm_wgmma_splitk.warmup(d, Kp, wide)
+    # the MoE half, the same in every layer from 1 on
+    fronts = [M for M in batches if plan.front_engine(M) == "fused"]
+    if fronts:
+        router_down_topk.warmup(cfg.shared_intermediate, fronts, device=device)
+    if len(fronts) < len(batches):
+        router_down_topk.warmup(cfg.shared_intermediate, [M for M in batches if M not in fronts], fused=False,
+                                device=device)
+    moe_mxfp4_experts.warmup(cfg, batches, nsm=nsm, alt_parts=None if plan.experts_alt_items else 0)
+    tails = [M for M in batches if plan.tail_engine(M) == "fused"]
+    if tails:
+        moe_tail.warmup(cfg.shared_intermediate, tails)
+    return len(COMPILE_LOG) - n0
