@@ -1,15 +1,16 @@
-"""Checks on a kernel's PTX that catch performance bugs the compiler does not report.
+"""Checks on a kernel's PTX and SASS that catch performance bugs the compiler does not report.
 
 ``loop_copies_of_loads(ptx)``: for every loop (a backward branch) that issues global loads, how many ``mov.b32``
 in the loop copy a register that a global load of the same loop writes. Such a copy is what an out-of-SSA pass
 emits for a loop-carried register ring whose old value is still live when its refill is issued. On the GPU a
 copy of a register with a load in flight waits for that load, so a "ring" of depth D then stalls a warp for a
-full memory round trip every D steps. ``moe_mxfp4_experts`` v3 had 40-80 per loop; v4 has none (its version log).
-
-Use: ``loop_copies_of_loads(compiled_ptx(lambda: build(options="--enable-tvm-ffi --keep-ptx")))``.
+full memory round trip every D steps (docs/kernels/moe_mxfp4_experts.md tells how the experts kernel lost them).
 
 ``serial_loads(sass)``: global loads placed behind a conditional branch or a global store in the SASS, the two
-patterns that serialised the router's top-k (session 6). ``code_sizes`` records it for every decode kernel.
+patterns that serialise a top-k's loads (docs/kernels/router_down_topk.md).
+
+``layer_ptx(cfg, batches)`` compiles the kernels the fused layer runs (k3fast.layer.warmup) and returns their PTX;
+``python -m k3fast.measure.ptxcheck`` records these statistics for every one of them (traces/cpu/ptxcheck-*.json).
 """
 from __future__ import annotations
 
@@ -126,8 +127,7 @@ def _ptxas_version(ptxas: str) -> str:
 
 def _lower_version(ptx: str, ptxas: str, version: str | None = None) -> str:
     m = re.search(r"release (\d+)\.(\d+)", version or _ptxas_version(ptxas))
-    # the PTX ISA each ptxas release reads; the DSL emits a newer one (9.4 with cutlass 4.8.1). 13.0 was missing
-    # until session 24, when ptxas_resources failed on a machine with CUDA 13.0's ptxas
+    # the PTX ISA each ptxas release reads; the DSL emits a newer one (9.4 with cutlass 4.8.1)
     isa = {(13, 0): "9.0", (12, 9): "8.8", (12, 8): "8.7"}.get((int(m.group(1)), int(m.group(2))) if m else (0, 0))
     return re.sub(r"^\.version \S+", f".version {isa}", ptx, count=1, flags=re.M) if isa else ptx
 
@@ -246,101 +246,53 @@ def sass_size(ptx: str, tools: tuple[str, str], arch: str = "sm_90a") -> dict:
 _ISSUE = (("ld.global", "L"), ("fma", "f"), ("mma", "m"), ("bra", "|"), ("@", "|"))
 
 
-def code_sizes(tools: tuple[str, str]) -> list[dict]:
-    """sass_size of every kernel of the fused KDA+MoE decode step at k3_rank(16), batch 1 (and the router front at
-    the b8 bucket and as TopkFromLogits, unrolled and rolled)."""
-    from contextlib import contextmanager
+def layer_ptx(cfg, batches, plan=None) -> list[tuple[str, str]]:
+    """(compile key, PTX text) of every kernel the fused layer runs at ``batches`` under ``plan`` (the shipped one by
+    default), in compile order: k3fast.layer.warmup with every cute.compile asked to keep its PTX. Kernels already
+    compiled in this process are compiled again (the cache is bypassed for the call)."""
+    from cutlass.base_dsl.compiler import CompileCallable
 
-    from ..kernels import kda_conv_gate_step as kda
-    from ..kernels import moe_mxfp4_experts as mx
-    from ..kernels import moe_tail
-    from ..kernels import oproj_attnres as oa
-    from ..kernels import rms_gemv
-    from ..kernels import rms_gemv_ring
-    from ..kernels import router_down_topk as rdt
-    from ..kernels._dsl import TVM_FFI
-    from k3ref import k3_rank
-    cfg = k3_rank(16)
+    from ..kernels import _dsl
+    from ..layer import DEFAULT_PLAN, warmup
+    _dsl.import_cute()
+    captured: list[tuple[str, str]] = []
+    orig_call, orig_cached = CompileCallable.__call__, _dsl.compile_cached
 
-    @contextmanager
-    def keep_ptx(*mods):
-        old = [m.TVM_FFI for m in mods]
+    def call(self, *a, **kw):
+        opt = kw.get("options")
+        if isinstance(opt, str) and "--keep-ptx" not in opt:
+            kw["options"] = opt + " --keep-ptx"
+        return orig_call(self, *a, **kw)
+
+    def cached(key, build):
+        fn = compiled_ptx(build)
+        captured.append((str(key), fn))
+        return None
+
+    saved = dict(_dsl._CACHE)
+    _dsl._CACHE.clear()
+    CompileCallable.__call__ = call
+    mods = [m for m in _kernel_modules() if getattr(m, "compile_cached", None) is orig_cached]
+    try:
+        _dsl.compile_cached = cached
         for m in mods:
-            m.TVM_FFI = TVM_FFI + " --keep-ptx"
-        try:
-            yield
-        finally:
-            for m, o in zip(mods, old):
-                m.TVM_FFI = o
+            m.compile_cached = cached
+        warmup(cfg, [1], batches, plan=plan or DEFAULT_PLAN)
+    finally:
+        CompileCallable.__call__ = orig_call
+        _dsl.compile_cached = orig_cached
+        for m in mods:
+            m.compile_cached = orig_cached
+        _dsl._CACHE.clear()
+        _dsl._CACHE.update(saved)
+    return captured
 
-    builds = [("attnres_rms_gemv (fused in_proj)", "M=1", lambda: rms_gemv.fused_ptx(3216)),
-              ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=1", lambda: rms_gemv.fused_ptx(3216, G=2)),
-              ("attnres_rms_gemv (fused in_proj, v3 G=2)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, G=2)),
-              ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=1", lambda: rms_gemv.fused_ptx(3216, pin=True)),
-              ("attnres_rms_gemv (fused in_proj, v6 pinned)", "M=2", lambda: rms_gemv.fused_ptx(3216, M=2, pin=True)),
-              ("attnres_rms_gemv_ring (the in_proj at M <= 2 since session 16)", "M=1",
-               lambda: rms_gemv_ring.ring_ptx(3216)),
-              ("attnres_rms_gemv_ring (the in_proj at M <= 2 since session 16)", "M=2",
-               lambda: rms_gemv_ring.ring_ptx(3216, M=2))]
-    with keep_ptx(kda, oa, moe_tail, rdt):
-        kkey = kda.compile_key(cfg.kda_heads, 1, kda.choose_nsplit(1, cfg.kda_heads))
-        _, kp, nb, tg = oa.compile_key(768, 1, 1)
-        inter = 384
-        builds += [
-            ("kda_conv_gate_step", "M=1 T=1", lambda: compiled_ptx(lambda: kda._compile(kkey))),
-            ("kda_conv_gate_step v3 (proj preloaded)", "M=1 T=1",
-             lambda: compiled_ptx(lambda: kda._compile(kkey + ("early_trigger", "preload")))),
-            ("kda_conv_gate_step v3 (proj preloaded; nsplit 4, not used)", "M=64 T=1",
-             lambda: compiled_ptx(lambda: kda._compile(kda.compile_key(cfg.kda_heads, 1, 4) + ("early_trigger", "preload")))),
-            ("kda_conv_gate_step v5 (the default: write-backs after the last cluster barrier)", "M=1 T=1",
-             lambda: compiled_ptx(lambda: kda._compile(kkey + ("early_trigger", "preload", "late_stores")))),
-            ("kda_conv_gate_step v5 (nsplit 4)", "M=64 T=1",
-             lambda: compiled_ptx(lambda: kda._compile(kda.compile_key(cfg.kda_heads, 1, 4) + ("early_trigger", "late_stores")))),
-            ("kda_conv_gate_step v6 (st.async exchanges, the default since session 10)", "M=1 T=1",
-             lambda: compiled_ptx(lambda: kda._compile(kkey + ("early_trigger", "preload", "late_stores", "dsmem_tx")))),
-            ("oproj_attnres", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg))),
-            ("oproj_attnres v1.2 (w_post preloaded)", "M=1", lambda: compiled_ptx(lambda: oa._compile(kp, nb, tg, True))),
-            ("oproj_attnres", "M=1 n_blocks=8", lambda: compiled_ptx(lambda: oa._compile(kp, 8, tg))),
-            ("oproj_attnres v1.2 (w_post preloaded)", "M=1 n_blocks=8",
-             lambda: compiled_ptx(lambda: oa._compile(kp, 8, tg, True))),
-            ("shared_expert_gate_up", "M=1", lambda: compiled_ptx(lambda: moe_tail._build_gate_up(moe_tail.n_tiles(1), inter))),
-            ("moe_mxfp4_experts v7 (the default at M <= 2)", "M=1", lambda: compiled_ptx(lambda: mx._compile(
-                mx.compile_key(896, 3584, 256, 1), options=TVM_FFI + " --keep-ptx"))),
-            ("moe_mxfp4_experts v4", "M=1", lambda: compiled_ptx(lambda: mx._compile(
-                mx.compile_key(896, 3584, 256, 1, version=4), options=TVM_FFI + " --keep-ptx"))),
-            ("moe_mxfp4_experts v6", "M=1", lambda: compiled_ptx(lambda: mx._compile(
-                mx.compile_key(896, 3584, 256, 1, version=6), options=TVM_FFI + " --keep-ptx"))),
-            ("moe_mxfp4_experts v7 with the counting sort (route1 off; the default until session 11)", "M=1",
-             lambda: compiled_ptx(lambda: mx._compile(mx.compile_key(896, 3584, 256, 1, route_direct=False),
-                                                      options=TVM_FFI + " --keep-ptx"))),
-            ("moe_tail v1 (register stages)", "M=1",
-             lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter))),
-            ("moe_tail v5 (ring of 2, the default since session 10)", "M=1",
-             lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter, 2))),
-            ("moe_tail v5 (ring of 3)", "M=1",
-             lambda: compiled_ptx(lambda: moe_tail._build_tail(moe_tail.n_tiles(1), inter, 3))),
-        ]
-        for rolled in (False, True):
-            tag = "rolled" if rolled else "unrolled"
-            builds += [
-                (f"router_down_topk ({tag} top-k)", "M=1 (FMA)",
-                 lambda r=rolled: compiled_ptx(lambda: rdt._build(1, 896, 3584, 7168, 16, rdt.fma_unroll(1), 0, rolled=r))),
-                (f"router_down_topk ({tag} top-k)", "M=8 (mma)",
-                 lambda r=rolled: compiled_ptx(lambda: rdt._build(8, 896, 3584, 7168, 16, rdt.fma_unroll(8), 0, rolled=r))),
-                (f"router_down_topk v2.7 ({tag} top-k, shared gate/up folded)", "M=1 (FMA)",
-                 lambda r=rolled: compiled_ptx(lambda: rdt._build(1, 896, 3584, 7168, 16, rdt.fma_unroll(1), 0,
-                                                                  shared=384, rolled=r))),
-                (f"TopkFromLogits ({tag} top-k)", "any M, shared 384",
-                 lambda r=rolled: compiled_ptx(lambda: rdt._build(0, 896, 3584, 7168, 16, rdt.UNROLL, shared=384,
-                                                                  rolled=r))),
-            ]
-        builds.append(("TopkFromLogits v2.8 (top-k split over 4 warps)", "any M, shared 384",
-                       lambda: compiled_ptx(lambda: rdt._build(0, 896, 3584, 7168, 16, rdt.UNROLL, shared=384,
-                                                               split=True))))
-        rows = []
-        for name, cfgs, fn in builds:
-            rows.append({"kernel": name, "config": f"k3_rank16 {cfgs}", "code_size": True, **sass_size(fn(), tools)})
-    return rows
+
+def _kernel_modules():
+    from ..kernels import (gemm_wgmma_splitk, kda_conv_gate_step, moe_mxfp4_experts, moe_tail, oproj_attnres,
+                           rms_gemv, rms_gemv_ring, router_down_topk)
+    return [gemm_wgmma_splitk, kda_conv_gate_step, moe_mxfp4_experts, moe_tail, oproj_attnres, rms_gemv,
+            rms_gemv_ring, router_down_topk]
 
 
 def loop_issue_order(ptx: str, min_loads: int = 1) -> list[tuple[str, str]]:
@@ -356,145 +308,51 @@ def loop_issue_order(ptx: str, min_loads: int = 1) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> int:
-    """python -m k3fast.measure.ptxcheck [--out traces/cpu]: the loop statistics this module's docstring talks about, for
-    the experts kernel (v3, v4) and the fused in_proj GEMV, written to ptxcheck-<commit>.json with the versions."""
+    """python -m k3fast.measure.ptxcheck [--out traces/cpu] [--batches 1 8 64]: for every kernel the fused layer
+    runs at k3_rank16 (and the experts' whole-pass contender at buckets 4 / 8), the loop statistics of this
+    module's docstring in PTX, and where a ptxas + nvdisasm pair is found (find_sass_tools) the SASS size,
+    registers, spills, serial loads and each loop's opcodes; written to ptxcheck-<commit>.json."""
     import argparse
     import dataclasses
     import json
     import os
 
-    from ..kernels import moe_mxfp4_experts as mx
-    from ..kernels import rms_gemv
-    from ..kernels._dsl import TVM_FFI, import_cute
+    from k3ref import k3_rank
+    from ..layer import CONTENDERS
     from .trace import environment
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--out", default="traces/cpu")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     args = ap.parse_args(argv)
-    cutlass, _ = import_cute()
-    rows = []
-    for v, layout in ((3, "nibble"), (4, "nibble"), (4, "rot")):
-        for M in (1, 64):
-            key = dataclasses.replace(mx.compile_key(896, 3584, 256, M, version=4), version=v, layout=layout)
-            ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
-            for st in loop_copies_of_loads(ptx):
-                if st.global_loads >= 8:
-                    rows.append({"kernel": f"moe_mxfp4_experts v{v} ({layout} layout)", "config": "k3_rank16",
-                                 "M": M, **dataclasses.asdict(st)})
-    # where the loop instructions go (v4, default clusters), at b8 and b64: the default (rot layout) and the
-    # nibble layout it replaced
-    for layout in ("rot", "nibble"):
-        for M in (8, 64):
-            key = mx.compile_key(896, 3584, 256, M, layout=layout)
-            ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
-            for label, ops in loop_opcodes(ptx).items():
-                rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({layout} layout, C={key.C}, D={key.D})",
-                             "config": "k3_rank16", "M": M, "label": label, "instructions": sum(ops.values()),
-                             "opcodes": ops})
-    # the same loops in SASS, where a SASS toolchain is found (module find_sass_tools): what the GPU issues
+    cfg = k3_rank(16)
     tools = find_sass_tools()
-    for layout, W in (("rot", 16), ("nibble", 16), ("rot", 8), ("nibble", 8)):
-        for M in (8, 64):
-            if tools is None:
-                break
-            key = mx.compile_key(896, 3584, 256, M, layout=layout, W=W)
-            ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
+    kernels = [("fast", k, p) for k, p in layer_ptx(cfg, args.batches)]
+    kernels += [("fast-v51", k, p) for k, p in layer_ptx(cfg, [4, 8], CONTENDERS["fast-v51"][0])
+                if "moe_mxfp4_experts" in k]
+    rows = []
+    for plan, key, ptx in kernels:
+        base = {"plan": plan, "key": key, "config": cfg.name}
+        for st in loop_copies_of_loads(ptx):
+            rows.append({**base, **dataclasses.asdict(st)})
+        if tools is not None:
+            rows.append({**base, "sass": True, **sass_size(ptx, tools)})
             loops = sass_loop_opcodes(ptx, tools)
             ver = loops.pop("ptxas")
             for label, ops in loops.items():
-                rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({layout} layout, C={key.C}, D={key.D}, "
-                                       f"W={key.W})", "config": "k3_rank16", "M": M, "label": label, "sass": True,
-                             "ptxas": ver, "instructions": sum(ops.values()), "opcodes": ops})
-    # ring_fit (experts; the default at versions 4 / 5 since session 13, at 7 since session 14): rank8's loops
-    # (I = 384: 28 FC1 steps per unit, 6 FC2 steps per tile) with the full ring of 8 and with the fitted rings
-    # (7 / 6); "instructions" is per loop turn of D1 / D2 steps, so per step it is instructions / ring_depth. And
-    # v7 at batch buckets 1 / 2, at rank8 and rank16, where FC1 has 14 or 28 steps per unit
-    cells = [(384, "k3_rank8", 8), (384, "k3_rank8", 64), (384, "k3_rank8", 1), (384, "k3_rank8", 2),
-             (256, "k3_rank16", 1), (256, "k3_rank16", 2)]
-    for rf in ((False, True) if tools is not None else ()):
-        for I_, shape, M in cells:
-            # (alt_parts=0: v5.1's loops alone, as before v5.2 put v7's beside them at buckets 4 / 8)
-            key = mx.compile_key(896, 3584, I_, M, ring_fit=rf, alt_parts=0)
-            ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
-            loops = sass_loop_opcodes(ptx, tools)
-            ver = loops.pop("ptxas")
-            res = ptxas_resources(ptx, tools[0])
-            for label, ops in loops.items():
-                rows.append({"kernel": f"moe_mxfp4_experts v{key.version} (ring_fit {'on' if rf else 'off'}, "
-                                       f"D1={key.D1}, D2={key.D2})", "config": shape, "M": M, "label": label,
-                             "sass": True, "ptxas": ver, "instructions": sum(ops.values()),
-                             "mma": ops.get("HMMA", 0), "opcodes": ops, **res})
-    # experts v7 at 16 and 8 warps (session 15's fast-xco ran 8): what one CTA takes of an SM, i.e. the room left
-    # for the PDL-launched tail's CTAs beside it (registers x threads, shared memory)
-    for W, (I_, shape, M) in ([(W, cell) for W in (16, 8) for cell in
-                               ((256, "k3_rank16", 1), (256, "k3_rank16", 2), (384, "k3_rank8", 1), (384, "k3_rank8", 2))]
-                              if tools is not None else ()):
-        key = mx.compile_key(896, 3584, I_, M, W=W)
-        ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
-        res = ptxas_resources(ptx, tools[0])
-        rows.append({"kernel": f"moe_mxfp4_experts v{key.version} ({W} warps)", "config": shape, "M": M,
-                     "ctas": key.Q * key.C, "threads": key.threads, "smem_bytes": key.smem_bytes,
-                     "registers_per_cta": key.threads * res["registers"], **res})
-    # experts v4 beside v5 (v5.1 since session 32) at b64: registers, spills, loop sizes and the shared memory that
-    # picks the carve-out (v5 as first written was 32 B over rank8's 196 KB step; version log v5.1)
-    def experts_key_row(key, kernel, shape):
-        """A default experts key's binary: its shared memory and L1, and the instructions of each SASS loop."""
-        ptx = compiled_ptx(lambda: mx._compile(key, options=TVM_FFI + " --keep-ptx"))
-        loops = sass_loop_opcodes(ptx, tools)
-        row = {"kernel": kernel, "config": shape, "M": key.MB, "smem_bytes": key.smem_bytes, "l1_kb": key.l1_kb,
-               "ptxas": loops.pop("ptxas"), "sass_loop_instructions": {k: sum(o.values()) for k, o in loops.items()}}
-        return ptx, loops, row
-
-    for I_, shape in (((384, "k3_rank8"), (256, "k3_rank16"), (3072, "full")) if tools is not None else ()):
-        for v in (4, 5):
-            ptx, _, row = experts_key_row(mx.compile_key(896, 3584, I_, 64, version=v),
-                                          f"moe_mxfp4_experts v{v} (b64 default key)", shape)
-            rows.append({**row, **ptxas_resources(ptx, tools[0])})
-    # experts v5.2 beside v5.1 at buckets 4 / 8 (session 33): what carrying v7's items beside v5's costs the binary
-    # (registers, spills, code size, loop sizes) and the shared memory; s108 measured v5.2 +4.3 % at uniform rank16
-    # b8 and -0.6 to +1.2 % elsewhere (LOG)
-    for I_, shape in (((256, "k3_rank16"), (384, "k3_rank8"), (3072, "full")) if tools is not None else ()):
-        for M in (4, 8):
-            for alt in (2, 0):
-                ptx, loops, row = experts_key_row(mx.compile_key(896, 3584, I_, M, alt_parts=alt),
-                                                  f"moe_mxfp4_experts v5.{2 if alt else 1} (b{M} default key)", shape)
-                rows.append({**row, "sass_loop_local_memory": {k: o.get("LDL", 0) + o.get("STL", 0)
-                                                               for k, o in loops.items()}, **sass_size(ptx, tools)})
-    if tools is not None:        # router_down_topk v2.2: the FMA path's occupancy hint and what ptxas made of it
-        from ..kernels import router_down_topk as rdt
-        old = rdt.TVM_FFI
-        rdt.TVM_FFI = TVM_FFI + " --keep-ptx"
-        try:
-            for mb in (1, 2):
-                for minb in sorted({0, rdt.FMA_MIN_BLOCKS_TRIED.get(mb, 0)}):
-                    ptx = compiled_ptx(lambda: rdt._build(mb, 896, 3584, 7168, 16, rdt.fma_unroll(mb), minb))
-                    rows.append({"kernel": "router_down_topk (FMA path)", "M": mb, "min_blocks": minb,
-                                 **ptxas_resources(ptx, tools[0])})
-        finally:
-            rdt.TVM_FFI = old
-    if tools is not None:        # code size per kernel (router_down_topk v2.4: the cold instruction fetch)
-        rows += code_sizes(tools)
-    # the fused in_proj's weight loops in SASS (the k-batch loop inside the row-group loop): the default (v6, pinned
-    # loads, early trigger), at M = 1 and 2. (v8 and v9, removed in session 11, and v10, removed in session 12, are
-    # in traces/cpu/ptxcheck-0702749562c3.json.)
-    for M in ((1, 2) if tools is not None else ()):
-        ptx = rms_gemv.fused_ptx(3216, M=M, pin=True, early_trigger=True)
-        loops = sass_loop_opcodes(ptx, tools, min_loads=4)
-        ver = loops.pop("ptxas")
-        for label, ops in loops.items():
-            rows.append({"kernel": "attnres_rms_gemv (fused in_proj, v6 pinned, the default)",
-                         "config": "k3_rank16 in_proj N=3216", "M": M, "label": label, "sass": True, "ptxas": ver,
-                         "instructions": sum(ops.values()), "opcodes": ops, **ptxas_resources(ptx, tools[0])})
-    for label, seq in loop_issue_order(rms_gemv.fused_ptx(3216), min_loads=2):
-        rows.append({"kernel": "attnres_rms_gemv (fused)", "config": "k3_rank16 in_proj N=3216", "M": 1,
-                     "label": label, "issue_order": seq})
+                rows.append({**base, "label": label, "sass": True, "ptxas": ver, "instructions": sum(ops.values()),
+                             "opcodes": ops})
     env = environment()
     env["arch"] = os.environ.get("CUTE_DSL_ARCH")
+    env["sass_tools"] = list(tools) if tools else None
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"ptxcheck-{env['commit']}.json")
     with open(path, "w") as f:
-        json.dump({"environment": env, "command": "python -m k3fast.measure.ptxcheck", "records": rows}, f, indent=1)
-    for r in rows:
-        print(r)
+        json.dump({"environment": env, "command": "python -m k3fast.measure.ptxcheck " + " ".join(argv or []),
+                   "records": rows}, f, indent=1)
+    bad = [r for r in rows if r.get("copies_of_loads")]
+    print(f"{len(kernels)} kernels, {len(rows)} rows; loops copying in-flight loads: {len(bad)}")
+    for r in bad:
+        print("  ", r["key"][:100], r["label"], r["copies_of_loads"])
     print("wrote", path)
     return 0
 
