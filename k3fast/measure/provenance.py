@@ -1,8 +1,7 @@
 """Which commit a record was measured at, checked by content rather than by what the device said.
 
 The device machine runs a copy of the working tree, not a git checkout, so a record's ``commit`` is whatever the
-caller put in ``K3_COMMIT``. In session 32 that came from the copy's stale git metadata and named a commit from
-before the code that ran (s107, ``traces/h100/records-c3bd739-s107.json``'s ``commit_note``). So
+caller put in ``K3_COMMIT``, and a copy's stale git metadata can name a commit from before the code that ran. So
 ``trace.environment()`` also records ``source_digest``: a hash of the git blob ids of every source file under
 ``SOURCE_DIRS``, computed from the bytes on disk. Git computes the same blob ids for a commit without checking it
 out, so the digest of any commit can be recomputed here and a record matched to the commits that could have made it.

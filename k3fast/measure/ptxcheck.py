@@ -190,9 +190,9 @@ def sass_loop_opcodes(ptx: str, tools: tuple[str, str], arch: str = "sm_90a", mi
 def serial_loads(sass: str) -> dict:
     """Global loads that, in program order, come after a conditional branch or after a global store with no other
     global load in between. ptxas issues a load neither above a branch nor above a store to memory it cannot prove
-    disjoint, so in straight-line code each such load waits for what precedes it: one more round trip. Session 6
-    found two of these chains by reading the SASS: the router top-k's 28 logit loads, each behind the previous
-    sigmoid's division branch (~14 us), and the z copy's load / store / load pairs. A static count: inside a loop
+    disjoint, so in straight-line code each such load waits for what precedes it: one more round trip. The router's
+    top-k once had two such chains (its 28 logit loads, each behind the previous sigmoid's division branch, ~14 us;
+    and the z copy's load / store / load pairs; docs/kernels/router_down_topk.md). A static count: inside a loop
     the same pattern costs one round trip per iteration, and a branch that only guards the last iteration's
     remainder costs little. Read it as a list of places to look, not as time.
 
