@@ -43,7 +43,7 @@ def perfetto_file(rec: dict) -> str | None:
 
     k3fast.measure.trace writes a run's traces to perfetto-<tag>/ beside records-<tag>.json and records that relative path.
     Where one commit had several runs, the files were kept as records-<commit>-<step>.json with their traces in
-    perfetto-<commit>-<step>/, so that folder is tried first. Records from before per-run folders (2026-11-28) name
+    perfetto-<commit>-<step>/, so that folder is tried first. Older records without a per-run folder name
     a bare file in traces/h200/perfetto/, which a later run of the same cell may have replaced."""
     if not rec.get("perfetto"):
         return None
