@@ -149,3 +149,23 @@ def test_fast_layer_graph_replay_is_stable():
         fast.layer(fresh)
         torch.cuda.synchronize()
         assert torch.equal(got, fresh.out), f"replay {s} differs from the eager run"
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_warmup_compiles_every_kernel_the_layer_runs(tp):
+    """k3fast.layer.warmup lists every kernel FastImpl runs: after it, decoding a KDA layer, a block-boundary KDA
+    layer and an MLA layer's MoE half at every path's batch compiles nothing (so nothing compiles inside a graph
+    capture)."""
+    from k3fast.kernels._dsl import COMPILE_LOG
+    from k3fast.layer import warmup
+    cfg = k3_rank(tp)
+    layers, batches = (1, 24), (1, 3, 8, 9, 17, 64)
+    warmup(cfg, layers, batches, nsm=torch.cuda.get_device_properties(0).multi_processor_count, device="cuda")
+    n = len(COMPILE_LOG)
+    for layer in layers:
+        w = random_layer(cfg, layer, seed=41, device="cuda")
+        for batch in batches:
+            io = make_io(cfg, layer, batch, seed=42)
+            make_impl("fast", cfg, w, max_batch=batch).layer(io)
+    torch.cuda.synchronize()
+    assert len(COMPILE_LOG) == n, f"compiled after warmup: {[str(k)[:80] for k, _ in COMPILE_LOG[n:]]}"
