@@ -153,9 +153,8 @@ def test_fast_layer_graph_replay_is_stable():
 
 @pytest.mark.parametrize("tp", [16, 8])
 def test_warmup_compiles_every_kernel_the_layer_runs(tp):
-    """k3fast.layer.warmup lists every kernel FastImpl runs: after it, decoding a KDA layer, a block-boundary KDA
-    layer and an MLA layer's MoE half at every path's batch compiles nothing (so nothing compiles inside a graph
-    capture)."""
+    """k3fast.layer.warmup lists every kernel FastImpl runs: after it, decoding a KDA layer and a block-boundary KDA
+    layer at every path's batch compiles nothing (so nothing compiles inside a graph capture)."""
     from k3fast.kernels._dsl import COMPILE_LOG
     from k3fast.layer import warmup
     cfg = k3_rank(tp)
