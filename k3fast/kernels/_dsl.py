@@ -169,6 +169,15 @@ def check_tensor(name: str, t, *, dtype=None, shape=None, device=None, contiguou
         raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
 
 
+def fake_gemm_operands(K: int, n_divisibility: int, out_align: int):
+    """Fake bf16 x [M, K], w [N, K], y [M, N] for compiling a y = x w^T kernel once for every M and N (symbolic; N
+    divisible by ``n_divisibility``, y aligned to ``out_align`` elements)."""
+    cutlass, cute = import_cute()
+    M, N = cute.sym_int(), cute.sym_int(divisibility=n_divisibility)
+    return (fake_tensor(cutlass.BFloat16, (M, K)), fake_tensor(cutlass.BFloat16, (N, K)),
+            fake_tensor(cutlass.BFloat16, (M, N), align=out_align))
+
+
 def gemv_operands(x, w, out, *, k_multiple: int = 16, out_align: int = 2, nk=None):
     """Validate y[M, N] = x[M, K] @ w[N, K]^T operands (bf16, M in 1..64, N a multiple of 16, K of k_multiple);
     allocate ``out`` when None.  Returns (M, N, K, out). ``nk``: (N, K) of a re-laid weight ``w`` whose layout its

@@ -32,7 +32,8 @@ from __future__ import annotations
 import functools
 import math
 
-from ._dsl import SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_gemm_operands, fake_stream,
+                   import_cute)
 
 BM = 64                 # WGMMA's m: the tokens (rows past M are zero-filled by the TMA unit or never stored)
 BK = 64                 # k per ring stage: one 128-byte swizzle row per operand row
@@ -305,12 +306,8 @@ def compile_key(N: int, K: int, ksplit: int | None = None, bn: int | None = None
 
 
 def _build(BN, S, D, K, xrows=BM, options=TVM_FFI):
-    cutlass, cute = import_cute()
-    BF = cutlass.BFloat16
-    M, N = cute.sym_int(), cute.sym_int(divisibility=2)
-    x = fake_tensor(BF, (M, K))
-    w = fake_tensor(BF, (N, K))
-    y = fake_tensor(BF, (M, N), align=4)
+    _, cute = import_cute()
+    x, w, y = fake_gemm_operands(K, 2, 4)
     return cute.compile(_cls()(BN, S, K, D, xrows), x, w, y, fake_stream(), options=options)
 
 

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 
-from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, gemv_operands,
-                   import_cute)
+from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_gemm_operands, fake_stream,
+                   fake_tensor, gemv_operands, import_cute)
 
 NUM_SMS = 132
 WARPS = 16
@@ -447,12 +447,8 @@ def mma_compile_key(M: int, K: int, N: int) -> tuple:
 
 
 def _build_mma(MB, K, tmax, options=TVM_FFI):
-    cutlass, cute = import_cute()
-    BF = cutlass.BFloat16
-    M, N = cute.sym_int(), cute.sym_int(divisibility=16)
-    x = fake_tensor(BF, (M, K))
-    w = fake_tensor(BF, (N, K))
-    y = fake_tensor(BF, (M, N), align=2)
+    _, cute = import_cute()
+    x, w, y = fake_gemm_operands(K, 16, 2)
     return cute.compile(_mma_cls()(MB, K, tmax), x, w, y, fake_stream(), options=options)
 
 
