@@ -35,12 +35,10 @@ fetch_once() {  # fetch_once DIR PKG...   (downloads again only when the list ch
 BASE=(nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1
       nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 fla-core==0.6.0 flash-linear-attention==0.6.0
       ${K3_DEVICE_EXTRA:-})
-# nsight-python 1.1.0 and what pip resolves for it on Python 3.12, less numpy and packaging (the machine's own must
-# not be shadowed); cuda-bindings and nvtx at the versions the vLLM set pins, so both sets can be staged together.
-NSIGHT=(nsight-python==1.1.0 ncu-report==2026.3.1 cuda-core==1.2.2 cuda-bindings==13.4.4 cuda-pathfinder==1.9.1
-        nvtx==0.2.15 deepdiff==9.1.0 orderly-set==5.5.0 cachebox==5.2.3 pandas==3.1.1 tzdata==2026.6
-        python-dateutil==4.0.0 matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.69.1
-        kiwisolver==1.5.1 pillow==13.0.0 pyparsing==3.3.3)
+# nsight-python 0.9.6 (1.x needs Nsight Compute 2026.2.1 or newer; Hopper images ship ncu 2025.x) and what it needs
+# beyond the image's own packages (pandas, matplotlib and python-dateutil are there); ncu's own extras/python
+# provides ncu_report. nvtx at the version the vLLM set pins, so both sets can be staged together.
+NSIGHT=(nsight-python==0.9.6 nvtx==0.2.15 deepdiff==9.1.0 orderly-set==5.5.0 cachebox==5.2.3)
 
 fetch_once "$cache/base" "${BASE[@]}"
 payload=("$cache"/base/*.whl)
