@@ -2,6 +2,7 @@
 for sm_90a, the PTX has the structure the design relies on, and the host entry point rejects bad inputs with clear
 errors (no GPU needed)."""
 import pytest
+from ptx_cache import keeping_ptx
 import torch
 
 from k3fast.kernels import kda_conv_gate_step as kmod
@@ -19,22 +20,9 @@ needs_dsl = pytest.mark.skipif(not dsl_available(), reason="nvidia-cutlass-dsl /
 
 @pytest.fixture(scope="module", autouse=True)
 def keep_ptx(tmp_path_factory):
-    """This module's compiles keep their PTX (in a scratch dump directory), so the PTX checks read the cached
-    builds instead of compiling them again."""
-    if not dsl_available():
+    """This module's compiles keep their PTX, so the PTX checks read the cached builds."""
+    with keeping_ptx(kmod, tmp_path_factory.mktemp("ptx")):
         yield
-        return
-    from k3fast.kernels._dsl import import_cute
-    import_cute()
-    from cutlass.cutlass_dsl import CuTeDSL
-    env = CuTeDSL._get_dsl().envar
-    old_dir, old_opts = env.dump_dir, kmod.TVM_FFI
-    env.dump_dir = str(tmp_path_factory.mktemp("ptx"))
-    kmod.TVM_FFI = old_opts + " --keep-ptx"
-    try:
-        yield
-    finally:
-        env.dump_dir, kmod.TVM_FFI = old_dir, old_opts
 
 
 def _ptx_lines(key) -> list[str]:

@@ -2,6 +2,7 @@
 other batch bucket and width the kernel accepts), the PTX has the synchronisation the design relies on, and the host
 entry point rejects bad inputs with clear errors."""
 import pytest
+from ptx_cache import keeping_ptx
 import torch
 
 from k3fast.kernels import oproj_attnres as oa
@@ -19,22 +20,9 @@ LAYER_SHAPES = ("k3_rank16", "k3_rank8")  # ... and o_proj input widths up to 15
 
 @pytest.fixture(scope="module", autouse=True)
 def keep_ptx(tmp_path_factory):
-    """This module's compiles keep their PTX (in a scratch dump directory), so the PTX checks read the cached
-    builds instead of compiling them again."""
-    if not dsl_available():
+    """This module's compiles keep their PTX, so the PTX checks read the cached builds."""
+    with keeping_ptx(oa, tmp_path_factory.mktemp("ptx")):
         yield
-        return
-    from k3fast.kernels._dsl import import_cute
-    import_cute()
-    from cutlass.cutlass_dsl import CuTeDSL
-    env = CuTeDSL._get_dsl().envar
-    old_dir, old_opts = env.dump_dir, oa.TVM_FFI
-    env.dump_dir = str(tmp_path_factory.mktemp("ptx"))
-    oa.TVM_FFI = old_opts + " --keep-ptx"
-    try:
-        yield
-    finally:
-        env.dump_dir, oa.TVM_FFI = old_dir, old_opts
 
 
 def _ptx_lines(kp, nb, m) -> list[str]:
