@@ -446,12 +446,38 @@ def headline_figure(sources: dict[str, str], out: str = os.path.join(ROOT, HEADL
     return out
 
 
+def compare_runs(new_path: str, old_path: str) -> str:
+    """Each cell two record files share (same card expected): the new median replay against the old, the kernel
+    counts, and whether the outputs' error against the reference is the same to the last bit (same seeds, so equal
+    errors mean the kernels computed the same numbers). For checking that a change moved no time and no bit."""
+    def cells(path):
+        return {(r["layer_kind"], r["shape"], r["batch"], r["part"], r["impl"]): r
+                for r in load_records(os.path.join(ROOT, path))}
+    new, old = cells(new_path), cells(old_path)
+    gpus = {r["gpu"] for r in new.values()} | {r["gpu"] for r in old.values()}
+    lines = [f"`{new_path}` against `{old_path}` ({', '.join(sorted(gpus))})", "",
+             "| layer | shape | batch | part | impl | new µs | old µs | change | kernels | same error bits |",
+             "|" + "---|" * 10]
+    order = {s: i for i, s in enumerate(SHAPES)}
+    for k in sorted(set(new) & set(old), key=lambda k: (k[0], order.get(k[1], 9), k[2], k[3], k[4])):
+        n, o = new[k], old[k]
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {n['replay_us_median']:.1f} | "
+                     f"{o['replay_us_median']:.1f} | {100 * (n['replay_us_median'] / o['replay_us_median'] - 1):+.1f} % | "
+                     f"{n['kernels']:g} / {o['kernels']:g} | "
+                     f"{'yes' if n.get('rel_err_vs_ref') == o.get('rel_err_vs_ref') else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 when README's block differs from its files")
     ap.add_argument("--no-figure", action="store_true", help="leave docs/figures/headline.png alone")
     ap.add_argument("--print-only", action="store_true", help="print the table; write nothing")
+    ap.add_argument("--compare", nargs=2, metavar=("NEW", "OLD"), help="print compare_runs(NEW, OLD) and exit")
     args = ap.parse_args(argv)
+    if args.compare:
+        print(compare_runs(*args.compare))
+        return 0
     path = os.path.join(ROOT, "README.md")
     with open(path) as f:
         sources = _sources(f.read())

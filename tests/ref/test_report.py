@@ -59,3 +59,18 @@ def test_readme_results_match_their_files():
     from k3fast.measure.report import HEADLINE, ROOT, update_readme
     assert update_readme(check=True), "README's results block differs from its files: python -m k3fast.measure.report"
     assert os.path.exists(os.path.join(ROOT, HEADLINE))
+
+
+def test_compare_runs_reports_time_and_identical_errors(tmp_path, monkeypatch):
+    from k3fast.measure import report
+    monkeypatch.setattr(report, "ROOT", str(tmp_path))
+    a = _rec("fast", "k3_rank16", 1, 99.0, 6, 73.0)
+    b = _rec("fast", "k3_rank16", 1, 100.0, 6, 73.0)
+    a["rel_err_vs_ref"], b["rel_err_vs_ref"] = 0.00396, 0.00396
+    c = dict(_rec("fast", "k3_rank8", 8, 240.0, 8, 186.0), rel_err_vs_ref=0.1)
+    d = dict(_rec("fast", "k3_rank8", 8, 236.0, 8, 186.0), rel_err_vs_ref=0.2)
+    _write(tmp_path / "records-new.json", [a, c])
+    _write(tmp_path / "records-old.json", [b, d])
+    rows = report.compare_runs("records-new.json", "records-old.json").splitlines()
+    assert "| kda_moe | k3_rank16 | 1 | layer | fast | 99.0 | 100.0 | -1.0 % | 6 / 6 | yes |" in rows
+    assert "| kda_moe | k3_rank8 | 8 | layer | fast | 240.0 | 236.0 | +1.7 % | 8 / 8 | no |" in rows
