@@ -58,7 +58,7 @@ def main() -> int:
     print("3. recorded results (traces/)")
     from k3fast.measure import report
     with open(os.path.join(report.ROOT, "README.md")) as f:
-        sources = report._sources(f.read())
+        sources = report.readme_sources(f.read())
     print(report.results_block(sources))
     out = os.path.join(report.ROOT, "traces", "live", "headline.png")
     print("  figure:", os.path.relpath(report.headline_figure(sources, out), report.ROOT))

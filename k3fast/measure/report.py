@@ -113,232 +113,6 @@ def table(records: list[dict], part: str = "layer", kinds: tuple[str, ...] | Non
     return "\n".join(lines)
 
 
-KERNEL_ORDER = ("attnres_rms_gemv", "kda_conv_gate_step", "oproj_attnres", "router_down_topk", "moe_mxfp4_experts",
-                "moe_tail")
-
-
-def load_kernel_bench(pattern: str | None = None) -> list[dict]:
-    """Rows of traces/h200/kernels-*.json (k3fast.measure.bench); for the same (kernel, shape, batch) the latest wins."""
-    pattern = pattern or os.path.join(ROOT, "traces", "h200", "kernels-*.json")
-    found = []
-    for path in sorted(glob.glob(pattern)):
-        with open(path) as f:
-            found += [{**r, "source": os.path.relpath(path, ROOT)} for r in json.load(f)["records"]]
-    cells = {}
-    for r in sorted(found, key=lambda r: r.get("date") or ""):
-        cells[(r["kernel"], r["shape"], r["batch"])] = r
-    return list(cells.values())
-
-
-def kernel_table(rows: list[dict]) -> str:
-    """One row per fused kernel and shape, one column per batch: fast / stock µs in one run, and fast over floor.
-    Diagnostic variants (names with @ or :) stay in the JSON and the notebooks."""
-    cells = defaultdict(dict)
-    for r in rows:
-        if r["kernel"] in KERNEL_ORDER:
-            cells[(r["kernel"], r["shape"])][r["batch"]] = r
-    batches = sorted({b for c in cells.values() for b in c})
-    shape_order = {"k3_rank16": 0, "k3_rank8": 1, "full": 2}
-    lines = ["| kernel | shape | " + " | ".join(f"b{b}: fast / stock µs (x floor)" for b in batches) + " | runs |",
-             "|" + "---|" * (3 + len(batches))]
-    for key in sorted(cells, key=lambda k: (KERNEL_ORDER.index(k[0]), shape_order.get(k[1], 9))):
-        c = cells[key]
-        vals = []
-        for b in batches:
-            r = c.get(b)
-            vals.append("—" if r is None else f"{r['fast_us_median']:.1f} / {r['stock_us_median']:.1f} "
-                                              f"({r['fast_us_median'] / r['floor_us']:.1f})")
-        runs = " ".join(sorted({str(r.get("commit", "?"))[:7] for r in c.values()}))
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(vals) + f" | {runs} |")
-    return "\n".join(lines)
-
-
-def latest_experts_probe(pattern: str | None = None, shape: str | None = None):
-    """(path, document) of the newest uniform-routing k3fast.measure.bench_experts file (with records of ``shape``, when
-    given), or (None, None)."""
-    pattern = pattern or os.path.join(ROOT, "traces", "h200", "experts-*.json")
-    best = None
-    for path in glob.glob(pattern):
-        if path.endswith("-skewed.json"):
-            continue
-        with open(path) as f:
-            doc = json.load(f)
-        if shape is not None and not any(r["shape"] == shape for r in doc["records"]):
-            continue
-        date = max((r.get("date") or "" for r in doc["records"]), default="")
-        if best is None or date > best[0]:
-            best = (date, path, doc)
-    return (None, None) if best is None else best[1:]
-
-
-def experts_probe_table(pattern: str | None = None) -> str:
-    """Per shape, the newest uniform-routing k3fast.measure.bench_experts file with that shape, as variant x batch (µs and
-    TB/s), Marlin included: one table per file, so every row of a table comes from one run."""
-    pattern = pattern or os.path.join(ROOT, "traces", "h200", "experts-*.json")
-    shapes = set()
-    for path in glob.glob(pattern):
-        if not path.endswith("-skewed.json"):
-            with open(path) as f:
-                shapes |= {r["shape"] for r in json.load(f)["records"]}
-    picked = {}
-    for shape in sorted(shapes, key=lambda s: {"k3_rank16": 0, "k3_rank8": 1, "full": 2}.get(s, 9)):
-        path, doc = latest_experts_probe(pattern, shape)
-        picked.setdefault(path, (doc, []))[1].append(shape)
-    if not picked:
-        return "_No experts probe recorded yet._"
-    tables = []
-    for path, (doc, wanted) in picked.items():
-        rows = defaultdict(dict)
-        for r in doc["records"]:
-            if r.get("us_median") is not None and r["shape"] in wanted:
-                rows[(r["shape"], r["variant"])][r["batch"]] = r
-        batches = sorted({b for c in rows.values() for b in c})
-        lines = [f"From `{os.path.relpath(path, ROOT)}` (copy {doc.get('copy_tbps', float('nan')):.2f} TB/s).",
-                 "", "| shape | variant | " + " | ".join(f"b{b} µs (TB/s)" for b in batches) + " |",
-                 "|" + "---|" * (2 + len(batches))]
-        for (shape, variant), c in rows.items():
-            vals = ["—" if b not in c else f"{c[b]['us_median']:.1f} ({c[b]['achieved_tbps']:.2f})" for b in batches]
-            lines.append(f"| {shape} | {variant} | " + " | ".join(vals) + " |")
-        tables.append("\n".join(lines))
-    return "\n\n".join(tables)
-
-
-# The issue targets the closing block checks (issue 4: attention half; issue 5: MoE half), as (issue, what, part,
-# shapes, batches, test). Each test reads one (stock, fast) pair of records from one run; "ceiling" is stock over
-# the floor: the ratio an implementation at the byte floor would reach against that stock.
-_ALL = ("k3_rank16", "k3_rank8", "full")
-TARGETS = (
-    ("4", "attention half in <= 3 launches", "attn", ("k3_rank16",), (1,), ("kernels", 3)),
-    ("4", "attention half within 1.3x of its floor", "attn", ("k3_rank16",), (1,), ("over_floor", 1.3)),
-    ("4", "attention half >= 1.8x stock", "attn", _ALL, (1, 8, 64), ("speedup", 1.8)),
-    ("5", "MoE half in <= 4 launches", "moe", ("k3_rank16",), (1,), ("kernels", 4)),
-    ("5", "MoE half >= 2x stock", "moe", ("k3_rank16",), (1,), ("speedup", 2.0)),
-    ("5", "MoE half >= 1.5x stock", "moe", _ALL, (64,), ("speedup", 1.5)),
-)
-
-
-def _one_run_pairs(records: list[dict]) -> dict:
-    """(routing label, shape, batch, part) -> {impl: record}, refusing two runs of one cell: the closing block
-    compares stock and fast only where one run measured both."""
-    cells: dict[tuple, dict] = defaultdict(dict)
-    for r in records:
-        cells[(_kind_label(r), r["shape"], r["batch"], r["part"])][r["impl"]] = r
-    for key, c in cells.items():
-        if len({r.get("source") for r in c.values()}) > 1:
-            raise SystemExit(f"{key}: records from several files; give the closing block one run per routing")
-    return cells
-
-
-def closing_cells_table(records: list[dict], part: str) -> str:
-    """Stock beside fast per cell of one run, with the byte floor and what the floor allows: ``stock / floor`` is
-    the largest stock / fast ratio any implementation could show on those bytes at the measured copy bandwidth."""
-    cells = _one_run_pairs(records)
-    order = {s: i for i, s in enumerate(_ALL)}
-    lines = ["| routing | shape | batch | floor µs | stock µs (kernels) | fast µs (kernels) | stock / fast | "
-             "fast / floor | stock / floor (ceiling) | fast TB/s (of copy) |", "|" + "---|" * 10]
-    for key in sorted((k for k in cells if k[3] == part), key=lambda k: (k[0], order.get(k[1], 9), k[2])):
-        st, fa = cells[key].get("stock"), cells[key].get("fast")
-        if not (st and fa):
-            continue
-        tbps = fa["bytes"] / fa["replay_us_median"] / 1e6
-        routing = "skewed" if key[0].endswith("skewed") else "uniform"
-        lines.append(f"| {routing} | {key[1]} | {key[2]} | {fa['floor_us']:.1f} | {st['replay_us_median']:.1f} "
-                     f"({st['kernels']:g}) | {fa['replay_us_median']:.1f} ({fa['kernels']:g}) | "
-                     f"{st['replay_us_median'] / fa['replay_us_median']:.2f}x | "
-                     f"{fa['replay_us_median'] / fa['floor_us']:.2f}x | {st['replay_us_median'] / st['floor_us']:.2f}x"
-                     f" | {tbps:.2f} ({tbps / fa['copy_tbps']:.0%}) |")
-    return "\n".join(lines)
-
-
-def closing_targets_table(records: list[dict], experts: list[dict] | None = None) -> str:
-    """Each issue target at each cell it names, from the records of one run per routing: measured, met or missed,
-    and the ceiling (stock over its floor) where the target is a ratio to stock. ``experts`` are
-    k3fast.measure.bench_experts rows (uniform routing, the default kernel) for the routed-experts bandwidth target."""
-    cells = _one_run_pairs(records)
-    lines = ["| issue | target | routing | cell | measured | met | ceiling (stock / floor) |", "|" + "---|" * 7]
-    for issue, what, part, shapes, batches, (test, bound) in TARGETS:
-        for routing in sorted({k[0] for k in cells}):
-            if part == "attn" and routing.endswith("skewed"):
-                continue                                     # the attention half does not see the routing
-            for shape in shapes:
-                for b in batches:
-                    c = cells.get((routing, shape, b, part), {})
-                    st, fa = c.get("stock"), c.get("fast")
-                    if fa is None or (test == "speedup" and st is None):
-                        continue
-                    if test == "kernels":
-                        ok, shown = fa["kernels"] <= bound, f"{fa['kernels']:g}"
-                    elif test == "over_floor":
-                        v = fa["replay_us_median"] / fa["floor_us"]
-                        ok, shown = v <= bound, f"{v:.2f}x ({fa['replay_us_median']:.1f} / {fa['floor_us']:.1f} µs)"
-                    else:
-                        v = st["replay_us_median"] / fa["replay_us_median"]
-                        ok = v >= bound
-                        shown = f"{v:.2f}x ({st['replay_us_median']:.1f} / {fa['replay_us_median']:.1f} µs)"
-                    ceil = (f"{st['replay_us_median'] / st['floor_us']:.2f}x" if test == "speedup" else "")
-                    rt = "skewed" if routing.endswith("skewed") else "uniform"
-                    lines.append(f"| {issue} | {what} | {rt} | {shape} b{b} | {shown} | {'yes' if ok else 'no'} | "
-                                 f"{ceil} |")
-    for r in experts or []:
-        share = r["achieved_tbps"] / r["copy_tbps"]
-        lines.append(f"| 5 | routed experts >= 75% of copy | uniform | {r['shape']} b{r['batch']} | "
-                     f"{share:.0%} ({r['us_median']:.1f} µs, {r['achieved_tbps']:.2f} of {r['copy_tbps']:.2f} TB/s; "
-                     f"`{r['source']}`) | {'yes' if share >= 0.75 else 'no'} | |")
-    return "\n".join(lines)
-
-
-def latest_experts_default(pattern: str, batches=(8, 64)) -> list[dict]:
-    """The newest uniform-routing row of the default routed-experts kernel per (shape, batch) in the files of
-    ``pattern`` (k3fast.measure.bench_experts), each with its source file."""
-    best: dict[tuple, dict] = {}
-    for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
-        with open(path) as f:
-            doc = json.load(f)
-        for r in doc["records"]:
-            if (r.get("variant") == "default" and r.get("routing", "uniform") == "uniform" and r["batch"] in batches
-                    and r.get("us_median")):
-                key = (r["shape"], r["batch"])
-                if key not in best or (r.get("date") or "") > (best[key].get("date") or ""):
-                    best[key] = {**r, "source": os.path.relpath(path, ROOT)}
-    order = {s: i for i, s in enumerate(_ALL)}
-    return [best[k] for k in sorted(best, key=lambda k: (k[1], order.get(k[0], 9)))]
-
-
-def plot(records: list[dict], out_dir: str) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    paths = []
-    for kind in sorted({_kind_label(r) for r in records}):
-        rs = [r for r in records if _kind_label(r) == kind and r["part"] == "layer"]
-        shapes = [s for s in ("k3_rank16", "k3_rank8", "full") if any(r["shape"] == s for r in rs)]
-        fig, axes = plt.subplots(2, len(shapes), figsize=(5 * len(shapes), 7), squeeze=False)
-        for j, shape in enumerate(shapes):
-            sub = [r for r in rs if r["shape"] == shape]
-            ctxs = sorted({r.get("context") or 0 for r in sub})
-            for ctx in ctxs:
-                for impl in IMPL_ORDER:
-                    pts = sorted((r["batch"], r["replay_us_median"], r["kernels"]) for r in sub
-                                 if r["impl"] == impl and (r.get("context") or 0) == ctx)
-                    if not pts:
-                        continue
-                    lab = impl + (f" ctx{ctx}" if ctx else "")
-                    axes[0, j].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=lab)
-                    axes[1, j].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=lab)
-                fl = sorted({(r["batch"], r["floor_us"]) for r in sub if (r.get("context") or 0) == ctx})
-                axes[0, j].plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="floor" + (f" ctx{ctx}" if ctx else ""))
-            axes[0, j].set(xscale="log", yscale="log", title=f"{kind} {shape}", ylabel="µs per decode step")
-            axes[1, j].set(xscale="log", yscale="log", xlabel="batch", ylabel="kernels per step")
-            axes[0, j].legend(fontsize=7)
-        fig.tight_layout()
-        os.makedirs(out_dir, exist_ok=True)
-        p = os.path.join(out_dir, f"{kind.replace(' ', '_')}.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
-    return paths
-
-
 # ------------------------------------------------------------------------------------------ README's block
 
 def _one_run(path: str) -> list[dict]:
@@ -394,7 +168,7 @@ def results_block(sources: dict[str, str]) -> str:
             + "\n".join(lines) + f"\n{RESULTS_END}")
 
 
-def _sources(text: str) -> dict[str, str]:
+def readme_sources(text: str) -> dict[str, str]:
     i = text.find(RESULTS_BEGIN)
     if i < 0:
         raise SystemExit(f"README.md has no {RESULTS_BEGIN} ... --> marker")
@@ -409,7 +183,7 @@ def update_readme(path: str = os.path.join(ROOT, "README.md"), check: bool = Fal
     with open(path) as f:
         text = f.read()
     i = text.find(RESULTS_BEGIN)
-    sources = _sources(text)
+    sources = readme_sources(text)
     j = text.index(RESULTS_END, i) + len(RESULTS_END)
     new = text[:i] + results_block(sources) + text[j:]
     if check:
@@ -480,7 +254,7 @@ def main(argv=None) -> int:
         return 0
     path = os.path.join(ROOT, "README.md")
     with open(path) as f:
-        sources = _sources(f.read())
+        sources = readme_sources(f.read())
     if args.check:
         ok = update_readme(path, check=True)
         print("README results block is up to date" if ok else

@@ -151,35 +151,6 @@ def test_replay_stats_and_write_run(tmp_path):
     assert doc["copy_tbps"] == 4.2 and doc["records"] == [{"a": 1}] and doc["command"]
 
 
-def test_kernel_and_experts_tables_come_from_the_json(tmp_path):
-    from k3fast.measure.report import experts_probe_table, kernel_table, load_kernel_bench
-    row = dict(kernel="moe_tail", shape="k3_rank16", batch=8, floor_us=10.0, fast_us_median=20.0,
-               stock_us_median=40.0, commit="aaaaaaa", date="2026-11-29T09:00:00+00:00")
-    newer = dict(row, fast_us_median=15.0, commit="bbbbbbb", date="2026-11-29T12:00:00+00:00")
-    variant = dict(newer, kernel="moe_tail@v9", fast_us_median=1.0)
-    (tmp_path / "kernels-0.json").write_text(json.dumps({"records": [newer, variant]}))
-    (tmp_path / "kernels-9.json").write_text(json.dumps({"records": [row]}))
-    rows = load_kernel_bench(str(tmp_path / "kernels-*.json"))
-    text = kernel_table(rows)
-    assert "| moe_tail | k3_rank16 | 15.0 / 40.0 (1.5) | bbbbbbb |" in text
-    assert "@v9" not in text                     # diagnostic variants stay out of the README table
-    probe = {"copy_tbps": 4.2, "records": [
-        dict(shape="k3_rank16", batch=8, variant="default", us_median=90.0, achieved_tbps=1.9, date="2026-11-29T10"),
-        dict(shape="k3_rank16", batch=64, variant="default", us_median=480.0, achieved_tbps=1.85, date="2026-11-29T10")]}
-    skewed = {"copy_tbps": 4.2, "records": [dict(probe["records"][0], us_median=5.0, date="2026-11-30T10")]}
-    (tmp_path / "experts-a.json").write_text(json.dumps(probe))
-    (tmp_path / "experts-b-skewed.json").write_text(json.dumps(skewed))
-    text = experts_probe_table(str(tmp_path / "experts-*.json"))
-    assert "| k3_rank16 | default | 90.0 (1.90) | 480.0 (1.85) |" in text and "5.0" not in text
-    # a newer run of another shape adds its own table; the older shape keeps its newest run
-    rank8 = {"copy_tbps": 4.2, "records": [dict(shape="k3_rank8", batch=64, variant="probe", us_median=405.0,
-                                                achieved_tbps=3.3, date="2026-11-30T11")]}
-    (tmp_path / "experts-c.json").write_text(json.dumps(rank8))
-    text = experts_probe_table(str(tmp_path / "experts-*.json"))
-    assert "| k3_rank16 | default | 90.0 (1.90) | 480.0 (1.85) |" in text and "| k3_rank8 | probe | 405.0 (3.30) |" in text
-    assert text.index("experts-a.json") < text.index("experts-c.json")
-
-
 def test_trace_cell_spec_parses_and_rejects_bad_cells():
     import argparse
 
