@@ -230,6 +230,132 @@ def moe_tail_any(r, w_norm, w_up, h, w_sd, *, eps, out=None, plan: DecodePlan = 
     return moe_tail_cublas(r, w_norm, w_up, h, w_sd, eps=eps, out=out)
 
 
+# ----------------------------------------------------------------------------------------------- the halves
+
+class FusedKDA:
+    """The KDA attention half of layer ``layer`` on the fused kernels: AttnRes #1 + input RMSNorm + packed in_proj,
+    the KDA step, o_proj + AttnRes #2 + post-attention RMSNorm. Three launches at small batch.
+
+    ``in_proj``: the packed [q|k|v|g|f_a|b|pad] weight when the caller already holds it in that layout (vLLM's
+    in_proj_qkvgfab is); None packs it from ``w.attn``. ``null_slot``: slot 0 also marks padding (vLLM's
+    NULL_BLOCK_ID)."""
+
+    def __init__(self, cfg: K3Config, w: LayerWeights, *, plan: DecodePlan = DEFAULT_PLAN,
+                 in_proj: torch.Tensor | None = None, null_slot: bool = False):
+        from .kernels.kda_conv_gate_step import proj_width
+        a = w.attn
+        if not isinstance(a, KDAWeights):
+            raise TypeError(f"w.attn: expected KDAWeights (layer {w.layer} is not a KDA layer)")
+        self.cfg, self.layer, self.plan, self.null_slot = cfg, w.layer, plan, null_slot
+        P = Precision.model()
+        self.u_attn = attn_res_u(w.attn_res, P).float().contiguous()
+        self.u_mlp = attn_res_u(w.mlp_res, P).float().contiguous()
+        self.w_ln, self.w_post = w.input_layernorm, w.post_attention_layernorm
+        width = proj_width(cfg.kda_heads)
+        if in_proj is None:
+            # one [q|k|v|g|f_a|b] weight, zero rows up to the KDA step's packed width
+            rows = torch.cat([a.q_proj, a.k_proj, a.v_proj, a.g_proj, a.f_a_proj, a.b_proj])
+            in_proj = torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])]).contiguous()
+        elif tuple(in_proj.shape) != (width, cfg.hidden_size):
+            raise ValueError(f"in_proj: expected the packed [{width}, {cfg.hidden_size}] weight, got "
+                             f"{list(in_proj.shape)}")
+        self.in_proj = in_proj
+        self.conv_w = torch.cat([a.q_conv, a.k_conv, a.v_conv]).view(-1, cfg.short_conv_kernel_size).float()
+        self.conv_w = self.conv_w.contiguous()
+        self.f_b, self.a_log, self.dt_bias, self.o_proj = a.f_b_proj, a.A_log, a.dt_bias, a.o_proj
+        self.o_norm = a.o_norm.float().contiguous()
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def __call__(self, blocks, partial, delta, conv_state, rec_state, slots, x_mlp) -> None:
+        """blocks [M, 8, d] (AttnRes block rows), partial [M, d] (the block's partial sum, updated in place to the
+        layer's p''), delta [M, d] or None (the previous layer's MoE output), the KDA state pool and the requests'
+        slots; writes the MoE half's input into x_mlp [M, d]."""
+        from .kernels.kda_conv_gate_step import kda_conv_gate_step
+        cfg, l = self.cfg, self.layer
+        boundary = cfg.is_block_boundary(l)
+        nb = cfg.num_blocks_before(l)
+        # p' = p + delta goes to a scratch row (the fused prologue reads p in every CTA, so it may not write p in
+        # place); o_proj + AttnRes #2 then reads p' and writes the layer's partial sum.
+        p1 = self._buf("p1", partial)
+        with stage("k3.kda.in_proj"):
+            proj, _ = attnres_in_proj(blocks, nb, partial, delta, self.u_attn, self.w_ln, self.in_proj,
+                                      eps=cfg.rms_norm_eps,
+                                      block_write=(l // cfg.attn_res_block_size) if boundary else -1,
+                                      partial_out=p1, plan=self.plan)
+        with stage("k3.kda.core"):
+            y = kda_conv_gate_step(proj, self.f_b, self.conv_w, self.a_log, self.dt_bias, self.o_norm, conv_state,
+                                   rec_state, slots, heads=cfg.kda_heads, lower_bound=cfg.gate_lower_bound,
+                                   eps=cfg.rms_norm_eps, early_trigger=True, null_slot=self.null_slot)
+        with stage("k3.o_proj"):
+            oproj_attnres_any(y, self.o_proj, blocks, nb + int(boundary), p1, self.u_mlp, self.w_post,
+                              eps=cfg.rms_norm_eps, boundary=boundary, out_x=x_mlp, out_partial=partial,
+                              zeros=self._buf("p0", p1, zero=True), plan=self.plan)
+
+    def _buf(self, name: str, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
+        """A scratch tensor shaped like ``like``, owned here (allocated at the first call of each shape, before any
+        graph replays it; ``zero``: zeroed once and never written)."""
+        key = (name, tuple(like.shape))
+        t = self._bufs.get(key)
+        if t is None:
+            t = self._bufs[key] = torch.zeros_like(like) if zero else torch.empty_like(like)
+        return t
+
+
+class FusedMoE:
+    """The MoE half on the fused kernels: router + latent down + top-k + shared gate/up, the MXFP4 routed experts,
+    and the tail (routed_expert_norm + latent up + shared down + add). Every token is independent, so any number of
+    rows runs as chunks of at most 64 (the kernels' widest batch bucket).
+
+    ``experts``: the routed experts already in the kernel layout (prepare_mxfp4_experts), or None to re-lay
+    ``m``'s checkpoint tensors here. ``workspace``: the experts kernel's scratch, which layers that run one after
+    another on one stream may share (None: one of its own)."""
+
+    MAX_ROWS = 64
+
+    def __init__(self, cfg: K3Config, m: MoEWeights, *, plan: DecodePlan = DEFAULT_PLAN, experts=None,
+                 workspace=None):
+        from .kernels.moe_mxfp4_experts import make_workspace, prepare_mxfp4_experts
+        from .kernels.router_down_topk import prepare_front_shared_weight
+        if not isinstance(m, MoEWeights):
+            raise TypeError("m: expected MoEWeights (layer 0's dense MLP has no fused path)")
+        self.cfg, self.plan = cfg, plan
+        self.experts = experts if experts is not None else prepare_mxfp4_experts(
+            m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale)
+        # [W_r; W_down; shared gate/up]: the front reads x once for the router, the latent and the shared experts
+        self.front = prepare_front_shared_weight(m.gate, m.down, m.shared_gate, m.shared_up)
+        self.shared = m.shared_gate.shape[0]
+        self.e_bias = m.e_score_correction_bias.float().contiguous()
+        self.tail_norm, self.up, self.shared_down = m.norm.contiguous(), m.up, m.shared_down
+        self.workspace = workspace if workspace is not None or m.gate.device.type != "cuda" else \
+            make_workspace(cfg.routed_expert_hidden_size, m.gate.device)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, d] bf16 -> the MoE output [M, d] (into ``out`` when given)."""
+        if x.shape[0] <= self.MAX_ROWS:
+            return self._rows(x, out)
+        if out is None:
+            out = torch.empty_like(x)
+        for i in range(0, x.shape[0], self.MAX_ROWS):
+            self._rows(x[i:i + self.MAX_ROWS], out[i:i + self.MAX_ROWS])
+        return out
+
+    def _rows(self, x, out):
+        from .kernels.moe_mxfp4_experts import make_workspace, moe_mxfp4_experts
+        cfg = self.cfg
+        with stage("k3.router"):
+            z, ids, ws, h = router_front(x, self.front, self.e_bias, shared=self.shared, n_experts=cfg.num_experts,
+                                         top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor,
+                                         plan=self.plan)
+        if self.workspace is None:
+            self.workspace = make_workspace(cfg.routed_expert_hidden_size, x.device)
+        with stage("k3.moe.experts"):
+            r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None, situ_beta=cfg.situ_beta,
+                                  situ_linear_beta=cfg.situ_linear_beta, workspace=self.workspace,
+                                  alt_parts=None if self.plan.experts_alt_items else 0)
+        return moe_tail_any(r, self.tail_norm, self.up, h, self.shared_down, eps=cfg.rms_norm_eps, out=out,
+                            plan=self.plan)
+
+
 # ----------------------------------------------------------------------------------------------- the layer
 
 class FastImpl:
@@ -239,107 +365,45 @@ class FastImpl:
     name = "fast"
 
     def __init__(self, cfg: K3Config, w: LayerWeights, *, plan: DecodePlan = DEFAULT_PLAN, max_batch: int = 64):
-        from .kernels.kda_conv_gate_step import proj_width
-        from .kernels.moe_mxfp4_experts import prepare_mxfp4_experts
-        from .kernels.router_down_topk import prepare_front_shared_weight
         if not isinstance(plan, DecodePlan):
             raise TypeError(f"plan: expected a DecodePlan, got {type(plan).__name__}")
         if not 1 <= max_batch <= 64:
             raise ValueError(f"max_batch must be in 1..64 (the kernels' largest batch bucket), got {max_batch}")
-        self.cfg, self.w, self.plan, self.P = cfg, w, plan, Precision.model()
-        self.u_attn = attn_res_u(w.attn_res, self.P).float().contiguous()
-        self.u_mlp = attn_res_u(w.mlp_res, self.P).float().contiguous()
-        a = w.attn
-        self.stock_attn = None
-        if isinstance(a, KDAWeights):
-            # one [q|k|v|g|f_a|b] weight, zero rows up to the KDA step's packed width
-            rows = torch.cat([a.q_proj, a.k_proj, a.v_proj, a.g_proj, a.f_a_proj, a.b_proj])
-            pad = proj_width(cfg.kda_heads) - rows.shape[0]
-            self.in_proj = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]).contiguous()
-            self.conv_w = torch.cat([a.q_conv, a.k_conv, a.v_conv]).view(-1, cfg.short_conv_kernel_size).float()
-            self.conv_w = self.conv_w.contiguous()
+        if not isinstance(w.mlp, MoEWeights):
+            raise ValueError("FastImpl covers the MoE layers (1..92); layer 0's dense MLP has no fused path")
+        self.cfg, self.w, self.plan = cfg, w, plan
+        if isinstance(w.attn, KDAWeights):
+            self.kda, self.stock_attn = FusedKDA(cfg, w, plan=plan), None
         else:
             from .stock.layer import StockImpl
-            self.stock_attn = StockImpl(cfg, w, max_batch=max_batch)
-        m = w.mlp
-        if not isinstance(m, MoEWeights):
-            raise ValueError("FastImpl covers the MoE layers (1..92); layer 0's dense MLP has no fused path")
-        self.experts = prepare_mxfp4_experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed,
-                                             m.w2_scale)
-        # [W_r; W_down; shared gate/up]: the front reads x once for the router, the latent and the shared experts
-        self.front = prepare_front_shared_weight(m.gate, m.down, m.shared_gate, m.shared_up)
-        self.shared = m.shared_gate.shape[0]
-        self.e_bias = m.e_score_correction_bias.float().contiguous()
-        self.tail_norm = m.norm.contiguous()
-        self._ws = None
-        self._bufs: dict[str, torch.Tensor] = {}
+            self.kda, self.stock_attn = None, StockImpl(cfg, w, max_batch=max_batch)
+        self.fused_moe = FusedMoE(cfg, w.mlp, plan=plan)
         # the record's fast_variant: "default", or the fields that differ from the shipped plan
         diff = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)
                 if getattr(plan, f.name) != getattr(DEFAULT_PLAN, f.name)}
         self.variant = "default" if not diff else ", ".join(f"{k}={v}" for k, v in diff.items())
 
-    # ----------------------------------------------------------------------------------------- halves
     def attn(self, io) -> None:
         if self.stock_attn is not None:
             return self.stock_attn.attn(io)
-        from .kernels.kda_conv_gate_step import kda_conv_gate_step
-        cfg, w, l = self.cfg, self.w, io.layer
-        boundary = cfg.is_block_boundary(l)
-        nb = cfg.num_blocks_before(l)
-        # p' = p + delta goes to a scratch row (the fused prologue reads p in every CTA, so it may not write p in
-        # place); o_proj + AttnRes #2 then reads p' and writes the layer's partial sum.
-        p1 = self._buf("p1", io.partial)
-        with stage("k3.kda.in_proj"):
-            proj, _ = attnres_in_proj(io.blocks, nb, io.partial, io.delta, self.u_attn, w.input_layernorm,
-                                      self.in_proj, eps=cfg.rms_norm_eps,
-                                      block_write=(l // cfg.attn_res_block_size) if boundary else -1,
-                                      partial_out=p1, plan=self.plan)
-        with stage("k3.kda.core"):
-            y = kda_conv_gate_step(proj, w.attn.f_b_proj, self.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
-                                   io.state.conv, io.state.recurrent, io.slots, heads=cfg.kda_heads,
-                                   lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps, early_trigger=True)
-        with stage("k3.o_proj"):
-            oproj_attnres_any(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, self.u_mlp,
-                              w.post_attention_layernorm, eps=cfg.rms_norm_eps, boundary=boundary,
-                              out_x=io.x_mlp, out_partial=io.partial, zeros=self._buf("p0", p1, zero=True),
-                              plan=self.plan)
+        self.kda(io.blocks, io.partial, io.delta, io.state.conv, io.state.recurrent, io.slots, io.x_mlp)
 
     def moe(self, io) -> None:
-        from .kernels.moe_mxfp4_experts import make_workspace, moe_mxfp4_experts
-        cfg, m = self.cfg, self.w.mlp
-        x = io.x_mlp
-        with stage("k3.router"):
-            z, ids, ws, h = router_front(x, self.front, self.e_bias, shared=self.shared, n_experts=cfg.num_experts,
-                                         top_k=cfg.num_experts_per_token, scaling=cfg.routed_scaling_factor,
-                                         plan=self.plan)
-        if self._ws is None:            # allocated at the first (eager) call, before any graph capture
-            self._ws = make_workspace(cfg.routed_expert_hidden_size, x.device)
-        with stage("k3.moe.experts"):
-            r = moe_mxfp4_experts(z, ids, ws, self.experts, None, None, None, situ_beta=cfg.situ_beta,
-                                  situ_linear_beta=cfg.situ_linear_beta, workspace=self._ws,
-                                  alt_parts=None if self.plan.experts_alt_items else 0)
-        moe_tail_any(r, self.tail_norm, m.up, h, m.shared_down, eps=cfg.rms_norm_eps, out=io.out, plan=self.plan)
+        self.fused_moe(io.x_mlp, out=io.out)
 
     def layer(self, io) -> None:
         self.attn(io)
         self.moe(io)
 
-    def _buf(self, name: str, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
-        """A scratch tensor shaped like ``like``, owned here (allocated at the first, eager call; ``zero``: zeroed
-        once and never written)."""
-        t = self._bufs.get(name)
-        if t is None or t.shape != like.shape:
-            t = self._bufs[name] = torch.zeros_like(like) if zero else torch.empty_like(like)
-        return t
-
 
 # ------------------------------------------------------------------------------------------------- warm-up
 
 def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, nsm: int = 132,
-           device=None) -> int:
+           device=None, null_slot: bool = False, experts_layout: str = "rot") -> int:
     """Compile every kernel FastImpl runs for these layer indices and batch sizes under ``plan`` (and, with
     ``device``, allocate the kernels' per-device workspaces), so that nothing compiles on the hot path or inside a
-    CUDA-graph capture. Returns the number of kernels compiled by this call. Needs the CuTe DSL, not a GPU."""
+    CUDA-graph capture. ``null_slot`` and ``experts_layout``: as the layer's FusedKDA and prepared experts have
+    them. Returns the number of kernels compiled by this call. Needs the CuTe DSL, not a GPU."""
     from .kernels import (gemm_wgmma_splitk, kda_conv_gate_step, moe_mxfp4_experts, moe_tail, oproj_attnres,
                           rms_gemv, rms_gemv_ring, router_down_topk)
     from .kernels._dsl import COMPILE_LOG
@@ -375,7 +439,8 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
                 else:
                     for M in ms:
                         gemm_wgmma_splitk.warmup(N, d, [M], **plan.in_proj_engine(M, d, N)[1])
-        kda_conv_gate_step.warmup(H, batches, lower_bound=cfg.gate_lower_bound, eps=eps, early_trigger=True)
+        kda_conv_gate_step.warmup(H, batches, lower_bound=cfg.gate_lower_bound, eps=eps, early_trigger=True,
+                                  null_slot=null_slot)
         fused = [M for M in batches if plan.o_proj_engine(M, Kp, d) == "fused"]
         apart = [M for M in batches if M not in fused]
         if fused:
@@ -392,7 +457,8 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
     if len(fronts) < len(batches):
         router_down_topk.warmup(cfg.shared_intermediate, [M for M in batches if M not in fronts], fused=False,
                                 device=device)
-    moe_mxfp4_experts.warmup(cfg, batches, nsm=nsm, alt_parts=None if plan.experts_alt_items else 0)
+    moe_mxfp4_experts.warmup(cfg, batches, nsm=nsm, alt_parts=None if plan.experts_alt_items else 0,
+                             layout=experts_layout)
     tails = [M for M in batches if plan.tail_engine(M) == "fused"]
     if tails:
         moe_tail.warmup(cfg.shared_intermediate, tails)

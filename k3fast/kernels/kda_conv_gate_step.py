@@ -54,9 +54,9 @@ Contracts:
   right after this kernel's own wait, so o_proj streams its weights during the step. Only for a dependent that
   reads no KDA state before its own wait, never for a second KDA step launched directly behind this one; later
   kernels see the state through this grid's completion.
-* slots[b] < 0: padding; no state is read or written, y rows are zeros. slots[b] >= S (caller
-  error, checked in-kernel without a host sync): no state is touched and the y rows are NaN so the
-  error cannot pass silently. Two requests with the same slot: undefined (caller error).
+* slots[b] < 0 (and slot 0 in the null_slot build, vLLM's NULL_BLOCK_ID): padding; no state is read or written,
+  y rows are zeros. slots[b] >= S (caller error, checked in-kernel without a host sync): no state is touched and
+  the y rows are NaN so the error cannot pass silently. Two requests with the same slot: undefined (caller error).
 * u (conv output) stays FP32; f is rounded to bf16 like a bf16 GEMM output; state FP32.
 """
 from __future__ import annotations
@@ -94,28 +94,30 @@ def choose_nsplit(batch: int, heads: int) -> int:
 
 
 def compile_key(heads: int, T: int, nsplit: int, lower_bound: float = -5.0, eps: float = 1e-5,
-                head_dim: int = HEAD_DIM, *, early_trigger: bool = False) -> tuple:
-    """The compile-cache key of one build: shape, T, the split (1 = the head build) and the trigger placement."""
+                head_dim: int = HEAD_DIM, *, early_trigger: bool = False, null_slot: bool = False) -> tuple:
+    """The compile-cache key of one build: shape, T, the split (1 = the head build), the trigger placement and the
+    padding convention (null_slot: slot 0 also marks padding)."""
     return (("kda_conv_gate_step", int(heads), int(head_dim), int(T), int(nsplit), float(lower_bound), float(eps))
-            + (("early_trigger",) if early_trigger else ()))
+            + (("early_trigger",) if early_trigger else ()) + (("null_slot",) if null_slot else ()))
 
 
 def compile_keys(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
-                 eps: float = 1e-5, early_trigger: bool = False) -> list:
+                 eps: float = 1e-5, early_trigger: bool = False, null_slot: bool = False) -> list:
     """The kernels kda_conv_gate_step runs for these batches and T (the layer passes early_trigger=True)."""
     keys = []
     for T in Ts:
         for b in batches:
-            k = compile_key(heads, T, choose_nsplit(b, heads), lower_bound, eps, early_trigger=early_trigger)
+            k = compile_key(heads, T, choose_nsplit(b, heads), lower_bound, eps, early_trigger=early_trigger,
+                            null_slot=null_slot)
             if k not in keys:
                 keys.append(k)
     return keys
 
 
 def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_bound: float = -5.0,
-           eps: float = 1e-5, early_trigger: bool = False) -> list:
+           eps: float = 1e-5, early_trigger: bool = False, null_slot: bool = False) -> list:
     """Compile every kernel a (heads, batch list, T list) config needs; call before graph capture."""
-    keys = compile_keys(heads, batches, Ts, lower_bound, eps, early_trigger)
+    keys = compile_keys(heads, batches, Ts, lower_bound, eps, early_trigger, null_slot)
     for k in keys:
         _get_compiled(k)
     return keys
@@ -127,15 +129,16 @@ def warmup(heads: int, batches: Iterable[int], Ts: Iterable[int] = (1,), lower_b
 # slot, the W_fb rows, the conv step and the decay gate are the same arithmetic in both, which is what makes the two
 # builds' outputs the same bits.
 
-def _request_slot(mSlots, b, nslots):
+def _request_slot(mSlots, b, nslots, pad_max):
     """(is_pad, is_bad, valid, slot_w) of request b: slot_w is its slot as a 64-bit index (S * H * 128 * 128 exceeds
     2**31 elements at full width, S > 1365), 0 for a padded or bad slot (never dereferenced; keeps the address math
-    in range)."""
+    in range). Slots <= pad_max are padding: -1 for our own pools, 0 under vLLM, whose NULL_BLOCK_ID 0 marks the
+    padded rows of a CUDA-graph batch."""
     import cutlass
     from cutlass import Int32, Int64
     slot = mSlots[b]
-    valid = (slot >= 0) & (slot < nslots)
-    return slot < 0, slot >= nslots, valid, Int32(cutlass.select_(valid, slot, Int32(0))).to(Int64)
+    valid = (slot > pad_max) & (slot < nslots)
+    return slot <= pad_max, slot >= nslots, valid, Int32(cutlass.select_(valid, slot, Int32(0))).to(Int64)
 
 
 def _load_fb_rows(mWfb, mDtBias, row0, step, jv, rW, rDt):
@@ -168,7 +171,7 @@ def _decay_alpha(fa, rw_row, dt, decay_rate, lower_bound, lanes):
 
 
 def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, eps: float,
-           early_trigger: bool = False):
+           early_trigger: bool = False, pad_max: int = -1):
     """The cluster build (nsplit 8 or 4)."""
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
@@ -400,7 +403,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             cute.arch.cluster_arrive_relaxed()
 
             # ---------------- before the PDL wait: nothing here is produced by the previous kernel
-            is_pad, is_bad, valid, slot_w = _request_slot(mSlots, b, nslots)
+            is_pad, is_bad, valid, slot_w = _request_slot(mSlots, b, nslots, pad_max)
 
             # recurrent state rows of this warp: S[slot, h, v, 4*lane : 4*lane+4]
             row0 = split * R + warp * RW
@@ -484,7 +487,8 @@ def _head_occupancy(T: int) -> dict:
     return {"min_blocks_per_mp": head_min_blocks(T), "preferred_smem_carveout": 100}
 
 
-def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: float, early_trigger: bool = False):
+def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: float, early_trigger: bool = False,
+                pad_max: int = -1):
     """The head build (nsplit 1)."""
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int64, const_expr
@@ -547,7 +551,7 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
             mbar = smem.allocate_array(Int64, HEAD_CHUNKS)
 
             # ---------------- before the PDL wait: nothing here is produced by the previous kernel
-            is_pad, is_bad, valid, slot_w = _request_slot(mSlots, b, nslots)
+            is_pad, is_bad, valid, slot_w = _request_slot(mSlots, b, nslots, pad_max)
 
             # conv channels: threads [0, D) own the q channel hD + tid and the k channel P + hD + tid, threads
             # [D, 2D) the v channel 2P + hD + tid - D. win[c, j]: j = 0 oldest (t-3) ... 2 newest (t-1).
@@ -745,6 +749,7 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
 def _compile(key):
     _, heads, head_dim, T, nsplit, lower_bound, eps = key[:7]
     early = "early_trigger" in key[7:]
+    pad_max = 0 if "null_slot" in key[7:] else -1
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
 
@@ -753,9 +758,9 @@ def _compile(key):
     B = cute.sym_int()          # requests
     S = cute.sym_int()          # state slots
     if nsplit == 1:
-        obj = _build_head(heads, head_dim, T, lower_bound, eps, early_trigger=early)
+        obj = _build_head(heads, head_dim, T, lower_bound, eps, early_trigger=early, pad_max=pad_max)
     else:
-        obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early)
+        obj = _build(heads, head_dim, T, nsplit, lower_bound, eps, early_trigger=early, pad_max=pad_max)
     fakes = (
         fake_tensor(BFloat16, (M, proj_width(heads, head_dim))),
         fake_tensor(BFloat16, (P, head_dim)),
@@ -763,8 +768,12 @@ def _compile(key):
         fake_tensor(Float32, (heads,), align=4),
         fake_tensor(Float32, (P,)),
         fake_tensor(Float32, (head_dim,)),
-        fake_tensor(BFloat16, (S, 3 * P, 3), align=2),
-        fake_tensor(Float32, (S, heads, head_dim, head_dim)),
+        # the slot stride is a runtime value: vLLM's state pools are page-strided views (a slot's conv and
+        # recurrent state share one page), our own pools are compact; 16-byte rows keep the bulk state copies legal
+        cute.runtime.make_fake_tensor(BFloat16, (S, 3 * P, 3), (cute.sym_int(64), 3, 1), assumed_align=2),
+        cute.runtime.make_fake_tensor(Float32, (S, heads, head_dim, head_dim),
+                                      (cute.sym_int(64, divisibility=4), head_dim * head_dim, head_dim, 1),
+                                      assumed_align=16),
         fake_tensor(Int32, (B,), align=4),
         fake_tensor(BFloat16, (M, P)),
     )
@@ -778,24 +787,27 @@ def _get_compiled(key):
 # ---------------------------------------------------------------------------- host entry point
 
 def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
-                       head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, early_trigger=False):
+                       head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, early_trigger=False,
+                       null_slot=False):
     """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
     for the valid slots and returns y [B*T, H*D] bf16 (written into ``out`` when given). The build is
     choose_nsplit's for B requests and H heads. See the module docstring for the contracts.
 
     proj [B*T, proj_width(H)] bf16 (the packed in_proj output), w_fb [P, 128] bf16, conv_w [3P, 4] fp32,
     a_log [H] fp32, dt_bias [P] fp32, o_norm [128] fp32, conv_state [S, 3P, 3] bf16, rec_state [S, H, 128, 128]
-    fp32, slots [B] int32 (negative: padding).
+    fp32, slots [B] int32 (negative: padding; with null_slot also 0, vLLM's NULL_BLOCK_ID). The states may be
+    slot-strided views (each slot's rows compact), as vLLM's state pools are.
 
     early_trigger: launch the PDL dependents right after the wait instead of at the end (the layer's
     configuration). Only for a dependent that reads no KDA state before its own wait (o_proj in the layer chain),
     never for a second KDA step launched directly behind this one."""
     return _kda_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, heads=heads,
-                     head_dim=head_dim, T=T, lower_bound=lower_bound, eps=eps, out=out, early_trigger=early_trigger)
+                     head_dim=head_dim, T=T, lower_bound=lower_bound, eps=eps, out=out, early_trigger=early_trigger,
+                     null_slot=null_slot)
 
 
 def _kda_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads, head_dim=128, T=1,
-              lower_bound=-5.0, eps=1e-5, out=None, early_trigger=False, nsplit=None):
+              lower_bound=-5.0, eps=1e-5, out=None, early_trigger=False, nsplit=None, null_slot=False):
     """kda_conv_gate_step with the build forced (nsplit in NSPLITS; None: choose_nsplit). The tests run each build
     at small sizes this way and compare the head build with nsplit 4 bit for bit."""
     import torch
@@ -818,15 +830,22 @@ def _kda_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state,
     ns = choose_nsplit(B, H) if nsplit is None else int(nsplit)
     if ns not in NSPLITS:
         raise ValueError(f"nsplit must be one of {NSPLITS} (1: one CTA per request and head), got {nsplit}")
-    key = compile_key(H, T, ns, lower_bound, eps, D, early_trigger=early_trigger)
+    key = compile_key(H, T, ns, lower_bound, eps, D, early_trigger=early_trigger, null_slot=bool(null_slot))
     check_tensor("proj", proj, dtype=torch.bfloat16, shape=(B * T, proj_width(H, D)))
     check_tensor("w_fb", w_fb, dtype=torch.bfloat16, shape=(P, D))
     check_tensor("conv_w", conv_w, dtype=torch.float32, shape=(3 * P, 4))
     check_tensor("a_log", a_log, dtype=torch.float32, shape=(H,), align=4)
     check_tensor("dt_bias", dt_bias, dtype=torch.float32, shape=(P,))
     check_tensor("o_norm", o_norm, dtype=torch.float32, shape=(D,))
-    check_tensor("conv_state", conv_state, dtype=torch.bfloat16, shape=(None, 3 * P, 3), align=2)
-    check_tensor("rec_state", rec_state, dtype=torch.float32, shape=(None, H, D, D))
+    check_tensor("conv_state", conv_state, dtype=torch.bfloat16, shape=(None, 3 * P, 3), align=2, contiguous=False)
+    check_tensor("rec_state", rec_state, dtype=torch.float32, shape=(None, H, D, D), contiguous=False)
+    # each slot's rows compact; the slots themselves may sit a page apart (vLLM's state pools)
+    if conv_state.stride()[1:] != (3, 1):
+        raise ValueError(f"conv_state: expected each slot compact [3P, 3] (strides (*, 3, 1)), got "
+                         f"{conv_state.stride()}")
+    if rec_state.stride()[1:] != (D * D, D, 1) or rec_state.stride(0) % 4:
+        raise ValueError(f"rec_state: expected each slot compact [H, {D}, {D}] with a slot stride divisible by 4 "
+                         f"(16-byte rows), got strides {rec_state.stride()}")
     if conv_state.shape[0] != rec_state.shape[0]:
         raise ValueError(f"conv_state and rec_state must have the same number of slots, got "
                          f"{conv_state.shape[0]} and {rec_state.shape[0]}")

@@ -17,17 +17,19 @@ def _op_layer(fast, io):
     boundary = cfg.is_block_boundary(l)
     nb = cfg.num_blocks_before(l)
     p1 = torch.empty_like(io.partial)
-    proj = ops.attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, fast.u_attn, w.input_layernorm, fast.in_proj,
+    kda = fast.kda
+    proj = ops.attnres_rms_gemv(io.blocks, nb, io.partial, io.delta, kda.u_attn, w.input_layernorm, kda.in_proj,
                                 cfg.rms_norm_eps, (l // cfg.attn_res_block_size) if boundary else -1, p1)
-    y = ops.kda_conv_gate_step(proj, w.attn.f_b_proj, fast.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
+    y = ops.kda_conv_gate_step(proj, w.attn.f_b_proj, kda.conv_w, w.attn.A_log, w.attn.dt_bias, w.attn.o_norm,
                                io.state.conv, io.state.recurrent, io.slots, cfg.kda_heads, 1, cfg.gate_lower_bound,
                                cfg.rms_norm_eps)
-    x, p = ops.oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, fast.u_mlp,
+    x, p = ops.oproj_attnres(y, w.attn.o_proj, io.blocks, nb + int(boundary), p1, kda.u_mlp,
                              w.post_attention_layernorm, cfg.rms_norm_eps, boundary)
     m = w.mlp
-    z, ids, tw, h = ops.router_down_topk(x, fast.front, fast.e_bias, cfg.num_experts, cfg.num_experts_per_token,
-                                         cfg.routed_scaling_factor, fast.shared)
-    e = fast.experts
+    moe = fast.fused_moe
+    z, ids, tw, h = ops.router_down_topk(x, moe.front, moe.e_bias, cfg.num_experts, cfg.num_experts_per_token,
+                                         cfg.routed_scaling_factor, moe.shared)
+    e = moe.experts
     r = ops.moe_mxfp4_experts(z, ids, tw, e.w13q, e.w13s, e.w2q, e.w2s, cfg.situ_beta, cfg.situ_linear_beta,
                               e.layout)
     return x, p, ops.moe_tail(r, m.norm, m.up, h, m.shared_down, cfg.rms_norm_eps)
