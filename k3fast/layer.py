@@ -266,10 +266,10 @@ class FusedKDA:
         self.o_norm = a.o_norm.float().contiguous()
         self._bufs: dict[str, torch.Tensor] = {}
 
-    def __call__(self, blocks, partial, delta, conv_state, rec_state, slots, x_mlp) -> None:
-        """blocks [M, 8, d] (AttnRes block rows), partial [M, d] (the block's partial sum, updated in place to the
-        layer's p''), delta [M, d] or None (the previous layer's MoE output), the KDA state pool and the requests'
-        slots; writes the MoE half's input into x_mlp [M, d]."""
+    def __call__(self, blocks, partial, delta, conv_state, rec_state, slots, x_mlp, partial_out=None) -> None:
+        """blocks [M, 8, d] (AttnRes block rows), partial [M, d] (the block's partial sum), delta [M, d] or None (the
+        previous layer's MoE output), the KDA state pool and the requests' slots; writes the MoE half's input into
+        x_mlp [M, d] and the layer's partial sum p'' into partial_out (default: partial, in place)."""
         from .kernels.kda_conv_gate_step import kda_conv_gate_step
         cfg, l = self.cfg, self.layer
         boundary = cfg.is_block_boundary(l)
@@ -288,7 +288,8 @@ class FusedKDA:
                                    eps=cfg.rms_norm_eps, early_trigger=True, null_slot=self.null_slot)
         with stage("k3.o_proj"):
             oproj_attnres_any(y, self.o_proj, blocks, nb + int(boundary), p1, self.u_mlp, self.w_post,
-                              eps=cfg.rms_norm_eps, boundary=boundary, out_x=x_mlp, out_partial=partial,
+                              eps=cfg.rms_norm_eps, boundary=boundary, out_x=x_mlp,
+                              out_partial=partial if partial_out is None else partial_out,
                               zeros=self._buf("p0", p1, zero=True), plan=self.plan)
 
     def _buf(self, name: str, like: torch.Tensor, zero: bool = False) -> torch.Tensor:

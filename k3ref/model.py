@@ -46,7 +46,8 @@ class K3ModelWeights:
         return out
 
 
-def random_model(cfg: K3Config, *, seed: int = 0, device="cpu") -> K3ModelWeights:
+def random_globals(cfg: K3Config, *, seed: int = 0, device="cpu") -> K3ModelWeights:
+    """random_model's model-level tensors alone (``layers`` empty): the same values, drawn in the same order."""
     g = torch.Generator(device=device).manual_seed(seed)
     V, d = cfg.vocab_size, cfg.hidden_size
     return K3ModelWeights(
@@ -55,7 +56,13 @@ def random_model(cfg: K3Config, *, seed: int = 0, device="cpu") -> K3ModelWeight
         norm=(1 + 0.05 * torch.randn(d, generator=g, device=device)).to(BF16),
         output_res=AttnResSite(norm=(1 + 0.05 * torch.randn(d, generator=g, device=device)).to(BF16),
                                proj=(torch.randn(1, d, generator=g, device=device) * 4 * d ** -0.5).to(BF16)),
-        layers=[random_layer(cfg, l, seed=seed, device=device) for l in range(cfg.num_hidden_layers)])
+        layers=[])
+
+
+def random_model(cfg: K3Config, *, seed: int = 0, device="cpu") -> K3ModelWeights:
+    w = random_globals(cfg, seed=seed, device=device)
+    w.layers = [random_layer(cfg, l, seed=seed, device=device) for l in range(cfg.num_hidden_layers)]
+    return w
 
 
 def model_from_checkpoint(tensors: dict[str, torch.Tensor], cfg: K3Config) -> K3ModelWeights:

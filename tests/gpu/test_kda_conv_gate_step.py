@@ -387,3 +387,58 @@ def test_head_build_is_bit_identical_to_nsplit4(H, B, T, early):
                                                    "ns1": {"nsplit": 1, "early_trigger": early}})
     for a, b in zip(res["ns1"], res["ns4"]):
         assert torch.equal(a, b)
+
+
+def paged_pool(conv, rec, pad_bytes=4096):
+    """vLLM's layout of a KDA state pool: each slot's conv rows and recurrent state in one page (conv first, padded to
+    16 bytes, then the state, then ``pad_bytes`` of other data), the two pools as page-strided views of one buffer.
+    Returns (conv view, rec view, the backing buffer) holding copies of conv / rec."""
+    S = conv.shape[0]
+    conv_b = conv[0].numel() * 2
+    conv_pad = -conv_b % 16
+    page = conv_b + conv_pad + rec[0].numel() * 4 + pad_bytes
+    buf = torch.randn(S * page // 4, device=conv.device)          # the bytes between the views hold noise
+    raw = buf.view(torch.uint8)
+    cv = raw.as_strided((S, conv_b), (page, 1)).view(torch.bfloat16)
+    rv = raw[conv_b + conv_pad:].as_strided((S, rec[0].numel() * 4), (page, 1)).view(torch.float32)
+    cview = torch.as_strided(cv, conv.shape, (page // 2, 3, 1))
+    rview = torch.as_strided(rv, rec.shape, (page // 4, rec.shape[2] * rec.shape[3], rec.shape[3], 1))
+    cview.copy_(conv)
+    rview.copy_(rec)
+    return cview, rview, buf
+
+
+@pytest.mark.parametrize("H,B", [(6, 1), (6, 8), (6, 64), (12, 8)])
+def test_vllm_paged_pool_and_null_slot(H, B):
+    """The step on vLLM's state pools: page-strided views (a slot's conv and recurrent state share a page) and slot
+    0 as padding (null_slot, vLLM's NULL_BLOCK_ID). Same bits as on a compact pool with slot 0 written as -1; slot 0
+    and every byte between the views untouched."""
+    gen = torch.Generator().manual_seed(100 + B)
+    dev = "cuda"
+    S = B + 4
+    prm = make_params(H, gen, dev)
+    proj = make_proj(B, 1, H, gen, dev)
+    conv, rec = make_states(S, H, gen, dev)
+    slots = torch.randperm(S - 1, generator=gen)[:B].to(torch.int32) + 1
+    if B > 1:
+        slots[1::3] = 0                                                  # padded rows, as vLLM pads a graph batch
+    slots = slots.to(dev)
+    args = (prm["w_fb"], prm["conv_w"], prm["a_log"], prm["dt_bias"], prm["o_norm"])
+    c_ref, r_ref = conv.clone(), rec.clone()
+    y_ref = kmod.kda_conv_gate_step(proj, *args, c_ref, r_ref, torch.where(slots == 0, -1, slots), heads=H,
+                                    early_trigger=True)
+    cview, rview, buf = paged_pool(conv, rec)
+    before = buf.clone()
+    y = kmod.kda_conv_gate_step(proj, *args, cview, rview, slots, heads=H, early_trigger=True, null_slot=True)
+    torch.cuda.synchronize()
+    assert torch.equal(y, y_ref)
+    assert torch.equal(cview, c_ref) and torch.equal(rview, r_ref)
+    assert torch.equal(cview[0], conv[0]) and torch.equal(rview[0], rec[0])
+    # nothing outside the touched slots' state rows changed
+    mask = torch.ones_like(buf, dtype=torch.bool)
+    for s in slots.unique().tolist():
+        if s > 0:
+            for v in (cview[s], rview[s]):
+                off = (v.data_ptr() - buf.data_ptr()) // 4
+                mask[off:off + (v.numel() * v.element_size() + 3) // 4] = False
+    assert torch.equal(buf[mask], before[mask])

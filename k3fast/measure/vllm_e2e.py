@@ -1,0 +1,462 @@
+"""End-to-end decode in a vLLM 0.33 engine: stock vLLM against the k3fast plug-in, same GPU, same weights.
+
+    python -m k3fast.measure.vllm_e2e both --depth 36 --batches 1 8 64 --out traces/<card>/vllm-e2e-<tag>.json
+    python -m k3fast.measure.vllm_e2e run --engine k3fast --depth 4 --batches 1 8 --out FILE --parity --fidelity
+    python -m k3fast.measure.vllm_e2e compare FILE          # parity of the two engines recorded in FILE
+
+The model is Kimi K3 at TP16-rank shapes on one GPU (hidden 7168, 6 KDA heads with the full-rank gate, 6 MLA heads,
+896 MXFP4 experts top-16 with a 256-wide intermediate, two shared experts, a dense layer 0, MLA every fourth layer
+and last, AttnRes blocks of 12), ``--depth`` layers deep, vocabulary 10240 (a rank's slice of the 163840-entry head).
+Weights come from the plug-in's ``k3-random`` load format: k3ref.model.random_model(cfg, seed), whose scales route
+tokens realistically (the records carry the distinct experts per step). One engine per process (``run``); ``both``
+runs stock then k3fast in two processes, back to back, into one file.
+
+Per engine and batch the record holds decode TPOT and tok/s with vLLM's FULL decode CUDA graphs (TPOT = the time of
+N more decode steps over N, from two generates that differ only in length), the GPU time of one graph replay (the
+step's kernels; ``engine_outside_gpu_ms`` = TPOT minus that span), and a per-layer breakdown (kernels and kernel
+time per layer kind) from torch.profiler over eagerly run decode steps, each kernel attributed to the decoder layer
+whose forward launched it. Both engines run with VLLM_SSM_CONV_STATE_LAYOUT=DS (the layout the fused KDA step reads).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+RANK_VOCAB = 10240
+PARITY_TOKENS = 32
+PROMPT_LEN = 16
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+
+def k3_rank16_config(depth: int, vocab: int = RANK_VOCAB) -> dict:
+    """config.json of a ``depth``-layer Kimi K3 at one TP16 rank's shapes, the released layer pattern, MXFP4 experts
+    (compressed-tensors, as the released checkpoint quantises them)."""
+    if depth < 4:
+        raise ValueError(f"depth must be >= 4 (a dense layer, KDA layers and an MLA layer), got {depth}")
+    mla = sorted({l for l in range(depth) if l % 4 == 3} | {depth - 1})
+    kda = [l for l in range(depth) if l not in mla]
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "torch_dtype": "bfloat16",
+        "vocab_size": vocab, "hidden_size": 7168, "intermediate_size": 33792 // 16, "num_hidden_layers": depth,
+        "num_attention_heads": 96 // 16, "num_key_value_heads": 96 // 16, "head_dim": 128, "hidden_act": "situ",
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "mla_use_nope": True, "mla_use_output_gate": True,
+        # moe_intermediate_size: a rank's 3072 / 16 = 192 expert rows, padded to vLLM's minimum of 256
+        "num_experts": 896, "num_experts_per_token": 16, "moe_intermediate_size": 256,
+        "num_shared_experts": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True,
+        "attn_res_block_size": 12, "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+        "linear_attn_config": {"kda_layers": [l + 1 for l in kda], "full_attn_layers": [l + 1 for l in mla],
+                               "num_heads": 96 // 16, "head_dim": 128, "short_conv_kernel_size": 4,
+                               "use_full_rank_gate": True, "gate_lower_bound": -5.0},
+        "quantization_config": {
+            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": ["re:.*block_sparse_moe\\.experts\\..*"],
+                "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
+                            "dynamic": False, "scale_dtype": "torch.uint8"},
+                "input_activations": None, "output_activations": None, "format": "mxfp4-pack-quantized"}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None},
+    }
+
+
+def prompts(n: int, vocab: int = RANK_VOCAB) -> list[list[int]]:
+    return [[(7919 * i + 104729 * j + 1) % vocab for j in range(PROMPT_LEN)] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------- profiling
+
+def install_layer_ranges(model):
+    """record_function ranges around every decoder layer's forward ("K3L|layer|kind|rows") and the model's."""
+    import torch
+    rf = torch.profiler.record_function
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    for layer in lm.model.layers:
+        kind = "kda" if type(layer.self_attn).__name__ == "KimiK3DeltaAttention" else "mla"
+        kind += "_moe" if getattr(layer, "is_moe_layer", False) else "_dense"
+
+        def wrap(orig, i=layer.layer_idx, kind=kind):
+            def fwd(positions, *a, **kw):
+                with rf(f"K3L|{i}|{kind}|{int(positions.shape[0])}"):
+                    return orig(positions, *a, **kw)
+            return fwd
+        layer.forward = wrap(layer.forward)
+    return True
+
+
+def per_layer(trace_path: str, rows: int) -> dict:
+    """Median kernels and kernel time per layer kind over the decode steps of ``rows`` rows in a chrome trace."""
+    with open(trace_path) as f:
+        ev = json.load(f)["traceEvents"]
+    launch = {}
+    for e in ev:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            c = (e.get("args") or {}).get("correlation")
+            if c is not None:
+                launch[c] = (e.get("pid"), e.get("tid"), e["ts"])
+    ranges = [e for e in ev if e.get("cat") == "user_annotation" and e.get("ph") == "X"
+              and str(e.get("name", "")).startswith("K3L|")]
+    by_thread = collections.defaultdict(list)
+    for a in ranges:
+        a["_k"] = []
+        by_thread[(a.get("pid"), a.get("tid"))].append(a)
+    for g in ev:
+        if g.get("cat") != "kernel" or g.get("ph") != "X":
+            continue
+        L = launch.get((g.get("args") or {}).get("correlation"))
+        if L is None:
+            continue
+        for a in by_thread.get((L[0], L[1]), []):
+            if a["ts"] <= L[2] <= a["ts"] + a["dur"]:
+                a["_k"].append(g)
+    per_kind = collections.defaultdict(list)
+    names = {}
+    for a in ranges:
+        _, i, kind, n = a["name"].split("|")
+        if int(n) != rows or not a["_k"]:
+            continue
+        per_kind[kind].append((sum(k["dur"] for k in a["_k"]), len(a["_k"])))
+        names.setdefault(kind, [k["name"][:90] for k in sorted(a["_k"], key=lambda k: k["ts"])])
+    return {kind: {"layer_us": round(statistics.median(v[0] for v in vs), 2),
+                   "layer_kernels": statistics.median(v[1] for v in vs), "samples": len(vs),
+                   "kernel_names": names[kind]} for kind, vs in per_kind.items()}
+
+
+def graph_steps(trace_path: str) -> list[dict]:
+    """Per CUDA-graph replay in a chrome trace: its kernels, their summed time and its GPU span."""
+    with open(trace_path) as f:
+        ev = json.load(f)["traceEvents"]
+    graph_corr = {(e.get("args") or {}).get("correlation") for e in ev
+                  if e.get("cat") in ("cuda_runtime", "cuda_driver") and "GraphLaunch" in str(e.get("name", ""))}
+    steps = collections.defaultdict(list)
+    for g in ev:
+        if g.get("cat") == "kernel" and g.get("ph") == "X":
+            c = (g.get("args") or {}).get("correlation")
+            if c in graph_corr:
+                steps[c].append(g)
+    out = []
+    for ks in steps.values():
+        out.append({"kernels": len(ks), "kernel_us": sum(k["dur"] for k in ks),
+                    "span_us": max(k["ts"] + k["dur"] for k in ks) - min(k["ts"] for k in ks)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- one engine
+
+def _model_info(model):
+    import torch
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    backends = set()
+    for layer in lm.model.layers:
+        moe = getattr(layer, "block_sparse_moe", None)
+        if moe is None:
+            continue
+        if type(layer.mlp).__name__ == "FusedKimiMoE":
+            backends.add("k3fast moe_mxfp4_experts")
+            continue
+        qm = moe.experts.quant_method
+        kernel = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+        backends.add(f"{type(qm).__name__}/{type(kernel).__name__}")
+    dec = getattr(lm, "k3fast", None)
+    return {"moe_backend": ",".join(sorted(backends)), "plugin": None if dec is None else dec.report,
+            "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
+            "layers": len(lm.model.layers)}
+
+
+def _kda_state_dump(model, path):
+    """The KDA conv / recurrent state rows of every used slot (slot 0, vLLM's null block, excluded), to ``path``."""
+    import torch
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    out = {}
+    for layer in lm.model.layers:
+        if type(layer.self_attn).__name__ != "KimiK3DeltaAttention":
+            continue
+        conv, rec = layer.self_attn.kv_cache[:2]
+        used = (conv.flatten(1).abs().amax(1) > 0).nonzero().flatten().tolist()
+        used = [s for s in used if s > 0]
+        out[layer.layer_idx] = {"slots": used, "conv": conv[used].float().cpu(), "rec": rec[used].float().cpu()}
+    torch.save(out, path)
+    return {l: v["slots"] for l, v in out.items()}
+
+
+def _distinct_experts(model, sink):
+    """Forward pre-hooks on each MoE that count the distinct experts the router picks per step (k3ref's routing on
+    the MoE input; for the records only, never inside a timed or profiled window)."""
+    import torch
+    from k3ref.moe import route
+    from k3ref.precision import Precision
+    from k3fast.vllm.weights import k3_config, moe_weights
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    cfg = k3_config(lm.config)
+    hooks = []
+    for layer in lm.model.layers:
+        if not getattr(layer, "is_moe_layer", False):
+            continue
+        w = moe_weights(layer.block_sparse_moe)
+
+        def pre(mod, args, w=w):
+            ids, _ = route(args[0], w, cfg, Precision.model())
+            sink.append((int(args[0].shape[0]), int(torch.unique(ids).numel())))
+        hooks.append(layer.mlp.register_forward_pre_hook(pre))
+    return len(hooks)
+
+
+def run_engine(a) -> list[dict]:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import k3fast.vllm
+    from .trace import environment
+    k3fast.vllm.register()
+    env = environment()
+    d = tempfile.mkdtemp(prefix="k3-e2e-")
+    cfg_json = k3_rank16_config(a.depth)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg_json, f)
+    batches = sorted(set(a.batches))
+    extra = {"additional_config": {"k3fast": {"batches": batches}}} if a.engine == "k3fast" else {}
+    t0 = time.time()
+    llm = LLM(model=d, skip_tokenizer_init=True, load_format="k3-random", model_loader_extra_config={"seed": a.seed},
+              dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=2048,
+              gpu_memory_utilization=a.util, seed=0, enable_prefix_caching=False,
+              compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                  "cudagraph_capture_sizes": batches}, **extra)
+    init_s = round(time.time() - t0, 1)
+    print(f"[{a.engine}] engine up in {init_s} s", flush=True)
+    info = llm.apply_model(_model_info)[0]
+    vcfg = llm.llm_engine.vllm_config
+    graph_mode = str(vcfg.compilation_config.cudagraph_mode)
+    gen = lambda ps, n, **kw: llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps],
+                                           SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                          detokenize=False, **kw), use_tqdm=False)
+    base = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
+            "vllm": __import__("vllm").__version__, "kind": "vllm_e2e", "engine": a.engine,
+            "model": {"depth": a.depth, "shape": "k3_rank16", "experts": 896, "top_k": 16, "vocab": RANK_VOCAB,
+                      "weights": f"k3-random seed {a.seed}"},
+            "moe_backend": info["moe_backend"], "cudagraph_mode": graph_mode, "engine_init_s": init_s,
+            "weights_gib": info["weights_gib"], "plugin": info["plugin"], "conv_state_layout": "DS"}
+    recs = []
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+
+    # parity material first, in a fresh engine, so the b1 request takes the same state slot in both engines
+    if a.parity:
+        par = {"kind": "vllm_parity", "engine": a.engine, **{k: base[k] for k in ("gpu", "commit", "model")}}
+        for b in (1, 8):
+            if b > max(batches):
+                continue
+            outs = gen(prompts(b), PARITY_TOKENS, logprobs=1)
+            par[f"b{b}"] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                            "logprobs": [[float(lp[t].logprob) for t, lp in zip(o.outputs[0].token_ids,
+                                                                                 o.outputs[0].logprobs)]
+                                         for o in outs]}
+            if b == 1:
+                path = os.path.join(out_dir, f"kda-states-{a.engine}.pt")
+                par["b1"]["state_slots"] = llm.apply_model(lambda m: _kda_state_dump(m, path))[0]
+                par["b1"]["state_file"] = os.path.basename(path)
+        recs.append(par)
+        print(f"[{a.engine}] parity b1 tokens {par.get('b1', {}).get('tokens')}", flush=True)
+
+    # decode speed under FULL decode graphs
+    for b in batches:
+        ps = prompts(b)
+        gen(ps, 8)
+        short, long_ = [], []
+        for _ in range(a.repeats):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            gen(ps, 8)
+            short.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            gen(ps, 8 + a.steps)
+            long_.append(time.perf_counter() - t)
+        tpot = (statistics.median(long_) - statistics.median(short)) / a.steps
+        recs.append({**base, "batch": b, "tpot_ms_median": round(tpot * 1e3, 3), "tok_s": round(b / tpot, 1),
+                     "tok_s_per_user": round(1 / tpot, 1), "decode_steps_timed": a.steps, "repeats": a.repeats})
+        print(f"[{a.engine}] b{b}: TPOT {tpot * 1e3:.3f} ms, {b / tpot:.1f} tok/s", flush=True)
+
+    # one profiled pass with graphs (GPU time of a replay), one eager (per-layer attribution)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    for b in batches:
+        with torch.profiler.profile(activities=acts) as prof:
+            gen(prompts(b), 8)
+        tp = os.path.join(tempfile.gettempdir(), f"k3e2e-{a.engine}-graph-b{b}.json")
+        prof.export_chrome_trace(tp)
+        steps = graph_steps(tp)
+        rec = next(r for r in recs if r.get("batch") == b and r["kind"] == "vllm_e2e")
+        if steps:
+            rec["graph_step_kernels"] = statistics.median(s["kernels"] for s in steps)
+            rec["graph_step_kernel_us"] = round(statistics.median(s["kernel_us"] for s in steps), 1)
+            rec["graph_step_span_us"] = round(statistics.median(s["span_us"] for s in steps), 1)
+            rec["engine_outside_gpu_ms"] = round(rec["tpot_ms_median"] - rec["graph_step_span_us"] / 1e3, 3)
+    import vllm.v1.worker.gpu.model_runner as runner
+    dispatch = runner.dispatch_cg_and_sync_dp
+    runner.dispatch_cg_and_sync_dp = lambda *x, **kw: dispatch(*x, **{**kw, "need_eager": True})
+    llm.apply_model(install_layer_ranges)
+    sink = []
+    llm.apply_model(lambda m: _distinct_experts(m, sink))
+    for b in batches:
+        del sink[:]
+        gen(prompts(b), 6)
+        dec = [e for n, e in sink if n == b]
+        rec = next(r for r in recs if r.get("batch") == b and r["kind"] == "vllm_e2e")
+        rec["distinct_experts_per_layer_step"] = round(statistics.median(dec), 1) if dec else None
+    llm.apply_model(_remove_pre_hooks)
+    for b in batches:
+        gen(prompts(b), 4)                              # eager warm-up of this width
+        with torch.profiler.profile(activities=acts) as prof:
+            gen(prompts(b), 10)
+        tp = os.path.join(tempfile.gettempdir(), f"k3e2e-{a.engine}-eager-b{b}.json")
+        prof.export_chrome_trace(tp)
+        rec = next(r for r in recs if r.get("batch") == b and r["kind"] == "vllm_e2e")
+        rec["per_layer"] = per_layer(tp, b)
+        for kind, v in rec["per_layer"].items():
+            rec[f"layer_us_{kind}"] = v["layer_us"]
+            rec[f"layer_kernels_{kind}"] = v["layer_kernels"]
+        print(f"[{a.engine}] b{b} per layer: " + ", ".join(f"{k} {v['layer_kernels']} kernels {v['layer_us']} us"
+                                                         for k, v in rec["per_layer"].items()), flush=True)
+    runner.dispatch_cg_and_sync_dp = dispatch
+
+    if a.fidelity and a.parity:
+        recs[0]["fidelity"] = fidelity(a, recs[0])
+    return recs
+
+
+def _remove_pre_hooks(model):
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    for layer in lm.model.layers:
+        layer.mlp._forward_pre_hooks.clear()
+    return True
+
+
+def fidelity(a, par: dict) -> dict:
+    """k3ref (model precision, on the GPU) teacher-forced on the b1 prompt and the engine's greedy tokens: does it
+    pick the same tokens, and how far are the log-probabilities of the engine's tokens?"""
+    import torch
+    from k3ref.model import K3Model, random_model
+    from k3fast.vllm.weights import k3_config
+
+    class Text:                                   # the config.json as vLLM's config object would read it
+        def __init__(self, c):
+            self.__dict__.update(c)
+    cfg = k3_config(Text(k3_rank16_config(a.depth)))
+    model = K3Model(cfg, random_model(cfg, seed=a.seed, device="cuda"), slots=2, max_len=PROMPT_LEN + PARITY_TOKENS)
+    toks = prompts(1)[0] + par["b1"]["tokens"][0]
+    slots = torch.tensor([0], device="cuda")
+    agree, dlp = 0, []
+    with torch.no_grad():
+        for t in range(len(toks) - 1):
+            logits = model.decode_step(torch.tensor([toks[t]], device="cuda"), slots)[0]
+            if t >= PROMPT_LEN - 1:
+                j = t - (PROMPT_LEN - 1)
+                lp = torch.log_softmax(logits.double(), -1)
+                agree += int(int(lp.argmax()) == toks[t + 1])
+                dlp.append(abs(float(lp[toks[t + 1]]) - par["b1"]["logprobs"][0][j]))
+    return {"reference": "k3ref.K3Model, model precision", "steps": len(dlp), "greedy_agree": agree,
+            "max_abs_dlogprob": round(max(dlp), 4), "median_abs_dlogprob": round(statistics.median(dlp), 4)}
+
+
+# ---------------------------------------------------------------------------------------------------- driver
+
+def write(out: str, recs: list[dict]) -> None:
+    old = []
+    if os.path.exists(out):
+        with open(out) as f:
+            old = json.load(f).get("records", [])
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"records": old + recs}, f, indent=1, default=str)
+
+
+def compare(path: str) -> dict:
+    """Parity of the engines recorded in one file: greedy tokens (first divergence per request) and the KDA states
+    of the b1 request after its decode (relative RMS difference per layer)."""
+    import torch
+    with open(path) as f:
+        recs = json.load(f)["records"]
+    par = {r["engine"]: r for r in recs if r["kind"] == "vllm_parity"}
+    if not {"stock", "k3fast"} <= set(par):
+        raise SystemExit(f"{path}: needs parity records of both engines, has {sorted(par)}")
+    s, k = par["stock"], par["k3fast"]
+    res = {}
+    for b in ("b1", "b8"):
+        if b not in s or b not in k:
+            continue
+        firsts = []
+        for ts, tk in zip(s[b]["tokens"], k[b]["tokens"]):
+            diff = [i for i, (x, y) in enumerate(zip(ts, tk)) if x != y]
+            firsts.append(diff[0] if diff else None)
+        same = sum(f is None for f in firsts)
+        lp = [max(abs(x - y) for x, y in zip(ls[:f or PARITY_TOKENS], lk[:f or PARITY_TOKENS]))
+              for ls, lk, f in zip(s[b]["logprobs"], k[b]["logprobs"], firsts) if (f or PARITY_TOKENS) > 0]
+        res[b] = {"requests": len(firsts), "identical": same, "first_divergence": firsts,
+                  "max_abs_dlogprob_before_divergence": round(max(lp), 4) if lp else None}
+    d = os.path.dirname(os.path.abspath(path))
+    fs, fk = (os.path.join(d, par[e]["b1"].get("state_file") or "-") for e in ("stock", "k3fast"))
+    if os.path.isfile(fs) and os.path.isfile(fk):
+        a, b = torch.load(fs), torch.load(fk)
+        st = {}
+        for l in a:
+            if a[l]["slots"] != b[l]["slots"]:
+                st[l] = {"slots": [a[l]["slots"], b[l]["slots"]]}
+                continue
+            rr = lambda x, y: float((x - y).double().pow(2).mean().sqrt() / y.double().pow(2).mean().sqrt().clamp_min(
+                1e-30))
+            st[l] = {"slots": a[l]["slots"], "rec_rel_rms": rr(b[l]["rec"], a[l]["rec"]),
+                     "conv_rel_rms": rr(b[l]["conv"], a[l]["conv"])}
+        res["kda_states_b1"] = st
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3fast.measure.vllm_e2e", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "both"):
+        p = sub.add_parser(name)
+        if name == "run":
+            p.add_argument("--engine", choices=("stock", "k3fast"), required=True)
+        p.add_argument("--depth", type=int, default=36)
+        p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+        p.add_argument("--out", required=True)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--util", type=float, default=0.9, help="gpu_memory_utilization")
+        p.add_argument("--steps", type=int, default=64, help="decode steps timed per generate pair")
+        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--parity", action="store_true", help="record greedy tokens and the b1 request's KDA states")
+        p.add_argument("--fidelity", action="store_true", help="also teacher-force k3ref on the b1 tokens")
+    p = sub.add_parser("compare")
+    p.add_argument("file")
+    a = ap.parse_args(argv)
+    if a.cmd == "compare":
+        print(json.dumps(compare(a.file), indent=1))
+        return 0
+    if a.cmd == "run":
+        recs = run_engine(a)
+        write(a.out, recs)
+        print(f"wrote {len(recs)} records to {a.out}", flush=True)
+        os._exit(0)
+    rc = 0
+    for engine in ("stock", "k3fast"):
+        args = [sys.executable, "-m", "k3fast.measure.vllm_e2e", "run", "--engine", engine, "--depth", str(a.depth),
+                "--batches", *map(str, a.batches), "--out", a.out, "--seed", str(a.seed), "--util", str(a.util),
+                "--steps", str(a.steps), "--repeats", str(a.repeats)] + (["--parity"] if a.parity else []) \
+            + (["--fidelity"] if a.fidelity and engine == "stock" else [])
+        rc |= subprocess.call(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

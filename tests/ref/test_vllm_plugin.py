@@ -1,0 +1,331 @@
+"""The vLLM plug-in's parts that need neither vLLM nor a GPU: the additional_config switch, the engine guard's rules
+and message, the view of vLLM's modules as k3ref weights, the MoE wrapper's chunking and padding, the first layer's
+block-row swap, the registration (against a stand-in vLLM), and the end-to-end tool's model config and trace
+parsing. The plug-in inside a real engine is the GPU tier's (k3fast.measure.vllm_e2e)."""
+import json
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3fast.vllm import config as pc
+from k3fast.vllm import guards
+from k3fast.vllm.weights import k3_config, kda_weights, layer_weights, moe_weights, split_w13
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------------- additional_config
+
+def test_absent_key_leaves_the_engine_stock():
+    assert pc.parse(None) is None
+    assert pc.parse({}) is None
+    assert pc.parse({"decode_backend": "auto"}) is None
+
+
+@pytest.mark.parametrize("raw", [{}, True, None])
+def test_defaults(raw):
+    o = pc.parse({"k3fast": raw})
+    assert o == pc.PluginOptions() and o.fuse == "all" and o.max_batch == 64 and o.batches is None
+    assert o.prepared_batches([1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256]) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert o.prepared_batches(None) == (64,)
+
+
+def test_options():
+    o = pc.parse({"k3fast": {"fuse": "moe", "max_batch": 16, "batches": [8, 1, 8], "plan": {"tail_fused_max_m": 8}}})
+    assert o.fuse == "moe" and o.max_batch == 16 and o.prepared_batches([1, 2]) == (1, 8)
+    assert o.decode_plan().tail_fused_max_m == 8
+    assert pc.parse({"k3fast": {"batches": "capture", "max_batch": 8}}).prepared_batches([1, 4, 16]) == (1, 4, 8)
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ({"fuse": "attention"}, "['fuse']: expected one of"),
+    ({"max_batch": 65}, "['max_batch']: expected an int in 1..64"),
+    ({"max_batch": True}, "['max_batch']"),
+    ({"batches": [0, 8]}, "['batches']"),
+    ({"batches": [1, 128]}, "['batches']"),
+    ({"batches": []}, "['batches']"),
+    ({"batches": 8}, "['batches']: expected \"capture\" or a list"),
+    ({"plan": {"nope": 1}}, "unknown DecodePlan fields ['nope']"),
+    ({"plan": {"front_fused_max_m": 9}}, "front_fused_max_m must be in 0..4"),
+    ({"plan": [1]}, "['plan']: expected a dict"),
+    ({"max_bacth": 8}, "unknown options ['max_bacth']"),
+])
+def test_bad_options_are_named(raw, needle):
+    with pytest.raises(ValueError) as e:
+        pc.parse({"k3fast": raw})
+    assert needle in str(e.value)
+
+
+def test_not_a_dict():
+    with pytest.raises(ValueError, match="expected a dict of options"):
+        pc.parse({"k3fast": "on"})
+
+
+# ------------------------------------------------------------------------------------------------- the guard
+
+def good_facts():
+    return {"capability": (9, 0), "dtype": "bfloat16", "experts_quant": "mxfp4", "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1, "expert_parallel": False, "data_parallel_size": 1, "ubatching": False,
+            "lora": False, "sleep_mode": False, "v2_model_runner": True, "stock_torch_compile": False,
+            "decode_graph_mode": "FULL", "speculative_method": None, "kda_state_dtypes": ("bfloat16", "float32"),
+            "replay_or_recover_ssm": False, "conv_state_layout": "DS", "moe": guards.K3_MOE, "hidden_size": 7168,
+            "latent_moe": True, "full_rank_kda_gate": True, "kda_head_dim": 128, "attn_res_blocks": 3,
+            "in_proj_rows": [3216], "in_proj_rows_ok": True}
+
+
+def test_a_supported_engine_passes():
+    assert guards.problems(good_facts()) == []
+    guards.check(good_facts())
+    assert guards.problems({**good_facts(), "decode_graph_mode": "NONE"}) == []
+
+
+BAD = {"capability": (10, 0), "dtype": "float16", "experts_quant": "UnquantizedFusedMoEMethod",
+       "tensor_parallel_size": 8, "pipeline_parallel_size": 2, "expert_parallel": True, "data_parallel_size": 2,
+       "ubatching": True, "lora": True, "sleep_mode": True, "v2_model_runner": False, "stock_torch_compile": True,
+       "decode_graph_mode": "PIECEWISE", "speculative_method": "dspark", "kda_state_dtypes": ("bfloat16", "bfloat16"),
+       "replay_or_recover_ssm": True, "conv_state_layout": "SD", "moe": ("silu",) + guards.K3_MOE[1:],
+       "hidden_size": 2304, "latent_moe": False, "full_rank_kda_gate": False, "kda_head_dim": 64,
+       "attn_res_blocks": 9, "in_proj_rows_ok": False}
+
+
+@pytest.mark.parametrize("key", sorted(BAD))
+def test_each_unsupported_setting_is_named(key):
+    p = guards.problems({**good_facts(), key: BAD[key]})
+    assert len(p) == 1, p
+
+
+def test_one_error_lists_every_problem():
+    with pytest.raises(guards.UnsupportedEngine) as e:
+        guards.check({**good_facts(), **BAD})
+    msg = str(e.value)
+    assert msg.count("; (") == len(BAD) - 1          # every problem, numbered, in one message
+    for needle in ("sm_90a", "tensor_parallel_size=8", "VLLM_SSM_CONV_STATE_LAYOUT=DS", "speculative decoding",
+                   "Remove additional_config['k3fast']"):
+        assert needle in msg
+
+
+# --------------------------------------------------------------------------------------- vLLM's modules as k3ref
+
+class Mod(types.SimpleNamespace):
+    pass
+
+
+def W(t):
+    return Mod(weight=t)
+
+
+def test_k3_config_from_vllms_config():
+    from k3fast.measure.vllm_e2e import k3_rank16_config
+    cfg = k3_config(Mod(**k3_rank16_config(36)))
+    assert (cfg.tp, cfg.hidden_size, cfg.num_hidden_layers, cfg.kda_heads, cfg.mla_heads) == (1, 7168, 36, 6, 6)
+    assert cfg.mla_layers == (3, 7, 11, 15, 19, 23, 27, 31, 35) and cfg.first_k_dense_replace == 1
+    assert (cfg.expert_intermediate, cfg.shared_intermediate, cfg.routed_expert_hidden_size) == (256, 512, 3584)
+    assert cfg.is_kda_layer(0) and not cfg.is_moe_layer(0) and cfg.max_blocks == 3
+
+
+def test_released_pattern_of_the_e2e_model():
+    from k3fast.measure.vllm_e2e import k3_rank16_config
+    c = k3_rank16_config(40)
+    lin = c["linear_attn_config"]
+    assert sorted(lin["kda_layers"] + lin["full_attn_layers"]) == list(range(1, 41))
+    assert lin["full_attn_layers"] == [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
+    with pytest.raises(ValueError, match="depth must be >= 4"):
+        k3_rank16_config(3)
+
+
+def vllm_like_layer(cfg, l, seed=0):
+    """A stand-in KimiDecoderLayer holding k3ref's random weights in vLLM's packed layouts."""
+    from k3fast.kernels.kda_conv_gate_step import proj_width
+    from k3ref.weights import random_layer
+    w = random_layer(cfg, l, seed=seed)
+    a, m = w.attn, w.mlp
+    rows = torch.cat([a.q_proj, a.k_proj, a.v_proj, a.g_proj, a.f_a_proj, a.b_proj])
+    in_proj = torch.cat([rows, torch.zeros(proj_width(cfg.kda_heads) - rows.shape[0], rows.shape[1],
+                                           dtype=rows.dtype)])
+    attn = Mod(in_proj_qkvgfab=W(in_proj), conv1d=W(torch.cat([a.q_conv, a.k_conv, a.v_conv])), f_b_proj=W(a.f_b_proj),
+               A_log=a.A_log, dt_bias=a.dt_bias, o_norm=W(a.o_norm), o_proj=W(a.o_proj))
+    moe = Mod(gate=Mod(weight=m.gate, e_score_correction_bias=m.e_score_correction_bias),
+              routed_expert_down_proj=W(m.down), routed_expert_norm=W(m.norm), routed_expert_up_proj=W(m.up),
+              shared_experts=Mod(gate_up_proj=W(torch.cat([m.shared_gate, m.shared_up])), down_proj=W(m.shared_down)))
+    layer = Mod(layer_idx=l, self_attn=attn, block_sparse_moe=moe, input_layernorm=W(w.input_layernorm),
+                post_attention_layernorm=W(w.post_attention_layernorm),
+                self_attention_res_norm=W(w.attn_res.norm), self_attention_res_proj=W(w.attn_res.proj),
+                mlp_res_norm=W(w.mlp_res.norm), mlp_res_proj=W(w.mlp_res.proj))
+    return w, layer
+
+
+def test_layer_weights_are_views_of_vllms_parameters():
+    from k3ref import tiny
+    cfg = tiny()
+    w, layer = vllm_like_layer(cfg, 1)
+    got, in_proj = layer_weights(layer, cfg)
+    assert in_proj is layer.self_attn.in_proj_qkvgfab.weight
+    for f in ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj", "f_b_proj", "q_conv", "k_conv", "v_conv",
+              "A_log", "dt_bias", "o_norm", "o_proj"):
+        assert torch.equal(getattr(got.attn, f), getattr(w.attn, f)), f
+    assert got.attn.q_proj.data_ptr() == in_proj.data_ptr()          # a view, no copy
+    assert torch.equal(got.attn_res.proj, w.attn_res.proj) and torch.equal(got.mlp_res.norm, w.mlp_res.norm)
+    m = moe_weights(layer.block_sparse_moe)
+    for f in ("gate", "e_score_correction_bias", "down", "norm", "up", "shared_gate", "shared_up", "shared_down"):
+        assert torch.equal(getattr(m, f), getattr(w.mlp, f)), f
+    assert m.w1_packed is None                    # the experts arrive re-laid, never through these views
+
+
+def test_kda_weights_reject_nothing_silently():
+    from k3ref import tiny
+    cfg = tiny()
+    _, layer = vllm_like_layer(cfg, 1)
+    layer.self_attn.in_proj_qkvgfab.weight = layer.self_attn.in_proj_qkvgfab.weight[:10]
+    with pytest.raises(RuntimeError):
+        kda_weights(layer.self_attn, cfg)
+
+
+def test_split_w13_gate_first():
+    w13 = torch.arange(2 * 6 * 4, dtype=torch.uint8).view(2, 6, 4)
+    s13 = torch.arange(2 * 6 * 1, dtype=torch.uint8).view(2, 6, 1)
+    (w1, s1), (w3, s3) = split_w13(w13, s13)
+    assert torch.equal(w1, w13[:, :3]) and torch.equal(w3, w13[:, 3:]) and torch.equal(s3, s13[:, 3:])
+
+
+# ------------------------------------------------------------------------------------------- the runtime glue
+
+class RowsTimesTwo:
+    """Stands in for FusedMoE: records the row counts it is called with."""
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, x, out=None):
+        self.calls.append(x.shape[0])
+        y = x * 2
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
+
+
+@pytest.mark.parametrize("n,calls", [(1, [1]), (5, [8]), (8, [8]), (9, [64]), (64, [64]), (130, [64, 64, 8]),
+                                     (0, [])])
+def test_moe_wrapper_pads_to_prepared_sizes_and_chunks(n, calls):
+    from k3fast.vllm.runtime import FusedKimiMoE
+    f = RowsTimesTwo()
+    mod = FusedKimiMoE(f, (1, 8, 64), layer_idx=1)
+    x = torch.randn(n, 16)
+    y = mod(x)
+    assert f.calls == calls and torch.equal(y, x * 2)
+
+
+def test_the_first_layer_swaps_the_block_rows_in_a_planned_step():
+    from k3fast.vllm.runtime import MAX_BLOCKS, Step, _LayerForward
+    seen = []
+
+    def stock(positions, hidden, residual, prefix_sum=None, **kw):
+        seen.append(residual)
+        return hidden, prefix_sum, residual
+
+    decode = Mod(step=None, cfg=Mod(is_block_boundary=lambda l: l % 12 == 0))
+    layers = [Mod(forward=stock, layer_idx=i) for i in range(3)]
+    fwd = [_LayerForward(decode, layer, None) for layer in layers]
+    res = torch.zeros(2, 3, 8)
+    pos = torch.zeros(2, dtype=torch.long)
+    # not planned: vLLM's tensors pass through untouched
+    out = fwd[0](pos, None, res, torch.zeros(2, 8))
+    assert out[2] is res and seen[-1] is res
+    decode.step = Step(rows=2, slots=None)
+    h, p, r = None, torch.zeros(2, 8), res
+    for f in fwd:
+        h, p, r = f(pos, h, r, p)
+    blocks = decode.step.blocks
+    assert blocks.shape == (2, MAX_BLOCKS, 8)
+    assert all(s.shape == (2, 3, 8) and s.data_ptr() == blocks.data_ptr() for s in seen[1:])
+    assert r.stride() == (MAX_BLOCKS * 8, 8, 1)
+
+
+# ---------------------------------------------------------------------------------------------- registration
+
+def fake_vllm(monkeypatch):
+    calls = {"models": [], "loaders": []}
+    vllm = types.ModuleType("vllm")
+    vllm.ModelRegistry = types.SimpleNamespace(register_model=lambda a, c: calls["models"].append((a, c)))
+    ml = types.ModuleType("vllm.model_executor.model_loader")
+    ml.register_model_loader = lambda fmt: (lambda cls: calls["loaders"].append((fmt, cls.__name__)) or cls)
+    base = types.ModuleType("vllm.model_executor.model_loader.base_loader")
+    base.BaseModelLoader = type("BaseModelLoader", (), {"__init__": lambda self, cfg: None})
+    wu = types.ModuleType("vllm.model_executor.model_loader.weight_utils")
+    wu.initialize_single_dummy_weight = lambda p, name="": None
+    for name, mod in {"vllm": vllm, "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+                      "vllm.model_executor.model_loader": ml,
+                      "vllm.model_executor.model_loader.base_loader": base,
+                      "vllm.model_executor.model_loader.weight_utils": wu}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delitem(sys.modules, "k3fast.vllm.loader", raising=False)
+    return calls
+
+
+def test_register_is_idempotent_and_touches_no_model_code(monkeypatch):
+    import k3fast.vllm as plugin
+    calls = fake_vllm(monkeypatch)
+    monkeypatch.setattr(plugin, "_registered", False)
+    plugin.register()
+    plugin.register()
+    assert calls["models"] == [("KimiLinearForCausalLM", "k3fast.vllm.model:K3FastKimiLinearForCausalLM")]
+    assert calls["loaders"] == [("k3-random", "K3RandomLoader")]
+    assert "k3fast.vllm.model" not in sys.modules and not torch.cuda.is_initialized()
+
+
+def test_entry_point_and_extra_are_declared():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["entry-points"]["vllm.general_plugins"] == {"k3fast": "k3fast.vllm:register"}
+    assert any(r.startswith("vllm==0.33") for r in meta["project"]["optional-dependencies"]["vllm"])
+    assert "k3fast.vllm" in meta["tool"]["setuptools"]["packages"]
+
+
+# ------------------------------------------------------------------------------------- the end-to-end tool
+
+def chrome(events):
+    return {"traceEvents": events}
+
+
+def test_per_layer_attribution(tmp_path):
+    from k3fast.measure.vllm_e2e import graph_steps, per_layer
+    ev = []
+    t = 0
+    for step in range(3):
+        for i, kind in ((1, "kda_moe"), (2, "kda_moe"), (3, "mla_moe")):
+            ev.append({"cat": "user_annotation", "ph": "X", "name": f"K3L|{i}|{kind}|8", "ts": t, "dur": 50,
+                       "pid": 1, "tid": 1})
+            for k in range(2 if kind == "kda_moe" else 3):
+                c = 1000 * step + 10 * i + k
+                ev.append({"cat": "cuda_runtime", "ph": "X", "name": "cudaLaunchKernel", "ts": t + 1 + k, "dur": 1,
+                           "pid": 1, "tid": 1, "args": {"correlation": c}})
+                ev.append({"cat": "kernel", "ph": "X", "name": f"k{k}", "ts": t + 100 + k * 10, "dur": 4.0 + k,
+                           "pid": 0, "tid": 7, "args": {"correlation": c}})
+            t += 60
+    ev.append({"cat": "cuda_runtime", "ph": "X", "name": "cudaGraphLaunch", "ts": t, "dur": 1, "pid": 1, "tid": 1,
+               "args": {"correlation": 99}})
+    for k in range(4):
+        ev.append({"cat": "kernel", "ph": "X", "name": "g", "ts": t + 10 * k, "dur": 2.0, "pid": 0, "tid": 7,
+                   "args": {"correlation": 99}})
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(chrome(ev)))
+    got = per_layer(str(p), 8)
+    assert got["kda_moe"]["layer_kernels"] == 2 and got["kda_moe"]["layer_us"] == 9.0
+    assert got["mla_moe"]["layer_kernels"] == 3 and got["mla_moe"]["layer_us"] == 15.0
+    assert got["kda_moe"]["samples"] == 6 and per_layer(str(p), 1) == {}
+    assert graph_steps(str(p)) == [{"kernels": 4, "kernel_us": 8.0, "span_us": 32.0}]
+
+
+def test_compare_finds_the_first_divergence(tmp_path):
+    from k3fast.measure.vllm_e2e import compare
+    mk = lambda eng, toks: {"kind": "vllm_parity", "engine": eng,
+                            "b1": {"tokens": [toks], "logprobs": [[-1.0] * len(toks)]}}
+    p = tmp_path / "e.json"
+    p.write_text(json.dumps({"records": [mk("stock", [1, 2, 3, 4]), mk("k3fast", [1, 2, 9, 4])]}))
+    r = compare(str(p))
+    assert r["b1"]["first_divergence"] == [2] and r["b1"]["identical"] == 0
+    with pytest.raises(SystemExit):
+        p.write_text(json.dumps({"records": [mk("stock", [1])]}))
+        compare(str(p))
