@@ -189,7 +189,16 @@ def _kda_state_dump(model, path):
     return {l: v["slots"] for l, v in out.items()}
 
 
-def _distinct_experts(model, sink):
+_ROUTING: list[tuple[int, int]] = []      # (rows, distinct experts) per MoE call, filled in the engine's process
+
+
+def _take_routing(model):
+    out = list(_ROUTING)
+    del _ROUTING[:]
+    return out
+
+
+def _distinct_experts(model):
     """Forward pre-hooks on each MoE that count the distinct experts the router picks per step (k3ref's routing on
     the MoE input; for the records only, never inside a timed or profiled window)."""
     import torch
@@ -206,7 +215,7 @@ def _distinct_experts(model, sink):
 
         def pre(mod, args, w=w):
             ids, _ = route(args[0], w, cfg, Precision.model())
-            sink.append((int(args[0].shape[0]), int(torch.unique(ids).numel())))
+            _ROUTING.append((int(args[0].shape[0]), int(torch.unique(ids).numel())))
         hooks.append(layer.mlp.register_forward_pre_hook(pre))
     return len(hooks)
 
@@ -238,8 +247,8 @@ def run_engine(a) -> list[dict]:
     init_s = round(time.time() - t0, 1)
     print(f"[{a.engine}] engine up in {init_s} s", flush=True)
     info = llm.apply_model(_model_info)[0]
-    vcfg = llm.llm_engine.vllm_config
-    graph_mode = str(vcfg.compilation_config.cudagraph_mode)
+    vcfg = getattr(llm.llm_engine, "vllm_config", None)
+    graph_mode = str(vcfg.compilation_config.cudagraph_mode) if vcfg is not None else "FULL_DECODE_ONLY (requested)"
     gen = lambda ps, n, **kw: llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps],
                                            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
                                                           detokenize=False, **kw), use_tqdm=False)
@@ -306,12 +315,11 @@ def run_engine(a) -> list[dict]:
     dispatch = runner.dispatch_cg_and_sync_dp
     runner.dispatch_cg_and_sync_dp = lambda *x, **kw: dispatch(*x, **{**kw, "need_eager": True})
     llm.apply_model(install_layer_ranges)
-    sink = []
-    llm.apply_model(lambda m: _distinct_experts(m, sink))
+    llm.apply_model(_distinct_experts)
     for b in batches:
-        del sink[:]
+        llm.apply_model(_take_routing)
         gen(prompts(b), 6)
-        dec = [e for n, e in sink if n == b]
+        dec = [e for n, e in llm.apply_model(_take_routing)[0] if n == b]
         rec = next(r for r in recs if r.get("batch") == b and r["kind"] == "vllm_e2e")
         rec["distinct_experts_per_layer_step"] = round(statistics.median(dec), 1) if dec else None
     llm.apply_model(_remove_pre_hooks)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the lent GPU machine, vLLM staged (scripts/device_parts.sh --vllm): the plug-in's end-to-end runs, one per
+# call (each engine start takes minutes; a call has 10). Everything lands under $OUT (default ./out).
+#   K3_COMMIT=<sha> bash scripts/device_vllm_e2e.sh small | deep-k3fast | deep-stock
+# small: the KDA step on vLLM-style paged pools (GPU test), then the 4-layer model with the plug-in (parity material,
+# k3ref fidelity), then stock vLLM on it if the call has time left. deep-*: the 36-layer model, one engine.
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
+t0=$(date +%s)
+left() { echo $((${K3_CALL_S:-580} - ($(date +%s) - t0))); }
+e2e() {  # e2e NAME ENGINE DEPTH BATCHES... (+ options via E2E_OPTS)
+  local name=$1 engine=$2 depth=$3; shift 3
+  timeout $(($(left) - 5)) python3 -m k3fast.measure.vllm_e2e run --engine "$engine" --depth "$depth" --batches "$@" \
+    --out "$OUT/e2e-$name.json" $E2E_OPTS > "$OUT/e2e-$name-$engine.log" 2>&1
+  local rc=$?
+  echo "== $name $engine rc=$rc after $(( $(date +%s) - t0 )) s"
+  grep -E "^\[|Error|error:|Traceback|k3fast:" "$OUT/e2e-$name-$engine.log" | grep -v Warning | tail -25
+  return $rc
+}
+case "${1:-small}" in
+  small)
+    timeout 150 python3 -m pytest -m gpu -q -rfE tests/gpu/test_kda_conv_gate_step.py -k paged \
+      --junitxml="$OUT/gpu-junit-paged.xml" > "$OUT/gpu-paged.log" 2>&1
+    tail -3 "$OUT/gpu-paged.log"
+    E2E_OPTS="--parity --fidelity --util 0.4 --steps 32 --repeats 2" e2e small k3fast 4 1 8
+    [ "$(left)" -gt 220 ] && E2E_OPTS="--parity --fidelity --util 0.4 --steps 32 --repeats 2" e2e small stock 4 1 8
+    ;;
+  deep-k3fast|deep-stock)
+    E2E_OPTS="--parity --util 0.9" e2e deep "${1#deep-}" 36 1 8 64
+    ;;
+esac
+ls -la "$OUT"
