@@ -174,13 +174,13 @@ def _model_info(model):
 
 
 def _kda_state_dump(model, path):
-    """The KDA conv / recurrent state rows of every used slot (slot 0, vLLM's null block, excluded), to ``path``."""
+    """The KDA conv / recurrent state rows of every used slot (slot 0, vLLM's null block, excluded) of the first two
+    and the last KDA layers, to ``path``."""
     import torch
     lm = model.get_language_model() if hasattr(model, "get_language_model") else model
     out = {}
-    for layer in lm.model.layers:
-        if type(layer.self_attn).__name__ != "KimiK3DeltaAttention":
-            continue
+    kda = [layer for layer in lm.model.layers if type(layer.self_attn).__name__ == "KimiK3DeltaAttention"]
+    for layer in kda[:2] + kda[-1:]:
         conv, rec = layer.self_attn.kv_cache[:2]
         used = (conv.flatten(1).abs().amax(1) > 0).nonzero().flatten().tolist()
         used = [s for s in used if s > 0]
@@ -220,7 +220,8 @@ def _distinct_experts(model):
     return len(hooks)
 
 
-def run_engine(a) -> list[dict]:
+def run_engine(a, flush=lambda recs: None) -> list[dict]:
+    """One engine's records; ``flush(records)`` after each phase, so a run cut short keeps what it measured."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
@@ -277,6 +278,7 @@ def run_engine(a) -> list[dict]:
                 par["b1"]["state_slots"] = llm.apply_model(lambda m: _kda_state_dump(m, path))[0]
                 par["b1"]["state_file"] = os.path.basename(path)
         recs.append(par)
+        flush(recs)
         print(f"[{a.engine}] parity b1 tokens {par.get('b1', {}).get('tokens')}", flush=True)
 
     # decode speed under FULL decode graphs
@@ -296,6 +298,7 @@ def run_engine(a) -> list[dict]:
         recs.append({**base, "batch": b, "tpot_ms_median": round(tpot * 1e3, 3), "tok_s": round(b / tpot, 1),
                      "tok_s_per_user": round(1 / tpot, 1), "decode_steps_timed": a.steps, "repeats": a.repeats})
         print(f"[{a.engine}] b{b}: TPOT {tpot * 1e3:.3f} ms, {b / tpot:.1f} tok/s", flush=True)
+        flush(recs)
 
     # one profiled pass with graphs (GPU time of a replay), one eager (per-layer attribution)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -311,6 +314,7 @@ def run_engine(a) -> list[dict]:
             rec["graph_step_kernel_us"] = round(statistics.median(s["kernel_us"] for s in steps), 1)
             rec["graph_step_span_us"] = round(statistics.median(s["span_us"] for s in steps), 1)
             rec["engine_outside_gpu_ms"] = round(rec["tpot_ms_median"] - rec["graph_step_span_us"] / 1e3, 3)
+    flush(recs)
     import vllm.v1.worker.gpu.model_runner as runner
     dispatch = runner.dispatch_cg_and_sync_dp
     runner.dispatch_cg_and_sync_dp = lambda *x, **kw: dispatch(*x, **{**kw, "need_eager": True})
@@ -336,6 +340,7 @@ def run_engine(a) -> list[dict]:
             rec[f"layer_kernels_{kind}"] = v["layer_kernels"]
         print(f"[{a.engine}] b{b} per layer: " + ", ".join(f"{k} {v['layer_kernels']} kernels {v['layer_us']} us"
                                                          for k, v in rec["per_layer"].items()), flush=True)
+        flush(recs)
     runner.dispatch_cg_and_sync_dp = dispatch
 
     if a.fidelity and a.parity:
@@ -380,13 +385,19 @@ def fidelity(a, par: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------- driver
 
 def write(out: str, recs: list[dict]) -> None:
-    old = []
-    if os.path.exists(out):
-        with open(out) as f:
-            old = json.load(f).get("records", [])
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"records": old + recs}, f, indent=1, default=str)
+    with open(out + ".tmp", "w") as f:
+        json.dump({"records": recs}, f, indent=1, default=str)
+    os.replace(out + ".tmp", out)
+
+
+def merge(out: str, parts: list[str]) -> None:
+    """One file of records from several runs (e.g. the two engines of one machine)."""
+    recs = []
+    for p in parts:
+        with open(p) as f:
+            recs += json.load(f)["records"]
+    write(out, recs)
 
 
 def compare(path: str) -> dict:
@@ -452,17 +463,19 @@ def main(argv=None) -> int:
         print(json.dumps(compare(a.file), indent=1))
         return 0
     if a.cmd == "run":
-        recs = run_engine(a)
+        recs = run_engine(a, flush=lambda r: write(a.out, r))
         write(a.out, recs)
         print(f"wrote {len(recs)} records to {a.out}", flush=True)
         os._exit(0)
-    rc = 0
+    rc, parts = 0, []
     for engine in ("stock", "k3fast"):
+        parts.append(f"{a.out}.{engine}")
         args = [sys.executable, "-m", "k3fast.measure.vllm_e2e", "run", "--engine", engine, "--depth", str(a.depth),
-                "--batches", *map(str, a.batches), "--out", a.out, "--seed", str(a.seed), "--util", str(a.util),
+                "--batches", *map(str, a.batches), "--out", parts[-1], "--seed", str(a.seed), "--util", str(a.util),
                 "--steps", str(a.steps), "--repeats", str(a.repeats)] + (["--parity"] if a.parity else []) \
             + (["--fidelity"] if a.fidelity and engine == "stock" else [])
         rc |= subprocess.call(args)
+    merge(a.out, [p for p in parts if os.path.exists(p)])
     return rc
 
 
