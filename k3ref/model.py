@@ -106,3 +106,24 @@ class K3Model:
             layer.decode_step(stream, st, slots)
         h = rms_norm(final_mix(stream, self.w.output_res, self.cfg, self.P), self.w.norm, self.cfg.rms_norm_eps)
         return self.P.linear_f32(self.P.rnd(h), self.w.lm_head)
+
+
+def sequence_logits(cfg: K3Config, w: K3ModelWeights, layer_weights, tokens, precision: Precision | None = None):
+    """Logits [T, vocab] FP32 of one request's tokens, teacher-forced from an empty state: what K3Model.decode_step
+    gives token by token, computed layer by layer. Every position's residual stream passes layer l before layer
+    l + 1 is built by ``layer_weights(l)``, so one layer's weights are held at a time (a deep model on a GPU that
+    a serving engine shares). ``w``: the model-level tensors (its ``layers`` are not used)."""
+    P = precision or Precision.model()
+    dev = w.embed.device
+    ids = torch.as_tensor(tokens, device=dev)
+    streams = [ResidualStream.from_embeddings(w.embed[t:t + 1].to(P.io_dtype), cfg.max_blocks) for t in ids]
+    slot = torch.zeros(1, dtype=torch.long, device=dev)
+    for l in range(cfg.num_hidden_layers):
+        layer = K3DecoderLayer(cfg, layer_weights(l), P)
+        state = allocate_state(cfg, l, 1, max_len=len(streams) + 1, P=P, device=dev)
+        for s in streams:
+            layer.decode_step(s, state, slot)
+        del layer, state
+    # the head one position at a time, as decode_step runs it (a batched GEMM may sum in another order)
+    return torch.cat([P.linear_f32(P.rnd(rms_norm(final_mix(s, w.output_res, cfg, P), w.norm, cfg.rms_norm_eps)),
+                                   w.lm_head) for s in streams])
