@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -134,7 +135,7 @@ class K3FastDecode:
                 kda = FusedKDA(cfg, w, plan=self.plan_choices, in_proj=in_proj, null_slot=True)
             layer.forward = _LayerForward(self, layer, kda)
         torch.cuda.synchronize()
-        t = __import__("time").time()
+        t = time.time()
         n, nsm = 0, torch.cuda.get_device_properties(dev).multi_processor_count
         fused_kda = [l for l in self.kda_layers if self.options.fuse == "all"]
         moe_only = [s for s in self.moe_sizes if s not in self.batches]
@@ -147,7 +148,7 @@ class K3FastDecode:
             "fused_attention_layers": [l for l in self.kda_layers if self.options.fuse == "all"],
             "fused_moe_layers": list(self.moe_layers),
             "decode_batches": list(self.batches), "moe_row_sizes": list(self.moe_sizes),
-            "kernels_compiled": n, "compile_s": round(__import__("time").time() - t, 1),
+            "kernels_compiled": n, "compile_s": round(time.time() - t, 1),
             "extra_weight_bytes": torch.cuda.memory_allocated() - mem0,
         }
         log.warning("k3fast: fused attention in KDA layers %s at decode batches %s; fused MoE in layers %s (any "
