@@ -2,8 +2,8 @@
 # On the lent GPU machine, vLLM staged (scripts/device_parts.sh --vllm): the plug-in's end-to-end runs, one per
 # call (each engine start takes minutes; a call has 10). Everything lands under $OUT (default ./out).
 #   K3_COMMIT=<sha> bash scripts/device_vllm_e2e.sh small | deep-k3fast | deep-stock
-# small: the KDA step on vLLM-style paged pools (GPU test), then the 4-layer model with the plug-in (parity material,
-# k3ref fidelity), then stock vLLM on it if the call has time left. deep-*: the 36-layer model, one engine.
+# small: the 4-layer model with the plug-in (greedy tokens, k3ref fidelity, the fused KDA layers against vLLM's own
+# inside the engine), then stock vLLM on it if the call has time left. deep-*: the 36-layer model, one engine.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -22,11 +22,8 @@ e2e() {  # e2e NAME ENGINE DEPTH BATCHES... (+ options via E2E_OPTS)
 }
 case "${1:-small}" in
   small)
-    timeout 150 python3 -m pytest -m gpu -q -rfE tests/gpu/test_kda_conv_gate_step.py -k paged \
-      --junitxml="$OUT/gpu-junit-paged.xml" > "$OUT/gpu-paged.log" 2>&1
-    tail -3 "$OUT/gpu-paged.log"
-    E2E_OPTS="--parity --fidelity --util 0.4 --steps 32 --repeats 2" e2e small k3fast 4 1 8
-    [ "$(left)" -gt 220 ] && E2E_OPTS="--parity --fidelity --util 0.4 --steps 32 --repeats 2" e2e small stock 4 1 8
+    E2E_OPTS="--parity --fidelity --probe --util 0.5 --steps 32 --repeats 2" e2e small-k3fast k3fast 4 1 8
+    [ "$(left)" -gt 150 ] && E2E_OPTS="--parity --fidelity --util 0.5 --steps 32 --repeats 2" e2e small-stock stock 4 1 8
     ;;
   deep-k3fast|deep-stock)
     E2E_OPTS="--parity --fidelity --util 0.88 --steps 32 --repeats 2" e2e deep "${1#deep-}" 36 1 8 64

@@ -164,29 +164,14 @@ def _model_info(model):
         if type(layer.mlp).__name__ == "FusedKimiMoE":
             backends.add("k3fast moe_mxfp4_experts")
             continue
-        qm = moe.experts.quant_method
+        from k3fast.vllm.weights import routed_experts
+        qm = routed_experts(moe).quant_method
         kernel = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
         backends.add(f"{type(qm).__name__}/{type(kernel).__name__}")
     dec = getattr(lm, "k3fast", None)
     return {"moe_backend": ",".join(sorted(backends)), "plugin": None if dec is None else dec.report,
             "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
             "layers": len(lm.model.layers)}
-
-
-def _kda_state_dump(model, path):
-    """The KDA conv / recurrent state rows of every used slot (slot 0, vLLM's null block, excluded) of the first two
-    and the last KDA layers, to ``path``."""
-    import torch
-    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
-    out = {}
-    kda = [layer for layer in lm.model.layers if type(layer.self_attn).__name__ == "KimiK3DeltaAttention"]
-    for layer in kda[:2] + kda[-1:]:
-        conv, rec = layer.self_attn.kv_cache[:2]
-        used = (conv.flatten(1).abs().amax(1) > 0).nonzero().flatten().tolist()
-        used = [s for s in used if s > 0]
-        out[layer.layer_idx] = {"slots": used, "conv": conv[used].float().cpu(), "rec": rec[used].float().cpu()}
-    torch.save(out, path)
-    return {l: v["slots"] for l, v in out.items()}
 
 
 _ROUTING: list[tuple[int, int]] = []      # (rows, distinct experts) per MoE call, filled in the engine's process
@@ -260,7 +245,6 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
             "moe_backend": info["moe_backend"], "cudagraph_mode": graph_mode, "engine_init_s": init_s,
             "weights_gib": info["weights_gib"], "plugin": info["plugin"], "conv_state_layout": "DS"}
     recs = []
-    out_dir = os.path.dirname(os.path.abspath(a.out))
 
     # parity material first, in a fresh engine, so the b1 request takes the same state slot in both engines
     if a.parity:
@@ -273,10 +257,6 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
                             "logprobs": [[float(lp[t].logprob) for t, lp in zip(o.outputs[0].token_ids,
                                                                                  o.outputs[0].logprobs)]
                                          for o in outs]}
-            if b == 1:
-                path = os.path.join(out_dir, f"kda-states-{a.engine}.pt")
-                par["b1"]["state_slots"] = llm.apply_model(lambda m: _kda_state_dump(m, path))[0]
-                par["b1"]["state_file"] = os.path.basename(path)
         recs.append(par)
         flush(recs)
         print(f"[{a.engine}] parity b1 tokens {par.get('b1', {}).get('tokens')}", flush=True)
@@ -327,6 +307,25 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
         rec = next(r for r in recs if r.get("batch") == b and r["kind"] == "vllm_e2e")
         rec["distinct_experts_per_layer_step"] = round(statistics.median(dec), 1) if dec else None
     llm.apply_model(_remove_pre_hooks)
+    if a.probe and a.engine == "k3fast":
+        llm.apply_model(_install_probe)
+        rows = []
+        for b in batches:
+            gen(prompts(b), 3)
+            llm.apply_model(_probe_switch(True))
+            gen(prompts(b), 4)
+            llm.apply_model(_probe_switch(False))
+            rows += llm.apply_model(_take_probe)[0]
+        keys = ("partial", "rec_state", "conv_state", "blocks", "layer_out")
+        summary = {f"b{b}": {k: {"median": statistics.median(r[k] for r in rows if r["rows"] == b),
+                                 "max": max(r[k] for r in rows if r["rows"] == b)} for k in keys}
+                   for b in batches if any(r["rows"] == b for r in rows)}
+        recs.append({"kind": "vllm_layer_parity", "engine": a.engine, "gpu": base["gpu"], "commit": base["commit"],
+                     "model": base["model"], "what": "fused KDA layer vs vLLM's own layer, same inputs and state, "
+                     "inside the engine (eager decode steps); relative L2 differences", "summary": summary,
+                     "all_finite": all(r["finite"] for r in rows), "samples": len(rows), "rows": rows})
+        print(f"[{a.engine}] layer parity {json.dumps(summary)}", flush=True)
+        flush(recs)
     for b in batches:
         gen(prompts(b), 4)                              # eager warm-up of this width
         with torch.profiler.profile(activities=acts) as prof:
@@ -350,6 +349,63 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
             recs[0]["fidelity"] = {"error": f"{type(e).__name__}: {e}"[:500]}
         print(f"[{a.engine}] fidelity {recs[0]['fidelity']}", flush=True)
     return recs
+
+
+_PROBE: dict = {"on": False, "rows": []}
+
+
+def _install_probe(model):
+    """Wrap each fused KDA layer so that, while _PROBE["on"], a planned decode step runs vLLM's own layer first on
+    copies of the layer's inputs and state rows, restores the state, runs the fused layer, and records the relative
+    differences: the partial sum after the attention half (AttnRes + KDA + o_proj, no MoE in it), the KDA
+    recurrent and conv state rows of the step's requests, the block rows, and the layer output (both sides run
+    the same fused MoE half on their own MoE input)."""
+    import torch
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    dec = lm.k3fast
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    n = 0
+    for layer in lm.model.layers:
+        if layer.layer_idx not in dec.kda_layers:
+            continue
+
+        def probe(positions, h, residual, prefix_sum=None, fused=layer.forward, layer=layer, **kw):
+            step = dec.step
+            if step is None or not _PROBE["on"]:
+                return fused(positions, h, residual, prefix_sum, **kw)
+            conv, rec = layer.self_attn.kv_cache[:2]
+            valid = step.slots.long()[step.slots > 0]
+            c0, r0 = conv[valid].clone(), rec[valid].clone()
+            dec.step = None
+            out_s, p_s, res_s = fused(positions, None if h is None else h.clone(), residual.clone(),
+                                      prefix_sum.clone(), **kw)
+            dec.step = step
+            c_s, r_s = conv[valid].clone(), rec[valid].clone()
+            conv[valid], rec[valid] = c0, r0
+            out_f, p_f, res_f = fused(positions, h, residual, prefix_sum, **kw)
+            nb = res_s.shape[1]
+            _PROBE["rows"].append({"layer": layer.layer_idx, "rows": int(positions.shape[0]),
+                                   "partial": rel(p_f, p_s), "rec_state": rel(rec[valid], r_s),
+                                   "conv_state": rel(conv[valid].float(), c_s.float()),
+                                   "blocks": rel(res_f[:, :nb], res_s), "layer_out": rel(out_f, out_s),
+                                   "finite": bool(torch.isfinite(out_f).all() and torch.isfinite(p_f).all())})
+            return out_f, p_f, res_f
+        layer.forward = probe
+        n += 1
+    return n
+
+
+def _take_probe(model):
+    out = list(_PROBE["rows"])
+    del _PROBE["rows"][:]
+    return out
+
+
+def _probe_switch(on):
+    def f(model):
+        _PROBE["on"] = on
+        return on
+    return f
 
 
 def _remove_pre_hooks(model):
@@ -405,9 +461,8 @@ def merge(out: str, parts: list[str]) -> None:
 
 
 def compare(path: str) -> dict:
-    """Parity of the engines recorded in one file: greedy tokens (first divergence per request) and the KDA states
-    of the b1 request after its decode (relative RMS difference per layer)."""
-    import torch
+    """Parity of the engines recorded in one file: greedy tokens, the first divergence per request, and the largest
+    log-probability difference before it."""
     with open(path) as f:
         recs = json.load(f)["records"]
     par = {r["engine"]: r for r in recs if r["kind"] == "vllm_parity"}
@@ -427,20 +482,6 @@ def compare(path: str) -> dict:
               for ls, lk, f in zip(s[b]["logprobs"], k[b]["logprobs"], firsts) if (f or PARITY_TOKENS) > 0]
         res[b] = {"requests": len(firsts), "identical": same, "first_divergence": firsts,
                   "max_abs_dlogprob_before_divergence": round(max(lp), 4) if lp else None}
-    d = os.path.dirname(os.path.abspath(path))
-    fs, fk = (os.path.join(d, par[e]["b1"].get("state_file") or "-") for e in ("stock", "k3fast"))
-    if os.path.isfile(fs) and os.path.isfile(fk):
-        a, b = torch.load(fs), torch.load(fk)
-        st = {}
-        for l in a:
-            if a[l]["slots"] != b[l]["slots"]:
-                st[l] = {"slots": [a[l]["slots"], b[l]["slots"]]}
-                continue
-            rr = lambda x, y: float((x - y).double().pow(2).mean().sqrt() / y.double().pow(2).mean().sqrt().clamp_min(
-                1e-30))
-            st[l] = {"slots": a[l]["slots"], "rec_rel_rms": rr(b[l]["rec"], a[l]["rec"]),
-                     "conv_rel_rms": rr(b[l]["conv"], a[l]["conv"])}
-        res["kda_states_b1"] = st
     return res
 
 
@@ -458,8 +499,10 @@ def main(argv=None) -> int:
         p.add_argument("--util", type=float, default=0.9, help="gpu_memory_utilization")
         p.add_argument("--steps", type=int, default=64, help="decode steps timed per generate pair")
         p.add_argument("--repeats", type=int, default=3)
-        p.add_argument("--parity", action="store_true", help="record greedy tokens and the b1 request's KDA states")
+        p.add_argument("--parity", action="store_true", help="record greedy tokens and their log-probabilities")
         p.add_argument("--fidelity", action="store_true", help="also teacher-force k3ref on the b1 tokens")
+        p.add_argument("--probe", action="store_true",
+                       help="k3fast: fused KDA layers against vLLM's own, inside the engine, per decode step")
     p = sub.add_parser("compare")
     p.add_argument("file")
     a = ap.parse_args(argv)
@@ -477,7 +520,7 @@ def main(argv=None) -> int:
         args = [sys.executable, "-m", "k3fast.measure.vllm_e2e", "run", "--engine", engine, "--depth", str(a.depth),
                 "--batches", *map(str, a.batches), "--out", parts[-1], "--seed", str(a.seed), "--util", str(a.util),
                 "--steps", str(a.steps), "--repeats", str(a.repeats)] + (["--parity"] if a.parity else []) \
-            + (["--fidelity"] if a.fidelity else [])
+            + (["--fidelity"] if a.fidelity else []) + (["--probe"] if a.probe else [])
         rc |= subprocess.call(args)
     merge(a.out, [p for p in parts if os.path.exists(p)])
     return rc

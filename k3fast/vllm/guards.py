@@ -85,13 +85,14 @@ def engine_facts(vllm_config, model) -> dict[str, Any]:
     text = vllm_config.model_config.hf_text_config
     par, cache, comp = vllm_config.parallel_config, vllm_config.cache_config, vllm_config.compilation_config
     spec = vllm_config.speculative_config
+    from .weights import routed_experts
     lin = getattr(text, "linear_attn_config", None) or {}
     quant = set()
     rows = set()
     for layer in model.model.layers:
         moe = getattr(layer, "block_sparse_moe", None)
         if moe is not None and hasattr(moe, "experts"):
-            qm = type(getattr(moe.experts, "quant_method", None)).__name__
+            qm = type(getattr(routed_experts(moe), "quant_method", None)).__name__
             quant.add("mxfp4" if qm == "CompressedTensorsW4A4Mxfp4MoEMethod" else qm)
         w = getattr(getattr(layer.self_attn, "in_proj_qkvgfab", None), "weight", None)
         if w is not None:

@@ -35,7 +35,7 @@ class K3RandomLoader(BaseModelLoader):
 
     @torch.no_grad()
     def load_weights(self, model, model_config) -> None:
-        from .weights import k3_config
+        from .weights import k3_config, routed_experts
         cfg = k3_config(model_config.hf_text_config)
         lm = model.get_language_model() if hasattr(model, "get_language_model") else model
         # what no checkpoint name reaches (the in_proj's padding rows) keeps vLLM's dummy values, never garbage
@@ -50,7 +50,7 @@ class K3RandomLoader(BaseModelLoader):
             if isinstance(m, MoEWeights):
                 # the experts straight into vLLM's stacked parameters ([w1; w3], as its loader stacks them): one copy
                 # per tensor instead of 6 x 896 per-expert loader calls
-                ex = layer.block_sparse_moe.experts
+                ex = routed_experts(layer.block_sparse_moe)
                 I = m.w1_packed.shape[1]
                 ex.w13_weight_packed[:, :I].copy_(m.w1_packed)
                 ex.w13_weight_packed[:, I:].copy_(m.w3_packed)

@@ -86,10 +86,11 @@ class K3FastDecode:
     def _hook_experts(self) -> None:
         """Take each MoE layer's experts in the checkpoint layout as vLLM finishes loading them: re-lay them into
         the fused kernel's tiles and free vLLM's copies, instead of vLLM's repack for Marlin."""
+        from .weights import routed_experts
         self.expert_modules = {}
         for layer in self.layers:
             if getattr(layer, "is_moe_layer", False):
-                experts = layer.block_sparse_moe.experts
+                experts = routed_experts(layer.block_sparse_moe)
                 self.expert_modules[id(experts)] = layer.layer_idx
                 # set on the quant method object (shared or not, the taker finds the layer by the module it gets)
                 experts.quant_method.process_weights_after_loading = _ExpertsTaker(self)

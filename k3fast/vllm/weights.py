@@ -81,6 +81,13 @@ def layer_weights(layer, cfg: K3Config) -> tuple[LayerWeights, torch.Tensor | No
                         mlp_res=_site(layer.mlp_res_norm, layer.mlp_res_proj), attn=attn, mlp=None), in_proj
 
 
+def routed_experts(moe):
+    """The module that owns a KimiMoE's expert parameters and their quant_method: vLLM 0.33's ``moe.experts`` is a
+    MoE runner holding it as ``routed_experts``."""
+    e = moe.experts
+    return getattr(e, "routed_experts", e)
+
+
 def split_w13(w13_packed: torch.Tensor, w13_scale: torch.Tensor):
     """vLLM's stacked [E, 2I, .] expert tensors -> (w1, w3) halves (gate first, as its loader stacks them)."""
     I = w13_packed.shape[1] // 2
