@@ -478,10 +478,13 @@ def compare(path: str) -> dict:
             diff = [i for i, (x, y) in enumerate(zip(ts, tk)) if x != y]
             firsts.append(diff[0] if diff else None)
         same = sum(f is None for f in firsts)
-        lp = [max(abs(x - y) for x, y in zip(ls[:f or PARITY_TOKENS], lk[:f or PARITY_TOKENS]))
-              for ls, lk, f in zip(s[b]["logprobs"], k[b]["logprobs"], firsts) if (f or PARITY_TOKENS) > 0]
+        n = [PARITY_TOKENS if f is None else f for f in firsts]
+        lp = [max(abs(x - y) for x, y in zip(ls[:m], lk[:m]))
+              for ls, lk, m in zip(s[b]["logprobs"], k[b]["logprobs"], n) if m > 0]
         res[b] = {"requests": len(firsts), "identical": same, "first_divergence": firsts,
-                  "max_abs_dlogprob_before_divergence": round(max(lp), 4) if lp else None}
+                  "max_abs_dlogprob_before_divergence": round(max(lp), 4) if lp else None,
+                  "first_token_logprob": {"stock": [x[0] for x in s[b]["logprobs"]],
+                                          "k3fast": [x[0] for x in k[b]["logprobs"]]}}
     return res
 
 

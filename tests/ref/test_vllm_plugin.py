@@ -326,6 +326,10 @@ def test_compare_finds_the_first_divergence(tmp_path):
     p.write_text(json.dumps({"records": [mk("stock", [1, 2, 3, 4]), mk("k3fast", [1, 2, 9, 4])]}))
     r = compare(str(p))
     assert r["b1"]["first_divergence"] == [2] and r["b1"]["identical"] == 0
+    assert r["b1"]["max_abs_dlogprob_before_divergence"] == 0.0
+    p.write_text(json.dumps({"records": [mk("stock", [1, 2]), mk("k3fast", [5, 2])]}))
+    assert compare(str(p))["b1"]["first_divergence"] == [0]
+    assert compare(str(p))["b1"]["max_abs_dlogprob_before_divergence"] is None
     with pytest.raises(SystemExit):
         p.write_text(json.dumps({"records": [mk("stock", [1])]}))
         compare(str(p))
