@@ -22,7 +22,7 @@ e2e() {  # e2e NAME ENGINE DEPTH BATCHES... (+ options via E2E_OPTS)
 }
 case "${1:-small}" in
   small)
-    E2E_OPTS="--parity --fidelity --probe --util 0.5 --steps 32 --repeats 2" e2e small-k3fast k3fast 4 1 8
+    E2E_OPTS="--parity --fidelity --probe --util 0.5 --steps ${K3_STEPS:-32} --repeats ${K3_REPEATS:-2}" e2e small-k3fast k3fast 4 1 8
     [ "$(left)" -gt 150 ] && E2E_OPTS="--parity --fidelity --util 0.5 --steps 32 --repeats 2" e2e small-stock stock 4 1 8
     ;;
   deep-k3fast|deep-stock)
