@@ -488,6 +488,39 @@ def compare(path: str) -> dict:
     return res
 
 
+def sensitivity(depths, tokens: int, seed: int = 0) -> dict:
+    """How far k3ref moves from itself between two precisions (model: bf16 I/O, fp32 compute; exact: fp32
+    throughout) on the e2e model's weights and prompt: greedy agreement and |dlogprob| at the model-precision argmax
+    per position. The scale against which the engines' token parity is read. CPU, one layer at a time."""
+    import torch
+    from k3ref.model import random_globals, sequence_logits
+    from k3ref.precision import Precision
+    from k3ref.weights import random_layer
+    from k3fast.vllm.weights import k3_config
+
+    class Text:
+        def __init__(self, c):
+            self.__dict__.update(c)
+    runs = []
+    for depth in depths:
+        cfg = k3_config(Text(k3_rank16_config(depth)))
+        toks = prompts(1)[0][:tokens]
+        lp = {}
+        for name, P in (("model", Precision.model()), ("exact32", Precision.exact(torch.float32))):
+            with torch.no_grad():
+                lg = sequence_logits(cfg, random_globals(cfg, seed=seed), lambda l: random_layer(cfg, l, seed=seed),
+                                     toks, P)
+            lp[name] = torch.log_softmax(lg.double(), -1)
+        a, b = lp["model"], lp["exact32"]
+        top = a.argmax(-1)[:, None]
+        runs.append({"depth": depth, "tokens": tokens, "argmax_agree": (a.argmax(-1) == b.argmax(-1)).tolist(),
+                     "dlogprob_at_model_argmax": (a.gather(1, top) - b.gather(1, top))[:, 0].abs().tolist(),
+                     "max_abs_dlogprob_all": float((a - b).abs().max()),
+                     "top1_logprob_model": a.max(-1).values.tolist()})
+        print(json.dumps(runs[-1]), flush=True)
+    return {"what": sensitivity.__doc__.split("\n\n")[0], "seed": seed, "torch": torch.__version__, "runs": runs}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3fast.measure.vllm_e2e", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -508,7 +541,20 @@ def main(argv=None) -> int:
                        help="k3fast: fused KDA layers against vLLM's own, inside the engine, per decode step")
     p = sub.add_parser("compare")
     p.add_argument("file")
+    p = sub.add_parser("sensitivity", help="k3ref against itself in two precisions (CPU)")
+    p.add_argument("--depths", type=int, nargs="+", default=[4, 36])
+    p.add_argument("--tokens", type=int, default=4)
+    p.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.cmd == "sensitivity":
+        from .trace import environment
+        res = {**{k: v for k, v in environment().items() if k in ("commit", "date", "python")},
+               **sensitivity(a.depths, a.tokens)}
+        write_json = json.dumps(res, indent=1)
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(write_json)
+        return 0
     if a.cmd == "compare":
         print(json.dumps(compare(a.file), indent=1))
         return 0
