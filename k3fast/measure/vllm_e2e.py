@@ -444,10 +444,16 @@ def fidelity(a, par: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- driver
 
+ENV_KEYS = ("gpu", "driver", "torch", "vllm", "cutlass", "commit", "date")
+
+
 def write(out: str, recs: list[dict]) -> None:
+    """{"environment", "command", "records"}, as every file under traces/ has them."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    env = next(({k: r.get(k) for k in ENV_KEYS} for r in recs if r.get("kind") == "vllm_e2e"), {})
     with open(out + ".tmp", "w") as f:
-        json.dump({"records": recs}, f, indent=1, default=str)
+        json.dump({"environment": env, "command": "python -m k3fast.measure.vllm_e2e " + " ".join(sys.argv[1:]),
+                   "records": recs}, f, indent=1, default=str)
     os.replace(out + ".tmp", out)
 
 
