@@ -35,6 +35,11 @@ TOLERANCES: dict[str, tuple[str, float, str]] = {
     "bf16_state_chain": ("rel_rmse", 1e-2,
                          "BF16 conv state (the q, k, v projections themselves) after a different in_proj GEMM: "
                          "1 BF16 ulp in the elements whose fp32 sums round differently"),
+    "vllm_layer_state": ("rel_rmse", 1e-2,
+                         "KDA state rows after one step of the fused layer vs vLLM's own layer in the same engine: "
+                         "q, k, v, g, f, beta come from different GEMMs (1 BF16 ulp where fp32 sums round "
+                         "differently) and the conv + gate run in other kernels; the state update is linear in "
+                         "them. Not yet measured on a GPU: the first run of tests/gpu/test_vllm_plugin.py sets it"),
     "exact": ("exact", 0.0, "bookkeeping: must be bit-identical"),
 }
 
