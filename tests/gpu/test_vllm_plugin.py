@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tests.tolerances import TOLERANCES
+from tolerances import TOLERANCES
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
