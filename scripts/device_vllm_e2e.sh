@@ -26,7 +26,7 @@ case "${1:-small}" in
     [ "$(left)" -gt 150 ] && E2E_OPTS="--parity --fidelity --util 0.5 --steps 32 --repeats 2" e2e small-stock stock 4 1 8
     ;;
   deep-k3fast|deep-stock)
-    E2E_OPTS="--parity --fidelity --util 0.88 --steps 32 --repeats 2" e2e deep "${1#deep-}" 36 1 8 64
+    E2E_OPTS="--parity --fidelity --probe --util 0.88 --steps 32 --repeats 2" e2e deep "${1#deep-}" 36 1 8 64
     if [ "$1" = deep-k3fast ] && [ "$(left)" -gt 120 ]; then
       timeout $(($(left) - 5)) python3 -m pytest -m gpu -q -rfE tests/gpu/test_kda_conv_gate_step.py -k paged \
         --junitxml="$OUT/gpu-junit-paged.xml" > "$OUT/gpu-paged.log" 2>&1

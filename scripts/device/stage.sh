@@ -18,7 +18,7 @@ case "${1:-}" in
     printf 'export PYTHONPATH=%s:/tmp/k3site:/tmp/k3site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}\nexport PYTHONUNBUFFERED=1\n' "$root" > /tmp/k3env.sh
     . /tmp/k3env.sh
     python3 -c "import cutlass, tvm_ffi, fla, torch; print('ready: cutlass', cutlass.__version__, 'tvm_ffi', tvm_ffi.__version__, 'fla', fla.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
-    [ ! -d /tmp/k3site/nsight ] || python3 -c "import nsight, importlib.metadata as m; print('ready: nsight-python', m.version('nsight-python'))" 2>&1 | tail -1
+    [ ! -d /tmp/k3site/nsight ] || python3 -c "import nsight, importlib.metadata as m; print('ready: nsight-python', m.version('nsight-python'))" 2>&1 | tail -1 || true
     [ ! -d /tmp/k3site/vllm ] || python3 -c "import vllm; print('ready: vllm', vllm.__version__)" 2>&1 | tail -1 ;;
   *) echo "usage: stage.sh N | install"; exit 2 ;;
 esac
