@@ -263,3 +263,30 @@ def test_T_changes_expected_rows():
     kw = _inputs(B=2, T=4)
     with pytest.raises(ValueError, match="proj"):
         _call(kw, T=2)
+
+
+def test_slot_strided_pools_pass_validation():
+    """vLLM's pools (slots a page apart, each slot's rows compact) pass every check but the device one."""
+    kw = _inputs()
+    S = kw["rec_state"].shape[0]
+    page = 6 * 128 * 128 + 1028                                   # floats per page: rows compact, stride % 4 == 0
+    buf = torch.zeros(S * page)
+    kw["rec_state"] = buf.as_strided((S, 6, 128, 128), (page, 128 * 128, 128, 1))
+    cbuf = torch.zeros(S * (3 * 768 * 3 + 50), dtype=torch.bfloat16)
+    kw["conv_state"] = cbuf.as_strided((S, 3 * 768, 3), (3 * 768 * 3 + 50, 3, 1))
+    with pytest.raises(ValueError, match="CUDA"):
+        _call(kw)
+
+
+@pytest.mark.parametrize("name,make,match", [
+    # vLLM's default SD conv layout seen as [S, 3P, 3]: each slot's rows are not compact
+    ("conv_state", lambda S: torch.zeros(S, 3, 3 * 768, dtype=torch.bfloat16).transpose(1, 2), "compact"),
+    # a slot stride that breaks the 16-byte rows of the bulk state copies
+    ("rec_state", lambda S: torch.zeros(S * (6 * 128 * 128 + 2)).as_strided(
+        (S, 6, 128, 128), (6 * 128 * 128 + 2, 128 * 128, 128, 1)), "divisible by 4"),
+])
+def test_pool_layouts_refused(name, make, match):
+    kw = _inputs()
+    kw[name] = make(kw["rec_state"].shape[0])
+    with pytest.raises(ValueError, match=match):
+        _call(kw)
