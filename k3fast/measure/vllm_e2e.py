@@ -246,7 +246,7 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
             "weights_gib": info["weights_gib"], "plugin": info["plugin"], "conv_state_layout": "DS"}
     recs = []
 
-    # parity material first, in a fresh engine, so the b1 request takes the same state slot in both engines
+    # parity first, in a fresh engine, so both engines decode the parity prompts from the same start
     if a.parity:
         par = {"kind": "vllm_parity", "engine": a.engine, **{k: base[k] for k in ("gpu", "commit", "model")}}
         for b in (1, 8):
@@ -312,9 +312,9 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
         rows = []
         for b in batches:
             gen(prompts(b), 3)
-            llm.apply_model(_probe_switch(True))
+            llm.apply_model(_probe_on)                  # module-level functions: nothing captured by value
             gen(prompts(b), 4)
-            llm.apply_model(_probe_switch(False))
+            llm.apply_model(_probe_off)
             rows += llm.apply_model(_take_probe)[0]
         keys = ("partial", "rec_state", "conv_state", "blocks", "layer_out")
         summary = {f"b{b}": {k: {"median": statistics.median(r[k] for r in rows if r["rows"] == b),
@@ -401,11 +401,14 @@ def _take_probe(model):
     return out
 
 
-def _probe_switch(on):
-    def f(model):
-        _PROBE["on"] = on
-        return on
-    return f
+def _probe_on(model):
+    _PROBE["on"] = True
+    return True
+
+
+def _probe_off(model):
+    _PROBE["on"] = False
+    return False
 
 
 def _remove_pre_hooks(model):
