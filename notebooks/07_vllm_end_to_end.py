@@ -166,6 +166,24 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# Kernel by kernel, one KDA + MoE layer at batch 1: vLLM's own layer on Hopper (AttnRes in Triton, the in_proj and
+# f_b GEMMs on cuBLAS with a split-K reduce, the conv update, the packed-decode recurrence and the gated norm in
+# Triton, vLLM's CuTe skinny GEMM for o_proj and the latent projections, its CuTe router dot product, then top-k,
+# align, sort, two Marlin MXFP4 GEMMs with SiTU between them, the sum, the RMSNorm, the up-projection and the add)
+# against the six fused launches.
+
+# %%
+def short(n):
+    if "k3fastkernels" in n:
+        return n.split("kernels")[1].split("_build")[0].split("_kernel")[0]
+    if "cute_dsl_" in n:
+        return "vllm cute " + n.split("cute_dsl_")[1].split("Cute")[0].split("LL")[0].rstrip("_")
+    return n.replace("void ", "").split("<")[0].split("(")[0].split("::")[-1][:40]
+for eng in ("stock", "k3fast"):
+    names = speed[(eng, 1)]["per_layer"]["kda_moe"]["kernel_names"]
+    print(f"{eng} ({len(names)}):", " | ".join(short(n) for n in names), "\n")
+
+# %% [markdown]
 # Where the batch-1 step goes, from the graph replay's GPU span and the per-layer figures: the 26 KDA + MoE layers
 # carry most of the saving; the 9 MLA layers' attention halves are vLLM's and are the next gap (the fused MLA chain).
 
