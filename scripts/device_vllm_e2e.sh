@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, vLLM staged (scripts/device_parts.sh --vllm): the plug-in's end-to-end runs, one per
 # call (each engine start takes minutes; a call has 10). Everything lands under $OUT (default ./out).
-#   K3_COMMIT=<sha> bash scripts/device_vllm_e2e.sh small | deep-k3fast | deep-stock
+#   K3_COMMIT=<sha> bash scripts/device_vllm_e2e.sh small | deep | deep-k3fast | deep-stock
 # small: the 4-layer model with the plug-in (greedy tokens, k3ref fidelity, the fused KDA layers against vLLM's own
-# inside the engine), then stock vLLM on it if the call has time left. deep-*: the 36-layer model, one engine.
+# inside the engine), then stock vLLM on it if the call has time left. deep: the 36-layer model, stock then plug-in
+# (~7 min on an H100 with cold caches); deep-*: one engine.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -24,6 +25,12 @@ case "${1:-small}" in
   small)
     E2E_OPTS="--parity --fidelity --probe --util 0.5 --steps ${K3_STEPS:-32} --repeats ${K3_REPEATS:-2}" e2e small-k3fast k3fast 4 1 8
     [ "$(left)" -gt 150 ] && E2E_OPTS="--parity --fidelity --util 0.5 --steps 32 --repeats 2" e2e small-stock stock 4 1 8
+    ;;
+  deep)      # both engines, one after the other, one file (python -m k3fast.measure.vllm_e2e both)
+    timeout $(($(left) - 5)) python3 -m k3fast.measure.vllm_e2e both --depth 36 --batches 1 8 64 --parity --fidelity \
+      --probe --util 0.88 --steps 32 --repeats 2 --out "$OUT/e2e-deep.json" > "$OUT/e2e-deep.log" 2>&1
+    echo "== deep rc=$? after $(( $(date +%s) - t0 )) s"
+    grep -E "^\[|Error|Traceback|k3fast:" "$OUT/e2e-deep.log" | grep -v Warning | tail -30
     ;;
   deep-k3fast|deep-stock)
     E2E_OPTS="--parity --fidelity --probe --util 0.88 --steps 32 --repeats 2" e2e deep "${1#deep-}" 36 1 8 64
