@@ -30,12 +30,13 @@ import json
 
 import matplotlib.pyplot as plt
 
+from k3fast.measure.nbtools import INDEX
 from k3fast.vllm import config as plugin_config
 from k3fast.vllm import guards
 
-E2E = "traces/h100/vllm-e2e-4c9dbfe.json"          # python -m k3fast.measure.vllm_e2e, stock then k3fast
-OUR_TRACE = "traces/h100/records-52ded0e-fast.json"  # the fused layer in our harness, same card
-CHAOS = "traces/cpu/k3ref-precision-depth.json"      # k3ref against itself in two precisions (section 5)
+E2E = INDEX["vllm_e2e"]                  # python -m k3fast.measure.vllm_e2e, stock then k3fast
+OUR_TRACE = INDEX["fast_layer_h100"]     # the fused layer in our harness, same card
+CHAOS = INDEX["k3ref_precision"]         # k3ref against itself in two precisions (section 5)
 
 recs = json.load(open(E2E))["records"]
 speed = {(r["engine"], r["batch"]): r for r in recs if r["kind"] == "vllm_e2e"}

@@ -13,14 +13,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The latest full sweep per card (k3fast.measure.trace records: stock beside fast in one run per file). Every
-# measured number in the notebooks comes from these files; a new sweep replaces them here and nowhere else.
-SWEEPS: dict[str, tuple[str, ...]] = {
-    "H100": ("traces/h100/records-340beb3-s110a.json",     # uniform routing, rank16 / rank8 / full x b1 / b8 / b64
-             "traces/h100/records-340beb3-s110b.json"),    # the same cells, skewed routing
-    "H200": ("traces/h200/records-834a6ef-s104.json",      # rank16 / rank8 x b1 / b2 / b4 / b8 / b16 / b64
-             "traces/h200/records-834a6ef-s104b.json"),    # full width x b1 / b8 / b64
-}
+# The files the notebooks read, named in one place: traces/index.json (the latest full sweep per card, stock beside
+# fast in one run per file, and the end-to-end files). A new run replaces its entry there and nowhere else.
+with open(os.path.join(ROOT, "traces", "index.json")) as _f:
+    INDEX = json.load(_f)
+SWEEPS: dict[str, tuple[str, ...]] = {card: tuple(files) for card, files in INDEX["sweeps"].items()}
 SHAPES = ("k3_rank16", "k3_rank8", "full")
 
 # Each fusion, by the NVTX ranges (= k3ref.bytes stages) it covers. The fast path books a fused kernel under the

@@ -602,7 +602,7 @@ def preset_table() -> str:
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The documents whose citations keep a file under traces/. docs/lab-log.md is frozen history: it cites files that
 # now live in git history only, so it keeps nothing and is not checked.
-CITING = ("README.md", "notebooks/*.py", "docs/**/*.md", "traces/README.md")
+CITING = ("README.md", "notebooks/*.py", "docs/**/*.md", "traces/README.md", "traces/index.json")
 FROZEN = ("docs/lab-log.md",)
 # The kinds of file a bare name may cite (records-<tag>.json, h200/records-<tag>.json ...); a bare name counts only
 # when its tag starts with a commit id (7+ hex digits) or a wildcard, so output names in prose ("ncu-2.tgz") are
