@@ -238,15 +238,16 @@ class FusedKDA:
 
     ``in_proj``: the packed [q|k|v|g|f_a|b|pad] weight when the caller already holds it in that layout (vLLM's
     in_proj_qkvgfab is); None packs it from ``w.attn``. ``null_slot``: slot 0 also marks padding (vLLM's
-    NULL_BLOCK_ID)."""
+    NULL_BLOCK_ID). ``check_slots``: refuse out-of-pool or shared slot indices before launch in eager calls (a host
+    sync; kda_conv_gate_step); a caller that owns the slot bookkeeping (the vLLM plug-in) turns it off."""
 
     def __init__(self, cfg: K3Config, w: LayerWeights, *, plan: DecodePlan = DEFAULT_PLAN,
-                 in_proj: torch.Tensor | None = None, null_slot: bool = False):
+                 in_proj: torch.Tensor | None = None, null_slot: bool = False, check_slots: bool = True):
         from .kernels.kda_conv_gate_step import proj_width
         a = w.attn
         if not isinstance(a, KDAWeights):
             raise TypeError(f"w.attn: expected KDAWeights (layer {w.layer} is not a KDA layer)")
-        self.cfg, self.layer, self.plan, self.null_slot = cfg, w.layer, plan, null_slot
+        self.cfg, self.layer, self.plan, self.null_slot, self.check_slots = cfg, w.layer, plan, null_slot, check_slots
         P = Precision.model()
         self.u_attn = attn_res_u(w.attn_res, P).float().contiguous()
         self.u_mlp = attn_res_u(w.mlp_res, P).float().contiguous()
@@ -270,8 +271,12 @@ class FusedKDA:
         """blocks [M, 8, d] (AttnRes block rows), partial [M, d] (the block's partial sum), delta [M, d] or None (the
         previous layer's MoE output), the KDA state pool and the requests' slots; writes the MoE half's input into
         x_mlp [M, d] and the layer's partial sum p'' into partial_out (default: partial, in place)."""
-        from .kernels.kda_conv_gate_step import kda_conv_gate_step
+        from .kernels.kda_conv_gate_step import check_slot_indices, kda_conv_gate_step
         cfg, l = self.cfg, self.layer
+        # every argument before the first launch, so a bad one leaves the AttnRes rows and partial sums untouched
+        self._check(blocks, partial, delta, conv_state, rec_state, slots, x_mlp, partial_out)
+        if self.check_slots and not torch.cuda.is_current_stream_capturing():
+            check_slot_indices(slots, rec_state.shape[0], null_slot=self.null_slot)
         boundary = cfg.is_block_boundary(l)
         nb = cfg.num_blocks_before(l)
         # p' = p + delta goes to a scratch row (the fused prologue reads p in every CTA, so it may not write p in
@@ -285,12 +290,34 @@ class FusedKDA:
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, self.f_b, self.conv_w, self.a_log, self.dt_bias, self.o_norm, conv_state,
                                    rec_state, slots, heads=cfg.kda_heads, lower_bound=cfg.gate_lower_bound,
-                                   eps=cfg.rms_norm_eps, early_trigger=True, null_slot=self.null_slot)
+                                   eps=cfg.rms_norm_eps, early_trigger=True, null_slot=self.null_slot,
+                                   check_slots=False)
         with stage("k3.o_proj"):
             oproj_attnres_any(y, self.o_proj, blocks, nb + int(boundary), p1, self.u_mlp, self.w_post,
                               eps=cfg.rms_norm_eps, boundary=boundary, out_x=x_mlp,
                               out_partial=partial if partial_out is None else partial_out,
                               zeros=self._buf("p0", p1, zero=True), plan=self.plan)
+
+    def _check(self, blocks, partial, delta, conv_state, rec_state, slots, x_mlp, partial_out) -> None:
+        from .kernels._dsl import check_tensor
+        from .kernels.kda_conv_gate_step import check_state_pools
+        d, dev = self.cfg.hidden_size, self.in_proj.device
+        check_tensor("partial", partial, dtype=torch.bfloat16, device=dev)
+        if partial.dim() != 2 or partial.shape[1] != d or not 1 <= partial.shape[0] <= 64:
+            raise ValueError(f"partial: expected [M, {d}] with M in 1..64, got {list(partial.shape)}")
+        M = partial.shape[0]
+        # the block rows may be a strided view (vLLM's AttnRes rows); each row must be compact
+        check_tensor("blocks", blocks, dtype=torch.bfloat16, device=dev, contiguous=False)
+        if blocks.dim() != 3 or blocks.shape[0] != M or blocks.shape[2] != d or blocks.stride(2) != 1:
+            raise ValueError(f"blocks: expected [{M}, n, {d}] with compact rows, got {list(blocks.shape)} "
+                             f"(strides {blocks.stride()})")
+        for name, t in (("delta", delta), ("x_mlp", x_mlp), ("partial_out", partial_out)):
+            if t is not None:
+                check_tensor(name, t, dtype=torch.bfloat16, shape=(M, d), device=dev)
+        check_state_pools(conv_state, rec_state, heads=self.cfg.kda_heads, head_dim=self.cfg.kda_head_dim)
+        check_tensor("slots", slots, dtype=torch.int32, shape=(M,), device=dev, align=4)
+        if conv_state.device != dev:
+            raise ValueError(f"conv_state: expected device {dev} (the layer's weights), got {conv_state.device}")
 
     def _buf(self, name: str, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
         """A scratch tensor shaped like ``like``, owned here (allocated at the first call of each shape, before any

@@ -788,7 +788,7 @@ def _get_compiled(key):
 
 def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads,
                        head_dim=128, T=1, lower_bound=-5.0, eps=1e-5, out=None, early_trigger=False,
-                       null_slot=False):
+                       null_slot=False, check_slots=True):
     """One fused KDA decode step (T tokens per request). Updates conv_state and rec_state in place
     for the valid slots and returns y [B*T, H*D] bf16 (written into ``out`` when given). The build is
     choose_nsplit's for B requests and H heads. See the module docstring for the contracts.
@@ -800,14 +800,58 @@ def kda_conv_gate_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, r
 
     early_trigger: launch the PDL dependents right after the wait instead of at the end (the layer's
     configuration). Only for a dependent that reads no KDA state before its own wait (o_proj in the layer chain),
-    never for a second KDA step launched directly behind this one."""
+    never for a second KDA step launched directly behind this one.
+
+    check_slots: outside a CUDA-graph capture, read the slots to the host first and refuse an index past the pool
+    or a slot two requests share (one small copy and a host sync). Inside a capture, and with False, the kernel's
+    own guard is what holds (no state touched, NaN rows for a slot past the pool; shared slots undefined)."""
     return _kda_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, heads=heads,
                      head_dim=head_dim, T=T, lower_bound=lower_bound, eps=eps, out=out, early_trigger=early_trigger,
-                     null_slot=null_slot)
+                     null_slot=null_slot, check_slots=check_slots)
+
+
+def check_state_pools(conv_state, rec_state, *, heads: int, head_dim: int = HEAD_DIM) -> None:
+    """The KDA state pools' contract: conv_state [S, 3P, 3] bf16 and rec_state [S, H, D, D] fp32 on one device,
+    each slot's rows compact; the slots themselves may sit a page apart (vLLM's state pools)."""
+    import torch
+    D, P = head_dim, heads * head_dim
+    check_tensor("conv_state", conv_state, dtype=torch.bfloat16, shape=(None, 3 * P, 3), align=2, contiguous=False)
+    check_tensor("rec_state", rec_state, dtype=torch.float32, shape=(None, heads, D, D), contiguous=False,
+                 device=conv_state.device)
+    if conv_state.stride()[1:] != (3, 1):
+        raise ValueError(f"conv_state: expected each slot compact [3P, 3] (strides (*, 3, 1)), got "
+                         f"{conv_state.stride()}")
+    if rec_state.stride()[1:] != (D * D, D, 1) or rec_state.stride(0) % 4:
+        raise ValueError(f"rec_state: expected each slot compact [H, {D}, {D}] with a slot stride divisible by 4 "
+                         f"(16-byte rows), got strides {rec_state.stride()}")
+    if conv_state.shape[0] != rec_state.shape[0]:
+        raise ValueError(f"conv_state and rec_state must have the same number of slots, got "
+                         f"{conv_state.shape[0]} and {rec_state.shape[0]}")
+
+
+def check_slot_indices(slots, n_slots: int, *, null_slot: bool = False) -> None:
+    """Refuse slot indices the kernel would only guard against: an index >= n_slots (the state pool's size) or a
+    valid slot listed twice. Negative indices (and 0 with null_slot) are padding and always allowed. Syncs with
+    the host; never call it inside a CUDA-graph capture."""
+    import torch
+    check_tensor("slots", slots, dtype=torch.int32, align=4)
+    if slots.dim() != 1:
+        raise ValueError(f"slots: expected shape [B], got {list(slots.shape)}")
+    pad_max = 0 if null_slot else -1
+    seen: dict[int, int] = {}
+    for i, s in enumerate(slots.tolist()):
+        if s >= n_slots:
+            raise ValueError(f"slots: request {i} has slot {s}, past the state pool's {n_slots} slots "
+                             f"(expected < {n_slots}, or {pad_max} and below for padding)")
+        if s > pad_max:
+            if s in seen:
+                raise ValueError(f"slots: requests {seen[s]} and {i} share slot {s} (each request needs its own)")
+            seen[s] = i
 
 
 def _kda_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state, slots, *, heads, head_dim=128, T=1,
-              lower_bound=-5.0, eps=1e-5, out=None, early_trigger=False, nsplit=None, null_slot=False):
+              lower_bound=-5.0, eps=1e-5, out=None, early_trigger=False, nsplit=None, null_slot=False,
+              check_slots=True):
     """kda_conv_gate_step with the build forced (nsplit in NSPLITS; None: choose_nsplit). The tests run each build
     at small sizes this way and compare the head build with nsplit 4 bit for bit."""
     import torch
@@ -837,18 +881,7 @@ def _kda_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state,
     check_tensor("a_log", a_log, dtype=torch.float32, shape=(H,), align=4)
     check_tensor("dt_bias", dt_bias, dtype=torch.float32, shape=(P,))
     check_tensor("o_norm", o_norm, dtype=torch.float32, shape=(D,))
-    check_tensor("conv_state", conv_state, dtype=torch.bfloat16, shape=(None, 3 * P, 3), align=2, contiguous=False)
-    check_tensor("rec_state", rec_state, dtype=torch.float32, shape=(None, H, D, D), contiguous=False)
-    # each slot's rows compact; the slots themselves may sit a page apart (vLLM's state pools)
-    if conv_state.stride()[1:] != (3, 1):
-        raise ValueError(f"conv_state: expected each slot compact [3P, 3] (strides (*, 3, 1)), got "
-                         f"{conv_state.stride()}")
-    if rec_state.stride()[1:] != (D * D, D, 1) or rec_state.stride(0) % 4:
-        raise ValueError(f"rec_state: expected each slot compact [H, {D}, {D}] with a slot stride divisible by 4 "
-                         f"(16-byte rows), got strides {rec_state.stride()}")
-    if conv_state.shape[0] != rec_state.shape[0]:
-        raise ValueError(f"conv_state and rec_state must have the same number of slots, got "
-                         f"{conv_state.shape[0]} and {rec_state.shape[0]}")
+    check_state_pools(conv_state, rec_state, heads=H, head_dim=D)
     if out is not None:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(B * T, P))
     dev = slots.device
@@ -858,6 +891,8 @@ def _kda_step(proj, w_fb, conv_w, a_log, dt_bias, o_norm, conv_state, rec_state,
                     ("o_norm", o_norm), ("conv_state", conv_state), ("rec_state", rec_state), ("out", out)):
         if t is not None and t.device != dev:
             raise ValueError(f"{name}: expected device {dev} (the device of slots), got {t.device}")
+    if check_slots and not torch.cuda.is_current_stream_capturing():
+        check_slot_indices(slots, rec_state.shape[0], null_slot=null_slot)
     if out is None:
         out = torch.empty((B * T, P), dtype=torch.bfloat16, device=dev)
     if B == 0:

@@ -133,7 +133,7 @@ class K3FastDecode:
             kda = None
             if self.options.fuse == "all" and l in self.kda_layers:
                 w, in_proj = layer_weights(layer, cfg)
-                kda = FusedKDA(cfg, w, plan=self.plan_choices, in_proj=in_proj, null_slot=True)
+                kda = FusedKDA(cfg, w, plan=self.plan_choices, in_proj=in_proj, null_slot=True, check_slots=False)
             layer.forward = _LayerForward(self, layer, kda)
         torch.cuda.synchronize()
         t = time.time()

@@ -290,3 +290,27 @@ def test_pool_layouts_refused(name, make, match):
     kw[name] = make(kw["rec_state"].shape[0])
     with pytest.raises(ValueError, match=match):
         _call(kw)
+
+
+@pytest.mark.parametrize("slots,n,null_slot,match", [
+    ([0, 1, 4], 4, False, "past the state pool's 4 slots"),
+    ([2, -1, 2], 4, False, "share slot 2"),
+    ([1, 0, 0], 4, True, None),                   # slot 0 is padding in the null_slot build: may repeat
+    ([0, 0], 4, False, "share slot 0"),
+    ([-1, -1, 3], 4, False, None),
+])
+def test_slot_indices_checked_on_the_host(slots, n, null_slot, match):
+    """Eager calls read the slots first: an index past the pool or a slot two requests share is refused by name."""
+    t = torch.tensor(slots, dtype=torch.int32)
+    if match is None:
+        kmod.check_slot_indices(t, n, null_slot=null_slot)
+    else:
+        with pytest.raises(ValueError, match=match):
+            kmod.check_slot_indices(t, n, null_slot=null_slot)
+
+
+def test_slot_indices_check_refuses_bad_tensors():
+    with pytest.raises(TypeError, match="slots"):
+        kmod.check_slot_indices(torch.zeros(2, dtype=torch.int64), 4)
+    with pytest.raises(ValueError, match="slots"):
+        kmod.check_slot_indices(torch.zeros(2, 1, dtype=torch.int32), 4)

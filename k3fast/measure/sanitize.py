@@ -1,0 +1,100 @@
+"""The launch set the sanitizer tier runs under compute-sanitizer: every shipped kernel key of the fused layer, each
+launched once, eagerly (no CUDA graph: the tools follow individual launches).
+
+The set is the fewest launches that cover every code path of the shipped plan: the whole KDA + MoE layer at
+k3_rank16 / k3_rank8 / full width and batch 1 / 8 / 64 (each batch takes a different in_proj, o_proj, front,
+experts and tail path), the attention half of a block-boundary layer at rank16 and rank8 (the block write of
+AttnRes #1 and the new partial sum of o_proj), and the KDA step on a vLLM-style page-strided state pool with
+slot 0 as padding (the plug-in's build), with padded and out-of-range slots in the batch.
+
+    python -m k3fast.measure.sanitize --out launched.json           # what scripts/device_sanitize.sh runs
+
+The JSON lists every cell and every kernel key compiled (= launched) in the process, so the report can say what
+each tool saw. Nothing here checks results; the GPU test tier does that.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from k3ref import k3_rank, preset
+from k3ref.weights import random_layer
+
+from ..layer_io import make_io
+from .impls import make_impl
+
+SHAPES = ("k3_rank16", "k3_rank8", "full")
+BATCHES = (1, 8, 64)
+BOUNDARY_LAYER = 24          # a KDA layer that closes an AttnRes block (checked below)
+
+
+def launch_set(shapes=SHAPES, batches=BATCHES, log=print) -> list[dict]:
+    cells = []
+
+    def done(**cell):
+        torch.cuda.synchronize()
+        cells.append(cell)
+        log(f"  launched {cell}")
+
+    for shape in shapes:
+        cfg = preset(shape)
+        w = random_layer(cfg, 1, seed=5, device="cuda")
+        for batch in batches:
+            io = make_io(cfg, 1, batch, seed=6)
+            io.slots[0] = -1 if batch > 1 else io.slots[0]          # one padding row where the batch has room
+            make_impl("fast", cfg, w, max_batch=batch).layer(io)
+            done(shape=shape, layer=1, batch=batch, part="layer")
+        del w
+        if shape != "full":
+            assert cfg.is_block_boundary(BOUNDARY_LAYER) and cfg.is_kda_layer(BOUNDARY_LAYER)
+            wb = random_layer(cfg, BOUNDARY_LAYER, seed=7, device="cuda")
+            for batch in batches:
+                io = make_io(cfg, BOUNDARY_LAYER, batch, seed=8)
+                make_impl("fast", cfg, wb, max_batch=batch).attn(io)
+                done(shape=shape, layer=BOUNDARY_LAYER, batch=batch, part="attn")
+            del wb
+        torch.cuda.empty_cache()
+    # the plug-in's build: slot 0 is padding, the pools are page-strided views, one slot index past the pool
+    from ..layer import FusedKDA
+    cfg = k3_rank(16)
+    w = random_layer(cfg, 1, seed=9, device="cuda")
+    io = make_io(cfg, 1, 8, seed=10, slots=12)
+    conv, rec = io.state.conv, io.state.recurrent
+    page = rec[0].numel() + 4096                                   # fp32 elements per page, slot rows compact
+    pool = torch.zeros(conv.shape[0] * page, dtype=torch.float32, device="cuda")
+    rec_v = pool.as_strided(rec.shape, (page,) + rec.stride()[1:])
+    cpool = torch.zeros(conv.shape[0] * (conv[0].numel() + 64), dtype=torch.bfloat16, device="cuda")
+    conv_v = cpool.as_strided(conv.shape, (conv[0].numel() + 64,) + conv.stride()[1:])
+    rec_v.copy_(rec)
+    conv_v.copy_(conv)
+    io.slots.copy_(torch.tensor([1, 0, 3, -1, 5, 6, 7, 8], dtype=torch.int32))
+    FusedKDA(cfg, w, null_slot=True, check_slots=False)(io.blocks, io.partial, io.delta, conv_v, rec_v, io.slots,
+                                                        io.x_mlp)
+    done(shape="k3_rank16", layer=1, batch=8, part="kda null_slot, page-strided pool")
+    io.slots[7] = rec.shape[0]                                     # past the pool: the in-kernel guard's path
+    FusedKDA(cfg, w, null_slot=True, check_slots=False)(io.blocks, io.partial, io.delta, conv_v, rec_v, io.slots,
+                                                        io.x_mlp)
+    done(shape="k3_rank16", layer=1, batch=8, part="kda null_slot, one slot past the pool")
+    return cells
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m k3fast.measure.sanitize", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON: the cells launched and the kernel keys compiled")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    a = ap.parse_args(argv)
+    from ..kernels._dsl import COMPILE_LOG
+    t0 = time.perf_counter()
+    cells = launch_set(a.shapes, a.batches)
+    with open(a.out, "w") as f:
+        json.dump({"cells": cells, "kernel_keys": [str(k)[:240] for k, _ in COMPILE_LOG],
+                   "wall_s": round(time.perf_counter() - t0, 1)}, f, indent=1)
+    print(f"{len(cells)} cells, {len(COMPILE_LOG)} kernel keys, {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

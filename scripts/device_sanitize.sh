@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# On the lent GPU machine (CuTe DSL staged): the sanitizer tier. Runs k3fast.measure.sanitize's launch set (every
+# shipped kernel key of the fused layer, once, eagerly) under compute-sanitizer's memcheck, racecheck, synccheck
+# and initcheck, one process per tool, and writes the logs and a summary (sanitizer.json) under $OUT.
+#   [K3_TOOLS="memcheck racecheck"] [K3_SHAPES="k3_rank16 k3_rank8 full"] K3_COMMIT=<sha> bash scripts/device_sanitize.sh
+# K3_CALL_S (default 580) bounds the whole call.
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+# every tensor its own allocation, so memcheck and initcheck see the bounds of each buffer (torch's caching
+# allocator would hide an overrun that stays inside one of its pooled blocks)
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+t0=$(date +%s)
+left() { echo $((${K3_CALL_S:-580} - ($(date +%s) - t0))); }
+tools=(${K3_TOOLS:-memcheck synccheck racecheck initcheck})
+shapes=${K3_SHAPES:-k3_rank16 k3_rank8 full}
+compute-sanitizer --version | tail -1 > "$OUT/sanitizer-version.txt"
+# The tools run side by side (compiling the kernel keys is CPU work, ~1 min per process, and the GPU is mostly
+# idle under the sanitizers); each process frees one width's weights before the next, widest last.
+run_tool() {
+  local tool=$1 budget=$2 extra=() s
+  case $tool in
+    memcheck)  extra=(--leak-check no) ;;
+    racecheck) extra=(--racecheck-report all) ;;
+    initcheck) extra=(--track-unused-memory no) ;;
+  esac
+  s=$(date +%s)
+  timeout "$budget" compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 --error-exitcode 99 \
+    --log-file "$OUT/sanitizer-$tool.log" \
+    python3 -m k3fast.measure.sanitize --out "$OUT/sanitizer-$tool-launched.json" --shapes $shapes \
+    > "$OUT/sanitizer-$tool.out" 2>&1
+  local rc=$?
+  echo "$tool $rc $(( $(date +%s) - s )) $budget" >> "$OUT/sanitizer-rc.txt"
+  echo "$tool rc=$rc in $(( $(date +%s) - s )) s (budget $budget s): $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' \
+    "$OUT/sanitizer-$tool.log" 2>/dev/null | tail -1)"
+}
+budget=$(( $(left) - 20 ))
+for tool in "${tools[@]}"; do run_tool "$tool" "$budget" & done
+wait
+python3 - "$OUT" <<'EOF'
+import json, os, re, subprocess, sys
+out = sys.argv[1]
+def sh(c):
+    try:
+        return subprocess.run(c, shell=True, capture_output=True, text=True).stdout.strip()
+    except Exception:
+        return ""
+summary = {"kind": "sanitizer", "gpu": sh("nvidia-smi --query-gpu=name --format=csv,noheader"),
+           "driver": sh("nvidia-smi --query-gpu=driver_version --format=csv,noheader"),
+           "sanitizer": open(os.path.join(out, "sanitizer-version.txt")).read().strip(),
+           "commit": os.environ.get("K3_COMMIT", ""), "tools": {}}
+for line in open(os.path.join(out, "sanitizer-rc.txt")):
+    tool, rc, secs, budget = line.split()
+    log = os.path.join(out, f"sanitizer-{tool}.log")
+    text = open(log, errors="replace").read() if os.path.exists(log) else ""
+    m = re.findall(r"(ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)", text)
+    launched = os.path.join(out, f"sanitizer-{tool}-launched.json")
+    run = json.load(open(launched)) if os.path.exists(launched) else {}
+    kernels = sorted(set(re.findall(r"(?:in|kernel) ([A-Za-z_][\w:<>, ]{3,120}?)(?:\(|$)", text)))[:40]
+    summary["tools"][tool] = {"rc": int(rc), "seconds": int(secs), "timed_out": int(rc) in (124, 137),
+                              "errors": int(m[-1][1]) if m else None,
+                              "cells": len(run.get("cells", [])), "kernel_keys": len(run.get("kernel_keys", [])),
+                              "complete": bool(run), "flagged_in": kernels}
+json.dump(summary, open(os.path.join(out, "sanitizer.json"), "w"), indent=1)
+print(json.dumps({t: {k: v for k, v in s.items() if k != "flagged_in"} for t, s in summary["tools"].items()}))
+EOF

@@ -1,0 +1,257 @@
+"""Reliability of the fused layer inside a batch (GPU): long decodes against k3ref in fp64, one hostile request
+among healthy ones, bad arguments refused before launch, and CUDA-graph captures that share scratch buffers.
+
+K3_RECORD_DIR, when set, receives the long-decode error curves (JSON) for the record under traces/."""
+import json
+import os
+
+import pytest
+import torch
+
+from k3ref import k3_rank
+from k3ref.weights import random_layer
+from k3fast.measure.impls import make_impl, make_io
+from tolerances import TOLERANCES, assert_close
+
+pytestmark = pytest.mark.gpu
+
+LAYER_KDA, LAYER_KDA2, LAYER_MLA = 1, 2, 3
+
+
+# ------------------------------------------------------------------------------------------------ long decode
+
+# The fused path rounds where the model rounds, so its error against fp64 tracks k3ref's own model-precision
+# path step by step; a defect that leaks into the state grows with the steps and breaks the ratio.
+LONG_RATIO_MAX = 2.0
+
+
+@pytest.mark.parametrize("layer,batch", [(LAYER_KDA, 1), (LAYER_KDA, 8), (LAYER_MLA, 1), (LAYER_MLA, 8)],
+                         ids=["kda-b1", "kda-b8", "mla-b1", "mla-b8"])
+def test_long_decode_stays_with_the_model_path(layer, batch):
+    """2,000 decode steps, requests joining at different steps (different lengths, padding before the start): at
+    every recorded step the fused layer's error against k3ref fp64 (MoE input, state, layer output) is at most
+    LONG_RATIO_MAX x k3ref's own model-precision error and within the bf16_layer bound; padding slots stay zero."""
+    from k3fast.measure.reliability import long_decode, summarize
+    if layer == LAYER_MLA:
+        from k3fast.stock.mla import flashmla_available
+        ok, why = flashmla_available()
+        if not ok:
+            pytest.skip(f"the MLA layer's attention half is the stock FlashMLA path: {why}")
+    rec = long_decode("k3_rank16", layer, batch, 2000, impl="fast", seed=11 + batch)
+    rec["summary"] = summarize(rec)
+    if os.environ.get("K3_RECORD_DIR"):
+        path = os.path.join(os.environ["K3_RECORD_DIR"], f"long-decode-{rec['layer_kind']}-b{batch}.json")
+        with open(path, "w") as f:
+            json.dump({"records": [rec]}, f)
+    bound = TOLERANCES["bf16_layer"][1]
+    for q, s in rec["summary"].items():
+        assert s["impl_max"] <= bound, f"{q}: worst error {s['impl_max']:.3e} > {bound} over {rec['steps']} steps"
+        worst = max(rec["curve"], key=lambda c: c.get(f"impl_{q}", 0) / max(c.get(f"model_{q}", 1), 1e-30))
+        assert s["ratio_max"] <= LONG_RATIO_MAX, (
+            f"{q}: fused / model error reached {s['ratio_max']:.2f} at step {worst['step']} ({worst})")
+
+
+# ------------------------------------------------------------------------------------- one hostile request
+
+def _set_row(io, row, kind):
+    """Make request ``row`` hostile: NaN / Inf / huge activations in its AttnRes inputs, or a zero MLP-side input
+    whose router scores all tie (with the score bias cleared by the caller)."""
+    big = torch.finfo(torch.bfloat16).max / 4
+    if kind == "nan":
+        io.partial[row, :: 7] = float("nan")
+    elif kind == "inf":
+        io.blocks[row, 0, :: 5] = float("inf")
+        io.delta[row, 1::5] = -float("inf")
+    elif kind == "huge":
+        io.partial[row] = big
+        io.blocks[row] = -big
+
+
+HOSTILE = ["nan", "inf", "huge", "tied_router", "edge_slot"]
+
+
+@pytest.mark.parametrize("batch", [2, 8, 64])
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_hostile_request_leaves_the_others_bit_identical(kind, batch):
+    """One request of the batch is hostile; every other request's layer output, MoE input, partial sum and state
+    slot are bit-identical to the same batch where that request is healthy. The hostile row itself must not
+    touch any slot but its own."""
+    cfg = k3_rank(16)
+    w = random_layer(cfg, LAYER_KDA, seed=51, device="cuda")
+    if kind == "tied_router":
+        w.mlp.e_score_correction_bias.zero_()
+    bad = batch // 2
+    runs = {}
+    for label in ("healthy", "hostile"):
+        io = make_io(cfg, LAYER_KDA, batch, seed=52, slots=batch + 3)
+        if kind == "edge_slot":
+            edge = io.state.recurrent.shape[0] - 1                    # the last slot of the pool
+            io.slots[bad] = batch if label == "healthy" else edge     # (healthy: an ordinary free slot)
+            io.state.recurrent[edge] = io.state.recurrent[batch]      # the same starting state in both
+            io.state.conv[edge] = io.state.conv[batch]
+        elif label == "hostile" and kind != "tied_router":
+            _set_row(io, bad, kind)
+        impl = make_impl("fast", cfg, w, max_batch=batch)
+        before = (io.state.recurrent.clone(), io.state.conv.clone())
+        if kind == "tied_router":
+            impl.attn(io)
+            if label == "hostile":
+                io.x_mlp[bad] = 0                                     # every router logit 0: all scores tie
+            impl.moe(io)
+        else:
+            impl.layer(io)
+        torch.cuda.synchronize()
+        runs[label] = io, before
+    (h, h0), (x, x0) = runs["healthy"], runs["hostile"]
+    others = [r for r in range(batch) if r != bad]
+    for name in ("out", "x_mlp", "partial"):
+        same = torch.equal(getattr(h, name)[others], getattr(x, name)[others])
+        assert same, f"{kind}: other requests' {name} changed"
+    slots = h.slots[others].long()
+    assert torch.equal(h.state.recurrent[slots], x.state.recurrent[slots]), f"{kind}: other slots' state changed"
+    assert torch.equal(h.state.conv[slots], x.state.conv[slots]), f"{kind}: other slots' conv state changed"
+    # the slots nobody owns are untouched in the hostile run
+    owned = torch.zeros(x.state.recurrent.shape[0], dtype=torch.bool, device="cuda")
+    owned[x.slots.long()] = True
+    assert torch.equal(x.state.recurrent[~owned], x0[0][~owned]), f"{kind}: an unowned slot's state changed"
+    assert torch.equal(x.state.conv[~owned], x0[1][~owned]), f"{kind}: an unowned slot's conv state changed"
+    if kind in ("tied_router", "edge_slot"):
+        assert not torch.isnan(x.out[bad]).any(), f"{kind}: the request's own output is NaN"
+    if kind == "edge_slot":
+        # the request at the pool's edge gets the same answer as in an ordinary slot
+        assert torch.equal(h.out[bad], x.out[bad])
+        assert torch.equal(h.state.recurrent[batch], x.state.recurrent[x.slots[bad].long()])
+
+
+def test_slot_past_the_pool_inside_a_graph_writes_nothing():
+    """Inside a CUDA graph the host check cannot run: a slot index past the pool leaves every state slot untouched
+    and turns only that request's rows to NaN, so the error cannot pass silently."""
+    from k3fast.measure.trace import capture
+    cfg = k3_rank(16)
+    w = random_layer(cfg, LAYER_KDA, seed=53, device="cuda")
+    impl = make_impl("fast", cfg, w, max_batch=4)
+    io = make_io(cfg, LAYER_KDA, 4, seed=54)
+    g = capture(lambda: impl.attn(io))
+    io.reset()
+    before = (io.state.recurrent.clone(), io.state.conv.clone())
+    ok = io.slots.clone()
+    io.slots[2] = io.state.recurrent.shape[0]
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(io.x_mlp[2]).any(), "the bad request's row is not poisoned"
+    keep = [0, 1, 3]
+    assert not torch.isnan(io.x_mlp[keep]).any()
+    untouched = torch.ones(io.state.recurrent.shape[0], dtype=torch.bool, device="cuda")
+    untouched[ok[keep].long()] = False
+    assert torch.equal(io.state.recurrent[untouched], before[0][untouched])
+    assert torch.equal(io.state.conv[untouched], before[1][untouched])
+
+
+# --------------------------------------------------------------------------- bad arguments, before launch
+
+def _bad_calls(cfg, w, io):
+    """(what is wrong, the argument the error must name, a call that must raise) for the fused attention half."""
+    from k3fast.layer import FusedKDA
+    kda = FusedKDA(cfg, w)
+    st = io.state
+    n = st.recurrent.shape[0]
+
+    def call(**over):
+        a = dict(blocks=io.blocks, partial=io.partial, delta=io.delta, conv_state=st.conv, rec_state=st.recurrent,
+                 slots=io.slots, x_mlp=io.x_mlp)
+        a.update(over)
+        return lambda: kda(**a)
+
+    s = io.slots
+    return [
+        ("slot past the pool", "slots", call(slots=torch.tensor([n] + s.tolist()[1:], dtype=torch.int32,
+                                                                device="cuda"))),
+        ("two requests share a slot", "slots", call(slots=torch.zeros_like(s) + s[0])),
+        ("int64 slots", "slots", call(slots=s.long())),
+        ("slots on the CPU", "slots", call(slots=s.cpu())),
+        ("2-D slots", "slots", call(slots=s.view(-1, 1))),
+        ("fp32 recurrent state", "rec_state", call(rec_state=st.recurrent.double())),
+        ("recurrent state on the CPU", "rec_state", call(rec_state=st.recurrent.cpu())),
+        ("transposed recurrent state", "rec_state", call(rec_state=st.recurrent.transpose(2, 3))),
+        ("conv state of the wrong width", "conv_state", call(conv_state=st.conv[:, :-8])),
+        ("fp32 conv state", "conv_state", call(conv_state=st.conv.float())),
+        ("pools of different sizes", "conv_state", call(conv_state=st.conv[:-1])),
+        ("fp32 partial sum", "partial", call(partial=io.partial.float())),
+        ("non-contiguous partial", "partial", call(partial=io.partial.t().contiguous().t())),
+        ("blocks of the wrong width", "blocks", call(blocks=io.blocks[..., :-64])),
+        ("fp32 MLP input buffer", "x_mlp", call(x_mlp=io.x_mlp.float())),
+        ("MLP input buffer of another batch", "x_mlp", call(x_mlp=io.x_mlp[:-1])),
+        ("delta on the CPU", "delta", call(delta=io.delta.cpu())),
+    ]
+
+
+def test_bad_arguments_are_refused_by_name():
+    """Every malformed argument of the fused attention half raises before any launch, naming the argument; the
+    state pool and the inputs are left as they were."""
+    cfg = k3_rank(16)
+    w = random_layer(cfg, LAYER_KDA, seed=55, device="cuda")
+    io = make_io(cfg, LAYER_KDA, 4, seed=56)
+    make_impl("fast", cfg, w, max_batch=4).attn(io)                # compile first: errors must not come from it
+    io.reset()
+    torch.cuda.synchronize()
+    snap = [t.clone() for t in (io.state.recurrent, io.state.conv, io.partial, io.blocks)]
+    cases = _bad_calls(cfg, w, io)
+    for what, arg, fn in cases:
+        with pytest.raises((ValueError, TypeError)) as ei:
+            fn()
+        assert arg in str(ei.value), f"{what}: the error does not name {arg!r}: {ei.value}"
+        torch.cuda.synchronize()
+        for a, b in zip(snap, (io.state.recurrent, io.state.conv, io.partial, io.blocks)):
+            assert torch.equal(a, b), f"{what}: a buffer changed before the error"
+    print(f"{len(cases)} bad-argument cases refused")
+
+
+# ------------------------------------------------------------------------------------------ CUDA-graph safety
+
+def test_two_layers_sharing_scratch_in_one_graph_and_two_captures():
+    """Two layers captured back to back in one graph share the kernels' per-device scratch (experts workspace,
+    arrival counters); the same layer is also captured in a second graph. Replays with new inputs, new slots and
+    a new batch composition match the eager chain bit for bit, and replaying the second graph leaves the first
+    graph's outputs alone."""
+    from k3fast.measure.trace import capture
+    cfg = k3_rank(16)
+    B = 8
+    ws = [random_layer(cfg, l, seed=57, device="cuda") for l in (LAYER_KDA, LAYER_KDA2)]
+    impls = [make_impl("fast", cfg, w, max_batch=B) for w in ws]
+    impls[1].fused_moe.workspace = impls[0].fused_moe.workspace     # one experts workspace for both layers
+    ios = [make_io(cfg, l, B, seed=58 + i, slots=2 * B) for i, l in enumerate((LAYER_KDA, LAYER_KDA2))]
+
+    def chain():
+        impls[0].layer(ios[0])
+        ios[1].delta.copy_(ios[0].out)                               # layer 2 reads layer 1's MoE output
+        impls[1].layer(ios[1])
+
+    g1 = capture(chain)
+    io_b = make_io(cfg, LAYER_KDA, B, seed=70, slots=2 * B)
+    g2 = capture(lambda: impls[0].layer(io_b))
+    for step in range(3):
+        fresh = [make_io(cfg, l, B, seed=80 + 10 * step + i, slots=2 * B)
+                 for i, l in enumerate((LAYER_KDA, LAYER_KDA2))]
+        perm = torch.randperm(2 * B + 1, device="cuda")[:B].to(torch.int32)   # new slots, some padding
+        perm[step] = -1
+        for io, fr in zip(ios, fresh):
+            for name in ("blocks", "partial", "delta"):
+                getattr(io, name).copy_(getattr(fr, name))
+            io.state.recurrent.copy_(fr.state.recurrent)
+            io.state.conv.copy_(fr.state.conv)
+            io.slots.copy_(perm)
+            fr.slots.copy_(perm)
+        g1.replay()
+        got = [(io.out.clone(), io.state.recurrent.clone()) for io in ios]
+        g2.replay()                                                  # another graph on the same scratch
+        torch.cuda.synchronize()
+        for (o, s), io in zip(got, ios):
+            assert torch.equal(o, io.out) and torch.equal(s, io.state.recurrent), "the second graph clobbered"
+        impls[0].layer(fresh[0])
+        fresh[1].delta.copy_(fresh[0].out)
+        impls[1].layer(fresh[1])
+        torch.cuda.synchronize()
+        for i, ((o, s), fr) in enumerate(zip(got, fresh)):
+            live = perm >= 0
+            assert torch.equal(o[live], fr.out[live]), f"step {step}: layer {i} replay != eager"
+            assert torch.equal(s, fr.state.recurrent), f"step {step}: layer {i} state replay != eager"
