@@ -16,28 +16,28 @@ left() { echo $((${K3_CALL_S:-580} - ($(date +%s) - t0))); }
 tools=(${K3_TOOLS:-memcheck synccheck racecheck initcheck})
 shapes=${K3_SHAPES:-k3_rank16 k3_rank8 full}
 compute-sanitizer --version | tail -1 > "$OUT/sanitizer-version.txt"
-# The tools run side by side (compiling the kernel keys is CPU work, ~1 min per process, and the GPU is mostly
-# idle under the sanitizers); each process frees one width's weights before the next, widest last.
-run_tool() {
-  local tool=$1 budget=$2 extra=() s
+# One tool at a time (several sanitized processes side by side ran out of GPU memory at the first width), each
+# with an equal share of what is left of the call; the launch set records each finished cell as it goes.
+i=0
+for tool in "${tools[@]}"; do
+  n_left=$(( ${#tools[@]} - i )); i=$((i + 1))
+  budget=$(( ($(left) - 15) / n_left ))
+  extra=()
   case $tool in
     memcheck)  extra=(--leak-check no) ;;
     racecheck) extra=(--racecheck-report all) ;;
-    initcheck) extra=(--track-unused-memory no) ;;
   esac
   s=$(date +%s)
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/sanitizer-$tool-mem-before.txt" 2>&1
   timeout "$budget" compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 --error-exitcode 99 \
     --log-file "$OUT/sanitizer-$tool.log" \
     python3 -m k3fast.measure.sanitize --out "$OUT/sanitizer-$tool-launched.json" --shapes $shapes \
     > "$OUT/sanitizer-$tool.out" 2>&1
-  local rc=$?
+  rc=$?
   echo "$tool $rc $(( $(date +%s) - s )) $budget" >> "$OUT/sanitizer-rc.txt"
   echo "$tool rc=$rc in $(( $(date +%s) - s )) s (budget $budget s): $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' \
     "$OUT/sanitizer-$tool.log" 2>/dev/null | tail -1)"
-}
-budget=$(( $(left) - 20 ))
-for tool in "${tools[@]}"; do run_tool "$tool" "$budget" & done
-wait
+done
 python3 - "$OUT" <<'EOF'
 import json, os, re, subprocess, sys
 out = sys.argv[1]
@@ -61,7 +61,7 @@ for line in open(os.path.join(out, "sanitizer-rc.txt")):
     summary["tools"][tool] = {"rc": int(rc), "seconds": int(secs), "timed_out": int(rc) in (124, 137),
                               "errors": int(m[-1][1]) if m else None,
                               "cells": len(run.get("cells", [])), "kernel_keys": len(run.get("kernel_keys", [])),
-                              "complete": bool(run), "flagged_in": kernels}
+                              "complete": run.get("complete", False), "flagged_in": kernels}
 json.dump(summary, open(os.path.join(out, "sanitizer.json"), "w"), indent=1)
 print(json.dumps({t: {k: v for k, v in s.items() if k != "flagged_in"} for t, s in summary["tools"].items()}))
 EOF

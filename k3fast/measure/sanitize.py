@@ -31,12 +31,22 @@ BATCHES = (1, 8, 64)
 BOUNDARY_LAYER = 24          # a KDA layer that closes an AttnRes block (checked below)
 
 
-def launch_set(shapes=SHAPES, batches=BATCHES, log=print) -> list[dict]:
-    cells = []
+def launch_set(shapes=SHAPES, batches=BATCHES, log=print, out: str | None = None) -> list[dict]:
+    """Launch the set; after each cell, ``out`` (when given) is rewritten with the cells so far and the kernel keys
+    compiled so far, so a run the tool's time limit cuts short still says what it covered."""
+    from ..kernels._dsl import COMPILE_LOG
+    cells, t0 = [], time.perf_counter()
+
+    def save(complete: bool):
+        if out:
+            with open(out, "w") as f:
+                json.dump({"cells": cells, "kernel_keys": [str(k)[:240] for k, _ in COMPILE_LOG],
+                           "complete": complete, "wall_s": round(time.perf_counter() - t0, 1)}, f, indent=1)
 
     def done(**cell):
         torch.cuda.synchronize()
         cells.append(cell)
+        save(False)
         log(f"  launched {cell}")
 
     for shape in shapes:
@@ -78,6 +88,7 @@ def launch_set(shapes=SHAPES, batches=BATCHES, log=print) -> list[dict]:
     FusedKDA(cfg, w, null_slot=True, check_slots=False)(io.blocks, io.partial, io.delta, conv_v, rec_v, io.slots,
                                                         io.x_mlp)
     done(shape="k3_rank16", layer=1, batch=8, part="kda null_slot, one slot past the pool")
+    save(True)
     return cells
 
 
@@ -89,12 +100,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     from ..kernels._dsl import COMPILE_LOG
     t0 = time.perf_counter()
-    cells = launch_set(a.shapes, a.batches)
-    with open(a.out, "w") as f:
-        json.dump({"cells": cells, "kernel_keys": [str(k)[:240] for k, _ in COMPILE_LOG],
-                   "wall_s": round(time.perf_counter() - t0, 1)}, f, indent=1)
+    cells = launch_set(a.shapes, a.batches, out=a.out)
     print(f"{len(cells)} cells, {len(COMPILE_LOG)} kernel keys, {time.perf_counter() - t0:.0f} s")
-
 
 if __name__ == "__main__":
     main()
