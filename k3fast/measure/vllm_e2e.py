@@ -369,7 +369,9 @@ def _install_probe(model):
         if layer.layer_idx not in dec.kda_layers:
             continue
 
-        def probe(positions, h, residual, prefix_sum=None, fused=layer.forward, layer=layer, **kw):
+        # vLLM calls each decoder layer with keyword arguments: the names must be forward's own
+        def probe(positions, hidden_states, residual, prefix_sum=None, fused=layer.forward, layer=layer, **kw):
+            h = hidden_states
             step = dec.step
             if step is None or not _PROBE["on"]:
                 return fused(positions, h, residual, prefix_sum, **kw)

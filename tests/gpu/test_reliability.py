@@ -47,9 +47,11 @@ def test_long_decode_stays_with_the_model_path(layer, batch):
     rec = long_decode("k3_rank16", layer, batch, 2000, impl="fast", seed=11 + batch)
     rec["summary"] = summarize(rec)
     if os.environ.get("K3_RECORD_DIR"):
+        from k3fast.measure.trace import environment
         path = os.path.join(os.environ["K3_RECORD_DIR"], f"long-decode-{rec['layer_kind']}-b{batch}.json")
         with open(path, "w") as f:
-            json.dump({"records": [rec]}, f)
+            json.dump({"environment": environment(), "command": "pytest tests/gpu/test_reliability.py "
+                       "(K3_RECORD_DIR set)", "records": [rec]}, f)
     bound = TOLERANCES["bf16_layer"][1]
     for q, s in rec["summary"].items():
         assert s["impl_max"] <= LONG_RATIO_MAX * s["model_max"], (

@@ -333,3 +333,17 @@ def test_compare_finds_the_first_divergence(tmp_path):
     with pytest.raises(SystemExit):
         p.write_text(json.dumps({"records": [mk("stock", [1])]}))
         compare(str(p))
+
+
+def test_the_layer_probe_takes_vllms_keyword_call():
+    """vLLM 0.33 calls each decoder layer as layer(positions=, hidden_states=, prefix_sum=, residual=): the in-engine
+    parity probe's wrapper must accept exactly that call and pass it through when the probe is off."""
+    import types
+    from k3fast.measure.vllm_e2e import _install_probe
+    seen = []
+    layer = types.SimpleNamespace(layer_idx=1, forward=lambda *a, **kw: seen.append((a, kw)) or ("out", "p", "res"))
+    lm = types.SimpleNamespace(model=types.SimpleNamespace(layers=[layer]),
+                               k3fast=types.SimpleNamespace(kda_layers={1}, step=None))
+    assert _install_probe(lm) == 1
+    assert layer.forward(positions="pos", hidden_states="h", prefix_sum="ps", residual="r") == ("out", "p", "res")
+    assert seen == [(("pos", "h", "r", "ps"), {})]
