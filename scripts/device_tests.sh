@@ -9,6 +9,19 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
+# --half 1 | 2: the tier in two calls of the lent machine (the whole tier runs ~9 minutes on an H100, past one
+# call with the staging); the halves split the files about evenly by time, each with its own JUnit file.
+if [ "${1:-}" = --half ]; then
+  case $2 in
+    1) files=(tests/gpu/test_fast_layer.py tests/gpu/test_gemm_wgmma_splitk.py tests/gpu/test_kda_conv_gate_step.py
+              tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_moe_tail.py) ;;
+    2) files=(tests/gpu/test_oproj_attnres.py tests/gpu/test_ops.py tests/gpu/test_reliability.py
+              tests/gpu/test_rms_gemv.py tests/gpu/test_rms_gemv_ring.py tests/gpu/test_router_down_topk.py
+              tests/gpu/test_stock_compiled.py tests/gpu/test_stock_vllm_ops.py) ;;
+    *) echo "--half takes 1 or 2"; exit 2 ;;
+  esac
+  K3_TAG=${K3_TAG:-half}-half$2; shift 2; set -- "${files[@]}" "$@"
+fi
 [ $# -gt 0 ] || set -- tests/gpu
 timeout "${K3_TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rfE --timeout="${K3_PER_TEST_TIMEOUT:-240}" \
   --junitxml="$OUT/gpu-junit${K3_TAG:+-$K3_TAG}.xml" "$@" > "$OUT/gpu-tests.log" 2>&1

@@ -14,8 +14,14 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/k3site ./*.whl 2>&1 | grep -v WARNING || true
     [ ! -f vllm-0.33.0-pruned.tar.xz ] || tar xJf vllm-0.33.0-pruned.tar.xz -C /tmp/k3site
     rm -f ./*.whl vllm-0.33.0-pruned.tar.xz
-    # A --target install does not run the cutlass .pth file: put dsl_packages on the path by hand.
-    printf 'export PYTHONPATH=%s:/tmp/k3site:/tmp/k3site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}\nexport PYTHONUNBUFFERED=1\n' "$root" > /tmp/k3env.sh
+    # A --target install does not run the cutlass .pth file: put dsl_packages on the path by hand. nsight-python
+    # 0.9 imports ncu_report, which Nsight Compute ships in its extras/python folder beside the ncu binary.
+    ncupy=""
+    if command -v ncu > /dev/null; then
+      d=$(dirname "$(readlink -f "$(command -v ncu)")")
+      for c in "$d/extras/python" "$(dirname "$d")/extras/python"; do [ -f "$c/ncu_report.py" ] && ncupy=":$c" && break; done
+    fi
+    printf 'export PYTHONPATH=%s:/tmp/k3site:/tmp/k3site/nvidia_cutlass_dsl/dsl_packages%s${PYTHONPATH:+:$PYTHONPATH}\nexport PYTHONUNBUFFERED=1\n' "$root" "$ncupy" > /tmp/k3env.sh
     . /tmp/k3env.sh
     python3 -c "import cutlass, tvm_ffi, fla, torch; print('ready: cutlass', cutlass.__version__, 'tvm_ffi', tvm_ffi.__version__, 'fla', fla.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
     [ ! -d /tmp/k3site/nsight ] || python3 -c "import nsight, importlib.metadata as m; print('ready: nsight-python', m.version('nsight-python'))" 2>&1 | tail -1 || true
