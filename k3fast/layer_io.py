@@ -49,10 +49,13 @@ def make_io(cfg: K3Config, layer: int, batch: int, *, context: int = 0, device="
             slots: int | None = None) -> LayerIO:
     """Fresh random inputs for one decode step of layer ``layer`` (never zeros): embeddings-scale
     blocks and partial sums, an MLP-output-scale delta, a random KDA state (or an MLA cache filled with
-    ``context`` random rows per request)."""
+    ``context`` random rows per request). The state pool holds ``slots`` (default ``batch``) request slots after
+    the spare slot 0; request i uses slot i + 1."""
     g = torch.Generator(device=device).manual_seed(seed)
     d = cfg.hidden_size
-    n_slots = (slots or batch) + 1                       # +1: a spare slot, the stock path's null slot
+    # requests take slots 1..batch; slot 0 stays spare: vLLM's null block (NULL_BLOCK_ID), which vLLM's own state
+    # kernels skip and the stock path's padding rows may scribble on
+    n_slots = (slots or batch) + 1
     rnd = lambda *s, std=1.0: (torch.randn(*s, generator=g, device=device) * std).to(torch.bfloat16)
     blocks = rnd(batch, cfg.max_blocks, d)
     partial = rnd(batch, d)
@@ -67,7 +70,7 @@ def make_io(cfg: K3Config, layer: int, batch: int, *, context: int = 0, device="
         state.kv[:, :context] = rnd(n_slots, context, cfg.kv_cache_dim)
         state.lengths.fill_(context)
     io = LayerIO(cfg, layer, blocks, partial, delta, state,
-                 slots=torch.arange(batch, device=device, dtype=torch.int32),
+                 slots=torch.arange(1, batch + 1, device=device, dtype=torch.int32),
                  x_mlp=torch.empty(batch, d, dtype=torch.bfloat16, device=device),
                  out=torch.empty(batch, d, dtype=torch.bfloat16, device=device))
     io.snapshot()

@@ -118,7 +118,7 @@ def _cases(cfg, batch: int):
     def stock_core():
         return stock_kda_core(proj[:, :Pw], proj[:, Pw:2 * Pw], proj[:, 2 * Pw:3 * Pw], proj[:, 3 * Pw:4 * Pw], f,
                               proj[:, 4 * Pw + D:4 * Pw + D + H], st.conv, st.recurrent, io.slots, kw, head_dim=D,
-                              null_slot=st.num_slots - 1)
+                              null_slot=0)
     kda_bytes = state_bytes + a.f_b_proj.numel() * 2 + M * (proj.shape[1] + Pw) * 2
     # the default (the end trigger) and "@trig" with the early trigger, as the layer runs it
     for tag, kw_kda in (("", {}), ("@trig", {"early_trigger": True})):

@@ -497,7 +497,7 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
         if impl_name.startswith("fast"):
             rec["fast_variant"] = getattr(impl, "variant", None)      # e.g. "serial, experts v3"
         if impl_name == "stock":
-            rec["stock_variant"] = getattr(impl, "variant", None)     # "vllm-ops" | "torch-glue"
+            rec["stock_variant"] = getattr(impl, "variant", None)     # "vllm-layer" | "vllm-ops" | "torch-glue"
             rec["stock_autotune"] = f"Triton autotuners reset before the cell ({autotune_reset})"
             if getattr(impl, "mla_core_variant", None):
                 rec["stock_mla_core"] = impl.mla_core_variant
@@ -810,8 +810,9 @@ def main(argv=None) -> int:
                     help="MLA cached tokens per request (default 1024 8192)")
     ap.add_argument("--impls", nargs="+", default=None,
                     help=f"default {' '.join(DEFAULT_SWEEP.impls)}; '{CONTENDERS}' stands for every live fast contender")
-    ap.add_argument("--stock-ops", choices=["vllm", "torch"], default="vllm",
-                    help="stock path: vLLM 0.33's fused ops (falls back to torch glue without vLLM) or torch glue")
+    ap.add_argument("--stock-ops", choices=["vllm", "vllm-layer", "torch"], default="vllm",
+                    help="stock path: vLLM 0.33's fused ops with fla's KDA kernels (falls back to torch glue without "
+                         "vLLM), vLLM's own layer kernel for kernel (vllm-layer), or torch glue")
     ap.add_argument("--replays", type=int, default=None, help="timed replays per part (default 50)")
     ap.add_argument("--out", default=None, help="folder for the records (default: traces/<card>, e.g. traces/h200)")
     ap.add_argument("--tag", default=None)

@@ -10,8 +10,12 @@
   (variant "torch-glue", also the fallback where vLLM cannot run) composes those steps from torch ops;
 * MLA: packed GEMMs and a torch absorbed attention over the latent cache.
 
-This is our composition, not vLLM's layer itself: inside a vLLM 0.33 engine the KDA + MoE layer launches fewer
-kernels (its packed-decode KDA kernel and CuTe skinny GEMMs in the attention half).
+``ops="vllm-layer"`` (variant "vllm-layer") runs what vLLM 0.33's own layer runs on SM90 at TP16-rank shapes, kernel
+for kernel: on top of the vllm-ops kernels, vLLM's Triton KDA decode path (conv update, packed recurrent decode,
+gated RMSNorm; k3fast.stock.vllm_ops.kda_decode_core) and K3's low-latency GEMM table (CuTe skinny GEMMs) for
+o_proj and the latent down / up projections. ``vllm_ops.KERNELS_VLLM_LAYER_B1`` lists its launches beside the ones
+recorded from vLLM's engine. The default stays "vllm" (our earlier composition: fla's KDA kernels with torch glue,
+cuBLAS projections) until the vllm-layer variant's parity and timings are recorded on a GPU.
 
 Like every implementation it exposes ``attn(io)``, ``moe(io)`` and ``layer(io)`` over k3fast.layer_io.LayerIO's
 static tensors; stages are marked with k3fast.nvtx ranges.
@@ -42,6 +46,10 @@ def _linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w).float()
 
 
+# ops -> the record's stock_variant
+OPS = {"vllm-layer": "vllm-layer", "vllm": "vllm-ops", "torch": "torch-glue"}
+
+
 class StockImpl:
     """Library kernels, packed the way a serving stack packs them (one in_proj GEMM for q|k|v|g|f_a|b,
     one gate_up GEMM for the shared experts, one q_a|kv_a|g GEMM for MLA).
@@ -59,9 +67,17 @@ class StockImpl:
 
     def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, ops: str = "vllm"):
         from .kda import pack_conv_weight
-        if ops not in ("vllm", "torch"):
-            raise ValueError(f"ops must be 'vllm' or 'torch', got {ops!r}")
+        if ops not in OPS:
+            raise ValueError(f"ops must be one of {sorted(OPS)}, got {ops!r}")
         self.ops_fallback = None
+        if ops == "vllm-layer":
+            from .vllm_ops import vllm_layer_available
+            ok, why = vllm_layer_available()
+            if not ok:
+                import warnings
+                warnings.warn(f"StockImpl: vLLM's layer path unavailable ({why}); using the vllm-ops variant",
+                              stacklevel=2)
+                ops, self.ops_fallback = "vllm", why
         if ops == "vllm":
             from .vllm_ops import vllm_available
             ok, why = vllm_available()
@@ -72,7 +88,7 @@ class StockImpl:
                 warnings.warn(f"StockImpl: vLLM ops unavailable ({why}); using the torch-glue variant", stacklevel=2)
                 ops, self.ops_fallback = "torch", why
         self.ops = ops
-        self.variant = "vllm-ops" if ops == "vllm" else "torch-glue"
+        self.variant = OPS[ops]
         self.cfg, self.w, self.P = cfg, w, Precision.model()
         a = w.attn
         if isinstance(a, KDAWeights):
@@ -106,7 +122,7 @@ class StockImpl:
             self.shared_gate_up = torch.cat([m.shared_gate, m.shared_up]).contiguous()
 
     def attn(self, io: LayerIO) -> None:
-        if self.ops == "vllm":
+        if self.ops in ("vllm", "vllm-layer"):
             return self._attn_vllm(io)
         from .kda import stock_kda_core
         cfg, w, P = self.cfg, self.w, self.P
@@ -123,7 +139,7 @@ class StockImpl:
                 y = stock_kda_core(z[:, :Pw], z[:, Pw:2 * Pw], z[:, 2 * Pw:3 * Pw], z[:, 3 * Pw:4 * Pw], f,
                                    z[:, 4 * Pw + cfg.kda_head_dim:], io.state.conv, io.state.recurrent, io.slots,
                                    self.kda_w, head_dim=cfg.kda_head_dim, lower_bound=cfg.gate_lower_bound,
-                                   eps=cfg.rms_norm_eps, null_slot=io.state.num_slots - 1)
+                                   eps=cfg.rms_norm_eps, null_slot=0)
             with stage("k3.o_proj"):
                 a = F.linear(y, w.attn.o_proj)
         else:
@@ -146,7 +162,7 @@ class StockImpl:
         io.partial.copy_(s.partial)
 
     def moe(self, io: LayerIO) -> None:
-        if self.ops == "vllm":
+        if self.ops in ("vllm", "vllm-layer"):
             return self._moe_vllm(io)
         cfg, m = self.cfg, self.w.mlp
         x = io.x_mlp
@@ -174,10 +190,26 @@ class StockImpl:
 
     # -------------------------------------------------------------------------------- vLLM-ops variant
     def _kda_attn(self, x: torch.Tensor, io: LayerIO) -> torch.Tensor:
-        """KDA projections + fla core + o_proj (shared by both variants' shapes; in_proj may be padded)."""
+        """KDA projections + the decode core + o_proj (in_proj may be padded): fla's kernels with torch glue
+        ("vllm" / "torch"), or vLLM's own Triton decode path and skinny-GEMM o_proj ("vllm-layer")."""
         from .kda import stock_kda_core
         cfg, w = self.cfg, self.w
         Pw, hd, H = cfg.kda_proj, cfg.kda_head_dim, cfg.kda_heads
+        if self.ops == "vllm-layer":
+            from . import vllm_ops as V
+            a = w.attn
+            with stage("k3.kda.in_proj"):
+                z = F.linear(x, self.in_proj)
+                f = F.linear(z[:, 4 * Pw:4 * Pw + hd], a.f_b_proj)
+            with stage("k3.kda.core"):
+                # vLLM's metadata carries its null block (0) for padded rows; the harness marks them -1
+                slots = io.slots.clamp_min(0)
+                y = V.kda_decode_core(z[:, :3 * Pw], z[:, 3 * Pw:4 * Pw], f, z[:, 4 * Pw + hd:4 * Pw + hd + H],
+                                      io.state.conv, io.state.recurrent, slots, self.kda_w["conv_qkv"], a.A_log,
+                                      a.dt_bias, a.o_norm, heads=H, head_dim=hd, lower_bound=cfg.gate_lower_bound,
+                                      eps=cfg.rms_norm_eps)
+            with stage("k3.o_proj"):
+                return V.low_latency_linear(y, a.o_proj)
         with stage("k3.kda.in_proj"):
             z = F.linear(x, self.in_proj)
             f = F.linear(z[:, 4 * Pw:4 * Pw + hd], w.attn.f_b_proj)
@@ -185,7 +217,7 @@ class StockImpl:
             y = stock_kda_core(z[:, :Pw], z[:, Pw:2 * Pw], z[:, 2 * Pw:3 * Pw], z[:, 3 * Pw:4 * Pw], f,
                                z[:, 4 * Pw + hd:4 * Pw + hd + H], io.state.conv, io.state.recurrent, io.slots,
                                self.kda_w, head_dim=hd, lower_bound=cfg.gate_lower_bound,
-                               eps=cfg.rms_norm_eps, null_slot=io.state.num_slots - 1)
+                               eps=cfg.rms_norm_eps, null_slot=0)
         with stage("k3.o_proj"):
             return F.linear(y, w.attn.o_proj)
 
@@ -238,8 +270,10 @@ class StockImpl:
         with stage("k3.router"):
             ids, ws = V.router_topk(x, m.gate, m.e_score_correction_bias, cfg.num_experts_per_token,
                                     cfg.routed_scaling_factor)
+        # vLLM's layer runs the latent projections on K3's low-latency GEMM table; the vllm-ops variant on cuBLAS
+        lin = V.low_latency_linear if self.ops == "vllm-layer" else F.linear
         with stage("k3.moe.down"):
-            z = F.linear(x, m.down)
+            z = lin(x, m.down)
         with stage("k3.moe.experts"):
             r = self.experts(z, ids, ws)
         with stage("k3.moe.shared"):
@@ -247,4 +281,4 @@ class StockImpl:
             shared = F.linear(h, m.shared_down)
         with stage("k3.moe.up"):
             rn = V.rms_norm(r, m.norm, cfg.rms_norm_eps)
-            torch.add(F.linear(rn, m.up), shared, out=io.out)
+            torch.add(lin(rn, m.up), shared, out=io.out)

@@ -453,3 +453,99 @@ def gate_sigmoid_mul(attn_out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor
             return a * g.sigmoid()
         _GATE_MUL = torch.compile(_gate_sigmoid_mul, backend=backend)
     return _GATE_MUL(attn_out, gate)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The KDA decode path and the low-latency GEMMs of vLLM's own layer (variant "vllm-layer")
+# ----------------------------------------------------------------------------------------------------------
+# vLLM 0.33's KimiK3DeltaAttention._forward on SM90 at 6 heads per rank (TP16) takes its Triton decode path: the
+# native ``ops.fused_kda_decode`` serves 12 / 24 / 48 / 96 heads only and FlashInfer's fused decode is SM10x only
+# (``resolve_kda_decode_backend`` in vllm/models/kimi_k3/nvidia/kda.py). That path is three launches between the
+# projections and o_proj: ``causal_conv1d_update`` (vllm/model_executor/layers/mamba/ops/causal_conv1d.py),
+# ``fused_recurrent_kda_packed_decode`` (vllm/models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py) and
+# ``rms_norm_gated`` (vllm/third_party/flash_linear_attention/ops/kda.py, the kernel behind o_norm's
+# FusedRMSNormGated with sigmoid). Both state kernels treat slot 0 as vLLM's null block (NULL_BLOCK_ID): no state is
+# read or written for it and the packed decode writes zero rows. The projections K3 registers in its SM90 table
+# (vllm/models/kimi_k3/nvidia/low_latency_gemm.py: o_proj [7168, 768], the latent down / up projections, ...) run
+# vLLM's CuTe DSL skinny GEMM for the batch sizes the table lists, cuBLAS otherwise (``try_low_latency_gemm``).
+
+# One KDA+MoE layer of StockImpl(ops="vllm-layer") at k3_rank16, batch 1, a non-boundary layer, in launch order:
+# the kernel names vLLM's own layer launched inside a vLLM 0.33 engine on an H100 (traces/h100/vllm-e2e-4c9dbfe.json,
+# per_layer.kda_moe.kernel_names), each as the prefix our launch shares with it. "harness:" entries are ours alone.
+KERNELS_VLLM_LAYER_B1 = {
+    "attn": ["_attn_res_kernel",
+             "nvjet_sm90",                              # in_proj_qkvgfab (cuBLAS split-K) ...
+             "void cublasLt::splitKreduce_kernel",      # ... and its reduce
+             "nvjet_sm90",                              # f_b_proj (cuBLAS)
+             "harness: slots.clamp_min(0)",             # our padding (-1) as vLLM's null block (0)
+             "_causal_conv1d_update_kernel",
+             "fused_recurrent_kda_packed_decode_kernel",
+             "layer_norm_gated_fwd_kernel",
+             "kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_skinny_gemmCuteSkinnyGemm",   # o_proj
+             "_attn_res_kernel"],
+    "moe": ["kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_ll_bf16_dotprodLLBf16Dotprod",
+            "void vllm::moe::single_group_topk",
+            "kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_skinny_gemmCuteSkinnyGemm",    # down
+            "void vllm::moe::moe_align_block_size_kernel",
+            "void vllm::moe::count_and_sort_expert_tokens_kernel",
+            "void marlin_moe_wna16::Marlin",
+            "void vllm::situ_and_mul_kernel",
+            "void marlin_moe_wna16::Marlin",
+            "void vllm::moe::moe_sum_vec_dynamic_kernel",
+            "nvjet_sm90",                               # shared gate/up (cuBLAS split-K) ...
+            "void cublasLt::splitKreduce_kernel",       # ... and its reduce
+            "void vllm::situ_and_mul_kernel",
+            "nvjet_sm90",                               # shared down
+            "void vllm::rms_norm_kernel",
+            "kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_skinny_gemmCuteSkinnyGemm",    # up
+            "void at::native::vectorized_elementwise_kernel"],   # routed + shared
+}
+
+
+@functools.lru_cache(maxsize=None)
+def vllm_layer_available() -> tuple[bool, str]:
+    """(True, "") when the KDA decode kernels and the low-latency GEMM table of vLLM's own layer import here (on
+    top of ``vllm_available``); else (False, reason). Importing them imports vLLM's K3 model package."""
+    ok, why = vllm_available()
+    if not ok:
+        return ok, why
+    try:
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update  # noqa: F401
+        from vllm.models.kimi_k3.nvidia.low_latency_gemm import try_low_latency_gemm  # noqa: F401
+        from vllm.models.kimi_k3.nvidia.ops.third_party.kda import fused_recurrent_kda_packed_decode  # noqa: F401
+        from vllm.third_party.flash_linear_attention.ops.kda import rms_norm_gated  # noqa: F401
+    except Exception as ex:                                          # noqa: BLE001
+        return False, f"vLLM's KDA decode path does not import: {type(ex).__name__}: {str(ex)[:200]}"
+    return True, ""
+
+
+def low_latency_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T as a K3 projection runs in vLLM on SM90: the CuTe DSL skinny GEMM where K3's shape table lists
+    (N, K) at this batch, cuBLAS otherwise."""
+    from vllm.models.kimi_k3.nvidia.low_latency_gemm import try_low_latency_gemm
+    y = try_low_latency_gemm(x, w)
+    return torch.nn.functional.linear(x, w) if y is None else y
+
+
+def kda_decode_core(qkv: torch.Tensor, g_out: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                    conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor, conv_w: torch.Tensor,
+                    a_log: torch.Tensor, dt_bias: torch.Tensor, o_norm: torch.Tensor, *, heads: int,
+                    head_dim: int, lower_bound: float, eps: float) -> torch.Tensor:
+    """The KDA decode step between the projections and o_proj, as vLLM 0.33's Triton decode path runs it.
+
+    qkv [M, 3P] bf16 (a column slice of the packed in_proj output: contiguous rows), g_out [M, P] (the output gate's
+    slice), f [M, P] (f_b_proj's output), b [M, H] (beta's slice), the state pools conv_state [S, 3P, 3] bf16 and
+    rec_state [S, H, D, D] fp32, slots [M] int32 with 0 = vLLM's null block (padding), conv_w [3P, 4]. Returns the
+    gated-normed o [M, P] bf16."""
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+    from vllm.models.kimi_k3.nvidia.ops.third_party.kda import fused_recurrent_kda_packed_decode
+    from vllm.third_party.flash_linear_attention.ops.kda import rms_norm_gated
+    M, H, D = qkv.shape[0], heads, head_dim
+    x = causal_conv1d_update(qkv, conv_state, conv_w, None, activation="silu", conv_state_indices=slots,
+                             validate_data=True, out=torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device))
+    o = torch.empty(1, M, H, D, dtype=qkv.dtype, device=qkv.device)
+    fused_recurrent_kda_packed_decode(mixed_qkv=x, raw_g=f.view(1, M, H, D), raw_beta=b.unsqueeze(0), A_log=a_log,
+                                      dt_bias=dt_bias, lower_bound=lower_bound, initial_state=rec_state,
+                                      state_indices=slots, out=o)
+    y = rms_norm_gated(o.view(M, H, D), g_out.view(M, H, D), o_norm, None, "sigmoid", eps=eps)
+    return y.view(M, H * D)

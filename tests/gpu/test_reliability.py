@@ -94,10 +94,10 @@ def test_hostile_request_leaves_the_others_bit_identical(kind, batch):
     for label in ("healthy", "hostile"):
         io = make_io(cfg, LAYER_KDA, batch, seed=52, slots=batch + 3)
         if kind == "edge_slot":
-            edge = io.state.recurrent.shape[0] - 1                    # the last slot of the pool
-            io.slots[bad] = batch if label == "healthy" else edge     # (healthy: an ordinary free slot)
-            io.state.recurrent[edge] = io.state.recurrent[batch]      # the same starting state in both
-            io.state.conv[edge] = io.state.conv[batch]
+            edge, free = io.state.recurrent.shape[0] - 1, batch + 1   # the pool's last slot; an ordinary free one
+            io.slots[bad] = free if label == "healthy" else edge
+            io.state.recurrent[edge] = io.state.recurrent[free]       # the same starting state in both
+            io.state.conv[edge] = io.state.conv[free]
         elif label == "hostile" and kind != "tied_router":
             _set_row(io, bad, kind)
         impl = make_impl("fast", cfg, w, max_batch=batch)
@@ -129,7 +129,7 @@ def test_hostile_request_leaves_the_others_bit_identical(kind, batch):
     if kind == "edge_slot":
         # the request at the pool's edge gets the same answer as in an ordinary slot
         assert torch.equal(h.out[bad], x.out[bad])
-        assert torch.equal(h.state.recurrent[batch], x.state.recurrent[x.slots[bad].long()])
+        assert torch.equal(h.state.recurrent[batch + 1], x.state.recurrent[x.slots[bad].long()])
 
 
 def test_slot_past_the_pool_inside_a_graph_writes_nothing():

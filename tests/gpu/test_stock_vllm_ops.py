@@ -102,3 +102,68 @@ def test_stock_vllm_layer_graph(layer, batch):
     torch.cuda.synchronize()
     for name, a, b in zip(("x_mlp", "out", "partial", "blocks"), (io.x_mlp, io.out, io.partial, io.blocks), eager):
         assert_close(name, a, b, "exact" if name in ("partial", "blocks") else "bf16_kernel")
+
+
+# ------------------------------------------------------------------------- the vllm-layer variant (vLLM's own layer)
+
+def _need_vllm_layer():
+    ok, why = V.vllm_layer_available()
+    if not ok:
+        pytest.skip(f"vLLM's layer path unavailable: {why}")
+
+
+@pytest.mark.parametrize("layer,batch", [(1, 1), (1, 8), (1, 64), (24, 3)])
+def test_stock_vllm_layer_against_the_reference(layer, batch):
+    """StockImpl(ops="vllm-layer") against k3ref on the same inputs and state: the MoE input, the layer output and
+    the KDA state; a padded request (-1, vLLM's null block inside) writes nothing, the spare slots stay untouched."""
+    _need_vllm_layer()
+    from k3fast.measure.impls import make_impl, make_io
+    w = random_layer(CFG, layer, seed=31, device="cuda")
+    outs = {}
+    for name in ("ref", "stock"):
+        io = make_io(CFG, layer, batch, seed=32, slots=batch + 2)
+        if batch > 1:
+            io.slots[1] = -1
+        before = (io.state.recurrent.clone(), io.state.conv.clone())
+        impl = make_impl(name, CFG, w, **({"max_batch": batch, "ops": "vllm-layer"} if name == "stock" else {}))
+        if name == "stock":
+            assert impl.variant == "vllm-layer", impl.ops_fallback
+        io.out.fill_(float("nan"))
+        impl.layer(io)
+        torch.cuda.synchronize()
+        live = io.slots >= 0
+        owned = torch.zeros(io.state.recurrent.shape[0], dtype=torch.bool, device="cuda")
+        owned[io.slots[live].long()] = True
+        assert torch.equal(io.state.recurrent[~owned], before[0][~owned]), f"{name}: an unowned slot changed"
+        outs[name] = (io.x_mlp[live].clone(), io.out[live].clone(), io.state.recurrent.clone())
+    assert_close("x_mlp", outs["stock"][0], outs["ref"][0], "bf16_kernel")
+    assert_close("layer out", outs["stock"][1], outs["ref"][1], "bf16_layer")
+    assert_close("recurrent state", outs["stock"][2], outs["ref"][2], "fp32_state_chain")
+
+
+def test_stock_vllm_layer_launches_what_vllm_launches():
+    """One KDA+MoE layer of the vllm-layer variant at rank16 b1 launches vllm_ops.KERNELS_VLLM_LAYER_B1, in order
+    (the list the CPU tier checks against the kernels recorded inside vLLM's engine)."""
+    _need_vllm_layer()
+    from k3fast.measure.impls import make_impl, make_io
+    from k3fast.measure.trace import _profile
+    w = random_layer(CFG, 1, seed=33, device="cuda")
+    impl = make_impl("stock", CFG, w, max_batch=1, ops="vllm-layer")
+    io = make_io(CFG, 1, 1, seed=34)
+    impl.layer(io)                                           # compile and autotune outside the profile
+    torch.cuda.synchronize()
+    names = {}
+    for part in ("attn", "moe"):
+        ev = _profile(lambda: getattr(impl, part)(io))
+        names[part] = [e["name"] for e in sorted(ev, key=lambda e: e["ts"]) if e.get("cat") == "kernel"]
+    for part, want in V.KERNELS_VLLM_LAYER_B1.items():
+        got = names[part]
+        want = [k for k in want if not k.startswith("harness:")]
+        extra = len(got) - len(want)
+        assert extra in (0, 1), f"{part}: {len(got)} kernels, expected {len(want)} (+1 harness): {got}"
+        it = iter(got)
+        for k in want:                                       # in order, the harness kernel skipped where it stands
+            name = next(it)
+            if not name.startswith(k) and extra:
+                extra, name = 0, next(it)
+            assert name.startswith(k), f"{part}: expected {k!r}, got {name!r} ({got})"

@@ -1,0 +1,40 @@
+"""The stock peer's declared launches against the kernels vLLM's own layer launched inside a vLLM 0.33 engine
+(recorded on an H100), so that the peer cannot drift from vLLM silently (CPU: reads the record, runs nothing)."""
+import collections
+import json
+import os
+
+import pytest
+
+from k3fast.measure.nbtools import INDEX
+from k3fast.stock.vllm_ops import KERNELS_VLLM_LAYER_B1
+
+pytestmark = pytest.mark.ref
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _recorded_kda_moe_b1() -> list[str]:
+    recs = json.load(open(os.path.join(ROOT, INDEX["vllm_e2e"])))["records"]
+    rec = next(r for r in recs if r.get("kind") == "vllm_e2e" and r["engine"] == "stock" and r["batch"] == 1)
+    return list(rec["per_layer"]["kda_moe"]["kernel_names"])
+
+
+def _kind(name: str) -> str:
+    """The declared prefix a recorded kernel name starts with (the longest, so nvjet and CuTe names resolve)."""
+    declared = {k for ks in KERNELS_VLLM_LAYER_B1.values() for k in ks if not k.startswith("harness:")}
+    hits = [k for k in declared if name.startswith(k)]
+    assert hits, f"vLLM's layer launched {name!r}, which the vllm-layer stock variant does not declare"
+    return max(hits, key=len)
+
+
+def test_vllm_layer_variant_declares_exactly_what_vllms_layer_launched():
+    """Same kernels, same counts: the attention half up to the second AttnRes, the MoE half after it. The order
+    inside the MoE half differs (vLLM launches the shared experts before the top-k); the count of each does not."""
+    got = _recorded_kda_moe_b1()
+    second = [i for i, n in enumerate(got) if n.startswith("_attn_res_kernel")][1]
+    halves = {"attn": got[:second + 1], "moe": got[second + 1:]}
+    for part, names in halves.items():
+        want = [k for k in KERNELS_VLLM_LAYER_B1[part] if not k.startswith("harness:")]
+        assert collections.Counter(map(_kind, names)) == collections.Counter(want), part
+    harness = [k for ks in KERNELS_VLLM_LAYER_B1.values() for k in ks if k.startswith("harness:")]
+    assert len(harness) == 1, "each harness-only launch is named and counted"
