@@ -1,0 +1,443 @@
+"""Gated MLA's decode attention over the latent cache, split across SMs with an exact combine, for sm_90a.
+
+Replaces the attention step of k3ref.mla.mla_core in its absorbed form (docs/k3-layer.md section 8.3): for each
+request n and head h, with the cache rows c_i = [c_kv,i (512) | k_pe,i (64)] of its first L_n tokens and the
+absorbed query Q_h = [q_nope,h W_UK,h | q_pe,h] (576 wide),
+
+    o_lat[n, h] = sum_i softmax_i(scale * Q_h . c_i) * c_kv,i            (512 wide; W_UV comes after)
+
+The cache is vLLM's paged layout: a pool of pages of 64 rows x 576 bf16, a block table [N, pages] of page ids and
+the rows to attend per request (the new token's row included; 0 marks a padded request, whose output rows are 0).
+
+The split (flash-decoding). The grid is (S splits, head groups, N requests); split s of request n takes pages
+[s P, (s + 1) P) of its table, so one request's long cache is read by many SMs at once. Each CTA (4 warps) keeps
+its head group's 8 or 16 query rows in shared memory and streams its pages through a two-page cp.async ring:
+
+  scores   S^T = K Q^T on mma.sync m16n8k16 with the 64 tokens of a page as the M side (warp w: tokens
+           16w..16w+15) and the heads as N (8 per tile): the cache rows are the A operand, read as they lie;
+  softmax  online, in base 2 (scale * log2 e folded into the scores); the page's max per head goes through
+           shared memory so that every warp rescales with the same running max;
+  P V      O^T = V^T P^T with 16 of the 512 latent dims per MMA row tile (warp w: dims 128w..128w+127), the
+           cache rows transposed into A fragments by ldmatrix.trans, P from shared memory as the B operand.
+
+Rows of a page past L_n are masked to -inf before the softmax, so their probabilities are exact zeros. The pool
+holds whatever those rows held before (NaN, say), and 0 x NaN is NaN in P V, so the ring writes zeros for them
+instead of loading them.
+
+The combine. With S > 1 each CTA writes its unnormalised O (fp32), its running max and its row sum per head to a
+workspace and arrives on the (request, head group) counter; the last arrival (acq_rel) sums the S partials with
+the usual rescaling, o = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, writes bf16 o and re-arms the counter, so
+graph replays need no memset. A split with no page of its request writes only (m = -inf, l = 0).
+
+Bytes. The step reads each request's L_n x 576 x 2 cache bytes once per head group (one group up to 16 heads:
+k3_rank16 and k3_rank8 read the cache once; the full width's 96 heads read it six times, the price of keeping a
+group's O in registers), plus q and the outputs. Workspace traffic: S x heads x 512 x 4 bytes per request.
+
+Contracts: q [N, H, 576] bf16, kv_cache [pages, 64, 576] bf16, block_table [N, MAXP] int32 (entries of pages a
+request does not reach are never read), lengths [N] int32 with 0 <= L_n <= 64 MAXP. Launched with PDL: nothing is
+read before griddepcontrol.wait; dependents are released right after it (they read o only after their own wait,
+which waits for this grid to finish). One workspace per device, stream-ordered (``make_workspace``).
+"""
+
+import math
+
+from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+
+PAGE = 64                 # cache rows per page (vLLM's block size for this layout)
+DQK = 576                 # cache row: c_kv (512) | k_pe (64)
+DV = 512                  # the latent dims P V produces
+WARPS = 4
+THREADS = 32 * WARPS
+KSTR = DQK + 8            # smem row pitch (bf16) of cache rows and query rows: 292 words, conflict-free fragments
+PSTR = PAGE + 8           # smem row pitch (bf16) of P [heads, tokens]
+KSTEPS = DQK // 16        # 36 k16 steps of the score MMAs
+VSTEPS = PAGE // 16       # 4 k16 steps of P V per page
+MT = DV // 16 // WARPS    # 8 dim tiles of 16 per warp in P V
+HEAD_GROUPS = (8, 16)     # query rows per CTA (8: up to 8 heads, 16 otherwise)
+LOG2E = 1.4426950408889634
+
+
+def head_group(heads: int) -> int:
+    """Query rows per CTA for ``heads`` heads: 8 when they fit, else 16 (more heads take several groups)."""
+    return 8 if heads <= 8 else 16
+
+
+def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132) -> tuple[int, int]:
+    """(S, pages per split): about one CTA per SM over all requests and head groups, every split non-empty at
+    full capacity."""
+    hg = -(-heads // head_group(heads))
+    s = max(1, min(max_pages, -(-nsm // (n_requests * hg))))
+    pps = -(-max_pages // s)
+    return -(-max_pages // pps), pps
+
+
+def compile_key(hn: int) -> tuple:
+    if hn not in HEAD_GROUPS:
+        raise ValueError(f"head group must be one of {HEAD_GROUPS}, got {hn}")
+    return ("mla_latent_decode", hn)
+
+
+def smem_bytes(hn: int) -> int:
+    return (hn * KSTR * 2 + 2 * PAGE * KSTR * 2 + hn * PSTR * 2 + 2 * WARPS * 16 * 4 + 16 + 5 * 128)
+
+
+def _build(hn: int):
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    NT = hn // 8
+    NEG_INF = float("-inf")
+    SMEM = smem_bytes(hn)
+
+    def _i(x):
+        return Int32(x).ir_value()
+
+    def mma(acc, base, a, b0, b1):
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32()] * 4),
+            [_i(a[0]), _i(a[1]), _i(a[2]), _i(a[3]), _i(b0), _i(b1)] + [acc[base + q].ir_value() for q in range(4)],
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+            "{$10,$11,$12,$13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT)
+        for q in range(4):
+            acc[base + q] = Float32(llvm.extractvalue(T.f32(), res, [q]))
+
+    def ldmatrix_x4_trans(addr):
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.i32()] * 4), [_i(addr)],
+            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];",
+            "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        return [Int32(llvm.extractvalue(T.i32(), res, [q])) for q in range(4)]
+
+    def cp_async16(smem_addr, gmem_addr):
+        llvm.inline_asm(None, [_i(smem_addr), Int64(gmem_addr).ir_value()],
+                        "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
+                        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    def st_shared_zero16(smem_addr):
+        llvm.inline_asm(None, [_i(smem_addr)], "st.shared.v4.b32 [$0], {0, 0, 0, 0};", "r",
+                        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    class MlaLatentDecode:
+        @cute.jit
+        def __call__(self, mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, heads: Int32, splits: Int32, pps: Int32,
+                     scale_log2: Float32, stream):
+            n_req = cute.size(mBT, mode=[0])
+            n_hg = (heads + (hn - 1)) // hn
+            self.kernel(mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, heads, splits, pps, scale_log2).launch(
+                grid=[splits, n_hg, n_req], block=[THREADS, 1, 1], smem=SMEM, stream=stream, use_pdl=True)
+
+        @cute.jit
+        def load_page(self, mC, sk_base, buf, page, rows, tid):
+            """Rows [0, rows) of pool page ``page`` into ring buffer ``buf`` (16-byte cp.async chunks); the rest of
+            the buffer's 64 rows zero-filled."""
+            g_base = mC.iterator.toint() + Int64(page) * (PAGE * DQK * 2)
+            for c in cutlass.range(tid, PAGE * (DQK // 8), THREADS):
+                r = c // (DQK // 8)
+                col = c - r * (DQK // 8)
+                s_addr = sk_base + ((buf * PAGE + r) * KSTR + col * 8) * 2
+                if r < rows:
+                    cp_async16(s_addr, g_base + Int64((r * DQK + col * 8) * 2))
+                else:
+                    st_shared_zero16(s_addr)
+            cute.arch.cp_async_commit_group()
+
+        @cute.kernel
+        def kernel(self, mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, heads: Int32, splits: Int32, pps: Int32,
+                   scale_log2: Float32):
+            tid = cute.arch.thread_idx()[0]
+            s_id, hg, n = cute.arch.block_idx()
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            g = lane // 4
+            t = lane % 4
+            n_hg = (heads + (hn - 1)) // hn
+            h0 = hg * hn
+
+            smem = cutlass.memory.SmemAllocator()
+            sQ = smem.allocate_tensor(BFloat16, cute.make_layout((hn, KSTR), stride=(KSTR, 1)), 128)
+            sK = smem.allocate_tensor(BFloat16, cute.make_layout((2, PAGE, KSTR), stride=(PAGE * KSTR, KSTR, 1)),
+                                      128)
+            sP = smem.allocate_tensor(BFloat16, cute.make_layout((hn, PSTR), stride=(PSTR, 1)), 128)
+            sMax = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), 16)
+            sSum = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), 16)
+            sFlag = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
+            sQ32 = cute.recast_tensor(sQ, Int32)        # (hn, KSTR / 2)
+            sK32 = cute.recast_tensor(sK, Int32)        # (2, PAGE, KSTR / 2)
+            sP32 = cute.recast_tensor(sP, Int32)        # (hn, PSTR / 2)
+            sq_base = sQ.iterator.toint()
+            sk_base = sK.iterator.toint()
+
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+
+            length = mLen[n]
+            pages_total = (length + (PAGE - 1)) // PAGE
+            p_begin = s_id * pps
+            p_end = cutlass.min(p_begin + pps, pages_total)
+
+            # the head group's query rows (rows past the last head are zeros: their scores are discarded)
+            q_base = mQ.iterator.toint()
+            for c in cutlass.range(tid, hn * (DQK // 8), THREADS):
+                r = c // (DQK // 8)
+                col = c - r * (DQK // 8)
+                s_addr = sq_base + (r * KSTR + col * 8) * 2
+                if h0 + r < heads:
+                    cp_async16(s_addr, q_base + Int64(((n * heads + h0 + r) * DQK + col * 8) * 2))
+                else:
+                    st_shared_zero16(s_addr)
+            cute.arch.cp_async_commit_group()
+
+            acc = cute.make_rmem_tensor(cute.make_layout(MT * NT * 4), Float32)
+            acc.fill(0.0)
+            sc = cute.make_rmem_tensor(cute.make_layout(NT * 4), Float32)
+            m_run = cute.make_rmem_tensor(cute.make_layout(NT * 2), Float32)
+            m_run.fill(NEG_INF)
+            l_run = cute.make_rmem_tensor(cute.make_layout(NT * 2), Float32)
+            l_run.fill(0.0)
+
+            if p_begin < p_end:
+                self.load_page(mC, sk_base, Int32(0), mBT[n, p_begin],
+                               cutlass.min(length - p_begin * PAGE, PAGE), tid)
+            for p in cutlass.range(p_begin, p_end):
+                buf = (p - p_begin) % 2
+                if p + 1 < p_end:
+                    self.load_page(mC, sk_base, 1 - buf, mBT[n, p + 1], cutlass.min(length - (p + 1) * PAGE, PAGE),
+                                   tid)
+                    cute.arch.cp_async_wait_group(1)
+                else:
+                    cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()
+
+                # ---- scores: tokens 16w + g, 16w + g + 8 (M) x heads 8j + 2t, 8j + 2t + 1 (N)
+                sc.fill(0.0)
+                r0 = 16 * warp + g
+                for kk in cutlass.range_constexpr(KSTEPS):
+                    a = [sK32[buf, r0, 8 * kk + t], sK32[buf, r0 + 8, 8 * kk + t],
+                         sK32[buf, r0, 8 * kk + t + 4], sK32[buf, r0 + 8, 8 * kk + t + 4]]
+                    for j in cutlass.range_constexpr(NT):
+                        mma(sc, 4 * j, a, sQ32[8 * j + g, 8 * kk + t], sQ32[8 * j + g, 8 * kk + t + 4])
+                tok0 = p * PAGE + r0
+                for j in cutlass.range_constexpr(NT):
+                    for q in cutlass.range_constexpr(4):
+                        tok = tok0 + 8 * (q // 2)
+                        v = sc[4 * j + q] * scale_log2
+                        sc[4 * j + q] = Float32(cutlass.select_(tok < length, v, Float32(NEG_INF)))
+
+                # ---- the page's max per head, over the warp's 16 tokens, then over the 4 warps
+                for j in cutlass.range_constexpr(NT):
+                    for q in cutlass.range_constexpr(2):
+                        mx = cute.arch.fmax(sc[4 * j + q], sc[4 * j + 2 + q])
+                        for off in (4, 8, 16):
+                            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=off))
+                        if g == 0:
+                            sMax[warp, 8 * j + 2 * t + q] = mx
+                cute.arch.sync_threads()
+                for j in cutlass.range_constexpr(NT):
+                    for q in cutlass.range_constexpr(2):
+                        col = 8 * j + 2 * t + q
+                        c = 2 * j + q
+                        tile = sMax[0, col]
+                        for w in cutlass.range_constexpr(1, WARPS):
+                            tile = cute.arch.fmax(tile, sMax[w, col])
+                        m_new = cute.arch.fmax(m_run[c], tile)
+                        m_use = Float32(cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new))
+                        alpha = cute.math.exp2(m_run[c] - m_use)
+                        p0 = cute.math.exp2(sc[4 * j + q] - m_use)
+                        p1 = cute.math.exp2(sc[4 * j + 2 + q] - m_use)
+                        ls = p0 + p1
+                        for off in (4, 8, 16):
+                            ls = ls + cute.arch.shuffle_sync_bfly(ls, offset=off)
+                        l_run[c] = l_run[c] * alpha + ls
+                        m_run[c] = m_new
+                        sP[col, r0] = p0.to(BFloat16)
+                        sP[col, r0 + 8] = p1.to(BFloat16)
+                        for mt in cutlass.range_constexpr(MT):
+                            acc[(mt * NT + j) * 4 + q] = acc[(mt * NT + j) * 4 + q] * alpha
+                            acc[(mt * NT + j) * 4 + 2 + q] = acc[(mt * NT + j) * 4 + 2 + q] * alpha
+                cute.arch.sync_threads()
+
+                # ---- P V: dims 128w + 16mt + (g, g + 8) (M) x heads (N), tokens of the page (K)
+                li = lane % 8
+                lq = lane // 8
+                for kk in cutlass.range_constexpr(VSTEPS):
+                    tok = 16 * kk + li + 8 * (lq // 2)
+                    bq = [[sP32[8 * j + g, 8 * kk + t], sP32[8 * j + g, 8 * kk + t + 4]] for j in range(NT)]
+                    for mt in cutlass.range_constexpr(MT):
+                        dim = 128 * warp + 16 * mt + 8 * (lq % 2)
+                        a = ldmatrix_x4_trans(sk_base + ((buf * PAGE + tok) * KSTR + dim) * 2)
+                        for j in cutlass.range_constexpr(NT):
+                            mma(acc, (mt * NT + j) * 4, a, bq[j][0], bq[j][1])
+                cute.arch.sync_threads()
+
+            cute.arch.cp_async_wait_group(0)     # an empty split still committed the query rows: retire them
+
+            # ---- the CTA's row sums: each warp holds its own tokens' share
+            for c in cutlass.range_constexpr(NT * 2):
+                if g == 0:
+                    sSum[warp, 8 * (c // 2) + 2 * t + c % 2] = l_run[c]
+            cute.arch.sync_threads()
+            l_tot = cute.make_rmem_tensor(cute.make_layout(NT * 2), Float32)
+            for c in cutlass.range_constexpr(NT * 2):
+                col = 8 * (c // 2) + 2 * t + c % 2
+                v = sSum[0, col]
+                for w in cutlass.range_constexpr(1, WARPS):
+                    v = v + sSum[w, col]
+                l_tot[c] = v
+
+            if splits == 1:
+                # ---- one split: normalise and store
+                for mt in cutlass.range_constexpr(MT):
+                    for j in cutlass.range_constexpr(NT):
+                        for q in cutlass.range_constexpr(4):
+                            c = 2 * j + q % 2
+                            head = h0 + 8 * j + 2 * t + q % 2
+                            dim = 128 * warp + 16 * mt + g + 8 * (q // 2)
+                            if head < heads:
+                                inv = Float32(cutlass.select_(l_tot[c] > Float32(0.0),
+                                                              Float32(1.0) / l_tot[c], Float32(0.0)))
+                                mO[n, head, dim] = (acc[(mt * NT + j) * 4 + q] * inv).to(BFloat16)
+            else:
+                # ---- several splits: publish the partial, the last arrival combines
+                row0 = ((n * n_hg + hg) * splits + s_id) * hn
+                if p_begin < p_end:
+                    for mt in cutlass.range_constexpr(MT):
+                        for j in cutlass.range_constexpr(NT):
+                            for q in cutlass.range_constexpr(4):
+                                mWO[row0 + 8 * j + 2 * t + q % 2, 128 * warp + 16 * mt + g + 8 * (q // 2)] = \
+                                    acc[(mt * NT + j) * 4 + q]
+                if warp == 0:
+                    if g == 0:
+                        for c in cutlass.range_constexpr(NT * 2):
+                            col = 8 * (c // 2) + 2 * t + c % 2
+                            mWML[row0 + col, 0] = m_run[c]
+                            mWML[row0 + col, 1] = l_tot[c]
+                # every thread's stores precede thread 0's release by the barrier and the release's cumulativity
+                cute.arch.sync_threads()
+                if tid == 0:
+                    old = cute.arch.atomic_add(mCnt.iterator + (n * n_hg + hg), Int32(1), sem="acq_rel",
+                                               scope="gpu")
+                    last = Int32(cutlass.select_(old == splits - 1, Int32(1), Int32(0)))
+                    if last == 1:
+                        # every split has arrived: re-arm for the next launch
+                        cute.arch.store(mCnt.iterator + (n * n_hg + hg), Int32(0), sem="relaxed", scope="gpu")
+                    sFlag[0] = last
+                cute.arch.sync_threads()
+                if sFlag[0] == 1:
+                    base = ((n * n_hg + hg) * splits) * hn
+                    ws = mWO.iterator
+                    wml = mWML.iterator
+                    for idx in cutlass.range(tid, hn * DV, THREADS):
+                        r = idx // DV
+                        d = idx - r * DV
+                        if h0 + r < heads:
+                            mx = Float32(NEG_INF)
+                            for s2 in cutlass.range(splits):
+                                mx = cute.arch.fmax(mx, cute.arch.load(wml + ((base + s2 * hn + r) * 2), Float32,
+                                                                       cop="cg"))
+                            m_use = Float32(cutlass.select_(mx == Float32(NEG_INF), Float32(0.0), mx))
+                            num = Float32(0.0)
+                            den = Float32(0.0)
+                            for s2 in cutlass.range(splits):
+                                ms = cute.arch.load(wml + ((base + s2 * hn + r) * 2), Float32, cop="cg")
+                                ls = cute.arch.load(wml + ((base + s2 * hn + r) * 2 + 1), Float32, cop="cg")
+                                if ls > Float32(0.0):
+                                    f = cute.math.exp2(ms - m_use)
+                                    num = num + f * cute.arch.load(ws + ((base + s2 * hn + r) * DV + d), Float32,
+                                                                   cop="cg")
+                                    den = den + f * ls
+                            o = Float32(cutlass.select_(den > Float32(0.0), num / den, Float32(0.0)))
+                            mO[n, h0 + r, d] = o.to(BFloat16)
+
+    return MlaLatentDecode()
+
+
+def _compile(hn: int):
+    cutlass, cute = import_cute()
+    from cutlass import BFloat16, Float32, Int32
+    obj = _build(hn)
+    N, H, NP, MAXP, R = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    fakes = (fake_tensor(BFloat16, (N, H, DQK)),           # q
+             fake_tensor(BFloat16, (NP, PAGE, DQK)),       # kv_cache pool
+             fake_tensor(Int32, (N, MAXP), align=4),       # block table
+             fake_tensor(Int32, (N,), align=4),            # lengths
+             fake_tensor(BFloat16, (N, H, DV)),            # out
+             fake_tensor(Float32, (R, DV)),                # workspace: partial O
+             fake_tensor(Float32, (R, 2)),                 # workspace: (m, l)
+             fake_tensor(Int32, (R,), align=4))            # workspace: arrival counters
+    return cute.compile(obj, *fakes, Int32(1), Int32(1), Int32(1), Float32(1.0), fake_stream(), options=TVM_FFI)
+
+
+def _get_compiled(key: tuple):
+    return compile_cached(key, lambda: _compile(key[1]))
+
+
+def warmup(heads_list=(6, 12, 96)) -> list[tuple]:
+    """Compile the builds these head counts take (no GPU needed)."""
+    keys = sorted({compile_key(head_group(h)) for h in heads_list})
+    for k in keys:
+        _get_compiled(k)
+    return keys
+
+
+def make_workspace(n_requests: int, heads: int, max_pages: int, device, nsm: int = 132):
+    """The combine's scratch for these sizes: partial O, (m, l) per (request, head group, split, row) and the
+    arrival counters (zeroed here, re-armed by the kernel). Allocate before any CUDA-graph capture."""
+    import torch
+    hn = head_group(heads)
+    hg = -(-heads // hn)
+    s, _ = plan_splits(n_requests, heads, max_pages, nsm)
+    rows = n_requests * hg * s * hn
+    return {"o": torch.empty(rows, DV, dtype=torch.float32, device=device),
+            "ml": torch.empty(rows, 2, dtype=torch.float32, device=device),
+            "count": torch.zeros(max(n_requests * hg, 1), dtype=torch.int32, device=device),
+            "key": (n_requests, heads, max_pages, nsm)}
+
+
+def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=None, workspace=None,
+                      nsm: int = 132):
+    """o_lat [N, H, 512] bf16 = softmax(scale q . c) c_kv over the first lengths[n] cache rows of each request.
+
+    q [N, H, 576] bf16 (the absorbed query), kv_cache [pages, 64, 576] bf16 (vLLM's paged latent cache),
+    block_table [N, MAXP] int32, lengths [N] int32 (rows to attend; 0: a padded request, zero output).
+    ``workspace``: make_workspace's dict for these sizes (one is made here when None: not inside a graph
+    capture). No host sync; capturable in a CUDA graph once compiled and the workspace exists."""
+    import torch
+    # dtypes and shapes first (these run on a CPU too), then one device for everything
+    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, DQK))
+    N, H = q.shape[0], q.shape[1]
+    if N < 1 or H < 1:
+        raise ValueError(f"q: expected at least one request and one head, got {list(q.shape)}")
+    check_tensor("kv_cache", kv_cache, dtype=torch.bfloat16, shape=(None, PAGE, DQK))
+    check_tensor("block_table", block_table, dtype=torch.int32, shape=(N, None), align=4)
+    check_tensor("lengths", lengths, dtype=torch.int32, shape=(N,), align=4)
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    dev = q.device
+    if dev.type != "cuda":
+        raise ValueError(f"mla_latent_decode needs CUDA tensors, got q on {dev}")
+    for name, t in (("kv_cache", kv_cache), ("block_table", block_table), ("lengths", lengths)):
+        if t.device != dev:
+            raise ValueError(f"{name}: expected device {dev} (the device of q), got {t.device}")
+    if out is None:
+        out = torch.empty(N, H, DV, dtype=torch.bfloat16, device=dev)
+    else:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(N, H, DV), device=dev)
+    maxp = block_table.shape[1]
+    if maxp < 1:
+        raise ValueError("block_table: expected at least one page column")
+    splits, pps = plan_splits(N, H, maxp, nsm)
+    if workspace is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mla_latent_decode: make the workspace before CUDA-graph capture")
+        workspace = make_workspace(N, H, maxp, dev, nsm)
+    elif workspace.get("key") != (N, H, maxp, nsm):
+        raise ValueError(f"workspace: made for (N, H, MAXP, nsm) = {workspace.get('key')}, the call needs "
+                         f"{(N, H, maxp, nsm)}")
+    fn = _get_compiled(compile_key(head_group(H)))
+    fn(q, kv_cache, block_table, lengths, out, workspace["o"], workspace["ml"], workspace["count"], H, splits, pps,
+       float(scale) * 1.4426950408889634)
+    return out

@@ -1,0 +1,87 @@
+"""CPU-only checks of k3fast.kernels.mla_latent_decode: both builds compile for sm_90a with the instruction mix
+the design relies on, the split plan covers every page once, and the host entry point refuses bad inputs by
+name."""
+import pytest
+from ptx_cache import keeping_ptx
+import torch
+
+from k3fast.kernels import mla_latent_decode as mk
+from k3fast.kernels._dsl import dsl_available
+
+pytestmark = pytest.mark.compile
+
+needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def keep_ptx(tmp_path_factory):
+    with keeping_ptx(mk, tmp_path_factory.mktemp("ptx")):
+        yield
+
+
+def test_shapes_match_config():
+    from k3ref.config import k3, k3_rank
+    for cfg in (k3(), k3_rank(8), k3_rank(16)):
+        assert cfg.kv_cache_dim == mk.DQK and cfg.kv_lora_rank == mk.DV
+    assert [mk.head_group(h) for h in (6, 8, 12, 16, 96)] == [8, 8, 16, 16, 16]
+
+
+@pytest.mark.parametrize("n,heads,maxp", [(1, 6, 128), (1, 6, 1), (8, 12, 512), (64, 6, 16), (64, 96, 2048),
+                                          (3, 96, 17)])
+def test_split_plan_covers_every_page_once(n, heads, maxp):
+    s, pps = mk.plan_splits(n, heads, maxp)
+    assert s >= 1 and pps >= 1
+    assert (s - 1) * pps < maxp <= s * pps          # no empty split at full capacity, no page left out
+    hg = -(-heads // mk.head_group(heads))
+    assert n * hg * s < 132 + n * hg                # about one CTA per SM: at most one split more per (request, group)
+
+
+@needs_dsl
+@pytest.mark.parametrize("hn", mk.HEAD_GROUPS)
+def test_builds_compile_with_the_designed_instruction_mix(hn):
+    """Per page: 36 score k-steps x (hn / 8) head tiles and 4 P V k-steps x 8 dim tiles x (hn / 8) MMAs, the
+    transposed fragments by ldmatrix, no local memory (the accumulators stay in registers)."""
+    from k3fast.measure.ptxcheck import compiled_ptx
+    ptx = compiled_ptx(lambda: mk._compile(hn))
+    nt = hn // 8
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 36 * nt + 4 * 8 * nt
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans") == 4 * 8
+    assert ".local" not in ptx
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+
+
+def _args(N=2, H=6, pages=4, maxp=3, dev="cpu"):
+    return dict(q=torch.zeros(N, H, 576, dtype=torch.bfloat16, device=dev),
+                kv_cache=torch.zeros(pages, 64, 576, dtype=torch.bfloat16, device=dev),
+                block_table=torch.zeros(N, maxp, dtype=torch.int32, device=dev),
+                lengths=torch.ones(N, dtype=torch.int32, device=dev))
+
+
+@pytest.mark.parametrize("name,bad,exc", [
+    ("q", torch.zeros(2, 6, 512, dtype=torch.bfloat16), ValueError),
+    ("q", torch.zeros(2, 6, 576, dtype=torch.float16), TypeError),
+    ("kv_cache", torch.zeros(4, 32, 576, dtype=torch.bfloat16), ValueError),
+    ("kv_cache", torch.zeros(4, 64, 576, dtype=torch.float32), TypeError),
+    ("block_table", torch.zeros(3, 3, dtype=torch.int32), ValueError),
+    ("block_table", torch.zeros(2, 3, dtype=torch.int64), TypeError),
+    ("lengths", torch.zeros(2, dtype=torch.int64), TypeError),
+    ("lengths", torch.zeros(3, dtype=torch.int32), ValueError),
+])
+def test_bad_arguments_refused_by_name(name, bad, exc):
+    kw = _args()
+    kw[name] = bad
+    with pytest.raises(exc, match=name):
+        mk.mla_latent_decode(**kw, scale=0.07)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "0.07"])
+def test_bad_scale_refused(scale):
+    with pytest.raises(ValueError, match="scale"):
+        mk.mla_latent_decode(**_args(), scale=scale)
+
+
+def test_cpu_tensors_and_unknown_builds_refused():
+    with pytest.raises(ValueError, match="CUDA"):
+        mk.mla_latent_decode(**_args(), scale=0.07)
+    with pytest.raises(ValueError, match="head group"):
+        mk.compile_key(12)
