@@ -14,8 +14,9 @@ A KDA + MoE layer at batch 1 is six launches:
 Which kernel runs each stage depends on the batch: a ``DecodePlan`` holds those choices. Every threshold in it is a
 measured crossover between one of our kernels and cuBLAS (or between two of our kernels); the figures are in the
 kernels' design notes under docs/kernels/. Weights are re-laid once at construction (packed in_proj, packed front,
-MXFP4 tiles); nothing is compiled or allocated on the hot path after the first eager call. MLA layers run the stock
-attention half (the fused MLA chain is not written yet) and the fused MoE half.
+MXFP4 tiles); nothing is compiled or allocated on the hot path after the first eager call. MLA layers run the
+fused MoE half; their attention half is the stock one by default, or FusedMLA (the plan's ``mla_attention``): our
+in_proj, latent decode attention and o_proj kernels with torch ops between them, not yet measured.
 """
 from __future__ import annotations
 
@@ -61,10 +62,15 @@ class DecodePlan:
     # the routed-experts kernel at batch buckets 4 / 8 also carries the split-expert work items and takes them when
     # few experts hold every pair (skewed routing); False runs its whole-pass items only.
     experts_alt_items: bool = True
+    # the MLA layers' attention half: "stock" (vLLM's kernels, StockImpl) or "fused" (FusedMLA: our in_proj, latent
+    # decode attention and o_proj kernels with torch ops between them). "stock" until "fused" is measured.
+    mla_attention: str = "stock"
 
     def __post_init__(self):
         if self.in_proj_small not in ("ring", "fma"):
             raise ValueError(f"in_proj_small must be 'ring' or 'fma', got {self.in_proj_small!r}")
+        if self.mla_attention not in ("stock", "fused"):
+            raise ValueError(f"mla_attention must be 'stock' or 'fused', got {self.mla_attention!r}")
         if self.wide_gemm not in ("auto", "cublas"):
             raise ValueError(f"wide_gemm must be 'auto' or 'cublas', got {self.wide_gemm!r}")
         # the fused front folds the shared experts' gate/up only on its warp-per-row path (M <= 4)
@@ -136,6 +142,8 @@ CONTENDERS: dict[str, tuple[DecodePlan, str]] = {
                     "router front as cuBLAS GEMM + top-k kernel at every batch (what the fused front buys)"),
     "fast-taildsl": (DecodePlan(tail_fused_max_m=64),
                      "moe_tail at every batch (where cuBLAS overtakes the swap-AB GEMV)"),
+    "fast-mla": (DecodePlan(mla_attention="fused"),
+                 "MLA layers' attention half on FusedMLA (open: first measurement against the stock FlashMLA path)"),
 }
 
 
@@ -329,6 +337,97 @@ class FusedKDA:
         return t
 
 
+class FusedMLA:
+    """The Gated MLA attention half of layer ``layer`` (docs/k3-layer.md section 8) on the fused kernels that exist:
+    AttnRes #1 + input RMSNorm + the packed [q_a | kv_a | g] projection (the in_proj path of the plan), the decode
+    attention over the latent cache (mla_latent_decode), and o_proj + AttnRes #2 + post-attention RMSNorm. Between
+    them, torch ops: the q_a / kv_a RMSNorms, q_b, the W_UK absorption, the cache append, W_UV and the sigmoid
+    gate, with k3ref's rounding points (their fusion into the kernels around them is the next step).
+
+    The cache is k3ref's [slots, Lmax, 576] pool with lengths per slot, read by the attention kernel as pages of 64
+    rows (Lmax a multiple of 64): page p of slot s is page s * Lmax / 64 + p, as vLLM's block table would list it."""
+
+    def __init__(self, cfg: K3Config, w: LayerWeights, *, plan: DecodePlan = DEFAULT_PLAN, nsm: int = 132):
+        from k3ref.mla import _split_kv_b
+        from k3ref.weights import MLAWeights
+        a = w.attn
+        if not isinstance(a, MLAWeights):
+            raise TypeError(f"w.attn: expected MLAWeights (layer {w.layer} is not an MLA layer)")
+        self.cfg, self.layer, self.plan, self.nsm = cfg, w.layer, plan, nsm
+        P = Precision.model()
+        self.u_attn = attn_res_u(w.attn_res, P).float().contiguous()
+        self.u_mlp = attn_res_u(w.mlp_res, P).float().contiguous()
+        self.w_ln, self.w_post = w.input_layernorm, w.post_attention_layernorm
+        # [q_a | kv_a (512 + 64) | g]: one pass over x for the three projections
+        self.in_proj = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj]).contiguous()
+        self.q_a_ln, self.kv_a_ln, self.q_b, self.o_proj = a.q_a_layernorm, a.kv_a_layernorm, a.q_b_proj, a.o_proj
+        W_UK, W_UV = _split_kv_b(a, cfg)                  # [H, 128, 512] each
+        self.W_UK = W_UK.contiguous()                    # q_nope [H, M, 128] @ W_UK -> [H, M, 512]
+        self.W_UV_T = W_UV.transpose(1, 2).contiguous()  # o_lat [H, M, 512] @ W_UV^T -> [H, M, 128]
+        self.scale = cfg.qk_head_dim ** -0.5
+        self._bufs: dict = {}
+
+    def __call__(self, blocks, partial, delta, kv_cache, lengths, slots, x_mlp, partial_out=None) -> None:
+        """As FusedKDA, with the MLA cache: kv_cache [S, Lmax, 576] bf16 and lengths [S] int64 (rows cached per
+        slot, advanced by one for each request of the step); slots [M] (negative: padding, nothing written)."""
+        from .kernels.mla_latent_decode import PAGE, make_workspace, mla_latent_decode
+        cfg, l = self.cfg, self.layer
+        H, R = cfg.mla_heads, cfg.kv_lora_rank
+        boundary = cfg.is_block_boundary(l)
+        nb = cfg.num_blocks_before(l)
+        M = partial.shape[0]
+        S, Lmax, width = kv_cache.shape
+        if Lmax % PAGE or width != R + cfg.qk_rope_head_dim:
+            raise ValueError(f"kv_cache: expected [S, a multiple of {PAGE}, {R + cfg.qk_rope_head_dim}], got "
+                             f"{list(kv_cache.shape)}")
+        p1 = self._buf("p1", partial)
+        with stage("k3.mla.in_proj"):
+            z, _ = attnres_in_proj(blocks, nb, partial, delta, self.u_attn, self.w_ln, self.in_proj,
+                                   eps=cfg.rms_norm_eps,
+                                   block_write=(l // cfg.attn_res_block_size) if boundary else -1,
+                                   partial_out=p1, plan=self.plan)
+            qa, kv, g = z.split([cfg.q_lora_rank, cfg.kv_cache_dim, H * cfg.v_head_dim], dim=-1)
+            cq = F.rms_norm(qa.float(), (cfg.q_lora_rank,), self.q_a_ln.float(), cfg.rms_norm_eps).bfloat16()
+            ckv = F.rms_norm(kv[:, :R].float(), (R,), self.kv_a_ln.float(), cfg.rms_norm_eps).bfloat16()
+        with stage("k3.mla.q_b"):
+            q = F.linear(cq, self.q_b).view(M, H, cfg.qk_head_dim)
+            q_lat = torch.bmm(q[..., :cfg.qk_nope_head_dim].transpose(0, 1), self.W_UK).transpose(0, 1)
+            Q = torch.cat([q_lat, q[..., cfg.qk_nope_head_dim:]], dim=-1).contiguous()     # [M, H, 576] bf16
+        with stage("k3.mla.core"):
+            # append the new row; a padded request rewrites the first valid request's row with itself
+            valid = slots >= 0
+            idx = slots.clamp_min(0).long()
+            L0 = lengths[idx]
+            first = torch.argmax(valid.to(torch.int32))
+            src = torch.where(valid, torch.arange(M, device=slots.device), first)
+            pos = L0[src].clamp(max=Lmax - 1)
+            rows = torch.cat([ckv, kv[:, R:]], dim=-1)
+            kv_cache[idx[src], pos] = torch.where(valid[src][:, None], rows[src], kv_cache[idx[src], pos])
+            lengths.index_copy_(0, idx[src], torch.where(valid[src], L0[src] + 1, L0[src]))
+            pages = Lmax // PAGE
+            table = (idx[:, None] * pages + torch.arange(pages, device=slots.device)[None, :]).to(torch.int32)
+            seqlens = torch.where(valid, L0 + 1, torch.zeros_like(L0)).to(torch.int32)
+            ws = self._bufs.get(("ws", M, pages))
+            if ws is None:
+                ws = self._bufs[("ws", M, pages)] = make_workspace(M, H, pages, slots.device, self.nsm)
+            o_lat = mla_latent_decode(Q, kv_cache.view(S * pages, PAGE, width), table, seqlens, scale=self.scale,
+                                      workspace=ws, nsm=self.nsm)                        # [M, H, 512] bf16
+            o = torch.bmm(o_lat.transpose(0, 1), self.W_UV_T).transpose(0, 1)           # [M, H, 128] bf16
+            y = (o.reshape(M, H * cfg.v_head_dim).float() * torch.sigmoid(g.float())).bfloat16()
+        with stage("k3.o_proj"):
+            oproj_attnres_any(y, self.o_proj, blocks, nb + int(boundary), p1, self.u_mlp, self.w_post,
+                              eps=cfg.rms_norm_eps, boundary=boundary, out_x=x_mlp,
+                              out_partial=partial if partial_out is None else partial_out,
+                              zeros=self._buf("p0", p1, zero=True), plan=self.plan)
+
+    def _buf(self, name: str, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
+        key = (name, tuple(like.shape))
+        t = self._bufs.get(key)
+        if t is None:
+            t = self._bufs[key] = torch.zeros_like(like) if zero else torch.empty_like(like)
+        return t
+
+
 class FusedMoE:
     """The MoE half on the fused kernels: router + latent down + top-k + shared gate/up, the MXFP4 routed experts,
     and the tail (routed_expert_norm + latent up + shared down + add). Every token is independent, so any number of
@@ -400,11 +499,14 @@ class FastImpl:
         if not isinstance(w.mlp, MoEWeights):
             raise ValueError("FastImpl covers the MoE layers (1..92); layer 0's dense MLP has no fused path")
         self.cfg, self.w, self.plan = cfg, w, plan
+        self.kda = self.mla = self.stock_attn = None
         if isinstance(w.attn, KDAWeights):
-            self.kda, self.stock_attn = FusedKDA(cfg, w, plan=plan), None
+            self.kda = FusedKDA(cfg, w, plan=plan)
+        elif plan.mla_attention == "fused":
+            self.mla = FusedMLA(cfg, w, plan=plan)
         else:
             from .stock.layer import StockImpl
-            self.kda, self.stock_attn = None, StockImpl(cfg, w, max_batch=max_batch)
+            self.stock_attn = StockImpl(cfg, w, max_batch=max_batch)
         self.fused_moe = FusedMoE(cfg, w.mlp, plan=plan)
         # the record's fast_variant: "default", or the fields that differ from the shipped plan
         diff = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)
@@ -414,6 +516,8 @@ class FastImpl:
     def attn(self, io) -> None:
         if self.stock_attn is not None:
             return self.stock_attn.attn(io)
+        if self.mla is not None:
+            return self.mla(io.blocks, io.partial, io.delta, io.state.kv, io.state.lengths, io.slots, io.x_mlp)
         self.kda(io.blocks, io.partial, io.delta, io.state.conv, io.state.recurrent, io.slots, io.x_mlp)
 
     def moe(self, io) -> None:
@@ -426,14 +530,52 @@ class FastImpl:
 
 # ------------------------------------------------------------------------------------------------- warm-up
 
+def _warm_attention_ends(cfg: K3Config, layers, batches, N: int, Kp: int, *, plan: DecodePlan, device) -> None:
+    """Compile the two ends every attention half shares for these layers: AttnRes #1 + input RMSNorm + the packed
+    [N, d] projection, and o_proj (input width Kp) + AttnRes #2 + post-attention RMSNorm, on the plan's paths."""
+    from .kernels import gemm_wgmma_splitk, oproj_attnres, rms_gemv, rms_gemv_ring
+    d, eps = cfg.hidden_size, cfg.rms_norm_eps
+    # the AttnRes sites: (blocks mixed, has a delta, block written) for AttnRes #1 and #2 of each layer
+    in_sites, out_sites = set(), set()
+    for l in layers:
+        boundary, nb = cfg.is_block_boundary(l), cfg.num_blocks_before(l)
+        in_sites.add((nb, l > 0, l // cfg.attn_res_block_size if boundary else -1))
+        out_sites.add((nb + int(boundary), True, -1))
+    by_engine: dict[str, list[int]] = {}
+    for M in batches:
+        by_engine.setdefault(plan.in_proj_engine(M, d, N)[0], []).append(M)
+    for engine, ms in by_engine.items():
+        if engine == "ring":
+            rms_gemv_ring.warmup(ms, K=d, N=N, sites=sorted(in_sites), eps=eps)
+        elif engine == "fma":
+            rms_gemv.warmup(ms, K=d, N=(N,), sites=sorted(in_sites), eps=eps, early_trigger=True)
+        elif engine == "cublas":
+            rms_gemv.warmup(ms, K=d, N=(N,), sites=sorted(in_sites), eps=eps)
+        else:       # the norm kernel launching its GEMM right after its wait
+            rms_gemv.warmup(ms, K=d, sites=sorted(in_sites), eps=eps, norm_triggers=(True,))
+            if engine == "norm+ring_mma":
+                rms_gemv_ring.warmup(ms, K=d, N=N, sites=(), eps=eps, mma_shapes=[(N, d)])
+            else:
+                for M in ms:
+                    gemm_wgmma_splitk.warmup(N, d, [M], **plan.in_proj_engine(M, d, N)[1])
+    fused = [M for M in batches if plan.o_proj_engine(M, Kp, d) == "fused"]
+    apart = [M for M in batches if M not in fused]
+    if fused:
+        oproj_attnres.warmup([Kp], sorted({s[0] for s in out_sites}), fused, device=device)
+    if apart:
+        rms_gemv.warmup(apart, K=d, sites=sorted(out_sites), eps=eps)
+        wide = [M for M in apart if plan.o_proj_engine(M, Kp, d) == "wgmma"]
+        if wide:
+            gemm_wgmma_splitk.warmup(d, Kp, wide)
+
+
 def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, nsm: int = 132,
            device=None, null_slot: bool = False, experts_layout: str = "rot") -> int:
     """Compile every kernel FastImpl runs for these layer indices and batch sizes under ``plan`` (and, with
     ``device``, allocate the kernels' per-device workspaces), so that nothing compiles on the hot path or inside a
     CUDA-graph capture. ``null_slot`` and ``experts_layout``: as the layer's FusedKDA and prepared experts have
     them. Returns the number of kernels compiled by this call. Needs the CuTe DSL, not a GPU."""
-    from .kernels import (gemm_wgmma_splitk, kda_conv_gate_step, moe_mxfp4_experts, moe_tail, oproj_attnres,
-                          rms_gemv, rms_gemv_ring, router_down_topk)
+    from .kernels import kda_conv_gate_step, moe_mxfp4_experts, moe_tail, router_down_topk
     from .kernels._dsl import COMPILE_LOG
     n0 = len(COMPILE_LOG)
     batches = sorted(set(batches))
@@ -443,41 +585,17 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
     kda_layers = [l for l in layers if cfg.is_kda_layer(l)]
     if kda_layers:
         H = cfg.kda_heads
-        N, Kp = kda_conv_gate_step.proj_width(H), H * cfg.kda_head_dim
-        # the AttnRes sites: (blocks mixed, has a delta, block written) for AttnRes #1 and #2 of each layer
-        in_sites, out_sites = set(), set()
-        for l in kda_layers:
-            boundary, nb = cfg.is_block_boundary(l), cfg.num_blocks_before(l)
-            in_sites.add((nb, l > 0, l // cfg.attn_res_block_size if boundary else -1))
-            out_sites.add((nb + int(boundary), True, -1))
-        by_engine: dict[str, list[int]] = {}
-        for M in batches:
-            by_engine.setdefault(plan.in_proj_engine(M, d, N)[0], []).append(M)
-        for engine, ms in by_engine.items():
-            if engine == "ring":
-                rms_gemv_ring.warmup(ms, K=d, N=N, sites=sorted(in_sites), eps=eps)
-            elif engine == "fma":
-                rms_gemv.warmup(ms, K=d, N=(N,), sites=sorted(in_sites), eps=eps, early_trigger=True)
-            elif engine == "cublas":
-                rms_gemv.warmup(ms, K=d, N=(N,), sites=sorted(in_sites), eps=eps)
-            else:       # the norm kernel launching its GEMM right after its wait
-                rms_gemv.warmup(ms, K=d, sites=sorted(in_sites), eps=eps, norm_triggers=(True,))
-                if engine == "norm+ring_mma":
-                    rms_gemv_ring.warmup(ms, K=d, N=N, sites=(), eps=eps, mma_shapes=[(N, d)])
-                else:
-                    for M in ms:
-                        gemm_wgmma_splitk.warmup(N, d, [M], **plan.in_proj_engine(M, d, N)[1])
+        _warm_attention_ends(cfg, kda_layers, batches, kda_conv_gate_step.proj_width(H), H * cfg.kda_head_dim,
+                             plan=plan, device=device)
         kda_conv_gate_step.warmup(H, batches, lower_bound=cfg.gate_lower_bound, eps=eps, early_trigger=True,
                                   null_slot=null_slot)
-        fused = [M for M in batches if plan.o_proj_engine(M, Kp, d) == "fused"]
-        apart = [M for M in batches if M not in fused]
-        if fused:
-            oproj_attnres.warmup([Kp], sorted({s[0] for s in out_sites}), fused, device=device)
-        if apart:
-            rms_gemv.warmup(apart, K=d, sites=sorted(out_sites), eps=eps)
-            wide = [M for M in apart if plan.o_proj_engine(M, Kp, d) == "wgmma"]
-            if wide:
-                gemm_wgmma_splitk.warmup(d, Kp, wide)
+    mla_layers = [l for l in layers if not cfg.is_kda_layer(l) and cfg.is_moe_layer(l)]
+    if mla_layers and plan.mla_attention == "fused":
+        from .kernels import mla_latent_decode
+        _warm_attention_ends(cfg, mla_layers, batches, cfg.q_lora_rank + cfg.kv_cache_dim +
+                             cfg.mla_heads * cfg.v_head_dim, cfg.mla_heads * cfg.v_head_dim, plan=plan,
+                             device=device)
+        mla_latent_decode.warmup([cfg.mla_heads])
     # the MoE half, the same in every layer from 1 on
     fronts = [M for M in batches if plan.front_engine(M) == "fused"]
     if fronts:

@@ -85,3 +85,21 @@ def test_cpu_tensors_and_unknown_builds_refused():
         mk.mla_latent_decode(**_args(), scale=0.07)
     with pytest.raises(ValueError, match="head group"):
         mk.compile_key(12)
+
+
+@needs_dsl
+def test_layer_warmup_compiles_the_fused_mla_half():
+    """k3fast.layer.warmup with the fast-mla plan compiles the MLA layer's in_proj at its packed width
+    [q_a | kv_a | g] (2880 rows at k3_rank16), o_proj + AttnRes #2 and this kernel's build."""
+    from k3ref import k3_rank
+    from k3fast.kernels import rms_gemv_ring
+    from k3fast.kernels._dsl import _CACHE
+    from k3fast.layer import CONTENDERS, warmup
+    cfg = k3_rank(16)
+    warmup(cfg, (3,), (1, 8, 64), plan=CONTENDERS["fast-mla"][0])
+    assert mk.compile_key(mk.head_group(cfg.mla_heads)) in _CACHE
+    width = cfg.q_lora_rank + cfg.kv_cache_dim + cfg.mla_heads * cfg.v_head_dim
+    assert width == 2880
+    site = (cfg.num_blocks_before(3), True, -1)
+    for key in rms_gemv_ring.compile_keys([1], K=cfg.hidden_size, N=width, sites=[site], eps=cfg.rms_norm_eps):
+        assert key in _CACHE, f"the MLA in_proj build {key} was not compiled"

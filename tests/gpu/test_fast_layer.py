@@ -168,3 +168,39 @@ def test_warmup_compiles_every_kernel_the_layer_runs(tp):
             make_impl("fast", cfg, w, max_batch=batch).layer(io)
     torch.cuda.synchronize()
     assert len(COMPILE_LOG) == n, f"compiled after warmup: {[str(k)[:80] for k, _ in COMPILE_LOG[n:]]}"
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("batch", [1, 3, 8, 17, 64])
+def test_fused_mla_attention_half(tp, batch):
+    """The MLA attention half on FusedMLA (the fast-mla contender) against k3ref: requests of mixed cache lengths
+    (1, page edges, a few hundred), a padded request where the batch has room; the MoE input, the partial sum,
+    the appended cache rows and the lengths; other slots' rows untouched."""
+    cfg = k3_rank(tp)
+    layer = 3
+    assert not cfg.is_kda_layer(layer)
+    w = random_layer(cfg, layer, seed=61, device="cuda")
+    outs = {}
+    for name in ("ref", "fast-mla"):
+        io = make_io(cfg, layer, batch, context=700, seed=62)
+        lens = torch.tensor([[1, 63, 64, 65, 300, 699, 128, 0][i % 8] for i in range(io.state.lengths.shape[0])],
+                            device="cuda")
+        io.state.lengths.copy_(lens)
+        if batch >= 3:
+            io.slots[1] = -1
+        io.x_mlp.fill_(float("nan"))
+        before = io.state.kv.clone()
+        make_impl(name, cfg, w, **({"max_batch": batch} if name != "ref" else {})).attn(io)
+        torch.cuda.synchronize()
+        outs[name] = (io.x_mlp.clone(), io.partial.clone(), io.state.kv.clone(), io.state.lengths.clone())
+        live = io.slots[io.slots >= 0].long()
+        others = torch.ones(io.state.kv.shape[0], dtype=torch.bool, device="cuda")
+        others[live] = False
+        assert torch.equal(io.state.kv[others], before[others]), f"{name}: a slot no request owns changed"
+    live_rows = torch.ones(batch, dtype=torch.bool)
+    if batch >= 3:
+        live_rows[1] = False
+    assert_close("x_mlp", outs["fast-mla"][0][live_rows], outs["ref"][0][live_rows], "bf16_kernel")
+    assert_close("partial", outs["fast-mla"][1], outs["ref"][1], "bf16_kernel")
+    assert_close("cache rows", outs["fast-mla"][2], outs["ref"][2], "bf16_state_chain")
+    assert torch.equal(outs["fast-mla"][3], outs["ref"][3]), "lengths differ"
