@@ -339,10 +339,15 @@ class FusedKDA:
 
 class FusedMLA:
     """The Gated MLA attention half of layer ``layer`` (docs/k3-layer.md section 8) on the fused kernels that exist:
-    AttnRes #1 + input RMSNorm + the packed [q_a | kv_a | g] projection (the in_proj path of the plan), the decode
-    attention over the latent cache (mla_latent_decode), and o_proj + AttnRes #2 + post-attention RMSNorm. Between
-    them, torch ops: the q_a / kv_a RMSNorms, q_b, the W_UK absorption, the cache append, W_UV and the sigmoid
-    gate, with k3ref's rounding points (their fusion into the kernels around them is the next step).
+    AttnRes #1 + input RMSNorm + the packed [q_a | kv_a | g] projection (the in_proj path of the plan), q_a's
+    RMSNorm + the absorbed query projection in one GEMV (rms_gemv with one AttnRes source, which is the plain
+    RMSNorm), the decode attention over the latent cache (mla_latent_decode), and o_proj + AttnRes #2 +
+    post-attention RMSNorm. Between them, torch ops: kv_a's RMSNorm, the cache append, W_UV and the sigmoid gate
+    (their fusion into the kernels around them is the next step).
+
+    The absorbed query weight W_Q = [W_UK,h^T W_qb,nope,h | W_qb,pe,h] per head ([H * 576, 1536]) is formed once
+    in fp32 and rounded to bf16: Q = RMSNorm(q_a) W_Q^T in one pass, where k3ref rounds q (bf16) and then q_lat
+    (bf16). W_Q is 2.5x the bytes of q_b + W_UK (10.6 MB against 4.3 MB at k3_rank16), two launches fewer.
 
     The cache is k3ref's [slots, Lmax, 576] pool with lengths per slot, read by the attention kernel as pages of 64
     rows (Lmax a multiple of 64): page p of slot s is page s * Lmax / 64 + p, as vLLM's block table would list it."""
@@ -360,16 +365,22 @@ class FusedMLA:
         self.w_ln, self.w_post = w.input_layernorm, w.post_attention_layernorm
         # [q_a | kv_a (512 + 64) | g]: one pass over x for the three projections
         self.in_proj = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj]).contiguous()
-        self.q_a_ln, self.kv_a_ln, self.q_b, self.o_proj = a.q_a_layernorm, a.kv_a_layernorm, a.q_b_proj, a.o_proj
+        self.q_a_ln, self.kv_a_ln, self.o_proj = a.q_a_layernorm, a.kv_a_layernorm, a.o_proj
         W_UK, W_UV = _split_kv_b(a, cfg)                  # [H, 128, 512] each
-        self.W_UK = W_UK.contiguous()                    # q_nope [H, M, 128] @ W_UK -> [H, M, 512]
+        H, dn = cfg.mla_heads, cfg.qk_nope_head_dim
+        qb = a.q_b_proj.view(H, cfg.qk_head_dim, cfg.q_lora_rank).float()
+        q_lat_w = torch.einsum("hdc,hdk->hck", W_UK.float(), qb[:, :dn])     # [H, 512, 1536]
+        self.W_Q = torch.cat([q_lat_w, qb[:, dn:]], dim=1).reshape(H * cfg.kv_cache_dim, cfg.q_lora_rank)
+        self.W_Q = self.W_Q.to(torch.bfloat16).contiguous()
         self.W_UV_T = W_UV.transpose(1, 2).contiguous()  # o_lat [H, M, 512] @ W_UV^T -> [H, M, 128]
+        self.u_one = torch.zeros(cfg.q_lora_rank, dtype=torch.float32, device=a.q_a_proj.device)
         self.scale = cfg.qk_head_dim ** -0.5
         self._bufs: dict = {}
 
     def __call__(self, blocks, partial, delta, kv_cache, lengths, slots, x_mlp, partial_out=None) -> None:
         """As FusedKDA, with the MLA cache: kv_cache [S, Lmax, 576] bf16 and lengths [S] int64 (rows cached per
         slot, advanced by one for each request of the step); slots [M] (negative: padding, nothing written)."""
+        from .kernels import rms_gemv
         from .kernels.mla_latent_decode import PAGE, make_workspace, mla_latent_decode
         cfg, l = self.cfg, self.layer
         H, R = cfg.mla_heads, cfg.kv_lora_rank
@@ -387,12 +398,16 @@ class FusedMLA:
                                    block_write=(l // cfg.attn_res_block_size) if boundary else -1,
                                    partial_out=p1, plan=self.plan)
             qa, kv, g = z.split([cfg.q_lora_rank, cfg.kv_cache_dim, H * cfg.v_head_dim], dim=-1)
-            cq = F.rms_norm(qa.float(), (cfg.q_lora_rank,), self.q_a_ln.float(), cfg.rms_norm_eps).bfloat16()
             ckv = F.rms_norm(kv[:, :R].float(), (R,), self.kv_a_ln.float(), cfg.rms_norm_eps).bfloat16()
         with stage("k3.mla.q_b"):
-            q = F.linear(cq, self.q_b).view(M, H, cfg.qk_head_dim)
-            q_lat = torch.bmm(q[..., :cfg.qk_nope_head_dim].transpose(0, 1), self.W_UK).transpose(0, 1)
-            Q = torch.cat([q_lat, q[..., cfg.qk_nope_head_dim:]], dim=-1).contiguous()     # [M, H, 576] bf16
+            # RMSNorm(q_a) W_Q^T: the AttnRes GEMV with no block and no delta mixes p alone (weight 1), so its
+            # prologue is q_a's RMSNorm; p' (a copy of q_a) goes to scratch
+            qa_c = self._buf("qa", qa)
+            qa_c.copy_(qa)
+            no_blocks = self._buf("no_blocks", qa, shape=(M, rms_gemv.NB_MAX, cfg.q_lora_rank), zero=True)
+            Q, _ = rms_gemv.attnres_rms_gemv(no_blocks, 0, qa_c, None, self.u_one, self.q_a_ln, self.W_Q,
+                                             eps=cfg.rms_norm_eps, partial_out=self._buf("qa_p", qa))
+            Q = Q.view(M, H, cfg.kv_cache_dim)                                               # [M, H, 576] bf16
         with stage("k3.mla.core"):
             # append the new row; a padded request rewrites the first valid request's row with itself
             valid = slots >= 0
@@ -420,11 +435,15 @@ class FusedMLA:
                               out_partial=partial if partial_out is None else partial_out,
                               zeros=self._buf("p0", p1, zero=True), plan=self.plan)
 
-    def _buf(self, name: str, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
-        key = (name, tuple(like.shape))
+    def _buf(self, name: str, like: torch.Tensor, zero: bool = False, shape=None):
+        """A scratch tensor like ``like`` (or of ``shape``), owned here, allocated at the first call of each shape
+        (before any graph replays it)."""
+        shape = tuple(like.shape) if shape is None else tuple(shape)
+        key = (name, shape)
         t = self._bufs.get(key)
         if t is None:
-            t = self._bufs[key] = torch.zeros_like(like) if zero else torch.empty_like(like)
+            make = torch.zeros if zero else torch.empty
+            t = self._bufs[key] = make(shape, dtype=like.dtype, device=like.device)
         return t
 
 
@@ -575,7 +594,7 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
     ``device``, allocate the kernels' per-device workspaces), so that nothing compiles on the hot path or inside a
     CUDA-graph capture. ``null_slot`` and ``experts_layout``: as the layer's FusedKDA and prepared experts have
     them. Returns the number of kernels compiled by this call. Needs the CuTe DSL, not a GPU."""
-    from .kernels import kda_conv_gate_step, moe_mxfp4_experts, moe_tail, router_down_topk
+    from .kernels import kda_conv_gate_step, moe_mxfp4_experts, moe_tail, rms_gemv, router_down_topk
     from .kernels._dsl import COMPILE_LOG
     n0 = len(COMPILE_LOG)
     batches = sorted(set(batches))
@@ -595,6 +614,9 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
         _warm_attention_ends(cfg, mla_layers, batches, cfg.q_lora_rank + cfg.kv_cache_dim +
                              cfg.mla_heads * cfg.v_head_dim, cfg.mla_heads * cfg.v_head_dim, plan=plan,
                              device=device)
+        # RMSNorm(q_a) + the absorbed query projection: one AttnRes source, no delta
+        rms_gemv.warmup(batches, K=cfg.q_lora_rank, N=(cfg.mla_heads * cfg.kv_cache_dim,), sites=[(0, False, -1)],
+                        eps=eps)
         mla_latent_decode.warmup([cfg.mla_heads])
     # the MoE half, the same in every layer from 1 on
     fronts = [M for M in batches if plan.front_engine(M) == "fused"]
