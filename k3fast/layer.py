@@ -341,9 +341,9 @@ class FusedMLA:
     """The Gated MLA attention half of layer ``layer`` (docs/k3-layer.md section 8) on the fused kernels that exist:
     AttnRes #1 + input RMSNorm + the packed [q_a | kv_a | g] projection (the in_proj path of the plan), q_a's
     RMSNorm + the absorbed query projection in one GEMV (rms_gemv with one AttnRes source, which is the plain
-    RMSNorm), the decode attention over the latent cache (mla_latent_decode), and o_proj + AttnRes #2 +
-    post-attention RMSNorm. Between them, torch ops: kv_a's RMSNorm, the cache append, W_UV and the sigmoid gate
-    (their fusion into the kernels around them is the next step).
+    RMSNorm), kv_a's RMSNorm + the cache append + the decode attention over the latent cache (mla_latent_decode),
+    and o_proj + AttnRes #2 + post-attention RMSNorm. Between them, torch ops: the slot bookkeeping (block table,
+    lengths), W_UV and the sigmoid gate (their fusion into o_proj's kernel is the next step).
 
     The absorbed query weight W_Q = [W_UK,h^T W_qb,nope,h | W_qb,pe,h] per head ([H * 576, 1536]) is formed once
     in fp32 and rounded to bf16: Q = RMSNorm(q_a) W_Q^T in one pass, where k3ref rounds q (bf16) and then q_lat
@@ -365,7 +365,8 @@ class FusedMLA:
         self.w_ln, self.w_post = w.input_layernorm, w.post_attention_layernorm
         # [q_a | kv_a (512 + 64) | g]: one pass over x for the three projections
         self.in_proj = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj]).contiguous()
-        self.q_a_ln, self.kv_a_ln, self.o_proj = a.q_a_layernorm, a.kv_a_layernorm, a.o_proj
+        self.q_a_ln, self.o_proj = a.q_a_layernorm, a.o_proj
+        self.kv_norm = a.kv_a_layernorm.float().contiguous()
         W_UK, W_UV = _split_kv_b(a, cfg)                  # [H, 128, 512] each
         H, dn = cfg.mla_heads, cfg.qk_nope_head_dim
         qb = a.q_b_proj.view(H, cfg.qk_head_dim, cfg.q_lora_rank).float()
@@ -397,8 +398,7 @@ class FusedMLA:
                                    eps=cfg.rms_norm_eps,
                                    block_write=(l // cfg.attn_res_block_size) if boundary else -1,
                                    partial_out=p1, plan=self.plan)
-            qa, kv, g = z.split([cfg.q_lora_rank, cfg.kv_cache_dim, H * cfg.v_head_dim], dim=-1)
-            ckv = F.rms_norm(kv[:, :R].float(), (R,), self.kv_a_ln.float(), cfg.rms_norm_eps).bfloat16()
+            qa, g = z[:, :cfg.q_lora_rank], z[:, cfg.q_lora_rank + cfg.kv_cache_dim:]
         with stage("k3.mla.q_b"):
             # RMSNorm(q_a) W_Q^T: the AttnRes GEMV with no block and no delta mixes p alone (weight 1), so its
             # prologue is q_a's RMSNorm; p' (a copy of q_a) goes to scratch
@@ -409,24 +409,23 @@ class FusedMLA:
                                              eps=cfg.rms_norm_eps, partial_out=self._buf("qa_p", qa))
             Q = Q.view(M, H, cfg.kv_cache_dim)                                               # [M, H, 576] bf16
         with stage("k3.mla.core"):
-            # append the new row; a padded request rewrites the first valid request's row with itself
+            # the slot bookkeeping vLLM's metadata would carry: each request's pages and its rows after this step
             valid = slots >= 0
             idx = slots.clamp_min(0).long()
             L0 = lengths[idx]
-            first = torch.argmax(valid.to(torch.int32))
-            src = torch.where(valid, torch.arange(M, device=slots.device), first)
-            pos = L0[src].clamp(max=Lmax - 1)
-            rows = torch.cat([ckv, kv[:, R:]], dim=-1)
-            kv_cache[idx[src], pos] = torch.where(valid[src][:, None], rows[src], kv_cache[idx[src], pos])
-            lengths.index_copy_(0, idx[src], torch.where(valid[src], L0[src] + 1, L0[src]))
+            if not torch.cuda.is_current_stream_capturing() and bool((valid & (L0 + 1 > Lmax)).any()):
+                raise ValueError(f"kv_cache: a slot would need more than its {Lmax} rows")
             pages = Lmax // PAGE
             table = (idx[:, None] * pages + torch.arange(pages, device=slots.device)[None, :]).to(torch.int32)
             seqlens = torch.where(valid, L0 + 1, torch.zeros_like(L0)).to(torch.int32)
+            lengths.index_add_(0, idx, valid.to(lengths.dtype))
             ws = self._bufs.get(("ws", M, pages))
             if ws is None:
                 ws = self._bufs[("ws", M, pages)] = make_workspace(M, H, pages, slots.device, self.nsm)
+            # the kernel writes the step's row [RMSNorm(c~_kv) | k_pe] into its page, then attends over it
             o_lat = mla_latent_decode(Q, kv_cache.view(S * pages, PAGE, width), table, seqlens, scale=self.scale,
-                                      workspace=ws, nsm=self.nsm)                        # [M, H, 512] bf16
+                                      workspace=ws, nsm=self.nsm, proj=z, proj_col=cfg.q_lora_rank,
+                                      kv_norm=self.kv_norm, eps=cfg.rms_norm_eps)        # [M, H, 512] bf16
             o = torch.bmm(o_lat.transpose(0, 1), self.W_UV_T).transpose(0, 1)           # [M, H, 128] bf16
             y = (o.reshape(M, H * cfg.v_head_dim).float() * torch.sigmoid(g.float())).bfloat16()
         with stage("k3.o_proj"):
@@ -617,7 +616,7 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
         # RMSNorm(q_a) + the absorbed query projection: one AttnRes source, no delta
         rms_gemv.warmup(batches, K=cfg.q_lora_rank, N=(cfg.mla_heads * cfg.kv_cache_dim,), sites=[(0, False, -1)],
                         eps=eps)
-        mla_latent_decode.warmup([cfg.mla_heads])
+        mla_latent_decode.warmup([cfg.mla_heads], append=(True,))
     # the MoE half, the same in every layer from 1 on
     fronts = [M for M in batches if plan.front_engine(M) == "fused"]
     if fronts:

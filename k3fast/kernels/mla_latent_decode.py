@@ -33,6 +33,11 @@ Bytes. The step reads each request's L_n x 576 x 2 cache bytes once per head gro
 k3_rank16 and k3_rank8 read the cache once; the full width's 96 heads read it six times, the price of keeping a
 group's O in registers), plus q and the outputs. Workspace traffic: S x heads x 512 x 4 bytes per request.
 
+The append (builds with "append"): the step's own row, position L_n - 1, is not in the pool yet. The split that
+owns its page builds it from the projection output, [RMSNorm_{kv_a_ln}(c~_kv) | k_pe] (fp32 statistics, one bf16
+rounding, as k3ref.mla.mla_latents), writes it to the pool (that page, that row, nothing else) and into its ring
+buffer in place of a load: kv_a's norm and the cache write cost no launch of their own.
+
 Contracts: q [N, H, 576] bf16, kv_cache [pages, 64, 576] bf16, block_table [N, MAXP] int32 (entries of pages a
 request does not reach are never read), lengths [N] int32 with 0 <= L_n <= 64 MAXP. Launched with PDL: nothing is
 read before griddepcontrol.wait; dependents are released right after it (they read o only after their own wait,
@@ -71,17 +76,19 @@ def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132) -> 
     return -(-max_pages // pps), pps
 
 
-def compile_key(hn: int) -> tuple:
+def compile_key(hn: int, append: bool = False) -> tuple:
+    """The build for head group ``hn``; ``append``: the kernel also writes the step's own cache row (kv_a's RMSNorm
+    of the projection output) before attending over it."""
     if hn not in HEAD_GROUPS:
         raise ValueError(f"head group must be one of {HEAD_GROUPS}, got {hn}")
-    return ("mla_latent_decode", hn)
+    return ("mla_latent_decode", hn) + (("append",) if append else ())
 
 
 def smem_bytes(hn: int) -> int:
     return (hn * KSTR * 2 + 2 * PAGE * KSTR * 2 + hn * PSTR * 2 + 2 * WARPS * 16 * 4 + 16 + 5 * 128)
 
 
-def _build(hn: int):
+def _build(hn: int, append: bool):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass._mlir.dialects import llvm
@@ -123,31 +130,58 @@ def _build(hn: int):
 
     class MlaLatentDecode:
         @cute.jit
-        def __call__(self, mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, heads: Int32, splits: Int32, pps: Int32,
-                     scale_log2: Float32, stream):
+        def __call__(self, mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, mZ, mLn, heads: Int32, splits: Int32, pps: Int32,
+                     scale_log2: Float32, zcol: Int32, eps: Float32, stream):
             n_req = cute.size(mBT, mode=[0])
             n_hg = (heads + (hn - 1)) // hn
-            self.kernel(mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, heads, splits, pps, scale_log2).launch(
+            self.kernel(mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, mZ, mLn, heads, splits, pps, scale_log2, zcol,
+                        eps).launch(
                 grid=[splits, n_hg, n_req], block=[THREADS, 1, 1], smem=SMEM, stream=stream, use_pdl=True)
 
         @cute.jit
-        def load_page(self, mC, sk_base, buf, page, rows, tid):
+        def load_page(self, mC, sk_base, buf, page, rows, new_row, tid):
             """Rows [0, rows) of pool page ``page`` into ring buffer ``buf`` (16-byte cp.async chunks); the rest of
-            the buffer's 64 rows zero-filled."""
+            the buffer's 64 rows zero-filled. Row ``new_row`` (>= 0: the step's own token) is left for
+            write_new_row."""
             g_base = mC.iterator.toint() + Int64(page) * (PAGE * DQK * 2)
             for c in cutlass.range(tid, PAGE * (DQK // 8), THREADS):
                 r = c // (DQK // 8)
                 col = c - r * (DQK // 8)
                 s_addr = sk_base + ((buf * PAGE + r) * KSTR + col * 8) * 2
                 if r < rows:
-                    cp_async16(s_addr, g_base + Int64((r * DQK + col * 8) * 2))
+                    if r != new_row:
+                        cp_async16(s_addr, g_base + Int64((r * DQK + col * 8) * 2))
                 else:
                     st_shared_zero16(s_addr)
             cute.arch.cp_async_commit_group()
 
+        @cute.jit
+        def write_new_row(self, mC, sK, mZ, mLn, n, zcol, page, row, buf, eps: Float32, warp, lane):
+            """The step's cache row [RMSNorm_{kv_a_ln}(c~_kv) | k_pe] from the projection output z[n, zcol:zcol+576],
+            written to the pool (its slot's page only) and to the ring buffer's row (warp 0; fp32 norm, one bf16
+            rounding, as k3ref.mla.mla_latents)."""
+            if warp == 0:
+                xs = cute.make_rmem_tensor(cute.make_layout(DQK // 32), Float32)
+                ss = Float32(0.0)
+                for i in cutlass.range_constexpr(DQK // 32):
+                    e = lane + 32 * i
+                    x = mZ[n, zcol + e].to(Float32)
+                    xs[i] = x
+                    if const_expr(32 * (i + 1) <= DV):
+                        ss = ss + x * x
+                ss = cute.arch.warp_reduction_sum(ss)
+                rstd = cute.math.rsqrt(ss * Float32(1.0 / DV) + eps)
+                for i in cutlass.range_constexpr(DQK // 32):
+                    e = lane + 32 * i
+                    y = xs[i].to(BFloat16)
+                    if const_expr(32 * (i + 1) <= DV):
+                        y = (xs[i] * rstd * mLn[e]).to(BFloat16)
+                    sK[buf, row, e] = y
+                    mC[page, row, e] = y
+
         @cute.kernel
-        def kernel(self, mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, heads: Int32, splits: Int32, pps: Int32,
-                   scale_log2: Float32):
+        def kernel(self, mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, mZ, mLn, heads: Int32, splits: Int32, pps: Int32,
+                   scale_log2: Float32, zcol: Int32, eps: Float32):
             tid = cute.arch.thread_idx()[0]
             s_id, hg, n = cute.arch.block_idx()
             lane = cute.arch.lane_idx()
@@ -199,14 +233,30 @@ def _build(hn: int):
             l_run = cute.make_rmem_tensor(cute.make_layout(NT * 2), Float32)
             l_run.fill(0.0)
 
+            # the step's own row (position length - 1) is built here from the projection output when ``append``
+            last_page = pages_total - 1
+            new_row = length - 1 - last_page * PAGE
             if p_begin < p_end:
-                self.load_page(mC, sk_base, Int32(0), mBT[n, p_begin],
-                               cutlass.min(length - p_begin * PAGE, PAGE), tid)
+                rows0 = cutlass.min(length - p_begin * PAGE, PAGE)
+                nr0 = Int32(-1)
+                if const_expr(append):
+                    nr0 = Int32(cutlass.select_(p_begin == last_page, new_row, Int32(-1)))
+                self.load_page(mC, sk_base, Int32(0), mBT[n, p_begin], rows0, nr0, tid)
+                if const_expr(append):
+                    if nr0 >= 0:
+                        self.write_new_row(mC, sK, mZ, mLn, n, zcol, mBT[n, p_begin], nr0, Int32(0), eps, warp, lane)
             for p in cutlass.range(p_begin, p_end):
                 buf = (p - p_begin) % 2
                 if p + 1 < p_end:
+                    nr1 = Int32(-1)
+                    if const_expr(append):
+                        nr1 = Int32(cutlass.select_(p + 1 == last_page, new_row, Int32(-1)))
                     self.load_page(mC, sk_base, 1 - buf, mBT[n, p + 1], cutlass.min(length - (p + 1) * PAGE, PAGE),
-                                   tid)
+                                   nr1, tid)
+                    if const_expr(append):
+                        if nr1 >= 0:
+                            self.write_new_row(mC, sK, mZ, mLn, n, zcol, mBT[n, p + 1], nr1, 1 - buf, eps, warp,
+                                               lane)
                     cute.arch.cp_async_wait_group(1)
                 else:
                     cute.arch.cp_async_wait_group(0)
@@ -355,11 +405,11 @@ def _build(hn: int):
     return MlaLatentDecode()
 
 
-def _compile(hn: int):
+def _compile(hn: int, append: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
-    obj = _build(hn)
-    N, H, NP, MAXP, R = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    obj = _build(hn, append)
+    N, H, NP, MAXP, R, W = (cute.sym_int() for _ in range(6))
     fakes = (fake_tensor(BFloat16, (N, H, DQK)),           # q
              fake_tensor(BFloat16, (NP, PAGE, DQK)),       # kv_cache pool
              fake_tensor(Int32, (N, MAXP), align=4),       # block table
@@ -367,17 +417,20 @@ def _compile(hn: int):
              fake_tensor(BFloat16, (N, H, DV)),            # out
              fake_tensor(Float32, (R, DV)),                # workspace: partial O
              fake_tensor(Float32, (R, 2)),                 # workspace: (m, l)
-             fake_tensor(Int32, (R,), align=4))            # workspace: arrival counters
-    return cute.compile(obj, *fakes, Int32(1), Int32(1), Int32(1), Float32(1.0), fake_stream(), options=TVM_FFI)
+             fake_tensor(Int32, (R,), align=4),            # workspace: arrival counters
+             fake_tensor(BFloat16, (N, W)),                # the projection output holding [c~_kv | k_pe] (append)
+             fake_tensor(Float32, (DV,), align=4))         # kv_a_layernorm weight (append)
+    return cute.compile(obj, *fakes, Int32(1), Int32(1), Int32(1), Float32(1.0), Int32(0), Float32(1e-5),
+                        fake_stream(), options=TVM_FFI)
 
 
 def _get_compiled(key: tuple):
-    return compile_cached(key, lambda: _compile(key[1]))
+    return compile_cached(key, lambda: _compile(key[1], "append" in key[2:]))
 
 
-def warmup(heads_list=(6, 12, 96)) -> list[tuple]:
-    """Compile the builds these head counts take (no GPU needed)."""
-    keys = sorted({compile_key(head_group(h)) for h in heads_list})
+def warmup(heads_list=(6, 12, 96), append=(False,)) -> list[tuple]:
+    """Compile the builds these head counts take, with and / or without the fused append (no GPU needed)."""
+    keys = sorted({compile_key(head_group(h), a) for h in heads_list for a in append})
     for k in keys:
         _get_compiled(k)
     return keys
@@ -397,14 +450,20 @@ def make_workspace(n_requests: int, heads: int, max_pages: int, device, nsm: int
             "key": (n_requests, heads, max_pages, nsm)}
 
 
+_DUMMY_LN: dict = {}
+
+
 def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=None, workspace=None,
-                      nsm: int = 132):
+                      nsm: int = 132, proj=None, proj_col: int = 0, kv_norm=None, eps: float = 1e-5):
     """o_lat [N, H, 512] bf16 = softmax(scale q . c) c_kv over the first lengths[n] cache rows of each request.
 
     q [N, H, 576] bf16 (the absorbed query), kv_cache [pages, 64, 576] bf16 (vLLM's paged latent cache),
     block_table [N, MAXP] int32, lengths [N] int32 (rows to attend; 0: a padded request, zero output).
-    ``workspace``: make_workspace's dict for these sizes (one is made here when None: not inside a graph
-    capture). No host sync; capturable in a CUDA graph once compiled and the workspace exists."""
+    ``proj`` [N, W] (the projection output, [c~_kv | k_pe] at columns proj_col .. proj_col + 575) with ``kv_norm``
+    [512] fp32: row lengths[n] - 1 is the step's own token, written here as [RMSNorm_{kv_norm}(c~_kv) | k_pe] into
+    its page (and nowhere else) before the attention reads it. ``workspace``: make_workspace's dict for these sizes
+    (one is made here when None: not inside a graph capture). No host sync; capturable in a CUDA graph once
+    compiled and the workspace exists."""
     import torch
     # dtypes and shapes first (these run on a CPU too), then one device for everything
     check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, DQK))
@@ -437,7 +496,25 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
     elif workspace.get("key") != (N, H, maxp, nsm):
         raise ValueError(f"workspace: made for (N, H, MAXP, nsm) = {workspace.get('key')}, the call needs "
                          f"{(N, H, maxp, nsm)}")
-    fn = _get_compiled(compile_key(head_group(H)))
-    fn(q, kv_cache, block_table, lengths, out, workspace["o"], workspace["ml"], workspace["count"], H, splits, pps,
-       float(scale) * 1.4426950408889634)
+    append = proj is not None
+    if append:
+        check_tensor("proj", proj, dtype=torch.bfloat16, shape=(N, None), device=dev)
+        if not (isinstance(proj_col, int) and 0 <= proj_col and proj_col + DQK <= proj.shape[1]
+                and proj_col % 8 == 0):
+            raise ValueError(f"proj_col: expected a multiple of 8 with proj_col + {DQK} <= {proj.shape[1]}, got "
+                             f"{proj_col!r}")
+        if kv_norm is None:
+            raise ValueError("kv_norm: the kv_a_layernorm weight [512] is needed with proj")
+        check_tensor("kv_norm", kv_norm, dtype=torch.float32, shape=(DV,), device=dev, align=4)
+        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps must be a positive finite float, got {eps!r}")
+        z, zcol, ln = proj, proj_col, kv_norm
+    else:
+        z, zcol = q.view(N, H * DQK), 0
+        ln = _DUMMY_LN.get(dev)
+        if ln is None:
+            ln = _DUMMY_LN[dev] = torch.zeros(DV, dtype=torch.float32, device=dev)
+    fn = _get_compiled(compile_key(head_group(H), append))
+    fn(q, kv_cache, block_table, lengths, out, workspace["o"], workspace["ml"], workspace["count"], z, ln, H,
+       splits, pps, float(scale) * 1.4426950408889634, zcol, float(eps))
     return out

@@ -37,12 +37,14 @@ def test_split_plan_covers_every_page_once(n, heads, maxp):
 
 
 @needs_dsl
+@pytest.mark.parametrize("append", [False, True])
 @pytest.mark.parametrize("hn", mk.HEAD_GROUPS)
-def test_builds_compile_with_the_designed_instruction_mix(hn):
+def test_builds_compile_with_the_designed_instruction_mix(hn, append):
     """Per page: 36 score k-steps x (hn / 8) head tiles and 4 P V k-steps x 8 dim tiles x (hn / 8) MMAs, the
-    transposed fragments by ldmatrix, no local memory (the accumulators stay in registers)."""
+    transposed fragments by ldmatrix, no local memory (the accumulators stay in registers); the append adds no
+    MMA."""
     from k3fast.measure.ptxcheck import compiled_ptx
-    ptx = compiled_ptx(lambda: mk._compile(hn))
+    ptx = compiled_ptx(lambda: mk._compile(hn, append))
     nt = hn // 8
     assert ptx.count("mma.sync.aligned.m16n8k16") == 36 * nt + 4 * 8 * nt
     assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans") == 4 * 8
@@ -97,7 +99,7 @@ def test_layer_warmup_compiles_the_fused_mla_half():
     from k3fast.layer import CONTENDERS, warmup
     cfg = k3_rank(16)
     warmup(cfg, (3,), (1, 8, 64), plan=CONTENDERS["fast-mla"][0])
-    assert mk.compile_key(mk.head_group(cfg.mla_heads)) in _CACHE
+    assert mk.compile_key(mk.head_group(cfg.mla_heads), append=True) in _CACHE
     width = cfg.q_lora_rank + cfg.kv_cache_dim + cfg.mla_heads * cfg.v_head_dim
     assert width == 2880
     site = (cfg.num_blocks_before(3), True, -1)

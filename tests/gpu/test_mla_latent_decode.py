@@ -99,3 +99,33 @@ def test_graph_replay_with_new_lengths_and_pages():
         want = reference(q, pool, table, lens)
         live = lens > 0
         assert_close(f"replay {step}", out[live].float(), want[live], "bf16_kernel")
+
+
+@pytest.mark.parametrize("heads", [6, 12])
+@pytest.mark.parametrize("lengths", [[1], [64], [65, 0, 130, 1], [700 - 37 * i for i in range(17)]],
+                         ids=["1", "64", "mixed", "b17"])
+def test_fused_append_writes_the_row_once_and_attends_over_it(lengths, heads):
+    """With the projection output given, row L - 1 of each live request is [RMSNorm_{kv_norm}(c~_kv) | k_pe] (within
+    a bf16 ulp of torch's), written into its page only (every other pool row bit-identical, padded requests write
+    nothing), and the output equals the attention over the pool with that row in place."""
+    q, pool, table, lens = paged_case(lengths, heads, seed=900 + heads)
+    N = len(lengths)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    proj = torch.randn(N, 2880, generator=g, device="cuda").to(torch.bfloat16)
+    kv_norm = (1 + 0.05 * torch.randn(512, generator=g, device="cuda")).float()
+    before = pool.clone()
+    out = mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, proj=proj, proj_col=1536, kv_norm=kv_norm)
+    torch.cuda.synchronize()
+    raw = proj[:, 1536:1536 + 576].float()
+    ckv = raw[:, :512] * torch.rsqrt(raw[:, :512].pow(2).mean(-1, keepdim=True) + 1e-5) * kv_norm
+    want_rows = torch.cat([ckv, raw[:, 512:]], dim=-1).to(torch.bfloat16)
+    expect = before.clone()
+    for n, L in enumerate(lengths):
+        if L:
+            page, row = table[n, (L - 1) // mk.PAGE].item(), (L - 1) % mk.PAGE
+            assert_close(f"row of request {n}", pool[page, row].float(), want_rows[n].float(), "bf16_kernel")
+            expect[page, row] = pool[page, row]
+    assert torch.equal(pool.view(torch.int16), expect.view(torch.int16)), "a pool row other than the new ones changed"
+    want = reference(q, pool, table, lens)
+    live = lens > 0
+    assert_close("o_lat", out[live].float(), want[live], "bf16_kernel")
