@@ -565,8 +565,23 @@ class Preset:
                 from .impls import impl_names
                 contenders = [n for n in impl_names() if n.startswith("fast-")]
             impls += [n for n in contenders if n not in impls]
-        return [(k, s, b, c, list(impls)) for k in self.kinds for s in self.shapes for b in self.batches
-                for c in (self.contexts if k == "mla_moe" else (0,))]
+        return [(k, s, b, c, [i for i in impls if _differs_for(i, k)]) for k in self.kinds for s in self.shapes
+                for b in self.batches for c in (self.contexts if k == "mla_moe" else (0,))]
+
+
+# the DecodePlan fields that only an MLA layer reads
+_MLA_ONLY_FIELDS = {"mla_attention"}
+
+
+def _differs_for(impl: str, kind: str) -> bool:
+    """Whether ``impl`` runs anything other than "fast" does in a ``kind`` layer: a contender whose plan differs from
+    the shipped one only in MLA-only fields is the shipped path in a KDA layer (measuring it there measures fast)."""
+    from ..layer import CONTENDERS, DEFAULT_PLAN
+    if impl not in CONTENDERS or kind == "mla_moe":
+        return True
+    plan = CONTENDERS[impl][0]
+    diff = {f for f in DEFAULT_PLAN.__dataclass_fields__ if getattr(plan, f) != getattr(DEFAULT_PLAN, f)}
+    return not diff <= _MLA_ONLY_FIELDS
 
 
 # The stock / fast comparisons the README and the design notes quote come from these presets: one run per card
@@ -583,6 +598,10 @@ PRESETS = {
                           batches=(1, 2, 4, 8, 16, 64)),
     "kda-contenders": Preset("fast beside each live contender and stock, KDA+MoE at rank16 / rank8 x batch 1 / 8 / 64",
                              shapes=("k3_rank16", "k3_rank8"), impls=("stock", "fast", CONTENDERS)),
+    "mla-fused": Preset("the MLA+MoE layer at rank16 / rank8 x batch 1 / 8 / 64 x context 1K / 8K / 32K cached tokens: "
+                        "stock, fast (stock attention half) and fast-mla (FusedMLA) in one run",
+                        kinds=("mla_moe",), shapes=("k3_rank16", "k3_rank8"), contexts=(1024, 8192, 32768),
+                        impls=("stock", "fast", "fast-mla")),
     "mla-sweep": Preset("the MLA+MoE layer at rank16 / rank8 / full width x batch 1 / 8 / 64 x context 1024 / 8192 "
                         "cached tokens, stock beside fast (whose attention half is the stock one)",
                         kinds=("mla_moe",)),
