@@ -240,7 +240,50 @@ def moe_tail_any(r, w_norm, w_up, h, w_sd, *, eps, out=None, plan: DecodePlan = 
 
 # ----------------------------------------------------------------------------------------------- the halves
 
-class FusedKDA:
+class _AttentionEnds:
+    """What both attention halves share: AttnRes #1 + input RMSNorm + the layer's packed projection at one end,
+    o_proj + partial-sum update + AttnRes #2 + post-attention RMSNorm at the other, and the scratch they keep."""
+
+    def _ends_init(self, cfg: K3Config, w: LayerWeights, plan: DecodePlan) -> None:
+        P = Precision.model()
+        self.cfg, self.layer, self.plan = cfg, w.layer, plan
+        self.u_attn = attn_res_u(w.attn_res, P).float().contiguous()
+        self.u_mlp = attn_res_u(w.mlp_res, P).float().contiguous()
+        self.w_ln, self.w_post = w.input_layernorm, w.post_attention_layernorm
+        self._bufs: dict = {}
+
+    def _in(self, blocks, partial, delta, w_packed):
+        """(the packed projection's output [M, N], p') with p' = p + delta in a scratch row: the fused prologue reads
+        p in every CTA, so it may not write p in place; o_proj + AttnRes #2 reads p' and writes the layer's sum."""
+        cfg, l = self.cfg, self.layer
+        boundary = cfg.is_block_boundary(l)
+        p1 = self._buf("p1", partial)
+        z, _ = attnres_in_proj(blocks, cfg.num_blocks_before(l), partial, delta, self.u_attn, self.w_ln, w_packed,
+                               eps=cfg.rms_norm_eps, block_write=(l // cfg.attn_res_block_size) if boundary else -1,
+                               partial_out=p1, plan=self.plan)
+        return z, p1
+
+    def _out(self, y, w_o, blocks, p1, x_mlp, partial, partial_out) -> None:
+        cfg, l = self.cfg, self.layer
+        boundary = cfg.is_block_boundary(l)
+        oproj_attnres_any(y, w_o, blocks, cfg.num_blocks_before(l) + int(boundary), p1, self.u_mlp, self.w_post,
+                          eps=cfg.rms_norm_eps, boundary=boundary, out_x=x_mlp,
+                          out_partial=partial if partial_out is None else partial_out,
+                          zeros=self._buf("p0", p1, zero=True), plan=self.plan)
+
+    def _buf(self, name: str, like: torch.Tensor, zero: bool = False, shape=None) -> torch.Tensor:
+        """A scratch tensor like ``like`` (or of ``shape``), owned here, allocated at the first call of each shape
+        (before any graph replays it; ``zero``: zeroed once and never written)."""
+        shape = tuple(like.shape) if shape is None else tuple(shape)
+        key = (name, shape)
+        t = self._bufs.get(key)
+        if t is None:
+            make = torch.zeros if zero else torch.empty
+            t = self._bufs[key] = make(shape, dtype=like.dtype, device=like.device)
+        return t
+
+
+class FusedKDA(_AttentionEnds):
     """The KDA attention half of layer ``layer`` on the fused kernels: AttnRes #1 + input RMSNorm + packed in_proj,
     the KDA step, o_proj + AttnRes #2 + post-attention RMSNorm. Three launches at small batch.
 
@@ -255,11 +298,8 @@ class FusedKDA:
         a = w.attn
         if not isinstance(a, KDAWeights):
             raise TypeError(f"w.attn: expected KDAWeights (layer {w.layer} is not a KDA layer)")
-        self.cfg, self.layer, self.plan, self.null_slot, self.check_slots = cfg, w.layer, plan, null_slot, check_slots
-        P = Precision.model()
-        self.u_attn = attn_res_u(w.attn_res, P).float().contiguous()
-        self.u_mlp = attn_res_u(w.mlp_res, P).float().contiguous()
-        self.w_ln, self.w_post = w.input_layernorm, w.post_attention_layernorm
+        self._ends_init(cfg, w, plan)
+        self.null_slot, self.check_slots = null_slot, check_slots
         width = proj_width(cfg.kda_heads)
         if in_proj is None:
             # one [q|k|v|g|f_a|b] weight, zero rows up to the KDA step's packed width
@@ -273,38 +313,26 @@ class FusedKDA:
         self.conv_w = self.conv_w.contiguous()
         self.f_b, self.a_log, self.dt_bias, self.o_proj = a.f_b_proj, a.A_log, a.dt_bias, a.o_proj
         self.o_norm = a.o_norm.float().contiguous()
-        self._bufs: dict[str, torch.Tensor] = {}
 
     def __call__(self, blocks, partial, delta, conv_state, rec_state, slots, x_mlp, partial_out=None) -> None:
         """blocks [M, 8, d] (AttnRes block rows), partial [M, d] (the block's partial sum), delta [M, d] or None (the
         previous layer's MoE output), the KDA state pool and the requests' slots; writes the MoE half's input into
         x_mlp [M, d] and the layer's partial sum p'' into partial_out (default: partial, in place)."""
         from .kernels.kda_conv_gate_step import check_slot_indices, kda_conv_gate_step
-        cfg, l = self.cfg, self.layer
+        cfg = self.cfg
         # every argument before the first launch, so a bad one leaves the AttnRes rows and partial sums untouched
         self._check(blocks, partial, delta, conv_state, rec_state, slots, x_mlp, partial_out)
         if self.check_slots and not torch.cuda.is_current_stream_capturing():
             check_slot_indices(slots, rec_state.shape[0], null_slot=self.null_slot)
-        boundary = cfg.is_block_boundary(l)
-        nb = cfg.num_blocks_before(l)
-        # p' = p + delta goes to a scratch row (the fused prologue reads p in every CTA, so it may not write p in
-        # place); o_proj + AttnRes #2 then reads p' and writes the layer's partial sum.
-        p1 = self._buf("p1", partial)
         with stage("k3.kda.in_proj"):
-            proj, _ = attnres_in_proj(blocks, nb, partial, delta, self.u_attn, self.w_ln, self.in_proj,
-                                      eps=cfg.rms_norm_eps,
-                                      block_write=(l // cfg.attn_res_block_size) if boundary else -1,
-                                      partial_out=p1, plan=self.plan)
+            proj, p1 = self._in(blocks, partial, delta, self.in_proj)
         with stage("k3.kda.core"):
             y = kda_conv_gate_step(proj, self.f_b, self.conv_w, self.a_log, self.dt_bias, self.o_norm, conv_state,
                                    rec_state, slots, heads=cfg.kda_heads, lower_bound=cfg.gate_lower_bound,
                                    eps=cfg.rms_norm_eps, early_trigger=True, null_slot=self.null_slot,
                                    check_slots=False)
         with stage("k3.o_proj"):
-            oproj_attnres_any(y, self.o_proj, blocks, nb + int(boundary), p1, self.u_mlp, self.w_post,
-                              eps=cfg.rms_norm_eps, boundary=boundary, out_x=x_mlp,
-                              out_partial=partial if partial_out is None else partial_out,
-                              zeros=self._buf("p0", p1, zero=True), plan=self.plan)
+            self._out(y, self.o_proj, blocks, p1, x_mlp, partial, partial_out)
 
     def _check(self, blocks, partial, delta, conv_state, rec_state, slots, x_mlp, partial_out) -> None:
         from .kernels._dsl import check_tensor
@@ -327,17 +355,8 @@ class FusedKDA:
         if conv_state.device != dev:
             raise ValueError(f"conv_state: expected device {dev} (the layer's weights), got {conv_state.device}")
 
-    def _buf(self, name: str, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
-        """A scratch tensor shaped like ``like``, owned here (allocated at the first call of each shape, before any
-        graph replays it; ``zero``: zeroed once and never written)."""
-        key = (name, tuple(like.shape))
-        t = self._bufs.get(key)
-        if t is None:
-            t = self._bufs[key] = torch.zeros_like(like) if zero else torch.empty_like(like)
-        return t
 
-
-class FusedMLA:
+class FusedMLA(_AttentionEnds):
     """The Gated MLA attention half of layer ``layer`` (docs/k3-layer.md section 8) on the fused kernels that exist:
     AttnRes #1 + input RMSNorm + the packed [q_a | kv_a | g] projection (the in_proj path of the plan), q_a's
     RMSNorm + the absorbed query projection in one GEMV (rms_gemv with one AttnRes source, which is the plain
@@ -358,11 +377,8 @@ class FusedMLA:
         a = w.attn
         if not isinstance(a, MLAWeights):
             raise TypeError(f"w.attn: expected MLAWeights (layer {w.layer} is not an MLA layer)")
-        self.cfg, self.layer, self.plan, self.nsm = cfg, w.layer, plan, nsm
-        P = Precision.model()
-        self.u_attn = attn_res_u(w.attn_res, P).float().contiguous()
-        self.u_mlp = attn_res_u(w.mlp_res, P).float().contiguous()
-        self.w_ln, self.w_post = w.input_layernorm, w.post_attention_layernorm
+        self._ends_init(cfg, w, plan)
+        self.nsm = nsm
         # [q_a | kv_a (512 + 64) | g]: one pass over x for the three projections
         self.in_proj = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj]).contiguous()
         self.q_a_ln, self.o_proj = a.q_a_layernorm, a.o_proj
@@ -376,28 +392,21 @@ class FusedMLA:
         self.W_UV_T = W_UV.transpose(1, 2).contiguous()  # o_lat [H, M, 512] @ W_UV^T -> [H, M, 128]
         self.u_one = torch.zeros(cfg.q_lora_rank, dtype=torch.float32, device=a.q_a_proj.device)
         self.scale = cfg.qk_head_dim ** -0.5
-        self._bufs: dict = {}
 
     def __call__(self, blocks, partial, delta, kv_cache, lengths, slots, x_mlp, partial_out=None) -> None:
         """As FusedKDA, with the MLA cache: kv_cache [S, Lmax, 576] bf16 and lengths [S] int64 (rows cached per
         slot, advanced by one for each request of the step); slots [M] (negative: padding, nothing written)."""
         from .kernels import rms_gemv
         from .kernels.mla_latent_decode import PAGE, make_workspace, mla_latent_decode
-        cfg, l = self.cfg, self.layer
+        cfg = self.cfg
         H, R = cfg.mla_heads, cfg.kv_lora_rank
-        boundary = cfg.is_block_boundary(l)
-        nb = cfg.num_blocks_before(l)
         M = partial.shape[0]
         S, Lmax, width = kv_cache.shape
         if Lmax % PAGE or width != R + cfg.qk_rope_head_dim:
             raise ValueError(f"kv_cache: expected [S, a multiple of {PAGE}, {R + cfg.qk_rope_head_dim}], got "
                              f"{list(kv_cache.shape)}")
-        p1 = self._buf("p1", partial)
         with stage("k3.mla.in_proj"):
-            z, _ = attnres_in_proj(blocks, nb, partial, delta, self.u_attn, self.w_ln, self.in_proj,
-                                   eps=cfg.rms_norm_eps,
-                                   block_write=(l // cfg.attn_res_block_size) if boundary else -1,
-                                   partial_out=p1, plan=self.plan)
+            z, p1 = self._in(blocks, partial, delta, self.in_proj)
             qa, g = z[:, :cfg.q_lora_rank], z[:, cfg.q_lora_rank + cfg.kv_cache_dim:]
         with stage("k3.mla.q_b"):
             # RMSNorm(q_a) W_Q^T: the AttnRes GEMV with no block and no delta mixes p alone (weight 1), so its
@@ -429,21 +438,7 @@ class FusedMLA:
             o = torch.bmm(o_lat.transpose(0, 1), self.W_UV_T).transpose(0, 1)           # [M, H, 128] bf16
             y = (o.reshape(M, H * cfg.v_head_dim).float() * torch.sigmoid(g.float())).bfloat16()
         with stage("k3.o_proj"):
-            oproj_attnres_any(y, self.o_proj, blocks, nb + int(boundary), p1, self.u_mlp, self.w_post,
-                              eps=cfg.rms_norm_eps, boundary=boundary, out_x=x_mlp,
-                              out_partial=partial if partial_out is None else partial_out,
-                              zeros=self._buf("p0", p1, zero=True), plan=self.plan)
-
-    def _buf(self, name: str, like: torch.Tensor, zero: bool = False, shape=None):
-        """A scratch tensor like ``like`` (or of ``shape``), owned here, allocated at the first call of each shape
-        (before any graph replays it)."""
-        shape = tuple(like.shape) if shape is None else tuple(shape)
-        key = (name, shape)
-        t = self._bufs.get(key)
-        if t is None:
-            make = torch.zeros if zero else torch.empty
-            t = self._bufs[key] = make(shape, dtype=like.dtype, device=like.device)
-        return t
+            self._out(y, self.o_proj, blocks, p1, x_mlp, partial, partial_out)
 
 
 class FusedMoE:
