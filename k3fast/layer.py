@@ -361,8 +361,8 @@ class FusedMLA(_AttentionEnds):
     AttnRes #1 + input RMSNorm + the packed [q_a | kv_a | g] projection (the in_proj path of the plan), q_a's
     RMSNorm + the absorbed query projection in one GEMV (rms_gemv with one AttnRes source, which is the plain
     RMSNorm), kv_a's RMSNorm + the cache append + the decode attention over the latent cache (mla_latent_decode),
-    and o_proj + AttnRes #2 + post-attention RMSNorm. Between them, torch ops: the slot bookkeeping (block table,
-    lengths), W_UV and the sigmoid gate (their fusion into o_proj's kernel is the next step).
+    W_UV + the sigmoid gate (mla_uv_gate), and o_proj + AttnRes #2 + post-attention RMSNorm: five launches, plus
+    torch ops for the slot bookkeeping that vLLM's metadata would carry (block table, lengths) and one copy of q_a.
 
     The absorbed query weight W_Q = [W_UK,h^T W_qb,nope,h | W_qb,pe,h] per head ([H * 576, 1536]) is formed once
     in fp32 and rounded to bf16: Q = RMSNorm(q_a) W_Q^T in one pass, where k3ref rounds q (bf16) and then q_lat
@@ -389,7 +389,7 @@ class FusedMLA(_AttentionEnds):
         q_lat_w = torch.einsum("hdc,hdk->hck", W_UK.float(), qb[:, :dn])     # [H, 512, 1536]
         self.W_Q = torch.cat([q_lat_w, qb[:, dn:]], dim=1).reshape(H * cfg.kv_cache_dim, cfg.q_lora_rank)
         self.W_Q = self.W_Q.to(torch.bfloat16).contiguous()
-        self.W_UV_T = W_UV.transpose(1, 2).contiguous()  # o_lat [H, M, 512] @ W_UV^T -> [H, M, 128]
+        self.W_UV = W_UV.contiguous()                    # [H, 128, 512]
         self.u_one = torch.zeros(cfg.q_lora_rank, dtype=torch.float32, device=a.q_a_proj.device)
         self.scale = cfg.qk_head_dim ** -0.5
 
@@ -398,6 +398,7 @@ class FusedMLA(_AttentionEnds):
         slot, advanced by one for each request of the step); slots [M] (negative: padding, nothing written)."""
         from .kernels import rms_gemv
         from .kernels.mla_latent_decode import PAGE, make_workspace, mla_latent_decode
+        from .kernels.mla_uv_gate import mla_uv_gate
         cfg = self.cfg
         H, R = cfg.mla_heads, cfg.kv_lora_rank
         M = partial.shape[0]
@@ -407,7 +408,7 @@ class FusedMLA(_AttentionEnds):
                              f"{list(kv_cache.shape)}")
         with stage("k3.mla.in_proj"):
             z, p1 = self._in(blocks, partial, delta, self.in_proj)
-            qa, g = z[:, :cfg.q_lora_rank], z[:, cfg.q_lora_rank + cfg.kv_cache_dim:]
+            qa = z[:, :cfg.q_lora_rank]
         with stage("k3.mla.q_b"):
             # RMSNorm(q_a) W_Q^T: the AttnRes GEMV with no block and no delta mixes p alone (weight 1), so its
             # prologue is q_a's RMSNorm; p' (a copy of q_a) goes to scratch
@@ -435,8 +436,9 @@ class FusedMLA(_AttentionEnds):
             o_lat = mla_latent_decode(Q, kv_cache.view(S * pages, PAGE, width), table, seqlens, scale=self.scale,
                                       workspace=ws, nsm=self.nsm, proj=z, proj_col=cfg.q_lora_rank,
                                       kv_norm=self.kv_norm, eps=cfg.rms_norm_eps)        # [M, H, 512] bf16
-            o = torch.bmm(o_lat.transpose(0, 1), self.W_UV_T).transpose(0, 1)           # [M, H, 128] bf16
-            y = (o.reshape(M, H * cfg.v_head_dim).float() * torch.sigmoid(g.float())).bfloat16()
+            # W_UV per head and the sigmoid gate (g read in place from the projection output); k3ref.bytes counts
+            # W_UV in this stage
+            y = mla_uv_gate(o_lat, self.W_UV, z, g_col=cfg.q_lora_rank + cfg.kv_cache_dim)
         with stage("k3.o_proj"):
             self._out(y, self.o_proj, blocks, p1, x_mlp, partial, partial_out)
 
@@ -604,7 +606,7 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
                                   null_slot=null_slot)
     mla_layers = [l for l in layers if not cfg.is_kda_layer(l) and cfg.is_moe_layer(l)]
     if mla_layers and plan.mla_attention == "fused":
-        from .kernels import mla_latent_decode
+        from .kernels import mla_latent_decode, mla_uv_gate
         _warm_attention_ends(cfg, mla_layers, batches, cfg.q_lora_rank + cfg.kv_cache_dim +
                              cfg.mla_heads * cfg.v_head_dim, cfg.mla_heads * cfg.v_head_dim, plan=plan,
                              device=device)
@@ -612,6 +614,7 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
         rms_gemv.warmup(batches, K=cfg.q_lora_rank, N=(cfg.mla_heads * cfg.kv_cache_dim,), sites=[(0, False, -1)],
                         eps=eps)
         mla_latent_decode.warmup([cfg.mla_heads], append=(True,))
+        mla_uv_gate.warmup(batches)
     # the MoE half, the same in every layer from 1 on
     fronts = [M for M in batches if plan.front_engine(M) == "fused"]
     if fronts:

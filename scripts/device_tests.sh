@@ -14,7 +14,8 @@ cat "$OUT/gpu.txt"
 if [ "${1:-}" = --half ]; then
   case $2 in
     1) files=(tests/gpu/test_fast_layer.py tests/gpu/test_gemm_wgmma_splitk.py tests/gpu/test_kda_conv_gate_step.py
-              tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_moe_tail.py tests/gpu/test_mla_latent_decode.py) ;;
+              tests/gpu/test_moe_mxfp4_experts.py tests/gpu/test_moe_tail.py tests/gpu/test_mla_latent_decode.py
+              tests/gpu/test_mla_uv_gate.py) ;;
     2) files=(tests/gpu/test_oproj_attnres.py tests/gpu/test_ops.py tests/gpu/test_reliability.py
               tests/gpu/test_rms_gemv.py tests/gpu/test_rms_gemv_ring.py tests/gpu/test_router_down_topk.py
               tests/gpu/test_stock_compiled.py tests/gpu/test_stock_vllm_ops.py) ;;

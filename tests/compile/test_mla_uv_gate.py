@@ -1,0 +1,59 @@
+"""CPU-only checks of k3fast.kernels.mla_uv_gate: every token-group build compiles for sm_90a with one MMA per k-step
+and token tile and no local memory; the host entry point refuses bad inputs by name."""
+import pytest
+from ptx_cache import keeping_ptx
+import torch
+
+from k3fast.kernels import mla_uv_gate as uv
+from k3fast.kernels._dsl import dsl_available
+
+pytestmark = pytest.mark.compile
+
+needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def keep_ptx(tmp_path_factory):
+    with keeping_ptx(uv, tmp_path_factory.mktemp("ptx")):
+        yield
+
+
+def test_token_buckets():
+    assert [uv.compile_key(m)[1] for m in (1, 8, 9, 16, 17, 33, 64)] == [1, 1, 2, 2, 4, 8, 8]
+    with pytest.raises(ValueError, match="M must"):
+        uv.compile_key(65)
+
+
+@needs_dsl
+@pytest.mark.parametrize("nt", [1, 2, 4, 8])
+def test_builds_compile(nt):
+    from k3fast.measure.ptxcheck import compiled_ptx
+    ptx = compiled_ptx(lambda: uv._compile(nt))
+    assert ptx.count("mma.sync.aligned.m16n8k16") == uv.KSTEPS * nt
+    assert ".local" not in ptx and "griddepcontrol.wait" in ptx
+
+
+def _args(M=2, H=6):
+    return dict(o_lat=torch.zeros(M, H, 512, dtype=torch.bfloat16), w_uv=torch.zeros(H, 128, 512, dtype=torch.bfloat16),
+                g_src=torch.zeros(M, 2880, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("name,bad,exc", [
+    ("o_lat", torch.zeros(2, 6, 256, dtype=torch.bfloat16), ValueError),
+    ("o_lat", torch.zeros(2, 6, 512, dtype=torch.float32), TypeError),
+    ("w_uv", torch.zeros(6, 128, 256, dtype=torch.bfloat16), ValueError),
+    ("w_uv", torch.zeros(5, 128, 512, dtype=torch.bfloat16), ValueError),
+    ("g_src", torch.zeros(3, 2880, dtype=torch.bfloat16), ValueError),
+])
+def test_bad_arguments_refused_by_name(name, bad, exc):
+    kw = _args()
+    kw[name] = bad
+    with pytest.raises(exc, match=name):
+        uv.mla_uv_gate(**kw, g_col=2112)
+
+
+def test_bad_gate_columns_and_cpu_refused():
+    with pytest.raises(ValueError, match="g_col"):
+        uv.mla_uv_gate(**_args(), g_col=2200)
+    with pytest.raises(ValueError, match="CUDA"):
+        uv.mla_uv_gate(**_args(), g_col=2112)
