@@ -102,6 +102,10 @@ class StockImpl:
             self.kda_w = {"conv_q": a.q_conv.view(-1, 4), "conv_k": a.k_conv.view(-1, 4), "conv_v": a.v_conv.view(-1, 4),
                           "A_log": a.A_log, "dt_bias": a.dt_bias, "o_norm": a.o_norm}
             self.kda_w["conv_qkv"] = pack_conv_weight(self.kda_w)
+            if ops == "vllm-layer":
+                from .vllm_ops import native_conv_weight, native_kda_decode
+                if native_kda_decode(cfg.kda_heads):
+                    self.kda_w["conv_native"] = native_conv_weight(self.kda_w["conv_qkv"], cfg.kda_proj)
         else:
             self.mla_a = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj]).contiguous()
             # the MLA core over the cache: vLLM's FlashMLA on Hopper (vllm-ops variant), else k3ref's mla_core
@@ -207,7 +211,7 @@ class StockImpl:
                 y = V.kda_decode_core(z[:, :3 * Pw], z[:, 3 * Pw:4 * Pw], f, z[:, 4 * Pw + hd:4 * Pw + hd + H],
                                       io.state.conv, io.state.recurrent, slots, self.kda_w["conv_qkv"], a.A_log,
                                       a.dt_bias, a.o_norm, heads=H, head_dim=hd, lower_bound=cfg.gate_lower_bound,
-                                      eps=cfg.rms_norm_eps)
+                                      eps=cfg.rms_norm_eps, conv_w_native=self.kda_w.get("conv_native"))
             with stage("k3.o_proj"):
                 return V.low_latency_linear(y, a.o_proj)
         with stage("k3.kda.in_proj"):

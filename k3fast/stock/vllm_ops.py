@@ -527,20 +527,49 @@ def low_latency_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w) if y is None else y
 
 
+# Head counts per rank that vLLM 0.33's native fused KDA decode serves on SM90 (``is_fused_kda_decode_supported``):
+# a TP8 rank (12 heads) and TP1 (96) take it, a TP16 rank (6) the Triton path.
+NATIVE_KDA_HEADS = (12, 24, 48, 96)
+
+
+def native_kda_decode(heads: int) -> bool:
+    """Whether vLLM's layer decodes ``heads`` KDA heads per rank with its native fused op (conv, gated delta rule and
+    gated RMSNorm in one launch) rather than its three Triton kernels."""
+    return heads in NATIVE_KDA_HEADS and hasattr(torch.ops._C, "fused_kda_decode")
+
+
+def native_conv_weight(conv_w: torch.Tensor, proj: int) -> torch.Tensor:
+    """[3P, 4] conv taps -> vLLM's decode_conv1d_weight layout [3 (q, k, v), 4 taps, P] in bf16 (the model dtype of
+    the conv1d parameter)."""
+    return conv_w.view(3, proj, -1).transpose(1, 2).contiguous().to(torch.bfloat16)
+
+
 def kda_decode_core(qkv: torch.Tensor, g_out: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                     conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor, conv_w: torch.Tensor,
                     a_log: torch.Tensor, dt_bias: torch.Tensor, o_norm: torch.Tensor, *, heads: int,
-                    head_dim: int, lower_bound: float, eps: float) -> torch.Tensor:
-    """The KDA decode step between the projections and o_proj, as vLLM 0.33's Triton decode path runs it.
+                    head_dim: int, lower_bound: float, eps: float,
+                    conv_w_native: torch.Tensor | None = None) -> torch.Tensor:
+    """The KDA decode step between the projections and o_proj, as vLLM 0.33 runs it at this head count: its native
+    fused op (``native_kda_decode``; ``conv_w_native`` from ``native_conv_weight``) or its Triton path.
 
     qkv [M, 3P] bf16 (a column slice of the packed in_proj output: contiguous rows), g_out [M, P] (the output gate's
     slice), f [M, P] (f_b_proj's output), b [M, H] (beta's slice), the state pools conv_state [S, 3P, 3] bf16 and
-    rec_state [S, H, D, D] fp32, slots [M] int32 with 0 = vLLM's null block (padding), conv_w [3P, 4]. Returns the
-    gated-normed o [M, P] bf16."""
+    rec_state [S, H, D, D] fp32, slots [M] int32 with 0 = vLLM's null block (padding), conv_w [3P, 4], o_norm [D]
+    fp32. Returns the gated-normed o [M, P] bf16."""
+    M, H, D = qkv.shape[0], heads, head_dim
+    if native_kda_decode(H):
+        import vllm._custom_ops as ops
+        if conv_w_native is None:
+            raise ValueError("conv_w_native: vLLM's native KDA decode needs the [3, 4, P] conv weight")
+        o = torch.empty(1, M, H, D, dtype=qkv.dtype, device=qkv.device)
+        ops.fused_kda_decode(x=qkv, weight=conv_w_native, bias=None, conv_state=conv_state,
+                             raw_g=f.view(1, M, H, D), raw_beta=b.unsqueeze(0), A_log=a_log, dt_bias=dt_bias,
+                             state_indices=slots, state=rec_state, out=o, lower_bound=lower_bound,
+                             output_gate=g_out.view(M, H, D), norm_weight=o_norm, norm_eps=eps)
+        return o.view(M, H * D)
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
     from vllm.models.kimi_k3.nvidia.ops.third_party.kda import fused_recurrent_kda_packed_decode
     from vllm.third_party.flash_linear_attention.ops.kda import rms_norm_gated
-    M, H, D = qkv.shape[0], heads, head_dim
     x = causal_conv1d_update(qkv, conv_state, conv_w, None, activation="silu", conv_state_indices=slots,
                              validate_data=True, out=torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device))
     o = torch.empty(1, M, H, D, dtype=qkv.dtype, device=qkv.device)

@@ -112,12 +112,14 @@ def _need_vllm_layer():
         pytest.skip(f"vLLM's layer path unavailable: {why}")
 
 
-@pytest.mark.parametrize("layer,batch", [(1, 1), (1, 8), (1, 64), (24, 3)])
-def test_stock_vllm_layer_against_the_reference(layer, batch):
+@pytest.mark.parametrize("tp,layer,batch", [(16, 1, 1), (16, 1, 8), (16, 1, 64), (16, 24, 3), (8, 1, 1), (8, 1, 8)])
+def test_stock_vllm_layer_against_the_reference(tp, layer, batch):
     """StockImpl(ops="vllm-layer") against k3ref on the same inputs and state: the MoE input, the layer output and
-    the KDA state; a padded request (-1, vLLM's null block inside) writes nothing, the spare slots stay untouched."""
+    the KDA state; a padded request (-1, vLLM's null block inside) writes nothing, the spare slots stay untouched.
+    TP16 (6 heads) takes vLLM's Triton KDA path, TP8 (12 heads) its native fused op."""
     _need_vllm_layer()
     from k3fast.measure.impls import make_impl, make_io
+    CFG = k3_rank(tp)
     w = random_layer(CFG, layer, seed=31, device="cuda")
     outs = {}
     for name in ("ref", "stock"):
