@@ -322,7 +322,7 @@ class FusedKDA(_AttentionEnds):
         cfg = self.cfg
         # every argument before the first launch, so a bad one leaves the AttnRes rows and partial sums untouched
         self._check(blocks, partial, delta, conv_state, rec_state, slots, x_mlp, partial_out)
-        if self.check_slots and not torch.cuda.is_current_stream_capturing():
+        if self.check_slots and not (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
             check_slot_indices(slots, rec_state.shape[0], null_slot=self.null_slot)
         with stage("k3.kda.in_proj"):
             proj, p1 = self._in(blocks, partial, delta, self.in_proj)
@@ -361,15 +361,17 @@ class FusedMLA(_AttentionEnds):
     AttnRes #1 + input RMSNorm + the packed [q_a | kv_a | g] projection (the in_proj path of the plan), q_a's
     RMSNorm + the absorbed query projection in one GEMV (rms_gemv with one AttnRes source, which is the plain
     RMSNorm), kv_a's RMSNorm + the cache append + the decode attention over the latent cache (mla_latent_decode),
-    W_UV + the sigmoid gate (mla_uv_gate), and o_proj + AttnRes #2 + post-attention RMSNorm: five launches, plus
-    torch ops for the slot bookkeeping that vLLM's metadata would carry (block table, lengths) and one copy of q_a.
+    W_UV + the sigmoid gate (mla_uv_gate), and o_proj + AttnRes #2 + post-attention RMSNorm: five launches and one
+    copy of q_a.
 
     The absorbed query weight W_Q = [W_UK,h^T W_qb,nope,h | W_qb,pe,h] per head ([H * 576, 1536]) is formed once
     in fp32 and rounded to bf16: Q = RMSNorm(q_a) W_Q^T in one pass, where k3ref rounds q (bf16) and then q_lat
     (bf16). W_Q is 2.5x the bytes of q_b + W_UK (10.6 MB against 4.3 MB at k3_rank16), two launches fewer.
 
-    The cache is k3ref's [slots, Lmax, 576] pool with lengths per slot, read by the attention kernel as pages of 64
-    rows (Lmax a multiple of 64): page p of slot s is page s * Lmax / 64 + p, as vLLM's block table would list it."""
+    The cache is paged as vLLM pages it: a pool of 64-row pages, a block table per request and the rows each request
+    attends over after this step (its own new row included; 0 for a padded request) -- the per-step metadata a
+    serving engine computes once for all layers. k3fast.layer_io.mla_paged_view gives them for the harness's
+    [slots, Lmax, 576] cache."""
 
     def __init__(self, cfg: K3Config, w: LayerWeights, *, plan: DecodePlan = DEFAULT_PLAN, nsm: int = 132):
         from k3ref.mla import _split_kv_b
@@ -393,19 +395,17 @@ class FusedMLA(_AttentionEnds):
         self.u_one = torch.zeros(cfg.q_lora_rank, dtype=torch.float32, device=a.q_a_proj.device)
         self.scale = cfg.qk_head_dim ** -0.5
 
-    def __call__(self, blocks, partial, delta, kv_cache, lengths, slots, x_mlp, partial_out=None) -> None:
-        """As FusedKDA, with the MLA cache: kv_cache [S, Lmax, 576] bf16 and lengths [S] int64 (rows cached per
-        slot, advanced by one for each request of the step); slots [M] (negative: padding, nothing written)."""
+    def __call__(self, blocks, partial, delta, kv_pages, block_table, seqlens, x_mlp, partial_out=None) -> None:
+        """As FusedKDA, with the MLA cache: kv_pages [P, 64, 576] bf16, block_table [M, MAXP] int32, seqlens [M] int32
+        (rows to attend after this step; the step's own row, position seqlens - 1, is written here)."""
         from .kernels import rms_gemv
         from .kernels.mla_latent_decode import PAGE, make_workspace, mla_latent_decode
         from .kernels.mla_uv_gate import mla_uv_gate
         cfg = self.cfg
-        H, R = cfg.mla_heads, cfg.kv_lora_rank
+        H = cfg.mla_heads
         M = partial.shape[0]
-        S, Lmax, width = kv_cache.shape
-        if Lmax % PAGE or width != R + cfg.qk_rope_head_dim:
-            raise ValueError(f"kv_cache: expected [S, a multiple of {PAGE}, {R + cfg.qk_rope_head_dim}], got "
-                             f"{list(kv_cache.shape)}")
+        if tuple(kv_pages.shape[1:]) != (PAGE, cfg.kv_cache_dim):
+            raise ValueError(f"kv_pages: expected [P, {PAGE}, {cfg.kv_cache_dim}], got {list(kv_pages.shape)}")
         with stage("k3.mla.in_proj"):
             z, p1 = self._in(blocks, partial, delta, self.in_proj)
             qa = z[:, :cfg.q_lora_rank]
@@ -419,23 +419,14 @@ class FusedMLA(_AttentionEnds):
                                              eps=cfg.rms_norm_eps, partial_out=self._buf("qa_p", qa))
             Q = Q.view(M, H, cfg.kv_cache_dim)                                               # [M, H, 576] bf16
         with stage("k3.mla.core"):
-            # the slot bookkeeping vLLM's metadata would carry: each request's pages and its rows after this step
-            valid = slots >= 0
-            idx = slots.clamp_min(0).long()
-            L0 = lengths[idx]
-            if not torch.cuda.is_current_stream_capturing() and bool((valid & (L0 + 1 > Lmax)).any()):
-                raise ValueError(f"kv_cache: a slot would need more than its {Lmax} rows")
-            pages = Lmax // PAGE
-            table = (idx[:, None] * pages + torch.arange(pages, device=slots.device)[None, :]).to(torch.int32)
-            seqlens = torch.where(valid, L0 + 1, torch.zeros_like(L0)).to(torch.int32)
-            lengths.index_add_(0, idx, valid.to(lengths.dtype))
-            ws = self._bufs.get(("ws", M, pages))
+            maxp = block_table.shape[1]
+            ws = self._bufs.get(("ws", M, maxp))
             if ws is None:
-                ws = self._bufs[("ws", M, pages)] = make_workspace(M, H, pages, slots.device, self.nsm)
+                ws = self._bufs[("ws", M, maxp)] = make_workspace(M, H, maxp, partial.device, self.nsm)
             # the kernel writes the step's row [RMSNorm(c~_kv) | k_pe] into its page, then attends over it
-            o_lat = mla_latent_decode(Q, kv_cache.view(S * pages, PAGE, width), table, seqlens, scale=self.scale,
-                                      workspace=ws, nsm=self.nsm, proj=z, proj_col=cfg.q_lora_rank,
-                                      kv_norm=self.kv_norm, eps=cfg.rms_norm_eps)        # [M, H, 512] bf16
+            o_lat = mla_latent_decode(Q, kv_pages, block_table, seqlens, scale=self.scale, workspace=ws, nsm=self.nsm,
+                                      proj=z, proj_col=cfg.q_lora_rank, kv_norm=self.kv_norm,
+                                      eps=cfg.rms_norm_eps)                              # [M, H, 512] bf16
             # W_UV per head and the sigmoid gate (g read in place from the projection output); k3ref.bytes counts
             # W_UV in this stage
             y = mla_uv_gate(o_lat, self.W_UV, z, g_col=cfg.q_lora_rank + cfg.kv_cache_dim)
@@ -532,7 +523,9 @@ class FastImpl:
         if self.stock_attn is not None:
             return self.stock_attn.attn(io)
         if self.mla is not None:
-            return self.mla(io.blocks, io.partial, io.delta, io.state.kv, io.state.lengths, io.slots, io.x_mlp)
+            from .layer_io import mla_paged_view
+            pages, table, seqlens = mla_paged_view(io.state, io.slots)
+            return self.mla(io.blocks, io.partial, io.delta, pages, table, seqlens, io.x_mlp)
         self.kda(io.blocks, io.partial, io.delta, io.state.conv, io.state.recurrent, io.slots, io.x_mlp)
 
     def moe(self, io) -> None:

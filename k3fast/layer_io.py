@@ -75,3 +75,28 @@ def make_io(cfg: K3Config, layer: int, batch: int, *, context: int = 0, device="
                  out=torch.empty(batch, d, dtype=torch.bfloat16, device=device))
     io.snapshot()
     return io
+
+
+MLA_PAGE = 64      # rows per page of the paged view (vLLM's block size for the latent cache)
+
+
+def mla_paged_view(state: MLACache, slots: torch.Tensor):
+    """The harness's MLA cache [S, Lmax, 576] seen as vLLM pages it, for one decode step: (pages [S * Lmax / 64, 64,
+    576] (a view), block_table [M, Lmax / 64] int32 (page p of slot s is s * Lmax / 64 + p), seqlens [M] int32: the
+    rows each request attends over once this step's row is appended, 0 for a padded request). Advances
+    ``state.lengths`` by one for each request, as a serving engine's scheduler does once per step. Refuses (outside a
+    CUDA-graph capture) a step that would overflow a slot."""
+    S, Lmax, width = state.kv.shape
+    if Lmax % MLA_PAGE:
+        raise ValueError(f"state.kv: the paged view needs Lmax a multiple of {MLA_PAGE}, got {Lmax}")
+    valid = slots >= 0
+    idx = slots.clamp_min(0).long()
+    L0 = state.lengths[idx]
+    capturing = slots.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and bool((valid & (L0 + 1 > Lmax)).any()):
+        raise ValueError(f"state.kv: a slot would need more than its {Lmax} rows")
+    per = Lmax // MLA_PAGE
+    table = (idx[:, None] * per + torch.arange(per, device=slots.device)[None, :]).to(torch.int32)
+    seqlens = torch.where(valid, L0 + 1, torch.zeros_like(L0)).to(torch.int32)
+    state.lengths.index_add_(0, idx, valid.to(state.lengths.dtype))
+    return state.kv.view(S * per, MLA_PAGE, width), table, seqlens
