@@ -125,6 +125,23 @@ def st_shared_cluster_f32(smem_ptr, val, rank):
         "r,f,r,~{memory}", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+def mma_m16n8k16(acc, base: int, a, b0, b1) -> None:
+    """acc[base .. base + 3] += A B on one mma.sync m16n8k16 (bf16 in, fp32 accumulate), traced inside a kernel.
+    a: the four 32-bit A registers (bf16 pairs), b0 / b1: the two B registers; acc: an fp32 register tensor."""
+    from cutlass import Float32, Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Int32(x).ir_value() for x in (a[0], a[1], a[2], a[3], b0, b1)] + [acc[base + q].ir_value() for q in range(4)],
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+        "{$10,$11,$12,$13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+    for q in range(4):
+        acc[base + q] = Float32(llvm.extractvalue(T.f32(), res, [q]))
+
+
 def swapab_a_fragment(fa, rA, h, t):
     """Fill the 8 bf16 A registers of one m16n8k16 (swap-AB GEMV: weight rows g and g+8 of tile t) from the two
     16-byte row loads rA[:, 2t] (row g) and rA[:, 2t+1] (row g+8), for the h-th k16 half of a 32-wide chunk.

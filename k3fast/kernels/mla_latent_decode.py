@@ -46,7 +46,7 @@ which waits for this grid to finish). One workspace per device, stream-ordered (
 
 import math
 
-from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, mma_m16n8k16
 
 PAGE = 64                 # cache rows per page (vLLM's block size for this layout)
 DQK = 576                 # cache row: c_kv (512) | k_pe (64)
@@ -101,16 +101,7 @@ def _build(hn: int, append: bool):
     def _i(x):
         return Int32(x).ir_value()
 
-    def mma(acc, base, a, b0, b1):
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.f32()] * 4),
-            [_i(a[0]), _i(a[1]), _i(a[2]), _i(a[3]), _i(b0), _i(b1)] + [acc[base + q].ir_value() for q in range(4)],
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-            "{$10,$11,$12,$13};",
-            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT)
-        for q in range(4):
-            acc[base + q] = Float32(llvm.extractvalue(T.f32(), res, [q]))
+    mma = mma_m16n8k16
 
     def ldmatrix_x4_trans(addr):
         res = llvm.inline_asm(

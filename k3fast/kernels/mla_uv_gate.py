@@ -18,7 +18,7 @@ Contracts: o_lat [M, H, 512] bf16 contiguous, w_uv [H, 128, 512] bf16 contiguous
 g: columns [g_col, g_col + H * 128) of a bf16 [M, W] tensor, out [M, H * 128] bf16; 1 <= M <= 64. Launched with
 PDL: nothing is read before griddepcontrol.wait.
 """
-from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
+from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, mma_m16n8k16
 
 DV = 512                 # o_lat width (kv_lora_rank)
 VH = 128                 # v_head_dim
@@ -42,25 +42,10 @@ def compile_key(m: int) -> tuple:
 def _build(nt: int):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T
 
     from ._dsl import sigmoid
 
-    def _i(x):
-        return Int32(x).ir_value()
-
-    def mma(acc, base, a, b0, b1):
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.f32()] * 4),
-            [_i(a[0]), _i(a[1]), _i(a[2]), _i(a[3]), _i(b0), _i(b1)] + [acc[base + q].ir_value() for q in range(4)],
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-            "{$10,$11,$12,$13};",
-            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT)
-        for q in range(4):
-            acc[base + q] = Float32(llvm.extractvalue(T.f32(), res, [q]))
-
+    mma = mma_m16n8k16
     smem_bytes = WARPS * ROWS * RSTR * 4 + 128
 
     class MlaUvGate:

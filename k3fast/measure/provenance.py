@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         env = json.load(f).get("environment", {})
     digest, commit = env.get("source_digest"), str(env.get("commit", ""))
     if not digest:
-        print(f"{args.record}: no source_digest (written before session 32); recorded commit {commit or '?'}")
+        print(f"{args.record}: no source_digest (written before records carried one); recorded commit {commit or '?'}")
         return 2
     hits = matching_commits(digest, max_back=args.max_back)
     print(f"recorded commit {commit}, source digest {digest}; commits with that source: {' '.join(hits) or 'none'}")
