@@ -10,10 +10,11 @@
   (variant "torch-glue", also the fallback where vLLM cannot run) composes those steps from torch ops;
 * MLA: packed GEMMs and a torch absorbed attention over the latent cache.
 
-``ops="vllm-layer"`` (variant "vllm-layer") runs what vLLM 0.33's own layer runs on SM90 at TP16-rank shapes, kernel
-for kernel: on top of the vllm-ops kernels, vLLM's Triton KDA decode path (conv update, packed recurrent decode,
-gated RMSNorm; k3fast.stock.vllm_ops.kda_decode_core) and K3's low-latency GEMM table (CuTe skinny GEMMs) for
-o_proj and the latent down / up projections. ``vllm_ops.KERNELS_VLLM_LAYER_B1`` lists its launches beside the ones
+``ops="vllm-layer"`` (variant "vllm-layer") runs what vLLM 0.33's own layer runs on SM90, kernel for kernel: on top
+of the vllm-ops kernels, vLLM's KDA decode at this head count (its Triton path at TP16's 6 heads, its native fused op
+at 12 / 96; k3fast.stock.vllm_ops.kda_decode_core), K3's low-latency GEMM table (CuTe skinny GEMMs) for o_proj, the
+latent down / up and MLA's q_a | kv_a projections, and the FLASH_ATTN_MLA decode of the MLA layers
+(k3fast.stock.mla.FA3MLADecodeCore). ``vllm_ops.KERNELS_VLLM_LAYER_B1`` lists its launches beside the ones
 recorded from vLLM's engine. The default stays "vllm" (our earlier composition: fla's KDA kernels with torch glue,
 cuBLAS projections) until the vllm-layer variant's parity and timings are recorded on a GPU.
 
@@ -44,6 +45,11 @@ def _linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(x, w.t(), out_dtype=torch.float32)
     except (TypeError, RuntimeError):
         return F.linear(x, w).float()
+
+
+def _fa3_core_type():
+    from .mla import FA3MLADecodeCore
+    return FA3MLADecodeCore
 
 
 # ops -> the record's stock_variant
@@ -93,7 +99,7 @@ class StockImpl:
         a = w.attn
         if isinstance(a, KDAWeights):
             self.in_proj = torch.cat([a.q_proj, a.k_proj, a.v_proj, a.g_proj, a.f_a_proj, a.b_proj]).contiguous()
-            if ops == "vllm":
+            if ops in ("vllm", "vllm-layer"):
                 # vLLM's in_proj_qkvgfab pads each rank's rows to a multiple of 16 (kda.py: 10 rows at TP16,
                 # 4 at TP8): same GEMM shape as vLLM; the padded output columns are never read.
                 pad = -self.in_proj.shape[0] % 16
@@ -108,9 +114,19 @@ class StockImpl:
                     self.kda_w["conv_native"] = native_conv_weight(self.kda_w["conv_qkv"], cfg.kda_proj)
         else:
             self.mla_a = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj]).contiguous()
-            # the MLA core over the cache: vLLM's FlashMLA on Hopper (vllm-ops variant), else k3ref's mla_core
+            # the MLA core over the cache: vLLM's FLASH_ATTN_MLA path (vllm-layer), FlashMLA (vllm-ops), else k3ref's
             self.mla_core, self.mla_core_variant = None, "k3ref mla_core (torch)"
-            if ops == "vllm":
+            if ops == "vllm-layer":
+                from .mla import FA3MLADecodeCore, fa3_mla_available
+                ok, why = fa3_mla_available()
+                if ok:
+                    self.mla_core = FA3MLADecodeCore(cfg, a)
+                    self.mla_core_variant = "vllm fa3 split-kv (FLASH_ATTN_MLA)"
+                    # vLLM's fused_qkv_a projection (q_a | kv_a) on K3's low-latency table; g_proj apart
+                    self.mla_qkv_a = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa]).contiguous()
+                else:
+                    self.mla_core_variant += f"; fa3 mla unavailable: {why}"
+            if ops in ("vllm", "vllm-layer") and self.mla_core is None:
                 from .mla import FlashMLADecodeCore, flashmla_available
                 ok, why = flashmla_available()
                 if ok:
@@ -238,6 +254,21 @@ class StockImpl:
                            w.input_layernorm, eps, l // cfg.attn_res_block_size if boundary else -1)
         if isinstance(w.attn, KDAWeights):
             a = self._kda_attn(x, io)
+        elif isinstance(self.mla_core, _fa3_core_type()):
+            # vLLM's own MLA decode (KimiK3MLA.forward on SM90): q_a | kv_a on the low-latency table and g_proj apart,
+            # the fused q / kv RMSNorm, q_b, then the FA3 path (W_UK, concat + cache insert, split-KV, W_UV)
+            ma, R = w.attn, cfg.kv_lora_rank
+            with stage("k3.mla.in_proj"):
+                qkv = V.low_latency_linear(x, self.mla_qkv_a)
+                g = F.linear(x, ma.g_proj)
+                qa, kv = qkv.split([cfg.q_lora_rank, cfg.kv_cache_dim], dim=-1)
+                cq, ckv = V.q_kv_rms_norm(qa, kv[:, :R], ma.q_a_layernorm, ma.kv_a_layernorm, eps)
+            with stage("k3.mla.q_b"):
+                q = F.linear(cq, ma.q_b_proj).view(-1, cfg.mla_heads, cfg.qk_head_dim)
+            with stage("k3.mla.core"):
+                o = self.mla_core(q, ckv, kv[:, R:], io.state.kv, io.state.lengths, io.slots)
+            with stage("k3.o_proj"):
+                a = V.low_latency_linear(V.gate_sigmoid_mul(o, g), ma.o_proj)
         else:
             ma = w.attn
             with stage("k3.mla.in_proj"):

@@ -1,9 +1,10 @@
 """Stock MLA decode core for Hopper: what vLLM 0.33 runs for Kimi K3's Gated MLA on an H200.
 
 vLLM's backend priority on SM90 (``platforms/cuda.py``) is FLASH_ATTN_MLA, then FLASHMLA, then FLASHINFER_MLA, then
-TRITON_MLA. FlashMLA's dense BF16 decode kernel ships in the vLLM 0.33 wheel (``vllm._flashmla_C``); the
-FA3-MLA build is not in our staged wheel, so FlashMLA is what a competent Hopper user gets. The decode step follows
-``vllm/models/kimi_k3/nvidia/mla.py``:
+TRITON_MLA. Inside a vLLM 0.33 engine on an H100 the K3 MLA layers run FLASH_ATTN_MLA: FlashAttention-3's split-KV
+forward and combine (traces/h100/vllm-e2e-4c9dbfe.json). ``FA3MLADecodeCore`` runs that path with vLLM's own
+functions (the "vllm-layer" stock variant); ``FlashMLADecodeCore`` runs FlashMLA's dense BF16 decode
+(``vllm._flashmla_C``; the "vllm-ops" variant). The decode step follows ``vllm/models/kimi_k3/nvidia/mla.py``:
 
     q_lat,h = q_nope,h W_UK,h            (BMM1: absorb kv_b_proj's k rows, 128 -> 512 per head)
     Q_h     = [q_lat,h | q_pe,h]          (576 = the cache row width: 512 latent + 64 rope/pe part)
@@ -83,3 +84,79 @@ class FlashMLADecodeCore:
         o = torch.bmm(o_lat[:, 0].transpose(0, 1), self.W_UV_T).transpose(0, 1)         # [N, H, 128]
         o = o * valid[:, None, None].to(o.dtype)
         return o.reshape(N, H * cfg.v_head_dim).contiguous()
+
+
+def fa3_mla_available() -> tuple[bool, str]:
+    """(True, "") when vLLM's FLASH_ATTN_MLA decode pieces import here: FlashAttention-3's varlen entry and scheduler,
+    and K3's fused decode query-concat + cache-insert op."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    try:
+        from vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache import (  # noqa: F401
+            fused_mla_decode_q_concat_kv_cache_insert)
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata  # noqa: F401
+    except Exception as ex:                      # vLLM absent or built without FA3: say why, the caller falls back
+        return False, f"vLLM's FA3 MLA decode does not import: {type(ex).__name__}: {str(ex)[:200]}"
+    return True, ""
+
+
+class FA3MLADecodeCore:
+    """vLLM 0.33's own MLA decode on Hopper (KimiK3MLA._attention -> FlashAttnMLAImpl.forward_mqa), from the RMSNormed
+    latent row to o: the W_UK bmm, K3's fused decode query-concat + cache insert, FlashAttention-3's split-KV
+    forward + combine over the paged cache (q = the 64 rope dims, q_v = the 512 latent dims, as forward_mqa calls
+    it), the W_UV bmm. T = 1.
+
+    The per-step metadata vLLM's attention builder prepares once for all layers (slot mapping, block table, sequence
+    lengths, FA3's scheduler metadata with at most 32 splits, flash_attn_max_num_splits_for_cuda_graph's default)
+    is built here from the harness's [S, Lmax, 576] pool, inside the layer's step."""
+
+    MAX_SPLITS = 32
+
+    def __init__(self, cfg, w):
+        from k3ref.mla import _split_kv_b
+        self.cfg = cfg
+        W_UK, W_UV = _split_kv_b(w, cfg)
+        self.W_UK = W_UK.contiguous()                                     # [H, 128, 512]
+        self.W_UV_T = W_UV.transpose(1, 2).contiguous()                   # [H, 512, 128]
+        self.scale = cfg.qk_head_dim ** -0.5
+
+    def __call__(self, q, kv_normed, k_pe, kv_cache, lengths, slots):
+        """q [N, H, 192] bf16, kv_normed [N, 512] (c_kv after kv_a_layernorm), k_pe [N, 64], the pool [S, Lmax, 576]
+        with lengths [S] (advanced here), slots [N] (< 0: padding) -> o [N, H * 128] bf16 (padded rows zero)."""
+        from vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache import (
+            fused_mla_decode_q_concat_kv_cache_insert)
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+        cfg = self.cfg
+        N, H = slots.shape[0], cfg.mla_heads
+        R = cfg.kv_lora_rank
+        S, Lmax, width = kv_cache.shape
+        if Lmax % PAGE:
+            raise ValueError(f"kv_cache: pages are {PAGE} tokens; the pool's Lmax={Lmax} is not a multiple")
+        valid = slots >= 0
+        idx = slots.clamp_min(0).long()
+        L0 = lengths[idx]
+        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()) and bool((valid & (L0 + 1 > Lmax)).any()):
+            raise ValueError(f"MLA cache overflow: a slot would need more than its {Lmax} rows")
+        pages = Lmax // PAGE
+        slot_mapping = torch.where(valid, idx * Lmax + L0, torch.full_like(L0, -1))
+        block_table = (idx[:, None] * pages + torch.arange(pages, device=q.device)[None, :]).to(torch.int32)
+        seqlens = torch.where(valid, L0 + 1, torch.ones_like(L0)).to(torch.int32)
+        lengths.index_add_(0, idx, valid.to(lengths.dtype))
+        cu_q = torch.arange(N + 1, dtype=torch.int32, device=q.device)
+        paged = kv_cache.view(S * pages, PAGE, width)
+        ql_nope = torch.bmm(q[..., :cfg.qk_nope_head_dim].transpose(0, 1), self.W_UK).transpose(0, 1)
+        mqa_q = fused_mla_decode_q_concat_kv_cache_insert(ql_nope, q[..., cfg.qk_nope_head_dim:], kv_normed, k_pe,
+                                                          paged, slot_mapping)
+        q_nope, q_pe = mqa_q.split([R, cfg.qk_rope_head_dim], dim=-1)
+        sched = get_scheduler_metadata(batch_size=N, max_seqlen_q=1, max_seqlen_k=Lmax, num_heads_q=H, num_heads_kv=1,
+                                       headdim=cfg.qk_rope_head_dim, cache_seqlens=seqlens, qkv_dtype=paged.dtype,
+                                       headdim_v=R, page_size=PAGE, cu_seqlens_q=cu_q, causal=True,
+                                       num_splits=self.MAX_SPLITS)
+        o_lat = flash_attn_varlen_func(q=q_pe, k=paged[..., R:].unsqueeze(-2), v=paged[..., :R].unsqueeze(-2),
+                                       q_v=q_nope, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=Lmax,
+                                       seqused_k=seqlens, block_table=block_table, softmax_scale=self.scale,
+                                       causal=True, fa_version=3, scheduler_metadata=sched,
+                                       num_splits=self.MAX_SPLITS)                 # [N, H, 512]
+        o = torch.bmm(o_lat.transpose(0, 1), self.W_UV_T).transpose(0, 1)         # [N, H, 128]
+        o = torch.where(valid[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+        return o.reshape(N, H * cfg.v_head_dim)

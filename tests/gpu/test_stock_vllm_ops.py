@@ -177,3 +177,33 @@ def test_stock_vllm_layer_launches_what_vllm_launches():
             if not name.startswith(k) and extra:
                 extra, name = 0, next(it)
             assert name.startswith(k), f"{part}: expected {k!r}, got {name!r} ({got})"
+
+
+@pytest.mark.parametrize("tp,batch,context", [(16, 1, 1000), (16, 8, 300), (8, 3, 64)])
+def test_stock_vllm_layer_mla_against_the_reference(tp, batch, context):
+    """The vllm-layer variant's MLA half (vLLM's FLASH_ATTN_MLA decode: low-latency q_a | kv_a projection, fused
+    q / kv RMSNorm, W_UK, the fused concat + cache insert, FA3 split-KV, W_UV, gate, low-latency o_proj) against
+    k3ref: the MoE input, the appended cache rows, the lengths; a padded request writes nothing."""
+    _need_vllm_layer()
+    from k3fast.measure.impls import make_impl, make_io
+    from k3fast.stock.mla import fa3_mla_available
+    ok, why = fa3_mla_available()
+    if not ok:
+        pytest.skip(why)
+    cfg = k3_rank(tp)
+    w = random_layer(cfg, 3, seed=35, device="cuda")
+    outs = {}
+    for name in ("ref", "stock"):
+        io = make_io(cfg, 3, batch, context=context, seed=36)
+        if batch > 1:
+            io.slots[1] = -1
+        impl = make_impl(name, cfg, w, **({"max_batch": batch, "ops": "vllm-layer"} if name == "stock" else {}))
+        if name == "stock":
+            assert impl.mla_core_variant.startswith("vllm fa3"), impl.mla_core_variant
+        impl.attn(io)
+        torch.cuda.synchronize()
+        live = io.slots >= 0
+        outs[name] = (io.x_mlp[live].clone(), io.state.kv.clone(), io.state.lengths.clone())
+    assert_close("x_mlp", outs["stock"][0], outs["ref"][0], "bf16_kernel")
+    assert_close("cache rows", outs["stock"][1], outs["ref"][1], "bf16_state_chain")
+    assert torch.equal(outs["stock"][2], outs["ref"][2]), "lengths differ"
