@@ -95,8 +95,11 @@ def fa3_mla_available() -> tuple[bool, str]:
         from vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache import (  # noqa: F401
             fused_mla_decode_q_concat_kv_cache_insert)
         from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata  # noqa: F401
+        from vllm.vllm_flash_attn import flash_attn_interface as fai
     except Exception as ex:                      # vLLM absent or built without FA3: say why, the caller falls back
         return False, f"vLLM's FA3 MLA decode does not import: {type(ex).__name__}: {str(ex)[:200]}"
+    if not getattr(fai, "FA3_AVAILABLE", False):
+        return False, f"FlashAttention-3 unavailable: {getattr(fai, 'FA3_UNAVAILABLE_REASON', '?')}"
     return True, ""
 
 
