@@ -242,15 +242,46 @@ def compare_runs(new_path: str, old_path: str) -> str:
     return "\n".join(lines)
 
 
+def engine_match(records_path: str, e2e_path: str) -> str:
+    """The stock layer of a trace run beside vLLM's own layer inside an engine (a vllm_e2e file, same card): per
+    layer kind and batch, the stock record's kernel count and summed kernel time against the engine's eager
+    per-layer figure (``layer_kernels`` / ``layer_us``), the stock variant, and whether the kernel time is within 5 %.
+    Both are sums of kernel durations of one decode step's layer, so they compare like for like; the trace's
+    replay median also contains launch gaps, the engine's figure does not."""
+    recs = [r for r in load_records(os.path.join(ROOT, records_path))
+            if r["impl"] == "stock" and r["part"] == "layer"]
+    with open(os.path.join(ROOT, e2e_path)) as f:
+        e2e = [r for r in json.load(f)["records"] if r.get("kind") == "vllm_e2e" and r.get("engine") == "stock"]
+    lines = [f"stock in `{records_path}` against vLLM's layer in `{e2e_path}`", "",
+             "| layer | shape | batch | context | stock variant | kernels stock / vLLM | kernel µs stock / vLLM | "
+             "within 5 % |", "|" + "---|" * 8]
+    for r in sorted(recs, key=lambda r: (r["layer_kind"], r["shape"], r["batch"], r.get("context", 0))):
+        eng = next((e for e in e2e if e["batch"] == r["batch"] and e.get("gpu") == r.get("gpu")
+                    and f"layer_us_{r['layer_kind']}" in e), None)
+        if eng is None or r["shape"] != "k3_rank16":
+            continue                 # the engine runs the TP16-rank model: only rank16 cells have a counterpart
+        us, n = eng[f"layer_us_{r['layer_kind']}"], eng[f"layer_kernels_{r['layer_kind']}"]
+        ok = abs(r["kernel_us_sum"] / us - 1) <= 0.05
+        lines.append(f"| {r['layer_kind']} | {r['shape']} | {r['batch']} | {r.get('context') or 0} | "
+                     f"{r.get('stock_variant')} | {r['kernels']:g} / {n:g} | {r['kernel_us_sum']:.1f} / {us:.1f} | "
+                     f"{'yes' if ok else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 when README's block differs from its files")
     ap.add_argument("--no-figure", action="store_true", help="leave docs/figures/headline.png alone")
     ap.add_argument("--print-only", action="store_true", help="print the table; write nothing")
     ap.add_argument("--compare", nargs=2, metavar=("NEW", "OLD"), help="print compare_runs(NEW, OLD) and exit")
+    ap.add_argument("--engine-match", nargs=2, metavar=("RECORDS", "VLLM_E2E"),
+                    help="print engine_match(RECORDS, VLLM_E2E): the stock layer against vLLM's own, and exit")
     args = ap.parse_args(argv)
     if args.compare:
         print(compare_runs(*args.compare))
+        return 0
+    if args.engine_match:
+        print(engine_match(*args.engine_match))
         return 0
     path = os.path.join(ROOT, "README.md")
     with open(path) as f:

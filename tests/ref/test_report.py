@@ -74,3 +74,13 @@ def test_compare_runs_reports_time_and_identical_errors(tmp_path, monkeypatch):
     rows = report.compare_runs("records-new.json", "records-old.json").splitlines()
     assert "| kda_moe | k3_rank16 | 1 | layer | fast | 99.0 | 100.0 | -1.0 % | 6 / 6 | yes |" in rows
     assert "| kda_moe | k3_rank8 | 8 | layer | fast | 240.0 | 236.0 | +1.7 % | 8 / 8 | no |" in rows
+
+
+def test_engine_match_puts_stock_beside_vllms_own_layer():
+    """The stock layer of a trace run beside vLLM's layer in the engine run of the same card (TP16-rank cells)."""
+    from k3fast.measure.report import engine_match
+    text = engine_match("traces/h100/records-d3adcf6-sweep.json", "traces/h100/vllm-e2e-4c9dbfe.json")
+    rows = [ln for ln in text.splitlines() if ln.startswith("| kda_moe")]
+    assert [ln.split("|")[3].strip() for ln in rows] == ["1", "8", "64"]
+    # the vllm-ops composition is not vLLM's layer at batch 1: 35 kernels against the engine's 25
+    assert "| vllm-ops | 35 / 25 |" in rows[0] and rows[0].rstrip().endswith("| no |")
