@@ -392,7 +392,9 @@ class FusedMLA(_AttentionEnds):
         self.W_Q = torch.cat([q_lat_w, qb[:, dn:]], dim=1).reshape(H * cfg.kv_cache_dim, cfg.q_lora_rank)
         self.W_Q = self.W_Q.to(torch.bfloat16).contiguous()
         self.W_UV = W_UV.contiguous()                    # [H, 128, 512]
-        self.u_one = torch.zeros(cfg.q_lora_rank, dtype=torch.float32, device=a.q_a_proj.device)
+        # the AttnRes pseudo-query of the q_a RMSNorm call below: with one source its softmax weight is 1 whatever
+        # the query, so zeros serve
+        self.u_single = torch.zeros(cfg.q_lora_rank, dtype=torch.float32, device=a.q_a_proj.device)
         self.scale = cfg.qk_head_dim ** -0.5
 
     def __call__(self, blocks, partial, delta, kv_pages, block_table, seqlens, x_mlp, partial_out=None) -> None:
@@ -415,7 +417,7 @@ class FusedMLA(_AttentionEnds):
             qa_c = self._buf("qa", qa)
             qa_c.copy_(qa)
             no_blocks = self._buf("no_blocks", qa, shape=(M, rms_gemv.NB_MAX, cfg.q_lora_rank), zero=True)
-            Q, _ = rms_gemv.attnres_rms_gemv(no_blocks, 0, qa_c, None, self.u_one, self.q_a_ln, self.W_Q,
+            Q, _ = rms_gemv.attnres_rms_gemv(no_blocks, 0, qa_c, None, self.u_single, self.q_a_ln, self.W_Q,
                                              eps=cfg.rms_norm_eps, partial_out=self._buf("qa_p", qa))
             Q = Q.view(M, H, cfg.kv_cache_dim)                                               # [M, H, 576] bf16
         with stage("k3.mla.core"):

@@ -129,24 +129,20 @@ class FA3MLADecodeCore:
         from vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache import (
             fused_mla_decode_q_concat_kv_cache_insert)
         from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+        from k3ref.state import MLACache
+
+        from ..layer_io import mla_paged_view
         cfg = self.cfg
         N, H = slots.shape[0], cfg.mla_heads
         R = cfg.kv_lora_rank
-        S, Lmax, width = kv_cache.shape
-        if Lmax % PAGE:
-            raise ValueError(f"kv_cache: pages are {PAGE} tokens; the pool's Lmax={Lmax} is not a multiple")
-        valid = slots >= 0
-        idx = slots.clamp_min(0).long()
-        L0 = lengths[idx]
-        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()) and bool((valid & (L0 + 1 > Lmax)).any()):
-            raise ValueError(f"MLA cache overflow: a slot would need more than its {Lmax} rows")
-        pages = Lmax // PAGE
-        slot_mapping = torch.where(valid, idx * Lmax + L0, torch.full_like(L0, -1))
-        block_table = (idx[:, None] * pages + torch.arange(pages, device=q.device)[None, :]).to(torch.int32)
-        seqlens = torch.where(valid, L0 + 1, torch.ones_like(L0)).to(torch.int32)
-        lengths.index_add_(0, idx, valid.to(lengths.dtype))
+        Lmax = kv_cache.shape[1]
+        # the per-step metadata (block table, rows after the step, lengths advanced) as vLLM's builder prepares it
+        paged, block_table, seqlens = mla_paged_view(MLACache(kv_cache, lengths), slots)
+        valid = seqlens > 0
+        # the new row's flat slot (page * 64 + row); -1 marks a padded request, which FA3 reads one row for
+        slot_mapping = torch.where(valid, slots.clamp_min(0).long() * Lmax + seqlens - 1, -1)
+        seqlens = seqlens.clamp_min(1)
         cu_q = torch.arange(N + 1, dtype=torch.int32, device=q.device)
-        paged = kv_cache.view(S * pages, PAGE, width)
         ql_nope = torch.bmm(q[..., :cfg.qk_nope_head_dim].transpose(0, 1), self.W_UK).transpose(0, 1)
         mqa_q = fused_mla_decode_q_concat_kv_cache_insert(ql_nope, q[..., cfg.qk_nope_head_dim:], kv_normed, k_pe,
                                                           paged, slot_mapping)

@@ -78,8 +78,9 @@ def test_compare_runs_reports_time_and_identical_errors(tmp_path, monkeypatch):
 
 def test_engine_match_puts_stock_beside_vllms_own_layer():
     """The stock layer of a trace run beside vLLM's layer in the engine run of the same card (TP16-rank cells)."""
+    from k3fast.measure.nbtools import INDEX
     from k3fast.measure.report import engine_match
-    text = engine_match("traces/h100/records-d3adcf6-sweep.json", "traces/h100/vllm-e2e-4c9dbfe.json")
+    text = engine_match(INDEX["layout_check_h100"], INDEX["vllm_e2e"])
     rows = [ln for ln in text.splitlines() if ln.startswith("| kda_moe")]
     assert [ln.split("|")[3].strip() for ln in rows] == ["1", "8", "64"]
     # the vllm-ops composition is not vLLM's layer at batch 1: 35 kernels against the engine's 25

@@ -186,9 +186,9 @@ def test_kda_weights_reject_nothing_silently():
 
 def test_split_w13_gate_first():
     w13 = torch.arange(2 * 6 * 4, dtype=torch.uint8).view(2, 6, 4)
-    s13 = torch.arange(2 * 6 * 1, dtype=torch.uint8).view(2, 6, 1)
-    (w1, s1), (w3, s3) = split_w13(w13, s13)
-    assert torch.equal(w1, w13[:, :3]) and torch.equal(w3, w13[:, 3:]) and torch.equal(s3, s13[:, 3:])
+    scale13 = torch.arange(2 * 6 * 1, dtype=torch.uint8).view(2, 6, 1)
+    (w1, s1), (w3, s3) = split_w13(w13, scale13)
+    assert torch.equal(w1, w13[:, :3]) and torch.equal(w3, w13[:, 3:]) and torch.equal(s3, scale13[:, 3:])
 
 
 # ------------------------------------------------------------------------------------------- the runtime glue
