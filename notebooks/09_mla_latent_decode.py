@@ -39,7 +39,7 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-from k3ref import Precision, random_layer, tiny
+from k3ref import Precision, preset, random_layer, tiny
 from k3ref.bytes import floor_us
 from k3ref.compare import rel_rmse
 from k3ref.mla import _split_kv_b, mla_absorbed, mla_latents, mla_naive
@@ -82,9 +82,26 @@ print(f"naive vs absorbed: {naive_vs_absorbed:.1e}   W_Q query vs two-step query
 assert naive_vs_absorbed < 1e-10 and wq_vs_two_step < 1e-10
 
 # %% [markdown]
-# In bf16 the one-step query differs from the two-step one by the rounding of `W_Q` itself (each weight rounded
-# once, ~1e-3 relative on the query at the TP16 shape), against k3ref's two roundings of q and q_lat: the same
-# order, inside the tolerance table's `bf16_kernel`.
+# In bf16 the one-step query differs from the exact one by the rounding of `W_Q` itself (each weight rounded once),
+# where k3ref rounds q and then q_lat. At the TP16 shape, on random weights and inputs:
+
+# %%
+cfg16 = preset("k3_rank16")
+w16 = random_layer(cfg16, 3, seed=0).attn
+H16, dn16 = cfg16.mla_heads, cfg16.qk_nope_head_dim
+W_UK16, _ = _split_kv_b(w16, cfg16)
+qb16 = w16.q_b_proj.view(H16, cfg16.qk_head_dim, cfg16.q_lora_rank).double()
+W_Q16 = torch.cat([torch.einsum("hdc,hdk->hck", W_UK16.double(), qb16[:, :dn16]), qb16[:, dn16:]], dim=1)
+c16 = torch.randn(4, cfg16.q_lora_rank, dtype=torch.float64, generator=g)
+Q_exact = torch.einsum("hck,nk->nhc", W_Q16, c16)
+Q_wq_bf16 = torch.einsum("hck,nk->nhc", W_Q16.bfloat16().double(), c16)
+q_two = torch.einsum("hdk,nk->nhd", qb16, c16).bfloat16().double()                 # k3ref: q rounded ...
+Q_two_bf16 = torch.cat([torch.einsum("nhd,hdc->nhc", q_two[..., :dn16], W_UK16.double()).bfloat16().double(),
+                        q_two[..., dn16:]], dim=-1)                                  # ... then q_lat rounded
+print(f"bf16 W_Q: {rel_rmse(Q_wq_bf16, Q_exact):.1e}   k3ref's two roundings: {rel_rmse(Q_two_bf16, Q_exact):.1e}")
+
+# %% [markdown]
+# The same order of error, inside the tolerance table's `bf16_kernel`.
 #
 # ## 2. Bytes and floor over the context length
 #

@@ -10,8 +10,8 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
 # K3_SAN_NO_CACHING=1: every tensor its own cudaMalloc, so memcheck and initcheck see each buffer's bounds (torch's
 # caching allocator hides an overrun that stays inside one of its pooled segments). Off by default: with it, every
-# tool's process ran out of GPU memory while re-laying the second layer's experts, which needs ~4 GB without a tool
-# (not yet understood; the re-lay allocates and frees ~1,000 temporaries). With the pool, memcheck still catches
+# tool's process ran out of GPU memory while re-laying the second layer's experts, a few GB by the tensors' sizes
+# (not yet understood; the re-lay allocates and frees many chunk-sized temporaries). With the pool, memcheck still catches
 # accesses outside torch's segments and every misaligned or illegal address.
 [ "${K3_SAN_NO_CACHING:-0}" = 1 ] && export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 t0=$(date +%s)
