@@ -525,8 +525,12 @@ class FastImpl:
         if self.stock_attn is not None:
             return self.stock_attn.attn(io)
         if self.mla is not None:
-            from .layer_io import mla_paged_view
-            pages, table, seqlens = mla_paged_view(io.state, io.slots)
+            if io.mla_step is not None:
+                step = io.mla_step
+                pages, table, seqlens = step.pages, step.block_table, step.seqlens
+            else:
+                from .layer_io import mla_paged_view
+                pages, table, seqlens = mla_paged_view(io.state, io.slots)
             return self.mla(io.blocks, io.partial, io.delta, pages, table, seqlens, io.x_mlp)
         self.kda(io.blocks, io.partial, io.delta, io.state.conv, io.state.recurrent, io.slots, io.x_mlp)
 

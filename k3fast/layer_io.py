@@ -28,6 +28,9 @@ class LayerIO:
     slots: torch.Tensor
     x_mlp: torch.Tensor
     out: torch.Tensor
+    # MLA layers: the step's paging metadata when a scheduler built it outside the layer (mla_step); None: the layer
+    # derives it and advances the lengths itself (mla_paged_view)
+    mla_step: MLAStep | None = None
     _saved: dict = dataclasses.field(default_factory=dict)
 
     def stream(self) -> ResidualStream:
@@ -80,12 +83,24 @@ def make_io(cfg: K3Config, layer: int, batch: int, *, context: int = 0, device="
 MLA_PAGE = 64      # rows per page of the paged view (vLLM's block size for the latent cache)
 
 
-def mla_paged_view(state: MLACache, slots: torch.Tensor):
-    """The harness's MLA cache [S, Lmax, 576] seen as vLLM pages it, for one decode step: (pages [S * Lmax / 64, 64,
-    576] (a view), block_table [M, Lmax / 64] int32 (page p of slot s is s * Lmax / 64 + p), seqlens [M] int32: the
-    rows each request attends over once this step's row is appended, 0 for a padded request). Advances
-    ``state.lengths`` by one for each request, as a serving engine's scheduler does once per step. Refuses (outside a
-    CUDA-graph capture) a step that would overflow a slot."""
+@dataclasses.dataclass
+class MLAStep:
+    """One decode step's paging metadata, shared by every MLA layer of the step, as a serving engine's scheduler
+    builds it once per step outside the layers (vLLM's attention-metadata builder): the cache pool as pages
+    [S * Lmax / 64, 64, 576] (a view), block_table [M, Lmax / 64] int32 (page p of slot s is s * Lmax / 64 + p),
+    seqlens [M] int32 (the rows each request attends over once this step's row is appended; 0 for a padded request),
+    slot_mapping [M] int64 (the flat row the new token is written to; -1 for a padded request). ``backend`` holds what
+    an attention backend derives from these once per step (e.g. FlashAttention-3's split schedule)."""
+    pages: torch.Tensor
+    block_table: torch.Tensor
+    seqlens: torch.Tensor
+    slot_mapping: torch.Tensor
+    backend: dict = dataclasses.field(default_factory=dict)
+
+
+def mla_step(state: MLACache, slots: torch.Tensor) -> MLAStep:
+    """The step's MLAStep from the cache's lengths before the step; changes nothing. Refuses (outside a CUDA-graph
+    capture) a step that would overflow a slot."""
     S, Lmax, width = state.kv.shape
     if Lmax % MLA_PAGE:
         raise ValueError(f"state.kv: the paged view needs Lmax a multiple of {MLA_PAGE}, got {Lmax}")
@@ -98,5 +113,18 @@ def mla_paged_view(state: MLACache, slots: torch.Tensor):
     per = Lmax // MLA_PAGE
     table = (idx[:, None] * per + torch.arange(per, device=slots.device)[None, :]).to(torch.int32)
     seqlens = torch.where(valid, L0 + 1, torch.zeros_like(L0)).to(torch.int32)
-    state.lengths.index_add_(0, idx, valid.to(state.lengths.dtype))
-    return state.kv.view(S * per, MLA_PAGE, width), table, seqlens
+    slot_mapping = torch.where(valid, idx * Lmax + L0.long(), torch.full_like(idx, -1))
+    return MLAStep(state.kv.view(S * per, MLA_PAGE, width), table, seqlens, slot_mapping)
+
+
+def mla_paged_view(state: MLACache, slots: torch.Tensor):
+    """(pages, block_table, seqlens) of mla_step for a layer that runs its own step (no scheduler around it), with
+    ``state.lengths`` advanced by one for each request, as the scheduler does once per step."""
+    step = mla_step(state, slots)
+    advance_lengths(state, slots)
+    return step.pages, step.block_table, step.seqlens
+
+
+def advance_lengths(state: MLACache, slots: torch.Tensor) -> None:
+    """The scheduler's end of a step: each live request's cache holds one more row."""
+    state.lengths.index_add_(0, slots.clamp_min(0).long(), (slots >= 0).to(state.lengths.dtype))

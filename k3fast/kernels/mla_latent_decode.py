@@ -400,7 +400,7 @@ def _compile(hn: int, append: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
     obj = _build(hn, append)
-    N, H, NP, MAXP, R, W = (cute.sym_int() for _ in range(6))
+    N, H, NP, MAXP, R, C, W = (cute.sym_int() for _ in range(7))
     fakes = (fake_tensor(BFloat16, (N, H, DQK)),           # q
              fake_tensor(BFloat16, (NP, PAGE, DQK)),       # kv_cache pool
              fake_tensor(Int32, (N, MAXP), align=4),       # block table
@@ -408,7 +408,7 @@ def _compile(hn: int, append: bool = False):
              fake_tensor(BFloat16, (N, H, DV)),            # out
              fake_tensor(Float32, (R, DV)),                # workspace: partial O
              fake_tensor(Float32, (R, 2)),                 # workspace: (m, l)
-             fake_tensor(Int32, (R,), align=4),            # workspace: arrival counters
+             fake_tensor(Int32, (C,), align=4),            # workspace: arrival counters (one per request, head group)
              fake_tensor(BFloat16, (N, W)),                # the projection output holding [c~_kv | k_pe] (append)
              fake_tensor(Float32, (DV,), align=4))         # kv_a_layernorm weight (append)
     return cute.compile(obj, *fakes, Int32(1), Int32(1), Int32(1), Float32(1.0), Int32(0), Float32(1e-5),

@@ -421,6 +421,7 @@ def reset_stock_autotuners(prefixes=("fla.", "vllm.")) -> int:
 
 def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps, perfetto_dir, ref_out, log,
               stock_ops="vllm", routing="random"):
+    from ..layer_io import mla_step
     from .impls import make_impl, make_io
     records = []
     t0 = time.time()
@@ -458,6 +459,10 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
     stages_bytes = layer_bytes(cfg, kind, batch, context=context, layer=layer, distinct_experts=distinct)
     for part in PARTS:
         io = make_io(cfg, layer, batch, context=context, seed=11)
+        if kind == "mla_moe":
+            # the step's paging metadata, built once per step outside the layers as vLLM's scheduler and attention
+            # builder do; the layers that read it (vLLM's FA3 path, FusedMLA) time only their own work
+            io.mla_step = mla_step(io.state, io.slots)
         if part == "moe":
             impl.attn(io)                        # a realistic MLP input for the moe part
             torch.cuda.synchronize()

@@ -110,6 +110,8 @@ class StockImpl:
             self.kda_w["conv_qkv"] = pack_conv_weight(self.kda_w)
             if ops == "vllm-layer":
                 from .vllm_ops import native_conv_weight, native_kda_decode
+                # vLLM keeps K3's conv1d weight in fp32 (params_dtype=torch.float32) for both decode paths
+                self.kda_w["conv_qkv"] = self.kda_w["conv_qkv"].float()
                 if native_kda_decode(cfg.kda_heads):
                     self.kda_w["conv_native"] = native_conv_weight(self.kda_w["conv_qkv"], cfg.kda_proj)
         else:
@@ -266,7 +268,7 @@ class StockImpl:
             with stage("k3.mla.q_b"):
                 q = F.linear(cq, ma.q_b_proj).view(-1, cfg.mla_heads, cfg.qk_head_dim)
             with stage("k3.mla.core"):
-                o = self.mla_core(q, ckv, kv[:, R:], io.state.kv, io.state.lengths, io.slots)
+                o = self.mla_core(q, ckv, kv[:, R:], io.state.kv, io.state.lengths, io.slots, step=io.mla_step)
             with stage("k3.o_proj"):
                 a = V.low_latency_linear(V.gate_sigmoid_mul(o, g), ma.o_proj)
         else:

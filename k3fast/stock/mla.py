@@ -109,9 +109,10 @@ class FA3MLADecodeCore:
     forward + combine over the paged cache (q = the 64 rope dims, q_v = the 512 latent dims, as forward_mqa calls
     it), the W_UV bmm. T = 1.
 
-    The per-step metadata vLLM's attention builder prepares once for all layers (slot mapping, block table, sequence
-    lengths, FA3's scheduler metadata with at most 32 splits, flash_attn_max_num_splits_for_cuda_graph's default)
-    is built here from the harness's [S, Lmax, 576] pool, inside the layer's step."""
+    The per-step metadata (slot mapping, block table, sequence lengths: k3fast.layer_io.MLAStep; FA3's scheduler
+    metadata with at most 32 splits, flash_attn_max_num_splits_for_cuda_graph's default) is what vLLM's attention
+    builder prepares once per step for all layers: given a step, it is read (the scheduler metadata derived once, on
+    the step's first, eager call), not rebuilt in the layer; without one it is built here and the lengths advanced."""
 
     MAX_SPLITS = 32
 
@@ -123,39 +124,52 @@ class FA3MLADecodeCore:
         self.W_UV_T = W_UV.transpose(1, 2).contiguous()                   # [H, 512, 128]
         self.scale = cfg.qk_head_dim ** -0.5
 
-    def __call__(self, q, kv_normed, k_pe, kv_cache, lengths, slots):
+    def _schedule(self, N, Lmax, seqlens, cu_q, dtype):
+        from vllm.vllm_flash_attn import get_scheduler_metadata
+        cfg = self.cfg
+        return get_scheduler_metadata(batch_size=N, max_seqlen_q=1, max_seqlen_k=Lmax, num_heads_q=cfg.mla_heads,
+                                      num_heads_kv=1, headdim=cfg.qk_rope_head_dim, cache_seqlens=seqlens,
+                                      qkv_dtype=dtype, headdim_v=cfg.kv_lora_rank, page_size=PAGE,
+                                      cu_seqlens_q=cu_q, causal=True, num_splits=self.MAX_SPLITS)
+
+    def __call__(self, q, kv_normed, k_pe, kv_cache, lengths, slots, step=None):
         """q [N, H, 192] bf16, kv_normed [N, 512] (c_kv after kv_a_layernorm), k_pe [N, 64], the pool [S, Lmax, 576]
-        with lengths [S] (advanced here), slots [N] (< 0: padding) -> o [N, H * 128] bf16 (padded rows zero)."""
+        with lengths [S], slots [N] (< 0: padding), ``step`` (k3fast.layer_io.MLAStep or None) -> o [N, H * 128]
+        bf16. A padded request's row is what vLLM leaves there (attention over one row of the null page), unmasked
+        as in the engine: nothing downstream reads it."""
         from vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache import (
             fused_mla_decode_q_concat_kv_cache_insert)
-        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
         from k3ref.state import MLACache
 
-        from ..layer_io import mla_paged_view
+        from ..layer_io import advance_lengths, mla_step
         cfg = self.cfg
-        N, H = slots.shape[0], cfg.mla_heads
+        N = slots.shape[0]
         R = cfg.kv_lora_rank
         Lmax = kv_cache.shape[1]
-        # the per-step metadata (block table, rows after the step, lengths advanced) as vLLM's builder prepares it
-        paged, block_table, seqlens = mla_paged_view(MLACache(kv_cache, lengths), slots)
-        valid = seqlens > 0
-        # the new row's flat slot (page * 64 + row); -1 marks a padded request, which FA3 reads one row for
-        slot_mapping = torch.where(valid, slots.clamp_min(0).long() * Lmax + seqlens - 1, -1)
-        seqlens = seqlens.clamp_min(1)
-        cu_q = torch.arange(N + 1, dtype=torch.int32, device=q.device)
+        if step is None:
+            step = mla_step(MLACache(kv_cache, lengths), slots)
+            advance_lengths(MLACache(kv_cache, lengths), slots)
+        meta = step.backend.get("fa3")
+        if meta is None:
+            # FA3 reads at least one row: a padded request (seqlen 0) attends over row 0 of its table; zeroed below
+            seqlens = step.seqlens.clamp_min(1)
+            cu_q = torch.arange(N + 1, dtype=torch.int32, device=q.device)
+            meta = (seqlens, cu_q, self._schedule(N, Lmax, seqlens, cu_q, step.pages.dtype))
+            if not torch.cuda.is_current_stream_capturing():
+                step.backend["fa3"] = meta
+        seqlens, cu_q, sched = meta
+        paged, block_table = step.pages, step.block_table
         ql_nope = torch.bmm(q[..., :cfg.qk_nope_head_dim].transpose(0, 1), self.W_UK).transpose(0, 1)
         mqa_q = fused_mla_decode_q_concat_kv_cache_insert(ql_nope, q[..., cfg.qk_nope_head_dim:], kv_normed, k_pe,
-                                                          paged, slot_mapping)
+                                                          paged, step.slot_mapping)
         q_nope, q_pe = mqa_q.split([R, cfg.qk_rope_head_dim], dim=-1)
-        sched = get_scheduler_metadata(batch_size=N, max_seqlen_q=1, max_seqlen_k=Lmax, num_heads_q=H, num_heads_kv=1,
-                                       headdim=cfg.qk_rope_head_dim, cache_seqlens=seqlens, qkv_dtype=paged.dtype,
-                                       headdim_v=R, page_size=PAGE, cu_seqlens_q=cu_q, causal=True,
-                                       num_splits=self.MAX_SPLITS)
         o_lat = flash_attn_varlen_func(q=q_pe, k=paged[..., R:].unsqueeze(-2), v=paged[..., :R].unsqueeze(-2),
                                        q_v=q_nope, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=Lmax,
                                        seqused_k=seqlens, block_table=block_table, softmax_scale=self.scale,
                                        causal=True, fa_version=3, scheduler_metadata=sched,
                                        num_splits=self.MAX_SPLITS)                 # [N, H, 512]
-        o = torch.bmm(o_lat.transpose(0, 1), self.W_UV_T).transpose(0, 1)         # [N, H, 128]
-        o = torch.where(valid[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
-        return o.reshape(N, H * cfg.v_head_dim)
+        # W_UV written transposed straight into the [N, H, 128] output, as vLLM's _v_up_proj does (no copy)
+        o = torch.empty(N, cfg.mla_heads * cfg.v_head_dim, dtype=o_lat.dtype, device=o_lat.device)
+        torch.bmm(o_lat.transpose(0, 1), self.W_UV_T, out=o.view(N, cfg.mla_heads, cfg.v_head_dim).transpose(0, 1))
+        return o

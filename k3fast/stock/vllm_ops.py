@@ -539,9 +539,9 @@ def native_kda_decode(heads: int) -> bool:
 
 
 def native_conv_weight(conv_w: torch.Tensor, proj: int) -> torch.Tensor:
-    """[3P, 4] conv taps -> vLLM's decode_conv1d_weight layout [3 (q, k, v), 4 taps, P] in bf16 (the model dtype of
-    the conv1d parameter)."""
-    return conv_w.view(3, proj, -1).transpose(1, 2).contiguous().to(torch.bfloat16)
+    """[3P, 4] conv taps -> vLLM's decode_conv1d_weight layout [3 (q, k, v), 4 taps, P] in fp32 (the dtype of K3's
+    conv1d parameter, which vLLM declares float32; the native op refuses any other)."""
+    return conv_w.view(3, proj, -1).transpose(1, 2).contiguous().to(torch.float32)
 
 
 def kda_decode_core(qkv: torch.Tensor, g_out: torch.Tensor, f: torch.Tensor, b: torch.Tensor,

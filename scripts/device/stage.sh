@@ -21,6 +21,12 @@ case "${1:-}" in
       d=$(dirname "$(readlink -f "$(command -v ncu)")")
       for c in "$d/extras/python" "$(dirname "$d")/extras/python"; do [ -f "$c/ncu_report.py" ] && ncupy=":$c" && break; done
     fi
+    # ncu may be a wrapper script outside its install folder (e.g. /usr/local/cuda/bin/ncu): look where CUDA and
+    # Nsight Compute install themselves
+    if [ -z "$ncupy" ]; then
+      c=$(find /usr/local /opt -maxdepth 6 -name ncu_report.py -path '*extras/python*' 2>/dev/null | sort | tail -1)
+      [ -z "$c" ] || ncupy=":$(dirname "$c")"
+    fi
     printf 'export PYTHONPATH=%s:/tmp/k3site:/tmp/k3site/nvidia_cutlass_dsl/dsl_packages%s${PYTHONPATH:+:$PYTHONPATH}\nexport PYTHONUNBUFFERED=1\n' "$root" "$ncupy" > /tmp/k3env.sh
     . /tmp/k3env.sh
     python3 -c "import cutlass, tvm_ffi, fla, torch; print('ready: cutlass', cutlass.__version__, 'tvm_ffi', tvm_ffi.__version__, 'fla', fla.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"

@@ -130,7 +130,11 @@ def test_attnres_rmsnorm_cluster(R, seed, early, n_blocks, has_delta):
     assert torch.equal(po, p2_ref)
     assert rel_rmse(x, x_ref) <= 1e-2
     assert ((x.float() - x_ref).abs() <= 2 ** -7 * x_ref.abs() + 1e-6).float().mean() > 0.999
-    assert ((x.float() - x1.float()).abs() <= 2 ** -7 * x1.float().abs()).all()
+    bad = ((x.float() - x1.float()).abs() > 2 ** -7 * x1.float().abs()).nonzero().tolist()
+    assert not bad, (f"{len(bad)} of {x.numel()} elements differ from the one-CTA build by more than 1 bf16 ulp; "
+                     "first (m, k, cluster, one CTA, fp32 ref): "
+                     + "; ".join(f"{m},{k},{x[m, k].item():.6g},{x1[m, k].item():.6g},{x_ref[m, k].item():.6g}"
+                                 for m, k in bad[:8]))
 
 
 def test_attnres_rmsnorm_in_place(R, seed):

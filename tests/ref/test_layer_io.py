@@ -1,10 +1,10 @@
-"""The harness's MLA cache seen as vLLM pages it (k3fast.layer_io.mla_paged_view), on the CPU."""
+"""The harness's MLA cache seen as vLLM pages it (k3fast.layer_io.mla_step / mla_paged_view), on the CPU."""
 import pytest
 import torch
 
 from k3ref import k3_rank
 from k3ref.state import MLACache
-from k3fast.layer_io import MLA_PAGE, mla_paged_view
+from k3fast.layer_io import MLA_PAGE, mla_paged_view, mla_step
 
 pytestmark = pytest.mark.ref
 
@@ -31,3 +31,20 @@ def test_overflow_and_bad_pool_refused():
         mla_paged_view(st, torch.tensor([0], dtype=torch.int32))
     with pytest.raises(ValueError, match="multiple of 64"):
         mla_paged_view(MLACache.allocate(cfg, 2, 100), torch.tensor([0], dtype=torch.int32))
+
+
+def test_step_metadata_changes_nothing_and_maps_the_new_rows():
+    """mla_step (the scheduler's per-step metadata) leaves the lengths alone; slot_mapping is the flat row each live
+    request's new token goes to (slot * Lmax + length before the step), -1 for padding; the rest equals the paged view."""
+    cfg = k3_rank(16)
+    st = MLACache.allocate(cfg, 4, 2 * MLA_PAGE)
+    st.lengths.copy_(torch.tensor([0, 5, 64, 127]))
+    slots = torch.tensor([1, -1, 3, 2], dtype=torch.int32)
+    step = mla_step(st, slots)
+    assert st.lengths.tolist() == [0, 5, 64, 127]
+    assert step.slot_mapping.tolist() == [1 * 128 + 5, -1, 3 * 128 + 127, 2 * 128 + 64]
+    pages, table, seqlens = mla_paged_view(st, slots)
+    assert torch.equal(step.block_table, table) and torch.equal(step.seqlens, seqlens)
+    assert step.pages.data_ptr() == pages.data_ptr() and step.backend == {}
+    # the flat row is where the paged view puts it: page slot_mapping // 64, row slot_mapping % 64
+    assert torch.equal(pages[step.slot_mapping[2] // MLA_PAGE, step.slot_mapping[2] % MLA_PAGE], st.kv[3, 127])
