@@ -373,7 +373,8 @@ class FusedMLA(_AttentionEnds):
     serving engine computes once for all layers. k3fast.layer_io.mla_paged_view gives them for the harness's
     [slots, Lmax, 576] cache."""
 
-    def __init__(self, cfg: K3Config, w: LayerWeights, *, plan: DecodePlan = DEFAULT_PLAN, nsm: int = 132):
+    def __init__(self, cfg: K3Config, w: LayerWeights, *, plan: DecodePlan = DEFAULT_PLAN, nsm: int = 132,
+                 in_proj: torch.Tensor | None = None):
         from k3ref.mla import _split_kv_b
         from k3ref.weights import MLAWeights
         a = w.attn
@@ -381,8 +382,16 @@ class FusedMLA(_AttentionEnds):
             raise TypeError(f"w.attn: expected MLAWeights (layer {w.layer} is not an MLA layer)")
         self._ends_init(cfg, w, plan)
         self.nsm = nsm
-        # [q_a | kv_a (512 + 64) | g]: one pass over x for the three projections
-        self.in_proj = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj]).contiguous()
+        # [q_a | kv_a (512 + 64) | g]: one pass over x for the three projections (vLLM's fused_qkv_a_g_proj holds
+        # them in this order already: ``in_proj``)
+        rows = cfg.q_lora_rank + cfg.kv_cache_dim + cfg.mla_heads * cfg.v_head_dim
+        if in_proj is not None:
+            if tuple(in_proj.shape) != (rows, cfg.hidden_size) or not in_proj.is_contiguous():
+                raise ValueError(f"in_proj: expected a contiguous [{rows}, {cfg.hidden_size}] weight "
+                                 f"[q_a | kv_a | g], got {list(in_proj.shape)}")
+            self.in_proj = in_proj
+        else:
+            self.in_proj = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj]).contiguous()
         self.q_a_ln, self.o_proj = a.q_a_layernorm, a.o_proj
         self.kv_norm = a.kv_a_layernorm.float().contiguous()
         W_UK, W_UV = _split_kv_b(a, cfg)                  # [H, 128, 512] each

@@ -11,7 +11,8 @@ Absent key: the plug-in stays inert and the engine runs stock vLLM. Every option
                 mixed steps run vLLM's own attention on the same state.
     batches     the decode batch sizes the fused attention half is compiled for: "capture" (default: vLLM's CUDA-graph
                 capture sizes up to max_batch) or a list of ints. Other sizes run vLLM's own attention.
-    plan        DecodePlan fields to override (k3fast.layer.DecodePlan), e.g. {"tail_fused_max_m": 8}.
+    plan        DecodePlan fields to override (k3fast.layer.DecodePlan), e.g. {"tail_fused_max_m": 8};
+                {"mla_attention": "fused"} also decodes the MLA layers' attention half on FusedMLA.
 
 This module imports nothing from vLLM, so the parsing is tested on any machine.
 """

@@ -9,7 +9,11 @@ whole by vLLM's FULL decode CUDA graphs, so each decoder layer's ``forward`` is 
 * every KDA layer decodes on FusedKDA (AttnRes + in_proj, the KDA step, o_proj + AttnRes) when the step is a
   planned pure-decode step (``Step``); any other step (prefill, mixed, speculative, a width not prepared) runs
   vLLM's own attention on the same conv / recurrent state;
-* MLA layers keep vLLM's attention half.
+* MLA layers keep vLLM's attention half, or, with the plan's ``mla_attention="fused"``, decode planned steps on
+  FusedMLA over vLLM's own paged latent cache. vLLM's cache blocks hold a multiple of 128 rows in a hybrid
+  KDA / MLA model (the attention page is sized up to the KDA state's page), so each block is read as whole 64-row
+  pages: the step's first MLA layer expands vLLM's block table into a 64-row page table once, for every MLA layer
+  of the step.
 
 The fused AttnRes kernels read the block rows as [M, 8, d] (the 8 blocks of 12 layers of the full model), vLLM
 keeps [M, ceil(L / 12), d]. In a planned step the first layer swaps vLLM's block tensor for a view of an [M, 8, d]
@@ -23,7 +27,7 @@ import time
 
 import torch
 
-from ..layer import FusedKDA, FusedMoE
+from ..layer import FusedKDA, FusedMLA, FusedMoE
 
 log = logging.getLogger("k3fast.vllm")
 MAX_BLOCKS = 8
@@ -35,6 +39,8 @@ class Step:
     rows: int
     slots: torch.Tensor | None
     blocks: torch.Tensor | None = None
+    # the MLA layers' paging for this step: (pages, 64-row page table, seqlens), built by the first MLA layer
+    mla_paging: tuple | None = None
 
 
 class FusedKimiMoE(torch.nn.Module):
@@ -74,6 +80,9 @@ class K3FastDecode:
         self.layers = model.model.layers
         self.kda_layers = [l.layer_idx for l in self.layers if type(l.self_attn).__name__ == "KimiK3DeltaAttention"]
         self.moe_layers = [l.layer_idx for l in self.layers if getattr(l, "is_moe_layer", False)]
+        # MLA layers with an MoE half (the dense layer 0 is a KDA layer in K3's pattern)
+        self.mla_layers = [l.layer_idx for l in self.layers if type(l.self_attn).__name__ == "KimiK3MLA"
+                           and l.layer_idx in self.moe_layers]
         self.experts: dict[int, object] = {}
         self.batches: tuple[int, ...] = ()
         self.moe_sizes: tuple[int, ...] = ()
@@ -120,6 +129,8 @@ class K3FastDecode:
         self.moe_sizes = tuple(sorted(set(self.batches) | {FusedMoE.MAX_ROWS}))
         workspace = make_workspace(cfg.routed_expert_hidden_size, dev)
         layouts = set()
+        nsm = torch.cuda.get_device_properties(dev).multi_processor_count
+        fuse_mla = self.options.fuse == "all" and self.plan_choices.mla_attention == "fused"
         for layer in self.layers:
             l = layer.layer_idx
             if l in self.moe_layers:
@@ -130,23 +141,27 @@ class K3FastDecode:
                                  experts=self.experts.pop(l), workspace=workspace)
                 layouts.add(fused.experts.layout)
                 layer.mlp = FusedKimiMoE(fused, self.moe_sizes, l)
-            kda = None
+            kda = mla = None
             if self.options.fuse == "all" and l in self.kda_layers:
                 w, in_proj = layer_weights(layer, cfg)
                 kda = FusedKDA(cfg, w, plan=self.plan_choices, in_proj=in_proj, null_slot=True, check_slots=False)
-            layer.forward = _LayerForward(self, layer, kda)
+            elif fuse_mla and l in self.mla_layers:
+                w, in_proj = layer_weights(layer, cfg)
+                mla = FusedMLA(cfg, w, plan=self.plan_choices, in_proj=in_proj, nsm=nsm)
+            layer.forward = _LayerForward(self, layer, kda, mla)
         torch.cuda.synchronize()
         t = time.time()
-        n, nsm = 0, torch.cuda.get_device_properties(dev).multi_processor_count
-        fused_kda = [l for l in self.kda_layers if self.options.fuse == "all"]
+        n = 0
+        fused_attn = [l for l in self.kda_layers if self.options.fuse == "all"]
+        fused_attn += [l for l in self.mla_layers if fuse_mla]
         moe_only = [s for s in self.moe_sizes if s not in self.batches]
         for layout in layouts or {"rot"}:
-            n += warmup(cfg, fused_kda, self.batches, plan=self.plan_choices, nsm=nsm, device=dev, null_slot=True,
+            n += warmup(cfg, fused_attn, self.batches, plan=self.plan_choices, nsm=nsm, device=dev, null_slot=True,
                         experts_layout=layout)
             if moe_only:
                 n += warmup(cfg, [], moe_only, plan=self.plan_choices, nsm=nsm, device=dev, experts_layout=layout)
         self.report = {
-            "fused_attention_layers": [l for l in self.kda_layers if self.options.fuse == "all"],
+            "fused_attention_layers": sorted(fused_attn),
             "fused_moe_layers": list(self.moe_layers),
             "decode_batches": list(self.batches), "moe_row_sizes": list(self.moe_sizes),
             "kernels_compiled": n, "compile_s": round(time.time() - t, 1),
@@ -182,6 +197,37 @@ class K3FastDecode:
         self.step = Step(rows=n, slots=slots)
         return self.step
 
+    def mla_paging(self, attn) -> tuple | None:
+        """(pages [P, 64, 576], page table [M, MAXB * B / 64] int32, seqlens [M] int32) of the planned step for an MLA
+        layer, from vLLM's metadata for ``attn`` (its block table of B-row blocks, its sequence lengths with the
+        step's token counted) and its cache [blocks, B, 576]; None where the fused MLA half cannot read them (that
+        layer then runs vLLM's own attention)."""
+        step = self.step
+        if step.mla_paging is not None:
+            return step.mla_paging
+        from vllm.forward_context import get_forward_context
+        ctx = get_forward_context()
+        md, sm = ctx.attn_metadata, ctx.slot_mapping
+        m = md.get(attn.layer_name) if isinstance(md, dict) else None
+        slot = sm.get(attn.layer_name) if isinstance(sm, dict) else None
+        cache = attn.kv_cache
+        n = step.rows
+        if (m is None or m.num_prefills or m.decode is None or m.num_decode_tokens > n or slot is None
+                or slot.shape[0] < n or m.decode.block_table.shape[0] < n or m.decode.seq_lens.shape[0] < n
+                or cache.dim() != 3 or cache.dtype != torch.bfloat16 or cache.shape[1] % 64
+                or cache.shape[2] != self.cfg.kv_cache_dim or not cache.is_contiguous()):
+            if not getattr(self, "_mla_paging_refused", False):
+                self._mla_paging_refused = True
+                log.warning("k3fast: MLA layers run vLLM's attention in this step: the cache %s %s or the step's "
+                            "metadata is not a pure-decode one of %d rows", tuple(cache.shape), cache.dtype, n)
+            return None
+        table = page_table(m.decode.block_table[:n], cache.shape[1])
+        # a padded row of a CUDA-graph batch (slot mapping -1, vLLM's PAD_SLOT_ID) gets length 0: the kernel writes
+        # no cache row for it and attends over nothing, whatever stale length or table row the buffers hold there
+        seqlens = torch.where(slot[:n] >= 0, m.decode.seq_lens[:n], 0).to(torch.int32)
+        step.mla_paging = (cache.view(-1, 64, cache.shape[2]), table, seqlens)
+        return step.mla_paging
+
     def finish(self) -> None:
         self.step = None
 
@@ -201,8 +247,8 @@ class _LayerForward:
     the AttnRes block rows, prefix_sum = the block's partial sum) -> (MoE output, prefix_sum, residual), with
     prefix_sum and the block rows updated in place as vLLM's AttnRes op updates them."""
 
-    def __init__(self, decode: K3FastDecode, layer, kda: FusedKDA | None):
-        self.decode, self.stock, self.kda, self.layer = decode, layer.forward, kda, layer
+    def __init__(self, decode: K3FastDecode, layer, kda: FusedKDA | None, mla: FusedMLA | None = None):
+        self.decode, self.stock, self.kda, self.mla, self.layer = decode, layer.forward, kda, mla, layer
         self.boundary = decode.cfg.is_block_boundary(layer.layer_idx)
 
     def __call__(self, positions, hidden_states, residual, prefix_sum=None, **kw):
@@ -214,15 +260,31 @@ class _LayerForward:
             # in them yet: the first layer writes block 0)
             step.blocks = residual.new_empty(residual.shape[0], MAX_BLOCKS, residual.shape[2])
             residual = step.blocks[:, :residual.shape[1]]
-        if self.kda is None:
+        paging = self.decode.mla_paging(self.layer.self_attn) if self.mla is not None else None
+        if self.kda is None and paging is None:
             return self.stock(positions, hidden_states, residual, prefix_sum, **kw)
-        conv, rec = self.layer.self_attn.kv_cache[:2]
         x = torch.empty_like(prefix_sum)
         # a block-closing layer starts a new partial sum, in a new tensor as vLLM's does (the old one may be the
         # embedding output); elsewhere the partial sum is updated in place, as vLLM's AttnRes op updates it
         p = torch.empty_like(prefix_sum) if self.boundary else prefix_sum
-        self.kda(step.blocks, prefix_sum, hidden_states, conv, rec, step.slots, x, partial_out=p)
+        if self.kda is not None:
+            conv, rec = self.layer.self_attn.kv_cache[:2]
+            self.kda(step.blocks, prefix_sum, hidden_states, conv, rec, step.slots, x, partial_out=p)
+        else:
+            self.mla(step.blocks, prefix_sum, hidden_states, *paging, x, partial_out=p)
         return self.layer.mlp(x), p, residual
+
+
+def page_table(block_table: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """vLLM's block table [M, MAXB] (blocks of ``block_rows`` cache rows, a multiple of 64) -> the table of 64-row
+    pages [M, MAXB * block_rows / 64] int32 over the cache viewed as [blocks * block_rows / 64, 64, 576]: page j of a
+    request is 64-row page j % r of block j // r, r = block_rows / 64."""
+    if block_rows % 64:
+        raise ValueError(f"block_rows: expected a multiple of 64, got {block_rows}")
+    r = block_rows // 64
+    n = block_table.shape[0]
+    return (block_table.to(torch.int32)[:, :, None] * r
+            + torch.arange(r, dtype=torch.int32, device=block_table.device)).reshape(n, -1)
 
 
 def _ranges(xs) -> str:

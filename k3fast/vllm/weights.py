@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from k3ref import K3Config
-from k3ref.weights import AttnResSite, KDAWeights, LayerWeights, MoEWeights
+from k3ref.weights import AttnResSite, KDAWeights, LayerWeights, MLAWeights, MoEWeights
 
 
 def k3_config(text) -> K3Config:
@@ -59,6 +59,21 @@ def kda_weights(attn, cfg: K3Config) -> tuple[KDAWeights, torch.Tensor]:
                       o_norm=attn.o_norm.weight, o_proj=attn.o_proj.weight), w
 
 
+def mla_weights(attn, cfg: K3Config) -> tuple[MLAWeights, torch.Tensor]:
+    """(MLAWeights as views of a KimiK3MLA's parameters, its packed fused_qkv_a_g_proj weight). vLLM packs K3's
+    q-LoRA front as [q_a (q_lora_rank) | kv_a (kv_lora_rank + rope) | g (heads x v_head_dim)], the fused in_proj's
+    layout; kv_b_proj stays whole (k3ref splits it into W_UK / W_UV)."""
+    fused = getattr(attn, "fused_qkv_a_g_proj", None)
+    if fused is None:
+        raise ValueError("MLA layer without fused_qkv_a_g_proj (q-LoRA with an output gate): the fused MLA half "
+                         "covers Kimi K3's layout only")
+    w = fused.weight
+    qa, kva, g = torch.split(w, [cfg.q_lora_rank, cfg.kv_cache_dim, cfg.mla_heads * cfg.v_head_dim])
+    return MLAWeights(q_a_proj=qa, q_a_layernorm=attn.q_a_layernorm.weight, q_b_proj=attn.q_b_proj.weight,
+                      kv_a_proj_with_mqa=kva, kv_a_layernorm=attn.kv_a_layernorm.weight,
+                      kv_b_proj=attn.kv_b_proj.weight, g_proj=g, o_proj=attn.o_proj.weight), w
+
+
 def moe_weights(moe) -> MoEWeights:
     """MoEWeights as views of a KimiMoE's dense parameters. The routed experts are not here: the plug-in takes
     them in their checkpoint layout while vLLM loads them (k3fast.vllm.runtime), so these fields stay None."""
@@ -72,9 +87,11 @@ def moe_weights(moe) -> MoEWeights:
 
 
 def layer_weights(layer, cfg: K3Config) -> tuple[LayerWeights, torch.Tensor | None]:
-    """(LayerWeights of a KimiDecoderLayer's KDA attention, AttnRes sites and norms, its packed in_proj). MLA layers
-    are not mapped: their attention stays vLLM's own."""
-    attn, in_proj = kda_weights(layer.self_attn, cfg)
+    """(LayerWeights of a KimiDecoderLayer's attention (KDA or MLA), AttnRes sites and norms, its packed in_proj)."""
+    if cfg.is_kda_layer(layer.layer_idx):
+        attn, in_proj = kda_weights(layer.self_attn, cfg)
+    else:
+        attn, in_proj = mla_weights(layer.self_attn, cfg)
     return LayerWeights(layer=layer.layer_idx, input_layernorm=layer.input_layernorm.weight,
                         post_attention_layernorm=layer.post_attention_layernorm.weight,
                         attn_res=_site(layer.self_attention_res_norm, layer.self_attention_res_proj),

@@ -143,11 +143,16 @@ def vllm_like_layer(cfg, l, seed=0):
     from k3ref.weights import random_layer
     w = random_layer(cfg, l, seed=seed)
     a, m = w.attn, w.mlp
-    rows = torch.cat([a.q_proj, a.k_proj, a.v_proj, a.g_proj, a.f_a_proj, a.b_proj])
-    in_proj = torch.cat([rows, torch.zeros(proj_width(cfg.kda_heads) - rows.shape[0], rows.shape[1],
-                                           dtype=rows.dtype)])
-    attn = Mod(in_proj_qkvgfab=W(in_proj), conv1d=W(torch.cat([a.q_conv, a.k_conv, a.v_conv])), f_b_proj=W(a.f_b_proj),
-               A_log=a.A_log, dt_bias=a.dt_bias, o_norm=W(a.o_norm), o_proj=W(a.o_proj))
+    if cfg.is_kda_layer(l):
+        rows = torch.cat([a.q_proj, a.k_proj, a.v_proj, a.g_proj, a.f_a_proj, a.b_proj])
+        in_proj = torch.cat([rows, torch.zeros(proj_width(cfg.kda_heads) - rows.shape[0], rows.shape[1],
+                                               dtype=rows.dtype)])
+        attn = Mod(in_proj_qkvgfab=W(in_proj), conv1d=W(torch.cat([a.q_conv, a.k_conv, a.v_conv])),
+                   f_b_proj=W(a.f_b_proj), A_log=a.A_log, dt_bias=a.dt_bias, o_norm=W(a.o_norm), o_proj=W(a.o_proj))
+    else:           # KimiK3MLA: q-LoRA front packed [q_a | kv_a | g] in fused_qkv_a_g_proj
+        attn = Mod(fused_qkv_a_g_proj=W(torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa, a.g_proj])),
+                   q_a_layernorm=W(a.q_a_layernorm), q_b_proj=W(a.q_b_proj), kv_a_layernorm=W(a.kv_a_layernorm),
+                   kv_b_proj=W(a.kv_b_proj), o_proj=W(a.o_proj))
     moe = Mod(gate=Mod(weight=m.gate, e_score_correction_bias=m.e_score_correction_bias),
               routed_expert_down_proj=W(m.down), routed_expert_norm=W(m.norm), routed_expert_up_proj=W(m.up),
               shared_experts=Mod(gate_up_proj=W(torch.cat([m.shared_gate, m.shared_up])), down_proj=W(m.shared_down)))
@@ -173,6 +178,22 @@ def test_layer_weights_are_views_of_vllms_parameters():
     for f in ("gate", "e_score_correction_bias", "down", "norm", "up", "shared_gate", "shared_up", "shared_down"):
         assert torch.equal(getattr(m, f), getattr(w.mlp, f)), f
     assert m.w1_packed is None                    # the experts arrive re-laid, never through these views
+
+
+def test_mla_layer_weights_are_views_of_vllms_parameters():
+    from k3ref import tiny
+    cfg = tiny()
+    l = next(i for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i) and cfg.is_moe_layer(i))
+    w, layer = vllm_like_layer(cfg, l)
+    got, in_proj = layer_weights(layer, cfg)
+    assert in_proj is layer.self_attn.fused_qkv_a_g_proj.weight
+    for f in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "g_proj",
+              "o_proj"):
+        assert torch.equal(getattr(got.attn, f), getattr(w.attn, f)), f
+    assert got.attn.g_proj.data_ptr() == in_proj[cfg.q_lora_rank + cfg.kv_cache_dim:].data_ptr()   # a view
+    layer.self_attn.fused_qkv_a_g_proj = None
+    with pytest.raises(ValueError, match="fused_qkv_a_g_proj"):
+        layer_weights(layer, cfg)
 
 
 def test_kda_weights_reject_nothing_silently():
@@ -347,3 +368,20 @@ def test_the_layer_probe_takes_vllms_keyword_call():
     assert _install_probe(lm) == 1
     assert layer.forward(positions="pos", hidden_states="h", prefix_sum="ps", residual="r") == ("out", "p", "res")
     assert seen == [(("pos", "h", "r", "ps"), {})]
+
+
+def test_page_table_reads_vllms_blocks_as_64_row_pages():
+    """A hybrid model's MLA blocks hold a multiple of 128 rows; the fused MLA half reads 64-row pages: row t of a
+    request lies in page table[t // 64], row t % 64, exactly where vLLM's block table puts it."""
+    from k3fast.vllm.runtime import page_table
+    B = 384
+    bt = torch.tensor([[7, 2, 0], [1, 5, 3]], dtype=torch.int32)
+    cache = torch.arange(10 * B, dtype=torch.float32).view(10, B, 1)        # row id = block * B + row
+    table = page_table(bt, B)
+    assert table.shape == (2, 3 * B // 64) and table.dtype == torch.int32
+    pages = cache.view(-1, 64, 1)
+    for req in range(2):
+        for t in (0, 63, 64, 383, 384, 700, 3 * B - 1):
+            assert pages[table[req, t // 64], t % 64, 0] == cache[bt[req, t // B], t % B, 0]
+    with pytest.raises(ValueError, match="multiple of 64"):
+        page_table(bt, 96)
