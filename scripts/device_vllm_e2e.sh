@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, vLLM staged (scripts/device_parts.sh --vllm): the plug-in's end-to-end runs, one per
 # call (each engine start takes minutes; a call has 10). Everything lands under $OUT (default ./out).
-#   K3_COMMIT=<sha> bash scripts/device_vllm_e2e.sh small | deep | deep-k3fast | deep-stock
+#   K3_COMMIT=<sha> bash scripts/device_vllm_e2e.sh small | deep | deep-k3fast | deep-stock | layers-<shape>
+# K3_PLAN='{"mla_attention": "fused"}' passes DecodePlan overrides to the plug-in's engines.
 # small: the 4-layer model with the plug-in (greedy tokens, k3ref fidelity, the fused KDA layers against vLLM's own
 # inside the engine), then stock vLLM on it if the call has time left. deep: the 36-layer model, stock then plug-in
-# (~7 min on an H100 with cold caches); deep-*: one engine.
+# (~7 min on an H100 with cold caches); deep-*: one engine. layers-<shape> (k3_rank16, k3_rank8, full): stock vLLM's
+# per-layer kernels and kernel time at batch 1 / 8 / 64 on the 4-layer model of that shape, the counterpart of the
+# trace's stock cells (report --engine-match).
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -15,7 +18,7 @@ left() { echo $((${K3_CALL_S:-580} - ($(date +%s) - t0))); }
 e2e() {  # e2e NAME ENGINE DEPTH BATCHES... (+ options via E2E_OPTS)
   local name=$1 engine=$2 depth=$3; shift 3
   timeout $(($(left) - 5)) python3 -m k3fast.measure.vllm_e2e run --engine "$engine" --depth "$depth" --batches "$@" \
-    --out "$OUT/e2e-$name.json" $E2E_OPTS > "$OUT/e2e-$name-$engine.log" 2>&1
+    --out "$OUT/e2e-$name.json" $E2E_OPTS ${K3_PLAN:+--plan "$K3_PLAN"} > "$OUT/e2e-$name-$engine.log" 2>&1
   local rc=$?
   echo "== $name $engine rc=$rc after $(( $(date +%s) - t0 )) s"
   grep -E "^\[|Error|error:|Traceback|k3fast:" "$OUT/e2e-$name-$engine.log" | grep -v Warning | tail -25
@@ -40,5 +43,9 @@ case "${1:-small}" in
       tail -3 "$OUT/gpu-paged.log"
     fi
     ;;
+  layers-*)
+    E2E_OPTS="--shape ${1#layers-} --util 0.85 --steps 8 --repeats 1" e2e "layers-${1#layers-}" stock 4 1 8 64
+    ;;
+  *) echo "unknown run $1"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -147,10 +147,14 @@ def _build(hn: int, append: bool):
             cute.arch.cp_async_commit_group()
 
         @cute.jit
-        def write_new_row(self, mC, sK, mZ, mLn, n, zcol, page, row, buf, eps: Float32, warp, lane):
+        def write_new_row(self, mC, sK, mZ, mLn, n, zcol, page, row, buf, eps: Float32, warp, lane, hg):
             """The step's cache row [RMSNorm_{kv_a_ln}(c~_kv) | k_pe] from the projection output z[n, zcol:zcol+576],
-            written to the pool (its slot's page only) and to the ring buffer's row (warp 0; fp32 norm, one bf16
-            rounding, as k3ref.mla.mla_latents)."""
+            written to the ring buffer's row (warp 0; fp32 norm, one bf16 rounding, as k3ref.mla.mla_latents) and,
+            by head group 0 alone, to the pool (its slot's page only): every head group's owning split builds the
+            row for its own ring, one writes it."""
+            # the page's base in 64 bits: page x 36,864 elements passes 2^31 from a pool of ~58K pages (4.3 GB)
+            pg = cute.make_tensor(mC.iterator + Int64(page) * (PAGE * DQK),
+                                  cute.make_layout((PAGE, DQK), stride=(DQK, 1)))
             if warp == 0:
                 xs = cute.make_rmem_tensor(cute.make_layout(DQK // 32), Float32)
                 ss = Float32(0.0)
@@ -168,7 +172,8 @@ def _build(hn: int, append: bool):
                     if const_expr(32 * (i + 1) <= DV):
                         y = (xs[i] * rstd * mLn[e]).to(BFloat16)
                     sK[buf, row, e] = y
-                    mC[page, row, e] = y
+                    if hg == 0:
+                        pg[row, e] = y
 
         @cute.kernel
         def kernel(self, mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, mZ, mLn, heads: Int32, splits: Int32, pps: Int32,
@@ -235,7 +240,8 @@ def _build(hn: int, append: bool):
                 self.load_page(mC, sk_base, Int32(0), mBT[n, p_begin], rows0, nr0, tid)
                 if const_expr(append):
                     if nr0 >= 0:
-                        self.write_new_row(mC, sK, mZ, mLn, n, zcol, mBT[n, p_begin], nr0, Int32(0), eps, warp, lane)
+                        self.write_new_row(mC, sK, mZ, mLn, n, zcol, mBT[n, p_begin], nr0, Int32(0), eps, warp, lane,
+                                           hg)
             for p in cutlass.range(p_begin, p_end):
                 buf = (p - p_begin) % 2
                 if p + 1 < p_end:
@@ -247,7 +253,7 @@ def _build(hn: int, append: bool):
                     if const_expr(append):
                         if nr1 >= 0:
                             self.write_new_row(mC, sK, mZ, mLn, n, zcol, mBT[n, p + 1], nr1, 1 - buf, eps, warp,
-                                               lane)
+                                               lane, hg)
                     cute.arch.cp_async_wait_group(1)
                 else:
                     cute.arch.cp_async_wait_group(0)

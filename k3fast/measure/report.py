@@ -242,29 +242,54 @@ def compare_runs(new_path: str, old_path: str) -> str:
     return "\n".join(lines)
 
 
+# Cached tokens per request while vllm_e2e profiles its per-layer figures: its 16-token prompts and the 10 decode steps
+# inside the profiler (files written before the field existed carry no ``per_layer_context``).
+ENGINE_PROFILE_CONTEXT = (16, 26)
+
+
+def engine_layer_figure(rec: dict, e2e_records: list[dict]) -> dict | None:
+    """vLLM's own in-engine figure for the layer a stock trace record measures: same layer kind, shape, batch and
+    card (and, for an MLA layer, a cache length inside the one the engine profiled at). {"kernel_us", "kernels",
+    "context"} or None where the engine runs have no such cell."""
+    for e in e2e_records:
+        if e.get("kind") != "vllm_e2e" or e.get("engine") != "stock" or e.get("batch") != rec["batch"]:
+            continue
+        if e.get("gpu") != rec.get("gpu") or (e.get("model") or {}).get("shape") != rec["shape"]:
+            continue
+        us = e.get(f"layer_us_{rec['layer_kind']}")
+        if us is None:
+            continue
+        lo, hi = e.get("per_layer_context") or ENGINE_PROFILE_CONTEXT
+        if rec["layer_kind"] == "mla_moe" and not lo <= (rec.get("context") or 0) <= hi:
+            continue
+        return {"kernel_us": us, "kernels": e[f"layer_kernels_{rec['layer_kind']}"], "context": [lo, hi]}
+    return None
+
+
 def engine_match(records_path: str, e2e_path: str) -> str:
     """The stock layer of a trace run beside vLLM's own layer inside an engine (a vllm_e2e file, same card): per
     layer kind and batch, the stock record's kernel count and summed kernel time against the engine's eager
     per-layer figure (``layer_kernels`` / ``layer_us``), the stock variant, and whether the kernel time is within 5 %.
     Both are sums of kernel durations of one decode step's layer, so they compare like for like; the trace's
-    replay median also contains launch gaps, the engine's figure does not."""
+    replay median also contains launch gaps, the engine's figure does not. An MLA layer's time grows with the cache,
+    so its cells compare only at the cache length the engine profiled at; other cells are listed as not comparable."""
     recs = [r for r in load_records(os.path.join(ROOT, records_path))
             if r["impl"] == "stock" and r["part"] == "layer"]
     with open(os.path.join(ROOT, e2e_path)) as f:
-        e2e = [r for r in json.load(f)["records"] if r.get("kind") == "vllm_e2e" and r.get("engine") == "stock"]
+        e2e = json.load(f)["records"]
     lines = [f"stock in `{records_path}` against vLLM's layer in `{e2e_path}`", "",
              "| layer | shape | batch | context | stock variant | kernels stock / vLLM | kernel µs stock / vLLM | "
              "within 5 % |", "|" + "---|" * 8]
-    for r in sorted(recs, key=lambda r: (r["layer_kind"], r["shape"], r["batch"], r.get("context", 0))):
-        eng = next((e for e in e2e if e["batch"] == r["batch"] and e.get("gpu") == r.get("gpu")
-                    and f"layer_us_{r['layer_kind']}" in e), None)
-        if eng is None or r["shape"] != "k3_rank16":
-            continue                 # the engine runs the TP16-rank model: only rank16 cells have a counterpart
-        us, n = eng[f"layer_us_{r['layer_kind']}"], eng[f"layer_kernels_{r['layer_kind']}"]
-        ok = abs(r["kernel_us_sum"] / us - 1) <= 0.05
-        lines.append(f"| {r['layer_kind']} | {r['shape']} | {r['batch']} | {r.get('context') or 0} | "
-                     f"{r.get('stock_variant')} | {r['kernels']:g} / {n:g} | {r['kernel_us_sum']:.1f} / {us:.1f} | "
-                     f"{'yes' if ok else 'no'} |")
+    for r in sorted(recs, key=lambda r: (r["layer_kind"], r["shape"], r["batch"], r.get("context") or 0)):
+        eng = engine_layer_figure(r, e2e)
+        head = f"| {r['layer_kind']} | {r['shape']} | {r['batch']} | {r.get('context') or 0} | {r.get('stock_variant')} |"
+        if eng is None:
+            lines.append(f"{head} {r['kernels']:g} / - | {r['kernel_us_sum']:.1f} / - | no engine cell (shape, "
+                         f"batch, card or cache length differ) |")
+            continue
+        ok = abs(r["kernel_us_sum"] / eng["kernel_us"] - 1) <= 0.05
+        lines.append(f"{head} {r['kernels']:g} / {eng['kernels']:g} | {r['kernel_us_sum']:.1f} / "
+                     f"{eng['kernel_us']:.1f} | {'yes' if ok else 'no'} |")
     return "\n".join(lines)
 
 

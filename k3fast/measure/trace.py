@@ -350,7 +350,7 @@ def skew_routing(w, n_hot: int = 24, seed: int = 3) -> None:
 
 
 def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: int, replays: int, env: dict,
-             copy_tbps: float, perfetto_dir: str | None, log=print, stock_ops: str = "vllm",
+             copy_tbps: float, perfetto_dir: str | None, log=print, stock_ops: str = "vllm-layer",
              routing: str = "random") -> list[dict]:
     """All implementations and parts of one (kind, shape, batch, context) cell; returns records."""
     cfg = preset(shape)
@@ -419,10 +419,22 @@ def reset_stock_autotuners(prefixes=("fla.", "vllm.")) -> int:
     return len(seen)
 
 
+def _engine_records() -> list[dict]:
+    """The vllm_e2e records traces/index.json names (none when the file or the key is absent)."""
+    try:
+        with open(os.path.join(ROOT, "traces", "index.json")) as f:
+            path = json.load(f).get("vllm_e2e")
+        with open(os.path.join(ROOT, path)) as f:
+            return json.load(f)["records"]
+    except (OSError, TypeError, KeyError, ValueError):
+        return []
+
+
 def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps, perfetto_dir, ref_out, log,
-              stock_ops="vllm", routing="random"):
+              stock_ops="vllm-layer", routing="random"):
     from ..layer_io import mla_step
     from .impls import make_impl, make_io
+    from .report import engine_layer_figure
     records = []
     t0 = time.time()
     autotune_reset = None
@@ -508,6 +520,12 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
                 rec["stock_mla_core"] = impl.mla_core_variant
             if getattr(impl, "ops_fallback", None):
                 rec["stock_ops_fallback"] = impl.ops_fallback
+            if part == "layer":
+                # vLLM's own layer in an engine on this card, same kind / shape / batch (traces/index.json's vllm_e2e):
+                # the stock layer's summed kernel time should be within 5 % of it
+                eng = engine_layer_figure(rec, _engine_records())
+                rec["vllm_layer_kernel_us"] = eng["kernel_us"] if eng else None
+                rec["vllm_layer_kernels"] = eng["kernels"] if eng else None
         records.append(rec)
         log(f"  {impl_name:9s} {part:5s} kernels {rec['kernels']:6.1f}  replay {rec['replay_us_median']:9.1f} us  "
             f"floor {rec['floor_us']:7.1f} us  err {rec['rel_err_vs_ref']}")
@@ -607,6 +625,10 @@ PRESETS = {
                         "stock, fast (stock attention half) and fast-mla (FusedMLA) in one run",
                         kinds=("mla_moe",), shapes=("k3_rank16", "k3_rank8"), contexts=(1024, 8192, 32768),
                         impls=("stock", "fast", "fast-mla")),
+    "stock-vs-vllm": Preset("the stock layer as vLLM runs it beside fast, for the ratios the README quotes: KDA+MoE and "
+                            "MLA+MoE at rank16 / rank8 / full x batch 1 / 8 / 64, MLA at 24 cached tokens (where the "
+                            "engine profiles its layers: report --engine-match) and at 1K / 8K",
+                            kinds=("kda_moe", "mla_moe"), contexts=(24, 1024, 8192)),
     "mla-sweep": Preset("the MLA+MoE layer at rank16 / rank8 / full width x batch 1 / 8 / 64 x context 1024 / 8192 "
                         "cached tokens, stock beside fast (whose attention half is the stock one)",
                         kinds=("mla_moe",)),
@@ -834,9 +856,10 @@ def main(argv=None) -> int:
                     help="MLA cached tokens per request (default 1024 8192)")
     ap.add_argument("--impls", nargs="+", default=None,
                     help=f"default {' '.join(DEFAULT_SWEEP.impls)}; '{CONTENDERS}' stands for every live fast contender")
-    ap.add_argument("--stock-ops", choices=["vllm", "vllm-layer", "torch"], default="vllm",
-                    help="stock path: vLLM 0.33's fused ops with fla's KDA kernels (falls back to torch glue without "
-                         "vLLM), vLLM's own layer kernel for kernel (vllm-layer), or torch glue")
+    ap.add_argument("--stock-ops", choices=["vllm-layer", "vllm", "torch"], default="vllm-layer",
+                    help="stock path: vLLM's own layer kernel for kernel (vllm-layer, the default), vLLM 0.33's fused "
+                         "ops composed with fla's KDA kernels and FlashMLA (vllm), or torch glue; each falls back to "
+                         "the next where this machine lacks what it needs")
     ap.add_argument("--replays", type=int, default=None, help="timed replays per part (default 50)")
     ap.add_argument("--out", default=None, help="folder for the records (default: traces/<card>, e.g. traces/h200)")
     ap.add_argument("--tag", default=None)

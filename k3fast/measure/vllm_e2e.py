@@ -36,28 +36,36 @@ PROMPT_LEN = 16
 
 # ---------------------------------------------------------------------------------------------------- the model
 
-def k3_rank16_config(depth: int, vocab: int = RANK_VOCAB) -> dict:
-    """config.json of a ``depth``-layer Kimi K3 at one TP16 rank's shapes, the released layer pattern, MXFP4 experts
-    (compressed-tensors, as the released checkpoint quantises them)."""
+# tensor-parallel ranks of each engine shape (the trace's shapes: one rank's slice of the model, or all of it)
+ENGINE_TP = {"k3_rank16": 16, "k3_rank8": 8, "full": 1}
+
+
+def engine_config(depth: int, shape: str = "k3_rank16", vocab: int = RANK_VOCAB) -> dict:
+    """config.json of a ``depth``-layer Kimi K3 at one tensor-parallel rank's shapes (``shape``: k3_rank16, k3_rank8
+    or full), the released layer pattern, MXFP4 experts (compressed-tensors, as the released checkpoint quantises
+    them). The engine runs it on one GPU (TP1), so its head and expert widths are the rank's."""
     if depth < 4:
         raise ValueError(f"depth must be >= 4 (a dense layer, KDA layers and an MLA layer), got {depth}")
+    if shape not in ENGINE_TP:
+        raise ValueError(f"shape must be one of {sorted(ENGINE_TP)}, got {shape!r}")
+    tp = ENGINE_TP[shape]
     mla = sorted({l for l in range(depth) if l % 4 == 3} | {depth - 1})
     kda = [l for l in range(depth) if l not in mla]
     return {
         "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "torch_dtype": "bfloat16",
-        "vocab_size": vocab, "hidden_size": 7168, "intermediate_size": 33792 // 16, "num_hidden_layers": depth,
-        "num_attention_heads": 96 // 16, "num_key_value_heads": 96 // 16, "head_dim": 128, "hidden_act": "situ",
+        "vocab_size": vocab, "hidden_size": 7168, "intermediate_size": 33792 // tp, "num_hidden_layers": depth,
+        "num_attention_heads": 96 // tp, "num_key_value_heads": 96 // tp, "head_dim": 128, "hidden_act": "situ",
         "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
         "mla_use_nope": True, "mla_use_output_gate": True,
-        # moe_intermediate_size: a rank's 3072 / 16 = 192 expert rows, padded to vLLM's minimum of 256
-        "num_experts": 896, "num_experts_per_token": 16, "moe_intermediate_size": 256,
+        # moe_intermediate_size: a rank's 3072 / tp expert rows; a TP16 rank's 192 padded to vLLM's minimum of 256
+        "num_experts": 896, "num_experts_per_token": 16, "moe_intermediate_size": max(3072 // tp, 256),
         "num_shared_experts": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
         "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
         "routed_scaling_factor": 1.0, "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True,
         "attn_res_block_size": 12, "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
         "linear_attn_config": {"kda_layers": [l + 1 for l in kda], "full_attn_layers": [l + 1 for l in mla],
-                               "num_heads": 96 // 16, "head_dim": 128, "short_conv_kernel_size": 4,
+                               "num_heads": 96 // tp, "head_dim": 128, "short_conv_kernel_size": 4,
                                "use_full_rank_gate": True, "gate_lower_bound": -5.0},
         "quantization_config": {
             "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
@@ -219,11 +227,12 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
     k3fast.vllm.register()
     env = environment()
     d = tempfile.mkdtemp(prefix="k3-e2e-")
-    cfg_json = k3_rank16_config(a.depth)
+    cfg_json = engine_config(a.depth, a.shape)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg_json, f)
     batches = sorted(set(a.batches))
-    extra = {"additional_config": {"k3fast": {"batches": batches}}} if a.engine == "k3fast" else {}
+    plugin = {"batches": batches, **({"plan": json.loads(a.plan)} if a.plan else {})}
+    extra = {"additional_config": {"k3fast": plugin}} if a.engine == "k3fast" else {}
     t0 = time.time()
     llm = LLM(model=d, skip_tokenizer_init=True, load_format="k3-random", model_loader_extra_config={"seed": a.seed},
               dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=2048,
@@ -240,8 +249,9 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
                                                           detokenize=False, **kw), use_tqdm=False)
     base = {**{k: env[k] for k in ("gpu", "driver", "torch", "cutlass", "commit", "date")},
             "vllm": __import__("vllm").__version__, "kind": "vllm_e2e", "engine": a.engine,
-            "model": {"depth": a.depth, "shape": "k3_rank16", "experts": 896, "top_k": 16, "vocab": RANK_VOCAB,
+            "model": {"depth": a.depth, "shape": a.shape, "experts": 896, "top_k": 16, "vocab": RANK_VOCAB,
                       "weights": f"k3-random seed {a.seed}"},
+            "plugin_options": plugin if a.engine == "k3fast" else None,
             "moe_backend": info["moe_backend"], "cudagraph_mode": graph_mode, "engine_init_s": init_s,
             "weights_gib": info["weights_gib"], "plugin": info["plugin"], "conv_state_layout": "DS"}
     recs = []
@@ -334,6 +344,9 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
         prof.export_chrome_trace(tp)
         rec = next(r for r in recs if r.get("batch") == b and r["kind"] == "vllm_e2e")
         rec["per_layer"] = per_layer(tp, b)
+        # the cache each request holds while profiled: the prompt, then the 10 decode steps above (an MLA layer's time
+        # depends on it; report.engine_layer_figure compares MLA cells only inside this range)
+        rec["per_layer_context"] = [PROMPT_LEN, PROMPT_LEN + 10]
         for kind, v in rec["per_layer"].items():
             rec[f"layer_us_{kind}"] = v["layer_us"]
             rec[f"layer_kernels_{kind}"] = v["layer_kernels"]
@@ -432,7 +445,7 @@ def fidelity(a, par: dict) -> dict:
     class Text:                                   # config.json read as attributes, as vLLM's config object reads it
         def __init__(self, c):
             self.__dict__.update(c)
-    cfg = k3_config(Text(k3_rank16_config(a.depth)))
+    cfg = k3_config(Text(engine_config(a.depth, a.shape)))
     toks = prompts(1)[0] + par["b1"]["tokens"][0]
     with torch.no_grad():
         logits = sequence_logits(cfg, random_globals(cfg, seed=a.seed, device="cuda"),
@@ -514,7 +527,7 @@ def sensitivity(depths, tokens: int, seed: int = 0) -> dict:
             self.__dict__.update(c)
     runs = []
     for depth in depths:
-        cfg = k3_config(Text(k3_rank16_config(depth)))
+        cfg = k3_config(Text(engine_config(depth)))
         toks = prompts(1)[0][:tokens]
         lp = {}
         for name, P in (("model", Precision.model()), ("exact32", Precision.exact(torch.float32))):
@@ -540,6 +553,10 @@ def main(argv=None) -> int:
         if name == "run":
             p.add_argument("--engine", choices=("stock", "k3fast"), required=True)
         p.add_argument("--depth", type=int, default=36)
+        p.add_argument("--shape", choices=sorted(ENGINE_TP), default="k3_rank16",
+                       help="one tensor-parallel rank's widths (the engine runs them on one GPU)")
+        p.add_argument("--plan", default=None,
+                       help='k3fast engine: DecodePlan overrides as JSON, e.g. \'{"mla_attention": "fused"}\'')
         p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
         p.add_argument("--out", required=True)
         p.add_argument("--seed", type=int, default=0)

@@ -15,8 +15,11 @@ of the vllm-ops kernels, vLLM's KDA decode at this head count (its Triton path a
 at 12 / 96; k3fast.stock.vllm_ops.kda_decode_core), K3's low-latency GEMM table (CuTe skinny GEMMs) for o_proj, the
 latent down / up and MLA's q_a | kv_a projections, and the FLASH_ATTN_MLA decode of the MLA layers
 (k3fast.stock.mla.FA3MLADecodeCore). ``vllm_ops.KERNELS_VLLM_LAYER_B1`` lists its launches beside the ones
-recorded from vLLM's engine. The default stays "vllm" (our earlier composition: fla's KDA kernels with torch glue,
-cuBLAS projections) until the vllm-layer variant's parity and timings are recorded on a GPU.
+recorded from vLLM's engine. It is the default: against vLLM 0.33's own KDA+MoE layer inside an engine on the same
+H100 its summed kernel time is within 5 % at batch 1 / 8 / 64 (traces/index.json's ``vllm_layer_check_h100``
+beside ``vllm_e2e``; ``python -m k3fast.measure.report --engine-match``). "vllm" (variant
+"vllm-ops": fla's KDA kernels with torch glue, cuBLAS projections, FlashMLA) stays as the composition a user of
+vLLM's ops would write by hand, and as the fallback where FlashAttention-3 or K3's own ops are missing.
 
 Like every implementation it exposes ``attn(io)``, ``moe(io)`` and ``layer(io)`` over k3fast.layer_io.LayerIO's
 static tensors; stages are marked with k3fast.nvtx ranges.
@@ -60,7 +63,8 @@ class StockImpl:
     """Library kernels, packed the way a serving stack packs them (one in_proj GEMM for q|k|v|g|f_a|b,
     one gate_up GEMM for the shared experts, one q_a|kv_a|g GEMM for MLA).
 
-    ``ops``: "vllm" (default) runs vLLM 0.33's fused kernels for AttnRes (Triton, p += delta and the block
+    ``ops``: "vllm-layer" (default) runs what vLLM 0.33's own layer runs (module docstring); "vllm" runs vLLM 0.33's
+    fused kernels for AttnRes (Triton, p += delta and the block
     write in place, output RMSNorm fused), the router (GateLinear bf16 x bf16 -> fp32 + fused sigmoid/bias
     grouped top-k with renormalisation), the shared experts' SiTU (``_C.situ_and_mul``), the RMSNorms
     (``_C.rms_norm``; MLA's q_a/kv_a norms through vLLM's fused q/kv RMSNorm) and the MLA output gate, and pads
@@ -71,7 +75,7 @@ class StockImpl:
     torch.compile gate) need one eager call before capture."""
     name = "stock"
 
-    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, ops: str = "vllm"):
+    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, ops: str = "vllm-layer"):
         from .kda import pack_conv_weight
         if ops not in OPS:
             raise ValueError(f"ops must be one of {sorted(OPS)}, got {ops!r}")

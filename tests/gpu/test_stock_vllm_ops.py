@@ -83,7 +83,7 @@ def test_stock_vllm_layer_graph(layer, batch):
     from k3fast.measure.impls import make_impl, make_io
     from k3fast.measure.trace import capture
     w = random_layer(CFG, layer, seed=5, device="cuda")
-    impl = make_impl("stock", CFG, w, max_batch=batch)
+    impl = make_impl("stock", CFG, w, max_batch=batch, ops="vllm")
     assert impl.variant == "vllm-ops"
     io = make_io(CFG, layer, batch, context=64, seed=9)
     st = {k: getattr(io.state, k).clone() for k in ("conv", "recurrent") if hasattr(io.state, k)}

@@ -81,7 +81,34 @@ def test_engine_match_puts_stock_beside_vllms_own_layer():
     from k3fast.measure.nbtools import INDEX
     from k3fast.measure.report import engine_match
     text = engine_match(INDEX["layout_check_h100"], INDEX["vllm_e2e"])
-    rows = [ln for ln in text.splitlines() if ln.startswith("| kda_moe")]
+    rows = [ln for ln in text.splitlines() if ln.startswith("| kda_moe | k3_rank16")]
     assert [ln.split("|")[3].strip() for ln in rows] == ["1", "8", "64"]
     # the vllm-ops composition is not vLLM's layer at batch 1: 35 kernels against the engine's 25
     assert "| vllm-ops | 35 / 25 |" in rows[0] and rows[0].rstrip().endswith("| no |")
+    # the engine runs the TP16-rank model only: other shapes have no counterpart
+    assert all("no engine cell" in ln for ln in text.splitlines() if ln.startswith("| kda_moe | full"))
+
+
+def test_vllm_layer_stock_is_vllms_layer_within_5_percent():
+    """The recorded proof of match: the vllm-layer stock (KDA+MoE, TP16 rank, H100) against vLLM's own layer in an
+    engine on the same card, b1 / b8 / b64 within 5 % of kernel time, one kernel more (the harness marks padding -1
+    and clamps it to vLLM's null slot 0 in one elementwise launch); MLA cells at 8K cached tokens have no engine
+    counterpart (the engine profiled its layers at 16-26 tokens)."""
+    from k3fast.measure.nbtools import INDEX
+    from k3fast.measure.report import engine_match
+    text = engine_match(INDEX["vllm_layer_check_h100"], INDEX["vllm_e2e"])
+    kda = [ln for ln in text.splitlines() if ln.startswith("| kda_moe | k3_rank16")]
+    assert len(kda) == 3 and all("| vllm-layer |" in ln and ln.rstrip().endswith("| yes |") for ln in kda)
+    assert ["26 / 25", "27 / 26", "27 / 26"] == [ln.split("|")[6].strip() for ln in kda]
+    mla = [ln for ln in text.splitlines() if ln.startswith("| mla_moe")]
+    assert mla and all("no engine cell" in ln for ln in mla)
+
+
+def test_engine_figure_needs_the_same_cell():
+    from k3fast.measure.report import engine_layer_figure
+    eng = [{"kind": "vllm_e2e", "engine": "stock", "batch": 8, "gpu": "G", "model": {"shape": "k3_rank16"},
+            "layer_us_mla_moe": 240.0, "layer_kernels_mla_moe": 31, "per_layer_context": [16, 26]}]
+    rec = {"layer_kind": "mla_moe", "shape": "k3_rank16", "batch": 8, "gpu": "G", "context": 24}
+    assert engine_layer_figure(rec, eng) == {"kernel_us": 240.0, "kernels": 31, "context": [16, 26]}
+    for change in ({"context": 1024}, {"batch": 1}, {"gpu": "H"}, {"shape": "k3_rank8"}, {"layer_kind": "kda_moe"}):
+        assert engine_layer_figure({**rec, **change}, eng) is None, change

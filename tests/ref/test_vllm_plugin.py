@@ -119,8 +119,8 @@ def W(t):
 
 
 def test_k3_config_from_vllms_config():
-    from k3fast.measure.vllm_e2e import k3_rank16_config
-    cfg = k3_config(Mod(**k3_rank16_config(36)))
+    from k3fast.measure.vllm_e2e import engine_config
+    cfg = k3_config(Mod(**engine_config(36)))
     assert (cfg.tp, cfg.hidden_size, cfg.num_hidden_layers, cfg.kda_heads, cfg.mla_heads) == (1, 7168, 36, 6, 6)
     assert cfg.mla_layers == (3, 7, 11, 15, 19, 23, 27, 31, 35) and cfg.first_k_dense_replace == 1
     assert (cfg.expert_intermediate, cfg.shared_intermediate, cfg.routed_expert_hidden_size) == (256, 512, 3584)
@@ -128,13 +128,26 @@ def test_k3_config_from_vllms_config():
 
 
 def test_released_pattern_of_the_e2e_model():
-    from k3fast.measure.vllm_e2e import k3_rank16_config
-    c = k3_rank16_config(40)
+    from k3fast.measure.vllm_e2e import engine_config
+    c = engine_config(40)
     lin = c["linear_attn_config"]
     assert sorted(lin["kda_layers"] + lin["full_attn_layers"]) == list(range(1, 41))
     assert lin["full_attn_layers"] == [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
     with pytest.raises(ValueError, match="depth must be >= 4"):
-        k3_rank16_config(3)
+        engine_config(3)
+
+
+def test_engine_configs_are_the_traces_shapes():
+    """The engine's model at each trace shape has the k3ref preset's widths (a TP16 rank's expert rows padded to vLLM's
+    minimum of 256), so its per-layer figures stand beside the trace's cells of the same shape."""
+    from k3ref import preset
+    from k3fast.measure.vllm_e2e import engine_config
+    for shape in ("k3_rank16", "k3_rank8", "full"):
+        cfg, ref = k3_config(Mod(**engine_config(8, shape))), preset(shape)
+        assert (cfg.kda_heads, cfg.mla_heads, cfg.hidden_size) == (ref.kda_heads, ref.mla_heads, ref.hidden_size), shape
+        assert cfg.expert_intermediate == max(ref.expert_intermediate, 256), shape
+    with pytest.raises(ValueError, match="shape must be one of"):
+        engine_config(8, "k3_rank4")
 
 
 def vllm_like_layer(cfg, l, seed=0):
