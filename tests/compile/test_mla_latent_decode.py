@@ -34,6 +34,17 @@ def test_split_plan_covers_every_page_once(n, heads, maxp):
     assert (s - 1) * pps < maxp <= s * pps          # no empty split at full capacity, no page left out
     hg = -(-heads // mk.head_group(heads))
     assert n * hg * s < 132 + n * hg                # about one CTA per SM: at most one split more per (request, group)
+    sb, ppsb = mk.plan_splits(n, heads, maxp, rule="balanced")
+    assert (sb - 1) * ppsb < maxp <= sb * ppsb and sb <= s
+    # the balanced cap: the combine's partials (S x hn x 2 KB) no larger than ~2x one split's share of the cache
+    assert sb * mk.head_group(heads) * mk.DV * 4 <= 2 * ppsb * mk.PAGE * mk.DQK * 2 or sb == s
+
+
+def test_split_rules():
+    assert mk.plan_splits(1, 6, 128, rule="balanced") == (22, 6)      # 8K tokens, batch 1: 22 splits, not 128
+    assert mk.plan_splits(64, 6, 128, rule="balanced") == mk.plan_splits(64, 6, 128)   # wide batches: unchanged
+    with pytest.raises(ValueError, match="rule must be one of"):
+        mk.plan_splits(1, 6, 128, rule="sqrt")
 
 
 @needs_dsl
