@@ -111,7 +111,10 @@ def test_attnres_rmsnorm(R, seed, M, w_dtype):
 def test_attnres_rmsnorm_cluster(R, seed, early, n_blocks, has_delta):
     """The cluster build (M >= NORM_CLUSTER_MIN_M) against the reference, deterministic (two calls, the same bits),
     its trigger placement changing no bit, and within 1 bf16 ulp of one CTA per token (each token alone, M = 1: the
-    statistics are split differently)."""
+    statistics are split differently) plus 2^-12 of the row's rms: with blocks, the softmax over the sources turns
+    an fp32 reordering of the scores into absolute differences up to ~3e-5 of the rms (k3ref's fp32 mix against
+    fp64, 40 random cases of this shape), which near a zero of the mix are several bf16 ulps; ~6e-5 of the
+    elements, so a few per call of this size."""
     M = 9
     blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, has_delta)
     x_ref, p2_ref = ref_attnres(blocks, n_blocks, p, delta, u, w_ln)
@@ -130,7 +133,8 @@ def test_attnres_rmsnorm_cluster(R, seed, early, n_blocks, has_delta):
     assert torch.equal(po, p2_ref)
     assert rel_rmse(x, x_ref) <= 1e-2
     assert ((x.float() - x_ref).abs() <= 2 ** -7 * x_ref.abs() + 1e-6).float().mean() > 0.999
-    bad = ((x.float() - x1.float()).abs() > 2 ** -7 * x1.float().abs()).nonzero().tolist()
+    rms = x1.float().pow(2).mean(-1, keepdim=True).sqrt()
+    bad = ((x.float() - x1.float()).abs() > 2 ** -7 * x1.float().abs() + 2 ** -12 * rms).nonzero().tolist()
     assert not bad, (f"{len(bad)} of {x.numel()} elements differ from the one-CTA build by more than 1 bf16 ulp; "
                      "first (m, k, cluster, one CTA, fp32 ref): "
                      + "; ".join(f"{m},{k},{x[m, k].item():.6g},{x1[m, k].item():.6g},{x_ref[m, k].item():.6g}"
