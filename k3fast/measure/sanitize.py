@@ -5,7 +5,8 @@ The set is the fewest launches that cover every code path of the shipped plan: t
 k3_rank16 / k3_rank8 / full width and batch 1 / 8 / 64 (each batch takes a different in_proj, o_proj, front,
 experts and tail path), the attention half of a block-boundary layer at rank16 and rank8 (the block write of
 AttnRes #1 and the new partial sum of o_proj), and the KDA step on a vLLM-style page-strided state pool with
-slot 0 as padding (the plug-in's build), with padded and out-of-range slots in the batch.
+slot 0 as padding (the plug-in's build), with padded and out-of-range slots in the batch. Then the fused MLA
+attention half (FusedMLA, a live contender) at rank16 batch 1 / 8 with both split rules (``--no-mla`` leaves it out).
 
     python -m k3fast.measure.sanitize --out launched.json           # what scripts/device_sanitize.sh runs
 
@@ -32,7 +33,7 @@ BATCHES = (1, 8, 64)
 BOUNDARY_LAYER = 24          # a KDA layer that closes an AttnRes block (checked below)
 
 
-def launch_set(shapes=SHAPES, batches=BATCHES, log=print, out: str | None = None) -> list[dict]:
+def launch_set(shapes=SHAPES, batches=BATCHES, log=print, out: str | None = None, mla: bool = True) -> list[dict]:
     """Launch the set; after each cell, ``out`` (when given) is rewritten with the cells so far and the kernel keys
     compiled so far, so a run the tool's time limit cuts short still says what it covered."""
     from ..kernels._dsl import COMPILE_LOG
@@ -91,6 +92,25 @@ def launch_set(shapes=SHAPES, batches=BATCHES, log=print, out: str | None = None
     FusedKDA(cfg, w, null_slot=True, check_slots=False)(io.blocks, io.partial, io.delta, conv_v, rec_v, io.slots,
                                                         io.x_mlp)
     done(shape="k3_rank16", layer=1, batch=8, part="kda null_slot, one slot past the pool")
+    del w, io, pool, cpool
+    if mla:
+        # the fused MLA attention half (a live contender, not yet shipped): both split rules, mixed cache lengths with
+        # a padded request, the appended row on a page edge
+        from ..layer import DecodePlan, FusedMLA
+        from ..layer_io import mla_step
+        mla_layer = next(l for l in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(l) and cfg.is_moe_layer(l))
+        w = random_layer(cfg, mla_layer, seed=11, device="cuda")
+        for batch in (1, 8):
+            for rule in ("sm", "balanced"):
+                io = make_io(cfg, mla_layer, batch, context=1024, seed=12)
+                if batch > 1:
+                    io.slots[3] = -1
+                    io.state.lengths[1 + 5] = 64                      # request 5's new row opens a page
+                step = mla_step(io.state, io.slots)
+                FusedMLA(cfg, w, plan=DecodePlan(mla_attention="fused", mla_splits=rule))(
+                    io.blocks, io.partial, io.delta, step.pages, step.block_table, step.seqlens, io.x_mlp)
+                done(shape="k3_rank16", layer=mla_layer, batch=batch, part=f"mla attention, {rule} splits")
+        del w, io
     save(True)
     return cells
 
@@ -100,10 +120,11 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="JSON: the cells launched and the kernel keys compiled")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    ap.add_argument("--no-mla", action="store_true", help="leave out the fused MLA attention half's cells")
     a = ap.parse_args(argv)
     from ..kernels._dsl import COMPILE_LOG
     t0 = time.perf_counter()
-    cells = launch_set(a.shapes, a.batches, out=a.out)
+    cells = launch_set(a.shapes, a.batches, out=a.out, mla=not a.no_mla)
     print(f"{len(cells)} cells, {len(COMPILE_LOG)} kernel keys, {time.perf_counter() - t0:.0f} s")
 
 if __name__ == "__main__":
