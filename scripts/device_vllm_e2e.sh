@@ -2,7 +2,10 @@
 # On the lent GPU machine, vLLM staged (scripts/device_parts.sh --vllm): the plug-in's end-to-end runs, one per
 # call (each engine start takes minutes; a call has 10). Everything lands under $OUT (default ./out).
 #   K3_COMMIT=<sha> bash scripts/device_vllm_e2e.sh small | deep | deep-k3fast | deep-stock | layers-<shape>
-# K3_PLAN='{"mla_attention": "fused"}' passes DecodePlan overrides to the plug-in's engines.
+# K3_PLAN='{"mla_attention": "fused"}' passes DecodePlan overrides to the plug-in's engines. K3_HUMMING=1 puts
+# humming-kernels (staged apart, /tmp/k3hum) on the path: vLLM then prefers its MXFP4 MoE to Marlin on SM90, the
+# second stock variant (the records' moe_backend says which ran).
+[ "${K3_HUMMING:-0}" = 1 ] && export PYTHONPATH=/tmp/k3hum${PYTHONPATH:+:$PYTHONPATH}
 # small: the 4-layer model with the plug-in (greedy tokens, k3ref fidelity, the fused KDA layers against vLLM's own
 # inside the engine), then stock vLLM on it if the call has time left. deep: the 36-layer model, stock then plug-in
 # (~7 min on an H100 with cold caches); deep-*: one engine. layers-<shape> (k3_rank16, k3_rank8, full): stock vLLM's
@@ -16,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 t0=$(date +%s)
 left() { echo $((${K3_CALL_S:-580} - ($(date +%s) - t0))); }
 e2e() {  # e2e NAME ENGINE DEPTH BATCHES... (+ options via E2E_OPTS)
-  local name=$1 engine=$2 depth=$3; shift 3
+  local name=$1${K3_HUMMING:+-humming} engine=$2 depth=$3; shift 3
   timeout $(($(left) - 5)) python3 -m k3fast.measure.vllm_e2e run --engine "$engine" --depth "$depth" --batches "$@" \
     --out "$OUT/e2e-$name.json" $E2E_OPTS ${K3_PLAN:+--plan "$K3_PLAN"} > "$OUT/e2e-$name-$engine.log" 2>&1
   local rc=$?

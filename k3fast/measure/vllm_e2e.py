@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import os
 import statistics
@@ -252,7 +253,10 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
             "model": {"depth": a.depth, "shape": a.shape, "experts": 896, "top_k": 16, "vocab": RANK_VOCAB,
                       "weights": f"k3-random seed {a.seed}"},
             "plugin_options": plugin if a.engine == "k3fast" else None,
-            "moe_backend": info["moe_backend"], "cudagraph_mode": graph_mode, "engine_init_s": init_s,
+            "moe_backend": info["moe_backend"],
+            # vLLM prefers humming-kernels' MXFP4 MoE to Marlin on SM90 when the package is importable
+            "humming_installed": importlib.util.find_spec("humming") is not None,
+            "cudagraph_mode": graph_mode, "engine_init_s": init_s,
             "weights_gib": info["weights_gib"], "plugin": info["plugin"], "conv_state_layout": "DS"}
     recs = []
 

@@ -60,6 +60,13 @@ if [ $with_vllm = 1 ]; then
     rm -rf "$t" "$v"/vllm-0.33.0-*.whl && touch "$v/.done"
   fi
   payload+=("$v"/wheels/*.whl "$v/vllm-0.33.0-pruned.tar.xz")
+  # humming-kernels: vLLM prefers its MXFP4 MoE over Marlin on SM90 when it is importable. It travels as an
+  # "optional-" file that stage.sh installs apart (/tmp/k3hum), so a stock engine gets it only when asked
+  # (scripts/device_vllm_e2e.sh with K3_HUMMING=1); the image has its dependencies (cuda-toolkit, jinja2, ...).
+  fetch_once "$cache/humming" humming-kernels==0.1.20
+  mkdir -p "$cache/humming-opt"
+  for w in "$cache"/humming/*.whl; do cp -n "$w" "$cache/humming-opt/optional-$(basename "$w")"; done
+  payload+=("$cache"/humming-opt/optional-*.whl)
 fi
 # one copy of each file name (a wheel both sets pin travels once)
 mapfile -t payload < <(printf '%s\n' "${payload[@]}" | awk -F/ '!seen[$NF]++')

@@ -10,8 +10,14 @@ case "${1:-}" in
   [0-9]*) cp "$here/$1"/part.* /tmp/k3stage/ && echo "part $1 kept ($(du -sh /tmp/k3stage | cut -f1) so far)" ;;
   install)
     cd /tmp/k3stage && cat part.* | tar xf - && rm -f part.*
-    mkdir -p /tmp/k3site
+    mkdir -p /tmp/k3site opt
+    # optional-*.whl: installed apart, into /tmp/k3hum, put on the path only by the runs that ask for them
+    for f in optional-*.whl; do [ -e "$f" ] && mv "$f" "opt/${f#optional-}"; done
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/k3site ./*.whl 2>&1 | grep -v WARNING || true
+    if ls opt/*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/k3hum opt/*.whl 2>&1 | grep -v WARNING || true
+      rm -rf opt
+    fi
     [ ! -f vllm-0.33.0-pruned.tar.xz ] || tar xJf vllm-0.33.0-pruned.tar.xz -C /tmp/k3site
     rm -f ./*.whl vllm-0.33.0-pruned.tar.xz
     # A --target install does not run the cutlass .pth file: put dsl_packages on the path by hand. nsight-python
