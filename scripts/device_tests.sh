@@ -3,6 +3,8 @@
 # $OUT (default ./out). Back on this side, the JUnit file goes to traces/<card>/junit/ (traces/README.md).
 #   [K3_TAG=<commit>-<step>] bash scripts/device_tests.sh [test paths and pytest options]
 #   K3_TEST_TIMEOUT (s, default 480) bounds the whole run, K3_PER_TEST_TIMEOUT (default 240) each test.
+#   K3_XDIST=N runs N pytest-xdist workers, one file each at a time (the image has pytest-xdist): the kernels' JIT
+#   compiles are CPU-bound and the machine has 16 cores; every worker holds its own weights on the one GPU.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -24,7 +26,8 @@ if [ "${1:-}" = --half ]; then
   K3_TAG=${K3_TAG:-half}-half$2; shift 2; set -- "${files[@]}" "$@"
 fi
 [ $# -gt 0 ] || set -- tests/gpu
-timeout "${K3_TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rfE --timeout="${K3_PER_TEST_TIMEOUT:-240}" \
+xdist=(); [ "${K3_XDIST:-0}" -gt 1 ] && xdist=(-n "$K3_XDIST" --dist loadfile)
+timeout "${K3_TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rfE --timeout="${K3_PER_TEST_TIMEOUT:-240}" "${xdist[@]}" \
   --junitxml="$OUT/gpu-junit${K3_TAG:+-$K3_TAG}.xml" "$@" > "$OUT/gpu-tests.log" 2>&1
 rc=$?
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -3
