@@ -54,7 +54,7 @@ print({k: r0[k] for k in ("gpu", "driver", "torch", "vllm", "cutlass", "commit",
 # | weight loading | the loader's post-processing | the MXFP4 experts are re-laid into the fused kernel's tiles; vLLM's Marlin repack never runs |
 # | Model Runner V2's model state | `get_model_state_cls()` | the fused halves are built over vLLM's own parameters, every kernel is compiled, before memory profiling and CUDA-graph capture |
 # | each forward | `forward()` | one decision per step: a pure-decode step of a prepared width runs the fused KDA chain (baked into the FULL decode graph at capture) |
-# | each layer | the layer loop | KDA layers: fused chain on vLLM's conv / recurrent state pools; MoE: fused in every step; MLA attention: vLLM's |
+# | each layer | the layer loop | KDA layers: fused chain on vLLM's conv / recurrent state pools; MoE: fused in every step; MLA attention: vLLM's, or FusedMLA with the plan's `mla_attention="fused"` (below) |
 #
 # The switch is one key of `additional_config`; bad options are refused at engine start, with the key named:
 
@@ -81,6 +81,35 @@ problems = guards.problems(facts)
 for p in problems:
     print("-", p)
 assert len(problems) == 3
+
+# %% [markdown]
+# ### MLA layers, fused (written, not yet run in an engine)
+#
+# With `{"k3fast": {"plan": {"mla_attention": "fused"}}}` the MLA layers' attention half runs `FusedMLA` (notebook
+# 09) over vLLM's own latent cache in planned decode steps. One detail decides how it reads that cache: in a hybrid
+# KDA / MLA model vLLM gives every layer's pages the same byte size, so an MLA block holds as many 576-wide bf16
+# rows as it takes to reach one KDA state page, rounded up to a multiple of 128 rows (`platforms/interface.py`).
+# The fused kernel streams 64-row pages, so the plug-in expands the step's block table once, for every MLA layer
+# of the step (`k3fast.vllm.runtime.page_table`): row t of a request lies in 64-row page t // 64 of the expanded
+# table, exactly where vLLM's block table puts it.
+
+# %%
+import torch
+from k3ref import k3_rank
+from k3fast.vllm.runtime import page_table
+
+c16 = k3_rank(16)
+kda_page = c16.kda_heads * c16.kda_head_dim ** 2 * 4 + 3 * c16.kda_proj * 3 * 2     # fp32 state + bf16 conv state
+row = c16.kv_cache_dim * 2
+B = 128 * -(-kda_page // (128 * row))
+print(f"KDA state page {kda_page:,} B, MLA row {row} B -> vLLM's MLA block {B} rows = {B // 64} pages of 64")
+bt = torch.tensor([[7, 2], [1, 5]], dtype=torch.int32)                    # two requests, two blocks each
+table = page_table(bt, B)
+print(table)
+rows = torch.arange(4 * 2 * B).view(-1, 1)                                 # a toy cache of 8 blocks: row id
+cache = rows.view(-1, B, 1)
+t = B + 70                                                                 # request 1, row B + 70
+assert cache.view(-1, 64, 1)[table[1, t // 64], t % 64, 0] == cache[bt[1, t // B], t % B, 0]
 
 # %% [markdown]
 # ## 2. The run
