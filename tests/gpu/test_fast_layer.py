@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from k3ref import k3_rank
+from k3ref import k3_rank, preset
 from k3ref.weights import random_layer
 from k3fast.measure.impls import make_impl, make_io
 from tolerances import assert_close
@@ -170,13 +170,12 @@ def test_warmup_compiles_every_kernel_the_layer_runs(tp):
     assert len(COMPILE_LOG) == n, f"compiled after warmup: {[str(k)[:80] for k, _ in COMPILE_LOG[n:]]}"
 
 
-@pytest.mark.parametrize("tp", [16, 8])
-@pytest.mark.parametrize("batch", [1, 3, 8, 17, 64])
+@pytest.mark.parametrize("tp,batch", [(t, b) for t in (16, 8) for b in (1, 3, 8, 17, 64)] + [(1, 1), (1, 8)])
 def test_fused_mla_attention_half(tp, batch):
     """The MLA attention half on FusedMLA (the fast-mla contender) against k3ref: requests of mixed cache lengths
     (1, page edges, a few hundred), a padded request where the batch has room; the MoE input, the partial sum,
     the appended cache rows and the lengths; other slots' rows untouched."""
-    cfg = k3_rank(tp)
+    cfg = k3_rank(tp) if tp > 1 else preset("full")
     layer = 3
     assert not cfg.is_kda_layer(layer)
     w = random_layer(cfg, layer, seed=61, device="cuda")
@@ -204,3 +203,48 @@ def test_fused_mla_attention_half(tp, batch):
     assert_close("partial", outs["fast-mla"][1], outs["ref"][1], "bf16_kernel")
     assert_close("cache rows", outs["fast-mla"][2], outs["ref"][2], "bf16_state_chain")
     assert torch.equal(outs["fast-mla"][3], outs["ref"][3]), "lengths differ"
+
+
+@pytest.mark.parametrize("rule", ["sm", "balanced"])
+def test_fused_mla_graph_replay_reads_the_step_metadata(rule):
+    """As the trace runs it: the step's paging metadata built once outside the layer (layer_io.mla_step), the
+    attention half captured in a CUDA graph and replayed after new inputs and new lengths: each replay equals an eager
+    call on the same inputs bit for bit (the combine's counters re-arm; nothing but shapes is fixed at capture), and
+    the eager call equals the layer that derives the metadata itself."""
+    from k3fast.layer import CONTENDERS, FastImpl
+    from k3fast.layer_io import mla_step
+    from k3fast.measure.trace import capture
+    cfg, layer, batch = k3_rank(16), 3, 8
+    w = random_layer(cfg, layer, seed=71, device="cuda")
+    plan = CONTENDERS["fast-mla-bal" if rule == "balanced" else "fast-mla"][0]
+    impl = FastImpl(cfg, w, plan=plan, max_batch=batch)
+    io = make_io(cfg, layer, batch, context=300, seed=72)
+    io.slots[2] = -1
+    self_made = make_io(cfg, layer, batch, context=300, seed=72)
+    self_made.slots[2] = -1
+    impl.attn(self_made)                                        # derives the metadata, advances the lengths
+    io.mla_step = mla_step(io.state, io.slots)
+    impl.attn(io)
+    torch.cuda.synchronize()
+    assert torch.equal(io.x_mlp, self_made.x_mlp) and torch.equal(io.state.kv, self_made.state.kv)
+    g = capture(lambda: impl.attn(io))
+    gen = torch.Generator(device="cuda").manual_seed(73)
+    for _ in range(3):
+        io.reset()
+        io.partial.copy_(torch.randn(io.partial.shape, generator=gen, device="cuda").to(torch.bfloat16))
+        lmax = io.state.kv.shape[1]                              # the new row must fit: lengths < Lmax
+        io.state.lengths.copy_(torch.randint(1, lmax, io.state.lengths.shape, generator=gen, device="cuda"))
+        step = mla_step(io.state, io.slots)                      # the scheduler's next step, into the same buffers
+        for a, b in ((io.mla_step.block_table, step.block_table), (io.mla_step.seqlens, step.seqlens),
+                     (io.mla_step.slot_mapping, step.slot_mapping)):
+            a.copy_(b)
+        kv0, p0 = io.state.kv.clone(), io.partial.clone()
+        io.x_mlp.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        replayed = (io.x_mlp.clone(), io.state.kv.clone())
+        io.state.kv.copy_(kv0)
+        io.partial.copy_(p0)
+        impl.attn(io)
+        torch.cuda.synchronize()
+        assert torch.equal(replayed[0], io.x_mlp) and torch.equal(replayed[1], io.state.kv)
