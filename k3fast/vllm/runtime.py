@@ -210,23 +210,14 @@ class K3FastDecode:
         md, sm = ctx.attn_metadata, ctx.slot_mapping
         m = md.get(attn.layer_name) if isinstance(md, dict) else None
         slot = sm.get(attn.layer_name) if isinstance(sm, dict) else None
-        cache = attn.kv_cache
-        n = step.rows
-        if (m is None or m.num_prefills or m.decode is None or m.num_decode_tokens > n or slot is None
-                or slot.shape[0] < n or m.decode.block_table.shape[0] < n or m.decode.seq_lens.shape[0] < n
-                or cache.dim() != 3 or cache.dtype != torch.bfloat16 or cache.shape[1] % 64
-                or cache.shape[2] != self.cfg.kv_cache_dim or not cache.is_contiguous()):
+        paging = mla_step_paging(m, slot, attn.kv_cache, step.rows, self.cfg.kv_cache_dim)
+        if isinstance(paging, str):
             if not getattr(self, "_mla_paging_refused", False):
                 self._mla_paging_refused = True
-                log.warning("k3fast: MLA layers run vLLM's attention in this step: the cache %s %s or the step's "
-                            "metadata is not a pure-decode one of %d rows", tuple(cache.shape), cache.dtype, n)
+                log.warning("k3fast: MLA layers run vLLM's attention in this step: %s", paging)
             return None
-        table = page_table(m.decode.block_table[:n], cache.shape[1])
-        # a padded row of a CUDA-graph batch (slot mapping -1, vLLM's PAD_SLOT_ID) gets length 0: the kernel writes
-        # no cache row for it and attends over nothing, whatever stale length or table row the buffers hold there
-        seqlens = torch.where(slot[:n] >= 0, m.decode.seq_lens[:n], 0).to(torch.int32)
-        step.mla_paging = (cache.view(-1, 64, cache.shape[2]), table, seqlens)
-        return step.mla_paging
+        step.mla_paging = paging
+        return paging
 
     def finish(self) -> None:
         self.step = None
@@ -273,6 +264,28 @@ class _LayerForward:
         else:
             self.mla(step.blocks, prefix_sum, hidden_states, *paging, x, partial_out=p)
         return self.layer.mlp(x), p, residual
+
+
+def mla_step_paging(m, slot, cache: torch.Tensor, n: int, row_width: int) -> tuple | str:
+    """The fused MLA half's view of one decode step from vLLM's: ``m`` its MLA metadata for the layer (``decode``'s
+    block table and sequence lengths, the step's token counted), ``slot`` its slot mapping, ``cache`` the layer's
+    latent cache [blocks, B, row_width], ``n`` the step's rows. Returns (pages [blocks * B / 64, 64, row_width],
+    64-row page table [n, MAXB * B / 64] int32, seqlens [n] int32), or why it cannot (a string)."""
+    if m is None or slot is None:
+        return "no MLA metadata or slot mapping for the layer"
+    if m.num_prefills or m.decode is None or m.num_decode_tokens > n:
+        return f"not a pure decode step of at most {n} rows"
+    if slot.shape[0] < n or m.decode.block_table.shape[0] < n or m.decode.seq_lens.shape[0] < n:
+        return f"metadata for fewer than the step's {n} rows"
+    if (cache.dim() != 3 or cache.dtype != torch.bfloat16 or cache.shape[1] % 64 or cache.shape[2] != row_width
+            or not cache.is_contiguous()):
+        return (f"the cache is {tuple(cache.shape)} {cache.dtype}: the fused half reads a contiguous bf16 "
+                f"[blocks, B, {row_width}] cache with B a multiple of 64")
+    table = page_table(m.decode.block_table[:n], cache.shape[1])
+    # a padded row of a CUDA-graph batch (slot mapping -1, vLLM's PAD_SLOT_ID) gets length 0: the kernel writes no
+    # cache row for it and attends over nothing, whatever stale length or table row the buffers hold there
+    seqlens = torch.where(slot[:n] >= 0, m.decode.seq_lens[:n], 0).to(torch.int32)
+    return cache.view(-1, 64, cache.shape[2]), table, seqlens
 
 
 def page_table(block_table: torch.Tensor, block_rows: int) -> torch.Tensor:

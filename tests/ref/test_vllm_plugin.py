@@ -398,3 +398,27 @@ def test_page_table_reads_vllms_blocks_as_64_row_pages():
             assert pages[table[req, t // 64], t % 64, 0] == cache[bt[req, t // B], t % B, 0]
     with pytest.raises(ValueError, match="multiple of 64"):
         page_table(bt, 96)
+
+
+def test_mla_step_paging_from_vllms_metadata():
+    """The fused MLA half's view of a decode step: vLLM's 384-row blocks as 64-row pages, a padded row of the graph
+    batch (slot mapping -1) at length 0 whatever its stale length, and every reason to fall back named."""
+    from k3fast.vllm.runtime import mla_step_paging
+    B, n = 384, 3
+    cache = torch.zeros(6, B, 576, dtype=torch.bfloat16)
+    dec = Mod(block_table=torch.tensor([[4, 1], [2, 0], [5, 3], [9, 9]], dtype=torch.int32),
+              seq_lens=torch.tensor([500, 17, 999, 3], dtype=torch.int32))
+    m = Mod(num_prefills=0, num_decode_tokens=2, decode=dec)
+    slot = torch.tensor([1 * B + 115, 2 * B + 16, -1, -1])               # row 499 of request 0: block 1
+    pages, table, seqlens = mla_step_paging(m, slot, cache, n, 576)
+    assert pages.shape == (6 * B // 64, 64, 576) and pages.data_ptr() == cache.data_ptr()
+    assert table.shape == (n, 2 * B // 64) and seqlens.tolist() == [500, 17, 0]
+    # the new token's row (seqlen - 1) lies where vLLM's slot mapping writes it
+    for i in range(2):
+        t = int(seqlens[i]) - 1
+        assert int(table[i, t // 64]) * 64 + t % 64 == int(slot[i])
+    assert "pure decode" in mla_step_paging(Mod(num_prefills=1, num_decode_tokens=2, decode=dec), slot, cache, n, 576)
+    assert "no MLA metadata" in mla_step_paging(None, slot, cache, n, 576)
+    assert "fewer than" in mla_step_paging(m, slot[:2], cache, n, 576)
+    assert "bf16" in mla_step_paging(m, slot, cache.float(), n, 576)
+    assert "bf16" in mla_step_paging(m, slot, torch.zeros(6, 96, 576, dtype=torch.bfloat16), n, 576)
