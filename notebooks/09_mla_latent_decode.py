@@ -30,11 +30,13 @@
 #    at once; each split keeps a running max and sum (online softmax), and the last one to finish combines them.
 #
 # Status: the kernels (`mla_latent_decode`, `mla_uv_gate`) and the chain (`k3fast.layer.FusedMLA`, the `fast-mla`
-# contender) compile for sm_90a; their first GPU measurement is the `mla-fused` trace preset. This notebook shows
+# and `fast-mla-bal` contenders) compile for sm_90a; `mla_uv_gate` passed its GPU tests, the rest awaits its first
+# GPU run (the `mla-fused` trace preset). This notebook shows
 # the parts that need no GPU: the algebra, the bytes, and the split-and-combine arithmetic the kernel performs.
 
 # %%
 import math
+import os
 
 import matplotlib.pyplot as plt
 import torch
@@ -174,21 +176,78 @@ for pps in (1, 3, 16):
 # The only approximation is the bf16 rounding of the probabilities (2⁻⁹ relative each), which averages out
 # over the tokens; the split count does not change the result beyond fp32 summation order.
 #
-# How many splits the kernel takes: about one CTA per SM over all requests and head groups, each split non-empty
-# at the table's full width (so one CUDA graph serves any lengths):
+# How many splits the kernel takes is a trade. Each split reads its share of the cache (more splits: more SMs
+# reading at once); the CTA that arrives last then reads every split's partial O (hn × 512 fp32 per split) alone,
+# on one SM. Two rules, both in the plan (`DecodePlan.mla_splits`): "sm", about one CTA per SM over all requests
+# and head groups; "balanced", at most √(36 · pages / hn) splits, where the two byte counts meet. What each reads,
+# per request and head group, at batch 1 and 6 heads (8 query rows per CTA):
 
 # %%
+fig, ax = plt.subplots(figsize=(8, 4.5))
+pages_axis = [16, 32, 64, 128, 256, 512, 1024, 2048]
+for rule, color in (("sm", "C0"), ("balanced", "C1")):
+    split_kb, combine_kb = [], []
+    for maxp in pages_axis:
+        s, pps = mk.plan_splits(1, 6, maxp, rule=rule)
+        split_kb.append(pps * mk.PAGE * mk.DQK * 2 / 1024)                 # one split's cache rows
+        combine_kb.append(s * mk.head_group(6) * mk.DV * 4 / 1024)         # the combining CTA's partials
+    ax.plot([p * 64 for p in pages_axis], split_kb, color=color, marker="o", label=f"{rule}: one split's cache KB")
+    ax.plot([p * 64 for p in pages_axis], combine_kb, color=color, marker="s", linestyle="--",
+            label=f"{rule}: the combine's partials KB")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("cached tokens per request (the block table's capacity)")
+ax.set_ylabel("KB read by one CTA")
+ax.set_title("split-KV at batch 1, 6 heads: what one split and the combining CTA read")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
 for n_req, heads, maxp in ((1, 6, 128), (8, 6, 128), (64, 6, 512), (8, 96, 128)):
-    s, pps = mk.plan_splits(n_req, heads, maxp)
-    hg = -(-heads // mk.head_group(heads))
-    print(f"{n_req:3d} requests x {heads:2d} heads, {maxp:4d} pages of capacity: {s:3d} splits of {pps:3d} pages, "
-          f"{n_req * hg * s:4d} CTAs")
+    for rule in mk.SPLIT_RULES:
+        s, pps = mk.plan_splits(n_req, heads, maxp, rule=rule)
+        hg = -(-heads // mk.head_group(heads))
+        print(f"{rule:8s} {n_req:3d} requests x {heads:2d} heads, {maxp:4d} pages: {s:3d} splits of {pps:3d} pages, "
+              f"{n_req * hg * s:4d} CTAs")
 
 # %% [markdown]
 # ## 4. The chain and what is still to measure
 #
-# `k3fast.layer.FusedMLA` runs the MLA attention half in five launches: the packed [q_a | kv_a | g] projection
-# with AttnRes #1 and the input RMSNorm; RMSNorm(q_a) + W_Q; the attention (which also writes the step's own
-# cache row); W_UV + the gate; o_proj with AttnRes #2. `python -m k3fast.measure.trace --preset mla-fused` puts it
-# beside the stock path (vLLM's FlashMLA) at 1K / 8K / 32K tokens; its records will join this notebook.
-# Design note: [docs/kernels/mla_latent_decode.md](../docs/kernels/mla_latent_decode.md).
+# `k3fast.layer.FusedMLA` runs the MLA attention half in five kernels and one copy: the packed [q_a | kv_a | g]
+# projection with AttnRes #1 and the input RMSNorm; a copy of q_a into a contiguous buffer; RMSNorm(q_a) + W_Q;
+# the attention (which also writes the step's own cache row); W_UV + the gate; o_proj with AttnRes #2. The paging
+# metadata (block table, lengths) belongs to the step, not the layer: a serving engine builds it once for all MLA
+# layers, and so does the trace (`k3fast.layer_io.mla_step`).
+#
+# `python -m k3fast.measure.trace --preset mla-fused` puts it beside the stock path, which is vLLM's own MLA layer
+# on Hopper (FlashAttention-3's split-KV MLA decode, `FLASH_ATTN_MLA`), at 1K / 8K / 32K tokens, with both split
+# rules (`fast-mla`, `fast-mla-bal`). Where that run is recorded (`traces/index.json`, key `mla_fused`), the cell
+# below draws it; until then it says so.
+
+# %%
+path = nbtools.INDEX.get("mla_fused")
+if path is None:
+    print("not yet measured on a GPU: no 'mla_fused' record in traces/index.json")
+else:
+    from k3fast.measure.report import load_records
+    recs = [r for r in load_records(os.path.join(nbtools.ROOT, path)) if r["part"] == "attn"
+            and r["layer_kind"] == "mla_moe" and r["shape"] == "k3_rank16"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for impl, color in (("stock", "C3"), ("fast-mla", "C0"), ("fast-mla-bal", "C1")):
+        for batch, marker in ((1, "o"), (8, "s"), (64, "^")):
+            pts = sorted((r["context"], r["replay_us_median"]) for r in recs
+                         if r["impl"] == impl and r["batch"] == batch)
+            if pts:
+                ax.plot(*zip(*pts), color=color, marker=marker, label=f"{impl} b{batch}")
+    floor = sorted({(r["context"], r["floor_us"], r["batch"]) for r in recs})
+    for batch in (1, 8, 64):
+        pts = [(c, f) for c, f, b in floor if b == batch]
+        if pts:
+            ax.plot(*zip(*pts), color="gray", linestyle=":", label=f"floor b{batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("cached tokens per request")
+    ax.set_ylabel("µs per step (graph replay, L2 flushed)")
+    ax.set_title(f"MLA attention half, k3_rank16 ({recs[0]['gpu']})")
+    ax.legend(fontsize=7, ncol=3)
+    plt.tight_layout()
+    plt.show()
