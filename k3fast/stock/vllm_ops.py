@@ -502,6 +502,30 @@ KERNELS_VLLM_LAYER_B1 = {
 }
 
 
+# One MLA+MoE layer of StockImpl(ops="vllm-layer") at k3_rank16, batch 1 (vLLM's FLASH_ATTN_MLA decode on SM90,
+# k3fast.stock.mla.FA3MLADecodeCore), as above against per_layer.mla_moe.kernel_names: the attention half, then the
+# MoE half (the same launches as a KDA layer's). The step's paging metadata and FA3's split schedule are built once
+# per step outside the layer, as vLLM's attention builder builds them; vLLM launches g_proj on a side stream, so its
+# GEMM sits later in the engine's launch order, in the same count.
+KERNELS_VLLM_LAYER_MLA_B1 = {
+    "attn": ["_attn_res_kernel",
+             "kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_skinny_gemmCuteSkinnyGemm",   # q_a | kv_a
+             "nvjet_sm90",                              # g_proj (cuBLAS split-K) ...
+             "void cublasLt::splitKreduce_kernel",      # ... and its reduce
+             "Kernel",                                  # the fused q_a / kv_a RMSNorm
+             "nvjet_sm90",                              # q_b_proj
+             "nvjet_sm90",                              # W_UK (bmm)
+             "void vllm::kimi_k3_fused_ops::fusedKimiK3MLADecodeQConcatKVCacheKernel",
+             "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90",
+             "void cutlass::device_kernel<flash::FlashAttnFwdCombine",
+             "nvjet_sm90",                              # W_UV (bmm)
+             "triton_poi_fused_mul_sigmoid",            # the output gate
+             "kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_skinny_gemmCuteSkinnyGemm",   # o_proj
+             "_attn_res_kernel"],
+    "moe": KERNELS_VLLM_LAYER_B1["moe"],
+}
+
+
 @functools.lru_cache(maxsize=None)
 def vllm_layer_available() -> tuple[bool, str]:
     """(True, "") when the KDA decode kernels and the low-latency GEMM table of vLLM's own layer import here (on

@@ -179,6 +179,29 @@ def test_stock_vllm_layer_launches_what_vllm_launches():
             assert name.startswith(k), f"{part}: expected {k!r}, got {name!r} ({got})"
 
 
+def test_stock_vllm_layer_mla_launches_what_vllm_launches():
+    """One MLA+MoE layer of the vllm-layer variant at rank16 b1, the step's paging metadata built outside the layer
+    (as the trace builds it), launches vllm_ops.KERNELS_VLLM_LAYER_MLA_B1, in order."""
+    _need_vllm_layer()
+    from k3fast.layer_io import mla_step
+    from k3fast.measure.impls import make_impl, make_io
+    from k3fast.measure.trace import _profile
+    layer = 3
+    w = random_layer(CFG, layer, seed=35, device="cuda")
+    impl = make_impl("stock", CFG, w, max_batch=1, ops="vllm-layer")
+    io = make_io(CFG, layer, 1, context=24, seed=36)
+    io.mla_step = mla_step(io.state, io.slots)
+    impl.layer(io)                                           # compile, autotune and FA3's schedule outside the profile
+    torch.cuda.synchronize()
+    for part, want in V.KERNELS_VLLM_LAYER_MLA_B1.items():
+        io.reset()
+        ev = _profile(lambda: getattr(impl, part)(io))
+        got = [e["name"] for e in sorted(ev, key=lambda e: e["ts"]) if e.get("cat") == "kernel"]
+        assert len(got) == len(want), f"{part}: {len(got)} kernels, expected {len(want)}: {got}"
+        for k, name in zip(want, got):
+            assert name.startswith(k), f"{part}: expected {k!r}, got {name!r} ({got})"
+
+
 @pytest.mark.parametrize("tp,batch,context", [(16, 1, 1000), (16, 8, 300), (8, 3, 64)])
 def test_stock_vllm_layer_mla_against_the_reference(tp, batch, context):
     """The vllm-layer variant's MLA half (vLLM's FLASH_ATTN_MLA decode: low-latency q_a | kv_a projection, fused

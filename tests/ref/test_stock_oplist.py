@@ -7,21 +7,25 @@ import os
 import pytest
 
 from k3fast.measure.nbtools import INDEX
-from k3fast.stock.vllm_ops import KERNELS_VLLM_LAYER_B1
+from k3fast.stock.vllm_ops import KERNELS_VLLM_LAYER_B1, KERNELS_VLLM_LAYER_MLA_B1
 
 pytestmark = pytest.mark.ref
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _recorded_kda_moe_b1() -> list[str]:
+def _recorded_b1(kind: str = "kda_moe") -> list[str]:
     recs = json.load(open(os.path.join(ROOT, INDEX["vllm_e2e"])))["records"]
     rec = next(r for r in recs if r.get("kind") == "vllm_e2e" and r["engine"] == "stock" and r["batch"] == 1)
-    return list(rec["per_layer"]["kda_moe"]["kernel_names"])
+    return list(rec["per_layer"][kind]["kernel_names"])
 
 
-def _kind(name: str) -> str:
+def _recorded_kda_moe_b1() -> list[str]:
+    return _recorded_b1("kda_moe")
+
+
+def _kind(name: str, table=KERNELS_VLLM_LAYER_B1) -> str:
     """The declared prefix a recorded kernel name starts with (the longest, so nvjet and CuTe names resolve)."""
-    declared = {k for ks in KERNELS_VLLM_LAYER_B1.values() for k in ks if not k.startswith("harness:")}
+    declared = {k for ks in table.values() for k in ks if not k.startswith("harness:")}
     hits = [k for k in declared if name.startswith(k)]
     assert hits, f"vLLM's layer launched {name!r}, which the vllm-layer stock variant does not declare"
     return max(hits, key=len)
@@ -38,3 +42,17 @@ def test_vllm_layer_variant_declares_exactly_what_vllms_layer_launched():
         assert collections.Counter(map(_kind, names)) == collections.Counter(want), part
     harness = [k for ks in KERNELS_VLLM_LAYER_B1.values() for k in ks if k.startswith("harness:")]
     assert len(harness) == 1, "each harness-only launch is named and counted"
+
+
+def test_vllm_layer_variant_declares_vllms_mla_layer():
+    """The MLA+MoE layer likewise: the attention half (FA3's split-KV decode and combine, K3's fused query concat and
+    cache insert, the W_UK / W_UV bmms) up to the second AttnRes, then the MoE half; no harness-only launch (the
+    paging metadata belongs to the step)."""
+    got = _recorded_b1("mla_moe")
+    second = [i for i, n in enumerate(got) if n.startswith("_attn_res_kernel")][1]
+    halves = {"attn": got[:second + 1], "moe": got[second + 1:]}
+    for part, names in halves.items():
+        want = KERNELS_VLLM_LAYER_MLA_B1[part]
+        kinds = [_kind(n, KERNELS_VLLM_LAYER_MLA_B1) for n in names]
+        assert collections.Counter(kinds) == collections.Counter(want), part
+    assert not any(k.startswith("harness:") for ks in KERNELS_VLLM_LAYER_MLA_B1.values() for k in ks)
