@@ -150,9 +150,12 @@ def results_block(sources: dict[str, str]) -> str:
         recs = _one_run(path)
         rows += results_rows(card, recs)
         e = recs[0]
+        # which stock: vLLM's own layer ("vllm-layer") or an earlier composition of its kernels ("vllm-ops")
+        stock = sorted({str(r.get("stock_variant") or "unrecorded") for r in recs if r["impl"] == "stock"})
         notes.append(f"{card}: `{path}` ({e['gpu']}, driver {e['driver']}, torch {e['torch']}, cutlass "
                      f"{e['cutlass']}, commit {str(e.get('commit'))[:7]}, copy "
-                     f"{', '.join(f'{c:.2f}' for c in sorted({r['copy_tbps'] for r in recs}))} TB/s)")
+                     f"{', '.join(f'{c:.2f}' for c in sorted({r['copy_tbps'] for r in recs}))} TB/s, "
+                     f"stock = {', '.join(stock)})")
     lines = ["| card | layer | shape | batch | floor µs | stock µs | fast µs | stock / fast | fast / floor | "
              "kernels stock → fast |", "|" + "---|" * 10]
     for r in rows:
