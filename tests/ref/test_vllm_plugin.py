@@ -204,6 +204,12 @@ def test_mla_layer_weights_are_views_of_vllms_parameters():
               "o_proj"):
         assert torch.equal(getattr(got.attn, f), getattr(w.attn, f)), f
     assert got.attn.g_proj.data_ptr() == in_proj[cfg.q_lora_rank + cfg.kv_cache_dim:].data_ptr()   # a view
+    # the fused MLA half reads vLLM's packed front in place (no copy) and refuses a front of the wrong layout
+    from k3fast.layer import FusedMLA
+    fused = FusedMLA(cfg, got, in_proj=in_proj)
+    assert fused.in_proj is in_proj
+    with pytest.raises(ValueError, match="in_proj: expected a contiguous"):
+        FusedMLA(cfg, got, in_proj=in_proj[:-16])
     layer.self_attn.fused_qkv_a_g_proj = None
     with pytest.raises(ValueError, match="fused_qkv_a_g_proj"):
         layer_weights(layer, cfg)
