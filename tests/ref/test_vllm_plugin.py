@@ -284,6 +284,45 @@ def test_the_first_layer_swaps_the_block_rows_in_a_planned_step():
     assert r.stride() == (MAX_BLOCKS * 8, 8, 1)
 
 
+def test_an_mla_layer_runs_fusedmla_on_the_steps_paging_or_falls_back():
+    """A planned step's MLA layer: FusedMLA on the paging the decode object gives (the block rows, vLLM's partial
+    sum, the previous layer's MoE output as delta), then the layer's MLP on its output; a block-closing layer writes
+    a new partial-sum tensor. Where the paging is refused (None), vLLM's own layer runs."""
+    from k3fast.vllm.runtime import Step, _LayerForward
+    calls = []
+
+    class FakeMLA:
+        def __call__(self, blocks, partial, delta, pages, table, seqlens, x_mlp, partial_out=None):
+            calls.append((blocks, partial, delta, pages, table, seqlens, partial_out))
+            x_mlp.copy_(delta + 1)
+            if partial_out is not None:
+                partial_out.copy_(partial)
+
+    stock_calls = []
+
+    def stock(positions, hidden, residual, prefix_sum=None, **kw):
+        stock_calls.append(hidden)
+        return hidden, prefix_sum, residual
+
+    paging = ("pages", "table", "seqlens")
+    decode = Mod(step=Step(rows=2, slots=None), cfg=Mod(is_block_boundary=lambda l: l == 12),
+                 mla_paging=lambda attn: paging if attn == "mla-attn" else None)
+    layer = Mod(forward=stock, layer_idx=3, self_attn="mla-attn", mlp=lambda x: 2 * x)
+    fwd = _LayerForward(decode, layer, None, FakeMLA())
+    res, p, h = torch.zeros(2, 3, 8), torch.zeros(2, 8), torch.ones(2, 8)
+    out, p_out, r = fwd(None, h, res, p)
+    assert len(calls) == 1 and calls[0][3:6] == paging and calls[0][2] is h and calls[0][1] is p
+    assert calls[0][0] is decode.step.blocks and calls[0][6] is p           # not a boundary: p updated in place
+    assert torch.equal(out, 2 * (h + 1)) and p_out is p and not stock_calls
+    boundary = _LayerForward(decode, Mod(forward=stock, layer_idx=12, self_attn="mla-attn", mlp=lambda x: x),
+                             None, FakeMLA())
+    _, p_new, _ = boundary(None, h, r, p)
+    assert p_new is not p and calls[-1][6] is p_new                         # a boundary starts a new partial sum
+    refused = _LayerForward(decode, Mod(forward=stock, layer_idx=7, self_attn="other", mlp=None), None, FakeMLA())
+    refused(None, h, r, p)
+    assert stock_calls == [h] and len(calls) == 2
+
+
 # ---------------------------------------------------------------------------------------------- registration
 
 def fake_vllm(monkeypatch):
