@@ -90,7 +90,8 @@ class MLAStep:
     [S * Lmax / 64, 64, 576] (a view), block_table [M, Lmax / 64] int32 (page p of slot s is s * Lmax / 64 + p),
     seqlens [M] int32 (the rows each request attends over once this step's row is appended; 0 for a padded request),
     slot_mapping [M] int64 (the flat row the new token is written to; -1 for a padded request). ``backend`` holds what
-    an attention backend derives from these once per step (e.g. FlashAttention-3's split schedule)."""
+    an attention backend derives from these once per step (e.g. FlashAttention-3's split schedule), from their values
+    at the step's first use: a step whose lengths change is a new MLAStep."""
     pages: torch.Tensor
     block_table: torch.Tensor
     seqlens: torch.Tensor

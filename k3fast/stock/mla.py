@@ -152,7 +152,8 @@ class FA3MLADecodeCore:
             advance_lengths(MLACache(kv_cache, lengths), slots)
         meta = step.backend.get("fa3")
         if meta is None:
-            # FA3 reads at least one row: a padded request (seqlen 0) attends over row 0 of its table; zeroed below
+            # FA3 reads at least one row: a padded request (seqlen 0) attends over row 0 of its table (its output row
+            # is not read downstream)
             seqlens = step.seqlens.clamp_min(1)
             cu_q = torch.arange(N + 1, dtype=torch.int32, device=q.device)
             meta = (seqlens, cu_q, self._schedule(N, Lmax, seqlens, cu_q, step.pages.dtype))
