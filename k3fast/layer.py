@@ -368,8 +368,8 @@ class FusedMLA(_AttentionEnds):
     AttnRes #1 + input RMSNorm + the packed [q_a | kv_a | g] projection (the in_proj path of the plan), q_a's
     RMSNorm + the absorbed query projection in one GEMV (rms_gemv with one AttnRes source, which is the plain
     RMSNorm), kv_a's RMSNorm + the cache append + the decode attention over the latent cache (mla_latent_decode),
-    W_UV + the sigmoid gate (mla_uv_gate), and o_proj + AttnRes #2 + post-attention RMSNorm: five launches and one
-    copy of q_a.
+    W_UV + the sigmoid gate (mla_uv_gate), and o_proj + AttnRes #2 + post-attention RMSNorm: five launches (the
+    q_a GEMV reads q_a in place, a column slice of the projection output).
 
     The absorbed query weight W_Q = [W_UK,h^T W_qb,nope,h | W_qb,pe,h] per head ([H * 576, 1536]) is formed once
     in fp32 and rounded to bf16: Q = RMSNorm(q_a) W_Q^T in one pass, where k3ref rounds q (bf16) and then q_lat
@@ -429,11 +429,10 @@ class FusedMLA(_AttentionEnds):
             qa = z[:, :cfg.q_lora_rank]
         with stage("k3.mla.q_b"):
             # RMSNorm(q_a) W_Q^T: the AttnRes GEMV with no block and no delta mixes p alone (weight 1), so its
-            # prologue is q_a's RMSNorm; p' (a copy of q_a) goes to scratch
-            qa_c = self._buf("qa", qa)
-            qa_c.copy_(qa)
+            # prologue is q_a's RMSNorm; it reads q_a in place, a column slice of the projection output (the
+            # p_strided builds), and writes p' (a copy of q_a) to scratch
             no_blocks = self._buf("no_blocks", qa, shape=(M, rms_gemv.NB_MAX, cfg.q_lora_rank), zero=True)
-            Q, _ = rms_gemv.attnres_rms_gemv(no_blocks, 0, qa_c, None, self.u_single, self.q_a_ln, self.W_Q,
+            Q, _ = rms_gemv.attnres_rms_gemv(no_blocks, 0, qa, None, self.u_single, self.q_a_ln, self.W_Q,
                                              eps=cfg.rms_norm_eps, partial_out=self._buf("qa_p", qa))
             Q = Q.view(M, H, cfg.kv_cache_dim)                                               # [M, H, 576] bf16
         with stage("k3.mla.core"):
@@ -629,7 +628,7 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
                              device=device)
         # RMSNorm(q_a) + the absorbed query projection: one AttnRes source, no delta
         rms_gemv.warmup(batches, K=cfg.q_lora_rank, N=(cfg.mla_heads * cfg.kv_cache_dim,), sites=[(0, False, -1)],
-                        eps=eps)
+                        eps=eps, strided_p=True)
         mla_latent_decode.warmup([cfg.mla_heads], append=(True,))
         mla_uv_gate.warmup(batches)
     # the MoE half, the same in every layer from 1 on

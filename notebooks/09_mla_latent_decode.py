@@ -212,8 +212,8 @@ for n_req, heads, maxp in ((1, 6, 128), (8, 6, 128), (64, 6, 512), (8, 96, 128))
 # %% [markdown]
 # ## 4. The chain and what is still to measure
 #
-# `k3fast.layer.FusedMLA` runs the MLA attention half in five kernels and one copy: the packed [q_a | kv_a | g]
-# projection with AttnRes #1 and the input RMSNorm; a copy of q_a into a contiguous buffer; RMSNorm(q_a) + W_Q;
+# `k3fast.layer.FusedMLA` runs the MLA attention half in five launches: the packed [q_a | kv_a | g] projection
+# with AttnRes #1 and the input RMSNorm; RMSNorm(q_a) + W_Q, reading q_a in place inside the projection output;
 # the attention (which also writes the step's own cache row); W_UV + the gate; o_proj with AttnRes #2. The paging
 # metadata (block table, lengths) belongs to the step, not the layer: a serving engine builds it once for all MLA
 # layers, and so does the trace (`k3fast.layer_io.mla_step`).

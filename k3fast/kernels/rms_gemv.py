@@ -482,9 +482,12 @@ def _dt(name):
     return {"bf16": cutlass.BFloat16, "fp32": cutlass.Float32}[name]
 
 
-def _attn_fakes(cute, BF, M, K, has_delta, wln):
+def _attn_fakes(cute, BF, M, K, has_delta, wln, p_strided=False):
     blocks = fake_tensor(BF, (M, NB_MAX, K))
-    p = fake_tensor(BF, (M, K))
+    # p_strided: p's rows at any stride that keeps 16-byte vectors aligned (a column slice of a wider output, e.g.
+    # q_a inside MLA's packed projection output); the kernels read p through its layout, 8 elements at a time
+    p = (cute.runtime.make_fake_tensor(BF, (M, K), (cute.sym_int(divisibility=8), 1), assumed_align=16)
+         if p_strided else fake_tensor(BF, (M, K)))
     d = fake_tensor(BF, (M, K)) if has_delta else None
     po = fake_tensor(BF, (M, K))
     u = fake_tensor(_dt("fp32"), (K,))
@@ -492,16 +495,16 @@ def _attn_fakes(cute, BF, M, K, has_delta, wln):
     return blocks, p, d, po, u, wl
 
 
-def norm_compile_key(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1) -> tuple:
+def norm_compile_key(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1, p_strided=False) -> tuple:
     return (("rms_gemv.norm", K, nb, has_delta, bw, wln, eps) + (("early",) if early_trigger else ())
-            + ((f"cl{cluster}",) if cluster > 1 else ()))
+            + ((f"cl{cluster}",) if cluster > 1 else ()) + (("p_strided",) if p_strided else ()))
 
 
-def _build_norm(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1, options=TVM_FFI):
+def _build_norm(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1, p_strided=False, options=TVM_FFI):
     cutlass, cute, _, Norm = _kernels()
     BF = cutlass.BFloat16
     M = cute.sym_int()
-    blocks, p, d, po, u, wl = _attn_fakes(cute, BF, M, K, has_delta, wln)
+    blocks, p, d, po, u, wl = _attn_fakes(cute, BF, M, K, has_delta, wln, p_strided)
     x = fake_tensor(BF, (M, K))
     return cute.compile(Norm(K, nb, has_delta, bw, eps, early_trigger, cluster), blocks, p, d, po, u, wl, x,
                         fake_stream(), options=options)
@@ -510,21 +513,23 @@ def _build_norm(K, nb, has_delta, bw, wln, eps, early_trigger=False, cluster=1, 
 def _compile_norm(key):
     _, K, nb, hd, bw, wln, eps = key[:7]
     cluster = next((int(f[2:]) for f in key[7:] if f.startswith("cl")), 1)
-    return compile_cached(key, lambda: _build_norm(K, nb, hd, bw, wln, eps, "early" in key[7:], cluster))
+    return compile_cached(key, lambda: _build_norm(K, nb, hd, bw, wln, eps, "early" in key[7:], cluster,
+                                                   "p_strided" in key[7:]))
 
 
-def fused_compile_key(M, K, N, nb, has_delta, bw, wln, eps, early_trigger=False) -> tuple:
+def fused_compile_key(M, K, N, nb, has_delta, bw, wln, eps, early_trigger=False, p_strided=False) -> tuple:
     """The fused kernel's build for M tokens and an [N, K] weight: its config (_fused_config) depends on N."""
     rpc, ks, _ = _fused_config(N, K)
     return (("rms_gemv.fused", M, K, nb, bool(has_delta), bw, wln, float(eps), rpc, ks)
-            + (("early_trigger",) if early_trigger else ()))
+            + (("early_trigger",) if early_trigger else ()) + (("p_strided",) if p_strided else ()))
 
 
-def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, early_trigger=False, options=TVM_FFI):
+def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, early_trigger=False, p_strided=False,
+                 options=TVM_FFI):
     cutlass, cute, Fused, _ = _kernels()
     BF = cutlass.BFloat16
     N = cute.sym_int(divisibility=16)
-    blocks, p, d, po, u, wl = _attn_fakes(cute, BF, MB, K, has_delta, wln)
+    blocks, p, d, po, u, wl = _attn_fakes(cute, BF, MB, K, has_delta, wln, p_strided)
     w = fake_tensor(BF, (N, K))
     y = fake_tensor(BF, (MB, N), align=2)
     obj = Fused(MB, rpc, ks, K, nb, has_delta, bw, eps, early_trigger)
@@ -533,8 +538,8 @@ def _build_fused(MB, K, nb, has_delta, bw, wln, eps, rpc, ks, early_trigger=Fals
 
 def _compile_fused(key):
     _, MB, K, nb, hd, bw, wln, eps, rpc, ks = key[:10]
-    early = key[10:] == ("early_trigger",)
-    return compile_cached(key, lambda: _build_fused(MB, K, nb, hd, bw, wln, eps, rpc, ks, early))
+    early, strided = "early_trigger" in key[10:], "p_strided" in key[10:]
+    return compile_cached(key, lambda: _build_fused(MB, K, nb, hd, bw, wln, eps, rpc, ks, early, strided))
 
 
 # ----------------------------------------------------------------------------- host entry points
@@ -544,12 +549,22 @@ def _check_2d(name, t, M, K, dev):
     check_tensor(name, t, dtype=torch.bfloat16, shape=(M, K), device=dev)
 
 
+def p_strided(partial) -> bool:
+    """Whether ``partial``'s rows lie at a stride other than its width (a column slice of a wider tensor): those
+    calls take the p_strided builds."""
+    return partial.dim() == 2 and partial.stride(0) != partial.shape[1]
+
+
 def _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, partial_out, fused):
     import torch
-    check_tensor("partial", partial, dtype=torch.bfloat16)
+    check_tensor("partial", partial, dtype=torch.bfloat16, contiguous=False)
     if partial.dim() != 2:
         raise ValueError(f"partial: expected [M, K], got {list(partial.shape)}")
     M, K = partial.shape
+    # rows compact, or a column slice whose rows keep the 16-byte vectors aligned (the p_strided builds)
+    if partial.stride(1) != 1 or (p_strided(partial) and (partial.stride(0) % 8 or partial.stride(0) < K)):
+        raise ValueError(f"partial: expected rows of unit stride at a row stride that is K={K} or a multiple of 8 "
+                         f"no smaller than K, got strides {partial.stride()}")
     dev = partial.device
     if not 1 <= M <= 64:
         raise ValueError(f"partial: M must be in 1..64, got {M}")
@@ -609,7 +624,7 @@ def attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, *, eps=1e-5, bloc
     else:
         _check_2d("out", out, M, K, partial.device)
     fn = _compile_norm(norm_compile_key(K, n_blocks, delta is not None, block_write, wln, float(eps),
-                                        bool(early_trigger), cl))
+                                        bool(early_trigger), cl, p_strided(partial)))
     fn(blocks, partial, delta, partial_out, u, w_ln, out)
     return out, partial_out
 
@@ -637,7 +652,8 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
     else:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(M, N), device=partial.device, align=2)
     if fused and K % 16 == 0:
-        key = fused_compile_key(M, K, N, n_blocks, delta is not None, block_write, wln, eps, bool(early_trigger))
+        key = fused_compile_key(M, K, N, n_blocks, delta is not None, block_write, wln, eps, bool(early_trigger),
+                                p_strided(partial))
         _compile_fused(key)(w, out, blocks, partial, delta, partial_out, u, w_ln, _fused_config(N, K)[2])
         return out, partial_out
     x, partial_out = attnres_rmsnorm(blocks, n_blocks, partial, delta, u, w_ln, eps=eps,
@@ -649,21 +665,23 @@ def attnres_rms_gemv(blocks, n_blocks, partial, delta, u, w_ln, w, *, eps=1e-5, 
 # ----------------------------------------------------------------------------- warm-up
 
 def compile_keys(batches, *, K, sites, N=(), wln="bf16", eps=1e-5, early_trigger=False,
-                 norm_triggers=(False,)) -> list[tuple]:
+                 norm_triggers=(False,), strided_p=False) -> list[tuple]:
     """The builds that calls at these batch sizes run with the module's defaults, at every AttnRes site (n_blocks,
     has_delta, block_write) of ``sites``. With projection widths N: attnres_rms_gemv, i.e. the fused kernel at
     M <= FUSE_MAX_M (its trigger ``early_trigger``; the layer's FMA contender passes True) and the norm kernel above;
     without: the norm kernel alone at every M. The norm kernel: norm_cluster(M) CTAs per token, one build per trigger
     placement in ``norm_triggers`` (the layer runs both: after its wait before the ring and WGMMA GEMMs, after its
-    last store before cuBLAS and for AttnRes #2)."""
+    last store before cuBLAS and for AttnRes #2). ``strided_p``: the builds for a partial whose rows lie at a wider
+    stride (p_strided)."""
     keys = set()
     for nb, hd, bw in sites:
         for M in batches:
             if N and M <= FUSE_MAX_M:
-                keys.update(fused_compile_key(M, K, n, nb, hd, bw, wln, eps, bool(early_trigger)) for n in N)
+                keys.update(fused_compile_key(M, K, n, nb, hd, bw, wln, eps, bool(early_trigger), strided_p)
+                            for n in N)
             else:
-                keys.update(norm_compile_key(K, nb, bool(hd), bw, wln, float(eps), bool(et), norm_cluster(M))
-                            for et in norm_triggers)
+                keys.update(norm_compile_key(K, nb, bool(hd), bw, wln, float(eps), bool(et), norm_cluster(M),
+                                             strided_p) for et in norm_triggers)
     return sorted(keys, key=str)
 
 

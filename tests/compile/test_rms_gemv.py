@@ -70,6 +70,19 @@ def test_compile_norm_builds_of_the_layer():
 
 
 @needs_dsl
+def test_compile_strided_p_builds():
+    """The p_strided builds: the fused kernel at M = 1, 2 and the norm kernel above, as FusedMLA runs them (q_a's
+    RMSNorm + W_Q: K = 1536, no block, no delta) and at the layer's width with blocks and a delta."""
+    from k3ref import k3_rank
+    c16 = k3_rank(16)
+    R.warmup([1, 2, 3], K=c16.q_lora_rank, N=(c16.mla_heads * c16.kv_cache_dim,), sites=[(0, False, -1)],
+             strided_p=True)
+    R.warmup([1, 3], K=K, N=(3216,), sites=[(3, True, -1)], strided_p=True)
+    keys = R.compile_keys([1, 3], K=K, N=(3216,), sites=[(3, True, -1)], strided_p=True)
+    assert keys and all(k[-1] == "p_strided" for k in keys)
+
+
+@needs_dsl
 def test_compile_fused_contender():
     """The fused FMA in_proj ("fast-infma") at M = 1, 2 with the layer's early trigger, at the corner sites."""
     for M in (1, 2):

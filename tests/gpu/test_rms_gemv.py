@@ -54,6 +54,28 @@ def test_attnres_rms_gemv(R, seed, N, M, n_blocks, with_delta, block_write):
     assert torch.equal(blocks, expect)                               # written row exact, others untouched
 
 
+@pytest.mark.parametrize("M", [1, 2, 3, 9])
+@pytest.mark.parametrize("n_blocks,with_delta", [(0, False), (3, True)])
+def test_strided_partial_reads_a_column_slice(R, seed, M, n_blocks, with_delta):
+    """The p_strided builds (fused at M <= FUSE_MAX_M, the norm kernel + cuBLAS above): p a column slice of a wider
+    tensor (MLA's q_a inside its packed projection output, 2880 wide at rank16), the same bits as on a compact copy,
+    the tensor around the slice untouched."""
+    blocks, p, delta, u, w_ln = make_inputs(M, n_blocks, with_delta)
+    wide = torch.randn(M, K + 1344, device="cuda").to(torch.bfloat16)
+    wide[:, :K] = p
+    around = wide[:, K:].clone()
+    w = make_w(N_RANK16)
+    assert R.p_strided(wide[:, :K]) and not R.p_strided(p)
+    y1, p1 = R.attnres_rms_gemv(blocks.clone(), n_blocks, wide[:, :K], delta, u, w_ln, w)
+    y2, p2 = R.attnres_rms_gemv(blocks.clone(), n_blocks, p, delta, u, w_ln, w)
+    torch.cuda.synchronize()
+    assert torch.equal(y1, y2) and torch.equal(p1, p2)
+    assert torch.equal(wide[:, K:], around) and torch.equal(wide[:, :K], p)
+    with pytest.raises(ValueError, match="row stride"):
+        R.attnres_rms_gemv(blocks, n_blocks, torch.zeros(M, K + 4, device="cuda", dtype=torch.bfloat16)[:, :K],
+                           delta, u, w_ln, w)
+
+
 @pytest.mark.parametrize("M", [1, 2])
 def test_fused_vs_unfused(R, seed, M):
     """The fused kernel and attnres_rmsnorm + cuBLAS on the same inputs agree closely (the same bf16 x, different K
