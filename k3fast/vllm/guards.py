@@ -64,6 +64,15 @@ def problems(f: dict[str, Any]) -> list[str]:
          f"AttnRes blocks {f['attn_res_blocks']}: the fused AttnRes reads at most 8 blocks of 12 layers")
     need(f.get("in_proj_rows_ok", True), f"KDA in_proj_qkvgfab rows {f.get('in_proj_rows')}: expected the packed "
                                          "[q|k|v|g|f_a|b] width padded to 16 rows")
+    if f.get("mla_fused"):
+        # asked for by the plan (mla_attention="fused"): what FusedMLA reads of vLLM's MLA layers
+        need(f.get("kv_cache_dtype") in ("auto", "bfloat16"),
+             f"kv_cache_dtype={f.get('kv_cache_dtype')} with the fused MLA half: it reads a bfloat16 latent cache "
+             "(or leave mla_attention at 'stock')")
+        need(f.get("mla_front_ok", False), "MLA layers without fused_qkv_a_g_proj (K3's q-LoRA front with the output "
+                                           "gate) with the fused MLA half")
+        need(f.get("decode_context_parallel_size", 1) == 1,
+             f"decode_context_parallel_size={f.get('decode_context_parallel_size')} with the fused MLA half")
     return out
 
 
@@ -76,8 +85,9 @@ def check(f: dict[str, Any]) -> None:
                                 + ". Remove additional_config['k3fast'] to run stock vLLM.")
 
 
-def engine_facts(vllm_config, model) -> dict[str, Any]:
-    """The settings problems() rules on, read off a vLLM 0.33 config and the constructed KimiLinearForCausalLM."""
+def engine_facts(vllm_config, model, options=None) -> dict[str, Any]:
+    """The settings problems() rules on, read off a vLLM 0.33 config, the constructed KimiLinearForCausalLM and the
+    plug-in's options (k3fast.vllm.config.PluginOptions; its plan says whether the MLA half is fused)."""
     import torch
     from vllm.config import CompilationMode
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
@@ -133,4 +143,10 @@ def engine_facts(vllm_config, model) -> dict[str, Any]:
         "attn_res_blocks": None if block is None else -(-text.num_hidden_layers // block),
         "in_proj_rows": sorted(rows),
         "in_proj_rows_ok": rows <= {proj_width(heads)},
+        "mla_fused": options is not None and options.fuse == "all"
+        and options.decode_plan().mla_attention == "fused",
+        "kv_cache_dtype": str(getattr(cache, "cache_dtype", "auto")),
+        "mla_front_ok": all(getattr(l.self_attn, "fused_qkv_a_g_proj", None) is not None for l in model.model.layers
+                            if type(l.self_attn).__name__ == "KimiK3MLA"),
+        "decode_context_parallel_size": getattr(par, "decode_context_parallel_size", 1),
     }

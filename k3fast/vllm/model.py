@@ -19,7 +19,7 @@ class K3FastKimiLinearForCausalLM(KimiLinearForCausalLM):
         options = config.parse(vllm_config.additional_config)
         if options is None:
             return
-        guards.check(guards.engine_facts(vllm_config, self))
+        guards.check(guards.engine_facts(vllm_config, self, options))
         self.k3fast = K3FastDecode(self, options, vllm_config)
 
     def get_model_state_cls(self):

@@ -98,6 +98,16 @@ def test_each_unsupported_setting_is_named(key):
     assert len(p) == 1, p
 
 
+def test_the_fused_mla_half_adds_its_own_rules():
+    """With the plan's mla_attention="fused": a bfloat16 latent cache, K3's fused q-LoRA + gate front, no decode
+    context parallelism; without it the same settings pass (vLLM's MLA runs)."""
+    mla = {"kv_cache_dtype": "fp8", "mla_front_ok": False, "decode_context_parallel_size": 2}
+    assert guards.problems({**good_facts(), **mla}) == []
+    p = guards.problems({**good_facts(), **mla, "mla_fused": True})
+    assert len(p) == 3 and "kv_cache_dtype=fp8" in p[0] and "fused_qkv_a_g_proj" in p[1] and "=2" in p[2]
+    assert guards.problems({**good_facts(), "mla_fused": True, "kv_cache_dtype": "auto", "mla_front_ok": True}) == []
+
+
 def test_one_error_lists_every_problem():
     with pytest.raises(guards.UnsupportedEngine) as e:
         guards.check({**good_facts(), **BAD})
