@@ -4,7 +4,8 @@
 #   [K3_TAG=<commit>-<step>] bash scripts/device_tests.sh [test paths and pytest options]
 #   K3_TEST_TIMEOUT (s, default 480) bounds the whole run, K3_PER_TEST_TIMEOUT (default 240) each test.
 #   K3_XDIST=N runs N pytest-xdist workers, one file each at a time (the image has pytest-xdist): the kernels' JIT
-#   compiles are CPU-bound and the machine has 16 cores; every worker holds its own weights on the one GPU.
+#   compiles are CPU-bound and the machine has 16 cores; every worker holds its own weights on the one GPU, and a
+#   full-width layer with its re-laid experts is ~32 GB, so 2 workers on an 80 GB H100, 3 on an H200.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
