@@ -27,7 +27,10 @@ instead of loading them.
 The combine. With S > 1 each CTA writes its unnormalised O (fp32), its running max and its row sum per head to a
 workspace and arrives on the (request, head group) counter; the last arrival (acq_rel) sums the S partials with
 the usual rescaling, o = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, writes bf16 o and re-arms the counter, so
-graph replays need no memset. A split with no page of its request writes only (m = -inf, l = 0).
+graph replays need no memset. A split with no page of its request writes only (m = -inf, l = 0). The combine first
+puts each head row's weights 2^(m_s - M) / L into shared memory (a warp per row, the splits across its lanes), then
+loops over the splits once with all of a thread's output elements' loads of a split in flight, so its serial chain
+is one L2 round trip per split rather than several per split and element.
 
 Bytes. The step reads each request's L_n x 576 x 2 cache bytes once per head group (one group up to 16 heads:
 k3_rank16 and k3_rank8 read the cache once; the full width's 96 heads read it six times, the price of keeping a
@@ -59,6 +62,7 @@ KSTEPS = DQK // 16        # 36 k16 steps of the score MMAs
 VSTEPS = PAGE // 16       # 4 k16 steps of P V per page
 MT = DV // 16 // WARPS    # 8 dim tiles of 16 per warp in P V
 HEAD_GROUPS = (8, 16)     # query rows per CTA (8: up to 8 heads, 16 otherwise)
+SPLITS_MAX = 160          # the combine's weight table in shared memory holds this many splits per head row
 LOG2E = 1.4426950408889634
 
 
@@ -75,12 +79,12 @@ def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132, rul
     splits than sqrt(cache bytes / partial bytes) per request and head group, sqrt(36 max_pages / hn): the one CTA
     that combines reads S partials of hn x 512 fp32, so the combine's bytes grow with S while each split's share of
     the cache shrinks with it; their sum is smallest there (24 splits at 8K tokens and 8 heads, 8 at 1K). Every split
-    is non-empty at full capacity."""
+    is non-empty at full capacity; never more than SPLITS_MAX (the combine's weight table)."""
     if rule not in SPLIT_RULES:
         raise ValueError(f"rule must be one of {SPLIT_RULES}, got {rule!r}")
     hn = head_group(heads)
     hg = -(-heads // hn)
-    s = max(1, min(max_pages, -(-nsm // (n_requests * hg))))
+    s = max(1, min(max_pages, -(-nsm // (n_requests * hg)), SPLITS_MAX))
     if rule == "balanced":
         s = max(1, min(s, round(math.sqrt(PAGE * DQK * 2 * max_pages / (hn * DV * 4)))))
     pps = -(-max_pages // s)
@@ -96,7 +100,8 @@ def compile_key(hn: int, append: bool = False) -> tuple:
 
 
 def smem_bytes(hn: int) -> int:
-    return (hn * KSTR * 2 + 2 * PAGE * KSTR * 2 + hn * PSTR * 2 + 2 * WARPS * 16 * 4 + 16 + 5 * 128)
+    return (hn * KSTR * 2 + 2 * PAGE * KSTR * 2 + hn * PSTR * 2 + 2 * WARPS * 16 * 4 + 16 + hn * SPLITS_MAX * 4
+            + 6 * 128)
 
 
 def _build(hn: int, append: bool):
@@ -108,6 +113,7 @@ def _build(hn: int, append: bool):
     NT = hn // 8
     NEG_INF = float("-inf")
     SMEM = smem_bytes(hn)
+    OUT_PER_THREAD = hn * DV // THREADS       # the combine's output elements per thread (32 or 64)
 
     def _i(x):
         return Int32(x).ir_value()
@@ -206,6 +212,8 @@ def _build(hn: int, append: bool):
             sMax = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), 16)
             sSum = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), 16)
             sFlag = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
+            # the combine's weights 2^(m_s - M) / L per (head row, split)
+            sW = smem.allocate_tensor(Float32, cute.make_layout((hn, SPLITS_MAX), stride=(SPLITS_MAX, 1)), 16)
             sQ32 = cute.recast_tensor(sQ, Int32)        # (hn, KSTR / 2)
             sK32 = cute.recast_tensor(sK, Int32)        # (2, PAGE, KSTR / 2)
             sP32 = cute.recast_tensor(sP, Int32)        # (hn, PSTR / 2)
@@ -385,30 +393,48 @@ def _build(hn: int, append: bool):
                     sFlag[0] = last
                 cute.arch.sync_threads()
                 if sFlag[0] == 1:
+                    # the last arrival combines: first each head row's weights w_s = 2^(m_s - M) / sum_s 2^(m_s - M) l_s
+                    # into shared memory (one warp per row, the splits across its lanes; a split with no page,
+                    # l = 0, weighs 0), then every output element sums w_s O_s with all of a thread's elements'
+                    # loads of one split in flight: the split loop is the only serial chain
                     base = ((n * n_hg + hg) * splits) * hn
                     ws = mWO.iterator
                     wml = mWML.iterator
-                    for idx in cutlass.range(tid, hn * DV, THREADS):
-                        r = idx // DV
-                        d = idx - r * DV
+                    for r in cutlass.range(warp, hn, WARPS):
+                        mx = Float32(NEG_INF)
+                        for s2 in cutlass.range(lane, splits, 32):
+                            ms = cute.arch.load(wml + ((base + s2 * hn + r) * 2), Float32, cop="cg")
+                            ls = cute.arch.load(wml + ((base + s2 * hn + r) * 2 + 1), Float32, cop="cg")
+                            mx = Float32(cutlass.select_(ls > Float32(0.0), cute.arch.fmax(mx, ms), mx))
+                        mx = cute.arch.warp_reduction_max(mx)
+                        m_use = Float32(cutlass.select_(mx == Float32(NEG_INF), Float32(0.0), mx))
+                        den = Float32(0.0)
+                        for s2 in cutlass.range(lane, splits, 32):
+                            ms = cute.arch.load(wml + ((base + s2 * hn + r) * 2), Float32, cop="cg")
+                            ls = cute.arch.load(wml + ((base + s2 * hn + r) * 2 + 1), Float32, cop="cg")
+                            wgt = Float32(cutlass.select_(ls > Float32(0.0), cute.math.exp2(ms - m_use), Float32(0.0)))
+                            sW[r, s2] = wgt
+                            den = den + wgt * ls
+                        den = cute.arch.warp_reduction_sum(den)
+                        inv = Float32(cutlass.select_(den > Float32(0.0), Float32(1.0) / den, Float32(0.0)))
+                        for s2 in cutlass.range(lane, splits, 32):
+                            sW[r, s2] = sW[r, s2] * inv
+                    cute.arch.sync_threads()
+                    # element k of this thread: head row k // (DV / THREADS), dim tid + THREADS * (k % (DV / THREADS))
+                    ob = cute.make_rmem_tensor(cute.make_layout(OUT_PER_THREAD), Float32)
+                    ob.fill(0.0)
+                    for s2 in cutlass.range(splits):
+                        for k in cutlass.range_constexpr(OUT_PER_THREAD):
+                            r = k // (DV // THREADS)
+                            d = tid + THREADS * (k % (DV // THREADS))
+                            wgt = sW[r, s2]
+                            v = cute.arch.load(ws + ((base + s2 * hn + r) * DV + d), Float32, cop="cg")
+                            # a split with no page wrote no partial O: its weight is 0 and its slot is not read
+                            ob[k] = ob[k] + wgt * Float32(cutlass.select_(wgt > Float32(0.0), v, Float32(0.0)))
+                    for k in cutlass.range_constexpr(OUT_PER_THREAD):
+                        r = k // (DV // THREADS)
                         if h0 + r < heads:
-                            mx = Float32(NEG_INF)
-                            for s2 in cutlass.range(splits):
-                                mx = cute.arch.fmax(mx, cute.arch.load(wml + ((base + s2 * hn + r) * 2), Float32,
-                                                                       cop="cg"))
-                            m_use = Float32(cutlass.select_(mx == Float32(NEG_INF), Float32(0.0), mx))
-                            num = Float32(0.0)
-                            den = Float32(0.0)
-                            for s2 in cutlass.range(splits):
-                                ms = cute.arch.load(wml + ((base + s2 * hn + r) * 2), Float32, cop="cg")
-                                ls = cute.arch.load(wml + ((base + s2 * hn + r) * 2 + 1), Float32, cop="cg")
-                                if ls > Float32(0.0):
-                                    f = cute.math.exp2(ms - m_use)
-                                    num = num + f * cute.arch.load(ws + ((base + s2 * hn + r) * DV + d), Float32,
-                                                                   cop="cg")
-                                    den = den + f * ls
-                            o = Float32(cutlass.select_(den > Float32(0.0), num / den, Float32(0.0)))
-                            mO[n, h0 + r, d] = o.to(BFloat16)
+                            mO[n, h0 + r, tid + THREADS * (k % (DV // THREADS))] = ob[k].to(BFloat16)
 
     return MlaLatentDecode()
 
