@@ -114,6 +114,7 @@ def _build(hn: int, append: bool):
     NEG_INF = float("-inf")
     SMEM = smem_bytes(hn)
     OUT_PER_THREAD = hn * DV // THREADS       # the combine's output elements per thread (32 or 64)
+    LANE_SPLITS = -(-SPLITS_MAX // 32)        # the combine's splits per lane when it weighs a head row
 
     def _i(x):
         return Int32(x).ir_value()
@@ -401,24 +402,32 @@ def _build(hn: int, append: bool):
                     ws = mWO.iterator
                     wml = mWML.iterator
                     for r in cutlass.range(warp, hn, WARPS):
+                        # each lane's (m, l) of at most SPLITS_MAX / 32 splits, loaded together (an index past the
+                        # last split reads the last one's and is masked)
+                        mr = cute.make_rmem_tensor(cute.make_layout(LANE_SPLITS), Float32)
+                        lr = cute.make_rmem_tensor(cute.make_layout(LANE_SPLITS), Float32)
+                        for i in cutlass.range_constexpr(LANE_SPLITS):
+                            s2 = lane + 32 * i
+                            row = base + cutlass.min(s2, splits - 1) * hn + r
+                            ms = cute.arch.load(wml + row * 2, Float32, cop="cg")
+                            ls = cute.arch.load(wml + (row * 2 + 1), Float32, cop="cg")
+                            mr[i] = ms
+                            lr[i] = Float32(cutlass.select_(s2 < splits, ls, Float32(0.0)))
                         mx = Float32(NEG_INF)
-                        for s2 in cutlass.range(lane, splits, 32):
-                            ms = cute.arch.load(wml + ((base + s2 * hn + r) * 2), Float32, cop="cg")
-                            ls = cute.arch.load(wml + ((base + s2 * hn + r) * 2 + 1), Float32, cop="cg")
-                            mx = Float32(cutlass.select_(ls > Float32(0.0), cute.arch.fmax(mx, ms), mx))
+                        for i in cutlass.range_constexpr(LANE_SPLITS):
+                            mx = Float32(cutlass.select_(lr[i] > Float32(0.0), cute.arch.fmax(mx, mr[i]), mx))
                         mx = cute.arch.warp_reduction_max(mx)
                         m_use = Float32(cutlass.select_(mx == Float32(NEG_INF), Float32(0.0), mx))
                         den = Float32(0.0)
-                        for s2 in cutlass.range(lane, splits, 32):
-                            ms = cute.arch.load(wml + ((base + s2 * hn + r) * 2), Float32, cop="cg")
-                            ls = cute.arch.load(wml + ((base + s2 * hn + r) * 2 + 1), Float32, cop="cg")
-                            wgt = Float32(cutlass.select_(ls > Float32(0.0), cute.math.exp2(ms - m_use), Float32(0.0)))
-                            sW[r, s2] = wgt
-                            den = den + wgt * ls
+                        for i in cutlass.range_constexpr(LANE_SPLITS):
+                            mr[i] = Float32(cutlass.select_(lr[i] > Float32(0.0), cute.math.exp2(mr[i] - m_use),
+                                                            Float32(0.0)))
+                            den = den + mr[i] * lr[i]
                         den = cute.arch.warp_reduction_sum(den)
                         inv = Float32(cutlass.select_(den > Float32(0.0), Float32(1.0) / den, Float32(0.0)))
-                        for s2 in cutlass.range(lane, splits, 32):
-                            sW[r, s2] = sW[r, s2] * inv
+                        for i in cutlass.range_constexpr(LANE_SPLITS):
+                            if lane + 32 * i < splits:
+                                sW[r, lane + 32 * i] = mr[i] * inv
                     cute.arch.sync_threads()
                     # element k of this thread: head row k // (DV / THREADS), dim tid + THREADS * (k % (DV / THREADS))
                     ob = cute.make_rmem_tensor(cute.make_layout(OUT_PER_THREAD), Float32)
@@ -524,6 +533,8 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
     if maxp < 1:
         raise ValueError("block_table: expected at least one page column")
     splits, pps = plan_splits(N, H, maxp, nsm, split_rule)
+    if splits > SPLITS_MAX:            # the combine's weight table in shared memory holds SPLITS_MAX splits
+        raise ValueError(f"nsm={nsm}: {splits} splits, more than the combine's {SPLITS_MAX}")
     if workspace is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("mla_latent_decode: make the workspace before CUDA-graph capture")

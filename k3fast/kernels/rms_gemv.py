@@ -562,7 +562,8 @@ def _check_attnres(blocks, n_blocks, partial, delta, u, w_ln, block_write, parti
         raise ValueError(f"partial: expected [M, K], got {list(partial.shape)}")
     M, K = partial.shape
     # rows compact, or a column slice whose rows keep the 16-byte vectors aligned (the p_strided builds)
-    if partial.stride(1) != 1 or (p_strided(partial) and (partial.stride(0) % 8 or partial.stride(0) < K)):
+    # (one row: its stride never matters, the kernels read row 0 only)
+    if partial.stride(1) != 1 or (M > 1 and p_strided(partial) and (partial.stride(0) % 8 or partial.stride(0) < K)):
         raise ValueError(f"partial: expected rows of unit stride at a row stride that is K={K} or a multiple of 8 "
                          f"no smaller than K, got strides {partial.stride()}")
     dev = partial.device
