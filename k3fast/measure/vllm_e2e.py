@@ -330,12 +330,14 @@ def run_engine(a, flush=lambda recs: None) -> list[dict]:
             gen(prompts(b), 4)
             llm.apply_model(_probe_off)
             rows += llm.apply_model(_take_probe)[0]
-        keys = ("partial", "rec_state", "conv_state", "blocks", "layer_out")
-        summary = {f"b{b}": {k: {"median": statistics.median(r[k] for r in rows if r["rows"] == b),
-                                 "max": max(r[k] for r in rows if r["rows"] == b)} for k in keys}
+        keys = ("partial", "rec_state", "conv_state", "cache_rows", "blocks", "layer_out")
+        summary = {f"b{b}": {k: {"median": statistics.median(r[k] for r in rows if r["rows"] == b and k in r),
+                                 "max": max(r[k] for r in rows if r["rows"] == b and k in r)}
+                             for k in keys if any(r["rows"] == b and k in r for r in rows)}
                    for b in batches if any(r["rows"] == b for r in rows)}
         recs.append({"kind": "vllm_layer_parity", "engine": a.engine, "gpu": base["gpu"], "commit": base["commit"],
-                     "model": base["model"], "what": "fused KDA layer vs vLLM's own layer, same inputs and state, "
+                     "model": base["model"], "what": "fused attention layers (KDA, and MLA when fused) vs vLLM's own "
+                     "layer, same inputs and state, "
                      "inside the engine (eager decode steps); relative L2 differences", "summary": summary,
                      "all_finite": all(r["finite"] for r in rows), "samples": len(rows), "rows": rows})
         print(f"[{a.engine}] layer parity {json.dumps(summary)}", flush=True)
@@ -372,42 +374,63 @@ _PROBE: dict = {"on": False, "rows": []}
 
 
 def _install_probe(model):
-    """Wrap each fused KDA layer so that, while _PROBE["on"], a planned decode step runs vLLM's own layer first on
-    copies of the layer's inputs and state rows, restores the state, runs the fused layer, and records the relative
-    differences: the partial sum after the attention half (AttnRes + KDA + o_proj, no MoE in it), the KDA
-    recurrent and conv state rows of the step's requests, the block rows, and the layer output (both sides run
-    the same fused MoE half on their own MoE input)."""
+    """Wrap each fused attention layer so that, while _PROBE["on"], a planned decode step runs vLLM's own layer first
+    on copies of the layer's inputs and state rows, restores the state, runs the fused layer, and records the
+    relative differences: the partial sum after the attention half (AttnRes + attention + o_proj, no MoE in it), the
+    state the step writes (KDA: the recurrent and conv state rows of the step's requests; MLA: the latent cache rows
+    of the step's new tokens), the block rows, and the layer output (both sides run the same fused MoE half on their
+    own MoE input)."""
     import torch
     lm = model.get_language_model() if hasattr(model, "get_language_model") else model
     dec = lm.k3fast
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
     n = 0
     for layer in lm.model.layers:
-        if layer.layer_idx not in dec.kda_layers:
+        is_kda = layer.layer_idx in dec.kda_layers
+        if not is_kda and getattr(layer.forward, "mla", None) is None:
             continue
 
+        def state_rows(layer, step, is_kda):
+            """(read, write) of the rows of this layer's state the step touches."""
+            if is_kda:
+                conv, rec = layer.self_attn.kv_cache[:2]
+                valid = step.slots.long()[step.slots > 0]
+                return (lambda: (conv[valid].clone(), rec[valid].clone()),
+                        lambda v: (conv.__setitem__(valid, v[0]), rec.__setitem__(valid, v[1])))
+            from vllm.forward_context import get_forward_context
+            attn = layer.self_attn
+            sm = get_forward_context().slot_mapping[attn.layer_name][:step.rows]
+            live = sm[sm >= 0].long()
+            flat = attn.kv_cache.view(-1, attn.kv_cache.shape[-1])
+            return (lambda: (flat[live].clone(),), lambda v: flat.__setitem__(live, v[0]))
+
         # vLLM calls each decoder layer with keyword arguments: the names must be forward's own
-        def probe(positions, hidden_states, residual, prefix_sum=None, fused=layer.forward, layer=layer, **kw):
+        def probe(positions, hidden_states, residual, prefix_sum=None, fused=layer.forward, layer=layer,
+                  is_kda=is_kda, **kw):
             h = hidden_states
             step = dec.step
             if step is None or not _PROBE["on"]:
                 return fused(positions, h, residual, prefix_sum, **kw)
-            conv, rec = layer.self_attn.kv_cache[:2]
-            valid = step.slots.long()[step.slots > 0]
-            c0, r0 = conv[valid].clone(), rec[valid].clone()
+            read, write = state_rows(layer, step, is_kda)
+            before = read()
             dec.step = None
             out_s, p_s, res_s = fused(positions, None if h is None else h.clone(), residual.clone(),
                                       prefix_sum.clone(), **kw)
             dec.step = step
-            c_s, r_s = conv[valid].clone(), rec[valid].clone()
-            conv[valid], rec[valid] = c0, r0
+            stock_state = read()
+            write(before)
             out_f, p_f, res_f = fused(positions, h, residual, prefix_sum, **kw)
+            fused_state = read()
             nb = res_s.shape[1]
-            _PROBE["rows"].append({"layer": layer.layer_idx, "rows": int(positions.shape[0]),
-                                   "partial": rel(p_f, p_s), "rec_state": rel(rec[valid], r_s),
-                                   "conv_state": rel(conv[valid].float(), c_s.float()),
-                                   "blocks": rel(res_f[:, :nb], res_s), "layer_out": rel(out_f, out_s),
-                                   "finite": bool(torch.isfinite(out_f).all() and torch.isfinite(p_f).all())})
+            row = {"layer": layer.layer_idx, "kind": "kda" if is_kda else "mla", "rows": int(positions.shape[0]),
+                   "partial": rel(p_f, p_s), "blocks": rel(res_f[:, :nb], res_s), "layer_out": rel(out_f, out_s),
+                   "finite": bool(torch.isfinite(out_f).all() and torch.isfinite(p_f).all())}
+            if is_kda:
+                row["conv_state"] = rel(fused_state[0].float(), stock_state[0].float())
+                row["rec_state"] = rel(fused_state[1], stock_state[1])
+            else:
+                row["cache_rows"] = rel(fused_state[0].float(), stock_state[0].float())
+            _PROBE["rows"].append(row)
             return out_f, p_f, res_f
         layer.forward = probe
         n += 1

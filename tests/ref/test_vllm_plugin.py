@@ -436,6 +436,11 @@ def test_the_layer_probe_takes_vllms_keyword_call():
     assert _install_probe(lm) == 1
     assert layer.forward(positions="pos", hidden_states="h", prefix_sum="ps", residual="r") == ("out", "p", "res")
     assert seen == [(("pos", "h", "r", "ps"), {})]
+    # an MLA layer is probed where its forward runs the fused MLA half, left alone where it is vLLM's own
+    fused_mla = types.SimpleNamespace(layer_idx=3, forward=types.SimpleNamespace(mla=object()))
+    stock_mla = types.SimpleNamespace(layer_idx=7, forward=lambda *a, **kw: None)
+    lm.model.layers = [fused_mla, stock_mla]
+    assert _install_probe(lm) == 1 and callable(fused_mla.forward) and not hasattr(fused_mla.forward, "mla")
 
 
 def test_page_table_reads_vllms_blocks_as_64_row_pages():
