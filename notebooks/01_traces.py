@@ -42,8 +42,10 @@ print(len(recs), "records")
 # ## 1. One record
 # Every record carries its provenance: the GPU, the driver, the library versions and the commit it measured.
 # `part` says what was timed: the whole `layer`, the attention half `attn` (layer input to MLP input) or the
-# MoE half `moe`. `impl` is `stock` (what a serving stack runs on Hopper: cuBLAS, fla's Triton KDA kernels,
-# vLLM's Marlin MXFP4 MoE) or `fast` (this repository's fused kernels).
+# MoE half `moe`. `impl` is `stock` or `fast` (this repository's fused kernels). In the sweeps below `stock` is
+# `stock_variant` "vllm-ops": our composition of library kernels (cuBLAS, fla's Triton KDA kernels, vLLM's fused
+# ops and Marlin MXFP4 MoE). Section 2b puts `fast` beside "vllm-layer", vLLM's own layer kernel for kernel, now
+# the default `stock`.
 
 # %%
 r = nbtools.one(recs, card="H100", shape="k3_rank16", batch=1, part="layer", impl="fast", routing="uniform")
@@ -59,6 +61,30 @@ for k in ("gpu", "driver", "torch", "cutlass", "commit", "copy_tbps", "l2", "rou
 # %%
 layer = nbtools.part_rows("layer", recs)
 nbtools.show(layer)
+
+# %% [markdown]
+# ## 2b. Against vLLM's own layer
+# The stock that matters to a vLLM user is vLLM's own layer. `--stock-ops vllm-layer` calls vLLM 0.33's kernels
+# the way its Kimi K3 layer calls them; an engine run on the same card (`python -m k3fast.measure.vllm_e2e`)
+# measured that layer inside vLLM. Each stock record is set beside the engine's figure for the same layer kind,
+# shape, batch and card (`k3fast.measure.report.engine_layer_figure`): summed kernel time within 5 %, and the
+# fused layer's speed-up against it.
+
+# %%
+import json
+from k3fast.measure.report import engine_layer_figure, load_records
+
+vl = load_records(os.path.join(nbtools.ROOT, nbtools.INDEX["vllm_layer_check_h100"]))
+engine = json.load(open(os.path.join(nbtools.ROOT, nbtools.INDEX["vllm_e2e"])))["records"]
+for b in (1, 8, 64):
+    s_, f_ = (nbtools.one(vl, layer_kind="kda_moe", shape="k3_rank16", batch=b, part="layer", impl=i)
+              for i in ("stock", "fast"))
+    e = engine_layer_figure(s_, engine)
+    print(f"b{b:<2d} {s_['stock_variant']}: {s_['kernels']:.0f} kernels {s_['kernel_us_sum']:6.1f} µs "
+          f"| vLLM in engine {e['kernels']:.0f} kernels {e['kernel_us']:6.1f} µs "
+          f"({100 * (s_['kernel_us_sum'] / e['kernel_us'] - 1):+.1f} %) | replay stock {s_['replay_us_median']:.1f} "
+          f"fast {f_['replay_us_median']:.1f} µs: {s_['replay_us_median'] / f_['replay_us_median']:.2f}x")
+    assert abs(s_["kernel_us_sum"] / e["kernel_us"] - 1) <= 0.05
 
 # %% [markdown]
 # ## 3. Where the time goes: the stages
