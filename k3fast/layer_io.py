@@ -31,6 +31,9 @@ class LayerIO:
     # MLA layers: the step's paging metadata when a scheduler built it outside the layer (mla_step); None: the layer
     # derives it and advances the lengths itself (mla_paged_view)
     mla_step: MLAStep | None = None
+    # KDA layers: the step's state slots as vLLM's metadata carries them (padding = its null slot 0), when a
+    # scheduler built them outside the layer (kda_state_indices); None: a layer that needs them derives them
+    state_indices: torch.Tensor | None = None
     _saved: dict = dataclasses.field(default_factory=dict)
 
     def stream(self) -> ResidualStream:
@@ -81,6 +84,12 @@ def make_io(cfg: K3Config, layer: int, batch: int, *, context: int = 0, device="
 
 
 MLA_PAGE = 64      # rows per page of the paged view (vLLM's block size for the latent cache)
+
+
+def kda_state_indices(slots: torch.Tensor) -> torch.Tensor:
+    """The harness's slots (-1: padding) as vLLM's KDA metadata carries them: padding on the null slot 0, which
+    vLLM's state kernels skip (the harness keeps slot 0 spare). Built once per step, outside the layers."""
+    return slots.clamp_min(0).to(torch.int32)
 
 
 @dataclasses.dataclass

@@ -432,7 +432,7 @@ def _engine_records() -> list[dict]:
 
 def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps, perfetto_dir, ref_out, log,
               stock_ops="vllm-layer", routing="random"):
-    from ..layer_io import mla_step
+    from ..layer_io import kda_state_indices, mla_step
     from .impls import make_impl, make_io
     from .report import engine_layer_figure
     records = []
@@ -471,10 +471,12 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
     stages_bytes = layer_bytes(cfg, kind, batch, context=context, layer=layer, distinct_experts=distinct)
     for part in PARTS:
         io = make_io(cfg, layer, batch, context=context, seed=11)
+        # the step's metadata, built once per step outside the layers as vLLM's scheduler and attention builder do;
+        # the layers that read it (vLLM's own KDA and FA3 paths, FusedMLA) time only their own work
         if kind == "mla_moe":
-            # the step's paging metadata, built once per step outside the layers as vLLM's scheduler and attention
-            # builder do; the layers that read it (vLLM's FA3 path, FusedMLA) time only their own work
             io.mla_step = mla_step(io.state, io.slots)
+        else:
+            io.state_indices = kda_state_indices(io.slots)
         if part == "moe":
             impl.attn(io)                        # a realistic MLP input for the moe part
             torch.cuda.synchronize()
@@ -507,6 +509,8 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
                "rel_err_moe_same_input": err.get("moe_same_input") if part != "attn" else None,
                "collectives": "not timed" if cfg.tp > 1 else "none (TP1)",
                "l2": L2_POLICY, "kernel_names": gsum["kernel_names"],
+               # the step's metadata (KDA state indices in vLLM's form, MLA paging) is built outside the layer
+               "step_metadata": "once per step, outside the layer's graph",
                "stages": summarize_stages(st_ev),
                "replay_timeline": timeline,
                "perfetto": os.path.join(os.path.basename(perfetto_dir), os.path.basename(trace_path)) if trace_path else None,

@@ -228,8 +228,9 @@ class StockImpl:
                 z = F.linear(x, self.in_proj)
                 f = F.linear(z[:, 4 * Pw:4 * Pw + hd], a.f_b_proj)
             with stage("k3.kda.core"):
-                # vLLM's metadata carries its null block (0) for padded rows; the harness marks them -1
-                slots = io.slots.clamp_min(0)
+                # vLLM's metadata carries its null block (0) for padded rows; the harness marks them -1 and gives
+                # the step's indices in vLLM's form when it builds them outside the layer, as vLLM's builder does
+                slots = io.state_indices if io.state_indices is not None else io.slots.clamp_min(0)
                 y = V.kda_decode_core(z[:, :3 * Pw], z[:, 3 * Pw:4 * Pw], f, z[:, 4 * Pw + hd:4 * Pw + hd + H],
                                       io.state.conv, io.state.recurrent, slots, self.kda_w["conv_qkv"], a.A_log,
                                       a.dt_bias, a.o_norm, heads=H, head_dim=hd, lower_bound=cfg.gate_lower_bound,

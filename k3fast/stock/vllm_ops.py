@@ -477,7 +477,8 @@ KERNELS_VLLM_LAYER_B1 = {
              "nvjet_sm90",                              # in_proj_qkvgfab (cuBLAS split-K) ...
              "void cublasLt::splitKreduce_kernel",      # ... and its reduce
              "nvjet_sm90",                              # f_b_proj (cuBLAS)
-             "harness: slots.clamp_min(0)",             # our padding (-1) as vLLM's null block (0)
+             "harness: slots.clamp_min(0)",             # our padding (-1) as vLLM's null block (0), where the step
+                                                        # gives no state_indices (an eager call outside the trace)
              "_causal_conv1d_update_kernel",
              "fused_recurrent_kda_packed_decode_kernel",
              "layer_norm_gated_fwd_kernel",

@@ -4,7 +4,7 @@ import torch
 
 from k3ref import k3_rank
 from k3ref.state import MLACache
-from k3fast.layer_io import MLA_PAGE, mla_paged_view, mla_step
+from k3fast.layer_io import MLA_PAGE, kda_state_indices, mla_paged_view, mla_step
 
 pytestmark = pytest.mark.ref
 
@@ -48,3 +48,10 @@ def test_step_metadata_changes_nothing_and_maps_the_new_rows():
     assert step.pages.data_ptr() == pages.data_ptr() and step.backend == {}
     # the flat row is where the paged view puts it: page slot_mapping // 64, row slot_mapping % 64
     assert torch.equal(pages[step.slot_mapping[2] // MLA_PAGE, step.slot_mapping[2] % MLA_PAGE], st.kv[3, 127])
+
+
+def test_kda_state_indices_are_vllms_form():
+    """The harness's padding (-1) on vLLM's null slot 0, int32, the live slots unchanged (the harness keeps slot 0
+    spare, so no request owns it)."""
+    got = kda_state_indices(torch.tensor([3, -1, 1, -1], dtype=torch.int32))
+    assert got.dtype == torch.int32 and got.tolist() == [3, 0, 1, 0]
