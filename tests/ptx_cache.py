@@ -1,7 +1,11 @@
-"""The compile tier's shared helper: keep a module's PTX while its kernels compile."""
+"""The compile tier's shared helpers: skip without the CuTe DSL, and keep a module's PTX while its kernels compile."""
 import contextlib
 
+import pytest
+
 from k3fast.kernels._dsl import dsl_available
+
+needs_dsl = pytest.mark.skipif(not dsl_available(), reason="nvidia-cutlass-dsl / apache-tvm-ffi not importable")
 
 
 @contextlib.contextmanager
@@ -22,3 +26,13 @@ def keeping_ptx(module, dump_dir):
         yield
     finally:
         env.dump_dir, module.TVM_FFI = old_dir, old_opts
+
+
+def keep_ptx_fixture(module):
+    """A module-scoped autouse fixture keeping ``module``'s PTX for the whole test file: assign it at module level
+    (``keep_ptx = keep_ptx_fixture(mk)``)."""
+    @pytest.fixture(scope="module", autouse=True)
+    def keep_ptx(tmp_path_factory):
+        with keeping_ptx(module, tmp_path_factory.mktemp("ptx")):
+            yield
+    return keep_ptx

@@ -128,8 +128,9 @@ class StockImpl:
                 if ok:
                     self.mla_core = FA3MLADecodeCore(cfg, a)
                     self.mla_core_variant = "vllm fa3 split-kv (FLASH_ATTN_MLA)"
-                    # vLLM's fused_qkv_a projection (q_a | kv_a) on K3's low-latency table; g_proj apart
-                    self.mla_qkv_a = torch.cat([a.q_a_proj, a.kv_a_proj_with_mqa]).contiguous()
+                    # vLLM's fused_qkv_a projection (q_a | kv_a) on K3's low-latency table, g_proj apart: the
+                    # leading rows of the packed weight, a view
+                    self.mla_qkv_a = self.mla_a[:cfg.q_lora_rank + cfg.kv_cache_dim]
                 else:
                     self.mla_core_variant += f"; fa3 mla unavailable: {why}"
             if ops in ("vllm", "vllm-layer") and self.mla_core is None:

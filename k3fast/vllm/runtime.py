@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from ..kernels.mla_latent_decode import PAGE
 from ..layer import FusedKDA, FusedMLA, FusedMoE
 
 log = logging.getLogger("k3fast.vllm")
@@ -277,24 +278,24 @@ def mla_step_paging(m, slot, cache: torch.Tensor, n: int, row_width: int) -> tup
         return f"not a pure decode step of at most {n} rows"
     if slot.shape[0] < n or m.decode.block_table.shape[0] < n or m.decode.seq_lens.shape[0] < n:
         return f"metadata for fewer than the step's {n} rows"
-    if (cache.dim() != 3 or cache.dtype != torch.bfloat16 or cache.shape[1] % 64 or cache.shape[2] != row_width
+    if (cache.dim() != 3 or cache.dtype != torch.bfloat16 or cache.shape[1] % PAGE or cache.shape[2] != row_width
             or not cache.is_contiguous()):
         return (f"the cache is {tuple(cache.shape)} {cache.dtype}: the fused half reads a contiguous bf16 "
-                f"[blocks, B, {row_width}] cache with B a multiple of 64")
+                f"[blocks, B, {row_width}] cache with B a multiple of {PAGE}")
     table = page_table(m.decode.block_table[:n], cache.shape[1])
     # a padded row of a CUDA-graph batch (slot mapping -1, vLLM's PAD_SLOT_ID) gets length 0: the kernel writes no
     # cache row for it and attends over nothing, whatever stale length or table row the buffers hold there
     seqlens = torch.where(slot[:n] >= 0, m.decode.seq_lens[:n], 0).to(torch.int32)
-    return cache.view(-1, 64, cache.shape[2]), table, seqlens
+    return cache.view(-1, PAGE, cache.shape[2]), table, seqlens
 
 
 def page_table(block_table: torch.Tensor, block_rows: int) -> torch.Tensor:
     """vLLM's block table [M, MAXB] (blocks of ``block_rows`` cache rows, a multiple of 64) -> the table of 64-row
     pages [M, MAXB * block_rows / 64] int32 over the cache viewed as [blocks * block_rows / 64, 64, 576]: page j of a
     request is 64-row page j % r of block j // r, r = block_rows / 64."""
-    if block_rows % 64:
-        raise ValueError(f"block_rows: expected a multiple of 64, got {block_rows}")
-    r = block_rows // 64
+    if block_rows % PAGE:
+        raise ValueError(f"block_rows: expected a multiple of {PAGE}, got {block_rows}")
+    r = block_rows // PAGE
     n = block_table.shape[0]
     return (block_table.to(torch.int32)[:, :, None] * r
             + torch.arange(r, dtype=torch.int32, device=block_table.device)).reshape(n, -1)

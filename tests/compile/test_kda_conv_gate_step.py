@@ -2,11 +2,10 @@
 for sm_90a, the PTX has the structure the design relies on, and the host entry point rejects bad inputs with clear
 errors (no GPU needed)."""
 import pytest
-from ptx_cache import keeping_ptx
+from ptx_cache import keep_ptx_fixture, needs_dsl
 import torch
 
 from k3fast.kernels import kda_conv_gate_step as kmod
-from k3fast.kernels._dsl import dsl_available
 from k3ref.config import k3, k3_rank
 
 pytestmark = pytest.mark.compile
@@ -15,14 +14,8 @@ BATCHES = (1, 2, 3, 4, 7, 8, 16, 32, 64)   # every split at every shape (the rul
 TS = (1, 4, 8)
 SHAPES = {"k3_rank16": k3_rank(16), "k3_rank8": k3_rank(8), "full": k3()}
 
-needs_dsl = pytest.mark.skipif(not dsl_available(), reason="nvidia-cutlass-dsl / apache-tvm-ffi not importable")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def keep_ptx(tmp_path_factory):
-    """This module's compiles keep their PTX, so the PTX checks read the cached builds."""
-    with keeping_ptx(kmod, tmp_path_factory.mktemp("ptx")):
-        yield
+keep_ptx = keep_ptx_fixture(kmod)
 
 
 def _ptx_lines(key) -> list[str]:

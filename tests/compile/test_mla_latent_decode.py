@@ -2,21 +2,15 @@
 the design relies on, the split plan covers every page once, and the host entry point refuses bad inputs by
 name."""
 import pytest
-from ptx_cache import keeping_ptx
+from ptx_cache import keep_ptx_fixture, needs_dsl
 import torch
 
 from k3fast.kernels import mla_latent_decode as mk
-from k3fast.kernels._dsl import dsl_available
 
 pytestmark = pytest.mark.compile
 
-needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def keep_ptx(tmp_path_factory):
-    with keeping_ptx(mk, tmp_path_factory.mktemp("ptx")):
-        yield
+keep_ptx = keep_ptx_fixture(mk)
 
 
 def test_shapes_match_config():
@@ -61,6 +55,16 @@ def test_builds_compile_with_the_designed_instruction_mix(hn, append):
     assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans") == 4 * 8
     assert ".local" not in ptx
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    # the combine's serial chain is the split loop alone: each split's partial O is loaded for all of a thread's
+    # output elements with no branch between the loads (one L2 round trip per split)
+    runs, run = [], 0
+    for line in ptx.splitlines():
+        if "ld.global.cg" in line:
+            run += 1
+        elif "bra" in line or "shfl" in line:
+            runs.append(run)
+            run = 0
+    assert max(runs) >= hn * mk.DV // mk.THREADS
 
 
 def _args(N=2, H=6, pages=4, maxp=3, dev="cpu"):

@@ -1,21 +1,15 @@
 """CPU-only checks of k3fast.kernels.mla_uv_gate: every token-group build compiles for sm_90a with one MMA per k-step
 and token tile and no local memory; the host entry point refuses bad inputs by name."""
 import pytest
-from ptx_cache import keeping_ptx
+from ptx_cache import keep_ptx_fixture, needs_dsl
 import torch
 
 from k3fast.kernels import mla_uv_gate as uv
-from k3fast.kernels._dsl import dsl_available
 
 pytestmark = pytest.mark.compile
 
-needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def keep_ptx(tmp_path_factory):
-    with keeping_ptx(uv, tmp_path_factory.mktemp("ptx")):
-        yield
+keep_ptx = keep_ptx_fixture(uv)
 
 
 def test_token_buckets():

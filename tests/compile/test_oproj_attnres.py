@@ -2,15 +2,13 @@
 other batch bucket and width the kernel accepts), the PTX has the synchronisation the design relies on, and the host
 entry point rejects bad inputs with clear errors."""
 import pytest
-from ptx_cache import keeping_ptx
+from ptx_cache import keep_ptx_fixture, needs_dsl
 import torch
 
 from k3fast.kernels import oproj_attnres as oa
-from k3fast.kernels._dsl import dsl_available
 
 pytestmark = pytest.mark.compile
 
-needs_dsl = pytest.mark.skipif(not dsl_available(), reason="cutlass DSL / tvm-ffi not importable")
 
 # k3_rank16, k3_rank8, full width (k3ref.config: kda_proj = 96*128/t)
 SHAPES = {"k3_rank16": 768, "k3_rank8": 1536, "full": 12288}
@@ -18,11 +16,7 @@ LAYER_BATCHES = range(1, 9)               # the layer runs the kernel at M <= 8 
 LAYER_SHAPES = ("k3_rank16", "k3_rank8")  # ... and o_proj input widths up to 1536
 
 
-@pytest.fixture(scope="module", autouse=True)
-def keep_ptx(tmp_path_factory):
-    """This module's compiles keep their PTX, so the PTX checks read the cached builds."""
-    with keeping_ptx(oa, tmp_path_factory.mktemp("ptx")):
-        yield
+keep_ptx = keep_ptx_fixture(oa)
 
 
 def _ptx_lines(kp, nb, m) -> list[str]:

@@ -69,6 +69,7 @@ def test_kernels_import_only_the_dsl_glue_and_each_other(path):
 # "Session 12", "s110a", "(s45)", "records-340beb3-s110a.json", a 7-40 hex commit id next to the word commit or
 # in parentheses, "before session", "since session"
 HISTORY = re.compile(r"\b[Ss]ession \d+|\bs\d{2,3}[a-z]?\b|records-[0-9a-f]{7}|kernels-[0-9a-f]{7}|experts-[0-9a-f]{7}"
+                     r"|vllm-e2e-[0-9a-f]{7}|long-decode-[0-9a-f]{7}|sanitizer-[0-9a-f]{7}"
                      r"|\b(?:before|since|until) (?:session|s\d)|\bcommit [0-9a-f]{7,40}\b|\bat [0-9a-f]{7}\b")
 
 
@@ -93,6 +94,7 @@ def test_comments_say_why_not_when(path):
 
 def test_the_history_pattern_catches_what_it_should():
     for s in ("# Session 12 measured", "(s110a)", "see records-340beb3-s110a.json", "the default since session 4",
+              "(traces/h100/vllm-e2e-4c9dbfe.json)",
               "at 0c2876b", "commit 76bd9ff"):
         assert HISTORY.search(s), s
     for s in ("# 16-byte loads: 4.28 TB/s measured at M=1", "sm_90a", "the s-th split", "a 64 x 112 tile"):
