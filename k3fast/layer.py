@@ -278,6 +278,24 @@ class _AttentionEnds:
                           out_partial=partial if partial_out is None else partial_out,
                           zeros=self._buf("p0", p1, zero=True), plan=self.plan)
 
+    def _check_ends(self, blocks, partial, delta, x_mlp, partial_out) -> tuple[int, torch.device]:
+        """The arguments both halves share, checked before any launch; returns (M, the weights' device)."""
+        from .kernels._dsl import check_tensor
+        d, dev = self.cfg.hidden_size, self.in_proj.device
+        check_tensor("partial", partial, dtype=torch.bfloat16, device=dev)
+        if partial.dim() != 2 or partial.shape[1] != d or not 1 <= partial.shape[0] <= 64:
+            raise ValueError(f"partial: expected [M, {d}] with M in 1..64, got {list(partial.shape)}")
+        M = partial.shape[0]
+        # the block rows may be a strided view (vLLM's AttnRes rows); each row must be compact
+        check_tensor("blocks", blocks, dtype=torch.bfloat16, device=dev, contiguous=False)
+        if blocks.dim() != 3 or blocks.shape[0] != M or blocks.shape[2] != d or blocks.stride(2) != 1:
+            raise ValueError(f"blocks: expected [{M}, n, {d}] with compact rows, got {list(blocks.shape)} "
+                             f"(strides {blocks.stride()})")
+        for name, t in (("delta", delta), ("x_mlp", x_mlp), ("partial_out", partial_out)):
+            if t is not None:
+                check_tensor(name, t, dtype=torch.bfloat16, shape=(M, d), device=dev)
+        return M, dev
+
     def _buf(self, name: str, like: torch.Tensor, zero: bool = False, shape=None) -> torch.Tensor:
         """A scratch tensor like ``like`` (or of ``shape``), owned here, allocated at the first call of each shape
         (before any graph replays it; ``zero``: zeroed once and never written)."""
@@ -344,19 +362,7 @@ class FusedKDA(_AttentionEnds):
     def _check(self, blocks, partial, delta, conv_state, rec_state, slots, x_mlp, partial_out) -> None:
         from .kernels._dsl import check_tensor
         from .kernels.kda_conv_gate_step import check_state_pools
-        d, dev = self.cfg.hidden_size, self.in_proj.device
-        check_tensor("partial", partial, dtype=torch.bfloat16, device=dev)
-        if partial.dim() != 2 or partial.shape[1] != d or not 1 <= partial.shape[0] <= 64:
-            raise ValueError(f"partial: expected [M, {d}] with M in 1..64, got {list(partial.shape)}")
-        M = partial.shape[0]
-        # the block rows may be a strided view (vLLM's AttnRes rows); each row must be compact
-        check_tensor("blocks", blocks, dtype=torch.bfloat16, device=dev, contiguous=False)
-        if blocks.dim() != 3 or blocks.shape[0] != M or blocks.shape[2] != d or blocks.stride(2) != 1:
-            raise ValueError(f"blocks: expected [{M}, n, {d}] with compact rows, got {list(blocks.shape)} "
-                             f"(strides {blocks.stride()})")
-        for name, t in (("delta", delta), ("x_mlp", x_mlp), ("partial_out", partial_out)):
-            if t is not None:
-                check_tensor(name, t, dtype=torch.bfloat16, shape=(M, d), device=dev)
+        M, dev = self._check_ends(blocks, partial, delta, x_mlp, partial_out)
         check_state_pools(conv_state, rec_state, heads=self.cfg.kda_heads, head_dim=self.cfg.kda_head_dim)
         check_tensor("slots", slots, dtype=torch.int32, shape=(M,), device=dev, align=4)
         if conv_state.device != dev:
@@ -378,17 +384,19 @@ class FusedMLA(_AttentionEnds):
     The cache is paged as vLLM pages it: a pool of 64-row pages, a block table per request and the rows each request
     attends over after this step (its own new row included; 0 for a padded request) -- the per-step metadata a
     serving engine computes once for all layers. k3fast.layer_io.mla_paged_view gives them for the harness's
-    [slots, Lmax, 576] cache."""
+    [slots, Lmax, 576] cache. ``check_paging``: refuse lengths past the block table, pages outside the pool and two
+    requests appending to one row before launch in eager calls (a host sync; mla_latent_decode.check_paging); a
+    caller that owns the paging (the vLLM plug-in) turns it off."""
 
     def __init__(self, cfg: K3Config, w: LayerWeights, *, plan: DecodePlan = DEFAULT_PLAN, nsm: int = 132,
-                 in_proj: torch.Tensor | None = None):
+                 in_proj: torch.Tensor | None = None, check_paging: bool = True):
         from k3ref.mla import _split_kv_b
         from k3ref.weights import MLAWeights
         a = w.attn
         if not isinstance(a, MLAWeights):
             raise TypeError(f"w.attn: expected MLAWeights (layer {w.layer} is not an MLA layer)")
         self._ends_init(cfg, w, plan)
-        self.nsm = nsm
+        self.nsm, self.check_paging = nsm, check_paging
         # [q_a | kv_a (512 + 64) | g]: one pass over x for the three projections (vLLM's fused_qkv_a_g_proj holds
         # them in this order already: ``in_proj``)
         rows = cfg.q_lora_rank + cfg.kv_cache_dim + cfg.mla_heads * cfg.v_head_dim
@@ -417,13 +425,19 @@ class FusedMLA(_AttentionEnds):
         """As FusedKDA, with the MLA cache: kv_pages [P, 64, 576] bf16, block_table [M, MAXP] int32, seqlens [M] int32
         (rows to attend after this step; the step's own row, position seqlens - 1, is written here)."""
         from .kernels import rms_gemv
-        from .kernels.mla_latent_decode import PAGE, make_workspace, mla_latent_decode
+        from .kernels._dsl import check_tensor
+        from .kernels.mla_latent_decode import PAGE, check_paging, make_workspace, mla_latent_decode
         from .kernels.mla_uv_gate import mla_uv_gate
         cfg = self.cfg
         H = cfg.mla_heads
-        M = partial.shape[0]
-        if tuple(kv_pages.shape[1:]) != (PAGE, cfg.kv_cache_dim):
-            raise ValueError(f"kv_pages: expected [P, {PAGE}, {cfg.kv_cache_dim}], got {list(kv_pages.shape)}")
+        # every argument before the first launch, so a bad one leaves the AttnRes rows, the partial sums and the
+        # cache untouched
+        M, dev = self._check_ends(blocks, partial, delta, x_mlp, partial_out)
+        check_tensor("kv_pages", kv_pages, dtype=torch.bfloat16, shape=(None, PAGE, cfg.kv_cache_dim), device=dev)
+        check_tensor("block_table", block_table, dtype=torch.int32, shape=(M, None), device=dev, align=4)
+        check_tensor("seqlens", seqlens, dtype=torch.int32, shape=(M,), device=dev, align=4)
+        if self.check_paging and not (seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+            check_paging(block_table, seqlens, kv_pages.shape[0], lengths_name="seqlens")
         with stage("k3.mla.in_proj"):
             z, p1 = self._in(blocks, partial, delta, self.in_proj)
             qa = z[:, :cfg.q_lora_rank]
@@ -612,7 +626,7 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
     batches = sorted(set(batches))
     if not batches or batches[0] < 1 or batches[-1] > 64:
         raise ValueError(f"batches must lie in 1..64, got {batches}")
-    d, eps = cfg.hidden_size, cfg.rms_norm_eps
+    eps = cfg.rms_norm_eps
     kda_layers = [l for l in layers if cfg.is_kda_layer(l)]
     if kda_layers:
         H = cfg.kda_heads

@@ -496,6 +496,42 @@ def make_workspace(n_requests: int, heads: int, max_pages: int, device, nsm: int
 _DUMMY_LN: dict = {}
 
 
+def check_paging(block_table, lengths, n_pages: int, *, lengths_name: str = "lengths") -> None:
+    """Refuse paging the kernel would only trust: a length outside 0..64 MAXP, a page a request reaches that lies
+    outside the pool of ``n_pages`` pages, or two live requests whose new rows (position L - 1, the row the append
+    writes) are the same cache row. Unreached table entries are never read and may hold anything. The errors name
+    ``block_table`` and ``lengths_name``. Syncs with the host; never call it inside a CUDA-graph capture (there the
+    metadata is the caller's contract)."""
+    import torch
+    check_tensor("block_table", block_table, dtype=torch.int32, align=4)
+    check_tensor(lengths_name, lengths, dtype=torch.int32, align=4)
+    if block_table.dim() != 2 or lengths.dim() != 1 or lengths.shape[0] != block_table.shape[0]:
+        raise ValueError(f"block_table, {lengths_name}: expected [N, MAXP] and [N], got {list(block_table.shape)} "
+                         f"and {list(lengths.shape)}")
+    maxp = block_table.shape[1]
+    lens = lengths.long()
+    bad = ((lens < 0) | (lens > PAGE * maxp)).nonzero().flatten().tolist()
+    if bad:
+        n = bad[0]
+        raise ValueError(f"{lengths_name}: request {n} has {int(lens[n])} rows, expected 0..{PAGE * maxp} ({PAGE} rows "
+                         f"x the block table's {maxp} columns)")
+    reached = torch.arange(maxp, device=lens.device)[None, :] < ((lens + PAGE - 1) // PAGE)[:, None]
+    outside = (reached & ((block_table < 0) | (block_table >= n_pages))).nonzero().tolist()
+    if outside:
+        n, p = outside[0]
+        raise ValueError(f"block_table: request {n} reaches page column {p}, which holds {int(block_table[n, p])}; "
+                         f"expected a page of the pool, 0..{n_pages - 1}")
+    live = (lens > 0).nonzero().flatten()
+    last = (lens[live] - 1).clamp_min(0)
+    rows = (block_table[live, last // PAGE].long() * PAGE + last % PAGE).tolist()
+    seen: dict[int, int] = {}
+    for n, r in zip(live.tolist(), rows):
+        if r in seen:
+            raise ValueError(f"block_table: requests {seen[r]} and {n} append to the same cache row (page {r // PAGE}, "
+                             f"row {r % PAGE}); each request needs its own")
+        seen[r] = n
+
+
 def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=None, workspace=None,
                       nsm: int = 132, split_rule: str = "sm", proj=None, proj_col: int = 0, kv_norm=None,
                       eps: float = 1e-5):

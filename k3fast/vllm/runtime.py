@@ -148,7 +148,7 @@ class K3FastDecode:
                 kda = FusedKDA(cfg, w, plan=self.plan_choices, in_proj=in_proj, null_slot=True, check_slots=False)
             elif fuse_mla and l in self.mla_layers:
                 w, in_proj = layer_weights(layer, cfg)
-                mla = FusedMLA(cfg, w, plan=self.plan_choices, in_proj=in_proj, nsm=nsm)
+                mla = FusedMLA(cfg, w, plan=self.plan_choices, in_proj=in_proj, nsm=nsm, check_paging=False)
             layer.forward = _LayerForward(self, layer, kda, mla)
         torch.cuda.synchronize()
         t = time.time()

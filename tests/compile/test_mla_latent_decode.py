@@ -104,6 +104,45 @@ def test_cpu_tensors_and_unknown_builds_refused():
         mk.compile_key(12)
 
 
+def _paging(lengths, maxp=4, n_pages=16):
+    """A block table that gives request n the pages 4n .. 4n + maxp - 1 (disjoint), unreached entries -1."""
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    table = torch.full((len(lengths), maxp), -1, dtype=torch.int32)
+    for n, L in enumerate(lengths):
+        for p in range(min(maxp, -(-L // mk.PAGE))):
+            table[n, p] = (4 * n + p) % n_pages
+    return table, lens
+
+
+def test_check_paging_accepts_what_the_kernel_reads_safely():
+    # padding (0), a page edge (64), a full table (256), unreached entries holding -1
+    mk.check_paging(*_paging([0, 64, 1, 256]), 16)
+
+
+@pytest.mark.parametrize("what,edit,name,says", [
+    ("a length past the table", lambda t, l: l.__setitem__(1, 4 * mk.PAGE + 1), "lengths", "0..256"),
+    ("a negative length", lambda t, l: l.__setitem__(0, -1), "lengths", "request 0"),
+    ("a reached page past the pool", lambda t, l: t.__setitem__((2, 0), 16), "block_table", "0..15"),
+    ("a reached page below zero", lambda t, l: t.__setitem__((3, 3), -1), "block_table", "page column 3"),
+    ("two requests appending to one row", lambda t, l: (t.__setitem__((2, 0), 4), l.__setitem__(2, 64)),
+     "block_table", "requests 1 and 2"),
+])
+def test_check_paging_refuses_by_name(what, edit, name, says):
+    table, lens = _paging([0, 64, 1, 256])
+    edit(table, lens)
+    with pytest.raises(ValueError, match=name) as ei:
+        mk.check_paging(table, lens, 16)
+    assert says in str(ei.value), f"{what}: {ei.value}"
+
+
+def test_check_paging_names_the_callers_argument():
+    table, lens = _paging([300])
+    with pytest.raises(ValueError, match="seqlens: request 0 has 300 rows"):
+        mk.check_paging(table, lens, 16, lengths_name="seqlens")
+    with pytest.raises(TypeError, match="seqlens"):
+        mk.check_paging(table, lens.long(), 16, lengths_name="seqlens")
+
+
 @needs_dsl
 def test_layer_warmup_compiles_the_fused_mla_half():
     """k3fast.layer.warmup with the fast-mla plan compiles the MLA layer's in_proj at its packed width

@@ -11,7 +11,7 @@ import torch
 from k3ref import k3_rank
 from k3ref.weights import random_layer
 from k3fast.measure.impls import make_impl, make_io
-from tolerances import TOLERANCES, assert_close
+from tolerances import TOLERANCES
 
 pytestmark = pytest.mark.gpu
 
@@ -109,7 +109,7 @@ def test_hostile_request_leaves_the_others_bit_identical(kind, batch):
             impl.layer(io)
         torch.cuda.synchronize()
         runs[label] = io, before
-    (h, h0), (x, x0) = runs["healthy"], runs["hostile"]
+    (h, _), (x, x0) = runs["healthy"], runs["hostile"]
     others = [r for r in range(batch) if r != bad]
     for name in ("out", "x_mlp", "partial"):
         same = torch.equal(getattr(h, name)[others], getattr(x, name)[others])
@@ -128,6 +128,68 @@ def test_hostile_request_leaves_the_others_bit_identical(kind, batch):
         # the request at the pool's edge gets the same answer as in an ordinary slot
         assert torch.equal(h.out[bad], x.out[bad])
         assert torch.equal(h.state.recurrent[batch + 1], x.state.recurrent[x.slots[bad].long()])
+
+
+MLA_HOSTILE = ["nan", "inf", "huge", "nan_cache", "edge_slot"]
+
+
+@pytest.mark.parametrize("batch", [2, 8, 64])
+@pytest.mark.parametrize("kind", MLA_HOSTILE)
+def test_hostile_request_in_an_mla_batch_leaves_the_others_bit_identical(kind, batch):
+    """The same for a Gated-MLA layer on FusedMLA ("fast-mla"), with the requests' caches 1 to 100 rows long and,
+    from batch 8, a padded request (slot -1): every other request's output, MoE input and partial sum and every
+    other slot's cache rows are bit-identical to the healthy run; the hostile request writes only its own new row;
+    the padded one writes nothing. "nan_cache": NaN in the request's own cached rows (a corrupt cache stays that
+    request's problem). "edge_slot": the request's cache is the pool's last slot."""
+    cfg = k3_rank(16)
+    w = random_layer(cfg, LAYER_MLA, seed=61, device="cuda")
+    bad = batch // 2
+    pad = batch - 1 if batch >= 8 else None
+    runs = {}
+    for label in ("healthy", "hostile"):
+        io = make_io(cfg, LAYER_MLA, batch, context=100, seed=62, slots=batch + 3)
+        st = io.state
+        st.lengths[1:batch + 1] = torch.arange(batch, device="cuda") * 37 % 100 + 1
+        if pad is not None:
+            io.slots[pad] = -1
+        if kind == "edge_slot":
+            edge, free = st.kv.shape[0] - 1, batch + 1                 # the pool's last slot; an ordinary free one
+            io.slots[bad] = free if label == "healthy" else edge
+            st.kv[edge], st.lengths[edge] = st.kv[free], st.lengths[bad + 1]   # the same start in both
+            st.lengths[free] = st.lengths[bad + 1]
+        elif label == "hostile" and kind == "nan_cache":
+            st.kv[bad + 1, :int(st.lengths[bad + 1]):3] = float("nan")
+        elif label == "hostile":
+            _set_row(io, bad, kind)
+        impl = make_impl("fast-mla", cfg, w, max_batch=batch)
+        before = (st.kv.clone(), st.lengths.clone())
+        impl.layer(io)
+        torch.cuda.synchronize()
+        runs[label] = io, before
+    (h, _), (x, x0) = runs["healthy"], runs["hostile"]
+    others = [r for r in range(batch) if r not in (bad, pad)]
+    for name in ("out", "x_mlp", "partial"):
+        same = torch.equal(getattr(h, name)[others], getattr(x, name)[others])
+        assert same, f"{kind}: other requests' {name} changed"
+    bits = lambda t: t.view(torch.int16)                               # NaN-proof bitwise comparison
+    mine = int(x.slots[bad])
+    for s in range(x.state.kv.shape[0]):
+        if s != mine and not (kind == "edge_slot" and s in (batch + 1, x.state.kv.shape[0] - 1)):
+            assert torch.equal(bits(h.state.kv[s]), bits(x.state.kv[s])), f"{kind}: slot {s}'s cache changed"
+    # the hostile request's own slot: only its new row (position L0) differs from before the step
+    L0 = int(x0[1][mine])
+    changed = (bits(x.state.kv[mine]) != bits(x0[0][mine])).any(dim=-1).nonzero().flatten().tolist()
+    assert set(changed) <= {L0}, f"{kind}: rows {changed} of the request's own cache changed, expected only {L0}"
+    if pad is not None:
+        owned = set(x.slots.tolist())
+        for s in range(x.state.kv.shape[0]):
+            if s not in owned:
+                assert torch.equal(bits(x.state.kv[s]), bits(x0[0][s])), f"{kind}: unowned slot {s} was written"
+    if kind == "edge_slot":
+        # the request at the pool's edge gets the same answer, and its new row, as in an ordinary slot
+        assert torch.equal(h.out[bad], x.out[bad])
+        assert torch.equal(bits(h.state.kv[batch + 1, L0]), bits(x.state.kv[mine, L0]))
+        assert not torch.isnan(x.out[bad]).any()
 
 
 def test_slot_past_the_pool_inside_a_graph_writes_nothing():
@@ -192,25 +254,65 @@ def _bad_calls(cfg, w, io):
     ]
 
 
-def test_bad_arguments_are_refused_by_name():
-    """Every malformed argument of the fused attention half raises before any launch, naming the argument; the
-    state pool and the inputs are left as they were."""
+def _bad_calls_mla(cfg, w, io):
+    """The same for the fused MLA attention half: its paging metadata (mla_step's pages, block table, seqlens)."""
+    from k3fast.layer import FusedMLA
+    from k3fast.layer_io import mla_step
+    mla = FusedMLA(cfg, w)
+    step = mla_step(io.state, io.slots)
+    n_pages, maxp = step.pages.shape[0], step.block_table.shape[1]
+
+    def call(**over):
+        a = dict(blocks=io.blocks, partial=io.partial, delta=io.delta, kv_pages=step.pages,
+                 block_table=step.block_table, seqlens=step.seqlens, x_mlp=io.x_mlp)
+        a.update(over)
+        return lambda: mla(**a)
+
+    bt, sl = step.block_table, step.seqlens
+    past = bt.clone()
+    past[1, 0] = n_pages
+    shared = bt.clone()
+    shared[2] = bt[1]
+    return [
+        ("a page past the pool", "block_table", call(block_table=past)),
+        ("two requests appending to one row", "block_table", call(block_table=shared, seqlens=torch.where(
+            torch.arange(len(sl), device="cuda") == 2, sl[1], sl))),
+        ("a length past the block table", "seqlens", call(seqlens=sl + 64 * maxp)),
+        ("int64 block table", "block_table", call(block_table=bt.long())),
+        ("block table of another batch", "block_table", call(block_table=bt[:-1])),
+        ("seqlens on the CPU", "seqlens", call(seqlens=sl.cpu())),
+        ("fp32 cache pages", "kv_pages", call(kv_pages=step.pages.float())),
+        ("cache pages of 32 rows", "kv_pages", call(kv_pages=step.pages.view(-1, 32, step.pages.shape[2]))),
+        ("fp32 partial sum", "partial", call(partial=io.partial.float())),
+        ("blocks of the wrong width", "blocks", call(blocks=io.blocks[..., :-64])),
+        ("MLP input buffer of another batch", "x_mlp", call(x_mlp=io.x_mlp[:-1])),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_bad_arguments_are_refused_by_name(kind):
+    """Every malformed argument of the fused attention half (FusedKDA; FusedMLA) raises before any launch, naming
+    the argument; the state pool (or the latent cache and its lengths) and the inputs are left as they were."""
     cfg = k3_rank(16)
-    w = random_layer(cfg, LAYER_KDA, seed=55, device="cuda")
-    io = make_io(cfg, LAYER_KDA, 4, seed=56)
-    make_impl("fast", cfg, w, max_batch=4).attn(io)                # compile first: errors must not come from it
+    layer, impl, make_cases = {"kda": (LAYER_KDA, "fast", _bad_calls),
+                               "mla": (LAYER_MLA, "fast-mla", _bad_calls_mla)}[kind]
+    w = random_layer(cfg, layer, seed=55, device="cuda")
+    io = make_io(cfg, layer, 4, context=100, seed=56)
+    make_impl(impl, cfg, w, max_batch=4).attn(io)                 # compile first: errors must not come from it
     io.reset()
     torch.cuda.synchronize()
-    snap = [t.clone() for t in (io.state.recurrent, io.state.conv, io.partial, io.blocks)]
-    cases = _bad_calls(cfg, w, io)
+    kept = lambda: ((io.state.recurrent, io.state.conv) if kind == "kda" else (io.state.kv, io.state.lengths)) + (
+        io.partial, io.blocks)
+    snap = [t.clone() for t in kept()]
+    cases = make_cases(cfg, w, io)
     for what, arg, fn in cases:
         with pytest.raises((ValueError, TypeError)) as ei:
             fn()
         assert arg in str(ei.value), f"{what}: the error does not name {arg!r}: {ei.value}"
         torch.cuda.synchronize()
-        for a, b in zip(snap, (io.state.recurrent, io.state.conv, io.partial, io.blocks)):
+        for a, b in zip(snap, kept()):
             assert torch.equal(a, b), f"{what}: a buffer changed before the error"
-    print(f"{len(cases)} bad-argument cases refused")
+    print(f"{len(cases)} bad-argument cases of the {kind} half refused")
 
 
 # ------------------------------------------------------------------------------------------ CUDA-graph safety
