@@ -12,8 +12,9 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
-# --half 1 | 2: the tier in two calls of the lent machine (the whole tier runs ~9 minutes on an H100, past one
-# call with the staging); the halves split the files about evenly by time, each with its own JUnit file.
+# --half 1 | 2: the tier in two calls of the lent machine (serially the whole tier runs ~9 minutes on an H100, past
+# one call with the staging; with K3_XDIST=2 its first 646 cases took 270 s, about 500 s of test time, so the whole
+# tier needs ~7 minutes there); the halves split the files about evenly by time, each with its own JUnit file.
 if [ "${1:-}" = --half ]; then
   case $2 in
     1) files=(tests/gpu/test_fast_layer.py tests/gpu/test_gemm_wgmma_splitk.py tests/gpu/test_kda_conv_gate_step.py
