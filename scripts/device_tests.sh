@@ -30,7 +30,8 @@ fi
 [ $# -gt 0 ] || set -- tests/gpu
 xdist=(); [ "${K3_XDIST:-0}" -gt 1 ] && xdist=(-n "$K3_XDIST" --dist loadfile)
 # SIGINT first: pytest then stops at the running test and still writes the JUnit file for what finished
-timeout -s INT -k 30 "${K3_TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rfE --timeout="${K3_PER_TEST_TIMEOUT:-240}" "${xdist[@]}" \
+timeout -s INT -k 30 "${K3_TEST_TIMEOUT:-480}" \
+  python3 -m pytest -m gpu -q -rfE --timeout="${K3_PER_TEST_TIMEOUT:-240}" "${xdist[@]}" \
   --junitxml="$OUT/gpu-junit${K3_TAG:+-$K3_TAG}.xml" "$@" > "$OUT/gpu-tests.log" 2>&1
 rc=$?
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -3
