@@ -145,6 +145,7 @@ def test_hostile_request_in_an_mla_batch_leaves_the_others_bit_identical(kind, b
     w = random_layer(cfg, LAYER_MLA, seed=61, device="cuda")
     bad = batch // 2
     pad = batch - 1 if batch >= 8 else None
+    impl = make_impl("fast-mla", cfg, w, max_batch=batch)             # one layer for both runs: the same kernels
     runs = {}
     for label in ("healthy", "hostile"):
         io = make_io(cfg, LAYER_MLA, batch, context=100, seed=62, slots=batch + 3)
@@ -161,7 +162,6 @@ def test_hostile_request_in_an_mla_batch_leaves_the_others_bit_identical(kind, b
             st.kv[bad + 1, :int(st.lengths[bad + 1]):3] = float("nan")
         elif label == "hostile":
             _set_row(io, bad, kind)
-        impl = make_impl("fast-mla", cfg, w, max_batch=batch)
         before = (st.kv.clone(), st.lengths.clone())
         impl.layer(io)
         torch.cuda.synchronize()
