@@ -508,22 +508,23 @@ def check_paging(block_table, lengths, n_pages: int, *, lengths_name: str = "len
     if block_table.dim() != 2 or lengths.dim() != 1 or lengths.shape[0] != block_table.shape[0]:
         raise ValueError(f"block_table, {lengths_name}: expected [N, MAXP] and [N], got {list(block_table.shape)} "
                          f"and {list(lengths.shape)}")
-    maxp = block_table.shape[1]
-    lens = lengths.long()
+    # one copy to the host, then every test there: a step's table is at most 64 x MAXP entries
+    bt, lens = block_table.cpu(), lengths.cpu().long()
+    maxp = bt.shape[1]
     bad = ((lens < 0) | (lens > PAGE * maxp)).nonzero().flatten().tolist()
     if bad:
         n = bad[0]
         raise ValueError(f"{lengths_name}: request {n} has {int(lens[n])} rows, expected 0..{PAGE * maxp} ({PAGE} rows "
                          f"x the block table's {maxp} columns)")
-    reached = torch.arange(maxp, device=lens.device)[None, :] < ((lens + PAGE - 1) // PAGE)[:, None]
-    outside = (reached & ((block_table < 0) | (block_table >= n_pages))).nonzero().tolist()
+    reached = torch.arange(maxp)[None, :] < ((lens + PAGE - 1) // PAGE)[:, None]
+    outside = (reached & ((bt < 0) | (bt >= n_pages))).nonzero().tolist()
     if outside:
         n, p = outside[0]
-        raise ValueError(f"block_table: request {n} reaches page column {p}, which holds {int(block_table[n, p])}; "
+        raise ValueError(f"block_table: request {n} reaches page column {p}, which holds {int(bt[n, p])}; "
                          f"expected a page of the pool, 0..{n_pages - 1}")
     live = (lens > 0).nonzero().flatten()
-    last = (lens[live] - 1).clamp_min(0)
-    rows = (block_table[live, last // PAGE].long() * PAGE + last % PAGE).tolist()
+    last = lens[live] - 1
+    rows = (bt[live, last // PAGE].long() * PAGE + last % PAGE).tolist()
     seen: dict[int, int] = {}
     for n, r in zip(live.tolist(), rows):
         if r in seen:

@@ -2,8 +2,8 @@
 
 vLLM's backend priority on SM90 (``platforms/cuda.py``) is FLASH_ATTN_MLA, then FLASHMLA, then FLASHINFER_MLA, then
 TRITON_MLA. Inside a vLLM 0.33 engine on an H100 the K3 MLA layers run FLASH_ATTN_MLA: FlashAttention-3's split-KV
-forward and combine (the engine run traces/index.json names as ``vllm_e2e``). ``FA3MLADecodeCore`` runs that path with vLLM's own
-functions (the "vllm-layer" stock variant); ``FlashMLADecodeCore`` runs FlashMLA's dense BF16 decode
+forward and combine (the engine run traces/index.json names as ``vllm_e2e``). ``FA3MLADecodeCore`` runs that path
+with vLLM's own functions (the "vllm-layer" stock variant); ``FlashMLADecodeCore`` runs FlashMLA's dense BF16 decode
 (``vllm._flashmla_C``; the "vllm-ops" variant). The decode step follows ``vllm/models/kimi_k3/nvidia/mla.py``:
 
     q_lat,h = q_nope,h W_UK,h            (BMM1: absorb kv_b_proj's k rows, 128 -> 512 per head)

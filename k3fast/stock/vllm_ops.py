@@ -471,7 +471,8 @@ def gate_sigmoid_mul(attn_out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor
 
 # One KDA+MoE layer of StockImpl(ops="vllm-layer") at k3_rank16, batch 1, a non-boundary layer, in launch order:
 # the kernel names vLLM's own layer launched inside a vLLM 0.33 engine on an H100 (the engine run traces/index.json
-# names as ``vllm_e2e``, per_layer.kda_moe.kernel_names), each as the prefix our launch shares with it. "harness:" entries are ours alone.
+# names as ``vllm_e2e``, per_layer.kda_moe.kernel_names), each as the prefix our launch shares with it. "harness:"
+# entries are ours alone.
 KERNELS_VLLM_LAYER_B1 = {
     "attn": ["_attn_res_kernel",
              "nvjet_sm90",                              # in_proj_qkvgfab (cuBLAS split-K) ...
