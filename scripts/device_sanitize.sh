@@ -8,6 +8,9 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+# kernels compiled once per machine, shared by this run's processes; .kcache may arrive pre-filled by
+# scripts/precompile.py on the CPU machine (k3fast.kernels._dsl: the cache keys on the kernel sources)
+export K3_KERNEL_CACHE=${K3_KERNEL_CACHE:-$PWD/.kcache}
 # K3_SAN_NO_CACHING=1: every tensor its own cudaMalloc, so memcheck and initcheck see each buffer's bounds (torch's
 # caching allocator hides an overrun that stays inside one of its pooled segments). Off by default: with it, every
 # tool's process ran out of GPU memory while re-laying the second layer's experts, a few GB by the tensors' sizes

@@ -16,6 +16,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 : "${K3_COMMIT:?set K3_COMMIT to the commit the tree was sent at}"
 export K3_COMMIT PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+# kernels compiled once per machine, shared by this run's processes; .kcache may arrive pre-filled by
+# scripts/precompile.py on the CPU machine (k3fast.kernels._dsl: the cache keys on the kernel sources)
+export K3_KERNEL_CACHE=${K3_KERNEL_CACHE:-$PWD/.kcache}
 tag=${K3_TAG:-$K3_COMMIT}
 tmp=$(mktemp -d)
 timeout "${K3_SWEEP_TIMEOUT:-420}" python3 -m k3fast.measure.trace --out "$tmp" --tag "$tag" "$@" > "$OUT/sweep.log" 2>&1

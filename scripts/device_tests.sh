@@ -10,6 +10,9 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+# kernels compiled once per machine, shared by this run's processes; .kcache may arrive pre-filled by
+# scripts/precompile.py on the CPU machine (k3fast.kernels._dsl: the cache keys on the kernel sources)
+export K3_KERNEL_CACHE=${K3_KERNEL_CACHE:-$PWD/.kcache}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 # --half 1 | 2: the tier in two calls of the lent machine (serially the whole tier runs ~9 minutes on an H100, past

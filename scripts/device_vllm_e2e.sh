@@ -15,6 +15,9 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+# kernels compiled once per machine, shared by this run's processes; .kcache may arrive pre-filled by
+# scripts/precompile.py on the CPU machine (k3fast.kernels._dsl: the cache keys on the kernel sources)
+export K3_KERNEL_CACHE=${K3_KERNEL_CACHE:-$PWD/.kcache}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
 t0=$(date +%s)
 left() { echo $((${K3_CALL_S:-580} - ($(date +%s) - t0))); }

@@ -8,9 +8,15 @@ Contracts (hardware facts; docs/findings.md has the measurements):
   compiled object is called with torch tensors and launches on torch's current stream (so it can
   be captured in a CUDA graph). Calling a ``@cute.jit`` function directly costs ~30 ms: never.
 * ``cute.compile`` is not thread-safe: the cache takes a lock.
+* ``K3_KERNEL_CACHE=<folder>`` adds a cache across processes: each compiled kernel is exported there as an object
+  file (``export_to_c``, ~0.1 s) and a later process loads it (``cute.runtime.load_module``, JIT-linked as the DSL
+  links its own in-process compile) instead of compiling again (2-20 s a key). The file name hashes the compile key
+  with the kernel sources, the DSL and tvm-ffi versions and the target arch, so an edited kernel never loads a
+  stale object. Objects compiled on a CPU machine for sm_90a load on the GPU machine. Off when unset.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -39,7 +45,8 @@ def dsl_available() -> bool:
 
 
 def compile_cached(key: Hashable, build: Callable[[], Any]) -> Any:
-    """Return the compiled kernel for ``key``, building it (``build()`` -> cute.compile result) once."""
+    """Return the compiled kernel for ``key``, building it (``build()`` -> cute.compile result) once per process, and
+    once per K3_KERNEL_CACHE folder when that is set."""
     fn = _CACHE.get(key)
     if fn is not None:
         return fn
@@ -47,10 +54,73 @@ def compile_cached(key: Hashable, build: Callable[[], Any]) -> Any:
         fn = _CACHE.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = build()
+            path, name = _disk_entry(key)
+            fn = _load(path, name) if path and os.path.exists(path) else None
+            if fn is None:
+                fn = build()
+                if path:
+                    _export(fn, path, name)
             COMPILE_LOG.append((key, time.perf_counter() - t0))
             _CACHE[key] = fn
     return fn
+
+
+_STAMP: list[bytes] = []
+
+
+def _source_stamp() -> bytes:
+    """What besides the key decides a compiled object: every kernel source file, the DSL, tvm-ffi, the arch."""
+    if not _STAMP:
+        import importlib.metadata as md
+        h = hashlib.sha256()
+        here = os.path.dirname(os.path.abspath(__file__))
+        for f in sorted(os.listdir(here)):
+            if f.endswith(".py"):
+                with open(os.path.join(here, f), "rb") as fh:
+                    h.update(f.encode() + b"\0" + fh.read())
+        for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+            try:
+                h.update(f"{dist}={md.version(dist)}".encode())
+            except md.PackageNotFoundError:
+                h.update(f"{dist}=?".encode())
+        h.update(os.environ.get("CUTE_DSL_ARCH", "").encode())
+        _STAMP.append(h.digest())
+    return _STAMP[0]
+
+
+def _disk_entry(key: Hashable) -> tuple[str | None, str]:
+    """(object file path, exported function name) for ``key``; no path when the cache is off or the key's repr is
+    not a stable value (an object address would differ in every process)."""
+    folder = os.environ.get("K3_KERNEL_CACHE")
+    text = repr(key)
+    if not folder or " at 0x" in text:
+        return None, ""
+    digest = hashlib.sha256(text.encode() + _source_stamp()).hexdigest()[:40]
+    return os.path.join(folder, f"k3_{digest}.o"), f"k3_{digest}"
+
+
+def _load(path: str, name: str):
+    """The exported kernel, or None when the file cannot be loaded (it is then compiled and written again)."""
+    _, cute = import_cute()
+    try:
+        return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+    except Exception as e:          # a truncated or foreign file: compile instead, never fail the caller
+        print(f"k3fast: kernel cache entry {os.path.basename(path)} not loaded ({type(e).__name__}); compiling")
+        return None
+
+
+def _export(fn, path: str, name: str) -> None:
+    """Write ``fn`` to the cache; a partial file never becomes visible (rename), and a failed write only costs the
+    next process a compile."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        fn.export_to_c(tmp, function_name=name)
+        os.replace(tmp, path)
+    except Exception as e:
+        print(f"k3fast: kernel cache entry {os.path.basename(path)} not written ({type(e).__name__}: {e})")
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def fake_tensor(dtype, shape, *, align: int = 16, row_major: bool = True):

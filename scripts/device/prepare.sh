@@ -46,6 +46,7 @@ if [ "${K3_NSIGHT:-1}" != 0 ]; then
   fetch_once "$cache/nsight" "${NSIGHT[@]}"
   payload+=("$cache"/nsight/*.whl)
 fi
+vpayload=()
 if [ $with_vllm = 1 ]; then
   v="$cache/vllm"
   if [ ! -f "$v/.done" ]; then
@@ -59,25 +60,41 @@ if [ $with_vllm = 1 ]; then
     (cd "$t" && tar cf - . | xz -6 -T2 > "$v/vllm-0.33.0-pruned.tar.xz")
     rm -rf "$t" "$v"/vllm-0.33.0-*.whl && touch "$v/.done"
   fi
-  payload+=("$v"/wheels/*.whl "$v/vllm-0.33.0-pruned.tar.xz")
+  vpayload=("$v"/wheels/*.whl "$v/vllm-0.33.0-pruned.tar.xz")
   # humming-kernels: vLLM prefers its MXFP4 MoE over Marlin on SM90 when it is importable. It travels as an
   # "optional-" file that stage.sh installs apart (/tmp/k3hum), so a stock engine gets it only when asked
   # (scripts/device_vllm_e2e.sh with K3_HUMMING=1); the image has its dependencies (cuda-toolkit, jinja2, ...).
   fetch_once "$cache/humming" humming-kernels==0.1.20
   mkdir -p "$cache/humming-opt"
   for w in "$cache"/humming/*.whl; do cp -n "$w" "$cache/humming-opt/optional-$(basename "$w")"; done
-  payload+=("$cache"/humming-opt/optional-*.whl)
+  vpayload+=("$cache"/humming-opt/optional-*.whl)
 fi
 # one copy of each file name (a wheel both sets pin travels once)
 mapfile -t payload < <(printf '%s\n' "${payload[@]}" | awk -F/ '!seen[$NF]++')
+seen_base=$(printf '%s\n' "${payload[@]}" | awk -F/ '{print $NF}')
+vfiles=()
+for f in "${vpayload[@]}"; do grep -qxF "$(basename "$f")" <<< "$seen_base" || vfiles+=("$f"); done
 
+# Two tar series: the base set (part.*) and the vLLM set (vpart.*), so that a session can stage the base alone and
+# add vLLM later on the same machine (stage.sh install takes whatever series arrived since the last install).
 rm -rf "$root/.device" && mkdir -p "$root/.device"
-tar cf - -C / "${payload[@]#/}" --transform 's|.*/||' | split -b "${part_mb}M" -d -a 2 - "$root/.device/part."
-n=0; for f in "$root"/.device/part.*; do n=$((n+1)); mkdir -p "$root/.device/$n"; mv "$f" "$root/.device/$n/"; done
+n=0
+series() {  # series PREFIX FILE...
+  local prefix=$1; shift
+  tar cf - -C / "${@#/}" --transform 's|.*/||' | split -b "${part_mb}M" -d -a 2 - "$root/.device/$prefix."
+  for f in "$root"/.device/"$prefix".*; do n=$((n+1)); mkdir -p "$root/.device/$n"; mv "$f" "$root/.device/$n/"; done
+}
+series part "${payload[@]}"
+nbase=$n
+[ ${#vfiles[@]} = 0 ] || series vpart "${vfiles[@]}"
 cp "$here/stage.sh" "$root/.device/stage.sh"
 tree_mb=$(cd "$root" && git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1)
-echo "$n parts of <= $part_mb MiB beside a tree of ~$tree_mb MiB (a run carries at most 64 MiB in all)."
+echo "$n parts of <= $part_mb MiB beside a tree of ~$tree_mb MiB (a run carries at most 64 MiB in all);"
+echo "parts 1-$nbase: the base set$([ $n -gt $nbase ] && echo "; parts $((nbase+1))-$n: vLLM")."
 echo "Run sequence on a fresh machine, back to back (it is handed back soon after a run ends):"
-for i in $(seq 1 $((n-1))); do echo "  run command=\"bash .device/stage.sh $i\"   carry=[\".device/$i\", \".device/stage.sh\"]"; done
-echo "  run command=\"bash .device/stage.sh $n && bash .device/stage.sh install && source /tmp/k3env.sh && <GPU command>\"   carry=[\".device/$n\", \".device/stage.sh\"]"
+last() { echo "  run command=\"bash .device/stage.sh $1 && bash .device/stage.sh install && source /tmp/k3env.sh && <GPU command>\"   carry=[\".device/$1\", \".device/stage.sh\"]"; }
+for i in $(seq 1 $((nbase-1))); do echo "  run command=\"bash .device/stage.sh $i\"   carry=[\".device/$i\", \".device/stage.sh\"]"; done
+last $nbase
+for i in $(seq $((nbase+1)) $((n-1))); do echo "  run command=\"bash .device/stage.sh $i\"   carry=[\".device/$i\", \".device/stage.sh\"]"; done
+[ $n -gt $nbase ] && last $n
 echo "While it stays warm, later runs: command=\"source /tmp/k3env.sh && <GPU command>\" (no carry)."

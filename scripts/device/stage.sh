@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/device/prepare.sh (this project's staging, not a user step; prepare.sh copies this
 # file to .device/stage.sh). `bash .device/stage.sh N` keeps part N; `bash .device/stage.sh install` joins the parts,
-# installs them under /tmp/k3site and writes /tmp/k3env.sh (source it before python3).
+# installs them under /tmp/k3site and writes /tmp/k3env.sh (source it before python3). Install may run twice on
+# one machine: after the base parts, then after the vLLM parts.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 mkdir -p /tmp/k3stage
 case "${1:-}" in
-  [0-9]*) cp "$here/$1"/part.* /tmp/k3stage/ && echo "part $1 kept ($(du -sh /tmp/k3stage | cut -f1) so far)" ;;
+  [0-9]*) cp "$here/$1"/*part.* /tmp/k3stage/ && echo "part $1 kept ($(du -sh /tmp/k3stage | cut -f1) so far)" ;;
   install)
-    cd /tmp/k3stage && cat part.* | tar xf - && rm -f part.*
+    # each tar series that arrived since the last install: the base (part.*), vLLM (vpart.*)
+    cd /tmp/k3stage
+    for p in part vpart; do ! ls $p.* > /dev/null 2>&1 || { cat $p.* | tar xf - && rm -f $p.*; }; done
     mkdir -p /tmp/k3site opt
     # optional-*.whl: installed apart, into /tmp/k3hum, put on the path only by the runs that ask for them
     for f in optional-*.whl; do [ -e "$f" ] && mv "$f" "opt/${f#optional-}"; done
