@@ -6,7 +6,8 @@ K3_KERNEL_CACHE at it. Keys the runs need beyond these are compiled there and ca
     python scripts/precompile.py --out .kcache [--shapes k3_rank16 k3_rank8 full] [--batches 1 8 64] [-j 2]
 
 Each shape compiles, in its own process: KDA layers (a block-boundary layer too) and MLA layers under the shipped
-plan and with the fused MLA attention half, with and without the plug-in's padding slot.
+plan with the fused MLA attention half, with and without the plug-in's padding slot, then under each contender plan
+(k3fast.layer.CONTENDERS) that the GPU tests and traces run.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ BATCHES = (1, 2, 3, 4, 7, 8, 9, 16, 17, 24, 32, 40, 48, 56, 64)
 def _one(shape: str, batches: tuple[int, ...], out: str) -> str:
     os.environ["K3_KERNEL_CACHE"] = out
     from k3ref import preset
-    from k3fast.layer import DecodePlan, warmup
+    from k3fast.layer import CONTENDERS, DecodePlan, warmup
     cfg = preset(shape)
     t0 = time.perf_counter()
     mla = next(l for l in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(l) and cfg.is_moe_layer(l))
@@ -30,6 +31,8 @@ def _one(shape: str, batches: tuple[int, ...], out: str) -> str:
     n = 0
     for null_slot in (False, True):
         n += warmup(cfg, [1, boundary, mla], batches, plan=DecodePlan(mla_attention="fused"), null_slot=null_slot)
+    for plan, _ in CONTENDERS.values():
+        n += warmup(cfg, [1, boundary, mla], batches, plan=plan)
     return f"{shape}: {n} kernels in {time.perf_counter() - t0:.0f} s"
 
 
