@@ -247,7 +247,8 @@ def _cells(record: dict, cell) -> list[dict]:
 
 def profile_table(record: dict, cell=None) -> str:
     """Per cell and half: kernels, summed kernel µs, DRAM MB and achieved TB/s, then each kernel on its own line."""
-    lines = []
+    variant = record["environment"].get("stock_variant")
+    lines = [f"stock = {variant}"] if variant else []
     for c in _cells(record, cell):
         lines.append(f"{c['layer_kind']} {c['shape']} b{c['batch']}" + (f"  ERROR {c['error']}" if c["error"] else ""))
         for h in c["halves"]:
@@ -437,7 +438,9 @@ def run(preset: str, out: str | None = None, tag: str | None = None, replay: str
     if not torch.cuda.is_available():
         raise RuntimeError("k3fast.measure.profile needs a CUDA GPU (Hopper, sm_90a)")
     from k3fast.measure.trace import card_folder, environment
-    env = {**environment(), **versions}
+    from k3fast.stock.layer import default_variant
+    variant, fallback = default_variant()
+    env = {**environment(), **versions, "stock_variant": variant, "stock_fallback": fallback}
     out = out or card_folder(env["gpu"])
     tag = tag or f"{env['date'][:10]}-{env['commit']}"
     record = new_record(preset, env, replay, " ".join(sys.argv))

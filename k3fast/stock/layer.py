@@ -59,6 +59,17 @@ def _fa3_core_type():
 OPS = {"vllm-layer": "vllm-layer", "vllm": "vllm-ops", "torch": "torch-glue"}
 
 
+def default_variant() -> tuple[str, str | None]:
+    """The variant ``StockImpl()`` runs on this machine (its default ``ops``, CUDA weights) and why it fell back
+    (None when it did not): what a record names as its stock before any layer is built."""
+    from .vllm_ops import vllm_available, vllm_layer_available
+    ok, why = vllm_layer_available()
+    if ok:
+        return OPS["vllm-layer"], None
+    ok2, why2 = vllm_available()
+    return (OPS["vllm"], why) if ok2 else (OPS["torch"], why2)
+
+
 class StockImpl:
     """Library kernels, packed the way a serving stack packs them (one in_proj GEMM for q|k|v|g|f_a|b,
     one gate_up GEMM for the shared experts, one q_a|kv_a|g GEMM for MLA).

@@ -176,7 +176,8 @@ def _synthetic_record():
     ])
     regions, units = prof.report_kernels(rep)
     env = {"gpu": "NVIDIA H200", "driver": "580.159.04", "torch": "2.11.0+cu130", "cutlass": "4.8.1",
-           "commit": "abc1234", "date": "2026-12-01T00:00:00+00:00", "nsight_python": "0.9.6", "ncu": "2025.3.1.0"}
+           "commit": "abc1234", "date": "2026-12-01T00:00:00+00:00", "nsight_python": "0.9.6", "ncu": "2025.3.1.0",
+           "stock_variant": "vllm-layer", "stock_fallback": None}
     rec = prof.new_record("smoke", env, "graph", "python -m k3fast.measure.profile --preset smoke")
     rec["units"].update(units)
     rec["cells"].append(prof.cell_record("kda_moe", "k3_rank16", 1, regions, report="ncu-t/x.ncu-rep", error=None,
@@ -245,6 +246,7 @@ def test_plot_profile_draws_every_kernel(tmp_path):
 def test_table_and_csv(tmp_path):
     rec = _synthetic_record()
     text = prof.profile_table(rec)
+    assert text.splitlines()[0] == "stock = vllm-layer"                 # which stock the record's rows are
     assert "kda_moe k3_rank16 b1" in text and "ERROR ProfilerException" in text
     assert "rms_gemv_ring (RingMmaGemv)" in text and "15.0 µs" in text
     path = tmp_path / "p.csv"
@@ -252,6 +254,13 @@ def test_table_and_csv(tmp_path):
     rows = list(csv.DictReader(open(path)))
     assert len(rows) == 7 and rows[0]["impl"] == "stock" and rows[0]["short"] == "rms_norm_kernel"
     assert set(prof.METRICS) <= set(rows[0]) and rows[-1]["part"] == "moe"
+
+
+def test_stock_variant_names_the_fallback_without_a_gpu():
+    from k3fast.stock.layer import OPS, default_variant
+    variant, why = default_variant()
+    assert variant in OPS.values()
+    assert (why is None) == (variant == "vllm-layer") and (why is None or why.strip())
 
 
 def test_import_needs_neither_nsight_nor_a_gpu():
