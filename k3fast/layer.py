@@ -545,7 +545,8 @@ class FastImpl:
             self.mla = FusedMLA(cfg, w, plan=plan)
         else:
             from .stock.layer import StockImpl
-            self.stock_attn = StockImpl(cfg, w, max_batch=max_batch)
+            # the attention half only: FusedMoE serves the MoE half, so no Marlin copy of the experts
+            self.stock_attn = StockImpl(cfg, w, max_batch=max_batch, with_moe=False)
         self.fused_moe = FusedMoE(cfg, w.mlp, plan=plan)
         # the record's fast_variant: "default", or the fields that differ from the shipped plan
         diff = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)

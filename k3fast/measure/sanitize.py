@@ -1,57 +1,82 @@
 """The launch set the sanitizer tier runs under compute-sanitizer: every shipped kernel key of the fused layer, each
-launched once, eagerly (no CUDA graph: the tools follow individual launches).
+launched once, eagerly (no CUDA graph: the tools follow individual launches), and the summary of the tools' logs.
 
-The set is the fewest launches that cover every code path of the shipped plan: the whole KDA + MoE layer at
-k3_rank16 / k3_rank8 / full width and batch 1 / 8 / 64 (each batch takes a different in_proj, o_proj, front,
-experts and tail path), the attention half of a block-boundary layer at rank16 and rank8 (the block write of
-AttnRes #1 and the new partial sum of o_proj), and the KDA step on a vLLM-style page-strided state pool with
-slot 0 as padding (the plug-in's build), with padded and out-of-range slots in the batch. Then the fused MLA
-attention half (FusedMLA, a live contender) at rank16 batch 1 / 8 with both split rules (``--no-mla`` leaves it out).
+The set is the fewest launches that cover every code path of the shipped plan, in parts that each run in their own
+process (``scripts/device_sanitize.sh`` starts one per tool and part, so a part that fails or runs out of time
+leaves the others' verdicts standing):
 
-    python -m k3fast.measure.sanitize --out launched.json           # what scripts/device_sanitize.sh runs
+* ``k3_rank16`` / ``k3_rank8`` / ``full``: the whole KDA + MoE layer at batch 1 / 8 / 64 (each batch takes a
+  different in_proj, o_proj, front, experts and tail path), and at rank16 / rank8 the attention half of a
+  block-boundary layer (the block write of AttnRes #1 and the new partial sum of o_proj);
+* ``pool``: the KDA step on a vLLM-style page-strided state pool with slot 0 as padding (the plug-in's build), with
+  padded slots and one slot past the pool (the in-kernel guard's path);
+* ``mla``: the fused MLA attention half (FusedMLA) at rank16 batch 1 / 8 with both split rules, a padded request and
+  a new cache row opening a page;
+* ``control``: no kernel of ours: a cuBLAS GEMM with fp32 output (the router front's above batch 4) read back by a
+  torch kernel, so the report shows how a tool sees a library's writes (initcheck follows only the writes it
+  instruments).
 
-The JSON lists every cell and every kernel key compiled (= launched) in the process, so the report can say what
-each tool saw. Nothing here checks results; the GPU test tier does that.
+    python -m k3fast.measure.sanitize --out launched.json [--parts k3_rank16 pool]    # what the script runs, per part
+    python -m k3fast.measure.sanitize --summarize OUT_DIR                             # the tools' logs -> sanitizer.json
+
+The launched JSON lists every cell with the GPU memory held after it, and every kernel key compiled (or loaded from
+K3_KERNEL_CACHE) in the process, so the report can say what each tool saw. Nothing here checks results; the GPU
+test tier does that.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import time
 
-import torch
-
-from k3ref import k3_rank, preset
-from k3ref.weights import random_layer
-
-from ..layer import FusedKDA
-from ..layer_io import make_io
-from .impls import make_impl
-
 SHAPES = ("k3_rank16", "k3_rank8", "full")
+PARTS = SHAPES + ("pool", "mla", "control")
 BATCHES = (1, 8, 64)
 BOUNDARY_LAYER = 24          # a KDA layer that closes an AttnRes block (checked below)
+TOOLS = ("memcheck", "synccheck", "initcheck", "racecheck")
 
 
-def launch_set(shapes=SHAPES, batches=BATCHES, log=print, out: str | None = None, mla: bool = True) -> list[dict]:
-    """Launch the set; after each cell, ``out`` (when given) is rewritten with the cells so far and the kernel keys
-    compiled so far, so a run the tool's time limit cuts short still says what it covered."""
+def launch_set(parts=PARTS, batches=BATCHES, log=print, out: str | None = None) -> list[dict]:
+    """Launch the cells of ``parts``; after each cell, ``out`` (when given) is rewritten with the cells so far and the
+    kernel keys so far, so a run the tool's time limit cuts short still says what it covered."""
+    import torch
     from ..kernels._dsl import COMPILE_LOG
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"parts: unknown {unknown}; expected some of {list(PARTS)}")
     cells, t0 = [], time.perf_counter()
 
     def save(complete: bool):
         if out:
             with open(out, "w") as f:
-                json.dump({"cells": cells, "kernel_keys": [str(k)[:240] for k, _ in COMPILE_LOG],
+                json.dump({"parts": list(parts), "cells": cells, "kernel_keys": [str(k)[:240] for k, _ in COMPILE_LOG],
                            "complete": complete, "wall_s": round(time.perf_counter() - t0, 1)}, f, indent=1)
 
     def done(**cell):
         torch.cuda.synchronize()
+        cell["mem_gb"] = round(torch.cuda.memory_allocated() / 2**30, 2)        # held by live tensors after the cell
+        cell["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         cells.append(cell)
         save(False)
         log(f"  launched {cell}")
 
-    for shape in shapes:
+    for part in parts:
+        _PART[part](batches, done)
+        torch.cuda.empty_cache()
+    save(True)
+    return cells
+
+
+def _layer_cells(shape: str):
+    def run(batches, done):
+        import torch
+        from k3ref import preset
+        from k3ref.weights import random_layer
+        from ..layer import FusedKDA
+        from ..layer_io import make_io
+        from .impls import make_impl
         cfg = preset(shape)
         # one layer (weights re-laid once) serves every batch: the plan picks each batch's kernels at call time
         w = random_layer(cfg, 1, seed=5, device="cuda")
@@ -61,7 +86,7 @@ def launch_set(shapes=SHAPES, batches=BATCHES, log=print, out: str | None = None
             io.slots[0] = -1 if batch > 1 else io.slots[0]          # one padding row where the batch has room
             fast.layer(io)
             done(shape=shape, layer=1, batch=batch, part="layer")
-        del w, fast
+        del w, fast, io
         if shape != "full":
             assert cfg.is_block_boundary(BOUNDARY_LAYER) and cfg.is_kda_layer(BOUNDARY_LAYER)
             wb = random_layer(cfg, BOUNDARY_LAYER, seed=7, device="cuda")
@@ -70,9 +95,18 @@ def launch_set(shapes=SHAPES, batches=BATCHES, log=print, out: str | None = None
                 io = make_io(cfg, BOUNDARY_LAYER, batch, seed=8)
                 kda(io.blocks, io.partial, io.delta, io.state.conv, io.state.recurrent, io.slots, io.x_mlp)
                 done(shape=shape, layer=BOUNDARY_LAYER, batch=batch, part="attn")
-            del wb, kda
+            del wb, kda, io
         torch.cuda.empty_cache()
-    # the plug-in's build: slot 0 is padding, the pools are page-strided views, one slot index past the pool
+    return run
+
+
+def _pool_cells(batches, done):
+    """The plug-in's build: slot 0 is padding, the pools are page-strided views, one slot index past the pool."""
+    import torch
+    from k3ref import k3_rank
+    from k3ref.weights import random_layer
+    from ..layer import FusedKDA
+    from ..layer_io import make_io
     cfg = k3_rank(16)
     w = random_layer(cfg, 1, seed=9, device="cuda")
     io = make_io(cfg, 1, 8, seed=10, slots=12)
@@ -85,47 +119,125 @@ def launch_set(shapes=SHAPES, batches=BATCHES, log=print, out: str | None = None
     rec_v.copy_(rec)
     conv_v.copy_(conv)
     io.slots.copy_(torch.tensor([1, 0, 3, -1, 5, 6, 7, 8], dtype=torch.int32))
-    FusedKDA(cfg, w, null_slot=True, check_slots=False)(io.blocks, io.partial, io.delta, conv_v, rec_v, io.slots,
-                                                        io.x_mlp)
+    kda = FusedKDA(cfg, w, null_slot=True, check_slots=False)
+    kda(io.blocks, io.partial, io.delta, conv_v, rec_v, io.slots, io.x_mlp)
     done(shape="k3_rank16", layer=1, batch=8, part="kda null_slot, page-strided pool")
     io.slots[7] = rec.shape[0]                                     # past the pool: the in-kernel guard's path
-    FusedKDA(cfg, w, null_slot=True, check_slots=False)(io.blocks, io.partial, io.delta, conv_v, rec_v, io.slots,
-                                                        io.x_mlp)
+    kda(io.blocks, io.partial, io.delta, conv_v, rec_v, io.slots, io.x_mlp)
     done(shape="k3_rank16", layer=1, batch=8, part="kda null_slot, one slot past the pool")
-    del w, io, pool, cpool
-    if mla:
-        # the fused MLA attention half (a live contender, not yet shipped): both split rules, mixed cache lengths with
-        # a padded request, the appended row on a page edge
-        from ..layer import DecodePlan, FusedMLA
-        from ..layer_io import mla_step
-        mla_layer = next(l for l in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(l) and cfg.is_moe_layer(l))
-        w = random_layer(cfg, mla_layer, seed=11, device="cuda")
-        for batch in (1, 8):
-            for rule in ("sm", "balanced"):
-                io = make_io(cfg, mla_layer, batch, context=1024, seed=12)
-                if batch > 1:
-                    io.slots[3] = -1
-                    io.state.lengths[1 + 5] = 64                      # request 5's new row opens a page
-                step = mla_step(io.state, io.slots)
-                FusedMLA(cfg, w, plan=DecodePlan(mla_attention="fused", mla_splits=rule))(
-                    io.blocks, io.partial, io.delta, step.pages, step.block_table, step.seqlens, io.x_mlp)
-                done(shape="k3_rank16", layer=mla_layer, batch=batch, part=f"mla attention, {rule} splits")
-        del w, io
-    save(True)
-    return cells
+
+
+def _mla_cells(batches, done):
+    """FusedMLA: both split rules, mixed cache lengths with a padded request, the appended row on a page edge."""
+    from k3ref import k3_rank
+    from k3ref.weights import random_layer
+    from ..layer import DecodePlan, FusedMLA
+    from ..layer_io import make_io, mla_step
+    cfg = k3_rank(16)
+    layer = next(l for l in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(l) and cfg.is_moe_layer(l))
+    w = random_layer(cfg, layer, seed=11, device="cuda")
+    for batch in (1, 8):
+        for rule in ("sm", "balanced"):
+            io = make_io(cfg, layer, batch, context=1024, seed=12)
+            if batch > 1:
+                io.slots[3] = -1
+                io.state.lengths[1 + 5] = 64                      # request 5's new row opens a page
+            step = mla_step(io.state, io.slots)
+            FusedMLA(cfg, w, plan=DecodePlan(mla_attention="fused", mla_splits=rule))(
+                io.blocks, io.partial, io.delta, step.pages, step.block_table, step.seqlens, io.x_mlp)
+            done(shape="k3_rank16", layer=layer, batch=batch, part=f"mla attention, {rule} splits")
+
+
+def _control_cells(batches, done):
+    """A library GEMM's output read by a torch kernel: what a tool reports there is about the tool, not our code."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8, 7168, device="cuda", generator=g).bfloat16()
+    w = torch.randn(5248, 7168, device="cuda", generator=g).bfloat16()
+    y = torch.mm(x, w.t(), out_dtype=torch.float32)
+    y.sum().item()
+    done(shape="-", layer=0, batch=8, part="control: cuBLAS out_dtype GEMM, then torch's sum over its output")
+
+
+_PART = {**{s: _layer_cells(s) for s in SHAPES}, "pool": _pool_cells, "mla": _mla_cells, "control": _control_cells}
+
+
+# ------------------------------------------------------------------------------------------------------ the report
+
+_KERNEL_AT = re.compile(r"^=+\s+at (\S+?)\+0x[0-9a-f]+", re.M)
+_API_ERROR = re.compile(r"Program hit (\w+) \(error \d+\)")
+
+
+def parse_log(text: str) -> dict:
+    """One compute-sanitizer log -> its counts: ``errors`` (the tool's total, printed or not; hazards for racecheck),
+    ``api_errors`` (failed CUDA API calls, e.g. an allocation the process ran out of memory for: not kernel accesses),
+    ``kernels`` (kernel name -> errors printed in it), ``finished`` (the tool printed its summary)."""
+    totals = re.findall(r"ERROR SUMMARY: (\d+) errors?\s*$", text, re.M)
+    race = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
+    kernels: dict[str, int] = {}
+    for name in _KERNEL_AT.findall(text):
+        kernels[name] = kernels.get(name, 0) + 1
+    errors = int(totals[-1]) if totals else (int(race[-1][1]) + int(race[-1][2]) if race else None)
+    return {"errors": errors, "api_errors": len(_API_ERROR.findall(text)), "kernels": kernels,
+            "finished": bool(totals or race), "app_failed": "Target application returned an error" in text}
+
+
+def summarize(folder: str, env: dict | None = None) -> dict:
+    """sanitizer-rc.txt (``tool part rc seconds budget`` per process) and the logs and launched JSONs beside it ->
+    one summary: per tool and part what ran, what the tool counted and where; per tool the totals, and ``clean``
+    when every part completed with no kernel error."""
+    summary = {"kind": "sanitizer", **(env or {}), "tools": {}}
+    with open(os.path.join(folder, "sanitizer-rc.txt")) as f:
+        rows = [line.split() for line in f if line.strip()]
+    for tool, part, rc, secs, budget in rows:
+        stem = os.path.join(folder, f"sanitizer-{tool}-{part}")
+        text = open(stem + ".log", errors="replace").read() if os.path.exists(stem + ".log") else ""
+        run = json.load(open(stem + "-launched.json")) if os.path.exists(stem + "-launched.json") else {}
+        log = parse_log(text)
+        kernel_errors = None if log["errors"] is None else log["errors"] - log["api_errors"]
+        t = summary["tools"].setdefault(tool, {"parts": {}})
+        t["parts"][part] = {"rc": int(rc), "seconds": int(secs), "budget_s": int(budget),
+                            "timed_out": int(rc) in (124, 137), "complete": bool(run.get("complete")),
+                            "cells": len(run.get("cells", [])), "kernel_keys": len(run.get("kernel_keys", [])),
+                            "errors": log["errors"], "api_errors": log["api_errors"], "kernel_errors": kernel_errors,
+                            "flagged_kernels": log["kernels"], "app_failed": log["app_failed"],
+                            "peak_gb": max((c.get("peak_gb", 0) for c in run.get("cells", [])), default=None)}
+    for tool, t in summary["tools"].items():
+        parts = t["parts"].values()
+        t["cells"] = sum(p["cells"] for p in parts)
+        t["complete_parts"] = sorted(k for k, p in t["parts"].items() if p["complete"])
+        t["kernel_errors"] = sum(p["kernel_errors"] or 0 for p in parts)
+        t["clean"] = all(p["complete"] and p["kernel_errors"] == 0 for p in parts)
+    return summary
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m k3fast.measure.sanitize", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="JSON: the cells launched and the kernel keys compiled")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--out", help="JSON: the cells launched and the kernel keys compiled")
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
-    ap.add_argument("--no-mla", action="store_true", help="leave out the fused MLA attention half's cells")
+    ap.add_argument("--summarize", metavar="DIR", help="write DIR/sanitizer.json from the logs there and exit")
     a = ap.parse_args(argv)
+    if a.summarize:
+        env = {"gpu": os.environ.get("K3_GPU", ""), "driver": os.environ.get("K3_DRIVER", ""),
+               "commit": os.environ.get("K3_COMMIT", "")}
+        version = os.path.join(a.summarize, "sanitizer-version.txt")
+        if os.path.exists(version):
+            env["sanitizer"] = open(version).read().strip()
+        s = summarize(a.summarize, env)
+        with open(os.path.join(a.summarize, "sanitizer.json"), "w") as f:
+            json.dump(s, f, indent=1)
+        for tool, t in s["tools"].items():
+            print(f"{tool}: clean={t['clean']} cells={t['cells']} kernel_errors={t['kernel_errors']} "
+                  f"complete={t['complete_parts']}")
+        return
+    if not a.out:
+        ap.error("--out is required unless --summarize is given")
     from ..kernels._dsl import COMPILE_LOG
     t0 = time.perf_counter()
-    cells = launch_set(a.shapes, a.batches, out=a.out, mla=not a.no_mla)
+    cells = launch_set(a.parts, a.batches, out=a.out)
     print(f"{len(cells)} cells, {len(COMPILE_LOG)} kernel keys, {time.perf_counter() - t0:.0f} s")
+
 
 if __name__ == "__main__":
     main()

@@ -83,10 +83,12 @@ class StockImpl:
     back to "torch" when vLLM cannot run here (``stock_vllm_ops.vllm_available()``; reason in
     ``self.ops_fallback``). ``self.variant`` records what runs: "vllm-ops" or "torch-glue". Both are CUDA-graph
     capturable; the vllm ops that compile on first use (Triton AttnRes / q-kv norm, CuTe ll_bf16_gemm,
-    torch.compile gate) need one eager call before capture."""
+    torch.compile gate) need one eager call before capture. ``with_moe=False`` builds the attention half only (no
+    Marlin copy of the experts, so no vLLM needed for it): what FastImpl runs on an MLA layer's stock attention."""
     name = "stock"
 
-    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, ops: str = "vllm-layer"):
+    def __init__(self, cfg: K3Config, w: LayerWeights, *, max_batch: int = 64, ops: str = "vllm-layer",
+                 with_moe: bool = True):
         from .kda import pack_conv_weight
         if ops not in OPS:
             raise ValueError(f"ops must be one of {sorted(OPS)}, got {ops!r}")
@@ -152,7 +154,8 @@ class StockImpl:
                 else:
                     self.mla_core_variant += f"; flashmla unavailable: {why}"
         m = w.mlp
-        if isinstance(m, MoEWeights):
+        self.with_moe = with_moe
+        if isinstance(m, MoEWeights) and with_moe:
             from .moe import MarlinMXFP4Experts
             self.experts = MarlinMXFP4Experts(m.w1_packed, m.w1_scale, m.w3_packed, m.w3_scale, m.w2_packed, m.w2_scale,
                                               situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta,
@@ -200,6 +203,8 @@ class StockImpl:
         io.partial.copy_(s.partial)
 
     def moe(self, io: LayerIO) -> None:
+        if not self.with_moe:
+            raise RuntimeError("this StockImpl was built with with_moe=False (the attention half only)")
         if self.ops in ("vllm", "vllm-layer"):
             return self._moe_vllm(io)
         cfg, m = self.cfg, self.w.mlp

@@ -95,3 +95,20 @@ def test_flashmla_unavailable_without_vllm_or_gpu():
     from k3fast.stock.mla import flashmla_available
     ok, why = flashmla_available()
     assert not ok and why
+
+
+def test_fast_layer_stock_attention_builds_no_expert_copy(monkeypatch):
+    """FastImpl on an MLA layer whose plan keeps the stock attention: StockImpl builds its attention half only
+    (no Marlin copy of the experts, so no vLLM import for the MoE), and its MoE half refuses to run."""
+    import k3fast.layer as layer_mod
+    from k3fast.stock.layer import StockImpl
+    cfg = tiny()
+    lay = next(l for l in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(l) and cfg.is_moe_layer(l))
+    w = random_layer(cfg, lay, seed=3)
+    monkeypatch.setattr(layer_mod, "FusedMoE", lambda *a, **k: None)     # the fused MoE half is not under test
+    with pytest.warns(UserWarning):
+        fast = layer_mod.FastImpl(cfg, w)
+    assert isinstance(fast.stock_attn, StockImpl) and fast.stock_attn.with_moe is False
+    assert not hasattr(fast.stock_attn, "experts")
+    with pytest.raises(RuntimeError, match="with_moe=False"):
+        fast.stock_attn.moe(None)
