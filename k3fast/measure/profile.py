@@ -397,6 +397,13 @@ def load_nsight():
         import ncu_report  # noqa: F401
     except ImportError:
         sys.path[:0] = _ncu_python_dirs()[:1]
+    # both load native code (ncu_report's bindings, nsight's cuda.core / NVML): a build for another Python crashes
+    # the interpreter on import, so each is imported in a child process first and a crash becomes an error here
+    for module in ("ncu_report", "nsight"):
+        crash = _import_crash(module)
+        if crash:
+            raise RuntimeError(f"importing {module} crashes this Python ({crash}); install an ncu_report / "
+                               f"nsight-python built for Python {sys.version_info.major}.{sys.version_info.minor}")
     try:
         import nsight
     except ImportError as ex:
@@ -410,6 +417,22 @@ def load_nsight():
                            "nsight-python 1.x needs ncu 2026.2.1 or newer; with an older ncu, "
                            "`pip install nsight-python==0.9.6`, which runs the command under ncu instead")
     return nsight, {"nsight_python": version, "ncu": ncu_version()}
+
+
+def _import_crash(module: str) -> str | None:
+    """How a child process with this sys.path died importing ``module``: the signal and its last lines (faulthandler
+    names the frame), or a time-out. None when it imported, or failed with an ordinary exception (which the import
+    in this process then raises with its own message)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", f"import {module}"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "the import did not finish in 300 s"
+    if r.returncode >= 0:
+        return None
+    tail = " | ".join(r.stderr.strip().splitlines()[-3:])[-400:]
+    return f"killed by signal {-r.returncode}" + (f": {tail}" if tail else "")
 
 
 def _add(x, y):
@@ -506,6 +529,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true",
                     help="profile each half's eager call instead of its graph replay (the same kernels)")
     args = ap.parse_args(argv)
+    import faulthandler
+    faulthandler.enable()            # a crash in native code (ncu's injection, a driver call) names its Python frame
     try:
         run(args.preset, args.out, args.tag, "eager" if args.eager else "graph")
     except RuntimeError as ex:

@@ -274,3 +274,12 @@ def test_import_needs_neither_nsight_nor_a_gpu():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "rc 2" in out.stdout                                   # no ncu / no nsight-python: a message, exit 2
     assert "ncu" in out.stderr or "nsight-python" in out.stderr, out.stderr[-2000:]
+
+
+def test_an_import_that_crashes_python_is_reported_not_suffered():
+    """load_nsight imports ncu_report and nsight in a child first: a native crash (here a NULL read) is reported with
+    its signal and frame; an ordinary ImportError is left to the import in this process."""
+    assert prof._import_crash("json") is None
+    assert prof._import_crash("no_such_module_for_k3") is None
+    crash = prof._import_crash("ctypes; ctypes.string_at(0)")
+    assert crash.startswith("killed by signal 11") and "string_at" in crash
