@@ -36,9 +36,11 @@ BASE=(nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutla
       nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 fla-core==0.6.0 flash-linear-attention==0.6.0
       ${K3_DEVICE_EXTRA:-})
 # nsight-python 0.9.6 (1.x needs Nsight Compute 2026.2.1 or newer; Hopper images ship ncu 2025.x) and what it needs
-# beyond the image's own packages (pandas, matplotlib and python-dateutil are there); ncu's own extras/python
-# provides ncu_report. nvtx at the version the vLLM set pins, so both sets can be staged together.
-NSIGHT=(nsight-python==0.9.6 nvtx==0.2.15 deepdiff==9.1.0 orderly-set==5.5.0 cachebox==5.2.3)
+# beyond the image's own packages (pandas, matplotlib and python-dateutil are there): the ncu-report wheel (abi3,
+# any CPython 3.7+; with only ncu's own extras/python bindings on the path the profile run died of SIGSEGV within
+# two seconds on the H100 image, cause not yet isolated) and nvidia-ml-py. nvtx at the version the vLLM set pins, so both sets can be staged together.
+NSIGHT=(nsight-python==0.9.6 nvtx==0.2.15 deepdiff==9.1.0 orderly-set==5.5.0 cachebox==5.2.3 ncu-report==2026.3.1
+        nvidia-ml-py==13.615.71)
 
 fetch_once "$cache/base" "${BASE[@]}"
 payload=("$cache"/base/*.whl)
