@@ -96,3 +96,20 @@ def test_unstable_key_is_not_written(cache):
 def test_off_without_the_variable(monkeypatch):
     monkeypatch.delenv("K3_KERNEL_CACHE", raising=False)
     assert _dsl._disk_entry(("kernel-cache-test", 1)) == (None, "")
+
+
+def test_precompile_script_fills_a_folder_the_layer_then_loads(tmp_path):
+    """scripts/precompile.py (what the GPU runs' cache is filled with) writes the layer's kernels; the same warmup in
+    a fresh process then compiles nothing."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "kc"
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "precompile.py"), "--out", str(out),
+                        "--shapes", "k3_rank16", "--batches", "1", "-j", "1"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    n = len([f for f in os.listdir(out) if f.endswith(".o")])
+    assert n >= 8, os.listdir(out)
+    code = "from k3ref import k3_rank; from k3fast.layer import warmup; warmup(k3_rank(16), [1], [1])"
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, K3_KERNEL_CACHE=str(out)),
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len([f for f in os.listdir(out) if f.endswith(".o")]) == n        # nothing new: every key was loaded
