@@ -37,8 +37,8 @@ BASE=(nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutla
       ${K3_DEVICE_EXTRA:-})
 # nsight-python 0.9.6 (1.x needs Nsight Compute 2026.2.1 or newer; Hopper images ship ncu 2025.x) and what it needs
 # beyond the image's own packages (pandas, matplotlib and python-dateutil are there): the ncu-report wheel (abi3,
-# any CPython 3.7+; with only ncu's own extras/python bindings on the path the profile run died of SIGSEGV within
-# two seconds on the H100 image, cause not yet isolated) and nvidia-ml-py. nvtx at the version the vLLM set pins, so both sets can be staged together.
+# any CPython 3.7+; a profile run with only ncu's own extras/python bindings on the path dies of SIGSEGV on the H100
+# image, cause not isolated) and nvidia-ml-py. nvtx at the version the vLLM set pins, so both sets can be staged together.
 NSIGHT=(nsight-python==0.9.6 nvtx==0.2.15 deepdiff==9.1.0 orderly-set==5.5.0 cachebox==5.2.3 ncu-report==2026.3.1
         nvidia-ml-py==13.615.71)
 
