@@ -19,7 +19,7 @@ export K3_KERNEL_CACHE=${K3_KERNEL_CACHE:-$PWD/.kcache}
 t0=$(date +%s)
 left() { echo $((${K3_CALL_S:-580} - ($(date +%s) - t0))); }
 tools=(${K3_TOOLS:-memcheck synccheck initcheck racecheck})
-parts=(${K3_PARTS:-control k3_rank16 pool mla k3_rank8 full})
+parts=(${K3_PARTS:-control control-torch k3_rank16 pool mla k3_rank8 full})
 compute-sanitizer --version | tail -1 > "$OUT/sanitizer-version.txt"
 # Each tool gets its share of what is left of the call (racecheck, which instruments every shared memory access,
 # three shares), and each part its weight of the tool's share (full width moves the most data).

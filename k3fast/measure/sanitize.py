@@ -12,9 +12,10 @@ leaves the others' verdicts standing):
   padded slots and one slot past the pool (the in-kernel guard's path);
 * ``mla``: the fused MLA attention half (FusedMLA) at rank16 batch 1 / 8 with both split rules, a padded request and
   a new cache row opening a page;
-* ``control``: no kernel of ours: a cuBLAS GEMM with fp32 output (the router front's above batch 4) read back by a
-  torch kernel, so the report shows how a tool sees a library's writes (initcheck follows only the writes it
-  instruments).
+* ``control`` / ``control-torch``: the router front's cuBLAS GEMM output (fp32, as the layer computes it above batch
+  4) read by torch's own reduction and by TopkFromLogits after a synchronization / a torch-written copy of it read
+  by TopkFromLogits: which of them initcheck flags says whether its reports in the layer concern our kernel, the
+  library's writes it does not follow, or the PDL overlap.
 
     python -m k3fast.measure.sanitize --out launched.json [--parts k3_rank16 pool]    # what the script runs, per part
     python -m k3fast.measure.sanitize --summarize OUT_DIR                             # the tools' logs -> sanitizer.json
@@ -32,7 +33,7 @@ import re
 import time
 
 SHAPES = ("k3_rank16", "k3_rank8", "full")
-PARTS = SHAPES + ("pool", "mla", "control")
+PARTS = SHAPES + ("pool", "mla", "control", "control-torch")
 BATCHES = (1, 8, 64)
 BOUNDARY_LAYER = 24          # a KDA layer that closes an AttnRes block (checked below)
 TOOLS = ("memcheck", "synccheck", "initcheck", "racecheck")
@@ -148,18 +149,41 @@ def _mla_cells(batches, done):
             done(shape="k3_rank16", layer=layer, batch=batch, part=f"mla attention, {rule} splits")
 
 
-def _control_cells(batches, done):
-    """A library GEMM's output read by a torch kernel: what a tool reports there is about the tool, not our code."""
+def _front_logits(source: str):
+    """The router front's fp32 GEMM output at k3_rank16, batch 8 ([8, 896 + 3584 + 2 x 384]), written by cuBLAS (as
+    the layer does above batch 4) or by torch's own copy kernel."""
     import torch
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(8, 7168, device="cuda", generator=g).bfloat16()
-    w = torch.randn(5248, 7168, device="cuda", generator=g).bfloat16()
+    w = torch.randn(896 + 3584 + 2 * 384, 7168, device="cuda", generator=g).bfloat16()
     y = torch.mm(x, w.t(), out_dtype=torch.float32)
+    if source == "torch":
+        y = torch.empty_like(y).copy_(y)
+    return y, torch.randn(896, device="cuda", generator=g) * 0.01
+
+
+def _control_cells(batches, done):
+    """Three controls for what initcheck reports where TopkFromLogits reads the cuBLAS GEMM's output in the layer
+    (that kernel starts early under PDL and waits for the GEMM's grid at griddepcontrol.wait): the GEMM's output
+    read by torch's own reduction (does the tool follow cuBLAS's writes at all?), read by TopkFromLogits after a
+    device synchronization (no overlap left), and the same output copied by torch before TopkFromLogits reads it."""
+    y, _ = _front_logits("cublas")
     y.sum().item()
-    done(shape="-", layer=0, batch=8, part="control: cuBLAS out_dtype GEMM, then torch's sum over its output")
+    done(shape="-", layer=0, batch=8, part="control: cuBLAS out_dtype GEMM read by torch's sum")
+    _synced_topk("cublas", done)
 
 
-_PART = {**{s: _layer_cells(s) for s in SHAPES}, "pool": _pool_cells, "mla": _mla_cells, "control": _control_cells}
+def _synced_topk(source: str, done):
+    import torch
+    from ..kernels.router_down_topk import topk_from_logits
+    y, bias = _front_logits(source)
+    torch.cuda.synchronize()
+    topk_from_logits(y, bias, shared=384)
+    done(shape="-", layer=0, batch=8, part=f"control: {source}-written logits, synchronized, TopkFromLogits")
+
+
+_PART = {**{s: _layer_cells(s) for s in SHAPES}, "pool": _pool_cells, "mla": _mla_cells, "control": _control_cells,
+         "control-torch": lambda batches, done: _synced_topk("torch", done)}
 
 
 # ------------------------------------------------------------------------------------------------------ the report
