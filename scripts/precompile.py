@@ -6,8 +6,8 @@ K3_KERNEL_CACHE at it. Keys the runs need beyond these are compiled there and ca
     python scripts/precompile.py --out .kcache [--shapes k3_rank16 k3_rank8 full] [--batches 1 8 64] [-j 2]
 
 Each shape compiles, in its own process: KDA layers (a block-boundary layer too) and MLA layers under the shipped
-plan with the fused MLA attention half, with and without the plug-in's padding slot, then under each contender plan
-(k3fast.layer.CONTENDERS) that the GPU tests and traces run.
+plan with the fused MLA attention half, with and without the plug-in's padding slot, the experts in both weight
+layouts, then under each contender plan (k3fast.layer.CONTENDERS) that the GPU tests and traces run.
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ def _one(shape: str, batches: tuple[int, ...], out: str) -> str:
     n = 0
     for null_slot in (False, True):
         n += warmup(cfg, [1, boundary, mla], batches, plan=DecodePlan(mla_attention="fused"), null_slot=null_slot)
+    # the experts' other weight layout (prepare_mxfp4_experts picks it when a checkpoint's scales need it)
+    n += warmup(cfg, [], batches, experts_layout="nibble")
     for plan, _ in CONTENDERS.values():
         n += warmup(cfg, [1, boundary, mla], batches, plan=plan)
     return f"{shape}: {n} kernels in {time.perf_counter() - t0:.0f} s"
