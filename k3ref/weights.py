@@ -294,8 +294,8 @@ def random_mxfp4(shape_rows_cols, n_lead: int, target_rms: float, g: torch.Gener
     values have RMS ~ target_rms: uniform random codes (RMS 2.93 in code units) times a per-block
     exponent drawn around log2(target_rms / 2.93) (+-1)."""
     rows, cols = shape_rows_cols
-    # drawn as uint8 directly: the same values as an int32 draw (one 32-bit draw per element either way), without
-    # a 4-byte transient per code byte (18 GB for a full-width layer's experts)
+    # drawn as uint8 directly: the same values as an int32 draw (one 32-bit draw per element either way; compared on
+    # the CPU), without a 4-byte transient per code byte (18 GB for a full-width layer's experts)
     packed = torch.randint(0, 256, (n_lead, rows, cols // 2), generator=g, device=device, dtype=U8)
     e0 = round(torch.log2(torch.tensor(target_rms / 2.93)).item())
     scale = (127 + e0 + torch.randint(-1, 2, (n_lead, rows, cols // 32), generator=g, device=device, dtype=torch.int32)).to(U8)

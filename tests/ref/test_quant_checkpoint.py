@@ -91,3 +91,16 @@ def test_whole_model_round_trip_and_decode(tmp_path):
     from k3ref.model import model_from_checkpoint
     with pytest.raises(CheckpointError, match="missing: language_model.lm_head.weight"):
         model_from_checkpoint(t, cfg)
+
+
+def test_random_mxfp4_codes_are_the_int32_draw_stored_as_bytes():
+    """random_mxfp4 draws its packed codes as uint8 (no 4-byte transient): the values stay those of the int32 draw
+    that earlier records' weights came from, and the scale draw after it still sees the same generator state."""
+    from k3ref.weights import random_mxfp4
+    g = torch.Generator().manual_seed(11)
+    packed, scale = random_mxfp4((64, 128), 3, 0.05, g, "cpu")
+    g = torch.Generator().manual_seed(11)
+    want = torch.randint(0, 256, (3, 64, 64), generator=g, dtype=torch.int32).to(torch.uint8)
+    e0 = round(torch.log2(torch.tensor(0.05 / 2.93)).item())
+    want_scale = (127 + e0 + torch.randint(-1, 2, (3, 64, 4), generator=g, dtype=torch.int32)).to(torch.uint8)
+    assert torch.equal(packed, want) and torch.equal(scale, want_scale)
