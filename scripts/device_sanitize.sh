@@ -3,7 +3,8 @@
 # shipped kernel key of the fused layer, once, eagerly) under compute-sanitizer's memcheck, synccheck, initcheck
 # and racecheck: one process per tool and part of the set, so a part that fails or runs out of time leaves the
 # others' verdicts standing. Logs and a summary (sanitizer.json, k3fast.measure.sanitize.summarize) under $OUT.
-#   [K3_TOOLS="memcheck racecheck"] [K3_PARTS="k3_rank16 pool mla"] K3_COMMIT=<sha> bash scripts/device_sanitize.sh
+#   [K3_TOOLS="memcheck racecheck"] [K3_PARTS="k3_rank16 pool mla"] [K3_BATCHES="1"] K3_COMMIT=<sha> \
+#   bash scripts/device_sanitize.sh
 # K3_CALL_S (default 580) bounds the whole call.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,8 @@ t0=$(date +%s)
 left() { echo $((${K3_CALL_S:-580} - ($(date +%s) - t0))); }
 tools=(${K3_TOOLS:-memcheck synccheck initcheck racecheck})
 parts=(${K3_PARTS:-control control-torch k3_rank16 pool mla k3_rank8 full})
+# K3_BATCHES="1": the width parts at batch 1 only (racecheck, slowest per launch, gets through more kernels so)
+batches=${K3_BATCHES:+--batches $K3_BATCHES}
 compute-sanitizer --version | tail -1 > "$OUT/sanitizer-version.txt"
 # Each tool gets its share of what is left of the call (racecheck, which instruments every shared memory access,
 # three shares), and each part its weight of the tool's share (full width moves the most data).
@@ -42,7 +45,7 @@ for tool in "${tools[@]}"; do
     s=$(date +%s)
     timeout "$budget" compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 --error-exitcode 99 \
       --log-file "$OUT/sanitizer-$tool-$part.log" \
-      python3 -m k3fast.measure.sanitize --out "$OUT/sanitizer-$tool-$part-launched.json" --parts "$part" \
+      python3 -m k3fast.measure.sanitize --out "$OUT/sanitizer-$tool-$part-launched.json" --parts "$part" $batches \
       > "$OUT/sanitizer-$tool-$part.out" 2>&1
     rc=$?
     echo "$tool $part $rc $(( $(date +%s) - s )) $budget" >> "$OUT/sanitizer-rc.txt"

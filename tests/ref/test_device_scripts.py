@@ -38,14 +38,15 @@ log = a[a.index("--log-file") + 1]
 out = a[a.index("--out") + 1]
 part = a[a.index("--parts") + 1]
 open(log, "w").write("========= COMPUTE-SANITIZER\\n========= ERROR SUMMARY: 0 errors\\n")
-json.dump({{"parts": [part], "cells": [{{"part": part, "peak_gb": 1.0}}], "kernel_keys": ["k"], "complete": True}},
-          open(out, "w"))
+json.dump({{"parts": [part], "cells": [{{"part": part, "peak_gb": 1.0}}], "kernel_keys": ["k"], "complete": True,
+           "argv": a}}, open(out, "w"))
 """)
     for f in bin_.iterdir():
         f.chmod(0o755)
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(out), K3_CALL_S="200",
-               K3_TOOLS="memcheck racecheck", K3_PARTS="control k3_rank16 mla", K3_COMMIT="abc1234")
+               K3_TOOLS="memcheck racecheck", K3_PARTS="control k3_rank16 mla", K3_BATCHES="1",
+               K3_COMMIT="abc1234")
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "device_sanitize.sh")], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -54,3 +55,5 @@ json.dump({{"parts": [part], "cells": [{{"part": part, "peak_gb": 1.0}}], "kerne
     for tool in ("memcheck", "racecheck"):
         assert sorted(s["tools"][tool]["parts"]) == ["control", "k3_rank16", "mla"]
         assert s["tools"][tool]["clean"] and s["tools"][tool]["cells"] == 3
+    argv = json.load(open(out / "sanitizer-racecheck-k3_rank16-launched.json"))["argv"]
+    assert argv[argv.index("--batches") + 1] == "1"                         # K3_BATCHES reaches the launch set
