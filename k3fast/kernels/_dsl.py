@@ -17,6 +17,7 @@ Contracts (hardware facts; docs/findings.md has the measurements):
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -66,27 +67,23 @@ def compile_cached(key: Hashable, build: Callable[[], Any]) -> Any:
     return fn
 
 
-_STAMP: list[bytes] = []
-
-
+@functools.cache
 def _source_stamp() -> bytes:
     """What besides the key decides a compiled object: every kernel source file, the DSL, tvm-ffi, the arch."""
-    if not _STAMP:
-        import importlib.metadata as md
-        h = hashlib.sha256()
-        here = os.path.dirname(os.path.abspath(__file__))
-        for f in sorted(os.listdir(here)):
-            if f.endswith(".py"):
-                with open(os.path.join(here, f), "rb") as fh:
-                    h.update(f.encode() + b"\0" + fh.read())
-        for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
-            try:
-                h.update(f"{dist}={md.version(dist)}".encode())
-            except md.PackageNotFoundError:
-                h.update(f"{dist}=?".encode())
-        h.update(os.environ.get("CUTE_DSL_ARCH", "").encode())
-        _STAMP.append(h.digest())
-    return _STAMP[0]
+    import importlib.metadata as md
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for f in sorted(os.listdir(here)):
+        if f.endswith(".py"):
+            with open(os.path.join(here, f), "rb") as fh:
+                h.update(f.encode() + b"\0" + fh.read())
+    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+        try:
+            h.update(f"{dist}={md.version(dist)}".encode())
+        except md.PackageNotFoundError:
+            h.update(f"{dist}=?".encode())
+    h.update(os.environ.get("CUTE_DSL_ARCH", "").encode())
+    return h.digest()
 
 
 def _disk_entry(key: Hashable) -> tuple[str | None, str]:

@@ -66,7 +66,7 @@ def test_changed_source_misses(cache, monkeypatch):
     _fresh(key)
     _dsl.compile_cached(key, _build)
     _fresh(key)
-    monkeypatch.setattr(_dsl, "_STAMP", [b"an edited kernel source"])
+    monkeypatch.setattr(_dsl, "_source_stamp", lambda: b"an edited kernel source")
     built = []
     _dsl.compile_cached(key, lambda: built.append(1) or _build())
     assert built == [1] and len([f for f in os.listdir(cache) if f.endswith(".o")]) == 2
