@@ -10,7 +10,7 @@ Contracts (hardware facts; docs/findings.md has the measurements):
 * ``cute.compile`` is not thread-safe: the cache takes a lock.
 * ``K3_KERNEL_CACHE=<folder>`` adds a cache across processes: each compiled kernel is exported there as an object
   file (``export_to_c``, ~0.1 s) and a later process loads it (``cute.runtime.load_module``, JIT-linked as the DSL
-  links its own in-process compile) instead of compiling again (0.4-3 s a key on a 2-core CPU). The file name
+  links its own in-process compile) instead of compiling again (a median 0.8 s a key on 2 CPU cores, up to 7 s). The file name
   hashes the compile key with the kernel sources, the DSL and tvm-ffi versions and the target arch, so an edited
   kernel never loads a stale object. Objects compiled on a CPU machine for sm_90a load on the GPU machine. Off
   when unset.

@@ -1,6 +1,7 @@
 """CPU-only checks of the cache across processes (K3_KERNEL_CACHE in k3fast.kernels._dsl): a compiled kernel is
 written once and loaded instead of compiled, a changed kernel source never loads the old object, an unreadable
 entry is compiled again, and a key without a stable repr is never written."""
+import json
 import os
 import subprocess
 import sys
@@ -103,9 +104,13 @@ def test_precompile_script_fills_a_folder_the_layer_then_loads(tmp_path):
     a fresh process then compiles nothing."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "kc"
+    record = tmp_path / "kernel-cache.json"
     r = subprocess.run([sys.executable, os.path.join(root, "scripts", "precompile.py"), "--out", str(out),
-                        "--shapes", "k3_rank16", "--batches", "1", "-j", "1"], capture_output=True, text=True)
+                        "--shapes", "k3_rank16", "--batches", "1", "-j", "1", "--record", str(record)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+    run = json.load(open(record))["runs"][0]
+    assert run["objects_before"] == 0 and run["shapes"][0]["shape"] == "k3_rank16" and run["shapes"][0]["kernels"] >= 8
     n = len([f for f in os.listdir(out) if f.endswith(".o")])
     assert n >= 8, os.listdir(out)
     code = "from k3ref import k3_rank; from k3fast.layer import warmup; warmup(k3_rank(16), [1], [1])"
