@@ -3,6 +3,7 @@
 # shipped kernel key of the fused layer, once, eagerly) under compute-sanitizer's memcheck, synccheck, initcheck
 # and racecheck: one process per tool and part of the set, so a part that fails or runs out of time leaves the
 # others' verdicts standing. Logs and a summary (sanitizer.json, k3fast.measure.sanitize.summarize) under $OUT.
+# K3_TOOLS may name "none": the same processes without compute-sanitizer (the memory each cell holds, bare).
 #   [K3_TOOLS="memcheck racecheck"] [K3_PARTS="k3_rank16 pool mla"] [K3_BATCHES="1"] K3_COMMIT=<sha> \
 #   bash scripts/device_sanitize.sh
 # K3_CALL_S (default 580) bounds the whole call.
@@ -43,10 +44,14 @@ for tool in "${tools[@]}"; do
     budget=$(( (tool_end - $(date +%s)) * $(weight "$part") / wleft ))
     [ "$budget" -ge 10 ] || { echo "$tool $part: no time left"; continue; }
     s=$(date +%s)
-    timeout "$budget" compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 --error-exitcode 99 \
-      --log-file "$OUT/sanitizer-$tool-$part.log" \
-      python3 -m k3fast.measure.sanitize --out "$OUT/sanitizer-$tool-$part-launched.json" --parts "$part" $batches \
-      > "$OUT/sanitizer-$tool-$part.out" 2>&1
+    launch=(python3 -m k3fast.measure.sanitize --out "$OUT/sanitizer-$tool-$part-launched.json" --parts "$part" $batches)
+    if [ "$tool" = none ]; then
+      # the launch set without a tool: the GPU memory each cell holds when nothing instruments the process
+      timeout "$budget" "${launch[@]}" > "$OUT/sanitizer-$tool-$part.out" 2>&1
+    else
+      timeout "$budget" compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 --error-exitcode 99 \
+        --log-file "$OUT/sanitizer-$tool-$part.log" "${launch[@]}" > "$OUT/sanitizer-$tool-$part.out" 2>&1
+    fi
     rc=$?
     echo "$tool $part $rc $(( $(date +%s) - s )) $budget" >> "$OUT/sanitizer-rc.txt"
     echo "$tool $part rc=$rc in $(( $(date +%s) - s )) s (budget $budget s): $(grep -h 'ERROR SUMMARY: [0-9]* errors*$\|RACECHECK SUMMARY' \

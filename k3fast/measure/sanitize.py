@@ -13,7 +13,8 @@ leaves the others' verdicts standing):
 * ``mla``: the fused MLA attention half (FusedMLA) at rank16 batch 1 / 8 with both split rules, a padded request and
   a new cache row opening a page;
 * ``control`` / ``control-torch``: the router front's cuBLAS GEMM output (fp32, as the layer computes it above batch
-  4) read by torch's own reduction and by TopkFromLogits after a synchronization / a torch-written copy of it read
+  4) read by torch's own reduction and by TopkFromLogits after a synchronization, and each library GEMM whose
+  output initcheck flagged in the layer, alone and read by torch / a torch-written copy of the front's output read
   by TopkFromLogits: which of them initcheck flags says whether its reports in the layer concern our kernel, the
   library's writes it does not follow, or the PDL overlap.
 
@@ -149,12 +150,12 @@ def _mla_cells(batches, done):
             done(shape="k3_rank16", layer=layer, batch=batch, part=f"mla attention, {rule} splits")
 
 
-def _front_logits(source: str):
-    """The router front's fp32 GEMM output at k3_rank16, batch 8 ([8, 896 + 3584 + 2 x 384]), written by cuBLAS (as
-    the layer does above batch 4) or by torch's own copy kernel."""
+def _front_logits(source: str, batch: int = 8):
+    """The router front's fp32 GEMM output at k3_rank16 ([batch, 896 + 3584 + 2 x 384]), written by cuBLAS (as the
+    layer does above batch 4) or by torch's own copy kernel."""
     import torch
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(8, 7168, device="cuda", generator=g).bfloat16()
+    x = torch.randn(batch, 7168, device="cuda", generator=g).bfloat16()
     w = torch.randn(896 + 3584 + 2 * 384, 7168, device="cuda", generator=g).bfloat16()
     y = torch.mm(x, w.t(), out_dtype=torch.float32)
     if source == "torch":
@@ -162,15 +163,35 @@ def _front_logits(source: str):
     return y, torch.randn(896, device="cuda", generator=g) * 0.01
 
 
+# The library GEMMs whose outputs initcheck reported as uninitialized when the next kernel read them in the layer
+# (the front at batch 64, MLA's q_b at batch 8, the tail's up-projection at rank8 batch 64): (M, N, K, out dtype).
+LIBRARY_GEMMS = {"front fp32 out, batch 64": (64, 896 + 3584 + 2 * 384, 7168, "float32"),
+                 "mla q_b, batch 8": (8, 6 * 576, 1536, "bfloat16"),
+                 "moe tail up, rank8 batch 64": (64, 7168, 3584, "bfloat16")}
+
+
 def _control_cells(batches, done):
-    """Three controls for what initcheck reports where TopkFromLogits reads the cuBLAS GEMM's output in the layer
-    (that kernel starts early under PDL and waits for the GEMM's grid at griddepcontrol.wait): the GEMM's output
-    read by torch's own reduction (does the tool follow cuBLAS's writes at all?), read by TopkFromLogits after a
-    device synchronization (no overlap left), and the same output copied by torch before TopkFromLogits reads it."""
+    """Controls for what initcheck reports where a kernel reads a cuBLAS GEMM's output in the layer (in the layer
+    the reader may start early under PDL and wait for the GEMM's grid at griddepcontrol.wait): the front's output at
+    batch 8 read by torch's own reduction (does the tool follow cuBLAS's writes at all?) and by TopkFromLogits after
+    a device synchronization (no overlap left); then each GEMM of LIBRARY_GEMMS alone, synchronized and read by
+    torch's reduction: a report there concerns the library's writes, with none of our kernels involved."""
+    import torch
     y, _ = _front_logits("cublas")
     y.sum().item()
     done(shape="-", layer=0, batch=8, part="control: cuBLAS out_dtype GEMM read by torch's sum")
     _synced_topk("cublas", done)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for name, (m, n, k, dt) in LIBRARY_GEMMS.items():
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+        if dt == "float32":
+            y = torch.mm(x, w.t(), out_dtype=torch.float32)
+        else:
+            y = torch.nn.functional.linear(x, w)
+        torch.cuda.synchronize()
+        y.float().sum().item()
+        done(shape="-", layer=0, batch=m, part=f"control: {name} (cuBLAS), synchronized, read by torch's sum")
 
 
 def _synced_topk(source: str, done):
@@ -188,14 +209,18 @@ _PART = {**{s: _layer_cells(s) for s in SHAPES}, "pool": _pool_cells, "mla": _ml
 
 # ------------------------------------------------------------------------------------------------------ the report
 
-_KERNEL_AT = re.compile(r"^=+\s+at (\S+?)\+0x[0-9a-f]+", re.M)
+# the kernel of an access (memcheck, initcheck, synccheck: "at K+0x..") or of a racecheck hazard, named once per
+# hazard by its writing thread ("Write Thread (t) at K+0x..")
+# (library kernels' names hold spaces: "void at::native::vectorized_elementwise_kernel<...>(int, T2, T3)+0xf0")
+_KERNEL_AT = re.compile(r"^=+\s+(?:Write Thread \(\d+,\d+,\d+\) )?at (.+?)\+0x[0-9a-f]+(?: in \S+)?\s*$", re.M)
 _API_ERROR = re.compile(r"Program hit (\w+) \(error \d+\)")
 
 
 def parse_log(text: str) -> dict:
     """One compute-sanitizer log -> its counts: ``errors`` (the tool's total, printed or not; hazards for racecheck),
     ``api_errors`` (failed CUDA API calls, e.g. an allocation the process ran out of memory for: not kernel accesses),
-    ``kernels`` (kernel name -> errors printed in it), ``finished`` (the tool printed its summary)."""
+    ``kernels`` (kernel name -> errors printed in it; racecheck's hazards by the kernel of their writing thread),
+    ``finished`` (the tool printed its summary)."""
     totals = re.findall(r"ERROR SUMMARY: (\d+) errors?\s*$", text, re.M)
     race = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
     kernels: dict[str, int] = {}
@@ -209,7 +234,7 @@ def parse_log(text: str) -> dict:
 def summarize(folder: str, env: dict | None = None) -> dict:
     """sanitizer-rc.txt (``tool part rc seconds budget`` per process) and the logs and launched JSONs beside it ->
     one summary: per tool and part what ran, what the tool counted and where; per tool the totals, and ``clean``
-    when every part completed with no kernel error."""
+    when every part completed with no kernel error (None for "none", the launch set run without a tool)."""
     summary = {"kind": "sanitizer", **(env or {}), "tools": {}}
     with open(os.path.join(folder, "sanitizer-rc.txt")) as f:
         rows = [line.split() for line in f if line.strip()]
@@ -231,7 +256,8 @@ def summarize(folder: str, env: dict | None = None) -> dict:
         t["cells"] = sum(p["cells"] for p in parts)
         t["complete_parts"] = sorted(k for k, p in t["parts"].items() if p["complete"])
         t["kernel_errors"] = sum(p["kernel_errors"] or 0 for p in parts)
-        t["clean"] = all(p["complete"] and p["kernel_errors"] == 0 for p in parts)
+        # "none" ran the launch set without a tool (its memory, bare): no verdict to give
+        t["clean"] = None if tool == "none" else all(p["complete"] and p["kernel_errors"] == 0 for p in parts)
     return summary
 
 

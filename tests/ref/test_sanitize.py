@@ -59,7 +59,8 @@ def test_parse_racecheck_and_a_log_without_summary():
 
 
 def _write(folder, tool, part, log, rc, complete, cells=2):
-    (folder / f"sanitizer-{tool}-{part}.log").write_text(log)
+    if log is not None:
+        (folder / f"sanitizer-{tool}-{part}.log").write_text(log)
     (folder / f"sanitizer-{tool}-{part}-launched.json").write_text(json.dumps(
         {"parts": [part], "cells": [{"part": "layer", "peak_gb": 3.5}] * cells, "kernel_keys": ["a", "b"],
          "complete": complete}))
@@ -81,6 +82,51 @@ def test_summary_is_clean_only_when_every_part_completed_without_kernel_errors(t
     assert not init["clean"] and init["kernel_errors"] == 154752
     assert init["parts"]["k3_rank16"]["flagged_kernels"] == {TOPK: 2}
     assert mem["parts"]["k3_rank16"]["peak_gb"] == 3.5
+
+
+def test_bare_run_has_cells_and_memory_but_no_verdict(tmp_path):
+    _write(tmp_path, "none", "k3_rank16", None, 0, True, cells=6)
+    _write(tmp_path, "memcheck", "k3_rank16", CLEAN, 0, True)
+    s = san.summarize(str(tmp_path))
+    bare = s["tools"]["none"]
+    assert bare["clean"] is None and bare["cells"] == 6 and bare["parts"]["k3_rank16"]["peak_gb"] == 3.5
+    assert s["tools"]["memcheck"]["clean"] is True
+
+
+# excerpts of an H200 run: a racecheck hazard names two threads, counted once, by the kernel of its writing thread;
+# torch's own kernels carry spaces in their names
+RING = "kernel_cutlass_kernel_k3fastkernelsrms_gemv_ring_build_mma_classlocalsRingMmaGemv_object_at__0"
+RACECHECK_RING = f"""========= COMPUTE-SANITIZER
+========= Error: Potential WAR hazard detected at __shared__ 0x1e690 in block (1,0,0) :
+=========     Read Thread (1,0,0) at {RING}+0x1cf0
+=========     Write Thread (256,0,0) at {RING}+0x1650
+=========     Current Value : 0, Incoming Value : ?
+=========
+========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+"""
+TORCH_ADD = ("void at::native::vectorized_elementwise_kernel<(int)8, at::native::CUDAFunctor_add<c10::BFloat16>, "
+             "std::array<char *, (unsigned long)3>>(int, T2, T3)")
+INITCHECK_TORCH = f"""========= Uninitialized __global__ memory read of size 16 bytes
+=========     at {TORCH_ADD}+0xf0
+=========     by thread (32,0,0) in block (100,0,0)
+========= ERROR SUMMARY: 1 error
+"""
+
+
+def test_parse_names_racecheck_hazards_by_their_writer_and_library_kernels_whole():
+    assert san.parse_log(RACECHECK_RING)["kernels"] == {RING: 1}
+    assert san.parse_log(RACECHECK_RING)["errors"] == 1
+    assert san.parse_log(INITCHECK_TORCH)["kernels"] == {TORCH_ADD: 1}
+
+
+def test_library_gemm_controls_are_the_layer_shapes():
+    """The controls' GEMMs are the ones the layer runs where initcheck reported reads of their outputs."""
+    from k3ref import preset
+    r16, r8 = preset("k3_rank16"), preset("k3_rank8")
+    assert san.LIBRARY_GEMMS["front fp32 out, batch 64"][1:3] == (
+        r16.num_experts + r16.routed_expert_hidden_size + 2 * r16.shared_intermediate, r16.hidden_size)
+    assert san.LIBRARY_GEMMS["mla q_b, batch 8"][1:3] == (r16.mla_heads * r16.kv_cache_dim, r16.q_lora_rank)
+    assert san.LIBRARY_GEMMS["moe tail up, rank8 batch 64"][1:3] == (r8.hidden_size, r8.routed_expert_hidden_size)
 
 
 def test_unknown_part_is_refused_by_name():
