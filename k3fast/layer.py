@@ -63,19 +63,15 @@ class DecodePlan:
     # few experts hold every pair (skewed routing); False runs its whole-pass items only.
     experts_alt_items: bool = True
     # the MLA layers' attention half: "stock" (vLLM's kernels, StockImpl) or "fused" (FusedMLA: our in_proj, latent
-    # decode attention and o_proj kernels with torch ops between them). "stock" until "fused" is measured.
+    # decode attention and o_proj kernels with torch ops between them). "stock": measured on an H200, FusedMLA wins at
+    # 1K cached tokens and loses from 8K on, up to 2x at 32K (docs/kernels/mla_latent_decode.md).
     mla_attention: str = "stock"
-    # the fused MLA attention's split-KV count (kernels.mla_latent_decode.plan_splits): "sm" (a CTA per SM) or
-    # "balanced" (capped where the one combining CTA's partials would outweigh each split's share of the cache)
-    mla_splits: str = "sm"
 
     def __post_init__(self):
         if self.in_proj_small not in ("ring", "fma"):
             raise ValueError(f"in_proj_small must be 'ring' or 'fma', got {self.in_proj_small!r}")
         if self.mla_attention not in ("stock", "fused"):
             raise ValueError(f"mla_attention must be 'stock' or 'fused', got {self.mla_attention!r}")
-        if self.mla_splits not in ("sm", "balanced"):
-            raise ValueError(f"mla_splits must be 'sm' or 'balanced', got {self.mla_splits!r}")
         if self.wide_gemm not in ("auto", "cublas"):
             raise ValueError(f"wide_gemm must be 'auto' or 'cublas', got {self.wide_gemm!r}")
         # the fused front folds the shared experts' gate/up only on its warp-per-row path (M <= 4)
@@ -148,9 +144,7 @@ CONTENDERS: dict[str, tuple[DecodePlan, str]] = {
     "fast-taildsl": (DecodePlan(tail_fused_max_m=64),
                      "moe_tail at every batch (where cuBLAS overtakes the swap-AB GEMV)"),
     "fast-mla": (DecodePlan(mla_attention="fused"),
-                 "MLA layers' attention half on FusedMLA (open: first measurement against vLLM's own MLA path)"),
-    "fast-mla-bal": (DecodePlan(mla_attention="fused", mla_splits="balanced"),
-                     "FusedMLA with the split count capped for the single-CTA combine (open: against fast-mla)"),
+                 "MLA layers' attention half on FusedMLA (open: ahead of vLLM's FA3 MLA at 1K tokens, behind from 8K)"),
 }
 
 
@@ -453,12 +447,10 @@ class FusedMLA(_AttentionEnds):
             maxp = block_table.shape[1]
             ws = self._bufs.get(("ws", M, maxp))
             if ws is None:
-                ws = self._bufs[("ws", M, maxp)] = make_workspace(M, H, maxp, partial.device, self.nsm,
-                                                                  self.plan.mla_splits)
+                ws = self._bufs[("ws", M, maxp)] = make_workspace(M, H, maxp, partial.device, self.nsm)
             # the kernel writes the step's row [RMSNorm(c~_kv) | k_pe] into its page, then attends over it
             o_lat = mla_latent_decode(Q, kv_pages, block_table, seqlens, scale=self.scale, workspace=ws, nsm=self.nsm,
-                                      split_rule=self.plan.mla_splits, proj=z, proj_col=cfg.q_lora_rank,
-                                      kv_norm=self.kv_norm,
+                                      proj=z, proj_col=cfg.q_lora_rank, kv_norm=self.kv_norm,
                                       eps=cfg.rms_norm_eps)                              # [M, H, 512] bf16
             # W_UV per head and the sigmoid gate (g read in place from the projection output); k3ref.bytes counts
             # W_UV in this stage

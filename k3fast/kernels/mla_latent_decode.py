@@ -71,22 +71,20 @@ def head_group(heads: int) -> int:
     return 8 if heads <= 8 else 16
 
 
-SPLIT_RULES = ("sm", "balanced")
-
-
-def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132, rule: str = "sm") -> tuple[int, int]:
-    """(S, pages per split). "sm": about one CTA per SM over all requests and head groups. "balanced": no more
-    splits than sqrt(cache bytes / partial bytes) per request and head group, sqrt(36 max_pages / hn): the one CTA
-    that combines reads S partials of hn x 512 fp32, so the combine's bytes grow with S while each split's share of
-    the cache shrinks with it; their sum is smallest there (24 splits at 8K tokens and 8 heads, 8 at 1K). Every split
-    is non-empty at full capacity; never more than SPLITS_MAX (the combine's weight table)."""
-    if rule not in SPLIT_RULES:
-        raise ValueError(f"rule must be one of {SPLIT_RULES}, got {rule!r}")
+def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132) -> tuple[int, int]:
+    """(S, pages per split). S is the smaller of two counts. One wave: at most one CTA per SM over all requests and
+    head groups (nsm // (requests x groups), at least 1); the kernel's shared memory (166 KB at 8 heads) holds one
+    CTA per SM, so a CTA past nsm waits for a whole second wave (at batch 8 and 32K tokens, 136 CTAs put the
+    attention half at 2.9x its byte floor on an H200). The combine's balance: at most sqrt(cache bytes / partial
+    bytes) = sqrt(36 max_pages / hn) splits per request and head group, since the one CTA that combines reads S
+    partials of hn x 512 fp32, so the combine's bytes grow with S while each split's share of the cache shrinks
+    with it; their sum is smallest there (24 splits at 8K tokens and 8 heads, 8 at 1K; without this cap batch 1
+    took 128 one-page splits at 8K tokens and its attention half 1.5x longer). Every split is non-empty at full
+    capacity; never more than SPLITS_MAX (the combine's weight table)."""
     hn = head_group(heads)
     hg = -(-heads // hn)
-    s = max(1, min(max_pages, -(-nsm // (n_requests * hg)), SPLITS_MAX))
-    if rule == "balanced":
-        s = max(1, min(s, round(math.sqrt(PAGE * DQK * 2 * max_pages / (hn * DV * 4)))))
+    s = max(1, min(max_pages, nsm // (n_requests * hg), SPLITS_MAX,
+                   round(math.sqrt(PAGE * DQK * 2 * max_pages / (hn * DV * 4)))))
     pps = -(-max_pages // s)
     return -(-max_pages // pps), pps
 
@@ -479,18 +477,18 @@ def warmup(heads_list=(6, 12, 96), append=(False,)) -> list[tuple]:
     return keys
 
 
-def make_workspace(n_requests: int, heads: int, max_pages: int, device, nsm: int = 132, split_rule: str = "sm"):
+def make_workspace(n_requests: int, heads: int, max_pages: int, device, nsm: int = 132):
     """The combine's scratch for these sizes: partial O, (m, l) per (request, head group, split, row) and the
     arrival counters (zeroed here, re-armed by the kernel). Allocate before any CUDA-graph capture."""
     import torch
     hn = head_group(heads)
     hg = -(-heads // hn)
-    s, _ = plan_splits(n_requests, heads, max_pages, nsm, split_rule)
+    s, _ = plan_splits(n_requests, heads, max_pages, nsm)
     rows = n_requests * hg * s * hn
     return {"o": torch.empty(rows, DV, dtype=torch.float32, device=device),
             "ml": torch.empty(rows, 2, dtype=torch.float32, device=device),
             "count": torch.zeros(max(n_requests * hg, 1), dtype=torch.int32, device=device),
-            "key": (n_requests, heads, max_pages, nsm, split_rule)}
+            "key": (n_requests, heads, max_pages, nsm)}
 
 
 _DUMMY_LN: dict = {}
@@ -534,7 +532,7 @@ def check_paging(block_table, lengths, n_pages: int, *, lengths_name: str = "len
 
 
 def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=None, workspace=None,
-                      nsm: int = 132, split_rule: str = "sm", proj=None, proj_col: int = 0, kv_norm=None,
+                      nsm: int = 132, proj=None, proj_col: int = 0, kv_norm=None,
                       eps: float = 1e-5):
     """o_lat [N, H, 512] bf16 = softmax(scale q . c) c_kv over the first lengths[n] cache rows of each request.
 
@@ -569,16 +567,16 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
     maxp = block_table.shape[1]
     if maxp < 1:
         raise ValueError("block_table: expected at least one page column")
-    splits, pps = plan_splits(N, H, maxp, nsm, split_rule)
+    splits, pps = plan_splits(N, H, maxp, nsm)
     if splits > SPLITS_MAX:            # the combine's weight table in shared memory holds SPLITS_MAX splits
         raise ValueError(f"nsm={nsm}: {splits} splits, more than the combine's {SPLITS_MAX}")
     if workspace is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("mla_latent_decode: make the workspace before CUDA-graph capture")
-        workspace = make_workspace(N, H, maxp, dev, nsm, split_rule)
-    elif workspace.get("key") != (N, H, maxp, nsm, split_rule):
-        raise ValueError(f"workspace: made for (N, H, MAXP, nsm, split rule) = {workspace.get('key')}, the call "
-                         f"needs {(N, H, maxp, nsm, split_rule)}")
+        workspace = make_workspace(N, H, maxp, dev, nsm)
+    elif workspace.get("key") != (N, H, maxp, nsm):
+        raise ValueError(f"workspace: made for (N, H, MAXP, nsm) = {workspace.get('key')}, the call "
+                         f"needs {(N, H, maxp, nsm)}")
     append = proj is not None
     if append:
         check_tensor("proj", proj, dtype=torch.bfloat16, shape=(N, None), device=dev)

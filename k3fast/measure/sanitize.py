@@ -10,8 +10,8 @@ leaves the others' verdicts standing):
   block-boundary layer (the block write of AttnRes #1 and the new partial sum of o_proj);
 * ``pool``: the KDA step on a vLLM-style page-strided state pool with slot 0 as padding (the plug-in's build), with
   padded slots and one slot past the pool (the in-kernel guard's path);
-* ``mla``: the fused MLA attention half (FusedMLA) at rank16 batch 1 / 8 with both split rules, a padded request and
-  a new cache row opening a page;
+* ``mla``: the fused MLA attention half (FusedMLA) at rank16 batch 1 / 8, with and without the combine, a padded
+  request and a new cache row opening a page;
 * ``control`` / ``control-torch``: the router front's cuBLAS GEMM output (fp32, as the layer computes it above batch
   4) read by torch's own reduction and by TopkFromLogits after a synchronization, and each library GEMM whose
   output initcheck flagged in the layer, alone and read by torch / a torch-written copy of the front's output read
@@ -130,7 +130,8 @@ def _pool_cells(batches, done):
 
 
 def _mla_cells(batches, done):
-    """FusedMLA: both split rules, mixed cache lengths with a padded request, the appended row on a page edge."""
+    """FusedMLA: with the split count of 132 SMs (the combine path) and of 8 (one split per request at batch 8, no
+    combine), mixed cache lengths with a padded request, the appended row on a page edge."""
     from k3ref import k3_rank
     from k3ref.weights import random_layer
     from ..layer import DecodePlan, FusedMLA
@@ -139,15 +140,15 @@ def _mla_cells(batches, done):
     layer = next(l for l in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(l) and cfg.is_moe_layer(l))
     w = random_layer(cfg, layer, seed=11, device="cuda")
     for batch in (1, 8):
-        for rule in ("sm", "balanced"):
+        for nsm in (132, 8):
             io = make_io(cfg, layer, batch, context=1024, seed=12)
             if batch > 1:
                 io.slots[3] = -1
                 io.state.lengths[1 + 5] = 64                      # request 5's new row opens a page
             step = mla_step(io.state, io.slots)
-            FusedMLA(cfg, w, plan=DecodePlan(mla_attention="fused", mla_splits=rule))(
+            FusedMLA(cfg, w, plan=DecodePlan(mla_attention="fused"), nsm=nsm)(
                 io.blocks, io.partial, io.delta, step.pages, step.block_table, step.seqlens, io.x_mlp)
-            done(shape="k3_rank16", layer=layer, batch=batch, part=f"mla attention, {rule} splits")
+            done(shape="k3_rank16", layer=layer, batch=batch, part=f"mla attention, splits planned for {nsm} SMs")
 
 
 def _front_logits(source: str, batch: int = 8):
