@@ -171,7 +171,8 @@ for name, msg in why.items():
 # ## 4. The sanitizer tier
 #
 # `scripts/device_sanitize.sh` runs every shipped kernel key once under `compute-sanitizer`'s memcheck, racecheck,
-# synccheck and initcheck, one process per tool and part of the launch set. Its runs so far are **incomplete**:
+# synccheck and initcheck, one process per tool and part of the launch set. Its runs so far are **incomplete**
+# (`traces/index.json`, key `sanitizer`: the latest record, with the earlier runs it carries):
 
 # %%
 san = json.load(open(SANITIZER))
@@ -179,7 +180,21 @@ print(san["status"])
 print(san["what_was_covered"])
 print(san["what_stopped_it"])
 for run in san["runs"]:
-    print(run["commit"], run["mode"])
+    print(run["commit"], run.get("gpu", ""), run["mode"])
     for tool, t in run["tools"].items():
         print(f"  {tool:10s} cells {t['cells']}  kernel keys {t['kernel_keys']}  errors {t['errors']}"
               + (f" (failed API calls {t['api_errors']})" if t.get("api_errors") else ""))
+
+# %% [markdown]
+# Each report, where it falls and what it means. initcheck's all concern buffers a cuBLAS GEMM wrote just before
+# the read (one reader is torch's own add kernel), and the paths' parity tests pass; racecheck's concern shared
+# memory rings ordered by mbarriers (in cuBLAS's own GEMM too), a chain the tool does not follow, and it has not
+# finished a cell of the fused layer. The tier is not clean until racecheck completes and the controls run.
+
+# %%
+for f in san.get("findings", []):
+    print(f"{f['tool']} ({f['count']:,}) [{f['status']}]\n  where: {f['where']}\n  why: {f['explanation']}\n")
+# every initcheck report the latest run printed is in one of the three readers of a cuBLAS GEMM's output
+init = [r for r in san["runs"] if r["commit"] == san["environment"]["commit"] and "initcheck" in r["tools"]]
+readers = ("TopkFromLogits", "MlaLatentDecode", "CUDAFunctor_add")
+assert init and all(any(x in k for x in readers) for r in init for k in r["tools"]["initcheck"]["flagged_kernels"])
