@@ -56,3 +56,23 @@ def test_vllm_layer_variant_declares_vllms_mla_layer():
         kinds = [_kind(n, KERNELS_VLLM_LAYER_MLA_B1) for n in names]
         assert collections.Counter(kinds) == collections.Counter(want), part
     assert not any(k.startswith("harness:") for ks in KERNELS_VLLM_LAYER_MLA_B1.values() for k in ks)
+
+
+def test_profiled_stock_layer_launches_the_declared_kernels_in_order():
+    """The nsight-python profile of the stock KDA+MoE layer (rank16, batch 1, on a GPU) names, half by half and in
+    launch order, the kernels the vllm-layer variant declares (Nsight Compute drops the "void ns::" of a name; the
+    harness's slot clamp is torch's elementwise kernel)."""
+    from k3fast.measure.profile import load_profile
+    rec = load_profile(os.path.join(ROOT, INDEX["profile"]))
+    assert rec["environment"]["stock_variant"] == "vllm-layer"
+    cell = next(c for c in rec["cells"] if c["shape"] == "k3_rank16" and c["batch"] == 1)
+    for half in cell["halves"]:
+        if half["impl"] != "stock":
+            continue
+        declared = KERNELS_VLLM_LAYER_B1[half["part"]]
+        got = [k["name"] for k in half["kernels"]]
+        assert len(got) == len(declared), (half["part"], got)
+        for name, want in zip(got, declared):
+            base = "vectorized_elementwise_kernel" if want.startswith("harness:") else \
+                want.removeprefix("void ").split("::")[-1]
+            assert name.startswith(base), (half["part"], name, want)
