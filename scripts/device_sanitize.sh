@@ -4,6 +4,8 @@
 # and racecheck: one process per tool and part of the set, so a part that fails or runs out of time leaves the
 # others' verdicts standing. Logs and a summary (sanitizer.json, k3fast.measure.sanitize.summarize) under $OUT.
 # K3_TOOLS may name "none": the same processes without compute-sanitizer (the memory each cell holds, bare).
+# K3_SAN_ARGS adds options to every tool's command line, e.g. "--kernel-name kns=RingMmaGemv": the tool instruments
+# only the kernels whose name holds that string and the rest run at full speed (racecheck one kernel at a time).
 #   [K3_TOOLS="memcheck racecheck"] [K3_PARTS="k3_rank16 pool mla"] [K3_BATCHES="1"] K3_COMMIT=<sha> \
 #   bash scripts/device_sanitize.sh
 # K3_CALL_S (default 580) bounds the whole call.
@@ -49,7 +51,7 @@ for tool in "${tools[@]}"; do
       # the launch set without a tool: the GPU memory each cell holds when nothing instruments the process
       timeout "$budget" "${launch[@]}" > "$OUT/sanitizer-$tool-$part.out" 2>&1
     else
-      timeout "$budget" compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 --error-exitcode 99 \
+      timeout "$budget" compute-sanitizer --tool "$tool" "${extra[@]}" ${K3_SAN_ARGS:-} --print-limit 200 --error-exitcode 99 \
         --log-file "$OUT/sanitizer-$tool-$part.log" "${launch[@]}" > "$OUT/sanitizer-$tool-$part.out" 2>&1
     fi
     rc=$?

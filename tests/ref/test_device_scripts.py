@@ -46,7 +46,7 @@ json.dump({{"parts": [part], "cells": [{{"part": part, "peak_gb": 1.0}}], "kerne
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(out), K3_CALL_S="200",
                K3_TOOLS="memcheck racecheck", K3_PARTS="control k3_rank16 mla", K3_BATCHES="1",
-               K3_COMMIT="abc1234")
+               K3_COMMIT="abc1234", K3_SAN_ARGS="--kernel-name kns=RingMmaGemv")
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "device_sanitize.sh")], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -57,3 +57,4 @@ json.dump({{"parts": [part], "cells": [{{"part": part, "peak_gb": 1.0}}], "kerne
         assert s["tools"][tool]["clean"] and s["tools"][tool]["cells"] == 3
     argv = json.load(open(out / "sanitizer-racecheck-k3_rank16-launched.json"))["argv"]
     assert argv[argv.index("--batches") + 1] == "1"                         # K3_BATCHES reaches the launch set
+    assert argv[argv.index("--kernel-name") + 1] == "kns=RingMmaGemv"      # K3_SAN_ARGS reaches the tool
