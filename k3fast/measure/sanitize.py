@@ -151,12 +151,12 @@ def _mla_cells(batches, done):
             done(shape="k3_rank16", layer=layer, batch=batch, part=f"mla attention, splits planned for {nsm} SMs")
 
 
-def _front_logits(source: str, batch: int = 8):
-    """The router front's fp32 GEMM output at k3_rank16 ([batch, 896 + 3584 + 2 x 384]), written by cuBLAS (as the
-    layer does above batch 4) or by torch's own copy kernel."""
+def _front_logits(source: str):
+    """The router front's fp32 GEMM output at k3_rank16, batch 8 ([8, 896 + 3584 + 2 x 384]), written by cuBLAS (as
+    the layer does above batch 4) or by torch's own copy kernel."""
     import torch
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(batch, 7168, device="cuda", generator=g).bfloat16()
+    x = torch.randn(8, 7168, device="cuda", generator=g).bfloat16()
     w = torch.randn(896 + 3584 + 2 * 384, 7168, device="cuda", generator=g).bfloat16()
     y = torch.mm(x, w.t(), out_dtype=torch.float32)
     if source == "torch":
