@@ -151,13 +151,16 @@ def _mla_cells(batches, done):
             done(shape="k3_rank16", layer=layer, batch=batch, part=f"mla attention, splits planned for {nsm} SMs")
 
 
+FRONT_N = 896 + 3584 + 2 * 384   # the router front's packed GEMM at k3_rank16: router | latent down | shared gate, up
+
+
 def _front_logits(source: str):
     """The router front's fp32 GEMM output at k3_rank16, batch 8 ([8, 896 + 3584 + 2 x 384]), written by cuBLAS (as
     the layer does above batch 4) or by torch's own copy kernel."""
     import torch
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(8, 7168, device="cuda", generator=g).bfloat16()
-    w = torch.randn(896 + 3584 + 2 * 384, 7168, device="cuda", generator=g).bfloat16()
+    w = torch.randn(FRONT_N, 7168, device="cuda", generator=g).bfloat16()
     y = torch.mm(x, w.t(), out_dtype=torch.float32)
     if source == "torch":
         y = torch.empty_like(y).copy_(y)
@@ -166,7 +169,7 @@ def _front_logits(source: str):
 
 # The library GEMMs whose outputs initcheck reported as uninitialized when the next kernel read them in the layer
 # (the front at batch 64, MLA's q_b at batch 8, the tail's up-projection at rank8 batch 64): (M, N, K, out dtype).
-LIBRARY_GEMMS = {"front fp32 out, batch 64": (64, 896 + 3584 + 2 * 384, 7168, "float32"),
+LIBRARY_GEMMS = {"front fp32 out, batch 64": (64, FRONT_N, 7168, "float32"),
                  "mla q_b, batch 8": (8, 6 * 576, 1536, "bfloat16"),
                  "moe tail up, rank8 batch 64": (64, 7168, 3584, "bfloat16")}
 
