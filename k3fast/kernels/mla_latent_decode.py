@@ -78,9 +78,9 @@ def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132) -> 
     attention half at 2.9x its byte floor on an H200). The combine's balance: at most sqrt(cache bytes / partial
     bytes) = sqrt(36 max_pages / hn) splits per request and head group, since the one CTA that combines reads S
     partials of hn x 512 fp32, so the combine's bytes grow with S while each split's share of the cache shrinks
-    with it; their sum is smallest there (24 splits at 8K tokens and 8 heads, 8 at 1K; without this cap batch 1
-    took 128 one-page splits at 8K tokens and its attention half 1.5x longer). Every split is non-empty at full
-    capacity; never more than SPLITS_MAX (the combine's weight table)."""
+    with it; their sum is smallest there (24 splits at 8K tokens and 8 heads, 8 at 1K; without the cap batch 1
+    takes 128 one-page splits at 8K tokens, and its attention half measures 1.5x longer). Every split is non-empty
+    at full capacity; never more than SPLITS_MAX (the combine's weight table)."""
     hn = head_group(heads)
     hg = -(-heads // hn)
     s = max(1, min(max_pages, nsm // (n_requests * hg), SPLITS_MAX,
