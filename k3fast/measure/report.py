@@ -253,7 +253,7 @@ ENGINE_PROFILE_CONTEXT = (16, 26)
 def engine_layer_figure(rec: dict, e2e_records: list[dict]) -> dict | None:
     """vLLM's own in-engine figure for the layer a stock trace record measures: same layer kind, shape, batch and
     card (and, for an MLA layer, a cache length inside the one the engine profiled at). {"kernel_us", "kernels",
-    "context"} or None where the engine runs have no such cell."""
+    "context", "source"} or None where the engine runs have no such cell."""
     for e in e2e_records:
         if e.get("kind") != "vllm_e2e" or e.get("engine") != "stock" or e.get("batch") != rec["batch"]:
             continue
@@ -265,11 +265,12 @@ def engine_layer_figure(rec: dict, e2e_records: list[dict]) -> dict | None:
         lo, hi = e.get("per_layer_context") or ENGINE_PROFILE_CONTEXT
         if rec["layer_kind"] == "mla_moe" and not lo <= (rec.get("context") or 0) <= hi:
             continue
-        return {"kernel_us": us, "kernels": e[f"layer_kernels_{rec['layer_kind']}"], "context": [lo, hi]}
+        return {"kernel_us": us, "kernels": e[f"layer_kernels_{rec['layer_kind']}"], "context": [lo, hi],
+                "source": e.get("source")}
     return None
 
 
-def engine_match(records_path: str, e2e_path: str) -> str:
+def engine_match(records_path: str, *e2e_paths: str) -> str:
     """The stock layer of a trace run beside vLLM's own layer inside an engine (a vllm_e2e file, same card): per
     layer kind and batch, the stock record's kernel count and summed kernel time against the engine's eager
     per-layer figure (``layer_kernels`` / ``layer_us``), the stock variant, and whether the kernel time is within 5 %.
@@ -278,9 +279,11 @@ def engine_match(records_path: str, e2e_path: str) -> str:
     so its cells compare only at the cache length the engine profiled at; other cells are listed as not comparable."""
     recs = [r for r in load_records(os.path.join(ROOT, records_path))
             if r["impl"] == "stock" and r["part"] == "layer"]
-    with open(os.path.join(ROOT, e2e_path)) as f:
-        e2e = json.load(f)["records"]
-    lines = [f"stock in `{records_path}` against vLLM's layer in `{e2e_path}`", "",
+    e2e = []
+    for path in e2e_paths:
+        with open(os.path.join(ROOT, path)) as f:
+            e2e += json.load(f)["records"]
+    lines = [f"stock in `{records_path}` against vLLM's layer in " + ", ".join(f"`{p}`" for p in e2e_paths), "",
              "| layer | shape | batch | context | stock variant | kernels stock / vLLM | kernel µs stock / vLLM | "
              "within 5 % |", "|" + "---|" * 8]
     for r in sorted(recs, key=lambda r: (r["layer_kind"], r["shape"], r["batch"], r.get("context") or 0)):
@@ -302,13 +305,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-figure", action="store_true", help="leave docs/figures/headline.png alone")
     ap.add_argument("--print-only", action="store_true", help="print the table; write nothing")
     ap.add_argument("--compare", nargs=2, metavar=("NEW", "OLD"), help="print compare_runs(NEW, OLD) and exit")
-    ap.add_argument("--engine-match", nargs=2, metavar=("RECORDS", "VLLM_E2E"),
-                    help="print engine_match(RECORDS, VLLM_E2E): the stock layer against vLLM's own, and exit")
+    ap.add_argument("--engine-match", nargs="+", metavar="FILE",
+                    help="RECORDS VLLM_E2E [VLLM_E2E ...]: print the stock layer of RECORDS against vLLM's own layer "
+                         "in the engine files (same card), and exit")
     args = ap.parse_args(argv)
     if args.compare:
         print(compare_runs(*args.compare))
         return 0
     if args.engine_match:
+        if len(args.engine_match) < 2:
+            ap.error("--engine-match takes a records file and at least one vllm_e2e file")
         print(engine_match(*args.engine_match))
         return 0
     path = os.path.join(ROOT, "README.md")

@@ -351,8 +351,9 @@ def skew_routing(w, n_hot: int = 24, seed: int = 3) -> None:
 
 def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: int, replays: int, env: dict,
              copy_tbps: float, perfetto_dir: str | None, log=print, stock_ops: str = "vllm-layer",
-             routing: str = "random") -> list[dict]:
-    """All implementations and parts of one (kind, shape, batch, context) cell; returns records."""
+             routing: str = "random", engine: list[dict] = ()) -> list[dict]:
+    """All implementations and parts of one (kind, shape, batch, context) cell; returns records. ``engine``: vLLM's
+    in-engine layer figures (engine_records) that the stock records are matched against."""
     cfg = preset(shape)
     layer = KIND_LAYER[kind]
     w = random_layer(cfg, layer, seed=1, device="cuda")
@@ -371,7 +372,7 @@ def run_cell(kind: str, shape: str, batch: int, impls: list[str], *, context: in
     for impl_name in impls:
         try:
             records += _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps,
-                                 perfetto_dir, ref_out, log, stock_ops=stock_ops, routing=routing)
+                                 perfetto_dir, ref_out, log, stock_ops=stock_ops, routing=routing, engine=engine)
         except Exception as ex:                     # one broken implementation must not stop the sweep
             import traceback
             log(f"  {impl_name}: FAILED {type(ex).__name__}: {str(ex)[:300]}\n" + traceback.format_exc()[-1500:])
@@ -419,19 +420,25 @@ def reset_stock_autotuners(prefixes=("fla.", "vllm.")) -> int:
     return len(seen)
 
 
-def _engine_records() -> list[dict]:
-    """The vllm_e2e records traces/index.json names (none when the file or the key is absent)."""
-    try:
-        with open(os.path.join(ROOT, "traces", "index.json")) as f:
-            path = json.load(f).get("vllm_e2e")
-        with open(os.path.join(ROOT, path)) as f:
-            return json.load(f)["records"]
-    except (OSError, TypeError, KeyError, ValueError):
-        return []
+def engine_records(paths: list[str] | None = None) -> list[dict]:
+    """vLLM's in-engine per-layer figures that stock records are matched against: the vllm_e2e records of ``paths``
+    (runs made on this machine, e.g. scripts/device_vllm_e2e.sh layers-<shape> before the sweep), else of the file
+    traces/index.json names (none when the file or the key is absent). A record keeps the file it came from."""
+    if paths is None:
+        try:
+            with open(os.path.join(ROOT, "traces", "index.json")) as f:
+                paths = [os.path.join(ROOT, json.load(f)["vllm_e2e"])]
+        except (OSError, TypeError, KeyError, ValueError):
+            return []
+    out = []
+    for path in paths:
+        with open(path) as f:
+            out += [{**r, "source": os.path.basename(path)} for r in json.load(f)["records"]]
+    return out
 
 
 def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, env, copy_tbps, perfetto_dir, ref_out, log,
-              stock_ops="vllm-layer", routing="random"):
+              stock_ops="vllm-layer", routing="random", engine=()):
     from ..layer_io import kda_state_indices, mla_step
     from .impls import make_impl, make_io
     from .report import engine_layer_figure
@@ -525,11 +532,12 @@ def _run_impl(impl_name, kind, shape, cfg, layer, w, batch, context, replays, en
             if getattr(impl, "ops_fallback", None):
                 rec["stock_ops_fallback"] = impl.ops_fallback
             if part == "layer":
-                # vLLM's own layer in an engine on this card, same kind / shape / batch (traces/index.json's vllm_e2e):
-                # the stock layer's summed kernel time should be within 5 % of it
-                eng = engine_layer_figure(rec, _engine_records())
+                # vLLM's own layer in an engine on this card, same kind / shape / batch (engine_records): the stock
+                # layer's summed kernel time should be within 5 % of it
+                eng = engine_layer_figure(rec, engine)
                 rec["vllm_layer_kernel_us"] = eng["kernel_us"] if eng else None
                 rec["vllm_layer_kernels"] = eng["kernels"] if eng else None
+                rec["vllm_layer_source"] = eng["source"] if eng else None
         records.append(rec)
         log(f"  {impl_name:9s} {part:5s} kernels {rec['kernels']:6.1f}  replay {rec['replay_us_median']:9.1f} us  "
             f"floor {rec['floor_us']:7.1f} us  err {rec['rel_err_vs_ref']}")
@@ -873,6 +881,9 @@ def main(argv=None) -> int:
                          "--batches/--contexts/--impls), e.g. --cell mla_moe,full,64,8192,ref+compiled")
     ap.add_argument("--routing", choices=sorted(ROUTINGS), default=None,
                     help="MoE routing: the router on random inputs (default), or skewed onto a hot set of 24 experts")
+    ap.add_argument("--engine", nargs="+", default=None, metavar="VLLM_E2E_JSON",
+                    help="vllm_e2e files from this card (stock vLLM's per-layer figures) that each stock record is "
+                         "matched against (default: traces/index.json's vllm_e2e)")
     args = ap.parse_args(argv)
     if args.list_presets:
         print(preset_table())
@@ -893,6 +904,7 @@ def main(argv=None) -> int:
               "`python -m k3fast.measure.report`", file=sys.stderr)
         return 2
     out = args.out or card_folder()
+    engine = engine_records(args.engine)
     env, bw, tag = start_run(out, args.tag)
     perfetto_dir = os.path.join(out, f"perfetto-{tag}")      # one folder per run: names repeat across runs
     cells = args.cell or sweep.cells()
@@ -912,7 +924,7 @@ def main(argv=None) -> int:
         try:
             records += run_cell(kind, shape, batch, impls, context=ctx, replays=sweep.replays, env=env, copy_tbps=bw,
                                 perfetto_dir=perfetto_dir, log=lambda m: print(m, flush=True),
-                                stock_ops=args.stock_ops, routing=sweep.routing)
+                                stock_ops=args.stock_ops, routing=sweep.routing, engine=engine)
         except Exception as ex:                     # e.g. out of memory building the cell's weights: next cell
             import traceback
             print(f"  cell FAILED {type(ex).__name__}: {str(ex)[:300]}\n" + traceback.format_exc()[-1500:], flush=True)

@@ -109,6 +109,24 @@ def test_engine_figure_needs_the_same_cell():
     eng = [{"kind": "vllm_e2e", "engine": "stock", "batch": 8, "gpu": "G", "model": {"shape": "k3_rank16"},
             "layer_us_mla_moe": 240.0, "layer_kernels_mla_moe": 31, "per_layer_context": [16, 26]}]
     rec = {"layer_kind": "mla_moe", "shape": "k3_rank16", "batch": 8, "gpu": "G", "context": 24}
-    assert engine_layer_figure(rec, eng) == {"kernel_us": 240.0, "kernels": 31, "context": [16, 26]}
+    assert engine_layer_figure(rec, eng) == {"kernel_us": 240.0, "kernels": 31, "context": [16, 26],
+                                             "source": None}
     for change in ({"context": 1024}, {"batch": 1}, {"gpu": "H"}, {"shape": "k3_rank8"}, {"layer_kind": "kda_moe"}):
         assert engine_layer_figure({**rec, **change}, eng) is None, change
+
+
+def test_engine_records_come_from_the_named_files(tmp_path):
+    from k3fast.measure.nbtools import INDEX
+    from k3fast.measure.report import engine_layer_figure
+    from k3fast.measure.trace import engine_records
+    rec = {"kind": "vllm_e2e", "engine": "stock", "batch": 1, "gpu": "G", "model": {"shape": "k3_rank8"},
+           "layer_us_kda_moe": 160.0, "layer_kernels_kda_moe": 25}
+    path = tmp_path / "e2e-layers-k3_rank8.json"
+    path.write_text(json.dumps({"records": [rec]}))
+    eng = engine_records([str(path)])
+    assert eng == [{**rec, "source": "e2e-layers-k3_rank8.json"}]
+    stock = {"layer_kind": "kda_moe", "shape": "k3_rank8", "batch": 1, "gpu": "G"}
+    assert engine_layer_figure(stock, eng)["source"] == "e2e-layers-k3_rank8.json"
+    assert engine_layer_figure({**stock, "shape": "k3_rank16"}, eng) is None
+    # without files: the run traces/index.json names
+    assert all(r["source"] == os.path.basename(INDEX["vllm_e2e"]) for r in engine_records())
