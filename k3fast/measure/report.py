@@ -22,6 +22,9 @@ IMPL_ORDER = ("ref", "compiled", "stock", "fast", "fast-v51", "fast-infma", "fas
 RESULTS_BEGIN, RESULTS_END = "<!-- results:begin", "<!-- results:end -->"
 HEADLINE = os.path.join("docs", "figures", "headline.png")
 SHAPES = ("k3_rank16", "k3_rank8", "full")
+# README's table shows MLA layers at one cache length (8K tokens, where decode attention is a real share of the
+# layer); notebook 09 draws them over the cache length.
+README_MLA_CONTEXT = 8192
 
 
 def load_records(pattern: str | None = None) -> list[dict]:
@@ -127,9 +130,12 @@ def _one_run(path: str) -> list[dict]:
 
 
 def results_rows(card: str, recs: list[dict]) -> list[dict]:
-    """One row per (layer kind, shape, batch) of a run where both stock and fast measured the whole layer."""
+    """One row per (layer kind, shape, batch) of a run where both stock and fast measured the whole layer (MLA layers
+    at README_MLA_CONTEXT cached tokens)."""
     cells: dict[tuple, dict] = defaultdict(dict)
     for r in recs:
+        if r["layer_kind"] == "mla_moe" and r.get("context") != README_MLA_CONTEXT:
+            continue
         if r["part"] == "layer" and not str(r.get("routing", "")).startswith("skewed"):
             cells[(r["layer_kind"], r["shape"], r["batch"], r.get("context") or 0)][r["impl"]] = r
     rows = []
