@@ -57,10 +57,15 @@ DV = 512                  # the latent dims P V produces
 WARPS = 4
 THREADS = 32 * WARPS
 KSTR = DQK + 8            # smem row pitch (bf16) of cache rows and query rows: 292 words, conflict-free fragments
-PSTR = PAGE + 8           # smem row pitch (bf16) of P [heads, tokens]
 KSTEPS = DQK // 16        # 36 k16 steps of the score MMAs
-VSTEPS = PAGE // 16       # 4 k16 steps of P V per page
 MT = DV // 16 // WARPS    # 8 dim tiles of 16 per warp in P V
+# The ring: (rows per chunk, chunk buffers). A CTA computes one chunk while the loads of the next NBUF - 1 chunks
+# are in flight. "page2" streams whole pages through two buffers (one page, 74 KB, in flight per SM); "half5"
+# streams half pages through five (four halves, 150 KB, in flight): a loaded H200 needs ~32 GB/s per SM from 132
+# SMs, and with one page in flight at a time a CTA measures ~20 GB/s. With 32-row chunks the score MMAs of a
+# chunk split their 36 k-steps between warp pairs (two row tiles of 16 tokens x two halves of the 576-wide rows).
+RINGS = {"page2": (64, 2), "half5": (32, 5)}
+RING = "page2"
 HEAD_GROUPS = (8, 16)     # query rows per CTA (8: up to 8 heads, 16 otherwise)
 SPLITS_MAX = 160          # the combine's weight table in shared memory holds this many splits per head row
 LOG2E = 1.4426950408889634
@@ -89,20 +94,25 @@ def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132) -> 
     return -(-max_pages // pps), pps
 
 
-def compile_key(hn: int, append: bool = False) -> tuple:
+def compile_key(hn: int, append: bool = False, ring: str = RING) -> tuple:
     """The build for head group ``hn``; ``append``: the kernel also writes the step's own cache row (kv_a's RMSNorm
-    of the projection output) before attending over it."""
+    of the projection output) before attending over it; ``ring``: one of RINGS."""
     if hn not in HEAD_GROUPS:
         raise ValueError(f"head group must be one of {HEAD_GROUPS}, got {hn}")
-    return ("mla_latent_decode", hn) + (("append",) if append else ())
+    if ring not in RINGS:
+        raise ValueError(f"ring must be one of {sorted(RINGS)}, got {ring!r}")
+    return ("mla_latent_decode", hn) + (("append",) if append else ()) + ((ring,) if ring != RING else ())
 
 
-def smem_bytes(hn: int) -> int:
-    return (hn * KSTR * 2 + 2 * PAGE * KSTR * 2 + hn * PSTR * 2 + 2 * WARPS * 16 * 4 + 16 + hn * SPLITS_MAX * 4
-            + 6 * 128)
+def smem_bytes(hn: int, ring: str = RING) -> int:
+    chunk, nbuf = RINGS[ring]
+    ksplit = WARPS * 16 // chunk
+    partials = WARPS * hn // 2 * 32 * 4 if ksplit > 1 else 0      # the score exchange between warp pairs
+    return (hn * KSTR * 2 + nbuf * chunk * KSTR * 2 + hn * (chunk + 8) * 2 + partials + 2 * WARPS * 16 * 4 + 16
+            + hn * SPLITS_MAX * 4 + 7 * 128)
 
 
-def _build(hn: int, append: bool):
+def _build(hn: int, append: bool, ring: str = RING):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass._mlir.dialects import llvm
@@ -110,7 +120,13 @@ def _build(hn: int, append: bool):
 
     NT = hn // 8
     NEG_INF = float("-inf")
-    SMEM = smem_bytes(hn)
+    SMEM = smem_bytes(hn, ring)
+    CHUNK, NBUF = RINGS[ring]
+    PSTR = CHUNK + 8                          # smem row pitch (bf16) of P [heads, tokens]: conflict-free B fragments
+    RT = CHUNK // 16                          # row tiles of 16 tokens per chunk
+    KSPLIT = WARPS // RT                      # warps sharing one row tile's 36 score k-steps
+    KPW = KSTEPS // KSPLIT                    # score k-steps per warp
+    VSTEPS = CHUNK // 16                      # k16 steps of P V per chunk
     OUT_PER_THREAD = hn * DV // THREADS       # the combine's output elements per thread (32 or 64)
     LANE_SPLITS = -(-SPLITS_MAX // 32)        # the combine's splits per lane when it weighs a head row
 
@@ -146,28 +162,43 @@ def _build(hn: int, append: bool):
                 grid=[splits, n_hg, n_req], block=[THREADS, 1, 1], smem=SMEM, stream=stream, use_pdl=True)
 
         @cute.jit
-        def load_page(self, mC, sk_base, buf, page, rows, new_row, tid):
-            """Rows [0, rows) of pool page ``page`` into ring buffer ``buf`` (16-byte cp.async chunks); the rest of
-            the buffer's 64 rows zero-filled. Row ``new_row`` (>= 0: the step's own token) is left for
-            write_new_row."""
-            g_base = mC.iterator.toint() + Int64(page) * (PAGE * DQK * 2)
-            for c in cutlass.range(tid, PAGE * (DQK // 8), THREADS):
+        def load_chunk(self, mC, sk_base, buf, page, first, rows, new_row, tid):
+            """Rows [first, first + rows) of pool page ``page`` into ring buffer ``buf`` (16-byte cp.async pieces);
+            the rest of the buffer's CHUNK rows zero-filled. Buffer row ``new_row`` (>= 0: the step's own token) is
+            left for write_new_row. The caller commits the group."""
+            g_base = mC.iterator.toint() + Int64(page) * (PAGE * DQK * 2) + Int64(first) * (DQK * 2)
+            for c in cutlass.range(tid, CHUNK * (DQK // 8), THREADS):
                 r = c // (DQK // 8)
                 col = c - r * (DQK // 8)
-                s_addr = sk_base + ((buf * PAGE + r) * KSTR + col * 8) * 2
+                s_addr = sk_base + ((buf * CHUNK + r) * KSTR + col * 8) * 2
                 if r < rows:
                     if r != new_row:
                         cp_async16(s_addr, g_base + Int64((r * DQK + col * 8) * 2))
                 else:
                     st_shared_zero16(s_addr)
-            cute.arch.cp_async_commit_group()
 
         @cute.jit
-        def write_new_row(self, mC, sK, mZ, mLn, n, zcol, page, row, buf, eps: Float32, warp, lane, hg):
+        def issue_chunk(self, mC, sK, sk_base, mBT, mZ, mLn, n, zcol, length, t_begin, ci, buf, eps: Float32, tid,
+                        warp, lane, hg):
+            """Chunk ``ci`` of the split (tokens t_begin + CHUNK ci ..) into ring buffer ``buf``: its rows of the
+            pool, and with ``append`` the step's own row (position length - 1) built in place of its load."""
+            tok0 = t_begin + ci * CHUNK
+            page = mBT[n, tok0 // PAGE]
+            first = tok0 % PAGE
+            nr = Int32(-1)
+            if const_expr(append):
+                nr = Int32(cutlass.select_(length - 1 - tok0 < CHUNK, length - 1 - tok0, Int32(-1)))
+            self.load_chunk(mC, sk_base, buf, page, first, cutlass.min(length - tok0, CHUNK), nr, tid)
+            if const_expr(append):
+                if nr >= 0:
+                    self.write_new_row(mC, sK, mZ, mLn, n, zcol, page, first + nr, buf, nr, eps, warp, lane, hg)
+
+        @cute.jit
+        def write_new_row(self, mC, sK, mZ, mLn, n, zcol, page, row, buf, brow, eps: Float32, warp, lane, hg):
             """The step's cache row [RMSNorm_{kv_a_ln}(c~_kv) | k_pe] from the projection output z[n, zcol:zcol+576],
-            written to the ring buffer's row (warp 0; fp32 norm, one bf16 rounding, as k3ref.mla.mla_latents) and,
-            by head group 0 alone, to the pool (its slot's page only): every head group's owning split builds the
-            row for its own ring, one writes it."""
+            written to row ``brow`` of ring buffer ``buf`` (warp 0; fp32 norm, one bf16 rounding, as
+            k3ref.mla.mla_latents) and, by head group 0 alone, to row ``row`` of pool page ``page`` (its slot's page
+            only): every head group's owning split builds the row for its own ring, one writes it."""
             # the page's base in 64 bits: page x 36,864 elements passes 2^31 from a pool of ~58K pages (4.3 GB)
             pg = cute.make_tensor(mC.iterator + Int64(page) * (PAGE * DQK),
                                   cute.make_layout((PAGE, DQK), stride=(DQK, 1)))
@@ -187,7 +218,7 @@ def _build(hn: int, append: bool):
                     y = xs[i].to(BFloat16)
                     if const_expr(32 * (i + 1) <= DV):
                         y = (xs[i] * rstd * mLn[e]).to(BFloat16)
-                    sK[buf, row, e] = y
+                    sK[buf, brow, e] = y
                     if hg == 0:
                         pg[row, e] = y
 
@@ -205,16 +236,19 @@ def _build(hn: int, append: bool):
 
             smem = cutlass.memory.SmemAllocator()
             sQ = smem.allocate_tensor(BFloat16, cute.make_layout((hn, KSTR), stride=(KSTR, 1)), 128)
-            sK = smem.allocate_tensor(BFloat16, cute.make_layout((2, PAGE, KSTR), stride=(PAGE * KSTR, KSTR, 1)),
+            sK = smem.allocate_tensor(BFloat16, cute.make_layout((NBUF, CHUNK, KSTR), stride=(CHUNK * KSTR, KSTR, 1)),
                                       128)
             sP = smem.allocate_tensor(BFloat16, cute.make_layout((hn, PSTR), stride=(PSTR, 1)), 128)
+            # a warp's partial scores, fragment by fragment, for its partner on the other half of the k-steps
+            sS = smem.allocate_tensor(Float32, cute.make_layout((WARPS, NT * 4, 32), stride=(NT * 4 * 32, 32, 1)),
+                                      128) if KSPLIT > 1 else None
             sMax = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), 16)
             sSum = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), 16)
             sFlag = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
             # the combine's weights 2^(m_s - M) / L per (head row, split)
             sW = smem.allocate_tensor(Float32, cute.make_layout((hn, SPLITS_MAX), stride=(SPLITS_MAX, 1)), 16)
             sQ32 = cute.recast_tensor(sQ, Int32)        # (hn, KSTR / 2)
-            sK32 = cute.recast_tensor(sK, Int32)        # (2, PAGE, KSTR / 2)
+            sK32 = cute.recast_tensor(sK, Int32)        # (NBUF, CHUNK, KSTR / 2)
             sP32 = cute.recast_tensor(sP, Int32)        # (hn, PSTR / 2)
             sq_base = sQ.iterator.toint()
             sk_base = sK.iterator.toint()
@@ -247,52 +281,56 @@ def _build(hn: int, append: bool):
             l_run = cute.make_rmem_tensor(cute.make_layout(NT * 2), Float32)
             l_run.fill(0.0)
 
-            # the step's own row (position length - 1) is built here from the projection output when ``append``
-            last_page = pages_total - 1
-            new_row = length - 1 - last_page * PAGE
-            if p_begin < p_end:
-                rows0 = cutlass.min(length - p_begin * PAGE, PAGE)
-                nr0 = Int32(-1)
-                if const_expr(append):
-                    nr0 = Int32(cutlass.select_(p_begin == last_page, new_row, Int32(-1)))
-                self.load_page(mC, sk_base, Int32(0), mBT[n, p_begin], rows0, nr0, tid)
-                if const_expr(append):
-                    if nr0 >= 0:
-                        self.write_new_row(mC, sK, mZ, mLn, n, zcol, mBT[n, p_begin], nr0, Int32(0), eps, warp, lane,
-                                           hg)
-            for p in cutlass.range(p_begin, p_end):
-                buf = (p - p_begin) % 2
-                if p + 1 < p_end:
-                    nr1 = Int32(-1)
-                    if const_expr(append):
-                        nr1 = Int32(cutlass.select_(p + 1 == last_page, new_row, Int32(-1)))
-                    self.load_page(mC, sk_base, 1 - buf, mBT[n, p + 1], cutlass.min(length - (p + 1) * PAGE, PAGE),
-                                   nr1, tid)
-                    if const_expr(append):
-                        if nr1 >= 0:
-                            self.write_new_row(mC, sK, mZ, mLn, n, zcol, mBT[n, p + 1], nr1, 1 - buf, eps, warp,
-                                               lane, hg)
-                    cute.arch.cp_async_wait_group(1)
-                else:
-                    cute.arch.cp_async_wait_group(0)
+            # the split's tokens [t_begin, t_end) in chunks of CHUNK rows; the step's own row (position length - 1)
+            # is built in its chunk from the projection output when ``append``
+            t_begin = p_begin * PAGE
+            t_end = cutlass.min(p_end * PAGE, length)
+            n_chunks = (cutlass.max(t_end - t_begin, Int32(0)) + (CHUNK - 1)) // CHUNK
+            # the first NBUF - 1 chunks in flight, one commit group each (empty past the split's last chunk, so
+            # that wait_group's count is the same in every iteration)
+            for ci in cutlass.range_constexpr(NBUF - 1):
+                if ci < n_chunks:
+                    self.issue_chunk(mC, sK, sk_base, mBT, mZ, mLn, n, zcol, length, t_begin, Int32(ci), Int32(ci),
+                                     eps, tid, warp, lane, hg)
+                cute.arch.cp_async_commit_group()
+            rt = warp % RT                      # this warp's row tile of a chunk
+            kh = warp // RT                     # and its share of the 36 score k-steps
+            for ci in cutlass.range(n_chunks):
+                buf = ci % NBUF
+                # chunk ci landed (the NBUF - 2 newer groups may still fly); the barrier makes every thread's
+                # pieces visible and frees the buffer chunk ci - 1 used, which the next issue refills
+                cute.arch.cp_async_wait_group(NBUF - 2)
                 cute.arch.sync_threads()
+                if ci + NBUF - 1 < n_chunks:
+                    self.issue_chunk(mC, sK, sk_base, mBT, mZ, mLn, n, zcol, length, t_begin, ci + NBUF - 1,
+                                     (ci + NBUF - 1) % NBUF, eps, tid, warp, lane, hg)
+                cute.arch.cp_async_commit_group()
 
-                # ---- scores: tokens 16w + g, 16w + g + 8 (M) x heads 8j + 2t, 8j + 2t + 1 (N)
+                # ---- scores: tokens 16 rt + g, 16 rt + g + 8 (M) x heads 8j + 2t, 8j + 2t + 1 (N), this warp's
+                # KPW k-steps
                 sc.fill(0.0)
-                r0 = 16 * warp + g
-                for kk in cutlass.range_constexpr(KSTEPS):
+                r0 = 16 * rt + g
+                for k2 in cutlass.range_constexpr(KPW):
+                    kk = kh * KPW + k2
                     a = [sK32[buf, r0, 8 * kk + t], sK32[buf, r0 + 8, 8 * kk + t],
                          sK32[buf, r0, 8 * kk + t + 4], sK32[buf, r0 + 8, 8 * kk + t + 4]]
                     for j in cutlass.range_constexpr(NT):
                         mma(sc, 4 * j, a, sQ32[8 * j + g, 8 * kk + t], sQ32[8 * j + g, 8 * kk + t + 4])
-                tok0 = p * PAGE + r0
+                if const_expr(KSPLIT > 1):
+                    # warps w and w + RT hold the same fragments of the two halves of the k-steps: swap and add
+                    for q in cutlass.range_constexpr(NT * 4):
+                        sS[warp, q, lane] = sc[q]
+                    cute.arch.sync_threads()
+                    for q in cutlass.range_constexpr(NT * 4):
+                        sc[q] = sc[q] + sS[(warp + RT) % WARPS, q, lane]
+                tok0 = t_begin + ci * CHUNK + r0
                 for j in cutlass.range_constexpr(NT):
                     for q in cutlass.range_constexpr(4):
                         tok = tok0 + 8 * (q // 2)
                         v = sc[4 * j + q] * scale_log2
                         sc[4 * j + q] = Float32(cutlass.select_(tok < length, v, Float32(NEG_INF)))
 
-                # ---- the page's max per head, over the warp's 16 tokens, then over the 4 warps
+                # ---- the chunk's max per head, over the warp's 16 tokens, then over the warps
                 for j in cutlass.range_constexpr(NT):
                     for q in cutlass.range_constexpr(2):
                         mx = cute.arch.fmax(sc[4 * j + q], sc[4 * j + 2 + q])
@@ -316,16 +354,18 @@ def _build(hn: int, append: bool):
                         ls = p0 + p1
                         for off in (4, 8, 16):
                             ls = ls + cute.arch.shuffle_sync_bfly(ls, offset=off)
-                        l_run[c] = l_run[c] * alpha + ls
+                        # the two warps of a row tile hold the same probabilities: the first counts and stores them
+                        l_run[c] = l_run[c] * alpha + Float32(cutlass.select_(kh == 0, ls, Float32(0.0)))
                         m_run[c] = m_new
-                        sP[col, r0] = p0.to(BFloat16)
-                        sP[col, r0 + 8] = p1.to(BFloat16)
+                        if kh == 0:
+                            sP[col, r0] = p0.to(BFloat16)
+                            sP[col, r0 + 8] = p1.to(BFloat16)
                         for mt in cutlass.range_constexpr(MT):
                             acc[(mt * NT + j) * 4 + q] = acc[(mt * NT + j) * 4 + q] * alpha
                             acc[(mt * NT + j) * 4 + 2 + q] = acc[(mt * NT + j) * 4 + 2 + q] * alpha
                 cute.arch.sync_threads()
 
-                # ---- P V: dims 128w + 16mt + (g, g + 8) (M) x heads (N), tokens of the page (K)
+                # ---- P V: dims 128w + 16mt + (g, g + 8) (M) x heads (N), tokens of the chunk (K)
                 li = lane % 8
                 lq = lane // 8
                 for kk in cutlass.range_constexpr(VSTEPS):
@@ -333,10 +373,11 @@ def _build(hn: int, append: bool):
                     bq = [[sP32[8 * j + g, 8 * kk + t], sP32[8 * j + g, 8 * kk + t + 4]] for j in range(NT)]
                     for mt in cutlass.range_constexpr(MT):
                         dim = 128 * warp + 16 * mt + 8 * (lq % 2)
-                        a = ldmatrix_x4_trans(sk_base + ((buf * PAGE + tok) * KSTR + dim) * 2)
+                        a = ldmatrix_x4_trans(sk_base + ((buf * CHUNK + tok) * KSTR + dim) * 2)
                         for j in cutlass.range_constexpr(NT):
                             mma(acc, (mt * NT + j) * 4, a, bq[j][0], bq[j][1])
-                cute.arch.sync_threads()
+                # the next iteration's first barrier orders these reads of sP, sMax and the buffer before their
+                # next writes
 
             cute.arch.cp_async_wait_group(0)     # an empty split still committed the query rows: retire them
 
@@ -446,10 +487,10 @@ def _build(hn: int, append: bool):
     return MlaLatentDecode()
 
 
-def _compile(hn: int, append: bool = False):
+def _compile(hn: int, append: bool = False, ring: str = RING):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
-    obj = _build(hn, append)
+    obj = _build(hn, append, ring)
     N, H, NP, MAXP, R, C, W = (cute.sym_int() for _ in range(7))
     fakes = (fake_tensor(BFloat16, (N, H, DQK)),           # q
              fake_tensor(BFloat16, (NP, PAGE, DQK)),       # kv_cache pool
@@ -466,12 +507,14 @@ def _compile(hn: int, append: bool = False):
 
 
 def _get_compiled(key: tuple):
-    return compile_cached(key, lambda: _compile(key[1], "append" in key[2:]))
+    ring = next((r for r in key[2:] if r in RINGS), RING)
+    return compile_cached(key, lambda: _compile(key[1], "append" in key[2:], ring))
 
 
-def warmup(heads_list=(6, 12, 96), append=(False,)) -> list[tuple]:
-    """Compile the builds these head counts take, with and / or without the fused append (no GPU needed)."""
-    keys = sorted({compile_key(head_group(h), a) for h in heads_list for a in append})
+def warmup(heads_list=(6, 12, 96), append=(False,), rings=(RING,)) -> list[tuple]:
+    """Compile the builds these head counts take, with and / or without the fused append, for these rings (no GPU
+    needed)."""
+    keys = sorted({compile_key(head_group(h), a, r) for h in heads_list for a in append for r in rings})
     for k in keys:
         _get_compiled(k)
     return keys
@@ -533,7 +576,7 @@ def check_paging(block_table, lengths, n_pages: int, *, lengths_name: str = "len
 
 def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=None, workspace=None,
                       nsm: int = 132, proj=None, proj_col: int = 0, kv_norm=None,
-                      eps: float = 1e-5):
+                      eps: float = 1e-5, ring: str = RING):
     """o_lat [N, H, 512] bf16 = softmax(scale q . c) c_kv over the first lengths[n] cache rows of each request.
 
     q [N, H, 576] bf16 (the absorbed query), kv_cache [pages, 64, 576] bf16 (vLLM's paged latent cache),
@@ -542,7 +585,7 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
     [512] fp32: row lengths[n] - 1 is the step's own token, written here as [RMSNorm_{kv_norm}(c~_kv) | k_pe] into
     its page (and nowhere else) before the attention reads it. ``workspace``: make_workspace's dict for these sizes
     (one is made here when None: not inside a graph capture). No host sync; capturable in a CUDA graph once
-    compiled and the workspace exists."""
+    compiled and the workspace exists. ``ring``: the build's ring (RINGS)."""
     import torch
     # dtypes and shapes first (these run on a CPU too), then one device for everything
     check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, DQK))
@@ -595,7 +638,7 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
         ln = _DUMMY_LN.get(dev)
         if ln is None:
             ln = _DUMMY_LN[dev] = torch.zeros(DV, dtype=torch.float32, device=dev)
-    fn = _get_compiled(compile_key(head_group(H), append))
+    fn = _get_compiled(compile_key(head_group(H), append, ring))
     fn(q, kv_cache, block_table, lengths, out, workspace["o"], workspace["ml"], workspace["count"], z, ln, H,
        splits, pps, float(scale) * 1.4426950408889634, zcol, float(eps))
     return out
