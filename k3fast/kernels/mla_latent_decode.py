@@ -297,14 +297,15 @@ def _build(hn: int, append: bool, ring: str = RING):
             kh = warp // RT                     # and its share of the 36 score k-steps
             for ci in cutlass.range(n_chunks):
                 buf = ci % NBUF
-                # chunk ci landed (the NBUF - 2 newer groups may still fly); the barrier makes every thread's
-                # pieces visible and frees the buffer chunk ci - 1 used, which the next issue refills
-                cute.arch.cp_async_wait_group(NBUF - 2)
-                cute.arch.sync_threads()
+                # chunk ci + NBUF - 1 into the buffer chunk ci - 1 used (the barrier ending the last iteration
+                # freed it), so that all NBUF buffers are in flight while chunk ci lands; then chunk ci landed (the
+                # NBUF - 1 newer groups may still fly), and the barrier makes every thread's pieces visible
                 if ci + NBUF - 1 < n_chunks:
                     self.issue_chunk(mC, sK, sk_base, mBT, mZ, mLn, n, zcol, length, t_begin, ci + NBUF - 1,
                                      (ci + NBUF - 1) % NBUF, eps, tid, warp, lane, hg)
                 cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(NBUF - 1)
+                cute.arch.sync_threads()
 
                 # ---- scores: tokens 16 rt + g, 16 rt + g + 8 (M) x heads 8j + 2t, 8j + 2t + 1 (N), this warp's
                 # KPW k-steps
@@ -376,8 +377,8 @@ def _build(hn: int, append: bool, ring: str = RING):
                         a = ldmatrix_x4_trans(sk_base + ((buf * CHUNK + tok) * KSTR + dim) * 2)
                         for j in cutlass.range_constexpr(NT):
                             mma(acc, (mt * NT + j) * 4, a, bq[j][0], bq[j][1])
-                # the next iteration's first barrier orders these reads of sP, sMax and the buffer before their
-                # next writes
+                # the buffer, sP, sMax and the partial scores are read: the next iteration may refill them
+                cute.arch.sync_threads()
 
             cute.arch.cp_async_wait_group(0)     # an empty split still committed the query rows: retire them
 

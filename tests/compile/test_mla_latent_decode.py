@@ -60,8 +60,8 @@ def test_builds_compile_with_the_designed_instruction_mix(hn, append, ring):
     assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans") == chunk // 16 * 8
     assert ".local" not in ptx
     assert mk.smem_bytes(hn, ring) <= 227 * 1024
-    # the ring: one wait per chunk that leaves the NBUF - 2 newer chunks in flight (and the final drain)
-    assert re.search(rf"cp\.async\.wait_group\s+{nbuf - 2};", ptx)
+    # the ring: one wait per chunk that leaves the NBUF - 1 newer chunks in flight (and the final drain)
+    assert re.search(rf"cp\.async\.wait_group\s+{nbuf - 1};", ptx)
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     # the combine's serial chain is the split loop alone: each split's partial O is loaded for all of a thread's
     # output elements with no branch between the loads (one L2 round trip per split)
