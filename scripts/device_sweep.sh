@@ -4,6 +4,8 @@
 #   K3_COMMIT=<commit sent> [K3_TAG=<commit>-<step>] bash scripts/device_sweep.sh --preset kda-sweep [trace args...]
 #   K3_BENCH="--shapes k3_rank16 --batches 1 8 64"     also runs python -m k3fast.measure.bench with these arguments
 #   K3_EXPERTS="--shapes k3_rank16 --batches 8 64"     also runs python -m k3fast.measure.bench_experts
+#   --preset stock-vs-vllm --engine /tmp/k3eng/*.json    each stock record beside stock vLLM's own layer, measured in an
+#                                                       earlier call on this machine (device_vllm_e2e.sh layers)
 #   K3_SWEEP_TIMEOUT / K3_BENCH_TIMEOUT / K3_EXPERTS_TIMEOUT (s) bound each step; give the trace a --budget-s below
 #   K3_SWEEP_TIMEOUT so that it stops between cells and keeps what it measured.
 # The machine's copy of the tree has no .git: K3_COMMIT is how the records learn their commit (each record's

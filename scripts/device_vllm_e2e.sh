@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, vLLM staged (scripts/device_parts.sh --vllm): the plug-in's end-to-end runs, one per
 # call (each engine start takes minutes; a call has 10). Everything lands under $OUT (default ./out).
-#   K3_COMMIT=<sha> bash scripts/device_vllm_e2e.sh small | deep | deep-k3fast | deep-stock | layers-<shape>
+#   K3_COMMIT=<sha> bash scripts/device_vllm_e2e.sh small | deep | deep-k3fast | deep-stock | layers | layers-<shape>
 # K3_PLAN='{"mla_attention": "fused"}' passes DecodePlan overrides to the plug-in's engines. K3_HUMMING=1 puts
 # humming-kernels (staged apart, /tmp/k3hum) on the path: vLLM then prefers its MXFP4 MoE to Marlin on SM90, the
 # second stock variant (the records' moe_backend says which ran).
@@ -10,7 +10,9 @@
 # inside the engine), then stock vLLM on it if the call has time left. deep: the 36-layer model, stock then plug-in
 # (~7 min on an H100 with cold caches); deep-*: one engine. layers-<shape> (k3_rank16, k3_rank8, full): stock vLLM's
 # per-layer kernels and kernel time at batch 1 / 8 / 64 on the 4-layer model of that shape, the counterpart of the
-# trace's stock cells (report --engine-match).
+# trace's stock cells (report --engine-match); layers: every shape, one after the other, while the call has time.
+# The layers files are also kept in K3_ENGINE_DIR (default /tmp/k3eng) on the machine, so that a later call's sweep
+# matches its stock records against them: scripts/device_sweep.sh --preset stock-vs-vllm --engine /tmp/k3eng/*.json
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -49,8 +51,15 @@ case "${1:-small}" in
       tail -3 "$OUT/gpu-paged.log"
     fi
     ;;
-  layers-*)
-    E2E_OPTS="--shape ${1#layers-} --util 0.85 --steps 8 --repeats 1" e2e "layers-${1#layers-}" stock 4 1 8 64
+  layers|layers-*)
+    shapes=${1#layers-}; [ "$1" = layers ] && shapes="k3_rank16 k3_rank8 full"
+    mkdir -p "${K3_ENGINE_DIR:=/tmp/k3eng}"
+    for s in $shapes; do
+      # a 4-layer engine starts and profiles in a few minutes: a shape starts only with 150 s left
+      [ "$(left)" -gt 150 ] || { echo "== layers-$s skipped: $(left) s left"; continue; }
+      E2E_OPTS="--shape $s --util 0.85 --steps 8 --repeats 1" e2e "layers-$s" stock 4 1 8 64
+      cp "$OUT"/e2e-layers-"$s"*.json "$K3_ENGINE_DIR/" 2>/dev/null
+    done
     ;;
   *) echo "unknown run $1"; exit 2 ;;
 esac
