@@ -324,8 +324,9 @@ assert cell[("k3_rank16", 64, 32768, "fast-mla", "attn")]["replay_us_median"] > 
 # 192 at batch 64, so a second wave of 4 or 60 CTAs doubled the core's time. The plan now stops at one wave
 # (predicted: the half at b8 32K from 246 to ~130 µs, at b64 32K from 1280 to ~960 µs; not yet measured).
 # (2) *Streaming rate*: one CTA streams ~20 GB/s where 132 CTAs need ~32 GB/s each to reach the copy bandwidth. Its
-# ring holds two 74 KB pages, one loading while 4 warps compute the other with four block-wide barriers per page;
-# more warps per page or a deeper ring of smaller pieces is the next change.
+# ring holds two 74 KB pages, one loading while 4 warps compute the other: one page in flight. The half-page ring
+# (`fast-mla-half5`: five 32-row buffers, four in flight) is written and passes the CPU compile tier; its GPU tests
+# and timing are next.
 # (3) *Fixed costs*: at 1K tokens and batch 1 the half is 3.9x its floor (14 µs): five launches around a tiny
 # core, where vLLM's path runs 14. The kernel's design notes have the version table
 # (`docs/kernels/mla_latent_decode.md`).
