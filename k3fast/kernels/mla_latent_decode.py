@@ -11,16 +11,18 @@ the rows to attend per request (the new token's row included; 0 marks a padded r
 
 The split (flash-decoding). The grid is (S splits, head groups, N requests); split s of request n takes pages
 [s P, (s + 1) P) of its table, so one request's long cache is read by many SMs at once. Each CTA (4 warps) keeps
-its head group's 8 or 16 query rows in shared memory and streams its pages through a two-page cp.async ring:
+its head group's 8 or 16 query rows in shared memory and streams its pages through a cp.async ring of chunks
+(RINGS: whole pages through two buffers, or half pages through five), computing one chunk at a time:
 
-  scores   S^T = K Q^T on mma.sync m16n8k16 with the 64 tokens of a page as the M side (warp w: tokens
-           16w..16w+15) and the heads as N (8 per tile): the cache rows are the A operand, read as they lie;
-  softmax  online, in base 2 (scale * log2 e folded into the scores); the page's max per head goes through
+  scores   S^T = K Q^T on mma.sync m16n8k16 with the chunk's tokens as the M side (16 per warp; with 32-row
+           chunks two warps share a row tile, each taking half of the 36 k-steps, and add their partial scores)
+           and the heads as N (8 per tile): the cache rows are the A operand, read as they lie;
+  softmax  online, in base 2 (scale * log2 e folded into the scores); the chunk's max per head goes through
            shared memory so that every warp rescales with the same running max;
   P V      O^T = V^T P^T with 16 of the 512 latent dims per MMA row tile (warp w: dims 128w..128w+127), the
            cache rows transposed into A fragments by ldmatrix.trans, P from shared memory as the B operand.
 
-Rows of a page past L_n are masked to -inf before the softmax, so their probabilities are exact zeros. The pool
+Rows of a chunk past L_n are masked to -inf before the softmax, so their probabilities are exact zeros. The pool
 holds whatever those rows held before (NaN, say), and 0 x NaN is NaN in P V, so the ring writes zeros for them
 instead of loading them.
 
