@@ -314,7 +314,7 @@ def _build(hn: int, append: bool, ring: str = RING):
                 sc.fill(0.0)
                 r0 = 16 * rt + g
                 for k2 in cutlass.range_constexpr(KPW):
-                    kk = kh * KPW + k2
+                    kk = k2 if KSPLIT == 1 else kh * KPW + k2       # whole-page chunks: constant offsets
                     a = [sK32[buf, r0, 8 * kk + t], sK32[buf, r0 + 8, 8 * kk + t],
                          sK32[buf, r0, 8 * kk + t + 4], sK32[buf, r0 + 8, 8 * kk + t + 4]]
                     for j in cutlass.range_constexpr(NT):
