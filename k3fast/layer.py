@@ -75,8 +75,9 @@ class DecodePlan:
             raise ValueError(f"in_proj_small must be 'ring' or 'fma', got {self.in_proj_small!r}")
         if self.mla_attention not in ("stock", "fused"):
             raise ValueError(f"mla_attention must be 'stock' or 'fused', got {self.mla_attention!r}")
-        if self.mla_ring not in ("page2", "half5"):
-            raise ValueError(f"mla_ring must be 'page2' or 'half5', got {self.mla_ring!r}")
+        from .kernels.mla_latent_decode import RINGS
+        if self.mla_ring not in RINGS:
+            raise ValueError(f"mla_ring must be one of {sorted(RINGS)}, got {self.mla_ring!r}")
         if self.wide_gemm not in ("auto", "cublas"):
             raise ValueError(f"wide_gemm must be 'auto' or 'cublas', got {self.wide_gemm!r}")
         # the fused front folds the shared experts' gate/up only on its warp-per-row path (M <= 4)

@@ -106,9 +106,14 @@ def compile_key(hn: int, append: bool = False, ring: str = RING) -> tuple:
     return ("mla_latent_decode", hn) + (("append",) if append else ()) + ((ring,) if ring != RING else ())
 
 
-def smem_bytes(hn: int, ring: str = RING) -> int:
+def ring_shape(ring: str) -> tuple[int, int, int]:
+    """(rows per chunk, buffers, warps sharing a row tile's score k-steps) of ``ring``."""
     chunk, nbuf = RINGS[ring]
-    ksplit = WARPS * 16 // chunk
+    return chunk, nbuf, WARPS * 16 // chunk
+
+
+def smem_bytes(hn: int, ring: str = RING) -> int:
+    chunk, nbuf, ksplit = ring_shape(ring)
     partials = WARPS * hn // 2 * 32 * 4 if ksplit > 1 else 0      # the score exchange between warp pairs
     return (hn * KSTR * 2 + nbuf * chunk * KSTR * 2 + hn * (chunk + 8) * 2 + partials + 2 * WARPS * 16 * 4 + 16
             + hn * SPLITS_MAX * 4 + 7 * 128)
@@ -123,10 +128,9 @@ def _build(hn: int, append: bool, ring: str = RING):
     NT = hn // 8
     NEG_INF = float("-inf")
     SMEM = smem_bytes(hn, ring)
-    CHUNK, NBUF = RINGS[ring]
+    CHUNK, NBUF, KSPLIT = ring_shape(ring)    # KSPLIT: warps sharing one row tile's 36 score k-steps
     PSTR = CHUNK + 8                          # smem row pitch (bf16) of P [heads, tokens]: conflict-free B fragments
     RT = CHUNK // 16                          # row tiles of 16 tokens per chunk
-    KSPLIT = WARPS // RT                      # warps sharing one row tile's 36 score k-steps
     KPW = KSTEPS // KSPLIT                    # score k-steps per warp
     VSTEPS = CHUNK // 16                      # k16 steps of P V per chunk
     OUT_PER_THREAD = hn * DV // THREADS       # the combine's output elements per thread (32 or 64)
