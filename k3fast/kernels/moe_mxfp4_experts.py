@@ -278,8 +278,10 @@ def prepare_mxfp4_experts(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w
     elif layout == "rot" and max_scale > ROT_MAX_SCALE:
         raise ValueError(f"layout 'rot' needs every E8M0 scale byte <= {ROT_MAX_SCALE} (scale <= 2), got {max_scale}: "
                          f"use layout='nibble' or 'auto'")
-    # chunks of experts keep the int64 temporaries small; runs on the tensors' device (GPU: ~1 s for K3)
-    q13, sc13, q2, s2 = [], [], [], []
+    # chunks of experts keep the int64 temporaries small, and each chunk lands in the preallocated result, so the
+    # peak is the result plus one chunk's temporaries (at full width the result alone is ~30 GB per layer); runs on
+    # the tensors' device (GPU: ~1 s for K3)
+    outs = None
     step = max(1, (1 << 24) // (I * dL))
     for e0 in range(0, E, step):
         e1 = min(E, e0 + step)
@@ -288,15 +290,17 @@ def prepare_mxfp4_experts(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w
         c3 = _unpack_codes(w3_packed[e0:e1]).reshape(n, I // 8, 8, dL)
         sc1 = w1_scale[e0:e1].reshape(n, I // 8, 8, dL // 32)
         sc3 = w3_scale[e0:e1].reshape(n, I // 8, 8, dL // 32)
-        q, s = _pack_tiles(torch.cat([c1, c3], dim=2), torch.cat([sc1, sc3], dim=2), layout)
-        q13.append(q)
-        sc13.append(s)
+        q13, s13 = _pack_tiles(torch.cat([c1, c3], dim=2), torch.cat([sc1, sc3], dim=2), layout)
+        del c1, c3
         c2 = _unpack_codes(w2_packed[e0:e1]).reshape(n, dL // 16, 16, I)
         sc2 = w2_scale[e0:e1].reshape(n, dL // 16, 16, I // 32)
-        q, s = _pack_tiles(c2, sc2, layout)
-        q2.append(q)
-        s2.append(s)
-    outs = [torch.cat(x).contiguous() for x in (q13, sc13, q2, s2)]
+        q2, s2 = _pack_tiles(c2, sc2, layout)
+        del c2
+        chunk = (q13, s13, q2, s2)
+        if outs is None:
+            outs = [torch.empty((E,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) for t in chunk]
+        for o, t in zip(outs, chunk):
+            o[e0:e1].copy_(t)
     return PreparedExperts(*outs, layout=layout)
 
 

@@ -55,6 +55,19 @@ def test_prepare_roundtrip_bit_exact_all_bytes(layout):
     assert torch.equal(sc13[:, :, 8:].reshape(E, I, dL // 32), s3)
 
 
+def test_prepare_in_chunks_equals_expert_by_expert():
+    """Experts are re-laid in chunks written into the preallocated result: a chunked call (three chunks here, the
+    last one short) gives the same bits as preparing each expert alone."""
+    gen = torch.Generator().manual_seed(3)
+    E, I, dL = 9, 512, 8192                   # (1 << 24) // (I * dL) = 4 experts per chunk
+    ckpt = _rand_ckpt(E, I, dL, gen, 118, 125)
+    whole = mx.prepare_mxfp4_experts(*ckpt, layout="nibble")
+    for e in range(E):
+        one = mx.prepare_mxfp4_experts(*[t[e:e + 1] for t in ckpt], layout="nibble")
+        for name in ("w13q", "w13s", "w2q", "w2s"):
+            assert torch.equal(getattr(whole, name)[e:e + 1], getattr(one, name)), (name, e)
+
+
 def _decode_word_like_kernel(word: int):
     """Python model of the kernel's PRMT decode (decode8, nibble layout) -> 8 bf16 bit patterns in output order."""
     def prmt(a, b, sel):
