@@ -66,18 +66,12 @@ class DecodePlan:
     # decode attention and o_proj kernels with torch ops between them). "stock": measured on an H200, FusedMLA wins at
     # 1K cached tokens and loses from 8K on, up to 2x at 32K (docs/kernels/mla_latent_decode.md).
     mla_attention: str = "stock"
-    # FusedMLA's latent decode ring (mla_latent_decode.RINGS): "page2" streams whole pages through two buffers,
-    # "half5" half pages through five (twice the bytes in flight per SM).
-    mla_ring: str = "page2"
 
     def __post_init__(self):
         if self.in_proj_small not in ("ring", "fma"):
             raise ValueError(f"in_proj_small must be 'ring' or 'fma', got {self.in_proj_small!r}")
         if self.mla_attention not in ("stock", "fused"):
             raise ValueError(f"mla_attention must be 'stock' or 'fused', got {self.mla_attention!r}")
-        from .kernels.mla_latent_decode import RINGS
-        if self.mla_ring not in RINGS:
-            raise ValueError(f"mla_ring must be one of {sorted(RINGS)}, got {self.mla_ring!r}")
         if self.wide_gemm not in ("auto", "cublas"):
             raise ValueError(f"wide_gemm must be 'auto' or 'cublas', got {self.wide_gemm!r}")
         # the fused front folds the shared experts' gate/up only on its warp-per-row path (M <= 4)
@@ -151,8 +145,6 @@ CONTENDERS: dict[str, tuple[DecodePlan, str]] = {
                      "moe_tail at every batch (where cuBLAS overtakes the swap-AB GEMV)"),
     "fast-mla": (DecodePlan(mla_attention="fused"),
                  "MLA layers' attention half on FusedMLA (open: ahead of vLLM's FA3 MLA at 1K tokens, behind from 8K)"),
-    "fast-mla-half5": (DecodePlan(mla_attention="fused", mla_ring="half5"),
-                       "FusedMLA with the latent decode's five half-page ring (open: not yet timed)"),
 }
 
 
@@ -459,7 +451,7 @@ class FusedMLA(_AttentionEnds):
             # the kernel writes the step's row [RMSNorm(c~_kv) | k_pe] into its page, then attends over it
             o_lat = mla_latent_decode(Q, kv_pages, block_table, seqlens, scale=self.scale, workspace=ws, nsm=self.nsm,
                                       proj=z, proj_col=cfg.q_lora_rank, kv_norm=self.kv_norm,
-                                      eps=cfg.rms_norm_eps, ring=self.plan.mla_ring)     # [M, H, 512] bf16
+                                      eps=cfg.rms_norm_eps)     # [M, H, 512] bf16
             # W_UV per head and the sigmoid gate (g read in place from the projection output); k3ref.bytes counts
             # W_UV in this stage
             y = mla_uv_gate(o_lat, self.W_UV, z, g_col=cfg.q_lora_rank + cfg.kv_cache_dim)
@@ -644,7 +636,7 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
         # RMSNorm(q_a) + the absorbed query projection: one AttnRes source, no delta
         rms_gemv.warmup(batches, K=cfg.q_lora_rank, N=(cfg.mla_heads * cfg.kv_cache_dim,), sites=[(0, False, -1)],
                         eps=eps, strided_p=True)
-        mla_latent_decode.warmup([cfg.mla_heads], append=(True,), rings=(plan.mla_ring,))
+        mla_latent_decode.warmup([cfg.mla_heads], append=(True,))
         mla_uv_gate.warmup(batches)
     # the MoE half, the same in every layer from 1 on
     fronts = [M for M in batches if plan.front_engine(M) == "fused"]

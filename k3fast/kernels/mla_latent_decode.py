@@ -11,18 +11,18 @@ the rows to attend per request (the new token's row included; 0 marks a padded r
 
 The split (flash-decoding). The grid is (S splits, head groups, N requests); split s of request n takes pages
 [s P, (s + 1) P) of its table, so one request's long cache is read by many SMs at once. Each CTA (4 warps) keeps
-its head group's 8 or 16 query rows in shared memory and streams its pages through a cp.async ring of chunks
-(RINGS: whole pages through two buffers, or half pages through five), computing one chunk at a time:
+its head group's 8 or 16 query rows in shared memory and streams its pages through a cp.async ring of two page
+buffers, computing one page while the next one loads:
 
-  scores   S^T = K Q^T on mma.sync m16n8k16 with the chunk's tokens as the M side (16 per warp; with 32-row
-           chunks two warps share a row tile, each taking half of the 36 k-steps, and add their partial scores)
-           and the heads as N (8 per tile): the cache rows are the A operand, read as they lie;
-  softmax  online, in base 2 (scale * log2 e folded into the scores); the chunk's max per head goes through
+  scores   S^T = K Q^T on mma.sync m16n8k16 with the 64 tokens of a page as the M side (warp w: tokens
+           16w..16w+15, all 36 k-steps) and the heads as N (8 per tile): the cache rows are the A operand, read as
+           they lie;
+  softmax  online, in base 2 (scale * log2 e folded into the scores); the page's max per head goes through
            shared memory so that every warp rescales with the same running max;
   P V      O^T = V^T P^T with 16 of the 512 latent dims per MMA row tile (warp w: dims 128w..128w+127), the
            cache rows transposed into A fragments by ldmatrix.trans, P from shared memory as the B operand.
 
-Rows of a chunk past L_n are masked to -inf before the softmax, so their probabilities are exact zeros. The pool
+Rows of a page past L_n are masked to -inf before the softmax, so their probabilities are exact zeros. The pool
 holds whatever those rows held before (NaN, say), and 0 x NaN is NaN in P V, so the ring writes zeros for them
 instead of loading them.
 
@@ -61,13 +61,12 @@ THREADS = 32 * WARPS
 KSTR = DQK + 8            # smem row pitch (bf16) of cache rows and query rows: 292 words, conflict-free fragments
 KSTEPS = DQK // 16        # 36 k16 steps of the score MMAs
 MT = DV // 16 // WARPS    # 8 dim tiles of 16 per warp in P V
-# The ring: (rows per chunk, chunk buffers). A CTA computes one chunk while the loads of the next NBUF - 1 chunks
-# are in flight. "page2" streams whole pages through two buffers (one page, 74 KB, in flight per SM); "half5"
-# streams half pages through five (four halves, 150 KB, in flight): a loaded H200 needs ~32 GB/s per SM from 132
-# SMs, and with one page in flight at a time a CTA measures ~20 GB/s. With 32-row chunks the score MMAs of a
-# chunk split their 36 k-steps between warp pairs (two row tiles of 16 tokens x two halves of the 576-wide rows).
-RINGS = {"page2": (64, 2), "half5": (32, 5)}
-RING = "page2"
+# The ring: a CTA computes one chunk of CHUNK cache rows while the loads of the next NBUF - 1 chunks are in flight.
+# A chunk is a whole page, so each warp owns one 16-token row tile with all 36 score k-steps (no partial scores to
+# exchange between warps) and every fragment offset is a constant; two buffers keep one page (74 KB) in flight
+# while the other is computed, and with the query rows, P and the combine's table they fit one CTA per SM.
+CHUNK = PAGE              # cache rows per ring buffer
+NBUF = 2                  # ring buffers
 HEAD_GROUPS = (8, 16)     # query rows per CTA (8: up to 8 heads, 16 otherwise)
 SPLITS_MAX = 160          # the combine's weight table in shared memory holds this many splits per head row
 LOG2E = 1.4426950408889634
@@ -96,30 +95,20 @@ def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132) -> 
     return -(-max_pages // pps), pps
 
 
-def compile_key(hn: int, append: bool = False, ring: str = RING) -> tuple:
+def compile_key(hn: int, append: bool = False) -> tuple:
     """The build for head group ``hn``; ``append``: the kernel also writes the step's own cache row (kv_a's RMSNorm
-    of the projection output) before attending over it; ``ring``: one of RINGS."""
+    of the projection output) before attending over it."""
     if hn not in HEAD_GROUPS:
         raise ValueError(f"head group must be one of {HEAD_GROUPS}, got {hn}")
-    if ring not in RINGS:
-        raise ValueError(f"ring must be one of {sorted(RINGS)}, got {ring!r}")
-    return ("mla_latent_decode", hn) + (("append",) if append else ()) + ((ring,) if ring != RING else ())
+    return ("mla_latent_decode", hn) + (("append",) if append else ())
 
 
-def ring_shape(ring: str) -> tuple[int, int, int]:
-    """(rows per chunk, buffers, warps sharing a row tile's score k-steps) of ``ring``."""
-    chunk, nbuf = RINGS[ring]
-    return chunk, nbuf, WARPS * 16 // chunk
+def smem_bytes(hn: int) -> int:
+    return (hn * KSTR * 2 + NBUF * CHUNK * KSTR * 2 + hn * (CHUNK + 8) * 2 + 2 * WARPS * 16 * 4 + 16
+            + hn * SPLITS_MAX * 4 + 6 * 128)
 
 
-def smem_bytes(hn: int, ring: str = RING) -> int:
-    chunk, nbuf, ksplit = ring_shape(ring)
-    partials = WARPS * hn // 2 * 32 * 4 if ksplit > 1 else 0      # the score exchange between warp pairs
-    return (hn * KSTR * 2 + nbuf * chunk * KSTR * 2 + hn * (chunk + 8) * 2 + partials + 2 * WARPS * 16 * 4 + 16
-            + hn * SPLITS_MAX * 4 + 7 * 128)
-
-
-def _build(hn: int, append: bool, ring: str = RING):
+def _build(hn: int, append: bool):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass._mlir.dialects import llvm
@@ -127,11 +116,8 @@ def _build(hn: int, append: bool, ring: str = RING):
 
     NT = hn // 8
     NEG_INF = float("-inf")
-    SMEM = smem_bytes(hn, ring)
-    CHUNK, NBUF, KSPLIT = ring_shape(ring)    # KSPLIT: warps sharing one row tile's 36 score k-steps
+    SMEM = smem_bytes(hn)
     PSTR = CHUNK + 8                          # smem row pitch (bf16) of P [heads, tokens]: conflict-free B fragments
-    RT = CHUNK // 16                          # row tiles of 16 tokens per chunk
-    KPW = KSTEPS // KSPLIT                    # score k-steps per warp
     VSTEPS = CHUNK // 16                      # k16 steps of P V per chunk
     OUT_PER_THREAD = hn * DV // THREADS       # the combine's output elements per thread (32 or 64)
     LANE_SPLITS = -(-SPLITS_MAX // 32)        # the combine's splits per lane when it weighs a head row
@@ -245,9 +231,6 @@ def _build(hn: int, append: bool, ring: str = RING):
             sK = smem.allocate_tensor(BFloat16, cute.make_layout((NBUF, CHUNK, KSTR), stride=(CHUNK * KSTR, KSTR, 1)),
                                       128)
             sP = smem.allocate_tensor(BFloat16, cute.make_layout((hn, PSTR), stride=(PSTR, 1)), 128)
-            # a warp's partial scores, fragment by fragment, for its partner on the other half of the k-steps
-            sS = smem.allocate_tensor(Float32, cute.make_layout((WARPS, NT * 4, 32), stride=(NT * 4 * 32, 32, 1)),
-                                      128) if KSPLIT > 1 else None
             sMax = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), 16)
             sSum = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), 16)
             sFlag = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
@@ -299,8 +282,6 @@ def _build(hn: int, append: bool, ring: str = RING):
                     self.issue_chunk(mC, sK, sk_base, mBT, mZ, mLn, n, zcol, length, t_begin, Int32(ci), Int32(ci),
                                      eps, tid, warp, lane, hg)
                 cute.arch.cp_async_commit_group()
-            rt = warp % RT                      # this warp's row tile of a chunk
-            kh = warp // RT                     # and its share of the 36 score k-steps
             for ci in cutlass.range(n_chunks):
                 buf = ci % NBUF
                 # chunk ci + NBUF - 1 into the buffer chunk ci - 1 used (the barrier ending the last iteration
@@ -313,23 +294,14 @@ def _build(hn: int, append: bool, ring: str = RING):
                 cute.arch.cp_async_wait_group(NBUF - 1)
                 cute.arch.sync_threads()
 
-                # ---- scores: tokens 16 rt + g, 16 rt + g + 8 (M) x heads 8j + 2t, 8j + 2t + 1 (N), this warp's
-                # KPW k-steps
+                # ---- scores: tokens 16w + g, 16w + g + 8 (M) x heads 8j + 2t, 8j + 2t + 1 (N)
                 sc.fill(0.0)
-                r0 = 16 * rt + g
-                for k2 in cutlass.range_constexpr(KPW):
-                    kk = k2 if KSPLIT == 1 else kh * KPW + k2       # whole-page chunks: constant offsets
+                r0 = 16 * warp + g
+                for kk in cutlass.range_constexpr(KSTEPS):
                     a = [sK32[buf, r0, 8 * kk + t], sK32[buf, r0 + 8, 8 * kk + t],
                          sK32[buf, r0, 8 * kk + t + 4], sK32[buf, r0 + 8, 8 * kk + t + 4]]
                     for j in cutlass.range_constexpr(NT):
                         mma(sc, 4 * j, a, sQ32[8 * j + g, 8 * kk + t], sQ32[8 * j + g, 8 * kk + t + 4])
-                if const_expr(KSPLIT > 1):
-                    # warps w and w + RT hold the same fragments of the two halves of the k-steps: swap and add
-                    for q in cutlass.range_constexpr(NT * 4):
-                        sS[warp, q, lane] = sc[q]
-                    cute.arch.sync_threads()
-                    for q in cutlass.range_constexpr(NT * 4):
-                        sc[q] = sc[q] + sS[(warp + RT) % WARPS, q, lane]
                 tok0 = t_begin + ci * CHUNK + r0
                 for j in cutlass.range_constexpr(NT):
                     for q in cutlass.range_constexpr(4):
@@ -361,12 +333,10 @@ def _build(hn: int, append: bool, ring: str = RING):
                         ls = p0 + p1
                         for off in (4, 8, 16):
                             ls = ls + cute.arch.shuffle_sync_bfly(ls, offset=off)
-                        # the two warps of a row tile hold the same probabilities: the first counts and stores them
-                        l_run[c] = l_run[c] * alpha + Float32(cutlass.select_(kh == 0, ls, Float32(0.0)))
+                        l_run[c] = l_run[c] * alpha + ls
                         m_run[c] = m_new
-                        if kh == 0:
-                            sP[col, r0] = p0.to(BFloat16)
-                            sP[col, r0 + 8] = p1.to(BFloat16)
+                        sP[col, r0] = p0.to(BFloat16)
+                        sP[col, r0 + 8] = p1.to(BFloat16)
                         for mt in cutlass.range_constexpr(MT):
                             acc[(mt * NT + j) * 4 + q] = acc[(mt * NT + j) * 4 + q] * alpha
                             acc[(mt * NT + j) * 4 + 2 + q] = acc[(mt * NT + j) * 4 + 2 + q] * alpha
@@ -383,7 +353,7 @@ def _build(hn: int, append: bool, ring: str = RING):
                         a = ldmatrix_x4_trans(sk_base + ((buf * CHUNK + tok) * KSTR + dim) * 2)
                         for j in cutlass.range_constexpr(NT):
                             mma(acc, (mt * NT + j) * 4, a, bq[j][0], bq[j][1])
-                # the buffer, sP, sMax and the partial scores are read: the next iteration may refill them
+                # the buffer, sP and sMax are read: the next iteration may refill them
                 cute.arch.sync_threads()
 
             cute.arch.cp_async_wait_group(0)     # an empty split still committed the query rows: retire them
@@ -494,10 +464,10 @@ def _build(hn: int, append: bool, ring: str = RING):
     return MlaLatentDecode()
 
 
-def _compile(hn: int, append: bool = False, ring: str = RING):
+def _compile(hn: int, append: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
-    obj = _build(hn, append, ring)
+    obj = _build(hn, append)
     N, H, NP, MAXP, R, C, W = (cute.sym_int() for _ in range(7))
     fakes = (fake_tensor(BFloat16, (N, H, DQK)),           # q
              fake_tensor(BFloat16, (NP, PAGE, DQK)),       # kv_cache pool
@@ -514,14 +484,12 @@ def _compile(hn: int, append: bool = False, ring: str = RING):
 
 
 def _get_compiled(key: tuple):
-    ring = next((r for r in key[2:] if r in RINGS), RING)
-    return compile_cached(key, lambda: _compile(key[1], "append" in key[2:], ring))
+    return compile_cached(key, lambda: _compile(key[1], "append" in key[2:]))
 
 
-def warmup(heads_list=(6, 12, 96), append=(False,), rings=(RING,)) -> list[tuple]:
-    """Compile the builds these head counts take, with and / or without the fused append, for these rings (no GPU
-    needed)."""
-    keys = sorted({compile_key(head_group(h), a, r) for h in heads_list for a in append for r in rings})
+def warmup(heads_list=(6, 12, 96), append=(False,)) -> list[tuple]:
+    """Compile the builds these head counts take, with and / or without the fused append (no GPU needed)."""
+    keys = sorted({compile_key(head_group(h), a) for h in heads_list for a in append})
     for k in keys:
         _get_compiled(k)
     return keys
@@ -583,7 +551,7 @@ def check_paging(block_table, lengths, n_pages: int, *, lengths_name: str = "len
 
 def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=None, workspace=None,
                       nsm: int = 132, proj=None, proj_col: int = 0, kv_norm=None,
-                      eps: float = 1e-5, ring: str = RING):
+                      eps: float = 1e-5):
     """o_lat [N, H, 512] bf16 = softmax(scale q . c) c_kv over the first lengths[n] cache rows of each request.
 
     q [N, H, 576] bf16 (the absorbed query), kv_cache [pages, 64, 576] bf16 (vLLM's paged latent cache),
@@ -592,7 +560,7 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
     [512] fp32: row lengths[n] - 1 is the step's own token, written here as [RMSNorm_{kv_norm}(c~_kv) | k_pe] into
     its page (and nowhere else) before the attention reads it. ``workspace``: make_workspace's dict for these sizes
     (one is made here when None: not inside a graph capture). No host sync; capturable in a CUDA graph once
-    compiled and the workspace exists. ``ring``: the build's ring (RINGS)."""
+    compiled and the workspace exists."""
     import torch
     # dtypes and shapes first (these run on a CPU too), then one device for everything
     check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, DQK))
@@ -645,7 +613,7 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
         ln = _DUMMY_LN.get(dev)
         if ln is None:
             ln = _DUMMY_LN[dev] = torch.zeros(DV, dtype=torch.float32, device=dev)
-    fn = _get_compiled(compile_key(head_group(H), append, ring))
+    fn = _get_compiled(compile_key(head_group(H), append))
     fn(q, kv_cache, block_table, lengths, out, workspace["o"], workspace["ml"], workspace["count"], z, ln, H,
        splits, pps, float(scale) * 1.4426950408889634, zcol, float(eps))
     return out

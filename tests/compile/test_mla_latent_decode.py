@@ -1,6 +1,6 @@
-"""CPU-only checks of k3fast.kernels.mla_latent_decode: both builds compile for sm_90a with the instruction mix
-the design relies on, the split plan covers every page once, and the host entry point refuses bad inputs by
-name."""
+"""CPU-only checks of k3fast.kernels.mla_latent_decode: its builds (with and without the fused append) compile for
+sm_90a with the instruction mix the design relies on, the split plan covers every page once, and the host entry
+point refuses bad inputs by name."""
 import re
 
 import pytest
@@ -43,25 +43,22 @@ def test_split_plan_examples():
 
 
 @needs_dsl
-@pytest.mark.parametrize("ring", sorted(mk.RINGS))
 @pytest.mark.parametrize("append", [False, True])
 @pytest.mark.parametrize("hn", mk.HEAD_GROUPS)
-def test_builds_compile_with_the_designed_instruction_mix(hn, append, ring):
-    """Per chunk of C rows: 36 / K score k-steps x (hn / 8) head tiles per warp (the K warps sharing a row tile
-    split the k-steps) and C / 16 P V k-steps x 8 dim tiles x (hn / 8) MMAs, the transposed fragments by
-    ldmatrix, no local memory (the accumulators stay in registers), shared memory within the 227 KB a CTA may
-    hold; the append adds no MMA."""
+def test_builds_compile_with_the_designed_instruction_mix(hn, append):
+    """Per page (one ring chunk): 36 score k-steps x (hn / 8) head tiles per warp and 4 P V k-steps x 8 dim tiles
+    x (hn / 8) MMAs, the transposed fragments by ldmatrix, no local memory (the accumulators stay in registers),
+    shared memory within the 227 KB a CTA may hold; the append adds no MMA."""
     from k3fast.measure.ptxcheck import compiled_ptx
-    ptx = compiled_ptx(lambda: mk._compile(hn, append, ring))
+    ptx = compiled_ptx(lambda: mk._compile(hn, append))
     nt = hn // 8
-    chunk, nbuf = mk.RINGS[ring]
-    ksplit = mk.WARPS * 16 // chunk
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 36 // ksplit * nt + chunk // 16 * 8 * nt
-    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans") == chunk // 16 * 8
+    assert mk.CHUNK == mk.PAGE and mk.NBUF == 2
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 36 * nt + mk.CHUNK // 16 * 8 * nt
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans") == mk.CHUNK // 16 * 8
     assert ".local" not in ptx
-    assert mk.smem_bytes(hn, ring) <= 227 * 1024
+    assert mk.smem_bytes(hn) <= 227 * 1024
     # the ring: one wait per chunk that leaves the NBUF - 1 newer chunks in flight (and the final drain)
-    assert re.search(rf"cp\.async\.wait_group\s+{nbuf - 1};", ptx)
+    assert re.search(rf"cp\.async\.wait_group\s+{mk.NBUF - 1};", ptx)
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     # the combine's serial chain is the split loop alone: each split's partial O is loaded for all of a thread's
     # output elements with no branch between the loads (one L2 round trip per split)

@@ -62,12 +62,10 @@ LENGTH_SETS = {
 @pytest.mark.parametrize("heads", [6, 12, 16, 96])
 @pytest.mark.parametrize("case", list(LENGTH_SETS))
 @pytest.mark.parametrize("nsm", [132, 8])
-@pytest.mark.parametrize("ring", sorted(mk.RINGS))
-def test_against_fp32_attention(case, heads, nsm, ring):
+def test_against_fp32_attention(case, heads, nsm):
     """o within bf16_kernel of fp32 attention over the same rows; NaN rows past a length and NaN pages nobody
     references never leak; padded requests get zeros; the same call twice gives the same bits. Split counts planned
-    for 132 SMs and for 8 (other S and pages per split, one split without a combine at batch 8, the same kernel);
-    every ring."""
+    for 132 SMs and for 8 (other S and pages per split, one split without a combine at batch 8, the same kernel)."""
     if heads == 96 and case in ("b64-1k", "b17-mixed"):
         pytest.skip("full width is covered at b1 / b3 / b8 (the 96-head plan reads each cache 6 times)")
     if nsm == 8 and heads in (12, 16):
@@ -76,8 +74,8 @@ def test_against_fp32_attention(case, heads, nsm, ring):
     q, pool, table, lens = paged_case(lengths, heads, seed=len(lengths) * 100 + heads)
     ws = mk.make_workspace(len(lengths), heads, table.shape[1], q.device, nsm=nsm)
     out = torch.full((len(lengths), heads, mk.DV), float("nan"), dtype=torch.bfloat16, device="cuda")
-    mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, out=out, workspace=ws, nsm=nsm, ring=ring)
-    again = mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, workspace=ws, nsm=nsm, ring=ring)
+    mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, out=out, workspace=ws, nsm=nsm)
+    again = mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, workspace=ws, nsm=nsm)
     torch.cuda.synchronize()
     want = reference(q, pool, table, lens)
     live = lens > 0
@@ -86,8 +84,7 @@ def test_against_fp32_attention(case, heads, nsm, ring):
     assert torch.equal(out, again), "two calls on the same inputs differ (the combine must be deterministic)"
 
 
-@pytest.mark.parametrize("ring", sorted(mk.RINGS))
-def test_graph_replay_with_new_lengths_and_pages(ring):
+def test_graph_replay_with_new_lengths_and_pages():
     """Captured once (after a warm call), replayed with new lengths and a new block table: each replay equals the
     reference, so the combine's counters re-arm themselves and nothing is fixed at capture but the shapes."""
     from k3fast.measure.trace import capture
@@ -95,7 +92,7 @@ def test_graph_replay_with_new_lengths_and_pages(ring):
     q, pool, table, lens = paged_case([512] * N, heads, seed=7, extra_pages=8)
     ws = mk.make_workspace(N, heads, table.shape[1], q.device)
     out = torch.empty(N, heads, mk.DV, dtype=torch.bfloat16, device="cuda")
-    g = capture(lambda: mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, out=out, workspace=ws, ring=ring))
+    g = capture(lambda: mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, out=out, workspace=ws))
     gen = torch.Generator(device="cpu").manual_seed(3)
     for step in range(3):
         new = torch.randint(0, 513, (N,), generator=gen).to(torch.int32)
@@ -111,8 +108,7 @@ def test_graph_replay_with_new_lengths_and_pages(ring):
 @pytest.mark.parametrize("heads", [6, 12])
 @pytest.mark.parametrize("lengths", [[1], [64], [65, 0, 130, 1], [700 - 37 * i for i in range(17)]],
                          ids=["1", "64", "mixed", "b17"])
-@pytest.mark.parametrize("ring", sorted(mk.RINGS))
-def test_fused_append_writes_the_row_once_and_attends_over_it(lengths, heads, ring):
+def test_fused_append_writes_the_row_once_and_attends_over_it(lengths, heads):
     """With the projection output given, row L - 1 of each live request is [RMSNorm_{kv_norm}(c~_kv) | k_pe] (within
     a bf16 ulp of torch's), written into its page only (every other pool row bit-identical, padded requests write
     nothing), and the output equals the attention over the pool with that row in place."""
@@ -122,8 +118,7 @@ def test_fused_append_writes_the_row_once_and_attends_over_it(lengths, heads, ri
     proj = torch.randn(N, 2880, generator=g, device="cuda").to(torch.bfloat16)
     kv_norm = (1 + 0.05 * torch.randn(512, generator=g, device="cuda")).float()
     before = pool.clone()
-    out = mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, proj=proj, proj_col=1536, kv_norm=kv_norm,
-                               ring=ring)
+    out = mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, proj=proj, proj_col=1536, kv_norm=kv_norm)
     torch.cuda.synchronize()
     raw = proj[:, 1536:1536 + 576].float()
     ckv = raw[:, :512] * torch.rsqrt(raw[:, :512].pow(2).mean(-1, keepdim=True) + 1e-5) * kv_norm
