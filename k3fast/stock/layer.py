@@ -242,8 +242,8 @@ class StockImpl:
             from . import vllm_ops as V
             a = w.attn
             with stage("k3.kda.in_proj"):
-                z = F.linear(x, self.in_proj)
-                f = F.linear(z[:, 4 * Pw:4 * Pw + hd], a.f_b_proj)
+                z = V.low_latency_linear(x, self.in_proj)
+                f = V.low_latency_linear(z[:, 4 * Pw:4 * Pw + hd], a.f_b_proj)
             with stage("k3.kda.core"):
                 # vLLM's metadata carries its null block (0) for padded rows; the harness marks them -1 and gives
                 # the step's indices in vLLM's form when it builds them outside the layer, as vLLM's builder does
@@ -284,11 +284,11 @@ class StockImpl:
             ma, R = w.attn, cfg.kv_lora_rank
             with stage("k3.mla.in_proj"):
                 qkv = V.low_latency_linear(x, self.mla_qkv_a)
-                g = F.linear(x, ma.g_proj)
+                g = V.low_latency_linear(x, ma.g_proj)
                 qa, kv = qkv.split([cfg.q_lora_rank, cfg.kv_cache_dim], dim=-1)
                 cq, ckv = V.q_kv_rms_norm(qa, kv[:, :R], ma.q_a_layernorm, ma.kv_a_layernorm, eps)
             with stage("k3.mla.q_b"):
-                q = F.linear(cq, ma.q_b_proj).view(-1, cfg.mla_heads, cfg.qk_head_dim)
+                q = V.low_latency_linear(cq, ma.q_b_proj).view(-1, cfg.mla_heads, cfg.qk_head_dim)
             with stage("k3.mla.core"):
                 o = self.mla_core(q, ckv, kv[:, R:], io.state.kv, io.state.lengths, io.slots, step=io.mla_step)
             with stage("k3.o_proj"):
@@ -329,15 +329,17 @@ class StockImpl:
         with stage("k3.router"):
             ids, ws = V.router_topk(x, m.gate, m.e_score_correction_bias, cfg.num_experts_per_token,
                                     cfg.routed_scaling_factor)
-        # vLLM's layer runs the latent projections on K3's low-latency GEMM table; the vllm-ops variant on cuBLAS
+        # vLLM installs K3's low-latency GEMM table on every unquantized projection whose local (N, K) it lists
+        # (enable_kimi_k3_low_latency_gemm: the latent down / up, and at TP8 the shared experts too); the vllm-ops
+        # variant runs cuBLAS throughout
         lin = V.low_latency_linear if self.ops == "vllm-layer" else F.linear
         with stage("k3.moe.down"):
             z = lin(x, m.down)
         with stage("k3.moe.experts"):
             r = self.experts(z, ids, ws)
         with stage("k3.moe.shared"):
-            h = V.situ_and_mul(F.linear(x, self.shared_gate_up), cfg.situ_beta, cfg.situ_linear_beta)
-            shared = F.linear(h, m.shared_down)
+            h = V.situ_and_mul(lin(x, self.shared_gate_up), cfg.situ_beta, cfg.situ_linear_beta)
+            shared = lin(h, m.shared_down)
         with stage("k3.moe.up"):
             rn = V.rms_norm(r, m.norm, cfg.rms_norm_eps)
             torch.add(lin(rn, m.up), shared, out=io.out)
