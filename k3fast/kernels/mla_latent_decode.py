@@ -69,6 +69,10 @@ CHUNK = PAGE              # cache rows per ring buffer
 NBUF = 2                  # ring buffers
 HEAD_GROUPS = (8, 16)     # query rows per CTA (8: up to 8 heads, 16 otherwise)
 SPLITS_MAX = 160          # the combine's weight table in shared memory holds this many splits per head row
+# The combine's loads in flight per thread: it walks the splits in groups, all of a group's loads issued before
+# any is summed, so its serial chain is splits / group L2 round trips. 128 loads (32 or 64 output elements of 2 or
+# 4 splits) keep its registers under 255 beside the 64 accumulators of the 16-head build.
+COMBINE_LOADS = 128
 LOG2E = 1.4426950408889634
 
 
@@ -121,6 +125,7 @@ def _build(hn: int, append: bool):
     VSTEPS = CHUNK // 16                      # k16 steps of P V per chunk
     OUT_PER_THREAD = hn * DV // THREADS       # the combine's output elements per thread (32 or 64)
     LANE_SPLITS = -(-SPLITS_MAX // 32)        # the combine's splits per lane when it weighs a head row
+    GROUP = max(1, COMBINE_LOADS // OUT_PER_THREAD)   # splits whose loads the combine issues together
 
     def _i(x):
         return Int32(x).ir_value()
@@ -448,14 +453,25 @@ def _build(hn: int, append: bool):
                     # element k of this thread: head row k // (DV / THREADS), dim tid + THREADS * (k % (DV / THREADS))
                     ob = cute.make_rmem_tensor(cute.make_layout(OUT_PER_THREAD), Float32)
                     ob.fill(0.0)
-                    for s2 in cutlass.range(splits):
-                        for k in cutlass.range_constexpr(OUT_PER_THREAD):
-                            r = k // (DV // THREADS)
-                            d = tid + THREADS * (k % (DV // THREADS))
-                            wgt = sW[r, s2]
-                            v = cute.arch.load(ws + ((base + s2 * hn + r) * DV + d), Float32, cop="cg")
-                            # a split with no page wrote no partial O: its weight is 0 and its slot is not read
-                            ob[k] = ob[k] + wgt * Float32(cutlass.select_(wgt > Float32(0.0), v, Float32(0.0)))
+                    vb = cute.make_rmem_tensor(cute.make_layout(GROUP * OUT_PER_THREAD), Float32)
+                    for s0 in cutlass.range(0, splits, GROUP):
+                        # a group's loads first (a split index past the last reads the last split's slot, weight
+                        # 0), then its sums in split order: each element adds its splits in the order 0, 1, ..
+                        for u in cutlass.range_constexpr(GROUP):
+                            su = cutlass.min(s0 + u, splits - 1)
+                            for k in cutlass.range_constexpr(OUT_PER_THREAD):
+                                r = k // (DV // THREADS)
+                                d = tid + THREADS * (k % (DV // THREADS))
+                                vb[u * OUT_PER_THREAD + k] = cute.arch.load(ws + ((base + su * hn + r) * DV + d),
+                                                                            Float32, cop="cg")
+                        for u in cutlass.range_constexpr(GROUP):
+                            for k in cutlass.range_constexpr(OUT_PER_THREAD):
+                                r = k // (DV // THREADS)
+                                wgt = sW[r, cutlass.min(s0 + u, splits - 1)]
+                                # a split with no page wrote no partial O (its slot holds anything): weight 0, value 0
+                                v = Float32(cutlass.select_(wgt > Float32(0.0), vb[u * OUT_PER_THREAD + k],
+                                                            Float32(0.0)))
+                                ob[k] = Float32(cutlass.select_(s0 + u < splits, ob[k] + wgt * v, ob[k]))
                     for k in cutlass.range_constexpr(OUT_PER_THREAD):
                         r = k // (DV // THREADS)
                         if h0 + r < heads:
