@@ -66,12 +66,19 @@ class DecodePlan:
     # decode attention and o_proj kernels with torch ops between them). "stock": measured on an H200, FusedMLA wins at
     # 1K cached tokens and loses from 8K on, up to 2x at 32K (docs/kernels/mla_latent_decode.md).
     mla_attention: str = "stock"
+    # FusedMLA's split combine: "decode" (the last split of each request and head group combines, inside
+    # mla_latent_decode; the split count capped where that one CTA's reads balance a split's share of the cache) or
+    # "uv_gate" (every split publishes its partial, mla_uv_gate's CTAs each combine their head's, and the splits
+    # fill one wave of SMs)
+    mla_combine: str = "decode"
 
     def __post_init__(self):
         if self.in_proj_small not in ("ring", "fma"):
             raise ValueError(f"in_proj_small must be 'ring' or 'fma', got {self.in_proj_small!r}")
         if self.mla_attention not in ("stock", "fused"):
             raise ValueError(f"mla_attention must be 'stock' or 'fused', got {self.mla_attention!r}")
+        if self.mla_combine not in ("decode", "uv_gate"):
+            raise ValueError(f"mla_combine must be 'decode' or 'uv_gate', got {self.mla_combine!r}")
         if self.wide_gemm not in ("auto", "cublas"):
             raise ValueError(f"wide_gemm must be 'auto' or 'cublas', got {self.wide_gemm!r}")
         # the fused front folds the shared experts' gate/up only on its warp-per-row path (M <= 4)
@@ -145,6 +152,8 @@ CONTENDERS: dict[str, tuple[DecodePlan, str]] = {
                      "moe_tail at every batch (where cuBLAS overtakes the swap-AB GEMV)"),
     "fast-mla": (DecodePlan(mla_attention="fused"),
                  "MLA layers' attention half on FusedMLA (open: ahead of vLLM's FA3 MLA at 1K tokens, behind from 8K)"),
+    "fast-mla-uvc": (DecodePlan(mla_attention="fused", mla_combine="uv_gate"),
+                     "FusedMLA with the split combine in mla_uv_gate and a wave of splits (open: batch 1 long caches)"),
 }
 
 
@@ -445,13 +454,14 @@ class FusedMLA(_AttentionEnds):
             Q = Q.view(M, H, cfg.kv_cache_dim)                                               # [M, H, 576] bf16
         with stage("k3.mla.core"):
             maxp = block_table.shape[1]
+            defer = self.plan.mla_combine == "uv_gate"
             ws = self._bufs.get(("ws", M, maxp))
             if ws is None:
-                ws = self._bufs[("ws", M, maxp)] = make_workspace(M, H, maxp, partial.device, self.nsm)
+                ws = self._bufs[("ws", M, maxp)] = make_workspace(M, H, maxp, partial.device, self.nsm, defer)
             # the kernel writes the step's row [RMSNorm(c~_kv) | k_pe] into its page, then attends over it
             o_lat = mla_latent_decode(Q, kv_pages, block_table, seqlens, scale=self.scale, workspace=ws, nsm=self.nsm,
                                       proj=z, proj_col=cfg.q_lora_rank, kv_norm=self.kv_norm,
-                                      eps=cfg.rms_norm_eps)     # [M, H, 512] bf16
+                                      eps=cfg.rms_norm_eps, defer=defer)  # [M, H, 512] bf16, or the splits' partials
             # W_UV per head and the sigmoid gate (g read in place from the projection output); k3ref.bytes counts
             # W_UV in this stage
             y = mla_uv_gate(o_lat, self.W_UV, z, g_col=cfg.q_lora_rank + cfg.kv_cache_dim)
@@ -636,8 +646,9 @@ def warmup(cfg: K3Config, layers, batches, *, plan: DecodePlan = DEFAULT_PLAN, n
         # RMSNorm(q_a) + the absorbed query projection: one AttnRes source, no delta
         rms_gemv.warmup(batches, K=cfg.q_lora_rank, N=(cfg.mla_heads * cfg.kv_cache_dim,), sites=[(0, False, -1)],
                         eps=eps, strided_p=True)
-        mla_latent_decode.warmup([cfg.mla_heads], append=(True,))
-        mla_uv_gate.warmup(batches)
+        defer = plan.mla_combine == "uv_gate"
+        mla_latent_decode.warmup([cfg.mla_heads], append=(True,), defer=(defer,))
+        mla_uv_gate.warmup(batches, combine=(defer,))
     # the MoE half, the same in every layer from 1 on
     fronts = [M for M in batches if plan.front_engine(M) == "fused"]
     if fronts:

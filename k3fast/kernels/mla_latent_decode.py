@@ -49,6 +49,7 @@ read before griddepcontrol.wait; dependents are released right after it (they re
 which waits for this grid to finish). One workspace per device, stream-ordered (``make_workspace``).
 """
 
+import dataclasses
 import math
 
 from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, mma_m16n8k16
@@ -81,7 +82,7 @@ def head_group(heads: int) -> int:
     return 8 if heads <= 8 else 16
 
 
-def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132) -> tuple[int, int]:
+def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132, defer: bool = False) -> tuple[int, int]:
     """(S, pages per split). S is the smaller of two counts. One wave: at most one CTA per SM over all requests and
     head groups (nsm // (requests x groups), at least 1); the kernel's shared memory (166 KB at 8 heads) holds one
     CTA per SM, so a CTA past nsm waits for a whole second wave (at batch 8 and 32K tokens, 136 CTAs put the
@@ -90,21 +91,23 @@ def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132) -> 
     partials of hn x 512 fp32, so the combine's bytes grow with S while each split's share of the cache shrinks
     with it; their sum is smallest there (24 splits at 8K tokens and 8 heads, 8 at 1K; without the cap batch 1
     takes 128 one-page splits at 8K tokens, and its attention half measures 1.5x longer). Every split is non-empty
-    at full capacity; never more than SPLITS_MAX (the combine's weight table)."""
+    at full capacity; never more than SPLITS_MAX (the combine's weight table). ``defer``: the combine runs in
+    mla_uv_gate's many CTAs instead of one CTA here, so the balance does not bind and the wave alone sets S."""
     hn = head_group(heads)
     hg = -(-heads // hn)
-    s = max(1, min(max_pages, nsm // (n_requests * hg), SPLITS_MAX,
-                   round(math.sqrt(PAGE * DQK * 2 * max_pages / (hn * DV * 4)))))
+    cap = SPLITS_MAX if defer else round(math.sqrt(PAGE * DQK * 2 * max_pages / (hn * DV * 4)))
+    s = max(1, min(max_pages, nsm // (n_requests * hg), SPLITS_MAX, cap))
     pps = -(-max_pages // s)
     return -(-max_pages // pps), pps
 
 
-def compile_key(hn: int, append: bool = False) -> tuple:
+def compile_key(hn: int, append: bool = False, defer: bool = False) -> tuple:
     """The build for head group ``hn``; ``append``: the kernel also writes the step's own cache row (kv_a's RMSNorm
-    of the projection output) before attending over it."""
+    of the projection output) before attending over it; ``defer``: every split publishes its partial (O, m, l) and
+    none combines (mla_uv_gate's combine build does)."""
     if hn not in HEAD_GROUPS:
         raise ValueError(f"head group must be one of {HEAD_GROUPS}, got {hn}")
-    return ("mla_latent_decode", hn) + (("append",) if append else ())
+    return ("mla_latent_decode", hn) + (("append",) if append else ()) + (("defer",) if defer else ())
 
 
 def smem_bytes(hn: int) -> int:
@@ -112,7 +115,45 @@ def smem_bytes(hn: int) -> int:
             + hn * SPLITS_MAX * 4 + 6 * 128)
 
 
-def _build(hn: int, append: bool):
+LANE_SPLITS = -(-SPLITS_MAX // 32)    # the combine's splits per lane when a warp weighs one head row
+
+
+def combine_weights(wml, row0, row_step, splits, lane):
+    """Kernel code (a warp per head row, every lane): the combine's weights of one head row, this lane's share.
+    Returns a register tensor of LANE_SPLITS fp32 values, value i the weight of split lane + 32 i:
+    w_s = 2^(m_s - M) / sum_s' 2^(m_s' - M) l_s' with M the largest m_s of the splits with l_s > 0; 0 for a split with
+    no page (l_s = 0) and past the last split; all 0 for a row no split saw (a padded request). ``wml``: the (m, l)
+    workspace's fp32 iterator, two values per row; split s of this head row is row ``row0 + s * row_step``. Each
+    lane's (m, l) are loaded together (an index past the last split reads the last one's and is masked), so the
+    weights cost one L2 round trip and two warp reductions. Plain Python loops: they unroll as the kernel is traced."""
+    cutlass, cute = import_cute()
+    from cutlass import Float32
+    mr = cute.make_rmem_tensor(cute.make_layout(LANE_SPLITS), Float32)
+    lr = cute.make_rmem_tensor(cute.make_layout(LANE_SPLITS), Float32)
+    for i in range(LANE_SPLITS):
+        s2 = lane + 32 * i
+        row = row0 + cutlass.min(s2, splits - 1) * row_step
+        ms = cute.arch.load(wml + row * 2, Float32, cop="cg")
+        ls = cute.arch.load(wml + (row * 2 + 1), Float32, cop="cg")
+        mr[i] = ms
+        lr[i] = Float32(cutlass.select_(s2 < splits, ls, Float32(0.0)))
+    mx = Float32(float("-inf"))
+    for i in range(LANE_SPLITS):
+        mx = Float32(cutlass.select_(lr[i] > Float32(0.0), cute.arch.fmax(mx, mr[i]), mx))
+    mx = cute.arch.warp_reduction_max(mx)
+    m_use = Float32(cutlass.select_(mx == Float32(float("-inf")), Float32(0.0), mx))
+    den = Float32(0.0)
+    for i in range(LANE_SPLITS):
+        mr[i] = Float32(cutlass.select_(lr[i] > Float32(0.0), cute.math.exp2(mr[i] - m_use), Float32(0.0)))
+        den = den + mr[i] * lr[i]
+    den = cute.arch.warp_reduction_sum(den)
+    inv = Float32(cutlass.select_(den > Float32(0.0), Float32(1.0) / den, Float32(0.0)))
+    for i in range(LANE_SPLITS):
+        mr[i] = mr[i] * inv
+    return mr
+
+
+def _build(hn: int, append: bool, defer: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
     from cutlass._mlir.dialects import llvm
@@ -124,7 +165,6 @@ def _build(hn: int, append: bool):
     PSTR = CHUNK + 8                          # smem row pitch (bf16) of P [heads, tokens]: conflict-free B fragments
     VSTEPS = CHUNK // 16                      # k16 steps of P V per chunk
     OUT_PER_THREAD = hn * DV // THREADS       # the combine's output elements per thread (32 or 64)
-    LANE_SPLITS = -(-SPLITS_MAX // 32)        # the combine's splits per lane when it weighs a head row
     GROUP = max(1, COMBINE_LOADS // OUT_PER_THREAD)   # splits whose loads the combine issues together
 
     def _i(x):
@@ -376,7 +416,7 @@ def _build(hn: int, append: bool):
                     v = v + sSum[w, col]
                 l_tot[c] = v
 
-            if splits == 1:
+            if const_expr(not defer) and splits == 1:
                 # ---- one split: normalise and store
                 for mt in cutlass.range_constexpr(MT):
                     for j in cutlass.range_constexpr(NT):
@@ -403,87 +443,69 @@ def _build(hn: int, append: bool):
                             col = 8 * (c // 2) + 2 * t + c % 2
                             mWML[row0 + col, 0] = m_run[c]
                             mWML[row0 + col, 1] = l_tot[c]
-                # every thread's stores precede thread 0's release by the barrier and the release's cumulativity
-                cute.arch.sync_threads()
-                if tid == 0:
-                    old = cute.arch.atomic_add(mCnt.iterator + (n * n_hg + hg), Int32(1), sem="acq_rel",
-                                               scope="gpu")
-                    last = Int32(cutlass.select_(old == splits - 1, Int32(1), Int32(0)))
-                    if last == 1:
-                        # every split has arrived: re-arm for the next launch
-                        cute.arch.store(mCnt.iterator + (n * n_hg + hg), Int32(0), sem="relaxed", scope="gpu")
-                    sFlag[0] = last
-                cute.arch.sync_threads()
-                if sFlag[0] == 1:
-                    # the last arrival combines: first each head row's weights w_s = 2^(m_s - M) / sum_s 2^(m_s - M) l_s
-                    # into shared memory (one warp per row, the splits across its lanes; a split with no page,
-                    # l = 0, weighs 0), then every output element sums w_s O_s with all of a thread's elements'
-                    # loads of one split in flight: the split loop is the only serial chain
-                    base = ((n * n_hg + hg) * splits) * hn
-                    ws = mWO.iterator
-                    wml = mWML.iterator
-                    for r in cutlass.range(warp, hn, WARPS):
-                        # each lane's (m, l) of at most SPLITS_MAX / 32 splits, loaded together (an index past the
-                        # last split reads the last one's and is masked)
-                        mr = cute.make_rmem_tensor(cute.make_layout(LANE_SPLITS), Float32)
-                        lr = cute.make_rmem_tensor(cute.make_layout(LANE_SPLITS), Float32)
-                        for i in cutlass.range_constexpr(LANE_SPLITS):
-                            s2 = lane + 32 * i
-                            row = base + cutlass.min(s2, splits - 1) * hn + r
-                            ms = cute.arch.load(wml + row * 2, Float32, cop="cg")
-                            ls = cute.arch.load(wml + (row * 2 + 1), Float32, cop="cg")
-                            mr[i] = ms
-                            lr[i] = Float32(cutlass.select_(s2 < splits, ls, Float32(0.0)))
-                        mx = Float32(NEG_INF)
-                        for i in cutlass.range_constexpr(LANE_SPLITS):
-                            mx = Float32(cutlass.select_(lr[i] > Float32(0.0), cute.arch.fmax(mx, mr[i]), mx))
-                        mx = cute.arch.warp_reduction_max(mx)
-                        m_use = Float32(cutlass.select_(mx == Float32(NEG_INF), Float32(0.0), mx))
-                        den = Float32(0.0)
-                        for i in cutlass.range_constexpr(LANE_SPLITS):
-                            mr[i] = Float32(cutlass.select_(lr[i] > Float32(0.0), cute.math.exp2(mr[i] - m_use),
-                                                            Float32(0.0)))
-                            den = den + mr[i] * lr[i]
-                        den = cute.arch.warp_reduction_sum(den)
-                        inv = Float32(cutlass.select_(den > Float32(0.0), Float32(1.0) / den, Float32(0.0)))
-                        for i in cutlass.range_constexpr(LANE_SPLITS):
-                            if lane + 32 * i < splits:
-                                sW[r, lane + 32 * i] = mr[i] * inv
+                if const_expr(not defer):
+                    # (the deferred build stops here: the partials are its output, combined by mla_uv_gate)
+                    # every thread's stores precede thread 0's release by the barrier and the release's cumulativity
                     cute.arch.sync_threads()
-                    # element k of this thread: head row k // (DV / THREADS), dim tid + THREADS * (k % (DV / THREADS))
-                    ob = cute.make_rmem_tensor(cute.make_layout(OUT_PER_THREAD), Float32)
-                    ob.fill(0.0)
-                    vb = cute.make_rmem_tensor(cute.make_layout(GROUP * OUT_PER_THREAD), Float32)
-                    for s0 in cutlass.range(0, splits, GROUP):
-                        # a group's loads first (a split index past the last reads the last split's slot, weight
-                        # 0), then its sums in split order: each element adds its splits in the order 0, 1, ..
-                        for u in cutlass.range_constexpr(GROUP):
-                            su = cutlass.min(s0 + u, splits - 1)
-                            for k in cutlass.range_constexpr(OUT_PER_THREAD):
-                                r = k // (DV // THREADS)
-                                d = tid + THREADS * (k % (DV // THREADS))
-                                vb[u * OUT_PER_THREAD + k] = cute.arch.load(ws + ((base + su * hn + r) * DV + d),
-                                                                            Float32, cop="cg")
-                        for u in cutlass.range_constexpr(GROUP):
-                            for k in cutlass.range_constexpr(OUT_PER_THREAD):
-                                r = k // (DV // THREADS)
-                                wgt = sW[r, cutlass.min(s0 + u, splits - 1)]
-                                # a split with no page wrote no partial O (its slot holds anything): weight 0, value 0
-                                v = Float32(cutlass.select_(wgt > Float32(0.0), vb[u * OUT_PER_THREAD + k],
-                                                            Float32(0.0)))
-                                ob[k] = Float32(cutlass.select_(s0 + u < splits, ob[k] + wgt * v, ob[k]))
-                    for k in cutlass.range_constexpr(OUT_PER_THREAD):
-                        r = k // (DV // THREADS)
-                        if h0 + r < heads:
-                            mO[n, h0 + r, tid + THREADS * (k % (DV // THREADS))] = ob[k].to(BFloat16)
+                    if tid == 0:
+                        old = cute.arch.atomic_add(mCnt.iterator + (n * n_hg + hg), Int32(1), sem="acq_rel",
+                                                   scope="gpu")
+                        last = Int32(cutlass.select_(old == splits - 1, Int32(1), Int32(0)))
+                        if last == 1:
+                            # every split has arrived: re-arm for the next launch
+                            cute.arch.store(mCnt.iterator + (n * n_hg + hg), Int32(0), sem="relaxed", scope="gpu")
+                        sFlag[0] = last
+                    cute.arch.sync_threads()
+                    if sFlag[0] == 1:
+                        # the last arrival combines: first each head row's weights
+                        # w_s = 2^(m_s - M) / sum_s 2^(m_s - M) l_s into shared memory (one warp per row, the splits
+                        # across its lanes; a split with no page, l = 0, weighs 0), then every output element sums
+                        # w_s O_s with a group of splits' loads in flight: the group loop is the only serial chain
+                        base = ((n * n_hg + hg) * splits) * hn
+                        ws = mWO.iterator
+                        wml = mWML.iterator
+                        for r in cutlass.range(warp, hn, WARPS):
+                            wr = combine_weights(wml, base + r, hn, splits, lane)
+                            for i in cutlass.range_constexpr(LANE_SPLITS):
+                                if lane + 32 * i < splits:
+                                    sW[r, lane + 32 * i] = wr[i]
+                        cute.arch.sync_threads()
+                        # element k of this thread: head row k // (DV / THREADS),
+                        # dim tid + THREADS * (k % (DV / THREADS))
+                        ob = cute.make_rmem_tensor(cute.make_layout(OUT_PER_THREAD), Float32)
+                        ob.fill(0.0)
+                        vb = cute.make_rmem_tensor(cute.make_layout(GROUP * OUT_PER_THREAD), Float32)
+                        for s0 in cutlass.range(0, splits, GROUP):
+                            # a group's loads first (a split index past the last reads the last split's slot, weight
+                            # 0), then its sums in split order: each element adds its splits in the order 0, 1, ..
+                            for u in cutlass.range_constexpr(GROUP):
+                                su = cutlass.min(s0 + u, splits - 1)
+                                for k in cutlass.range_constexpr(OUT_PER_THREAD):
+                                    r = k // (DV // THREADS)
+                                    d = tid + THREADS * (k % (DV // THREADS))
+                                    vb[u * OUT_PER_THREAD + k] = cute.arch.load(ws + ((base + su * hn + r) * DV + d),
+                                                                                Float32, cop="cg")
+                            for u in cutlass.range_constexpr(GROUP):
+                                for k in cutlass.range_constexpr(OUT_PER_THREAD):
+                                    r = k // (DV // THREADS)
+                                    wgt = sW[r, cutlass.min(s0 + u, splits - 1)]
+                                    # a split with no page wrote no partial O (its slot holds anything):
+                                    # weight 0, value 0
+                                    v = Float32(cutlass.select_(wgt > Float32(0.0), vb[u * OUT_PER_THREAD + k],
+                                                                Float32(0.0)))
+                                    ob[k] = Float32(cutlass.select_(s0 + u < splits, ob[k] + wgt * v, ob[k]))
+                        for k in cutlass.range_constexpr(OUT_PER_THREAD):
+                            r = k // (DV // THREADS)
+                            if h0 + r < heads:
+                                mO[n, h0 + r, tid + THREADS * (k % (DV // THREADS))] = ob[k].to(BFloat16)
 
     return MlaLatentDecode()
 
 
-def _compile(hn: int, append: bool = False):
+def _compile(hn: int, append: bool = False, defer: bool = False):
     cutlass, cute = import_cute()
     from cutlass import BFloat16, Float32, Int32
-    obj = _build(hn, append)
+    obj = _build(hn, append, defer)
     N, H, NP, MAXP, R, C, W = (cute.sym_int() for _ in range(7))
     fakes = (fake_tensor(BFloat16, (N, H, DQK)),           # q
              fake_tensor(BFloat16, (NP, PAGE, DQK)),       # kv_cache pool
@@ -500,29 +522,31 @@ def _compile(hn: int, append: bool = False):
 
 
 def _get_compiled(key: tuple):
-    return compile_cached(key, lambda: _compile(key[1], "append" in key[2:]))
+    return compile_cached(key, lambda: _compile(key[1], "append" in key[2:], "defer" in key[2:]))
 
 
-def warmup(heads_list=(6, 12, 96), append=(False,)) -> list[tuple]:
-    """Compile the builds these head counts take, with and / or without the fused append (no GPU needed)."""
-    keys = sorted({compile_key(head_group(h), a) for h in heads_list for a in append})
+def warmup(heads_list=(6, 12, 96), append=(False,), defer=(False,)) -> list[tuple]:
+    """Compile the builds these head counts take, with and / or without the fused append and the deferred combine
+    (no GPU needed)."""
+    keys = sorted({compile_key(head_group(h), a, d) for h in heads_list for a in append for d in defer})
     for k in keys:
         _get_compiled(k)
     return keys
 
 
-def make_workspace(n_requests: int, heads: int, max_pages: int, device, nsm: int = 132):
+def make_workspace(n_requests: int, heads: int, max_pages: int, device, nsm: int = 132, defer: bool = False):
     """The combine's scratch for these sizes: partial O, (m, l) per (request, head group, split, row) and the
-    arrival counters (zeroed here, re-armed by the kernel). Allocate before any CUDA-graph capture."""
+    arrival counters (zeroed here, re-armed by the kernel). Allocate before any CUDA-graph capture. ``defer``: for
+    the deferred combine's plan (the partials are the output, read by mla_uv_gate)."""
     import torch
     hn = head_group(heads)
     hg = -(-heads // hn)
-    s, _ = plan_splits(n_requests, heads, max_pages, nsm)
+    s, _ = plan_splits(n_requests, heads, max_pages, nsm, defer)
     rows = n_requests * hg * s * hn
     return {"o": torch.empty(rows, DV, dtype=torch.float32, device=device),
             "ml": torch.empty(rows, 2, dtype=torch.float32, device=device),
             "count": torch.zeros(max(n_requests * hg, 1), dtype=torch.int32, device=device),
-            "key": (n_requests, heads, max_pages, nsm)}
+            "key": (n_requests, heads, max_pages, nsm, defer)}
 
 
 _DUMMY_LN: dict = {}
@@ -565,9 +589,22 @@ def check_paging(block_table, lengths, n_pages: int, *, lengths_name: str = "len
         seen[r] = n
 
 
+@dataclasses.dataclass(frozen=True)
+class LatentPartials:
+    """What the deferred build leaves for mla_uv_gate: per (request, head group, split, head row) the unnormalised
+    O (``o`` [R, 512] fp32, row ((n * groups + g) * splits + s) * hn + r; not written for a split with no page) and
+    (m, l) (``ml`` [R, 2] fp32: the running max in base 2 and the row sum; l = 0 for a split with no page)."""
+    o: object
+    ml: object
+    splits: int
+    hn: int
+    heads: int
+    requests: int
+
+
 def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=None, workspace=None,
                       nsm: int = 132, proj=None, proj_col: int = 0, kv_norm=None,
-                      eps: float = 1e-5):
+                      eps: float = 1e-5, defer: bool = False):
     """o_lat [N, H, 512] bf16 = softmax(scale q . c) c_kv over the first lengths[n] cache rows of each request.
 
     q [N, H, 576] bf16 (the absorbed query), kv_cache [pages, 64, 576] bf16 (vLLM's paged latent cache),
@@ -576,7 +613,8 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
     [512] fp32: row lengths[n] - 1 is the step's own token, written here as [RMSNorm_{kv_norm}(c~_kv) | k_pe] into
     its page (and nowhere else) before the attention reads it. ``workspace``: make_workspace's dict for these sizes
     (one is made here when None: not inside a graph capture). No host sync; capturable in a CUDA graph once
-    compiled and the workspace exists."""
+    compiled and the workspace exists. ``defer``: return the splits' LatentPartials (in the workspace) for
+    mla_uv_gate to combine, instead of o_lat; the workspace must be made with defer=True."""
     import torch
     # dtypes and shapes first (these run on a CPU too), then one device for everything
     check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, DQK))
@@ -601,16 +639,18 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
     maxp = block_table.shape[1]
     if maxp < 1:
         raise ValueError("block_table: expected at least one page column")
-    splits, pps = plan_splits(N, H, maxp, nsm)
+    if not isinstance(defer, bool):
+        raise ValueError(f"defer must be a bool, got {defer!r}")
+    splits, pps = plan_splits(N, H, maxp, nsm, defer)
     if splits > SPLITS_MAX:            # the combine's weight table in shared memory holds SPLITS_MAX splits
         raise ValueError(f"nsm={nsm}: {splits} splits, more than the combine's {SPLITS_MAX}")
     if workspace is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("mla_latent_decode: make the workspace before CUDA-graph capture")
-        workspace = make_workspace(N, H, maxp, dev, nsm)
-    elif workspace.get("key") != (N, H, maxp, nsm):
-        raise ValueError(f"workspace: made for (N, H, MAXP, nsm) = {workspace.get('key')}, the call "
-                         f"needs {(N, H, maxp, nsm)}")
+        workspace = make_workspace(N, H, maxp, dev, nsm, defer)
+    elif workspace.get("key") != (N, H, maxp, nsm, defer):
+        raise ValueError(f"workspace: made for (N, H, MAXP, nsm, defer) = {workspace.get('key')}, the call "
+                         f"needs {(N, H, maxp, nsm, defer)}")
     append = proj is not None
     if append:
         check_tensor("proj", proj, dtype=torch.bfloat16, shape=(N, None), device=dev)
@@ -629,7 +669,9 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
         ln = _DUMMY_LN.get(dev)
         if ln is None:
             ln = _DUMMY_LN[dev] = torch.zeros(DV, dtype=torch.float32, device=dev)
-    fn = _get_compiled(compile_key(head_group(H), append))
+    fn = _get_compiled(compile_key(head_group(H), append, defer))
     fn(q, kv_cache, block_table, lengths, out, workspace["o"], workspace["ml"], workspace["count"], z, ln, H,
        splits, pps, float(scale) * 1.4426950408889634, zcol, float(eps))
+    if defer:
+        return LatentPartials(workspace["o"], workspace["ml"], splits, head_group(H), H, N)
     return out

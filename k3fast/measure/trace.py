@@ -605,7 +605,7 @@ class Preset:
 
 
 # the DecodePlan fields that only an MLA layer reads
-_MLA_ONLY_FIELDS = {"mla_attention"}
+_MLA_ONLY_FIELDS = {"mla_attention", "mla_combine"}
 
 
 def _differs_for(impl: str, kind: str) -> bool:
@@ -634,9 +634,10 @@ PRESETS = {
     "kda-contenders": Preset("fast beside each live contender and stock, KDA+MoE at rank16 / rank8 x batch 1 / 8 / 64",
                              shapes=("k3_rank16", "k3_rank8"), impls=("stock", "fast", CONTENDERS)),
     "mla-fused": Preset("the MLA+MoE layer at rank16 / rank8 x batch 1 / 8 / 64 x context 1K / 8K / 32K cached tokens: "
-                        "stock, fast (stock attention half) and fast-mla (FusedMLA) in one run",
+                        "stock, fast (stock attention half), fast-mla (FusedMLA) and fast-mla-uvc (its split "
+                        "combine in mla_uv_gate) in one run",
                         kinds=("mla_moe",), shapes=("k3_rank16", "k3_rank8"), contexts=(1024, 8192, 32768),
-                        impls=("stock", "fast", "fast-mla")),
+                        impls=("stock", "fast", "fast-mla", "fast-mla-uvc")),
     "stock-vs-vllm": Preset("the stock layer as vLLM runs it beside fast, for the ratios the README quotes: KDA+MoE and "
                             "MLA+MoE at rank16 / rank8 / full x batch 1 / 8 / 64, MLA at 24 cached tokens (where the "
                             "engine profiles its layers: report --engine-match) and at 1K / 8K",

@@ -73,6 +73,32 @@ def test_builds_compile_with_the_designed_instruction_mix(hn, append):
     assert max(runs) >= mk.COMBINE_LOADS
 
 
+@needs_dsl
+@pytest.mark.parametrize("hn", mk.HEAD_GROUPS)
+def test_deferred_build_publishes_and_never_combines(hn):
+    """defer: the same attention (MMAs, ring), every split publishes its partial; no arrival counter, no combine
+    loads (mla_uv_gate's combine build reads the partials)."""
+    from k3fast.measure.ptxcheck import compiled_ptx
+    ptx = compiled_ptx(lambda: mk._compile(hn, True, True))
+    nt = hn // 8
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 36 * nt + mk.CHUNK // 16 * 8 * nt
+    assert "atom." not in ptx and "ld.global.cg" not in ptx and ".local" not in ptx
+    assert mk.compile_key(hn, True, True) == ("mla_latent_decode", hn, "append", "defer")
+
+
+def test_deferred_plan_fills_a_wave():
+    """Without the in-kernel combine the balance cap goes: one wave of splits (at most one CTA per SM)."""
+    assert mk.plan_splits(1, 6, 128) == (22, 6)                 # the in-kernel combine's cap
+    assert mk.plan_splits(1, 6, 128, defer=True) == (128, 1)    # batch 1, 8K tokens: a page per SM
+    assert mk.plan_splits(1, 6, 512, defer=True) == (128, 4)    # 32K: 132 // 1 = 132 splits of 4 pages -> 128
+    assert mk.plan_splits(8, 6, 512, defer=True) == mk.plan_splits(8, 6, 512) == (16, 32)
+    assert mk.plan_splits(64, 6, 128, defer=True) == (2, 64)
+    for n, heads, maxp in [(1, 6, 1), (3, 12, 40), (17, 96, 9), (64, 6, 512)]:
+        s, pps = mk.plan_splits(n, heads, maxp, defer=True)
+        assert n * -(-heads // mk.head_group(heads)) * s <= max(132, n * -(-heads // mk.head_group(heads)))
+        assert (s - 1) * pps < maxp <= s * pps
+
+
 def _args(N=2, H=6, pages=4, maxp=3, dev="cpu"):
     return dict(q=torch.zeros(N, H, 576, dtype=torch.bfloat16, device=dev),
                 kv_cache=torch.zeros(pages, 64, 576, dtype=torch.bfloat16, device=dev),

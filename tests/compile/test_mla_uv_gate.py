@@ -51,3 +51,45 @@ def test_bad_gate_columns_and_cpu_refused():
         uv.mla_uv_gate(**_args(), g_col=2200)
     with pytest.raises(ValueError, match="CUDA"):
         uv.mla_uv_gate(**_args(), g_col=2112)
+
+
+@needs_dsl
+@pytest.mark.parametrize("nt", [1, 8])
+def test_combine_builds_compile(nt):
+    """The combine build: the same MMAs, read from the combined rows in shared memory; the partials' loads as
+    COMBINE_SPLITS 16-byte loads with no branch between them (one L2 round trip per group of splits); no local
+    memory; shared memory within a CTA's 227 KB."""
+    from k3fast.measure.ptxcheck import compiled_ptx
+    ptx = compiled_ptx(lambda: uv._compile(nt, combine=True))
+    assert ptx.count("mma.sync.aligned.m16n8k16") == uv.KSTEPS * nt
+    assert ".local" not in ptx and "griddepcontrol.wait" in ptx
+    runs, run = [], 0
+    for line in ptx.splitlines():
+        if "ld.global.cg.v4.f32" in line:
+            run += 1
+        elif "bra" in line or "shfl" in line or "bar.sync" in line:
+            runs.append(run)
+            run = 0
+    assert max(runs) == uv.COMBINE_SPLITS
+    _, smem = uv._build(nt, combine=True)
+    assert smem <= 227 * 1024
+    assert uv.compile_key(5, combine=True) == ("mla_uv_gate", 1, "combine")
+
+
+def _partials(M=2, H=6, splits=3, hn=8, rows=None, dev="cpu"):
+    from k3fast.kernels.mla_latent_decode import LatentPartials
+    rows = M * splits * hn if rows is None else rows
+    return LatentPartials(torch.zeros(rows, 512, device=dev), torch.zeros(rows, 2, device=dev), splits, hn, H, M)
+
+
+def test_combine_arguments_refused_by_name():
+    kw = _args()
+    kw["o_lat"] = _partials(rows=40)
+    with pytest.raises(ValueError, match="o_lat: the partials hold 40 rows"):
+        uv.mla_uv_gate(**kw, g_col=2112)
+    kw["o_lat"] = _partials(splits=0, rows=48)
+    with pytest.raises(ValueError, match="splits"):
+        uv.mla_uv_gate(**kw, g_col=2112)
+    kw["o_lat"] = _partials()
+    with pytest.raises(ValueError, match="CUDA"):
+        uv.mla_uv_gate(**kw, g_col=2112)

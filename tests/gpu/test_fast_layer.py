@@ -170,17 +170,19 @@ def test_warmup_compiles_every_kernel_the_layer_runs(tp):
     assert len(COMPILE_LOG) == n, f"compiled after warmup: {[str(k)[:80] for k, _ in COMPILE_LOG[n:]]}"
 
 
+@pytest.mark.parametrize("impl", ["fast-mla", "fast-mla-uvc"])
 @pytest.mark.parametrize("tp,batch", [(t, b) for t in (16, 8) for b in (1, 3, 8, 17, 64)] + [(1, 1), (1, 8)])
-def test_fused_mla_attention_half(tp, batch):
-    """The MLA attention half on FusedMLA (the fast-mla contender) against k3ref: requests of mixed cache lengths
-    (1, page edges, a few hundred), a padded request where the batch has room; the MoE input, the partial sum,
-    the appended cache rows and the lengths; other slots' rows untouched."""
+def test_fused_mla_attention_half(tp, batch, impl):
+    """The MLA attention half on FusedMLA (the fast-mla contender, and fast-mla-uvc with the split combine in
+    mla_uv_gate) against k3ref: requests of mixed cache lengths (1, page edges, a few hundred), a padded request
+    where the batch has room; the MoE input, the partial sum, the appended cache rows and the lengths; other slots'
+    rows untouched."""
     cfg = k3_rank(tp) if tp > 1 else preset("full")
     layer = 3
     assert not cfg.is_kda_layer(layer)
     w = random_layer(cfg, layer, seed=61, device="cuda")
     outs = {}
-    for name in ("ref", "fast-mla"):
+    for name in ("ref", impl):
         io = make_io(cfg, layer, batch, context=700, seed=62)
         lens = torch.tensor([[1, 63, 64, 65, 300, 699, 128, 0][i % 8] for i in range(io.state.lengths.shape[0])],
                             device="cuda")
@@ -199,10 +201,10 @@ def test_fused_mla_attention_half(tp, batch):
     live_rows = torch.ones(batch, dtype=torch.bool)
     if batch >= 3:
         live_rows[1] = False
-    assert_close("x_mlp", outs["fast-mla"][0][live_rows], outs["ref"][0][live_rows], "bf16_kernel")
-    assert_close("partial", outs["fast-mla"][1], outs["ref"][1], "bf16_kernel")
-    assert_close("cache rows", outs["fast-mla"][2], outs["ref"][2], "bf16_state_chain")
-    assert torch.equal(outs["fast-mla"][3], outs["ref"][3]), "lengths differ"
+    assert_close("x_mlp", outs[impl][0][live_rows], outs["ref"][0][live_rows], "bf16_kernel")
+    assert_close("partial", outs[impl][1], outs["ref"][1], "bf16_kernel")
+    assert_close("cache rows", outs[impl][2], outs["ref"][2], "bf16_state_chain")
+    assert torch.equal(outs[impl][3], outs["ref"][3]), "lengths differ"
 
 
 def test_fused_mla_graph_replay_reads_the_step_metadata():

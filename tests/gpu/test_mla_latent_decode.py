@@ -133,3 +133,82 @@ def test_fused_append_writes_the_row_once_and_attends_over_it(lengths, heads):
     want = reference(q, pool, table, lens)
     live = lens > 0
     assert_close("o_lat", out[live].float(), want[live], "bf16_kernel")
+
+
+def deferred_o_lat(q, pool, table, lens, heads, nsm=132):
+    """o_lat through the deferred combine: mla_latent_decode(defer=True), then mla_uv_gate's combine build with
+    one-hot W_UV rows (dims 128 c .. 128 c + 127 for c = 0..3) and a saturated gate, which returns the combined
+    o_lat exactly (one product per output, a sigmoid of 1.0 in fp32)."""
+    from k3fast.kernels.mla_uv_gate import mla_uv_gate
+    N = len(lens)
+    ws = mk.make_workspace(N, heads, table.shape[1], q.device, nsm=nsm, defer=True)
+    parts = mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, workspace=ws, nsm=nsm, defer=True)
+    assert isinstance(parts, mk.LatentPartials)
+    z = torch.full((N, heads * 128), 30.0, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(N, heads, mk.DV, dtype=torch.bfloat16, device="cuda")
+    eye = torch.eye(mk.DV, dtype=torch.bfloat16, device="cuda")
+    for c in range(mk.DV // 128):
+        w = eye[128 * c:128 * (c + 1)].expand(heads, 128, mk.DV).contiguous()
+        y = mla_uv_gate(parts, w, z, g_col=0)
+        out[:, :, 128 * c:128 * (c + 1)] = y.view(N, heads, 128)
+    return out, parts
+
+
+@pytest.mark.parametrize("heads", [6, 12, 96])
+@pytest.mark.parametrize("case", ["b1-short", "b1-page-edge", "b1-8k", "b1-odd", "b3-mixed", "b8-mixed", "b64-1k"])
+def test_deferred_combine_against_fp32_attention(case, heads):
+    """The deferred build (every split publishes its partial, a wave of splits: 128 one-page splits at batch 1 and
+    8K tokens) combined by mla_uv_gate: o_lat within bf16_kernel of fp32 attention, padded requests zero, NaN rows
+    and pages nobody references never leak, the same bits twice."""
+    if heads == 96 and case == "b64-1k":
+        pytest.skip("full width is covered at b1 / b3 / b8")
+    lengths = LENGTH_SETS[case]
+    q, pool, table, lens = paged_case(lengths, heads, seed=len(lengths) * 31 + heads)
+    out, parts = deferred_o_lat(q, pool, table, lens, heads)
+    again, _ = deferred_o_lat(q, pool, table, lens, heads)
+    torch.cuda.synchronize()
+    assert parts.splits == mk.plan_splits(len(lengths), heads, table.shape[1], defer=True)[0]
+    want = reference(q, pool, table, lens)
+    live = lens > 0
+    assert_close("o_lat", out[live].float(), want[live], "bf16_kernel")
+    assert torch.equal(out[~live], torch.zeros_like(out[~live])), "a padded request's output is not zero"
+    assert torch.equal(out, again), "two calls on the same inputs differ"
+
+
+def test_deferred_combine_equals_the_in_kernel_combine_at_equal_splits():
+    """At batch 8 and 32K tokens both plans take 16 splits: the deferred combine (in mla_uv_gate) and the in-kernel
+    one sum the same partials with the same weights in the same order, so o_lat has the same bits."""
+    heads, N = 6, 8
+    q, pool, table, lens = paged_case([32768 - 5 * i for i in range(N)], heads, seed=11)
+    assert mk.plan_splits(N, heads, table.shape[1]) == mk.plan_splits(N, heads, table.shape[1], defer=True)
+    inside = mk.mla_latent_decode(q, pool, table, lens, scale=SCALE)
+    deferred, _ = deferred_o_lat(q, pool, table, lens, heads)
+    torch.cuda.synchronize()
+    assert torch.equal(inside.view(torch.int16), deferred.view(torch.int16))
+
+
+def test_deferred_graph_replay_with_new_lengths_and_pages():
+    """The deferred pair captured once and replayed with new lengths and tables equals the reference each time."""
+    from k3fast.kernels.mla_uv_gate import mla_uv_gate
+    from k3fast.measure.trace import capture
+    heads, N = 6, 2
+    q, pool, table, lens = paged_case([4096] * N, heads, seed=8, extra_pages=8)
+    ws = mk.make_workspace(N, heads, table.shape[1], q.device, defer=True)
+    z = torch.full((N, heads * 128), 30.0, dtype=torch.bfloat16, device="cuda")
+    w = torch.eye(mk.DV, dtype=torch.bfloat16, device="cuda")[:128].expand(heads, 128, mk.DV).contiguous()
+    y = torch.empty(N, heads * 128, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        parts = mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, workspace=ws, defer=True)
+        mla_uv_gate(parts, w, z, g_col=0, out=y)
+    step()
+    g = capture(step)
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    for i in range(3):
+        lens.copy_(torch.randint(0, 4097, (N,), generator=gen).to(torch.int32))
+        table.copy_(table[torch.randperm(N, generator=gen)])
+        g.replay()
+        torch.cuda.synchronize()
+        want = reference(q, pool, table, lens)[:, :, :128]
+        live = lens > 0
+        assert_close(f"replay {i}", y.view(N, heads, 128)[live].float(), want[live], "bf16_kernel")

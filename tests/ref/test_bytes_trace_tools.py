@@ -181,11 +181,11 @@ def test_trace_presets_expand_to_valid_cells():
     assert PRESETS["kda-contenders"].cells(contenders=["fast-a", "fast", "fast-b"])[0][4] == [
         "stock", "fast", "fast-a", "fast-b"]
     assert all(name in preset_table() for name in PRESETS)
-    # the MLA-only contender (FusedMLA) runs in MLA cells and never in KDA cells, where it would time the shipped
+    # the MLA-only contenders (FusedMLA) run in MLA cells and never in KDA cells, where it would time the shipped
     # path again
-    assert PRESETS["mla-fused"].cells()[0][4] == ["stock", "fast", "fast-mla"]
+    assert PRESETS["mla-fused"].cells()[0][4] == ["stock", "fast", "fast-mla", "fast-mla-uvc"]
     kda_impls = {i for *_, impls in PRESETS["kda-contenders"].cells() for i in impls}
-    assert "fast-v51" in kda_impls and "fast-mla" not in kda_impls
+    assert "fast-v51" in kda_impls and not {"fast-mla", "fast-mla-uvc"} & kda_impls
 
 
 def test_trace_command_line_checks_its_arguments(capsys):
