@@ -367,3 +367,7 @@ assert b8 < 1.1
 # 52 / 126 µs of kernel time at batch 1 / 8, with the W_UK / W_UV products and the cache insert, where our two
 # kernels take 83 / 239: the `k3.mla.core` stage of the trace's profiled replay) and, at short ones, the fixed cost of the chain: at batch 1 and 8K tokens the half is 3.4x its floor, where the
 # issue asks for 1.5x.
+#
+# The next candidate is written and compiled, not yet timed: `fast-mla-uvc` moves the split combine out of the decode
+# kernel into `mla_uv_gate` (each of its CTAs sums its own head's partials), so the splits can fill a wave of SMs:
+# at batch 1 and 8K tokens 128 one-page splits instead of 22 of six pages (`docs/kernels/mla_latent_decode.md`, v3).
