@@ -65,26 +65,29 @@ nbtools.show(layer)
 # %% [markdown]
 # ## 2b. Against vLLM's own layer
 # The stock that matters to a vLLM user is vLLM's own layer. `--stock-ops vllm-layer` calls vLLM 0.33's kernels
-# the way its Kimi K3 layer calls them; an engine run on the same card (`python -m k3fast.measure.vllm_e2e`)
-# measured that layer inside vLLM. Each stock record is set beside the engine's figure for the same layer kind,
-# shape, batch and card (`k3fast.measure.report.engine_layer_figure`): summed kernel time within 5 %, and the
-# fused layer's speed-up against it.
+# the way its Kimi K3 layer calls them; stock vLLM's own engine, run on the same machine just before
+# (`scripts/device_vllm_e2e.sh layers`: a 4-layer model per width), measured that layer inside vLLM. Each stock
+# record carries the engine's figure for the same layer kind, shape, batch and card (`vllm_layer_kernel_us`,
+# `report --engine-match`): summed kernel time within 5 % at every width the engine fits (full width's does not
+# fit 80 GB), and beside it the fused layer's speed-up over that stock. MLA layers are matched where the engine
+# profiles them, at ~24 cached tokens.
 
 # %%
-import json
-from k3fast.measure.report import engine_layer_figure, load_records
+from k3fast.measure.report import load_records
 
 vl = load_records(os.path.join(nbtools.ROOT, nbtools.INDEX["vllm_layer_check_h100"]))
-engine = json.load(open(os.path.join(nbtools.ROOT, nbtools.INDEX["vllm_e2e"])))["records"]
-for b in (1, 8, 64):
-    s_, f_ = (nbtools.one(vl, layer_kind="kda_moe", shape="k3_rank16", batch=b, part="layer", impl=i)
-              for i in ("stock", "fast"))
-    e = engine_layer_figure(s_, engine)
-    print(f"b{b:<2d} {s_['stock_variant']}: {s_['kernels']:.0f} kernels {s_['kernel_us_sum']:6.1f} µs "
-          f"| vLLM in engine {e['kernels']:.0f} kernels {e['kernel_us']:6.1f} µs "
-          f"({100 * (s_['kernel_us_sum'] / e['kernel_us'] - 1):+.1f} %) | replay stock {s_['replay_us_median']:.1f} "
-          f"fast {f_['replay_us_median']:.1f} µs: {s_['replay_us_median'] / f_['replay_us_median']:.2f}x")
-    assert abs(s_["kernel_us_sum"] / e["kernel_us"] - 1) <= 0.05
+matched = [r for r in vl if r["impl"] == "stock" and r["part"] == "layer" and r.get("vllm_layer_kernel_us")]
+for s_ in matched:
+    f_ = nbtools.one(vl, layer_kind=s_["layer_kind"], shape=s_["shape"], batch=s_["batch"], context=s_["context"],
+                     part="layer", impl="fast")
+    print(f"{s_['layer_kind']} {s_['shape']:9s} b{s_['batch']:<2d}: stock {s_['kernels']:.0f} kernels "
+          f"{s_['kernel_us_sum']:6.1f} µs | vLLM in engine {s_['vllm_layer_kernels']:.0f} kernels "
+          f"{s_['vllm_layer_kernel_us']:6.1f} µs ({100 * (s_['kernel_us_sum'] / s_['vllm_layer_kernel_us'] - 1):+.1f} %)"
+          f" | replay stock {s_['replay_us_median']:.1f} fast {f_['replay_us_median']:.1f} µs: "
+          f"{s_['replay_us_median'] / f_['replay_us_median']:.2f}x")
+    assert abs(s_["kernel_us_sum"] / s_["vllm_layer_kernel_us"] - 1) <= 0.05
+assert {(r["layer_kind"], r["shape"]) for r in matched} == {(k, s) for k in ("kda_moe", "mla_moe")
+                                                           for s in ("k3_rank16", "k3_rank8")}
 
 # %% [markdown]
 # ## 3. Where the time goes: the stages

@@ -161,7 +161,7 @@ print("ok")
 # kernel (`nbtools.vllm_layer()`: H100, rank16, its kernel time within 5 % of vLLM's engine, notebook 01), is
 # the peer users actually have. Its core is four launches: the gate's elementwise prologue, the conv update, the
 # packed-decode recurrent kernel (the recurrence specialised for one token per request) and the gated RMSNorm.
-# That recurrent kernel is much faster than fla's general one, so against vLLM the fused step leads by 1.2-2x,
+# That recurrent kernel is much faster than fla's general one, so against vLLM the fused step leads by 1.15-1.7x,
 # not 4-6x: most of what remains is three launches more and the round trips between them.
 
 # %%

@@ -164,7 +164,7 @@ print("ok")
 # kernel (`nbtools.vllm_layer()`: H100, rank16, its kernel time within 5 % of vLLM's engine, notebook 01), is
 # the peer users actually have. Its front is a CuTe dot-product GEMV for the router, its grouped top-k kernel and
 # a CuTe skinny GEMM for the latent down-projection: three lean launches, so the fused front leads by little
-# (1.04-1.16x) although it also carries the shared experts' gate/up at M ≤ 4.
+# (1.03-1.20x) although it also carries the shared experts' gate/up at M ≤ 4.
 
 # %%
 vl = nbtools.stage_rows(nbtools.FUSIONS["front"], nbtools.vllm_layer())

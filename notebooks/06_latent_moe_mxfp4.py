@@ -206,7 +206,7 @@ assert max(same_input) < 1e-2
 # kernel (`nbtools.vllm_layer()`: H100, rank16, its kernel time within 5 % of vLLM's engine, notebook 01), is
 # the peer users actually have. Its experts are the same Marlin MXFP4 path as the sweeps' stock, so the experts'
 # ratio barely moves; the MoE half as a whole (its shared experts and up-projection run as cuBLAS and CuTe GEMMs)
-# is 1.58x / 1.31x / 1.08x slower than ours at batch 1 / 8 / 64.
+# is 1.59x / 1.32x / 1.08x slower than ours at batch 1 / 8 / 64.
 
 # %%
 vl = nbtools.vllm_layer()

@@ -55,18 +55,19 @@ def sweep(card: str | None = None) -> list[dict]:
     return out
 
 
-def vllm_layer() -> list[dict]:
-    """The KDA + MoE records whose stock is vLLM's own layer kernel for kernel (``trace --stock-ops vllm-layer``),
-    matched to vLLM's in-engine layer by ``report --engine-match``: traces/index.json's ``vllm_layer_check_<card>``
-    files, each record with "card" and "source" added. The sweeps' stock is an earlier composition of library
-    kernels (fla's KDA among them), so a stage's ratio against vLLM itself comes from these records."""
+def vllm_layer(shapes=("k3_rank16",)) -> list[dict]:
+    """The KDA + MoE records of ``shapes`` whose stock is vLLM's own layer kernel for kernel (``trace --stock-ops
+    vllm-layer``), matched to vLLM's in-engine layer by ``report --engine-match``: traces/index.json's
+    ``vllm_layer_check_<card>`` files, each record with "card" and "source" added. The sweeps' stock is an earlier
+    composition of library kernels (fla's KDA among them), so a stage's ratio against vLLM itself comes from these
+    records. The fusion notebooks read the TP16 rank; docs/findings.md has every width."""
     from .report import load_records
     out = []
     for key, f in INDEX.items():
         if key.startswith("vllm_layer_check_"):
             card = key.rsplit("_", 1)[1].upper()
             out += [{**r, "card": card, "source": f} for r in load_records(os.path.join(ROOT, f))
-                    if r["layer_kind"] == "kda_moe"]
+                    if r["layer_kind"] == "kda_moe" and r["shape"] in shapes]
     return out
 
 

@@ -12,12 +12,13 @@
 
 ``ops="vllm-layer"`` (variant "vllm-layer") runs what vLLM 0.33's own layer runs on SM90, kernel for kernel: on top
 of the vllm-ops kernels, vLLM's KDA decode at this head count (its Triton path at TP16's 6 heads, its native fused op
-at 12 / 96; k3fast.stock.vllm_ops.kda_decode_core), K3's low-latency GEMM table (CuTe skinny GEMMs) for o_proj, the
-latent down / up and MLA's q_a | kv_a projections, and the FLASH_ATTN_MLA decode of the MLA layers
-(k3fast.stock.mla.FA3MLADecodeCore). ``vllm_ops.KERNELS_VLLM_LAYER_B1`` lists its launches beside the ones
-recorded from vLLM's engine. It is the default: against vLLM 0.33's own KDA+MoE layer inside an engine on the same
-H100 its summed kernel time is within 5 % at batch 1 / 8 / 64 (traces/index.json's ``vllm_layer_check_h100``
-beside ``vllm_e2e``; ``python -m k3fast.measure.report --engine-match``). "vllm" (variant
+at 12 / 96; k3fast.stock.vllm_ops.kda_decode_core), K3's low-latency GEMM table (CuTe skinny GEMMs and the dsv3
+fused-A GEMM) on every projection whose local shape the table lists, as vLLM installs it, and the FLASH_ATTN_MLA
+decode of the MLA layers (k3fast.stock.mla.FA3MLADecodeCore). ``vllm_ops.KERNELS_VLLM_LAYER_B1`` lists its launches
+beside the ones recorded from vLLM's engine. It is the default: against vLLM 0.33's own KDA+MoE and MLA+MoE layers
+inside engines on the same H100 its summed kernel time is within 5 % at batch 1 / 8 / 64 at the TP16 and TP8 ranks
+(traces/index.json's ``vllm_layer_check_h100`` beside ``vllm_layers_h100``; ``python -m k3fast.measure.report
+--engine-match``). "vllm" (variant
 "vllm-ops": fla's KDA kernels with torch glue, cuBLAS projections, FlashMLA) stays as the composition a user of
 vLLM's ops would write by hand, and as the fallback where FlashAttention-3 or K3's own ops are missing.
 
