@@ -197,13 +197,14 @@ _PLACEHOLDERS: dict = {}
 
 
 def _placeholders(dev, H: int):
-    """Tensors for the arguments a build does not read (the plain build's partials, the combine build's o_lat)."""
+    """Tensors for the arguments a build does not read (the plain build's partials, the combine build's o_lat):
+    never read, so allocated without a fill (no kernel, also when the first call is inside a graph capture)."""
     import torch
     key = (dev, H)
     if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = (torch.zeros(1, H, DV, dtype=torch.bfloat16, device=dev),
-                              torch.zeros(1, DV, dtype=torch.float32, device=dev),
-                              torch.zeros(1, 2, dtype=torch.float32, device=dev))
+        _PLACEHOLDERS[key] = (torch.empty(1, H, DV, dtype=torch.bfloat16, device=dev),
+                              torch.empty(1, DV, dtype=torch.float32, device=dev),
+                              torch.empty(1, 2, dtype=torch.float32, device=dev))
     return _PLACEHOLDERS[key]
 
 
