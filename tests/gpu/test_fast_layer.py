@@ -207,8 +207,8 @@ def test_fused_mla_attention_half(tp, batch, impl):
     assert torch.equal(outs[impl][3], outs["ref"][3]), "lengths differ"
 
 
-@pytest.mark.parametrize("impl", ["fast-mla", "fast-mla-uvc"])
-def test_fused_mla_graph_replay_reads_the_step_metadata(impl):
+@pytest.mark.parametrize("contender", ["fast-mla", "fast-mla-uvc"])
+def test_fused_mla_graph_replay_reads_the_step_metadata(contender):
     """As the trace runs it: the step's paging metadata built once outside the layer (layer_io.mla_step), the
     attention half captured in a CUDA graph and replayed after new inputs and new lengths: each replay equals an eager
     call on the same inputs bit for bit (the combine's counters re-arm; nothing but shapes is fixed at capture), and
@@ -218,7 +218,7 @@ def test_fused_mla_graph_replay_reads_the_step_metadata(impl):
     from k3fast.measure.trace import capture
     cfg, layer, batch = k3_rank(16), 3, 8
     w = random_layer(cfg, layer, seed=71, device="cuda")
-    plan = CONTENDERS[impl][0]
+    plan = CONTENDERS[contender][0]
     impl = FastImpl(cfg, w, plan=plan, max_batch=batch)
     io = make_io(cfg, layer, batch, context=300, seed=72)
     io.slots[2] = -1
