@@ -63,8 +63,8 @@ class DecodePlan:
     # few experts hold every pair (skewed routing); False runs its whole-pass items only.
     experts_alt_items: bool = True
     # the MLA layers' attention half: "stock" (vLLM's kernels, StockImpl) or "fused" (FusedMLA: our in_proj, latent
-    # decode attention and o_proj kernels with torch ops between them). "stock": measured on an H200, FusedMLA wins at
-    # 1K cached tokens and loses from 8K on, up to 2x at 32K (docs/kernels/mla_latent_decode.md).
+    # decode attention and o_proj kernels with torch ops between them). "stock": beside vLLM's own MLA layer FusedMLA
+    # is ahead at 1K cached tokens, even at 8K and behind at 32K (docs/kernels/mla_latent_decode.md).
     mla_attention: str = "stock"
     # FusedMLA's split combine: "decode" (the last split of each request and head group combines, inside
     # mla_latent_decode; the split count capped where that one CTA's reads balance a split's share of the cache) or
@@ -151,7 +151,7 @@ CONTENDERS: dict[str, tuple[DecodePlan, str]] = {
     "fast-taildsl": (DecodePlan(tail_fused_max_m=64),
                      "moe_tail at every batch (where cuBLAS overtakes the swap-AB GEMV)"),
     "fast-mla": (DecodePlan(mla_attention="fused"),
-                 "MLA layers' attention half on FusedMLA (open: ahead of vLLM's FA3 MLA at 1K tokens, behind from 8K)"),
+                 "MLA layers' attention half on FusedMLA (open: ahead of vLLM's FA3 MLA at 1K tokens, behind at 32K)"),
     "fast-mla-uvc": (DecodePlan(mla_attention="fused", mla_combine="uv_gate"),
                      "FusedMLA with the split combine in mla_uv_gate and a wave of splits (open: batch 1 long caches)"),
 }
