@@ -89,10 +89,10 @@ def plan_splits(n_requests: int, heads: int, max_pages: int, nsm: int = 132, def
     attention half at 2.9x its byte floor on an H200). The combine's balance: at most sqrt(cache bytes / partial
     bytes) = sqrt(36 max_pages / hn) splits per request and head group, since the one CTA that combines reads S
     partials of hn x 512 fp32, so the combine's bytes grow with S while each split's share of the cache shrinks
-    with it; their sum is smallest there (24 splits at 8K tokens and 8 heads, 8 at 1K; without the cap batch 1
-    takes 128 one-page splits at 8K tokens, and its attention half measures 1.5x longer). Every split is non-empty
-    at full capacity; never more than SPLITS_MAX (the combine's weight table). ``defer``: the combine runs in
-    mla_uv_gate's many CTAs instead of one CTA here, so the balance does not bind and the wave alone sets S."""
+    with it; their sum is smallest there (22 splits of 6 pages at 8K tokens and 8 heads, 8 at 1K; without the cap
+    batch 1 takes 128 one-page splits at 8K tokens, and its attention half measures 1.5x longer). Every split is
+    non-empty at full capacity; never more than SPLITS_MAX (the combine's weight table). ``defer``: the combine
+    runs in mla_uv_gate's many CTAs instead of one CTA here, so the balance does not bind and the wave alone sets S."""
     hn = head_group(heads)
     hg = -(-heads // hn)
     cap = SPLITS_MAX if defer else round(math.sqrt(PAGE * DQK * 2 * max_pages / (hn * DV * 4)))
