@@ -528,6 +528,55 @@ KERNELS_VLLM_LAYER_MLA_B1 = {
 }
 
 
+# The same at a TP8 rank (k3_rank8, batch 1), against the TP8 engine's per_layer kernel names (traces/index.json's
+# vllm_layers_h100). Two things differ from TP16: at 12 KDA heads vLLM runs its native fused KDA decode op (one
+# kernel for the conv, the recurrence and the gated norm), and K3's low-latency table lists more of the TP8 rank's
+# projections, so the packed in_proj, f_b, the shared experts' GEMMs, g_proj and q_b leave cuBLAS (the CuTe skinny
+# GEMM, or the dsv3 fused-A GEMM where the table names it at this batch). vLLM launches the shared experts before the
+# top-k and g_proj on a side stream; the counts per half are what match.
+_SKINNY = "kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_skinny_gemmCuteSkinnyGemm"
+_MOE_TP8_B1 = ["kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_ll_bf16_dotprodLLBf16Dotprod",
+               "void vllm::moe::single_group_topk",
+               _SKINNY,                                    # down
+               "void vllm::moe::moe_align_block_size_kernel",
+               "void vllm::moe::count_and_sort_expert_tokens_kernel",
+               "void marlin_moe_wna16::Marlin",
+               "void vllm::situ_and_mul_kernel",
+               "void marlin_moe_wna16::Marlin",
+               "void vllm::moe::moe_sum_vec_dynamic_kernel",
+               _SKINNY,                                    # shared gate/up [1536, 7168]
+               "void vllm::situ_and_mul_kernel",
+               _SKINNY,                                    # shared down [7168, 768]
+               "void vllm::rms_norm_kernel",
+               _SKINNY,                                    # up
+               "void at::native::vectorized_elementwise_kernel"]
+KERNELS_VLLM_LAYER_TP8_B1 = {
+    "attn": ["_attn_res_kernel",
+             _SKINNY,                                      # in_proj_qkvgfab [6288, 7168]
+             "void fused_a_gemm_kernel",                   # f_b [1536, 128] (dsv3 fused-A GEMM)
+             "void (anonymous namespace)::kda_decode_fusion_many_heads_kernel",
+             _SKINNY,                                      # o_proj
+             "_attn_res_kernel"],
+    "moe": _MOE_TP8_B1,
+}
+KERNELS_VLLM_LAYER_MLA_TP8_B1 = {
+    "attn": ["_attn_res_kernel",
+             _SKINNY,                                      # q_a | kv_a
+             _SKINNY,                                      # g_proj [1536, 7168]
+             "Kernel",                                     # the fused q_a / kv_a RMSNorm
+             _SKINNY,                                      # q_b_proj [2304, 1536]
+             "nvjet_sm90",                                 # W_UK (bmm)
+             "void vllm::kimi_k3_fused_ops::fusedKimiK3MLADecodeQConcatKVCacheKernel",
+             "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90",
+             "void cutlass::device_kernel<flash::FlashAttnFwdCombine",
+             "nvjet_sm90",                                 # W_UV (bmm)
+             "triton_poi_fused_mul_sigmoid",
+             _SKINNY,                                      # o_proj
+             "_attn_res_kernel"],
+    "moe": _MOE_TP8_B1,
+}
+
+
 @functools.lru_cache(maxsize=None)
 def vllm_layer_available() -> tuple[bool, str]:
     """(True, "") when the KDA decode kernels and the low-latency GEMM table of vLLM's own layer import here (on

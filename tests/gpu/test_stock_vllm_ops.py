@@ -151,22 +151,24 @@ def test_stock_vllm_layer_against_the_reference(tp, layer, batch):
     assert len(off) <= allowed, f"layer out: rows {off} off by {[errs[i] for i in off]}"
 
 
-def test_stock_vllm_layer_launches_what_vllm_launches():
-    """One KDA+MoE layer of the vllm-layer variant at rank16 b1 launches vllm_ops.KERNELS_VLLM_LAYER_B1, in order
-    (the list the CPU tier checks against the kernels recorded inside vLLM's engine)."""
+@pytest.mark.parametrize("tp,table", [(16, "KERNELS_VLLM_LAYER_B1"), (8, "KERNELS_VLLM_LAYER_TP8_B1")])
+def test_stock_vllm_layer_launches_what_vllm_launches(tp, table):
+    """One KDA+MoE layer of the vllm-layer variant at a TP16 / TP8 rank, b1, launches vllm_ops' list for that rank,
+    in order (the lists the CPU tier checks against the kernels recorded inside vLLM's engines)."""
     _need_vllm_layer()
     from k3fast.measure.impls import make_impl, make_io
     from k3fast.measure.trace import _profile
-    w = random_layer(CFG, 1, seed=33, device="cuda")
-    impl = make_impl("stock", CFG, w, max_batch=1, ops="vllm-layer")
-    io = make_io(CFG, 1, 1, seed=34)
+    cfg = k3_rank(tp)
+    w = random_layer(cfg, 1, seed=33, device="cuda")
+    impl = make_impl("stock", cfg, w, max_batch=1, ops="vllm-layer")
+    io = make_io(cfg, 1, 1, seed=34)
     impl.layer(io)                                           # compile and autotune outside the profile
     torch.cuda.synchronize()
     names = {}
     for part in ("attn", "moe"):
         ev = _profile(lambda: getattr(impl, part)(io))
         names[part] = [e["name"] for e in sorted(ev, key=lambda e: e["ts"]) if e.get("cat") == "kernel"]
-    for part, want in V.KERNELS_VLLM_LAYER_B1.items():
+    for part, want in getattr(V, table).items():
         got = names[part]
         want = [k for k in want if not k.startswith("harness:")]
         extra = len(got) - len(want)
@@ -179,21 +181,23 @@ def test_stock_vllm_layer_launches_what_vllm_launches():
             assert name.startswith(k), f"{part}: expected {k!r}, got {name!r} ({got})"
 
 
-def test_stock_vllm_layer_mla_launches_what_vllm_launches():
-    """One MLA+MoE layer of the vllm-layer variant at rank16 b1, the step's paging metadata built outside the layer
-    (as the trace builds it), launches vllm_ops.KERNELS_VLLM_LAYER_MLA_B1, in order."""
+@pytest.mark.parametrize("tp,table", [(16, "KERNELS_VLLM_LAYER_MLA_B1"), (8, "KERNELS_VLLM_LAYER_MLA_TP8_B1")])
+def test_stock_vllm_layer_mla_launches_what_vllm_launches(tp, table):
+    """One MLA+MoE layer of the vllm-layer variant at a TP16 / TP8 rank, b1, the step's paging metadata built outside
+    the layer (as the trace builds it), launches vllm_ops' list for that rank, in order."""
     _need_vllm_layer()
     from k3fast.layer_io import mla_step
     from k3fast.measure.impls import make_impl, make_io
     from k3fast.measure.trace import _profile
     layer = 3
-    w = random_layer(CFG, layer, seed=35, device="cuda")
-    impl = make_impl("stock", CFG, w, max_batch=1, ops="vllm-layer")
-    io = make_io(CFG, layer, 1, context=24, seed=36)
+    cfg = k3_rank(tp)
+    w = random_layer(cfg, layer, seed=35, device="cuda")
+    impl = make_impl("stock", cfg, w, max_batch=1, ops="vllm-layer")
+    io = make_io(cfg, layer, 1, context=24, seed=36)
     io.mla_step = mla_step(io.state, io.slots)
     impl.layer(io)                                           # compile, autotune and FA3's schedule outside the profile
     torch.cuda.synchronize()
-    for part, want in V.KERNELS_VLLM_LAYER_MLA_B1.items():
+    for part, want in getattr(V, table).items():
         io.reset()
         ev = _profile(lambda: getattr(impl, part)(io))
         got = [e["name"] for e in sorted(ev, key=lambda e: e["ts"]) if e.get("cat") == "kernel"]

@@ -76,3 +76,26 @@ def test_profiled_stock_layer_launches_the_declared_kernels_in_order():
             base = "vectorized_elementwise_kernel" if want.startswith("harness:") else \
                 want.removeprefix("void ").split("::")[-1]
             assert name.startswith(base), (half["part"], name, want)
+
+
+def _recorded_tp8_b1(kind: str) -> list[str]:
+    path = next(p for p in INDEX["vllm_layers_h100"] if p.endswith("k3_rank8.json"))
+    recs = json.load(open(os.path.join(ROOT, path)))["records"]
+    rec = next(r for r in recs if r.get("kind") == "vllm_e2e" and r["engine"] == "stock" and r["batch"] == 1)
+    assert rec["model"]["shape"] == "k3_rank8"
+    return list(rec["per_layer"][kind]["kernel_names"])
+
+
+@pytest.mark.parametrize("kind,table", [("kda_moe", "KERNELS_VLLM_LAYER_TP8_B1"),
+                                        ("mla_moe", "KERNELS_VLLM_LAYER_MLA_TP8_B1")])
+def test_vllm_layer_variant_declares_vllms_tp8_layer(kind, table):
+    """At a TP8 rank vLLM's layer differs from TP16's (its native fused KDA decode at 12 heads; more projections on
+    K3's low-latency table): the TP8 lists declare what its engine launched, half by half, same kernels and counts."""
+    from k3fast.stock import vllm_ops
+    declared = getattr(vllm_ops, table)
+    got = _recorded_tp8_b1(kind)
+    second = [i for i, n in enumerate(got) if n.startswith("_attn_res_kernel")][1]
+    halves = {"attn": got[:second + 1], "moe": got[second + 1:]}
+    for part, names in halves.items():
+        kinds = [_kind(n, declared) for n in names]
+        assert collections.Counter(kinds) == collections.Counter(declared[part]), part
