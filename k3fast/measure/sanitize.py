@@ -224,7 +224,9 @@ def parse_log(text: str) -> dict:
     """One compute-sanitizer log -> its counts: ``errors`` (the tool's total, printed or not; hazards for racecheck),
     ``api_errors`` (failed CUDA API calls, e.g. an allocation the process ran out of memory for: not kernel accesses),
     ``kernels`` (kernel name -> errors printed in it; racecheck's hazards by the kernel of their writing thread),
-    ``finished`` (the tool printed its summary)."""
+    ``finished`` (the tool printed its summary), racecheck's ``warnings`` (hazards it only warns of, e.g. "Warp
+    Level Programming"; inside ``errors``), ``tool_failed`` (the tool itself broke: "Internal Sanitizer Error",
+    which says nothing of the kernels)."""
     totals = re.findall(r"ERROR SUMMARY: (\d+) errors?\s*$", text, re.M)
     race = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
     kernels: dict[str, int] = {}
@@ -232,7 +234,8 @@ def parse_log(text: str) -> dict:
         kernels[name] = kernels.get(name, 0) + 1
     errors = int(totals[-1]) if totals else (int(race[-1][1]) + int(race[-1][2]) if race else None)
     return {"errors": errors, "api_errors": len(_API_ERROR.findall(text)), "kernels": kernels,
-            "finished": bool(totals or race), "app_failed": "Target application returned an error" in text}
+            "finished": bool(totals or race), "app_failed": "Target application returned an error" in text,
+            "warnings": int(race[-1][2]) if race else 0, "tool_failed": "Internal Sanitizer Error" in text}
 
 
 def summarize(folder: str, env: dict | None = None) -> dict:
@@ -254,12 +257,15 @@ def summarize(folder: str, env: dict | None = None) -> dict:
                             "cells": len(run.get("cells", [])), "kernel_keys": len(run.get("kernel_keys", [])),
                             "errors": log["errors"], "api_errors": log["api_errors"], "kernel_errors": kernel_errors,
                             "flagged_kernels": log["kernels"], "app_failed": log["app_failed"],
+                            "warnings": log["warnings"], "tool_failed": log["tool_failed"],
                             "peak_gb": max((c.get("peak_gb", 0) for c in run.get("cells", [])), default=None)}
     for tool, t in summary["tools"].items():
         parts = t["parts"].values()
         t["cells"] = sum(p["cells"] for p in parts)
         t["complete_parts"] = sorted(k for k, p in t["parts"].items() if p["complete"])
         t["kernel_errors"] = sum(p["kernel_errors"] or 0 for p in parts)
+        t["warnings"] = sum(p["warnings"] for p in parts)
+        t["tool_failed_parts"] = sorted(k for k, p in t["parts"].items() if p["tool_failed"])
         # "none" ran the launch set without a tool (its memory, bare): no verdict to give
         t["clean"] = None if tool == "none" else all(p["complete"] and p["kernel_errors"] == 0 for p in parts)
     return summary

@@ -39,6 +39,20 @@ RACECHECK_KILLED = """========= COMPUTE-SANITIZER
 ========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)
 """
 CLEAN = "========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n"
+RACECHECK_WARNINGS = """========= COMPUTE-SANITIZER
+========= Warning: (Warp Level Programming) Potential RAW hazard detected (CUDA barrier operation) at __shared__ 0xaa8 in block (0,2,0) :
+=========     Write Thread (31,0,0) at kernel_cutlass_kernel_k3fastkernelskda_conv_gate_step_buildlocalsKdaConvGateStep_0+0x130 in kda_conv_gate_step.py:395
+=========     Read Thread (0,0,0) at kernel_cutlass_kernel_k3fastkernelskda_conv_gate_step_buildlocalsKdaConvGateStep_0+0x160 in kda_conv_gate_step.py:398
+=========     Current Value : 0
+=========
+========= RACECHECK SUMMARY: 200 hazards displayed (0 errors, 1540 warnings)
+"""
+RACECHECK_TOOL_FAILED = """========= COMPUTE-SANITIZER
+========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception.
+=========
+========= Target application returned an error
+========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+"""
 
 
 def test_parse_counts_every_error_not_only_the_printed_ones():
@@ -132,3 +146,24 @@ def test_library_gemm_controls_are_the_layer_shapes():
 def test_unknown_part_is_refused_by_name():
     with pytest.raises(ValueError, match="parts: unknown"):
         san.launch_set(["k3_rank4"])
+
+
+def test_parse_keeps_racecheck_warnings_and_the_tools_own_failure_apart():
+    """racecheck's summary splits errors from warnings (here all 1,540 hazards are warnings, each named by its
+    writer's kernel); an "Internal Sanitizer Error" is the tool breaking, flagged as such (its one "error" names no
+    kernel)."""
+    w = san.parse_log(RACECHECK_WARNINGS)
+    assert w["errors"] == 1540 and w["warnings"] == 1540 and not w["tool_failed"] and w["finished"]
+    assert list(w["kernels"]) == ["kernel_cutlass_kernel_k3fastkernelskda_conv_gate_step_buildlocalsKdaConvGateStep_0"]
+    f = san.parse_log(RACECHECK_TOOL_FAILED)
+    assert f["tool_failed"] and f["warnings"] == 0 and f["kernels"] == {} and f["app_failed"]
+    assert not san.parse_log(CLEAN)["tool_failed"] and san.parse_log(CLEAN)["warnings"] == 0
+
+
+def test_summary_counts_racecheck_warnings_and_names_the_parts_the_tool_broke_on(tmp_path):
+    """Warnings still count against clean (a finding to explain); the parts where the tool itself failed are named."""
+    _write(tmp_path, "racecheck", "k3_rank16", RACECHECK_WARNINGS, 99, True)
+    _write(tmp_path, "racecheck", "mla", RACECHECK_TOOL_FAILED, 99, False, cells=0)
+    race = san.summarize(str(tmp_path))["tools"]["racecheck"]
+    assert not race["clean"] and race["warnings"] == 1540 and race["tool_failed_parts"] == ["mla"]
+    assert race["parts"]["k3_rank16"]["kernel_errors"] == 1540 and not race["parts"]["k3_rank16"]["tool_failed"]
