@@ -400,6 +400,8 @@ class FusedMLA(_AttentionEnds):
             raise TypeError(f"w.attn: expected MLAWeights (layer {w.layer} is not an MLA layer)")
         self._ends_init(cfg, w, plan)
         self.nsm, self.check_paging = nsm, check_paging
+        # the split combine in mla_uv_gate (the latent decode's deferred build) or inside the latent decode
+        self.defer = plan.mla_combine == "uv_gate"
         # [q_a | kv_a (512 + 64) | g]: one pass over x for the three projections (vLLM's fused_qkv_a_g_proj holds
         # them in this order already: ``in_proj``)
         rows = cfg.q_lora_rank + cfg.kv_cache_dim + cfg.mla_heads * cfg.v_head_dim
@@ -454,14 +456,13 @@ class FusedMLA(_AttentionEnds):
             Q = Q.view(M, H, cfg.kv_cache_dim)                                               # [M, H, 576] bf16
         with stage("k3.mla.core"):
             maxp = block_table.shape[1]
-            defer = self.plan.mla_combine == "uv_gate"
             ws = self._bufs.get(("ws", M, maxp))
             if ws is None:
-                ws = self._bufs[("ws", M, maxp)] = make_workspace(M, H, maxp, partial.device, self.nsm, defer)
+                ws = self._bufs[("ws", M, maxp)] = make_workspace(M, H, maxp, partial.device, self.nsm, self.defer)
             # the kernel writes the step's row [RMSNorm(c~_kv) | k_pe] into its page, then attends over it
             o_lat = mla_latent_decode(Q, kv_pages, block_table, seqlens, scale=self.scale, workspace=ws, nsm=self.nsm,
                                       proj=z, proj_col=cfg.q_lora_rank, kv_norm=self.kv_norm,
-                                      eps=cfg.rms_norm_eps, defer=defer)  # [M, H, 512] bf16, or the splits' partials
+                                      eps=cfg.rms_norm_eps, defer=self.defer)  # [M, H, 512] bf16, or the partials
             # W_UV per head and the sigmoid gate (g read in place from the projection output); k3ref.bytes counts
             # W_UV in this stage
             y = mla_uv_gate(o_lat, self.W_UV, z, g_col=cfg.q_lora_rank + cfg.kv_cache_dim)

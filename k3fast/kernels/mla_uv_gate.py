@@ -19,6 +19,7 @@ g: columns [g_col, g_col + H * 128) of a bf16 [M, W] tensor, out [M, H * 128] bf
 PDL: nothing is read before griddepcontrol.wait.
 """
 from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, mma_m16n8k16
+from .mla_latent_decode import LANE_SPLITS, SPLITS_MAX, LatentPartials, combine_weights
 
 DV = 512                 # o_lat width (kv_lora_rank)
 VH = 128                 # v_head_dim
@@ -49,7 +50,6 @@ def _build(nt: int, combine: bool = False):
     from cutlass.cutlass_dsl import T
 
     from ._dsl import sigmoid
-    from .mla_latent_decode import LANE_SPLITS, SPLITS_MAX, combine_weights
 
     mma = mma_m16n8k16
     smem_bytes = WARPS * ROWS * RSTR * 4 + 128
@@ -214,8 +214,6 @@ def mla_uv_gate(o_lat, w_uv, g_src, *, g_col: int, out=None):
     ``o_lat``: [M, H, 512] bf16, or the LatentPartials of mla_latent_decode(..., defer=True), which this kernel
     combines first (the combine build)."""
     import torch
-
-    from .mla_latent_decode import SPLITS_MAX, LatentPartials
     partials = o_lat if isinstance(o_lat, LatentPartials) else None
     if partials is not None:
         M, H = partials.requests, partials.heads

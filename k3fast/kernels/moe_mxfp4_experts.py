@@ -290,13 +290,13 @@ def prepare_mxfp4_experts(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w
         c3 = _unpack_codes(w3_packed[e0:e1]).reshape(n, I // 8, 8, dL)
         sc1 = w1_scale[e0:e1].reshape(n, I // 8, 8, dL // 32)
         sc3 = w3_scale[e0:e1].reshape(n, I // 8, 8, dL // 32)
-        q13, s13 = _pack_tiles(torch.cat([c1, c3], dim=2), torch.cat([sc1, sc3], dim=2), layout)
+        gate_up = _pack_tiles(torch.cat([c1, c3], dim=2), torch.cat([sc1, sc3], dim=2), layout)    # (words, scales)
         del c1, c3
         c2 = _unpack_codes(w2_packed[e0:e1]).reshape(n, dL // 16, 16, I)
         sc2 = w2_scale[e0:e1].reshape(n, dL // 16, 16, I // 32)
-        q2, s2 = _pack_tiles(c2, sc2, layout)
+        down = _pack_tiles(c2, sc2, layout)
         del c2
-        chunk = (q13, s13, q2, s2)
+        chunk = gate_up + down
         if outs is None:
             outs = [torch.empty((E,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) for t in chunk]
         for o, t in zip(outs, chunk):

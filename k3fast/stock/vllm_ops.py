@@ -535,21 +535,12 @@ KERNELS_VLLM_LAYER_MLA_B1 = {
 # GEMM, or the dsv3 fused-A GEMM where the table names it at this batch). vLLM launches the shared experts before the
 # top-k and g_proj on a side stream; the counts per half are what match.
 _SKINNY = "kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_skinny_gemmCuteSkinnyGemm"
-_MOE_TP8_B1 = ["kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_ll_bf16_dotprodLLBf16Dotprod",
-               "void vllm::moe::single_group_topk",
-               _SKINNY,                                    # down
-               "void vllm::moe::moe_align_block_size_kernel",
-               "void vllm::moe::count_and_sort_expert_tokens_kernel",
-               "void marlin_moe_wna16::Marlin",
-               "void vllm::situ_and_mul_kernel",
-               "void marlin_moe_wna16::Marlin",
-               "void vllm::moe::moe_sum_vec_dynamic_kernel",
-               _SKINNY,                                    # shared gate/up [1536, 7168]
-               "void vllm::situ_and_mul_kernel",
-               _SKINNY,                                    # shared down [7168, 768]
-               "void vllm::rms_norm_kernel",
-               _SKINNY,                                    # up
-               "void at::native::vectorized_elementwise_kernel"]
+# the MoE half: the routed part and the tail as at TP16; the shared experts' two GEMMs on the table
+_MOE_TP8_B1 = (KERNELS_VLLM_LAYER_B1["moe"][:9]                     # router .. moe_sum: the same launches
+               + [_SKINNY,                                          # shared gate/up [1536, 7168]
+                  "void vllm::situ_and_mul_kernel",
+                  _SKINNY]                                          # shared down [7168, 768]
+               + KERNELS_VLLM_LAYER_B1["moe"][-3:])                 # RMSNorm, up, add
 KERNELS_VLLM_LAYER_TP8_B1 = {
     "attn": ["_attn_res_kernel",
              _SKINNY,                                      # in_proj_qkvgfab [6288, 7168]

@@ -52,6 +52,16 @@ def reference(q, pool, table, lengths):
     return out
 
 
+def check_o_lat(out, again, q, pool, table, lens):
+    """o_lat of the live requests within bf16_kernel of fp32 attention, padded requests' rows zero, and a second
+    call on the same inputs the same bits (the combine is deterministic)."""
+    want = reference(q, pool, table, lens)
+    live = lens > 0
+    assert_close("o_lat", out[live].float(), want[live], "bf16_kernel")
+    assert torch.equal(out[~live], torch.zeros_like(out[~live])), "a padded request's output is not zero"
+    assert torch.equal(out, again), "two calls on the same inputs differ (the combine must be deterministic)"
+
+
 LENGTH_SETS = {
     "b1-short": [1], "b1-page-edge": [64], "b1-8k": [8192], "b1-odd": [1000],
     "b3-mixed": [65, 1, 130], "b8-mixed": [8, 64, 63, 0, 257, 1, 512, 700],
@@ -77,11 +87,7 @@ def test_against_fp32_attention(case, heads, nsm):
     mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, out=out, workspace=ws, nsm=nsm)
     again = mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, workspace=ws, nsm=nsm)
     torch.cuda.synchronize()
-    want = reference(q, pool, table, lens)
-    live = lens > 0
-    assert_close("o_lat", out[live].float(), want[live], "bf16_kernel")
-    assert torch.equal(out[~live], torch.zeros_like(out[~live])), "a padded request's output is not zero"
-    assert torch.equal(out, again), "two calls on the same inputs differ (the combine must be deterministic)"
+    check_o_lat(out, again, q, pool, table, lens)
 
 
 def test_graph_replay_with_new_lengths_and_pages():
@@ -168,11 +174,7 @@ def test_deferred_combine_against_fp32_attention(case, heads):
     again, _ = deferred_o_lat(q, pool, table, lens, heads)
     torch.cuda.synchronize()
     assert parts.splits == mk.plan_splits(len(lengths), heads, table.shape[1], defer=True)[0]
-    want = reference(q, pool, table, lens)
-    live = lens > 0
-    assert_close("o_lat", out[live].float(), want[live], "bf16_kernel")
-    assert torch.equal(out[~live], torch.zeros_like(out[~live])), "a padded request's output is not zero"
-    assert torch.equal(out, again), "two calls on the same inputs differ"
+    check_o_lat(out, again, q, pool, table, lens)
 
 
 def test_deferred_combine_equals_the_in_kernel_combine_at_equal_splits():
