@@ -59,8 +59,8 @@ def make_io(cfg: K3Config, layer: int, batch: int, *, context: int = 0, device="
     the spare slot 0; request i uses slot i + 1."""
     g = torch.Generator(device=device).manual_seed(seed)
     d = cfg.hidden_size
-    # requests take slots 1..batch; slot 0 stays spare: vLLM's null block (NULL_BLOCK_ID), which vLLM's own state
-    # kernels skip and the stock path's padding rows may scribble on
+    # requests take slots 1..batch; slot 0 stays spare: vLLM's null block (NULL_BLOCK_ID), where vLLM's metadata
+    # puts padding rows: its Triton KDA kernels skip it, its native fused KDA decode (12 / 96 heads) writes it
     n_slots = (slots or batch) + 1
     rnd = lambda *s, std=1.0: (torch.randn(*s, generator=g, device=device) * std).to(torch.bfloat16)
     blocks = rnd(batch, cfg.max_blocks, d)
@@ -88,7 +88,8 @@ MLA_PAGE = 64      # rows per page of the paged view (vLLM's block size for the 
 
 def kda_state_indices(slots: torch.Tensor) -> torch.Tensor:
     """The harness's slots (-1: padding) as vLLM's KDA metadata carries them: padding on the null slot 0, which
-    vLLM's state kernels skip (the harness keeps slot 0 spare). Built once per step, outside the layers."""
+    vLLM reserves and never reads (its Triton KDA kernels skip it; its native fused decode writes the padding row
+    there), so the harness keeps slot 0 spare. Built once per step, outside the layers."""
     return slots.clamp_min(0).to(torch.int32)
 
 

@@ -75,9 +75,12 @@ nbtools.show(layer)
 # %%
 from k3fast.measure.report import load_records
 
-vl = load_records(os.path.join(nbtools.ROOT, nbtools.INDEX["vllm_layer_check_h100"]))
-matched = [r for r in vl if r["impl"] == "stock" and r["part"] == "layer" and r.get("vllm_layer_kernel_us")]
-for s_ in matched:
+# each shape from its latest run (TP8's after stock took K3's low-latency GEMM table on every projection it lists)
+runs = {shape: load_records(os.path.join(nbtools.ROOT, path))
+        for shape, path in nbtools.INDEX["vllm_layer_check_h100"].items()}
+matched = [(r, vl) for shape, vl in runs.items() for r in vl if r["shape"] == shape and r["impl"] == "stock"
+           and r["part"] == "layer" and r.get("vllm_layer_kernel_us")]
+for s_, vl in matched:
     f_ = nbtools.one(vl, layer_kind=s_["layer_kind"], shape=s_["shape"], batch=s_["batch"], context=s_["context"],
                      part="layer", impl="fast")
     print(f"{s_['layer_kind']} {s_['shape']:9s} b{s_['batch']:<2d}: stock {s_['kernels']:.0f} kernels "
@@ -86,7 +89,8 @@ for s_ in matched:
           f" | replay stock {s_['replay_us_median']:.1f} fast {f_['replay_us_median']:.1f} µs: "
           f"{s_['replay_us_median'] / f_['replay_us_median']:.2f}x")
     assert abs(s_["kernel_us_sum"] / s_["vllm_layer_kernel_us"] - 1) <= 0.05
-assert {(r["layer_kind"], r["shape"]) for r in matched} == {(k, s) for k in ("kda_moe", "mla_moe")
+    assert s_["kernels"] == s_["vllm_layer_kernels"]
+assert {(r["layer_kind"], r["shape"]) for r, _ in matched} == {(k, s) for k in ("kda_moe", "mla_moe")
                                                            for s in ("k3_rank16", "k3_rank8")}
 
 # %% [markdown]

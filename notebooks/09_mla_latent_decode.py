@@ -368,6 +368,60 @@ assert b8 < 1.1
 # kernels take 83 / 239: the `k3.mla.core` stage of the trace's profiled replay) and, at short ones, the fixed cost of the chain: at batch 1 and 8K tokens the half is 3.4x its floor, where the
 # issue asks for 1.5x.
 #
-# The next candidate is written and compiled, not yet timed: `fast-mla-uvc` moves the split combine out of the decode
-# kernel into `mla_uv_gate` (each of its CTAs sums its own head's partials), so the splits can fill a wave of SMs:
-# at batch 1 and 8K tokens 128 one-page splits instead of 22 of six pages (`docs/kernels/mla_latent_decode.md`, v3).
+# The next candidate, `fast-mla-uvc`, moves the split combine out of the decode kernel into `mla_uv_gate` (each of
+# its CTAs sums its own head's partials), so the splits can fill a wave of SMs: at batch 1 and 8K tokens 128 one-page
+# splits instead of 22 of six pages (`docs/kernels/mla_latent_decode.md`, v3). Section 7 measures it.
+
+# %% [markdown]
+# ## 7. The combine moved out of the decode, measured (H100)
+#
+# One run on an H100 at rank16 (key `mla_uvc_h100`): vLLM's MLA layer (stock), `fast-mla` (kernel v2.6: the
+# in-kernel combine with its loads grouped) and `fast-mla-uvc` (v3: the deferred decode, the combine in
+# `mla_uv_gate`). Both fused halves passed their GPU tests in the same session (`gpu_uvc_h100`).
+
+# %%
+uvc = {(r["batch"], r["context"], r["impl"], r["part"]): r
+       for r in load_records(os.path.join(nbtools.ROOT, nbtools.INDEX["mla_uvc_h100"])) if r["layer_kind"] == "mla_moe"}
+first = next(iter(uvc.values()))
+print(f"{first['gpu']}, commit {first['commit']}, copy {first['copy_tbps']:.2f} TB/s; attention half, µs")
+print("                       floor    stock   v2.6 (in kernel)   v3 (in uv_gate)   stock/v2.6  stock/v3")
+for batch in (1, 8, 64):
+    for ctx in (1024, 8192, 32768):
+        st, v26, v3 = (uvc[(batch, ctx, i, "attn")]["replay_us_median"] for i in ("stock", "fast-mla", "fast-mla-uvc"))
+        print(f"  batch {batch:2d}, {ctx // 1024:2d}K tokens  {uvc[(batch, ctx, 'stock', 'attn')]['floor_us']:7.1f} "
+              f"{st:8.1f} {v26:14.1f} {v3:17.1f}   {st / v26:9.2f}x {st / v3:8.2f}x")
+
+# %% [markdown]
+# Where the time went, kernel by kernel, in one replay at batch 1 and 8K tokens: the decode kernel and the W_UV +
+# gate kernel of each candidate (`replay_timeline`: start and duration; with PDL a kernel starts before its
+# predecessor ends and waits inside).
+
+# %%
+def core_kernels(rec):
+    ks = {nbtools.short_name(k["name"]): k for k in nbtools.replay_kernels(rec)}
+    return ks["mla_latent_decode"], ks["mla_uv_gate"]
+
+for impl, label in (("fast-mla", "v2.6"), ("fast-mla-uvc", "v3")):
+    dec, uv = core_kernels(uvc[(1, 8192, impl, "attn")])
+    print(f"{label:5s} decode {dec['start']:5.1f} -> {dec['start'] + dec['dur']:5.1f} µs ({dec['dur']:4.1f}), "
+          f"uv_gate ends {uv['start'] + uv['dur']:5.1f}: {uv['start'] + uv['dur'] - dec['start'] - dec['dur']:4.1f} µs "
+          f"after the decode")
+
+d26, u26 = core_kernels(uvc[(1, 8192, "fast-mla", "attn")])
+d3, u3 = core_kernels(uvc[(1, 8192, "fast-mla-uvc", "attn")])
+# the deferred decode streams the cache on 128 SMs instead of 22: under half the time ...
+assert d3["dur"] < 0.5 * d26["dur"]
+# ... and the combine it hands to mla_uv_gate costs about what it saved, so the half is no faster at b1 8K
+assert u3["start"] + u3["dur"] - d3["start"] - d3["dur"] > 2 * (u26["start"] + u26["dur"] - d26["start"] - d26["dur"])
+assert uvc[(1, 8192, "fast-mla-uvc", "attn")]["replay_us_median"] > 0.95 * uvc[(1, 8192, "fast-mla", "attn")]["replay_us_median"]
+
+# %% [markdown]
+# The deferred decode did what it was for: at batch 1 and 8K tokens the decode kernel takes 12 µs where the
+# in-kernel combine's 22 splits take 30. The combine did not: each of `mla_uv_gate`'s 48 CTAs sums its head's
+# 128 partials over all 512 latent dims itself (a chain of eight groups of loads per token), and that costs ~28 µs
+# after the decode where v2.6's W_UV + gate took 9. The half is level at batch 1 and 8K (75.6 against 73.9 µs),
+# ahead only at 32K tokens with one or eight requests, and behind at batch 64 and at 1K with eight requests. The
+# next version slices the combine by latent dim, so each CTA sums 64 of the 512 dims once and the head's CTAs
+# meet over W_UV's K (`docs/kernels/mla_uv_gate.md`). v2.6's grouped loads moved the batch-1 half only from 76.8
+# (v2.4, previous H100 run) to 73.9 µs where ~65 was predicted: the 22 splits' streaming, not the combine's chain,
+# is most of the decode's time.

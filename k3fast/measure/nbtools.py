@@ -58,16 +58,19 @@ def sweep(card: str | None = None) -> list[dict]:
 def vllm_layer(shapes=("k3_rank16",)) -> list[dict]:
     """The KDA + MoE records of ``shapes`` whose stock is vLLM's own layer kernel for kernel (``trace --stock-ops
     vllm-layer``), matched to vLLM's in-engine layer by ``report --engine-match``: traces/index.json's
-    ``vllm_layer_check_<card>`` files, each record with "card" and "source" added. The sweeps' stock is an earlier
-    composition of library kernels (fla's KDA among them), so a stage's ratio against vLLM itself comes from these
-    records. The fusion notebooks read the TP16 rank; docs/findings.md has every width."""
+    ``vllm_layer_check_<card>`` entries ({shape: the run that checked that shape}), each record with "card" and
+    "source" added. The sweeps' stock is an earlier composition of library kernels (fla's KDA among them), so a
+    stage's ratio against vLLM itself comes from these records. The fusion notebooks read the TP16 rank;
+    docs/findings.md has every width."""
     from .report import load_records
     out = []
-    for key, f in INDEX.items():
+    for key, per_shape in INDEX.items():
         if key.startswith("vllm_layer_check_"):
             card = key.rsplit("_", 1)[1].upper()
-            out += [{**r, "card": card, "source": f} for r in load_records(os.path.join(ROOT, f))
-                    if r["layer_kind"] == "kda_moe" and r["shape"] in shapes]
+            for shape, f in per_shape.items():
+                if shape in shapes:
+                    out += [{**r, "card": card, "source": f} for r in load_records(os.path.join(ROOT, f))
+                            if r["layer_kind"] == "kda_moe" and r["shape"] == shape]
     return out
 
 
@@ -189,10 +192,11 @@ def time_live(fn, replays: int = 50) -> float:
 # ------------------------------------------------------------------------------------------------ timelines
 
 _K3_MODULES = ("rms_gemv_ring", "rms_gemv", "gemm_wgmma_splitk", "kda_conv_gate_step", "oproj_attnres",
-               "router_down_topk", "moe_mxfp4_experts", "moe_tail")
+               "router_down_topk", "moe_mxfp4_experts", "moe_tail", "mla_latent_decode", "mla_uv_gate")
 KERNEL_COLORS = {"rms_gemv_ring": "#3182bd", "rms_gemv": "#9ecae1", "gemm_wgmma_splitk": "#08519c",
                  "kda_conv_gate_step": "#31a354", "oproj_attnres": "#756bb1", "router_down_topk": "#e6550d",
-                 "moe_mxfp4_experts": "#d62728", "moe_tail": "#e377c2"}
+                 "moe_mxfp4_experts": "#d62728", "moe_tail": "#e377c2", "mla_latent_decode": "#8c564b",
+                 "mla_uv_gate": "#bcbd22"}
 
 
 def short_name(kernel: str) -> str:

@@ -34,6 +34,30 @@ def test_results_block_pairs_stock_and_fast_of_one_run(tmp_path, monkeypatch):
     assert "`records-a.json` (NVIDIA H200" in block and block.startswith("<!-- results:begin H200=records-a.json -->")
 
 
+def test_results_block_takes_one_shape_from_a_later_run(tmp_path, monkeypatch):
+    """A CARD:SHAPE source replaces that card's rows at that shape; every row still pairs stock and fast of one file,
+    and the line above the table names both files."""
+    from k3fast.measure import report
+    monkeypatch.setattr(report, "ROOT", str(tmp_path))
+    _write(tmp_path / "records-a.json", [_rec("stock", "k3_rank16", 1, 160.0, 25, 50.0),
+                                         _rec("fast", "k3_rank16", 1, 100.0, 6, 50.0),
+                                         _rec("stock", "k3_rank8", 1, 180.0, 22, 99.0),
+                                         _rec("fast", "k3_rank8", 1, 120.0, 6, 99.0)])
+    _write(tmp_path / "records-b.json", [_rec("stock", "k3_rank8", 1, 169.0, 21, 100.0, commit="bbbbbbb"),
+                                         _rec("fast", "k3_rank8", 1, 130.0, 6, 100.0, commit="bbbbbbb"),
+                                         _rec("stock", "k3_rank16", 1, 1.0, 1, 1.0, commit="bbbbbbb"),
+                                         _rec("fast", "k3_rank16", 1, 1.0, 1, 1.0, commit="bbbbbbb")])
+    block = report.results_block({"H100": "records-a.json", "H100:k3_rank8": "records-b.json"})
+    rows = [ln for ln in block.splitlines() if ln.startswith("| H100")]
+    assert rows == ["| H100 | kda_moe | k3_rank16 | 1 | 50.0 | 160.0 | 100.0 | 1.60x | 2.00x | 25 → 6 |",
+                    "| H100 | kda_moe | k3_rank8 | 1 | 100.0 | 169.0 | 130.0 | 1.30x | 1.30x | 21 → 6 |"]
+    assert "H100: `records-a.json`" in block and "H100 k3_rank8: `records-b.json`" in block and "commit bbbbbbb" in block
+    with pytest.raises(SystemExit, match="one of k3_rank16"):
+        report.results_block({"H100": "records-a.json", "H100:rank8": "records-b.json"})
+    with pytest.raises(SystemExit, match="no stock / fast pair at full"):
+        report.results_block({"H100": "records-a.json", "H100:full": "records-b.json"})
+
+
 def test_readme_round_trip_and_check(tmp_path, monkeypatch):
     from k3fast.measure import report
     monkeypatch.setattr(report, "ROOT", str(tmp_path))
@@ -91,25 +115,25 @@ def test_engine_match_puts_stock_beside_vllms_own_layer():
 
 def test_vllm_layer_stock_is_vllms_layer_within_5_percent():
     """The recorded proof of match: the vllm-layer stock (KDA+MoE and MLA+MoE at the TP16 and TP8 ranks, H100)
-    against stock vLLM's own layers in engines run on the same machine, b1 / b8 / b64 within 5 % of kernel time with
-    the same kernel counts, but at TP8 b1 / b8 (one or two more: GEMMs on cuBLAS where vLLM's TP8 table lists
-    them, docs/vllm-plugin.md); MLA cells at 8K cached tokens and full width have no engine counterpart."""
+    against stock vLLM's own layers in engines run on the same machine: b1 / b8 / b64 within 5 % of kernel time with
+    the same kernel counts (each shape from its latest run: TP8's after stock took K3's low-latency GEMM table on
+    every projection it lists, docs/vllm-plugin.md); MLA cells at 8K cached tokens have no engine counterpart."""
     from k3fast.measure.nbtools import INDEX
     from k3fast.measure.report import engine_match
-    text = engine_match(INDEX["vllm_layer_check_h100"], *INDEX["vllm_layers_h100"])
     counts = {}
-    for ln in text.splitlines():
-        cols = [c.strip() for c in ln.split("|")]
-        if len(cols) > 8 and cols[1] in ("kda_moe", "mla_moe") and cols[7] != "- / -":
-            if cols[2] != "full" and cols[4] in ("0", "24"):
-                assert cols[5] == "vllm-layer" and cols[8] == "yes", ln
-                counts[(cols[1], cols[2], int(cols[3]))] = cols[6]
-            else:
-                assert "no engine cell" in cols[8], ln
+    for shape, path in INDEX["vllm_layer_check_h100"].items():
+        for ln in engine_match(path, *INDEX["vllm_layers_h100"]).splitlines():
+            cols = [c.strip() for c in ln.split("|")]
+            if len(cols) > 8 and cols[1] in ("kda_moe", "mla_moe") and cols[2] == shape:
+                if cols[4] in ("0", "24"):
+                    assert cols[5] == "vllm-layer" and cols[8] == "yes", ln
+                    counts[(cols[1], shape, int(cols[3]))] = cols[6]
+                else:
+                    assert "no engine cell" in cols[8], ln
     assert [counts[("kda_moe", "k3_rank16", b)] for b in (1, 8, 64)] == ["25 / 25", "26 / 26", "26 / 26"]
-    assert [counts[("kda_moe", "k3_rank8", b)] for b in (1, 8, 64)] == ["22 / 21", "23 / 22", "24 / 24"]
+    assert [counts[("kda_moe", "k3_rank8", b)] for b in (1, 8, 64)] == ["21 / 21", "22 / 22", "24 / 24"]
     assert [counts[("mla_moe", "k3_rank16", b)] for b in (1, 8, 64)] == ["30 / 30", "31 / 31", "33 / 33"]
-    assert [counts[("mla_moe", "k3_rank8", b)] for b in (1, 8, 64)] == ["30 / 28", "31 / 29", "33 / 33"]
+    assert [counts[("mla_moe", "k3_rank8", b)] for b in (1, 8, 64)] == ["28 / 28", "29 / 29", "33 / 33"]
 
 
 def test_engine_figure_needs_the_same_cell():
