@@ -68,8 +68,8 @@ class DecodePlan:
     mla_attention: str = "stock"
     # FusedMLA's split combine: "decode" (the last split of each request and head group combines, inside
     # mla_latent_decode; the split count capped where that one CTA's reads balance a split's share of the cache) or
-    # "uv_gate" (every split publishes its partial, mla_uv_gate's CTAs each combine their head's, and the splits
-    # fill one wave of SMs)
+    # "uv_gate" (every split publishes its partial and the splits fill one wave of SMs; mla_uv_gate's combine build
+    # sums them, a CTA per head and 64-dim slice of the latent)
     mla_combine: str = "decode"
 
     def __post_init__(self):

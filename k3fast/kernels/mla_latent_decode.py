@@ -70,6 +70,7 @@ CHUNK = PAGE              # cache rows per ring buffer
 NBUF = 2                  # ring buffers
 HEAD_GROUPS = (8, 16)     # query rows per CTA (8: up to 8 heads, 16 otherwise)
 SPLITS_MAX = 160          # the combine's weight table in shared memory holds this many splits per head row
+UV_SLICES = 8             # mla_uv_gate's combine: CTAs per head, each summing 512 / 8 latent dims of the splits
 # The combine's loads in flight per thread: it walks the splits in groups, all of a group's loads issued before
 # any is summed, so its serial chain is splits / group L2 round trips. 128 loads (32 or 64 output elements of 2 or
 # 4 splits) keep its registers under 255 beside the 64 accumulators of the 16-head build.
@@ -543,10 +544,16 @@ def make_workspace(n_requests: int, heads: int, max_pages: int, device, nsm: int
     hg = -(-heads // hn)
     s, _ = plan_splits(n_requests, heads, max_pages, nsm, defer)
     rows = n_requests * hg * s * hn
-    return {"o": torch.empty(rows, DV, dtype=torch.float32, device=device),
-            "ml": torch.empty(rows, 2, dtype=torch.float32, device=device),
-            "count": torch.zeros(max(n_requests * hg, 1), dtype=torch.int32, device=device),
-            "key": (n_requests, heads, max_pages, nsm, defer)}
+    ws = {"o": torch.empty(rows, DV, dtype=torch.float32, device=device),
+          "ml": torch.empty(rows, 2, dtype=torch.float32, device=device),
+          "count": torch.zeros(max(n_requests * hg, 1), dtype=torch.int32, device=device),
+          "key": (n_requests, heads, max_pages, nsm, defer)}
+    if defer:
+        # mla_uv_gate's combine build: each (head, latent slice) CTA's W_UV partial output, and an arrival counter
+        # per head (zeroed here, re-armed by the head's last CTA)
+        ws["uv_scratch"] = torch.empty(heads * UV_SLICES * n_requests, 128, dtype=torch.float32, device=device)
+        ws["uv_count"] = torch.zeros(heads, dtype=torch.int32, device=device)
+    return ws
 
 
 _DUMMY_LN: dict = {}
@@ -593,13 +600,17 @@ def check_paging(block_table, lengths, n_pages: int, *, lengths_name: str = "len
 class LatentPartials:
     """What the deferred build leaves for mla_uv_gate: per (request, head group, split, head row) the unnormalised
     O (``o`` [R, 512] fp32, row ((n * groups + g) * splits + s) * hn + r; not written for a split with no page) and
-    (m, l) (``ml`` [R, 2] fp32: the running max in base 2 and the row sum; l = 0 for a split with no page)."""
+    (m, l) (``ml`` [R, 2] fp32: the running max in base 2 and the row sum; l = 0 for a split with no page), and the
+    scratch mla_uv_gate's combine needs (``uv_scratch`` [heads * UV_SLICES * requests, 128] fp32, ``uv_count``
+    [heads] int32, zeroed once)."""
     o: object
     ml: object
     splits: int
     hn: int
     heads: int
     requests: int
+    uv_scratch: object = None
+    uv_count: object = None
 
 
 def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=None, workspace=None,
@@ -673,5 +684,6 @@ def mla_latent_decode(q, kv_cache, block_table, lengths, *, scale: float, out=No
     fn(q, kv_cache, block_table, lengths, out, workspace["o"], workspace["ml"], workspace["count"], z, ln, H,
        splits, pps, float(scale) * 1.4426950408889634, zcol, float(eps))
     if defer:
-        return LatentPartials(workspace["o"], workspace["ml"], splits, head_group(H), H, N)
+        return LatentPartials(workspace["o"], workspace["ml"], splits, head_group(H), H, N,
+                              workspace["uv_scratch"], workspace["uv_count"])
     return out

@@ -56,13 +56,14 @@ def test_bad_gate_columns_and_cpu_refused():
 @needs_dsl
 @pytest.mark.parametrize("nt", [1, 8])
 def test_combine_builds_compile(nt):
-    """The combine build: the same MMAs, read from the combined rows in shared memory; the partials' loads as
-    COMBINE_SPLITS 16-byte loads with no branch between them (one L2 round trip per group of splits); no local
-    memory; shared memory within a CTA's 227 KB."""
+    """The combine build, sliced by latent dim: two MMA M tiles per warp over the slice's four k16 steps; the
+    partials' loads as COMBINE_SPLITS 16-byte loads with no branch between them (one L2 round trip per pass of
+    ITEMS items); one arrival per CTA; no local memory; shared memory within a CTA's 227 KB."""
     from k3fast.measure.ptxcheck import compiled_ptx
     ptx = compiled_ptx(lambda: uv._compile(nt, combine=True))
-    assert ptx.count("mma.sync.aligned.m16n8k16") == uv.KSTEPS * nt
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 2 * uv.CSTEPS * nt
     assert ".local" not in ptx and "griddepcontrol.wait" in ptx
+    assert ptx.count("atom.global.acq_rel.add") == 1
     runs, run = [], 0
     for line in ptx.splitlines():
         if "ld.global.cg.v4.f32" in line:
@@ -74,12 +75,16 @@ def test_combine_builds_compile(nt):
     _, smem = uv._build(nt, combine=True)
     assert smem <= 227 * 1024
     assert uv.compile_key(5, combine=True) == ("mla_uv_gate", 1, "combine")
+    assert uv.ITEMS == 128 and uv.KS * uv.UV_SLICES == uv.DV
 
 
-def _partials(M=2, H=6, splits=3, hn=8, rows=None, dev="cpu"):
-    from k3fast.kernels.mla_latent_decode import LatentPartials
+def _partials(M=2, H=6, splits=3, hn=8, rows=None, dev="cpu", scratch=True):
+    from k3fast.kernels.mla_latent_decode import UV_SLICES, LatentPartials
     rows = M * splits * hn if rows is None else rows
-    return LatentPartials(torch.zeros(rows, 512, device=dev), torch.zeros(rows, 2, device=dev), splits, hn, H, M)
+    extra = (torch.zeros(H * UV_SLICES * M, 128, device=dev), torch.zeros(H, dtype=torch.int32, device=dev)) \
+        if scratch else ()
+    return LatentPartials(torch.zeros(rows, 512, device=dev), torch.zeros(rows, 2, device=dev), splits, hn, H, M,
+                          *extra)
 
 
 def test_combine_arguments_refused_by_name():
@@ -89,6 +94,9 @@ def test_combine_arguments_refused_by_name():
         uv.mla_uv_gate(**kw, g_col=2112)
     kw["o_lat"] = _partials(splits=0, rows=48)
     with pytest.raises(ValueError, match="splits"):
+        uv.mla_uv_gate(**kw, g_col=2112)
+    kw["o_lat"] = _partials(scratch=False)
+    with pytest.raises(ValueError, match="uv_scratch"):
         uv.mla_uv_gate(**kw, g_col=2112)
     kw["o_lat"] = _partials()
     with pytest.raises(ValueError, match="CUDA"):
