@@ -153,7 +153,8 @@ CONTENDERS: dict[str, tuple[DecodePlan, str]] = {
     "fast-mla": (DecodePlan(mla_attention="fused"),
                  "MLA layers' attention half on FusedMLA (open: ahead of vLLM's FA3 MLA at 1K tokens, behind at 32K)"),
     "fast-mla-uvc": (DecodePlan(mla_attention="fused", mla_combine="uv_gate"),
-                     "FusedMLA with the split combine in mla_uv_gate and a wave of splits (open: batch 1 long caches)"),
+                     "FusedMLA with a wave of splits and their combine in mla_uv_gate, sliced by latent dim "
+                     "(open: undecided against fast-mla)"),
 }
 
 
