@@ -377,7 +377,7 @@ assert b8 < 1.1
 #
 # One run on an H100 at rank16 (key `mla_uvc_h100`): vLLM's MLA layer (stock), `fast-mla` (kernel v2.6: the
 # in-kernel combine with its loads grouped) and `fast-mla-uvc` (v3: the deferred decode, the combine in
-# `mla_uv_gate`). Both fused halves passed their GPU tests in the same session (`gpu_uvc_h100`).
+# `mla_uv_gate`, then its v2 build). Both fused halves passed their GPU tests in the same session (`gpu_uvc_h100`).
 
 # %%
 uvc = {(r["batch"], r["context"], r["impl"], r["part"]): r
@@ -420,8 +420,8 @@ assert uvc[(1, 8192, "fast-mla-uvc", "attn")]["replay_us_median"] > 0.95 * uvc[(
 # in-kernel combine's 22 splits take 30. The combine did not: each of `mla_uv_gate`'s 48 CTAs sums its head's
 # 128 partials over all 512 latent dims itself (a chain of eight groups of loads per token), and that costs ~28 µs
 # after the decode where v2.6's W_UV + gate took 9. The half is level at batch 1 and 8K (75.6 against 73.9 µs),
-# ahead only at 32K tokens with one or eight requests, and behind at batch 64 and at 1K with eight requests. The
-# next version slices the combine by latent dim, so each CTA sums 64 of the 512 dims once and the head's CTAs
-# meet over W_UV's K (`docs/kernels/mla_uv_gate.md`). v2.6's grouped loads moved the batch-1 half only from 76.8
+# ahead only at 32K tokens with one or eight requests, and behind at batch 64 and at 1K with eight requests.
+# `mla_uv_gate` v3, written and compiled but not yet timed, slices the combine by latent dim: each CTA sums 64 of the
+# 512 dims once and the head's CTAs meet over W_UV's K (`docs/kernels/mla_uv_gate.md`). v2.6's grouped loads moved the batch-1 half only from 76.8
 # (v2.4, previous H100 run) to 73.9 µs where ~65 was predicted: the 22 splits' streaming, not the combine's chain,
 # is most of the decode's time.

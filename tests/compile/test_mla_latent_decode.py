@@ -106,6 +106,15 @@ def _args(N=2, H=6, pages=4, maxp=3, dev="cpu"):
                 lengths=torch.ones(N, dtype=torch.int32, device=dev))
 
 
+def test_deferred_workspace_carries_the_uv_gate_combine_scratch():
+    """The deferred workspace also holds mla_uv_gate's combine scratch: a 128-wide partial output per (head, latent
+    slice, request) and a zeroed arrival counter per head; the in-kernel combine's workspace has neither."""
+    ws = mk.make_workspace(3, 12, 10, "cpu", defer=True)
+    assert ws["uv_scratch"].shape == (12 * mk.UV_SLICES * 3, 128) and ws["uv_scratch"].dtype == torch.float32
+    assert ws["uv_count"].shape == (12,) and ws["uv_count"].dtype == torch.int32 and not ws["uv_count"].any()
+    assert "uv_scratch" not in mk.make_workspace(3, 12, 10, "cpu")
+
+
 @pytest.mark.parametrize("name,bad,exc", [
     ("q", torch.zeros(2, 6, 512, dtype=torch.bfloat16), ValueError),
     ("q", torch.zeros(2, 6, 576, dtype=torch.float16), TypeError),

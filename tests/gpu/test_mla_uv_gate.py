@@ -31,12 +31,12 @@ def test_against_bmm_and_gate(M, heads):
 
 
 @pytest.mark.parametrize("heads", [6, 12])
-@pytest.mark.parametrize("lengths", [[32768], [8192], [65, 1, 0, 130], [1024 - 7 * i for i in range(64)]],
-                         ids=["b1-32k", "b1-8k", "b4-mixed", "b64-1k"])
+@pytest.mark.parametrize("lengths", [[33000], [8192], [65, 1, 0, 130], [1024 - 7 * i for i in range(64)]],
+                         ids=["b1-33k", "b1-8k", "b4-mixed", "b64-1k"])
 def test_combine_build_against_the_plain_build(lengths, heads):
     """The combine build (the decode's deferred partials, summed by latent slice, the head's slices met by its last
-    CTA) against the plain build on the in-kernel combine's o_lat: real W_UV and gate, within bf16_kernel; b1 at 32K
-    tokens plans more (token, split) items than one pass holds; a padded request gives zeros x gate; the same bits
+    CTA) against the plain build on the in-kernel combine's o_lat: real W_UV and gate, within bf16_kernel; b1 at 33K
+    tokens plans more (token, split) items than one pass holds (129 splits); a padded request gives zeros x gate; the same bits
     on a second call (the per-head counters re-arm)."""
     from test_mla_latent_decode import SCALE, paged_case
 
@@ -49,7 +49,7 @@ def test_combine_build_against_the_plain_build(lengths, heads):
     z = torch.randn(N, heads * 128, generator=g, device="cuda").to(torch.bfloat16)
     ws = mk.make_workspace(N, heads, table.shape[1], q.device, defer=True)
     parts = mk.mla_latent_decode(q, pool, table, lens, scale=SCALE, workspace=ws, defer=True)
-    if lengths == [32768]:
+    if lengths == [33000]:
         assert N * parts.splits > ITEMS
     out = torch.full((N, heads * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     mla_uv_gate(parts, w_uv, z, g_col=0, out=out)
