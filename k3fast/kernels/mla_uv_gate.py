@@ -221,7 +221,8 @@ def _build_combine(nt: int):
                     acc = sAcc[m, d]
                     lo = cutlass.max(m * splits, p0)
                     hi = cutlass.min(m * splits + splits, p0 + ITEMS)
-                    for it in cutlass.range(lo, hi):
+                    # at batch 1 a 128-long chain of FMAs: unrolled so the shared loads of the next splits overlap
+                    for it in cutlass.range(lo, hi, unroll=4):
                         wgt = sWt[m, it - m * splits]
                         # a split with no page wrote no partial O (its slot holds anything): weight 0, value 0
                         v = Float32(cutlass.select_(wgt > Float32(0.0), sBuf[it - p0, d], Float32(0.0)))
