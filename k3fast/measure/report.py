@@ -151,15 +151,18 @@ def results_rows(card: str, recs: list[dict]) -> list[dict]:
     return rows
 
 
-def _source_rows(sources: dict[str, str]) -> list[tuple[str, list[dict]]]:
-    """[(file, rows)] in marker order: a "CARD" source gives that card's rows, a "CARD:SHAPE" source replaces the
-    rows of that shape on that card (a later run of one shape) and gives nothing else."""
+def _source_rows(sources: dict[str, str]) -> list[tuple[str, list[dict], list[dict]]]:
+    """[(file, its records, its rows)] in marker order: a "CARD" source gives that card's rows, a "CARD:SHAPE" source
+    replaces the rows of that shape on that card (a later run of one shape) and gives nothing else."""
     per: dict[str, list[dict]] = {}
+    runs: dict[str, list[dict]] = {}
     for key, path in sources.items():
         card, _, shape = key.partition(":")
         if shape and shape not in SHAPES:
             raise SystemExit(f"results marker: {key}: the shape after the card must be one of {', '.join(SHAPES)}")
-        rows = results_rows(card, _one_run(path))
+        if path not in runs:
+            runs[path] = _one_run(path)
+        rows = results_rows(card, runs[path])
         if shape:
             rows = [r for r in rows if r["shape"] == shape]
             if not rows:
@@ -167,7 +170,7 @@ def _source_rows(sources: dict[str, str]) -> list[tuple[str, list[dict]]]:
             for other in per.values():
                 other[:] = [r for r in other if (r["card"], r["shape"]) != (card, shape)]
         per[path] = per.get(path, []) + rows
-    return list(per.items())
+    return [(path, runs[path], rows) for path, rows in per.items()]
 
 
 def _ordered(rows: list[dict]) -> list[dict]:
@@ -179,8 +182,7 @@ def results_block(sources: dict[str, str]) -> str:
     """README's results block from {card or card:shape: records file}: the table and the line that says where each
     row comes from."""
     rows, notes = [], []
-    for path, got in _source_rows(sources):
-        recs = _one_run(path)
+    for path, recs, got in _source_rows(sources):
         rows += got
         e = recs[0]
         # which stock: vLLM's own layer ("vllm-layer") or an earlier composition of its kernels ("vllm-ops")
@@ -238,7 +240,7 @@ def headline_figure(sources: dict[str, str], out: str = os.path.join(ROOT, HEADL
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    every = _ordered([r for _, rows in _source_rows(sources) for r in rows if r["kind"] == "kda_moe"])
+    every = _ordered([r for _, _, rows in _source_rows(sources) for r in rows if r["kind"] == "kda_moe"])
     cards = list(dict.fromkeys(r["card"] for r in every))
     fig, axes = plt.subplots(1, len(cards), figsize=(6.5 * len(cards), 4.2), squeeze=False)
     for ax, card in zip(axes[0], cards):

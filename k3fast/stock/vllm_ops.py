@@ -466,8 +466,8 @@ def gate_sigmoid_mul(attn_out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor
 # ``rms_norm_gated`` (vllm/third_party/flash_linear_attention/ops/kda.py, the kernel behind o_norm's
 # FusedRMSNormGated with sigmoid). Both state kernels treat slot 0 as vLLM's null block (NULL_BLOCK_ID): no state is
 # read or written for it and the packed decode writes zero rows. The native fused op (12 / 24 / 48 / 96 heads) does
-# not skip it: a padding row (vLLM pads with slot 0) updates slot 0's state, which vLLM reserves and never reads
-# (tests/gpu/test_stock_vllm_ops.py, measured on an H100). The projections K3 registers in its SM90 table
+# not skip it: a padding row (vLLM pads with slot 0) updates slot 0's state, which vLLM reserves and never reads,
+# so the harness keeps slot 0 spare (layer_io.make_io). The projections K3 registers in its SM90 table
 # (vllm/models/kimi_k3/nvidia/low_latency_gemm.py: o_proj [7168, 768], the latent down / up projections, ...) run
 # vLLM's CuTe DSL skinny GEMM for the batch sizes the table lists, cuBLAS otherwise (``try_low_latency_gemm``).
 

@@ -117,8 +117,8 @@ def test_stock_vllm_layer_against_the_reference(tp, layer, batch):
     """StockImpl(ops="vllm-layer") against k3ref on the same inputs and state: the MoE input, the layer output and
     the KDA state; no request's slot but its own changes. A padded request (-1) reaches vLLM's kernels as the null
     slot 0, as vLLM's metadata pads: TP16 (6 heads) takes vLLM's Triton KDA path, which skips slot 0; TP8 (12 heads)
-    takes its native fused op, which decodes the padding row into slot 0 (measured on an H100), a slot vLLM reserves
-    and never reads, so that slot alone may change there."""
+    takes its native fused op, which decodes the padding row into slot 0, a slot vLLM reserves and never reads, so
+    that slot alone may change there."""
     _need_vllm_layer()
     from k3fast.measure.impls import make_impl, make_io
     CFG = k3_rank(tp)
