@@ -56,10 +56,18 @@ def launch_set(parts=PARTS, batches=BATCHES, log=print, out: str | None = None) 
                 json.dump({"parts": list(parts), "cells": cells, "kernel_keys": [str(k)[:240] for k, _ in COMPILE_LOG],
                            "complete": complete, "wall_s": round(time.perf_counter() - t0, 1)}, f, indent=1)
 
+    # K3_SAN_MEMHIST=1: PyTorch records where each live block was allocated, and every cell says which call sites
+    # hold the memory (under the tools the held memory grows far past the bare run's: which allocation grows)
+    memhist = os.environ.get("K3_SAN_MEMHIST") == "1"
+    if memhist:
+        torch.cuda.memory._record_memory_history(max_entries=200000)
+
     def done(**cell):
         torch.cuda.synchronize()
         cell["mem_gb"] = round(torch.cuda.memory_allocated() / 2**30, 2)        # held by live tensors after the cell
         cell["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if memhist:
+            cell["held_by"] = held_by(torch.cuda.memory._snapshot())
         cells.append(cell)
         save(False)
         log(f"  launched {cell}")
@@ -69,6 +77,26 @@ def launch_set(parts=PARTS, batches=BATCHES, log=print, out: str | None = None) 
         torch.cuda.empty_cache()
     save(True)
     return cells
+
+
+def held_by(snapshot: dict, top: int = 8) -> list[dict]:
+    """The live blocks of a ``torch.cuda.memory._snapshot()`` grouped by the innermost frame of this repository
+    (k3fast / k3ref) that allocated them, largest first: [{"site": "file:line name", "gb": .., "blocks": n}]."""
+    sites: dict[str, list] = {}
+    for seg in snapshot.get("segments", []):
+        for b in seg.get("blocks", []):
+            if b.get("state") != "active_allocated":
+                continue
+            frames = b.get("frames") or []
+            ours = [f for f in frames if re.search(r"k3(fast|ref)[/\\]", f.get("filename", ""))]
+            f = ours[0] if ours else (frames[0] if frames else {})
+            name = re.sub(r".*[/\\](?=k3(fast|ref)[/\\])", "", f.get("filename", "?"))
+            site = f"{name}:{f.get('line', '?')} {f.get('name', '?')}" if f else "unrecorded"
+            acc = sites.setdefault(site, [0, 0])
+            acc[0] += b.get("requested_size", b.get("size", 0))
+            acc[1] += 1
+    rows = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"site": k, "gb": round(v[0] / 2**30, 3), "blocks": v[1]} for k, v in rows]
 
 
 def _layer_cells(shape: str):

@@ -167,3 +167,28 @@ def test_summary_counts_racecheck_warnings_and_names_the_parts_the_tool_broke_on
     race = san.summarize(str(tmp_path))["tools"]["racecheck"]
     assert not race["clean"] and race["warnings"] == 1540 and race["tool_failed_parts"] == ["mla"]
     assert race["parts"]["k3_rank16"]["kernel_errors"] == 1540 and not race["parts"]["k3_rank16"]["tool_failed"]
+
+
+def test_held_by_groups_live_blocks_by_our_innermost_frame():
+    from k3fast.measure.sanitize import held_by
+
+    def frames(*sites):
+        return [{"filename": f, "line": l, "name": n} for f, l, n in sites]
+    torch_frame = ("/usr/lib/python3/site-packages/torch/random.py", 10, "randn")
+    relay = ("/root/repo/k3fast/kernels/moe_mxfp4_experts.py", 300, "prepare_mxfp4_experts")
+    draw = ("/root/repo/k3ref/weights.py", 50, "random_layer")
+    snap = {"segments": [
+        {"blocks": [{"size": 3 << 30, "requested_size": 3 << 30, "state": "active_allocated",
+                     "frames": frames(torch_frame, relay, draw)},
+                    {"size": 1 << 30, "state": "inactive", "frames": frames(relay)},
+                    {"size": 1 << 29, "requested_size": 1 << 29, "state": "active_allocated",
+                     "frames": frames(draw)}]},
+        {"blocks": [{"size": 1 << 30, "requested_size": 1 << 30, "state": "active_allocated",
+                     "frames": frames(relay)},
+                    {"size": 1 << 20, "requested_size": 1 << 20, "state": "active_allocated", "frames": []}]}]}
+    rows = held_by(snap)
+    # the freed (inactive) block is not held; torch's own frame gives way to the repository's innermost one
+    assert rows[0] == {"site": "k3fast/kernels/moe_mxfp4_experts.py:300 prepare_mxfp4_experts", "gb": 4.0, "blocks": 2}
+    assert rows[1] == {"site": "k3ref/weights.py:50 random_layer", "gb": 0.5, "blocks": 1}
+    assert rows[2]["site"] == "unrecorded" and rows[2]["blocks"] == 1
+    assert held_by(snap, top=1) == rows[:1]
