@@ -425,3 +425,27 @@ assert uvc[(1, 8192, "fast-mla-uvc", "attn")]["replay_us_median"] > 0.95 * uvc[(
 # 512 dims once and the head's CTAs meet over W_UV's K (`docs/kernels/mla_uv_gate.md`). v2.6's grouped loads moved the batch-1 half only from 76.8
 # (v2.4, previous H100 run) to 73.9 µs where ~65 was predicted: the 22 splits' streaming, not the combine's chain,
 # is most of the decode's time.
+
+# %% [markdown]
+# ### The issue's targets on this card, against their ceilings
+#
+# No implementation can beat stock by more than stock / floor in a cell (the **ceiling**, notebook 01). For each
+# target: the best fused candidate of this run, what the target asks in µs, and how close to the byte floor that
+# is. The half's target at batch 1 is reachable in principle (its ceiling is 3.5x); the whole layer's at batch 64
+# asks for a layer within ~5 % of its floor, closer than any layer of this repository runs (the KDA+MoE layer at
+# batch 64: ~1.4x its floor, README).
+
+# %%
+print(f"{'target':46s} {'stock':>7s} {'best':>7s} {'ratio':>6s} {'asks':>6s} {'ceiling':>8s} {'asks/floor':>10s}")
+for label, batch, part, want in (("attention half b1 8K >= 2.0x", 1, "attn", 2.0),
+                                 ("whole layer b1 8K >= 1.8x", 1, "layer", 1.8),
+                                 ("whole layer b64 8K >= 1.3x", 64, "layer", 1.3)):
+    st = uvc[(batch, 8192, "stock", part)]
+    best = min(uvc[(batch, 8192, i, part)]["replay_us_median"] for i in ("fast-mla", "fast-mla-uvc"))
+    asks = st["replay_us_median"] / want
+    print(f"{label:46s} {st['replay_us_median']:7.1f} {best:7.1f} {st['replay_us_median'] / best:5.2f}x {asks:6.1f} "
+          f"{st['replay_us_median'] / st['floor_us']:7.2f}x {asks / st['floor_us']:9.2f}x")
+b64 = uvc[(64, 8192, "stock", "layer")]
+assert b64["replay_us_median"] / b64["floor_us"] < 1.45           # the ceiling barely clears the 1.3x target
+b1 = uvc[(1, 8192, "stock", "attn")]
+assert b1["replay_us_median"] / b1["floor_us"] > 3.0              # the batch-1 half's target is not capped by its floor
