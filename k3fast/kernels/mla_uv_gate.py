@@ -24,7 +24,7 @@ eight partials in slice order, rounds, gates and stores y.
 
 Contracts: o_lat [M, H, 512] bf16 contiguous, w_uv [H, 128, 512] bf16 contiguous (k3ref.mla._split_kv_b's W_UV),
 g: columns [g_col, g_col + H * 128) of a bf16 [M, W] tensor, out [M, H * 128] bf16; 1 <= M <= 64. Launched with
-PDL: nothing is read before griddepcontrol.wait.
+PDL: only W_UV (a weight, written by no kernel) is read before griddepcontrol.wait.
 """
 from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, mma_m16n8k16
 from .mla_latent_decode import LANE_SPLITS, SPLITS_MAX, UV_SLICES, LatentPartials, combine_weights
@@ -97,14 +97,21 @@ def _build(nt: int, combine: bool = False):
             acc = cute.make_rmem_tensor(cute.make_layout(nt * 4), Float32)
             acc.fill(0.0)
 
+            # the warp's W_UV fragments (32 registers a lane) load before the PDL wait: the weights depend on no
+            # earlier kernel, so after the wait only o_lat and g (L2 hits) stand between the decode and the output
+            frags = []
+            for kk in cutlass.range_constexpr(KSTEPS):
+                kw = warp * (KQ // 2) + 8 * kk + t        # 32-bit word of k = warp * 128 + 16 kk + 2 t
+                frags.append([w32[h, r0 + g, kw], w32[h, r0 + g + 8, kw], w32[h, r0 + g, kw + 4],
+                              w32[h, r0 + g + 8, kw + 4]])
+
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
 
             toks = [cutlass.min(Int32(8 * j) + g, m_tok - 1) for j in range(nt)]   # rows past M: clamped, unused
             for kk in cutlass.range_constexpr(KSTEPS):
-                kw = warp * (KQ // 2) + 8 * kk + t        # 32-bit word of k = warp * 128 + 16 kk + 2 t
-                a = [w32[h, r0 + g, kw], w32[h, r0 + g + 8, kw], w32[h, r0 + g, kw + 4],
-                     w32[h, r0 + g + 8, kw + 4]]
+                kw = warp * (KQ // 2) + 8 * kk + t
+                a = frags[kk]
                 for j in cutlass.range_constexpr(nt):
                     mma(acc, 4 * j, a, o32[toks[j], h, kw], o32[toks[j], h, kw + 4])
 
@@ -181,6 +188,16 @@ def _build_combine(nt: int):
             sO32 = cute.recast_tensor(sO, Int32)            # (rows, OSTR / 2)
             w32 = cute.recast_tensor(mW, Int32)             # (H, 128, 256)
 
+            # the W_UV fragments of the warp's rows and this slice's columns (32 registers a lane) load before the
+            # PDL wait: they depend on no earlier kernel
+            frags = []
+            for kk in cutlass.range_constexpr(CSTEPS):
+                kw = sl * (KS // 2) + 8 * kk + t            # 32-bit word of k = 64 sl + 16 kk + 2 t
+                for mt in cutlass.range_constexpr(2):
+                    rb = warp * CROWS + 16 * mt
+                    frags.append([w32[h, rb + g, kw], w32[h, rb + g + 8, kw], w32[h, rb + g, kw + 4],
+                                  w32[h, rb + g + 8, kw + 4]])
+
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -239,11 +256,9 @@ def _build_combine(nt: int):
             acc = cute.make_rmem_tensor(cute.make_layout(2 * nt * 4), Float32)
             acc.fill(0.0)
             for kk in cutlass.range_constexpr(CSTEPS):
-                kw = sl * (KS // 2) + 8 * kk + t            # 32-bit word of k = 64 sl + 16 kk + 2 t
-                kl = 8 * kk + t                             # the same word within the slice
+                kl = 8 * kk + t                             # word 64 sl + 16 kk + 2 t of k, within the slice
                 for mt in cutlass.range_constexpr(2):
-                    rb = warp * CROWS + 16 * mt
-                    a = [w32[h, rb + g, kw], w32[h, rb + g + 8, kw], w32[h, rb + g, kw + 4], w32[h, rb + g + 8, kw + 4]]
+                    a = frags[2 * kk + mt]
                     for j in cutlass.range_constexpr(nt):
                         mma(acc, 4 * (mt * nt + j), a, sO32[8 * j + g, kl], sO32[8 * j + g, kl + 4])
             # this slice's partial output: rows (g, g + 8) x tokens (8 j + 2 t, + 1) of each tile

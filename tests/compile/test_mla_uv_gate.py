@@ -25,6 +25,13 @@ def test_builds_compile(nt):
     ptx = compiled_ptx(lambda: uv._compile(nt))
     assert ptx.count("mma.sync.aligned.m16n8k16") == uv.KSTEPS * nt
     assert ".local" not in ptx and "griddepcontrol.wait" in ptx
+    # the warp's W_UV fragments (4 words per k-step) are loaded before the PDL wait, nothing else is
+    assert _global_loads_before_wait(ptx) == 4 * uv.KSTEPS
+
+
+def _global_loads_before_wait(ptx: str) -> int:
+    head = ptx.split("griddepcontrol.wait")[0]
+    return sum(1 for line in head.splitlines() if "ld.global" in line)
 
 
 def _args(M=2, H=6):
@@ -64,6 +71,7 @@ def test_combine_builds_compile(nt):
     assert ptx.count("mma.sync.aligned.m16n8k16") == 2 * uv.CSTEPS * nt
     assert ".local" not in ptx and "griddepcontrol.wait" in ptx
     assert ptx.count("atom.global.acq_rel.add") == 1
+    assert _global_loads_before_wait(ptx) == 4 * 2 * uv.CSTEPS        # W_UV's slice fragments only
     runs, run = [], 0
     for line in ptx.splitlines():
         if "ld.global.cg.v4.f32" in line:
