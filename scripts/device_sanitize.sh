@@ -9,6 +9,8 @@
 #   [K3_TOOLS="memcheck racecheck"] [K3_PARTS="k3_rank16 pool mla"] [K3_BATCHES="1"] K3_COMMIT=<sha> \
 #   bash scripts/device_sanitize.sh
 # K3_CALL_S (default 580) bounds the whole call.
+# K3_PDL=0: every kernel launched without programmatic dependent launch (same results, no overlap): a control for
+# a tool that may not follow PDL.
 # K3_SAN_MEMHIST=1: each cell of the launched JSON names the call sites holding GPU memory (torch's allocation
 # history; k3fast.measure.sanitize.held_by).
 set -o pipefail

@@ -83,6 +83,7 @@ def _source_stamp() -> bytes:
         except md.PackageNotFoundError:
             h.update(f"{dist}=?".encode())
     h.update(os.environ.get("CUTE_DSL_ARCH", "").encode())
+    h.update(b"pdl" if PDL else b"no-pdl")
     return h.digest()
 
 
@@ -134,6 +135,10 @@ def fake_stream():
 
 
 TVM_FFI = "--enable-tvm-ffi"
+# K3_PDL=0 launches every kernel without programmatic dependent launch. griddepcontrol.wait then returns at once
+# (the previous grid has completed before the launch), so every result is the same; what changes is only the
+# overlap. A control for tools that may not follow PDL (compute-sanitizer's racecheck, scripts/device_sanitize.sh).
+PDL = os.environ.get("K3_PDL", "1") != "0"
 SMEM_PER_CTA_MAX = 227 * 1024      # sm_90's largest dynamic shared memory per CTA (232,448 B)
 # sm_90 splits each SM's 256 KB of L1 / shared memory in these steps (KB of shared memory); the driver takes the
 # smallest step that holds the resident CTAs' shared memory plus 1 KB reserved per CTA, and the rest is L1. The L1

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 
-from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_gemm_operands, fake_stream,
+from ._dsl import (PDL, SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_gemm_operands, fake_stream,
                    import_cute)
 
 BM = 64                 # WGMMA's m: the tokens (rows past M are zero-filled by the TMA unit or never stored)
@@ -166,7 +166,7 @@ def _build_class():
             ntiles = (cute.size(mW, mode=[0]) + BN - 1) // BN
             self.kernel(tma_a, tA, tma_b, tB, mW, mY, tiled_mma, a_lay, b_lay, ax_lay).launch(
                 grid=[self.S, ntiles, 1], block=[NTHREADS, 1, 1], cluster=[self.S, 1, 1], stream=stream,
-                use_pdl=True)
+                use_pdl=PDL)
 
         @cute.jit
         def load_w(self, tma_b, tBgB, tBsB, mbar, kt, s):

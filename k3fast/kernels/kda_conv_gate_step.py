@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ._dsl import check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, sigmoid, TVM_FFI
+from ._dsl import PDL, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, sigmoid
 
 HEAD_DIM = 128
 MAX_T = 8
@@ -365,7 +365,7 @@ def _build(heads: int, head_dim: int, T: int, nsplit: int, lower_bound: float, e
             nb = cute.size(mSlots, mode=[0])
             self.kernel(mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
                         mY).launch(grid=[NS, H, nb], block=[NTH, 1, 1], cluster=[NS, 1, 1],
-                                   stream=stream, use_pdl=True)
+                                   stream=stream, use_pdl=PDL)
 
         @cute.kernel
         def kernel(self, mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots, mY):
@@ -528,7 +528,7 @@ def _build_head(heads: int, head_dim: int, T: int, lower_bound: float, eps: floa
                      mY, stream):
             nb = cute.size(mSlots, mode=[0])
             self.kernel(mProj, mWfb, mConvW, mALog, mDtBias, mONorm, mConvState, mRecState, mSlots,
-                        mY).launch(grid=[1, H, nb], block=[NTH, 1, 1], stream=stream, use_pdl=True,
+                        mY).launch(grid=[1, H, nb], block=[NTH, 1, 1], stream=stream, use_pdl=PDL,
                                    **_head_occupancy(T))
 
         @cute.kernel

@@ -52,7 +52,7 @@ which waits for this grid to finish). One workspace per device, stream-ordered (
 import dataclasses
 import math
 
-from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, mma_m16n8k16
+from ._dsl import PDL, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, mma_m16n8k16
 
 PAGE = 64                 # cache rows per page (vLLM's block size for this layout)
 DQK = 576                 # cache row: c_kv (512) | k_pe (64)
@@ -197,7 +197,7 @@ def _build(hn: int, append: bool, defer: bool = False):
             n_hg = (heads + (hn - 1)) // hn
             self.kernel(mQ, mC, mBT, mLen, mO, mWO, mWML, mCnt, mZ, mLn, heads, splits, pps, scale_log2, zcol,
                         eps).launch(
-                grid=[splits, n_hg, n_req], block=[THREADS, 1, 1], smem=SMEM, stream=stream, use_pdl=True)
+                grid=[splits, n_hg, n_req], block=[THREADS, 1, 1], smem=SMEM, stream=stream, use_pdl=PDL)
 
         @cute.jit
         def load_chunk(self, mC, sk_base, buf, page, first, rows, new_row, tid):

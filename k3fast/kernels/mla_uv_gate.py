@@ -26,7 +26,7 @@ Contracts: o_lat [M, H, 512] bf16 contiguous, w_uv [H, 128, 512] bf16 contiguous
 g: columns [g_col, g_col + H * 128) of a bf16 [M, W] tensor, out [M, H * 128] bf16; 1 <= M <= 64. Launched with
 PDL: only W_UV (a weight, written by no kernel) is read before griddepcontrol.wait.
 """
-from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, mma_m16n8k16
+from ._dsl import PDL, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, mma_m16n8k16
 from .mla_latent_decode import LANE_SPLITS, SPLITS_MAX, UV_SLICES, LatentPartials, combine_weights
 
 DV = 512                 # o_lat width (kv_lora_rank)
@@ -75,7 +75,7 @@ def _build(nt: int, combine: bool = False):
             heads = cute.size(mW, mode=[0])
             self.kernel(mO, mW, mG, mY, g_col).launch(
                 grid=[heads * (VH // ROWS), 1, 1], block=[THREADS, 1, 1], smem=smem_bytes, stream=stream,
-                use_pdl=True)
+                use_pdl=PDL)
 
         @cute.kernel
         def kernel(self, mO, mW, mG, mY, g_col: Int32):
@@ -161,7 +161,7 @@ def _build_combine(nt: int):
             heads = cute.size(mW, mode=[0])
             self.kernel(mW, mG, mY, g_col, mP, mML, mS, mC, splits, hn).launch(
                 grid=[heads * UV_SLICES, 1, 1], block=[THREADS, 1, 1], smem=smem_bytes, stream=stream,
-                use_pdl=True)
+                use_pdl=PDL)
 
         @cute.kernel
         def kernel(self, mW, mG, mY, g_col: Int32, mP, mML, mS, mC, splits: Int32, hn: Int32):

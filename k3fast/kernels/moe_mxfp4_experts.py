@@ -85,7 +85,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
+from ._dsl import (PDL, SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
                    l1_kb, weight_load_atom)
 
 E2M1_MAG = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -778,7 +778,7 @@ def _build_kernel_class():
             c = self.cfg
             self.kernel(mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut).launch(
                 grid=[c.Q * c.C, 1, 1], block=[c.threads, 1, 1], cluster=[c.C, 1, 1],
-                smem=self.smem_bytes, stream=stream, use_pdl=True)
+                smem=self.smem_bytes, stream=stream, use_pdl=PDL)
 
         @cute.kernel
         def kernel(self, mZ, mIds, mTw, mW13q, mW13s, mW2q, mW2s, mY, mYb, mCnt, mOut):

@@ -34,7 +34,7 @@ version table.
 import math
 from typing import Iterable
 
-from ._dsl import check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, TVM_FFI
+from ._dsl import PDL, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute
 
 HIDDEN = 7168          # d
 LATENT = 3584          # dL = routed_expert_hidden_size
@@ -114,7 +114,7 @@ def _kernel_class():
                      eps: Float32, stream):
             self.kernel(mX1, mW1, mWn, mX2, mW2, mOut, eps).launch(
                 grid=[self.n_rows // (16 * self.wr), 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
-                stream=stream, use_pdl=True, **self.occupancy)
+                stream=stream, use_pdl=PDL, **self.occupancy)
 
         # -- one register stage of weight fragments (no ring): U chunks x rows (g, g+8), 16 B each
         @cute.jit

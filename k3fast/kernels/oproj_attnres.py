@@ -71,7 +71,7 @@ Contracts
 import math
 from typing import Iterable
 
-from ._dsl import TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, weight_load_atom
+from ._dsl import PDL, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute, weight_load_atom
 
 D = 7168                 # hidden size
 ROWS = 64                # o_proj output rows per GEMV CTA
@@ -146,7 +146,7 @@ def _build(kp: int, n_blocks: int, tg: int):
             m_tok = cute.size(mY, mode=[0])
             self.kernel(mY, mW, mBlk, mP, mU, mWp, mPo, mX, mCnt, boundary, eps).launch(
                 grid=[G + m_tok, 1, 1], block=[THREADS, 1, 1], smem=smem_bytes, stream=stream,
-                use_pdl=True)
+                use_pdl=PDL)
 
         # ------------------------------------------------------------------ helpers
         @cute.jit

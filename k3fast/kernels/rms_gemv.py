@@ -24,7 +24,7 @@ activations only after it. Deterministic: fixed reduction orders, no atomics, no
 """
 
 
-from ._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
+from ._dsl import (PDL, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
                    st_shared_cluster_f32, weight_load_atom)
 
 NUM_SMS = 132
@@ -294,7 +294,7 @@ def _build_kernels():
         @cute.jit
         def __call__(self, mW, mY, mBlocks, mP, mD, mPout, mU, mWln, grid_x: Int32, stream):
             self.kernel(mW, mY, mBlocks, mP, mD, mPout, mU, mWln).launch(
-                grid=[grid_x, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=True)
+                grid=[grid_x, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=PDL)
 
         @cute.kernel
         def kernel(self, mW, mY, mBlocks, mP, mD, mPout, mU, mWln):
@@ -418,11 +418,11 @@ def _build_kernels():
             M = cute.size(mP, mode=[0])
             if cutlass.const_expr(self.cl == 1):
                 self.kernel(mBlocks, mP, mD, mPout, mU, mWln, mX).launch(
-                    grid=[M, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=True)
+                    grid=[M, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=PDL)
             else:
                 self.kernel(mBlocks, mP, mD, mPout, mU, mWln, mX).launch(
                     grid=[self.cl, M, 1], block=[self.nthreads, 1, 1], cluster=[self.cl, 1, 1], stream=stream,
-                    use_pdl=True)
+                    use_pdl=PDL)
 
         @cute.kernel
         def kernel(self, mBlocks, mP, mD, mPout, mU, mWln, mX):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from ._dsl import (SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_gemm_operands, fake_stream,
+from ._dsl import (PDL, SMEM_PER_CTA_MAX, TVM_FFI, check_tensor, compile_cached, fake_gemm_operands, fake_stream,
                    fake_tensor, gemv_operands, import_cute)
 
 NUM_SMS = 132
@@ -111,7 +111,7 @@ def _build_kernel_class():
             N = cute.size(mW, mode=[0])
             grid = cutlass.min(N // RPC, NUM_SMS)
             self.kernel(mW, mY, mBlocks, mP, mD, mPout, mU, mWln).launch(
-                grid=[grid, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=True,
+                grid=[grid, 1, 1], block=[self.nthreads, 1, 1], stream=stream, use_pdl=PDL,
                 preferred_smem_carveout=100)
 
         @cute.kernel
@@ -310,7 +310,7 @@ def _build_mma_class():
         def __call__(self, mX, mW, mY, stream):
             T = cute.size(mW, mode=[0]) // 16
             self.kernel(mX, mW, mY).launch(grid=[cutlass.min(T, NUM_SMS), 1, 1], block=[self.nthreads, 1, 1],
-                                           stream=stream, use_pdl=True, preferred_smem_carveout=100)
+                                           stream=stream, use_pdl=PDL, preferred_smem_carveout=100)
 
         @cute.kernel
         def kernel(self, mX, mW, mY):

@@ -40,7 +40,7 @@ Contracts of the fused kernel
 
 import math
 
-from k3fast.kernels._dsl import (TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
+from k3fast.kernels._dsl import (PDL, TVM_FFI, check_tensor, compile_cached, fake_stream, fake_tensor, import_cute,
                                  sigmoid, situ_glu, weight_load_atom)
 
 HIDDEN = 7168
@@ -228,7 +228,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, shared
         def __call__(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, mH, scaling: Float32, stream):
             w_atom = weight_load_atom(BFloat16)
             self.kernel(mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, mH, scaling, w_atom).launch(
-                grid=[(N + 2 * IS) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True)
+                grid=[(N + 2 * IS) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=PDL)
 
         @cute.kernel
         def kernel(self, mX, mW, mBias, mZ, mIds, mWt, mWs, mCnt, mH, scaling: Float32, w_atom: cute.CopyAtom):
@@ -372,7 +372,7 @@ def _build(mb: int, n_experts: int, latent: int, hidden: int, top_k: int, shared
         @cute.jit
         def __call__(self, mY, mBias, mZ, mIds, mWt, mH, scaling: Float32, grid_x: Int32, stream):
             self.kernel(mY, mBias, mZ, mIds, mWt, mH, scaling).launch(
-                grid=[grid_x, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True)
+                grid=[grid_x, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=PDL)
 
         @cute.kernel
         def kernel(self, mY, mBias, mZ, mIds, mWt, mH, scaling: Float32):

@@ -118,3 +118,19 @@ def test_precompile_script_fills_a_folder_the_layer_then_loads(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert len([f for f in os.listdir(out) if f.endswith(".o")]) == n        # nothing new: every key was loaded
+
+
+def test_pdl_off_compiles_and_keys_apart():
+    """K3_PDL=0 (the sanitizer's control without programmatic dependent launch) is read once per process, builds
+    the kernels, and stamps the cache apart from the PDL builds, so neither process loads the other's objects."""
+    code = ("from k3fast.kernels import _dsl, mla_uv_gate; mla_uv_gate._compile(1); "
+            "print(_dsl.PDL, _dsl._source_stamp().hex())")
+    out = {}
+    for pdl in ("1", "0"):
+        env = dict(os.environ, K3_PDL=pdl, CUTE_DSL_ARCH="sm_90a")
+        env.pop("K3_KERNEL_CACHE", None)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[pdl] = r.stdout.split()[-2:]
+    assert out["1"][0] == "True" and out["0"][0] == "False"
+    assert out["1"][1] != out["0"][1]
