@@ -81,17 +81,23 @@ def launch_set(parts=PARTS, batches=BATCHES, log=print, out: str | None = None) 
 
 def held_by(snapshot: dict, top: int = 8) -> list[dict]:
     """The live blocks of a ``torch.cuda.memory._snapshot()`` grouped by the innermost frame of this repository
-    (k3fast / k3ref) that allocated them, largest first: [{"site": "file:line name", "gb": .., "blocks": n}]."""
+    (k3fast / k3ref) that allocated them, largest first: [{"site": "file:line name", "gb": .., "blocks": n}]. A
+    block freed by its tensor but still waiting on a stream's event ("active_pending_free") counts apart, its site
+    marked "(pending free)": which of the two holds the memory says whether tensors outlive their use or the
+    allocator's frees wait."""
     sites: dict[str, list] = {}
     for seg in snapshot.get("segments", []):
         for b in seg.get("blocks", []):
-            if b.get("state") != "active_allocated":
+            state = b.get("state")
+            if state not in ("active_allocated", "active_pending_free"):
                 continue
             frames = b.get("frames") or []
             ours = [f for f in frames if re.search(r"k3(fast|ref)[/\\]", f.get("filename", ""))]
             f = ours[0] if ours else (frames[0] if frames else {})
             name = re.sub(r".*[/\\](?=k3(fast|ref)[/\\])", "", f.get("filename", "?"))
             site = f"{name}:{f.get('line', '?')} {f.get('name', '?')}" if f else "unrecorded"
+            if state == "active_pending_free":
+                site += " (pending free)"
             acc = sites.setdefault(site, [0, 0])
             acc[0] += b.get("requested_size", b.get("size", 0))
             acc[1] += 1

@@ -185,10 +185,15 @@ def test_held_by_groups_live_blocks_by_our_innermost_frame():
                      "frames": frames(draw)}]},
         {"blocks": [{"size": 1 << 30, "requested_size": 1 << 30, "state": "active_allocated",
                      "frames": frames(relay)},
-                    {"size": 1 << 20, "requested_size": 1 << 20, "state": "active_allocated", "frames": []}]}]}
+                    {"size": 1 << 20, "requested_size": 1 << 20, "state": "active_allocated", "frames": []},
+                    {"size": 1 << 28, "requested_size": 1 << 28, "state": "active_pending_free",
+                     "frames": frames(relay)}]}]}
     rows = held_by(snap)
-    # the freed (inactive) block is not held; torch's own frame gives way to the repository's innermost one
+    # the freed (inactive) block is not held; torch's own frame gives way to the repository's innermost one; a
+    # block whose free waits on an event is held apart
     assert rows[0] == {"site": "k3fast/kernels/moe_mxfp4_experts.py:300 prepare_mxfp4_experts", "gb": 4.0, "blocks": 2}
     assert rows[1] == {"site": "k3ref/weights.py:50 random_layer", "gb": 0.5, "blocks": 1}
-    assert rows[2]["site"] == "unrecorded" and rows[2]["blocks"] == 1
+    assert rows[2] == {"site": "k3fast/kernels/moe_mxfp4_experts.py:300 prepare_mxfp4_experts (pending free)",
+                       "gb": 0.25, "blocks": 1}
+    assert rows[3]["site"] == "unrecorded" and rows[3]["blocks"] == 1
     assert held_by(snap, top=1) == rows[:1]
