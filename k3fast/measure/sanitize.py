@@ -57,7 +57,7 @@ def launch_set(parts=PARTS, batches=BATCHES, log=print, out: str | None = None) 
                            "complete": complete, "wall_s": round(time.perf_counter() - t0, 1)}, f, indent=1)
 
     # K3_SAN_MEMHIST=1: PyTorch records where each live block was allocated, and every cell says which call sites
-    # hold the memory (under the tools the held memory grows far past the bare run's: which allocation grows)
+    # hold the memory (under the tools a width part holds far more than its layer's tensors: this names what)
     memhist = os.environ.get("K3_SAN_MEMHIST") == "1"
     if memhist:
         torch.cuda.memory._record_memory_history(max_entries=200000)
