@@ -119,19 +119,25 @@ def smem_bytes(hn: int) -> int:
 LANE_SPLITS = -(-SPLITS_MAX // 32)    # the combine's splits per lane when a warp weighs one head row
 
 
-def combine_weights(wml, row0, row_step, splits, lane):
+def combine_weights(wml, row0, row_step, splits, lane, group: int = 32):
     """Kernel code (a warp per head row, every lane): the combine's weights of one head row, this lane's share.
     Returns a register tensor of LANE_SPLITS fp32 values, value i the weight of split lane + 32 i:
     w_s = 2^(m_s - M) / sum_s' 2^(m_s' - M) l_s' with M the largest m_s of the splits with l_s > 0; 0 for a split with
     no page (l_s = 0) and past the last split; all 0 for a row no split saw (a padded request). ``wml``: the (m, l)
     workspace's fp32 iterator, two values per row; split s of this head row is row ``row0 + s * row_step``. Each
     lane's (m, l) are loaded together (an index past the last split reads the last one's and is masked), so the
-    weights cost one L2 round trip and two warp reductions. Plain Python loops: they unroll as the kernel is traced."""
+    weights cost one L2 round trip and two warp reductions. Plain Python loops: they unroll as the kernel is traced.
+
+    ``group`` < 32 (a power of two, splits <= group): an aligned group of that many lanes weighs one row, ``lane``
+    the lane's index in its group, one value (split ``lane``): 32 / group rows per warp at once. Its butterflies are
+    the last log2(group) steps of the whole warp's, whose earlier steps only add the exact zeros (or -inf) that the
+    lanes past the last split hold, so the weights are the same bits as the whole warp's."""
     cutlass, cute = import_cute()
     from cutlass import Float32
-    mr = cute.make_rmem_tensor(cute.make_layout(LANE_SPLITS), Float32)
-    lr = cute.make_rmem_tensor(cute.make_layout(LANE_SPLITS), Float32)
-    for i in range(LANE_SPLITS):
+    n = LANE_SPLITS if group == 32 else 1
+    mr = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+    lr = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+    for i in range(n):
         s2 = lane + 32 * i
         row = row0 + cutlass.min(s2, splits - 1) * row_step
         ms = cute.arch.load(wml + row * 2, Float32, cop="cg")
@@ -139,17 +145,17 @@ def combine_weights(wml, row0, row_step, splits, lane):
         mr[i] = ms
         lr[i] = Float32(cutlass.select_(s2 < splits, ls, Float32(0.0)))
     mx = Float32(float("-inf"))
-    for i in range(LANE_SPLITS):
+    for i in range(n):
         mx = Float32(cutlass.select_(lr[i] > Float32(0.0), cute.arch.fmax(mx, mr[i]), mx))
-    mx = cute.arch.warp_reduction_max(mx)
+    mx = cute.arch.warp_reduction_max(mx, threads_in_group=group)
     m_use = Float32(cutlass.select_(mx == Float32(float("-inf")), Float32(0.0), mx))
     den = Float32(0.0)
-    for i in range(LANE_SPLITS):
+    for i in range(n):
         mr[i] = Float32(cutlass.select_(lr[i] > Float32(0.0), cute.math.exp2(mr[i] - m_use), Float32(0.0)))
         den = den + mr[i] * lr[i]
-    den = cute.arch.warp_reduction_sum(den)
+    den = cute.arch.warp_reduction_sum(den, threads_in_group=group)
     inv = Float32(cutlass.select_(den > Float32(0.0), Float32(1.0) / den, Float32(0.0)))
-    for i in range(LANE_SPLITS):
+    for i in range(n):
         mr[i] = mr[i] * inv
     return mr
 

@@ -47,6 +47,8 @@ BSTR = KS + 4            # smem pitch (fp32) of the staged items
 OSTR = KS + 8            # smem pitch (bf16) of the combined slice: 36 words, conflict-free B fragments
 CSTEPS = KS // 16        # k16 steps over a slice
 CROWS = VH // WARPS      # W_UV rows per warp (two MMA M tiles)
+WEIGHT_GROUPS = (2, 4, 8, 16)   # lanes per token when a group weighs a token's splits (splits <= the group)
+WEIGHT_GROUPS_BELOW = (0,) + WEIGHT_GROUPS[:-1]
 
 
 def compile_key(m: int, combine: bool = False) -> tuple:
@@ -201,12 +203,29 @@ def _build_combine(nt: int):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
 
-            # the decode's weights of this head's splits, a warp per token, and the running sums zeroed
-            for m in cutlass.range(warp, m_tok, WARPS):
-                wr = combine_weights(mML.iterator, ((m * n_hg + hg) * splits) * hn + rh, hn, splits, lane)
-                for i in cutlass.range_constexpr(LANE_SPLITS):
-                    if lane + 32 * i < splits:
-                        sWt[m, lane + 32 * i] = wr[i]
+            # the decode's weights of this head's splits, and the running sums zeroed. A token's weights take one
+            # L2 round trip and two butterflies: a warp per token above 16 splits (batch 1-4), else an aligned group
+            # of G >= splits lanes per token, 32 / G tokens per warp at once (same bits, combine_weights): with one
+            # wave of splits every batch from 8 up then weighs its tokens in one round, where a warp per token ran
+            # 16 rounds in series at batch 64
+            if splits > WEIGHT_GROUPS[-1]:
+                for m in cutlass.range(warp, m_tok, WARPS):
+                    wr = combine_weights(mML.iterator, ((m * n_hg + hg) * splits) * hn + rh, hn, splits, lane)
+                    for i in cutlass.range_constexpr(LANE_SPLITS):
+                        if lane + 32 * i < splits:
+                            sWt[m, lane + 32 * i] = wr[i]
+            for gi in cutlass.range_constexpr(len(WEIGHT_GROUPS)):
+                G = WEIGHT_GROUPS[gi]
+                if splits > WEIGHT_GROUPS_BELOW[gi] and splits <= G:
+                    tpw = 32 // G
+                    gl = lane % G
+                    for m0 in cutlass.range(warp * tpw, m_tok, WARPS * tpw):
+                        mg = m0 + lane // G
+                        m = cutlass.min(mg, m_tok - 1)      # every lane joins the butterflies; rows past M unused
+                        wr = combine_weights(mML.iterator, ((m * n_hg + hg) * splits) * hn + rh, hn, splits, gl,
+                                             group=G)
+                        if mg < m_tok and gl < splits:
+                            sWt[m, gl] = wr[0]
             for idx in cutlass.range(tid, m_tok * KS, THREADS):
                 sAcc[idx // KS, idx % KS] = Float32(0.0)
             cute.arch.sync_threads()

@@ -1,5 +1,9 @@
 """CPU-only checks of k3fast.kernels.mla_uv_gate: every token-group build compiles for sm_90a with one MMA per k-step
 and token tile and no local memory; the host entry point refuses bad inputs by name."""
+import collections
+import re
+
+import numpy as np
 import pytest
 from ptx_cache import keep_ptx_fixture, needs_dsl
 import torch
@@ -72,6 +76,13 @@ def test_combine_builds_compile(nt):
     assert ".local" not in ptx and "griddepcontrol.wait" in ptx
     assert ptx.count("atom.global.acq_rel.add") == 1
     assert _global_loads_before_wait(ptx) == 4 * 2 * uv.CSTEPS        # W_UV's slice fragments only
+    # the weights' two butterflies (max, sum): the whole warp's five steps, and each lane group's last log2(G)
+    offsets = collections.Counter(int(o) for o in re.findall(r"shfl\.sync\.bfly\.b32\s+[^,]+,\s*[^,]+,\s*(\d+)", ptx))
+    want = collections.Counter()
+    for g in (32,) + uv.WEIGHT_GROUPS:
+        for k in range(g.bit_length() - 1):
+            want[1 << k] += 2
+    assert offsets == want
     runs, run = [], 0
     for line in ptx.splitlines():
         if "ld.global.cg.v4.f32" in line:
@@ -109,3 +120,29 @@ def test_combine_arguments_refused_by_name():
     kw["o_lat"] = _partials()
     with pytest.raises(ValueError, match="CUDA"):
         uv.mla_uv_gate(**kw, g_col=2112)
+
+
+def _butterfly(v, group):
+    """A warp's shuffle-xor sum over aligned groups of ``group`` lanes, in the kernel's operand order."""
+    v = v.copy()
+    off = group // 2
+    while off:
+        v = (v + v[np.arange(32) ^ off]).astype(np.float32)
+        off //= 2
+    return v
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 8, 13, 16])
+def test_a_lane_group_sums_the_same_bits_as_the_whole_warp(splits):
+    """The combine build weighs a token's splits with G >= splits lanes (combine_weights' group): its butterfly is
+    the last log2(G) steps of the whole warp's, whose first steps only add the zeros held past the last split."""
+    rng = np.random.default_rng(splits)
+    g = next(g for g in uv.WEIGHT_GROUPS if g >= splits)
+    for _ in range(50):
+        x = (rng.random(splits, dtype=np.float32) * np.float32(2.0) ** rng.integers(-30, 30, splits)).astype(np.float32)
+        warp = np.zeros(32, np.float32)
+        warp[:splits] = x
+        tokens = np.zeros(32, np.float32)            # 32 / g tokens, each its own x: only the first group compared
+        tokens[:splits] = x
+        tokens[g:] = rng.random(32 - g, dtype=np.float32)
+        assert _butterfly(warp, 32)[0].tobytes() == _butterfly(tokens, g)[0].tobytes()
