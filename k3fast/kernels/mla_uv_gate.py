@@ -206,8 +206,8 @@ def _build_combine(nt: int):
             # the decode's weights of this head's splits, and the running sums zeroed. A token's weights take one
             # L2 round trip and two butterflies: a warp per token above 16 splits (batch 1-4), else an aligned group
             # of G >= splits lanes per token, 32 / G tokens per warp at once (same bits, combine_weights): with one
-            # wave of splits every batch from 8 up then weighs its tokens in one round, where a warp per token ran
-            # 16 rounds in series at batch 64
+            # wave of splits every batch from 8 up then weighs its tokens in one round (a warp per token would run
+            # 16 rounds in series at batch 64)
             if splits > WEIGHT_GROUPS[-1]:
                 for m in cutlass.range(warp, m_tok, WARPS):
                     wr = combine_weights(mML.iterator, ((m * n_hg + hg) * splits) * hn + rh, hn, splits, lane)
