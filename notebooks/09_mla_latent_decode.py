@@ -336,10 +336,16 @@ assert cell[("k3_rank16", 64, 32768, "fast-mla", "attn")]["replay_us_median"] > 
 # H100 at rank16 (key `mla_ring_h100`). Ratios are within this run; the H200 run above is another card.
 
 # %%
-ring = {(r["batch"], r["context"], r["impl"], r["part"]): r
-        for r in load_records(os.path.join(nbtools.ROOT, nbtools.INDEX["mla_ring_h100"])) if r["layer_kind"] == "mla_moe"}
-first = next(iter(ring.values()))
-print(f"{first['gpu']}, commit {first['commit']}, copy {first['copy_tbps']:.2f} TB/s; attention half, µs")
+def mla_run(key):
+    """The MLA+MoE records of one run (traces/index.json key) by (batch, context, impl, part); prints the run's card."""
+    cells = {(r["batch"], r["context"], r["impl"], r["part"]): r
+             for r in load_records(os.path.join(nbtools.ROOT, nbtools.INDEX[key])) if r["layer_kind"] == "mla_moe"}
+    first = next(iter(cells.values()))
+    print(f"{first['gpu']}, commit {first['commit']}, copy {first['copy_tbps']:.2f} TB/s; attention half, µs")
+    return cells
+
+
+ring = mla_run("mla_ring_h100")
 print("                       floor    stock   v2.4 (page2)   half5    stock/v2.4")
 for batch in (1, 8, 64):
     for ctx in (1024, 8192, 32768):
@@ -380,10 +386,7 @@ assert b8 < 1.1
 # `mla_uv_gate`, then its v2 build). Both fused halves passed their GPU tests in the same session (`gpu_uvc_h100`).
 
 # %%
-uvc = {(r["batch"], r["context"], r["impl"], r["part"]): r
-       for r in load_records(os.path.join(nbtools.ROOT, nbtools.INDEX["mla_uvc_h100"])) if r["layer_kind"] == "mla_moe"}
-first = next(iter(uvc.values()))
-print(f"{first['gpu']}, commit {first['commit']}, copy {first['copy_tbps']:.2f} TB/s; attention half, µs")
+uvc = mla_run("mla_uvc_h100")
 print("                       floor    stock   v2.6 (in kernel)   v3 (in uv_gate)   stock/v2.6  stock/v3")
 for batch in (1, 8, 64):
     for ctx in (1024, 8192, 32768):
